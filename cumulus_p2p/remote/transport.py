@@ -1,0 +1,184 @@
+"""Frame transports for the op stream: one small interface, several channels.
+
+A *frame* is one length-prefixed message: a 4-byte big-endian length, then that many
+bytes. The op-stream codec (``protocol.py``) decides what the bytes mean; a transport
+only moves whole frames and enforces the size limit before allocating.
+
+Two sides, two styles:
+
+- The consumer side runs inside the user's PyTorch thread, which is synchronous, so
+  ``FrameChannel`` is blocking (``socket``).
+- The executor side is a trio program, so ``AsyncFrameChannel`` is async.
+
+The plain TCP channels here are the loopback/trusted-LAN path. The secure channel
+(authenticated, encrypted, resumable) implements the same two interfaces, so the
+client session and the executor never know which one they hold.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Sequence
+from typing import Protocol
+
+import trio
+
+from .._errors import FrameTooLargeError, SessionClosedError
+
+Buffer = bytes | bytearray | memoryview
+
+_LENGTH = struct.Struct(">I")
+#: Default upper bound on one frame. Large uploads are split by the client.
+DEFAULT_MAX_FRAME = 256 * 1024 * 1024
+
+
+class FrameChannel(Protocol):
+    """Blocking, ordered, reliable frames (the consumer side)."""
+
+    max_frame: int
+
+    def send_frame(self, parts: Sequence[Buffer]) -> None:
+        """Send one frame made of ``parts`` concatenated (scatter-gather, no join)."""
+
+    def recv_frame(self) -> bytearray:
+        """Block until one whole frame arrives. Raises ``SessionClosedError`` on EOF."""
+
+    def close(self) -> None:
+        """Close the channel. Idempotent."""
+
+
+class AsyncFrameChannel(Protocol):
+    """Async, ordered, reliable frames (the executor side, under trio)."""
+
+    max_frame: int
+
+    async def send_frame(self, parts: Sequence[Buffer]) -> None:
+        """Send one frame made of ``parts`` concatenated."""
+
+    async def receive_frame(self) -> bytearray:
+        """Wait for one whole frame. Raises ``SessionClosedError`` on EOF."""
+
+    async def aclose(self) -> None:
+        """Close the channel. Idempotent."""
+
+
+def frame_header(parts: Sequence[Buffer], max_frame: int) -> bytes:
+    """Return the length prefix for a frame made of ``parts``, checking the limit."""
+    total = sum(len(p) if not isinstance(p, memoryview) else p.nbytes for p in parts)
+    if total > max_frame:
+        raise FrameTooLargeError(f"frame of {total} bytes exceeds the limit of {max_frame}")
+    return _LENGTH.pack(total)
+
+
+def parse_length(prefix: Buffer, max_frame: int) -> int:
+    """Decode a length prefix, refusing lengths above ``max_frame`` before any allocation."""
+    (length,) = _LENGTH.unpack(prefix)
+    if length > max_frame:
+        raise FrameTooLargeError(f"peer announced a {length}-byte frame; limit is {max_frame}")
+    return length
+
+
+class SocketFrameChannel:
+    """A ``FrameChannel`` over a connected blocking TCP socket."""
+
+    def __init__(self, sock: socket.socket, *, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = sock
+        self.max_frame = max_frame
+
+    @classmethod
+    def connect(
+        cls, host: str, port: int, *, timeout: float = 10.0, max_frame: int = DEFAULT_MAX_FRAME
+    ) -> SocketFrameChannel:
+        """Open a TCP connection to an executor at ``host:port``."""
+        sock = socket.create_connection((host, port), timeout=timeout)
+        sock.settimeout(None)
+        return cls(sock, max_frame=max_frame)
+
+    def send_frame(self, parts: Sequence[Buffer]) -> None:
+        views = [memoryview(frame_header(parts, self.max_frame))]
+        views.extend(memoryview(p).cast("B") for p in parts)
+        try:
+            _sendmsg_all(self._sock, views)
+        except OSError as exc:
+            raise SessionClosedError(f"connection to executor lost while sending: {exc}") from exc
+
+    def recv_frame(self) -> bytearray:
+        length = parse_length(self._recv_exactly(_LENGTH.size), self.max_frame)
+        return self._recv_exactly(length)
+
+    def _recv_exactly(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            try:
+                k = self._sock.recv_into(view[got:])
+            except OSError as exc:
+                raise SessionClosedError(f"connection to executor lost: {exc}") from exc
+            if k == 0:
+                raise SessionClosedError("executor closed the connection")
+            got += k
+        return buf
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def _sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
+    """``sendmsg`` until every byte of every view is gone (it may send only part)."""
+    while views:
+        sent = sock.sendmsg(views[:512])  # IOV_MAX is 1024 on Linux
+        while sent:
+            head = views[0]
+            if sent >= head.nbytes:
+                sent -= head.nbytes
+                views.pop(0)
+            else:
+                views[0] = head[sent:]
+                sent = 0
+        while views and views[0].nbytes == 0:
+            views.pop(0)
+
+
+class TrioFrameChannel:
+    """An ``AsyncFrameChannel`` over any ``trio.abc.Stream`` (a TCP stream here)."""
+
+    def __init__(self, stream: trio.abc.Stream, *, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        self._stream = stream
+        self._buffer = bytearray()
+        self.max_frame = max_frame
+
+    async def send_frame(self, parts: Sequence[Buffer]) -> None:
+        header = frame_header(parts, self.max_frame)
+        try:
+            # trio streams take one buffer; small frames are joined, large parts go as-is.
+            if len(parts) == 1 or sum(len(p) for p in parts) < 65536:
+                await self._stream.send_all(header + b"".join(parts))
+            else:
+                await self._stream.send_all(header)
+                for part in parts:
+                    await self._stream.send_all(part)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise SessionClosedError(f"client connection lost: {exc}") from exc
+
+    async def receive_frame(self) -> bytearray:
+        length = parse_length(await self._receive_exactly(_LENGTH.size), self.max_frame)
+        return await self._receive_exactly(length)
+
+    async def _receive_exactly(self, n: int) -> bytearray:
+        while len(self._buffer) < n:
+            try:
+                chunk = await self._stream.receive_some(max(65536, n - len(self._buffer)))
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                raise SessionClosedError(f"client connection lost: {exc}") from exc
+            if not chunk:
+                raise SessionClosedError("client closed the connection")
+            self._buffer += chunk
+        out = self._buffer[:n]
+        del self._buffer[:n]
+        return out
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
