@@ -1,0 +1,102 @@
+"""Registers the ``cumulus`` device with torch and provides ``torch.cumulus``.
+
+torch's pure-Python PrivateUse1 backend is renamed ``cumulus``. Ops on existing cumulus
+tensors reach ``RemoteTensor.__torch_dispatch__``; ops that *create* tensors from nothing
+(``torch.empty(..., device="cumulus")`` and everything built on it: ``zeros``, ``randn``,
+``arange``, ``tensor(...)``) have no tensor to dispatch on; their PrivateUse1 kernels sit
+beside ``RemoteTensor`` in ``tensor.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+from .client import CURRENT, current_session
+
+NAME = "cumulus"
+
+
+class CumulusModule:
+    """``torch.cumulus``: what ``torch.cuda`` answers, for the remote device."""
+
+    _pending_seed: int | None = None
+
+    @staticmethod
+    def is_available() -> bool:
+        """True while a session is attached."""
+        return CURRENT.session is not None and not CURRENT.session.closed
+
+    @staticmethod
+    def is_initialized() -> bool:
+        return True
+
+    @classmethod
+    def device_count(cls) -> int:
+        return 1 if cls.is_available() else 0
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def set_device(device) -> None:
+        if torch.device(NAME, device).index not in (0, None):
+            raise ValueError("a cumulus session exposes one device, cumulus:0")
+
+    @staticmethod
+    def get_device_name(device=None) -> str:
+        return f"cumulus ({current_session().info.get('device_name', '?')})"
+
+    @staticmethod
+    def synchronize(device=None) -> None:
+        """Wait for every queued op; raises the first executor error among them."""
+        current_session().synchronize()
+
+    @staticmethod
+    def memory_allocated(device=None) -> int:
+        """Bytes held by live cumulus tensors of this session (counted locally)."""
+        session = CURRENT.session
+        return 0 if session is None else session.bytes_allocated
+
+    @staticmethod
+    def max_memory_allocated(device=None) -> int:
+        session = CURRENT.session
+        return 0 if session is None else session.peak_bytes_allocated
+
+    @classmethod
+    def memory_reserved(cls, device=None) -> int:
+        return cls.memory_allocated(device)
+
+    @staticmethod
+    def mem_get_info(device=None) -> tuple[int, int]:
+        """(free, total) bytes of this session's quota on the executor."""
+        session = current_session()
+        quota = int(session.info.get("quota", 0))
+        return quota - session.bytes_allocated, quota
+
+    @classmethod
+    def manual_seed(cls, seed: int) -> None:
+        """Seed the session's generator on the executor (applied at attach if none yet)."""
+        session = CURRENT.session
+        if session is None or session.closed:
+            cls._pending_seed = int(seed)
+        else:
+            session.seed(int(seed))
+
+    manual_seed_all = manual_seed
+
+    @staticmethod
+    def _is_in_bad_fork() -> bool:
+        return False
+
+    @staticmethod
+    def is_bf16_supported() -> bool:
+        return True
+
+    @staticmethod
+    def get_amp_supported_dtype() -> list[torch.dtype]:
+        return [torch.float16, torch.bfloat16]
+
+
+_setup_privateuseone_for_python_backend(NAME, backend_module=CumulusModule())

@@ -1,0 +1,475 @@
+"""The executor's per-session state machine: a handle table, a quota, and op execution.
+
+Theory of operation
+-------------------
+A session owns a table ``handle -> anchor tensor``: one entry per remote *storage* the
+client has created. Every tensor argument arrives as a ``TensorRef`` naming a handle and a
+layout; it is rebuilt with ``as_strided`` on the anchor's storage after a bounds check, so
+a forged handle or an out-of-bounds view is an error for that op and never a lookup into
+another session. Outputs that need new memory are registered under the handles the client
+chose; outputs that alias inputs need no entry at all.
+
+Ops run one batch at a time. An op that fails poisons its output handles and records the
+*first* error; the error is reported with the next reply and the session carries on. Memory
+is counted per storage and capped by a quota; going over it is an out-of-memory error for
+that op only.
+
+This module does no I/O: the trio shell in ``executor.py`` feeds it decoded batches and
+sends back what it returns. It does run torch ops, on the device it was given.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._errors import RemoteProtocolError
+from .ops import UnknownOpError, resolve_op
+from .protocol import CpuTensorRef, DeviceToken, TensorRef, split_blobs, storage_extent
+
+#: torch's own default CPU seed, so an unseeded session draws what a fresh process draws.
+DEFAULT_SEED = 67280421310721
+MAX_HANDLE = 2**62
+_EMPTY_OPS = {"empty.memory_format", "empty_strided.default", "new_empty.default"}
+
+
+class OpFailed(Exception):  # noqa: N818 - internal carrier, never escapes this module
+    """An op could not run; carries the error to report (type name, message)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class DeviceContext:
+    """What all sessions on one executor share: the device and its RNG.
+
+    Sessions take turns on the device (the executor runs one batch at a time), so each
+    swaps its own generator state in when its batch starts. The swap happens only when
+    the owner changes, so a lone tenant pays nothing.
+    """
+
+    device: torch.device
+    rng_owner: ExecutorSession | None = None
+
+    def generator(self) -> torch.Generator:
+        if self.device.type == "cuda":
+            return torch.cuda.default_generators[self.device.index or 0]
+        return torch.default_generator
+
+    def take_rng(self, session: ExecutorSession) -> None:
+        if self.rng_owner is session:
+            return
+        gen = self.generator()
+        if self.rng_owner is not None:
+            self.rng_owner.rng_state = gen.get_state()
+        if session.rng_state is None:
+            gen.manual_seed(DEFAULT_SEED)
+        else:
+            gen.set_state(session.rng_state)
+        self.rng_owner = session
+
+    def forget(self, session: ExecutorSession) -> None:
+        if self.rng_owner is session:
+            self.rng_owner = None
+
+
+@dataclass
+class Batch:
+    """A decoded ``batch`` request."""
+
+    seq: int
+    ops: list
+    frees: list
+    query: list | None
+    blobs: list[memoryview]
+
+
+@dataclass
+class Reply:
+    """What the shell sends back: ``error`` is ``(type, message, op)`` or None."""
+
+    seq: int
+    error: tuple[str, str, str] | None
+    result: Any = None
+    blobs: list = field(default_factory=list)
+
+
+@dataclass
+class SessionStats:
+    ops: int = 0
+    failed_ops: int = 0
+    bytes_in_use: int = 0
+    peak_bytes: int = 0
+    storages: int = 0
+
+
+class ExecutorSession:
+    """One client's tensors and op stream on an executor."""
+
+    def __init__(self, ctx: DeviceContext, *, quota_bytes: int) -> None:
+        self.ctx = ctx
+        self.device = ctx.device
+        self.quota_bytes = quota_bytes
+        self.rng_state: torch.Tensor | None = None
+        self.stats = SessionStats()
+        self._anchors: dict[int, torch.Tensor] = {}
+        self._capacity: dict[int, int] = {}  # handle -> storage bytes
+        self._poisoned: dict[int, str] = {}  # handle -> why it has no value
+        self._error: tuple[str, str, str] | None = None
+        self._dyn_result: Any = None
+        self.last_seq = 0
+
+    # --- the batch ----------------------------------------------------------------------
+
+    def run_batch(self, batch: Batch) -> Reply | None:
+        """Run every op of ``batch`` in order, apply its frees, answer its query."""
+        self.ctx.take_rng(self)
+        self.last_seq = batch.seq
+        for record in batch.ops:
+            self._run_record(record, batch.blobs)
+        for handle in batch.frees:
+            self._free(handle)
+        if batch.query is None:
+            return None
+        return self._answer(batch.seq, batch.query)
+
+    def _run_record(self, record: Any, blobs: list[memoryview]) -> None:
+        name = record[0] if isinstance(record, list) and record else "?"
+        self._dyn_result = None
+        try:
+            if not (isinstance(record, list) and len(record) == 4 and isinstance(name, str)):
+                raise OpFailed("RemoteProtocolError", "malformed op record")
+            _, args, kwargs, outs = record
+            if name == "@seed":
+                self._seed(args)
+                return
+            self._run_op(name, args, kwargs, outs, blobs)
+            self.stats.ops += 1
+        except OpFailed as exc:
+            self._fail(record, name, exc.kind, str(exc))
+
+    def _run_op(self, name: str, args: Any, kwargs: Any, outs: Any, blobs) -> None:
+        if not isinstance(args, list) or not isinstance(kwargs, dict):
+            raise OpFailed("RemoteProtocolError", "op arguments must be an array and a map")
+        try:
+            op = resolve_op(name)
+        except UnknownOpError as exc:
+            raise OpFailed("UnknownOpError", str(exc)) from None
+        inputs: list[torch.Tensor] = []
+        real_args = [self._materialize(a, blobs, inputs) for a in args]
+        real_kwargs = {k: self._materialize(v, blobs, inputs) for k, v in kwargs.items()}
+        if name.split(".", 2)[1] + "." + name.split(".", 2)[2] in _EMPTY_OPS:
+            self._check_quota(_requested_bytes(op, real_args, real_kwargs))
+        try:
+            result = op(*real_args, **real_kwargs)
+        except torch.OutOfMemoryError as exc:
+            raise OpFailed("OutOfMemoryError", str(exc)) from None
+        except Exception as exc:  # any torch failure is this op's error, not the session's
+            raise OpFailed(type(exc).__name__, str(exc)) from None
+        self._register_outputs(result, outs, inputs)
+
+    def _seed(self, args: Any) -> None:
+        if not (isinstance(args, list) and len(args) == 1 and type(args[0]) is int):
+            raise OpFailed("RemoteProtocolError", "@seed takes one integer")
+        self.ctx.generator().manual_seed(args[0] & (2**64 - 1))
+
+    # --- arguments ----------------------------------------------------------------------
+
+    def _materialize(self, value: Any, blobs: list[memoryview], inputs: list) -> Any:
+        if type(value) is TensorRef:
+            tensor = self.tensor(value)
+            inputs.append(tensor)
+            return tensor
+        if type(value) is list:
+            return [self._materialize(v, blobs, inputs) for v in value]
+        if type(value) is CpuTensorRef:
+            return _inline_tensor(value, blobs)
+        if isinstance(value, DeviceToken):
+            return self.device
+        return value
+
+    def tensor(self, ref: TensorRef) -> torch.Tensor:
+        """Rebuild the tensor ``ref`` names, after checking it stays inside its storage."""
+        anchor = self._anchors.get(ref.handle)
+        if anchor is None:
+            why = self._poisoned.get(ref.handle)
+            if why is not None:
+                raise OpFailed("RuntimeError", f"input is unavailable: {why}")
+            raise OpFailed("InvalidHandleError", f"no tensor with handle {ref.handle} here")
+        if ref.offset < 0 or any(s < 0 for s in ref.sizes) or any(s < 0 for s in ref.strides):
+            raise OpFailed("IndexError", "negative size, stride or offset in a tensor reference")
+        if len(ref.sizes) != len(ref.strides):
+            raise OpFailed("IndexError", "sizes and strides differ in rank")
+        needed = storage_extent(ref.sizes, ref.strides, ref.offset) * ref.dtype.itemsize
+        if needed > self._capacity[ref.handle]:
+            raise OpFailed(
+                "IndexError",
+                f"view of {needed} bytes is out of bounds for a storage of "
+                f"{self._capacity[ref.handle]} bytes",
+            )
+        if ref.dtype == anchor.dtype:
+            return anchor.as_strided(ref.sizes, ref.strides, ref.offset)
+        # A view under another dtype (view(dtype), view_as_real): same bytes, new element type.
+        return torch.empty(0, dtype=ref.dtype, device=self.device).set_(
+            anchor.untyped_storage(), ref.offset, ref.sizes, ref.strides
+        )
+
+    # --- outputs ------------------------------------------------------------------------
+
+    def _register_outputs(self, result: Any, outs: Any, inputs: list[torch.Tensor]) -> None:
+        if isinstance(outs, list) and len(outs) == 2 and outs[0] == "dyn":
+            self._dyn_result = self._register_dynamic(result, outs[1], inputs)
+            return
+        tensors = _flat_tensors(result)
+        if outs is None:
+            return
+        if not isinstance(outs, list) or len(outs) != len(tensors):
+            raise OpFailed(
+                "RemoteProtocolError",
+                f"op produced {len(tensors)} tensors but the client declared {len(outs)}",
+            )
+        added: list[int] = []
+        try:
+            for tensor, spec in zip(tensors, outs, strict=True):
+                if spec is not None:
+                    added.append(self._register_declared(tensor, spec, inputs))
+            self._check_quota(0)
+        except OpFailed as exc:
+            for handle in added:
+                self._free(handle)
+            raise exc
+
+    def _register_declared(self, tensor: torch.Tensor, spec: Any, inputs: list) -> int:
+        if not (isinstance(spec, list) and len(spec) == 4):
+            raise OpFailed(
+                "RemoteProtocolError", "output spec must be [handle, sizes, strides, offset]"
+            )
+        handle, sizes, strides, offset = spec
+        if list(tensor.shape) != sizes:
+            raise OpFailed(
+                "RuntimeError",
+                f"executor produced shape {list(tensor.shape)}, client expected {sizes}",
+            )
+        if (
+            list(tensor.stride()) != strides
+            or tensor.storage_offset() != offset
+            or _aliases(tensor, inputs)
+        ):
+            # Keep the client's picture true: lay the result out exactly as it expects.
+            fresh = (
+                torch.empty_strided(sizes, strides, dtype=tensor.dtype, device=self.device)
+                if offset == 0
+                else _strided_with_offset(sizes, strides, offset, tensor, self.device)
+            )
+            fresh.copy_(tensor)
+            tensor = fresh
+        self._add(handle, tensor)
+        return handle
+
+    def _register_dynamic(self, result: Any, first_handle: Any, inputs: list) -> Any:
+        """Register an op's outputs whose shapes the client could not know; describe them."""
+        if type(first_handle) is not int:
+            raise OpFailed("RemoteProtocolError", "dyn output needs an integer first handle")
+        next_handle = first_handle
+
+        def describe(value: Any) -> Any:
+            nonlocal next_handle
+            if isinstance(value, torch.Tensor):
+                for tensor, ref in self._input_refs(inputs):
+                    if tensor.untyped_storage()._cdata == value.untyped_storage()._cdata:
+                        return TensorRef(
+                            ref,
+                            value.dtype,
+                            value.storage_offset(),
+                            tuple(value.shape),
+                            tuple(value.stride()),
+                        )
+                handle = next_handle
+                next_handle += 1
+                self._add(handle, value)
+                return TensorRef(
+                    handle,
+                    value.dtype,
+                    value.storage_offset(),
+                    tuple(value.shape),
+                    tuple(value.stride()),
+                )
+            if isinstance(value, (list, tuple)):
+                return [describe(v) for v in value]
+            if isinstance(value, (bool, int, float, complex)) or value is None:
+                return value
+            raise OpFailed("TypeError", f"op returned an unsendable {type(value).__name__}")
+
+        described = describe(result)
+        self._check_quota(0)
+        return described
+
+    def _input_refs(self, inputs: list) -> list[tuple[torch.Tensor, int]]:
+        by_storage = {a.untyped_storage()._cdata: h for h, a in self._anchors.items()}
+        return [
+            (t, by_storage[t.untyped_storage()._cdata])
+            for t in inputs
+            if t.untyped_storage()._cdata in by_storage
+        ]
+
+    def _add(self, handle: Any, tensor: torch.Tensor) -> None:
+        if type(handle) is not int or not 0 < handle < MAX_HANDLE:
+            raise OpFailed("InvalidHandleError", f"bad output handle {handle!r}")
+        if handle in self._anchors:
+            raise OpFailed("InvalidHandleError", f"handle {handle} is already in use")
+        nbytes = tensor.untyped_storage().nbytes()
+        self._anchors[handle] = tensor
+        self._capacity[handle] = nbytes
+        self._poisoned.pop(handle, None)
+        self.stats.bytes_in_use += nbytes
+        self.stats.storages += 1
+        self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.bytes_in_use)
+
+    def _free(self, handle: Any) -> None:
+        if type(handle) is not int:
+            return
+        self._poisoned.pop(handle, None)
+        if self._anchors.pop(handle, None) is not None:
+            self.stats.bytes_in_use -= self._capacity.pop(handle)
+            self.stats.storages -= 1
+
+    def _check_quota(self, extra: int) -> None:
+        if self.stats.bytes_in_use + extra > self.quota_bytes:
+            raise OpFailed(
+                "OutOfMemoryError",
+                f"session memory quota exceeded: {self.stats.bytes_in_use + extra} bytes "
+                f"needed, quota is {self.quota_bytes} bytes",
+            )
+
+    def _fail(self, record: Any, name: str, kind: str, message: str) -> None:
+        self.stats.failed_ops += 1
+        outs = record[3] if isinstance(record, list) and len(record) == 4 else None
+        why = f"{name} failed ({kind}: {message})"
+        if isinstance(outs, list):
+            if len(outs) == 2 and outs[0] == "dyn":
+                self._dyn_result = None
+            else:
+                for spec in outs:
+                    if isinstance(spec, list) and spec and type(spec[0]) is int:
+                        if spec[0] not in self._anchors:
+                            self._poisoned[spec[0]] = why
+        if self._error is None:
+            self._error = (kind, message, name)
+
+    # --- queries ------------------------------------------------------------------------
+
+    def _answer(self, seq: int, query: Any) -> Reply:
+        reply = Reply(seq, None)
+        try:
+            kind = query[0] if isinstance(query, list) and query else None
+            if kind == "fetch" and len(query) == 2 and type(query[1]) is TensorRef:
+                reply.blobs = [_tensor_bytes(self.tensor(query[1]))]
+            elif kind == "call":
+                reply.result = self._dyn_result
+            elif kind == "stats":
+                reply.result = self._stats_map()
+            elif kind != "sync":
+                raise OpFailed("RemoteProtocolError", f"unknown query {query!r}")
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except OpFailed as exc:
+            if self._error is None:
+                self._error = (exc.kind, str(exc), "query")
+        reply.error, self._error = self._error, None
+        if reply.error is not None:
+            reply.result, reply.blobs = None, []
+        self._dyn_result = None
+        return reply
+
+    def _stats_map(self) -> dict:
+        s = self.stats
+        return {
+            "ops": s.ops,
+            "failed_ops": s.failed_ops,
+            "bytes_in_use": s.bytes_in_use,
+            "peak_bytes": s.peak_bytes,
+            "storages": s.storages,
+            "quota": self.quota_bytes,
+        }
+
+    def snapshot_storages(self) -> dict[int, torch.Tensor]:
+        """The live anchors by handle (for checkpoints and the host-side cache)."""
+        return dict(self._anchors)
+
+    def close(self) -> None:
+        """Release every tensor of the session."""
+        self._anchors.clear()
+        self._capacity.clear()
+        self._poisoned.clear()
+        self.stats.bytes_in_use = 0
+        self.stats.storages = 0
+        self.ctx.forget(self)
+
+
+def _flat_tensors(result: Any) -> list[torch.Tensor]:
+    if isinstance(result, torch.Tensor):
+        return [result]
+    if isinstance(result, (list, tuple)):
+        return [t for r in result for t in _flat_tensors(r)]
+    return []
+
+
+def _aliases(tensor: torch.Tensor, inputs: list[torch.Tensor]) -> bool:
+    cdata = tensor.untyped_storage()._cdata
+    return any(t.untyped_storage()._cdata == cdata for t in inputs)
+
+
+def _strided_with_offset(sizes, strides, offset, like: torch.Tensor, device) -> torch.Tensor:
+    base = torch.empty(storage_extent(sizes, strides, offset), dtype=like.dtype, device=device)
+    return base.as_strided(sizes, strides, offset)
+
+
+def _inline_tensor(ref: CpuTensorRef, blobs: list[memoryview]) -> torch.Tensor:
+    if ref.blob >= len(blobs):
+        raise OpFailed("RemoteProtocolError", f"inline tensor names missing blob {ref.blob}")
+    if any(s < 0 for s in ref.sizes):
+        raise OpFailed("RemoteProtocolError", "inline tensor with a negative size")
+    blob = blobs[ref.blob]
+    numel = math.prod(ref.sizes)
+    if numel * ref.dtype.itemsize != len(blob):
+        raise OpFailed("RemoteProtocolError", "inline tensor size does not match its bytes")
+    if numel == 0:
+        return torch.empty(ref.sizes, dtype=ref.dtype)
+    return torch.frombuffer(blob, dtype=ref.dtype).reshape(ref.sizes)
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().contiguous().cpu().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def _requested_bytes(op, args: list, kwargs: dict) -> int:
+    """Bytes an ``empty*`` factory will allocate, checked before it runs."""
+    sizes = args[1] if op._schema.name == "aten::new_empty" else args[0]
+    if not isinstance(sizes, list) or not all(type(s) is int for s in sizes):
+        raise OpFailed("TypeError", "size must be a list of integers")
+    if any(s < 0 for s in sizes):
+        raise OpFailed("RuntimeError", "negative dimension in a size")
+    dtype = kwargs.get("dtype") or torch.get_default_dtype()
+    if not isinstance(dtype, torch.dtype):
+        raise OpFailed("TypeError", "dtype must be a dtype")
+    return math.prod(sizes) * dtype.itemsize
+
+
+def parse_batch(header: list, area: memoryview) -> Batch:
+    """Validate a ``batch`` header's shape (not its ops: those fail one by one)."""
+    if len(header) != 6:
+        raise RemoteProtocolError("batch header must have 6 fields")
+    _, seq, ops, frees, query, blob_lengths = header
+    if type(seq) is not int or not isinstance(ops, list) or not isinstance(frees, list):
+        raise RemoteProtocolError("batch needs an integer seq, an op list and a free list")
+    if query is not None and not isinstance(query, list):
+        raise RemoteProtocolError("batch query must be an array or nil")
+    return Batch(seq, ops, frees, query, split_blobs(area, blob_lengths))

@@ -1,0 +1,513 @@
+"""``RemoteTensor``: a tensor whose data lives on an executor, and how its ops are sent.
+
+Theory of operation
+-------------------
+A ``RemoteTensor`` is a wrapper subclass with no local data: dtype, shape and strides are
+real, the storage is a ``RemoteStorage`` (a handle in the session, shared by all views of
+it, freed on the executor when the last view dies).
+
+``__torch_dispatch__`` sees every aten op below autograd. For each op it builds a *plan*
+once per signature (op, argument dtypes/shapes/strides, scalar arguments): it runs the op
+on meta tensors to learn the outputs' metadata and reads the op's schema to learn which
+outputs alias which inputs. Replaying a cached plan costs a dictionary lookup plus the
+output wrappers, which is what keeps the per-op client cost low. Plans come in three kinds:
+
+- *views only*: every output aliases an input (``view``, ``t``, ``detach``...). Nothing is
+  sent; the executor rebuilds views from the references of later ops.
+- *async*: outputs needing memory get fresh handles; the op is queued, not awaited.
+- *sync*: the output depends on data (``nonzero``, ``item``, boolean masks) or has no
+  meta kernel; the op is sent at once and the executor describes the outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+
+from . import device as _device  # noqa: F401 - must rename PrivateUse1 before DEVICE exists
+from .client import RemoteSession, current_session
+from .ops import op_name
+from .protocol import EXT_TENSOR, TensorRef, pack_tensor_ref, storage_extent
+
+DEVICE = torch.device("cumulus", 0)
+_META = torch.device("meta")
+_SCALARS = (int, float, bool, str, type(None), complex)
+_MAX_PLANS = 50_000
+
+
+class RemoteStorage:
+    """One storage on the executor. Its death frees the remote memory."""
+
+    __slots__ = ("handle", "nbytes", "session")
+
+    def __init__(self, session: RemoteSession, handle: int, nbytes: int) -> None:
+        self.session = session
+        self.handle = handle
+        self.nbytes = nbytes
+        session.allocated(nbytes)
+
+    def __del__(self) -> None:
+        session = self.session
+        if session is not None and not session.closed:
+            session.free(self.handle, self.nbytes)
+
+
+class RemoteTensor(torch.Tensor):
+    """A tensor on the ``cumulus`` device. Create it through torch, never directly."""
+
+    _rs: RemoteStorage
+    _sig: tuple
+
+    # Skip the Python-level __torch_function__ layer: dispatch is all we need.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, storage, dtype, sizes, strides, offset):  # noqa: D102
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, sizes, strides=strides, storage_offset=offset, dtype=dtype, device=DEVICE
+        )
+        t._rs = storage
+        t._sig = (dtype, sizes, strides, offset)
+        return t
+
+    @property
+    def _cumulus_ext(self) -> msgpack.ExtType:
+        dtype, sizes, strides, offset = self._sig
+        ref = TensorRef(self._rs.handle, dtype, offset, sizes, strides)
+        return msgpack.ExtType(EXT_TENSOR, pack_tensor_ref(ref))
+
+    def _ref(self) -> TensorRef:
+        dtype, sizes, strides, offset = self._sig
+        return TensorRef(self._rs.handle, dtype, offset, sizes, strides)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        special = _SPECIAL.get(func)
+        if special is not None:
+            result = special(func, args, kwargs)
+            if result is not NotImplemented:
+                return result
+        key = (func, _sig(args), _sig(kwargs))
+        plan = _PLANS.get(key)
+        if plan is None:
+            if len(_PLANS) > _MAX_PLANS:
+                _PLANS.clear()
+            plan = _PLANS[key] = _make_plan(func, args, kwargs)
+        return plan(args, kwargs)
+
+    # Declaring the flatten protocol makes torch treat this as a traceable wrapper
+    # subclass, so ``Module._apply`` swaps each parameter in place instead of wrapping a
+    # new one: a weight tied between two modules stays one object after ``.to("cumulus")``.
+    def __tensor_flatten__(self):
+        return [], self._sig
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        raise NotImplementedError("cumulus tensors cannot be traced or compiled yet")
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        body = repr(self.detach().cpu())[:-1]
+        extras = [f"device='{DEVICE}'"]
+        if self.grad_fn is not None:
+            extras.append(f"grad_fn=<{type(self.grad_fn).__name__}>")
+        elif self.requires_grad:
+            extras.append("requires_grad=True")
+        return f"{body}, {', '.join(extras)})"
+
+    def __format__(self, spec: str) -> str:
+        if self.dim() == 0:
+            return self.item().__format__(spec)
+        return self.__repr__().__format__(spec)
+
+    def __reduce_ex__(self, protocol):
+        # torch.save of a cumulus tensor writes an ordinary CPU tensor: a checkpoint must
+        # load anywhere, with or without a session.
+        return self.detach().cpu().__reduce_ex__(protocol)
+
+
+_PLANS: dict[tuple, Callable] = {}
+
+
+def _sig(x: Any) -> Any:
+    """A hashable signature of an argument: what decides the outputs' metadata."""
+    t = type(x)
+    if t is RemoteTensor:
+        return x._sig
+    if t in _SCALARS:
+        return (t, x)
+    if t is list or t is tuple:
+        return tuple([_sig(v) for v in x])
+    if t is dict:
+        return tuple([(k, _sig(v)) for k, v in x.items()])
+    if isinstance(x, torch.Tensor):
+        return ("cpu", x.dtype, tuple(x.shape), x.dim() == 0)
+    return x
+
+
+# --- plans ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Out:
+    """How to produce one output: fresh memory, a view of an argument, or the argument."""
+
+    kind: str  # "new" | "view" | "same" | "none"
+    arg: tuple | None  # where the aliased argument sits: (in_kwargs, key, list_index)
+    dtype: torch.dtype | None = None
+    sizes: tuple = ()
+    strides: tuple = ()
+    offset: int = 0
+
+    def nbytes(self) -> int:
+        return storage_extent(self.sizes, self.strides, self.offset) * self.dtype.itemsize
+
+
+def _make_plan(func, args, kwargs) -> Callable:
+    schema = func._schema
+    if any(_non_tensor_return(r) for r in schema.returns):
+        return _sync_plan(func)
+    try:
+        meta_out = func(*_to_meta(args), **_to_meta(kwargs))
+    except Exception:  # no meta kernel, data-dependent shape: let the executor decide
+        return _sync_plan(func)
+    outs = _out_specs(schema, meta_out, args, kwargs)
+    shape = _structure(meta_out)
+    name = op_name(func)
+    has_cpu = _has_cpu_tensor(args) or _has_cpu_tensor(kwargs)
+    if all(o.kind in ("view", "same", "none") for o in outs):
+        mutates = any(o.kind == "same" for o in outs) or _mutates(schema)
+        if not mutates:
+            return lambda a, k: shape([_build(o, a, k, None, None) for o in outs])
+    return _async_plan(name, outs, shape, has_cpu)
+
+
+def _async_plan(name, outs, shape, has_cpu) -> Callable:
+    def run(args, kwargs):
+        session = current_session()
+        if has_cpu:
+            args, kwargs = _ship_cpu_tensors(session, args), _ship_cpu_tensors(session, kwargs)
+        wire: list = []
+        results = [_build(o, args, kwargs, session, wire) for o in outs]
+        session.submit([name, args, kwargs, wire])
+        return shape(results)
+
+    return run
+
+
+def _sync_plan(func) -> Callable:
+    name = op_name(func)
+
+    def run(args, kwargs):
+        session = current_session()
+        args, kwargs = _ship_cpu_tensors(session, args), _ship_cpu_tensors(session, kwargs)
+        first = session.new_handle()
+        result = session.call([name, args, kwargs, ["dyn", first]])
+        storages = _storages_by_handle(args, kwargs)
+        return _from_description(result, session, storages)
+
+    return run
+
+
+def _build(out: _Out, args, kwargs, session, wire) -> Any:
+    if out.kind == "none":
+        return None
+    if out.kind == "new":
+        handle = session.new_handle()
+        storage = RemoteStorage(session, handle, out.nbytes())
+        wire.append([handle, list(out.sizes), list(out.strides), out.offset])
+        return RemoteTensor(storage, out.dtype, out.sizes, out.strides, out.offset)
+    base = _argument(args, kwargs, out.arg)
+    if type(base) is not RemoteTensor:
+        raise RuntimeError(
+            "Expected all tensors to be on the same device, but found a "
+            f"{base.device} tensor where a cumulus tensor was required"
+        )
+    if wire is not None:
+        wire.append(None)
+    if out.kind == "same":
+        return base
+    return RemoteTensor(base._rs, out.dtype, out.sizes, out.strides, out.offset)
+
+
+def _argument(args, kwargs, where: tuple) -> Any:
+    in_kwargs, key, index = where
+    value = kwargs[key] if in_kwargs else args[key]
+    return value if index is None else value[index]
+
+
+def _out_specs(schema, meta_out, args, kwargs) -> list[_Out]:
+    """Pair each meta output with its schema return: fresh memory or an alias of an arg."""
+    specs: list[_Out] = []
+    leaves = (
+        meta_out if isinstance(meta_out, (tuple, list)) and len(schema.returns) > 1 else [meta_out]
+    )
+    for ret, value in zip(schema.returns, leaves, strict=True):
+        alias = ret.alias_info
+        where = _alias_source(schema, alias, args) if alias is not None else None
+        items = value if isinstance(value, (list, tuple)) else [value]
+        for i, item in enumerate(items):
+            if item is None:
+                specs.append(_Out("none", None))
+                continue
+            meta = (item.dtype, tuple(item.shape), tuple(item.stride()), item.storage_offset())
+            if where is None:
+                specs.append(_Out("new", None, *meta))
+                continue
+            sub = where if not isinstance(value, (list, tuple)) else (*where[:2], i)
+            kind = "same" if alias.is_write else "view"
+            if kind == "same":
+                _check_unchanged(_argument(args, kwargs, sub), meta, schema.name)
+            specs.append(_Out(kind, sub, *meta))
+    return specs
+
+
+def _alias_source(schema, alias, args) -> tuple:
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.before_set & alias.before_set:
+            if i < len(args) and not arg.kwarg_only:
+                return (False, i, None)
+            return (True, arg.name, None)
+    raise NotImplementedError(f"cumulus cannot tell which input {schema.name} aliases")
+
+
+def _check_unchanged(arg, meta, name) -> None:
+    if isinstance(arg, RemoteTensor) and arg._sig != meta:
+        raise NotImplementedError(
+            f"{name} changes the shape or strides of a tensor in place (resize or restride); "
+            "the cumulus device does not support that yet. Use the out-of-place form."
+        )
+
+
+def _mutates(schema) -> bool:
+    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
+def _non_tensor_return(ret) -> bool:
+    text = str(ret.type)
+    return not (text.startswith("Tensor") or text == "Optional[Tensor]")
+
+
+def _structure(meta_out) -> Callable[[list], Any]:
+    if meta_out is None:
+        return lambda results: None
+    if isinstance(meta_out, torch.Tensor):
+        return lambda results: results[0]
+    if isinstance(meta_out, list) and all(isinstance(m, torch.Tensor) for m in meta_out):
+        return list
+    if isinstance(meta_out, tuple) and all(isinstance(m, torch.Tensor) for m in meta_out):
+        return tuple
+    # A tuple holding lists (e.g. some foreach/ split ops): rebuild by lengths.
+    lengths = [len(m) if isinstance(m, list) else None for m in meta_out]
+
+    def rebuild(results: list) -> Any:
+        out, pos = [], 0
+        for n in lengths:
+            if n is None:
+                out.append(results[pos])
+                pos += 1
+            else:
+                out.append(list(results[pos : pos + n]))
+                pos += n
+        return tuple(out)
+
+    return rebuild
+
+
+# --- arguments ------------------------------------------------------------------------
+
+
+def _to_meta(x: Any) -> Any:
+    t = type(x)
+    if t is RemoteTensor:
+        dtype, sizes, strides, offset = x._sig
+        base = torch.empty(storage_extent(sizes, strides, offset), dtype=dtype, device=_META)
+        return base.as_strided(sizes, strides, offset)
+    if t is list or t is tuple:
+        return t(_to_meta(v) for v in x)
+    if t is dict:
+        return {k: _to_meta(v) for k, v in x.items()}
+    if isinstance(x, torch.Tensor):
+        return x if x.dim() == 0 else x.to(_META)
+    if t is torch.device and x.type == "cumulus":
+        return _META
+    return x
+
+
+def _has_cpu_tensor(x: Any) -> bool:
+    t = type(x)
+    if t is list or t is tuple:
+        return any(_has_cpu_tensor(v) for v in x)
+    if t is dict:
+        return any(_has_cpu_tensor(v) for v in x.values())
+    return t is not RemoteTensor and isinstance(x, torch.Tensor)
+
+
+def _ship_cpu_tensors(session: RemoteSession, x: Any) -> Any:
+    t = type(x)
+    if t is list or t is tuple:
+        return [_ship_cpu_tensors(session, v) for v in x]
+    if t is dict:
+        return {k: _ship_cpu_tensors(session, v) for k, v in x.items()}
+    if t is not RemoteTensor and isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            raise RuntimeError(f"cannot mix {x.device} and cumulus tensors in one op")
+        return session.add_blob(x)
+    return x
+
+
+def _storages_by_handle(args, kwargs) -> dict[int, RemoteStorage]:
+    found: dict[int, RemoteStorage] = {}
+
+    def walk(x):
+        if type(x) is RemoteTensor:
+            found[x._rs.handle] = x._rs
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+
+    walk(args)
+    walk(kwargs)
+    return found
+
+
+def _from_description(value: Any, session: RemoteSession, storages: dict) -> Any:
+    if isinstance(value, TensorRef):
+        storage = storages.get(value.handle)
+        if storage is None:
+            nbytes = storage_extent(value.sizes, value.strides, value.offset) * value.dtype.itemsize
+            storage = storages[value.handle] = RemoteStorage(session, value.handle, nbytes)
+        return RemoteTensor(storage, value.dtype, value.sizes, value.strides, value.offset)
+    if isinstance(value, list):
+        return tuple(_from_description(v, session, storages) for v in value)
+    return value
+
+
+# --- ops with their own handling --------------------------------------------------------
+
+
+def download(tensor: RemoteTensor) -> torch.Tensor:
+    """Copy a remote tensor's data to a new contiguous CPU tensor (a sync point)."""
+    session = tensor._rs.session
+    data = session.fetch(tensor._ref())
+    if len(data) == 0:
+        return torch.empty(tensor.shape, dtype=tensor.dtype)
+    flat = torch.frombuffer(data, dtype=torch.uint8).view(tensor.dtype)
+    return flat.reshape(tensor.shape)
+
+
+def _to_copy(func, args, kwargs):
+    device = kwargs.get("device")
+    if device is None or torch.device(device).type != "cpu":
+        return NotImplemented
+    cpu = download(args[0])
+    rest = {k: v for k, v in kwargs.items() if k in ("dtype", "memory_format")}
+    return cpu.to(**rest) if rest else cpu
+
+
+def _copy_(func, args, kwargs):
+    dst, src = args[0], args[1]
+    if type(dst) is RemoteTensor:
+        return NotImplemented
+    dst.copy_(download(src), *args[2:], **kwargs)
+    return dst
+
+
+_SPECIAL: dict = {
+    torch.ops.aten._to_copy.default: _to_copy,
+    torch.ops.aten.copy_.default: _copy_,
+}
+
+
+def new_empty(sizes, strides, dtype: torch.dtype) -> RemoteTensor:
+    """Allocate uninitialised remote memory (the device's ``empty_strided`` kernel)."""
+    session = current_session()
+    sizes, strides = tuple(sizes), tuple(strides)
+    handle = session.new_handle()
+    nbytes = storage_extent(sizes, strides, 0) * dtype.itemsize
+    storage = RemoteStorage(session, handle, nbytes)
+    session.submit(
+        [
+            "aten.empty_strided.default",
+            [list(sizes), list(strides)],
+            {"dtype": dtype, "device": DEVICE},
+            [[handle, list(sizes), list(strides), 0]],
+        ]
+    )
+    return RemoteTensor(storage, dtype, sizes, strides, 0)
+
+
+def contiguous_strides(sizes) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(sizes):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _empty_memory_format(
+    size, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None
+):
+    dtype = dtype or torch.get_default_dtype()
+    fmt = memory_format or torch.contiguous_format
+    if fmt in (torch.contiguous_format, torch.preserve_format):
+        strides = contiguous_strides(size)
+    else:
+        strides = torch.empty(size, device="meta", memory_format=fmt).stride()
+    return new_empty(size, strides, dtype)
+
+
+def _empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return new_empty(size, stride, dtype or torch.get_default_dtype())
+
+
+def _copy_from(src, dst, non_blocking=False):
+    """``copy_`` reached below the Python key (``torch.tensor(..., device="cumulus")``)."""
+    if type(dst) is RemoteTensor:
+        session = current_session()
+        if type(src) is RemoteTensor:
+            session.submit(["aten.copy_.default", [dst, src], {}, [None]])
+        else:
+            session.submit(["aten.copy_.default", [dst, session.add_blob(src)], {}, [None]])
+        return dst
+    dst.copy_(download(src))
+    return dst
+
+
+def _factory_kernel(func) -> Callable:
+    """A PrivateUse1 kernel for a factory op: metadata from meta, the op runs remotely.
+
+    Needed for factories that would otherwise fill a fresh ``empty`` through an ``out=``
+    kernel that resizes it (``arange``): a wrapper tensor cannot be resized in place.
+    """
+    name = op_name(func)
+
+    def kernel(*args, **kwargs):
+        meta = func(*args, **{**kwargs, "device": _META})
+        session = current_session()
+        sizes, strides = tuple(meta.shape), tuple(meta.stride())
+        handle = session.new_handle()
+        storage = RemoteStorage(session, handle, meta.untyped_storage().nbytes())
+        out = [[handle, list(sizes), list(strides), meta.storage_offset()]]
+        session.submit([name, list(args), {**kwargs, "device": DEVICE}, out])
+        return RemoteTensor(storage, meta.dtype, sizes, strides, meta.storage_offset())
+
+    return kernel
+
+
+# Factory ops have no tensor argument to dispatch on, so they need PrivateUse1 kernels.
+_factory_kernels = torch.library.Library("aten", "IMPL")
+_factory_kernels.impl("empty.memory_format", _empty_memory_format, "PrivateUse1")
+_factory_kernels.impl("empty_strided", _empty_strided, "PrivateUse1")
+_factory_kernels.impl("_copy_from", _copy_from, "PrivateUse1")
+for _name in ("arange", "arange.start", "arange.start_step", "linspace", "logspace", "range"):
+    _overload = _name if "." in _name else _name + ".default"
+    _op = getattr(getattr(torch.ops.aten, _overload.split(".")[0]), _overload.split(".")[1])
+    _factory_kernels.impl(_name, _factory_kernel(_op), "PrivateUse1")
