@@ -7,7 +7,8 @@ Parts:
 - ``session``: the executor's per-session state machine (handles, quota, op execution).
 - ``executor``: the trio service that runs sessions; ``executor_main`` is its command.
 - ``client``: the consumer's session: batching, sync points, frees.
-- ``tensor`` and ``device``: ``RemoteTensor``, dispatch, and the ``torch.cumulus`` module.
+- ``tensor``, ``kernels`` and ``device``: ``RemoteTensor`` and its dispatch, the PrivateUse1
+  kernels dispatch cannot reach, and the ``torch.cumulus`` module.
 
 Typical use, against an executor started with ``cumulus-executor --port 5555``::
 
@@ -19,7 +20,8 @@ Typical use, against an executor started with ``cumulus-executor --port 5555``::
 
 from __future__ import annotations
 
-from . import device as _device  # noqa: F401 - registers the cumulus device with torch
+from . import device as _device  # registers the cumulus device with torch
+from . import kernels as _kernels  # noqa: F401 - PrivateUse1 kernels: factories, copies, sdpa
 from .client import CURRENT, RemoteSession, current_session
 from .errors import RemoteOutOfMemoryError
 from .tensor import RemoteTensor

@@ -119,6 +119,9 @@ class RemoteTensor(torch.Tensor):
             extras.append("requires_grad=True")
         return f"{body}, {', '.join(extras)})"
 
+    def tolist(self):
+        return self.cpu().tolist()
+
     def __format__(self, spec: str) -> str:
         if self.dim() == 0:
             return self.item().__format__(spec)
@@ -243,9 +246,10 @@ def _argument(args, kwargs, where: tuple) -> Any:
 def _out_specs(schema, meta_out, args, kwargs) -> list[_Out]:
     """Pair each meta output with its schema return: fresh memory or an alias of an arg."""
     specs: list[_Out] = []
-    leaves = (
-        meta_out if isinstance(meta_out, (tuple, list)) and len(schema.returns) > 1 else [meta_out]
-    )
+    if len(schema.returns) == 1:
+        leaves = [meta_out]
+    else:
+        leaves = list(meta_out) if schema.returns else []
     for ret, value in zip(schema.returns, leaves, strict=True):
         alias = ret.alias_info
         where = _alias_source(schema, alias, args) if alias is not None else None
@@ -450,64 +454,3 @@ def contiguous_strides(sizes) -> tuple[int, ...]:
         strides.append(step)
         step *= max(n, 1)
     return tuple(reversed(strides))
-
-
-def _empty_memory_format(
-    size, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None
-):
-    dtype = dtype or torch.get_default_dtype()
-    fmt = memory_format or torch.contiguous_format
-    if fmt in (torch.contiguous_format, torch.preserve_format):
-        strides = contiguous_strides(size)
-    else:
-        strides = torch.empty(size, device="meta", memory_format=fmt).stride()
-    return new_empty(size, strides, dtype)
-
-
-def _empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
-    return new_empty(size, stride, dtype or torch.get_default_dtype())
-
-
-def _copy_from(src, dst, non_blocking=False):
-    """``copy_`` reached below the Python key (``torch.tensor(..., device="cumulus")``)."""
-    if type(dst) is RemoteTensor:
-        session = current_session()
-        if type(src) is RemoteTensor:
-            session.submit(["aten.copy_.default", [dst, src], {}, [None]])
-        else:
-            session.submit(["aten.copy_.default", [dst, session.add_blob(src)], {}, [None]])
-        return dst
-    dst.copy_(download(src))
-    return dst
-
-
-def _factory_kernel(func) -> Callable:
-    """A PrivateUse1 kernel for a factory op: metadata from meta, the op runs remotely.
-
-    Needed for factories that would otherwise fill a fresh ``empty`` through an ``out=``
-    kernel that resizes it (``arange``): a wrapper tensor cannot be resized in place.
-    """
-    name = op_name(func)
-
-    def kernel(*args, **kwargs):
-        meta = func(*args, **{**kwargs, "device": _META})
-        session = current_session()
-        sizes, strides = tuple(meta.shape), tuple(meta.stride())
-        handle = session.new_handle()
-        storage = RemoteStorage(session, handle, meta.untyped_storage().nbytes())
-        out = [[handle, list(sizes), list(strides), meta.storage_offset()]]
-        session.submit([name, list(args), {**kwargs, "device": DEVICE}, out])
-        return RemoteTensor(storage, meta.dtype, sizes, strides, meta.storage_offset())
-
-    return kernel
-
-
-# Factory ops have no tensor argument to dispatch on, so they need PrivateUse1 kernels.
-_factory_kernels = torch.library.Library("aten", "IMPL")
-_factory_kernels.impl("empty.memory_format", _empty_memory_format, "PrivateUse1")
-_factory_kernels.impl("empty_strided", _empty_strided, "PrivateUse1")
-_factory_kernels.impl("_copy_from", _copy_from, "PrivateUse1")
-for _name in ("arange", "arange.start", "arange.start_step", "linspace", "logspace", "range"):
-    _overload = _name if "." in _name else _name + ".default"
-    _op = getattr(getattr(torch.ops.aten, _overload.split(".")[0]), _overload.split(".")[1])
-    _factory_kernels.impl(_name, _factory_kernel(_op), "PrivateUse1")

@@ -1,0 +1,131 @@
+"""Kernels registered for the PrivateUse1 (``cumulus``) key, for what dispatch misses.
+
+Ops on existing cumulus tensors reach ``RemoteTensor.__torch_dispatch__``. Three kinds of
+calls do not:
+
+- factories (``torch.empty(..., device="cumulus")`` and all built on it) have no tensor
+  argument to dispatch on;
+- ``copy_`` inside ``torch.tensor(..., device=...)`` runs below the Python key;
+- ``scaled_dot_product_attention`` picks its fused kernel in C++ by device type, and would
+  always fall back to the unfused math path for an unknown device. Here it picks what the
+  executor's device would pick, so results match a local run and the op stays one op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .client import current_session
+from .ops import op_name
+from .tensor import DEVICE, RemoteStorage, RemoteTensor, contiguous_strides, download, new_empty
+
+_META = torch.device("meta")
+_FLASH_CPU = 1  # sdp::SDPBackend::flash_attention, as _fused_sdp_choice reports it
+
+
+def _empty_memory_format(
+    size, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None
+):
+    dtype = dtype or torch.get_default_dtype()
+    fmt = memory_format or torch.contiguous_format
+    if fmt in (torch.contiguous_format, torch.preserve_format):
+        strides = contiguous_strides(size)
+    else:
+        strides = torch.empty(size, device="meta", memory_format=fmt).stride()
+    return new_empty(size, strides, dtype)
+
+
+def _empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return new_empty(size, stride, dtype or torch.get_default_dtype())
+
+
+def _copy_from(src, dst, non_blocking=False):
+    """``copy_`` reached below the Python key (``torch.tensor(..., device="cumulus")``)."""
+    if type(dst) is RemoteTensor:
+        session = current_session()
+        if type(src) is RemoteTensor:
+            session.submit(["aten.copy_.default", [dst, src], {}, [None]])
+        else:
+            session.submit(["aten.copy_.default", [dst, session.add_blob(src)], {}, [None]])
+        return dst
+    dst.copy_(download(src))
+    return dst
+
+
+_sdp_choices: dict[tuple, int] = {}
+
+
+def _cpu_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> int:
+    """The kernel a CPU would choose for these arguments (cached per signature).
+
+    Decided on CPU tensors of the same layout; ``empty_strided`` does not touch the pages,
+    so this costs an allocation, not a copy.
+    """
+    sig = (
+        query._sig, key._sig, value._sig,
+        None if attn_mask is None else (attn_mask.dtype, tuple(attn_mask.shape)),
+        dropout_p, is_causal, scale, enable_gqa,
+    )  # fmt: skip
+    choice = _sdp_choices.get(sig)
+    if choice is None:
+
+        def cpu(t):
+            return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+
+        choice = _sdp_choices[sig] = torch.ops.aten._fused_sdp_choice(
+            cpu(query), cpu(key), cpu(value), cpu(attn_mask), dropout_p, is_causal,
+            scale=scale, enable_gqa=enable_gqa,
+        )  # fmt: skip
+    return choice
+
+
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+          enable_gqa=False):  # fmt: skip
+    on_cpu = current_session().info.get("device") == "cpu"
+    args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if on_cpu and _cpu_sdp_choice(*args) == _FLASH_CPU:
+        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+        )
+        return out
+    return torch.ops.aten._scaled_dot_product_attention_math(
+        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+    )[0]
+
+
+def _factory_kernel(func) -> Callable:
+    """A PrivateUse1 kernel for a factory op: metadata from meta, the op runs remotely.
+
+    Needed for factories that would otherwise fill a fresh ``empty`` through an ``out=``
+    kernel that resizes it (``arange``): a wrapper tensor cannot be resized in place.
+    """
+    name = op_name(func)
+
+    def kernel(*args, **kwargs):
+        meta = func(*args, **{**kwargs, "device": _META})
+        session = current_session()
+        sizes, strides = tuple(meta.shape), tuple(meta.stride())
+        handle = session.new_handle()
+        storage = RemoteStorage(session, handle, meta.untyped_storage().nbytes())
+        out = [[handle, list(sizes), list(strides), meta.storage_offset()]]
+        session.submit([name, list(args), {**kwargs, "device": DEVICE}, out])
+        return RemoteTensor(storage, meta.dtype, sizes, strides, meta.storage_offset())
+
+    return kernel
+
+
+# Factory ops have no tensor argument to dispatch on, so they need PrivateUse1 kernels.
+_factory_kernels = torch.library.Library("aten", "IMPL")
+_factory_kernels.impl("empty.memory_format", _empty_memory_format, "PrivateUse1")
+_factory_kernels.impl("empty_strided", _empty_strided, "PrivateUse1")
+_factory_kernels.impl("_copy_from", _copy_from, "PrivateUse1")
+for _name in (
+    "arange", "arange.start", "arange.start_step", "linspace", "logspace", "range", "eye",
+    "eye.m", "randperm", "tril_indices", "triu_indices",
+):  # fmt: skip
+    _base, _, _overload = _name.partition(".")
+    _op = getattr(getattr(torch.ops.aten, _base), _overload or "default")
+    _factory_kernels.impl(_name, _factory_kernel(_op), "PrivateUse1")
+_factory_kernels.impl("scaled_dot_product_attention", _sdpa, "AutogradPrivateUse1")

@@ -1,0 +1,147 @@
+"""Small models and a deterministic training loop, the same on any device.
+
+Parity tests and benchmarks train these locally and on ``cumulus`` and compare.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int = 64, depth: int = 3, classes: int = 10) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Linear(32, width), nn.ReLU()]
+        for _ in range(depth - 1):
+            layers += [nn.Linear(width, width), nn.GELU()]
+        layers.append(nn.Linear(width, classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class SmallCNN(nn.Module):
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
+        self.fc = nn.Linear(16 * 4 * 4, classes)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn(self.conv1(x))), 2)
+        x = F.avg_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc(x.flatten(1))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.drop(self.proj(att.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class TinyTransformer(nn.Module):
+    """A GPT-style decoder with the output layer tied to the embedding."""
+
+    def __init__(
+        self, vocab: int = 64, dim: int = 32, heads: int = 4, layers: int = 2, ctx: int = 16,
+        dropout: float = 0.1,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(ctx, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, dropout) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok(idx) + self.pos(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+@dataclass
+class Task:
+    """A model and a synthetic batch generator: what one training step needs."""
+
+    make_model: Callable[[], nn.Module]
+    make_batch: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _classify(shape):
+    def batch(gen):
+        return torch.randn(*shape, generator=gen), torch.randint(0, 10, (shape[0],), generator=gen)
+
+    return batch
+
+
+def _tokens(gen):
+    idx = torch.randint(0, 64, (8, 16), generator=gen)
+    target = torch.roll(idx, -1, dims=1)
+    target[:, -1] = -100  # exercises cross_entropy's ignore_index
+    return idx, target
+
+
+def _lm_loss(logits, target):
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100
+    )
+
+
+TASKS: dict[str, Task] = {
+    "mlp": Task(MLP, _classify((64, 32)), F.cross_entropy),
+    "cnn": Task(SmallCNN, _classify((16, 3, 16, 16)), F.cross_entropy),
+    "transformer": Task(TinyTransformer, _tokens, _lm_loss),
+}
+
+
+def train(
+    task: str, device: str, *, steps: int = 5, foreach: bool | None = None, clip: float = 1.0
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Train ``task`` on ``device`` deterministically; return losses and final CPU params.
+
+    Seeds are set after the model moves, so dropout draws the same stream on every device
+    whose generator matches the CPU's (a CPU executor does).
+    """
+    spec = TASKS[task]
+    torch.manual_seed(0)
+    model = spec.make_model().to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=foreach)
+    gen = torch.Generator().manual_seed(2)
+    torch.manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x, y = spec.make_batch(gen)
+        x, y = x.to(device), y.to(device)
+        opt.zero_grad()
+        loss = spec.loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=foreach)
+        opt.step()
+        losses.append(loss.item())
+    params = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return losses, params

@@ -1,0 +1,187 @@
+"""What ordinary PyTorch code needs from the ``cumulus`` device, one behaviour per test."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cumulus_p2p.remote as remote
+from cumulus_p2p._errors import RemoteExecutionError, SessionClosedError
+from cumulus_p2p.remote import RemoteOutOfMemoryError, RemoteTensor
+
+
+def test_device_module_reports_an_attached_session(cumulus):
+    assert torch.cumulus.is_available()
+    assert torch.cumulus.device_count() == 1
+    torch.cumulus.synchronize()
+
+
+def test_device_is_unavailable_without_a_session():
+    remote.detach()
+    assert not torch.cumulus.is_available()
+    with pytest.raises(SessionClosedError, match="attach"):
+        torch.zeros(2, device="cumulus")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.arange(5, device="cumulus"),
+        lambda: torch.zeros(2, 3, device="cumulus"),
+        lambda: torch.ones(4, device="cumulus"),
+        lambda: torch.full((2,), 7.0, device="cumulus"),
+        lambda: torch.empty(3, device="cumulus"),
+        lambda: torch.randn(3, device="cumulus"),
+        lambda: torch.rand(3, device="cumulus"),
+        lambda: torch.randint(0, 5, (3,), device="cumulus"),
+        lambda: torch.tensor([1.0, 2.0], device="cumulus"),
+        lambda: torch.zeros_like(torch.ones(2, device="cumulus")),
+        lambda: torch.linspace(0, 1, 5, device="cumulus"),
+        lambda: torch.eye(3, device="cumulus"),
+    ],
+)
+def test_factories_honour_the_device(cumulus, make):
+    t = make()
+    assert isinstance(t, RemoteTensor)
+    assert t.device == torch.device("cumulus", 0)
+
+
+def test_factory_values_match_the_cpu(cumulus):
+    assert torch.arange(2, 11, 3, device="cumulus").tolist() == [2, 5, 8]
+    assert torch.full((2, 2), 3.5, device="cumulus").cpu().tolist() == [[3.5, 3.5], [3.5, 3.5]]
+    assert torch.tensor([[1, 2], [3, 4]], device="cumulus").sum().item() == 10
+
+
+def test_manual_seed_makes_random_ops_reproducible_and_equal_to_cpu(cumulus):
+    torch.manual_seed(123)
+    first = torch.randn(5, device="cumulus").cpu()
+    dropped = F.dropout(torch.ones(100, device="cumulus"), 0.5).cpu()
+    torch.manual_seed(123)
+    assert torch.equal(torch.randn(5, device="cumulus").cpu(), first)
+    assert torch.equal(torch.randn(5), first)  # the CPU draws the same stream
+    torch.manual_seed(123)
+    torch.randn(5, device="cumulus")
+    assert torch.equal(F.dropout(torch.ones(100, device="cumulus"), 0.5).cpu(), dropped)
+
+
+def test_tied_weights_stay_one_parameter_after_to(cumulus):
+    emb = torch.nn.Embedding(10, 4)
+    head = torch.nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.ModuleDict({"emb": emb, "head": head}).to("cumulus")
+    assert model["emb"].weight is model["head"].weight
+    assert isinstance(model["emb"].weight, torch.nn.Parameter)
+    assert len(list(model.parameters())) == 1
+
+
+def test_item_bool_and_format_are_sync_points(cumulus):
+    x = torch.tensor([1.5, -2.0], device="cumulus")
+    assert x.sum().item() == pytest.approx(-0.5)
+    assert bool((x > 0).any())
+    assert f"{x.max():.2f}" == "1.50"
+
+
+def test_print_shows_values_and_device(cumulus):
+    text = repr(torch.tensor([1.0, 2.0], device="cumulus"))
+    assert text.startswith("tensor([1., 2.]")
+    assert "device='cumulus:0'" in text
+
+
+def test_data_dependent_shapes(cumulus):
+    x = torch.tensor([0.0, 3.0, 0.0, 5.0], device="cumulus")
+    assert x.nonzero().cpu().tolist() == [[1], [3]]
+    assert x[x > 0].cpu().tolist() == [3.0, 5.0]
+    assert torch.unique(torch.tensor([3, 1, 3, 2], device="cumulus")).cpu().tolist() == [1, 2, 3]
+
+
+def test_boolean_mask_assignment_and_list_indexing(cumulus):
+    x = torch.arange(6.0, device="cumulus")
+    x[x > 3] = 0.0
+    assert x.cpu().tolist() == [0.0, 1.0, 2.0, 3.0, 0.0, 0.0]
+    assert x[[0, 2, 3]].cpu().tolist() == [0.0, 2.0, 3.0]
+
+
+def test_topk_and_multinomial(cumulus):
+    values, indices = torch.tensor([1.0, 9.0, 3.0, 7.0], device="cumulus").topk(2)
+    assert values.cpu().tolist() == [9.0, 7.0] and indices.cpu().tolist() == [1, 3]
+    torch.manual_seed(0)
+    draws = torch.multinomial(torch.tensor([0.0, 1.0, 0.0], device="cumulus"), 4, True)
+    assert draws.cpu().tolist() == [1, 1, 1, 1]
+
+
+def test_views_share_remote_storage(cumulus):
+    x = torch.zeros(2, 3, device="cumulus")
+    x.t()[1].fill_(4.0)
+    assert x.cpu().tolist() == [[0.0, 4.0, 0.0], [0.0, 4.0, 0.0]]
+
+
+def test_state_dict_round_trips_through_torch_save(cumulus):
+    model = torch.nn.Linear(3, 2).to("cumulus")
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)
+    assert loaded["weight"].device.type == "cpu"
+    fresh = torch.nn.Linear(3, 2).to("cumulus")
+    fresh.load_state_dict(loaded)
+    torch.testing.assert_close(fresh.weight.cpu(), model.weight.cpu())
+
+
+def test_autocast_does_not_crash(cumulus):
+    model = torch.nn.Linear(4, 4).to("cumulus")
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        out = model(torch.ones(2, 4, device="cumulus"))
+    assert out.shape == (2, 4)
+
+
+def test_executor_error_raises_at_next_sync_with_type_and_op(cumulus):
+    weight = torch.randn(4, 3, device="cumulus")
+    bad_index = torch.tensor([0, 9], device="cumulus")
+    out = F.embedding(bad_index, weight)  # queued; the executor fails it later
+    with pytest.raises(RemoteExecutionError) as info:
+        out.sum().item()
+    assert isinstance(info.value, IndexError)
+    assert info.value.op == "aten.embedding.default"
+    assert "index out of range" in str(info.value)
+
+
+def test_session_continues_after_a_failed_op(cumulus):
+    with pytest.raises(RemoteExecutionError):
+        F.embedding(torch.tensor([9], device="cumulus"), torch.ones(2, 2, device="cumulus")).cpu()
+    assert (torch.ones(3, device="cumulus") * 2).sum().item() == 6.0
+
+
+def test_shape_errors_raise_immediately_like_local_torch(cumulus):
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        torch.ones(2, 3, device="cumulus") @ torch.ones(2, 3, device="cumulus")
+
+
+def test_freed_tensors_release_executor_memory(cumulus):
+    before = cumulus.stats()["bytes_in_use"]
+    big = torch.zeros(256, 1024, device="cumulus")
+    assert cumulus.stats()["bytes_in_use"] >= before + big.numel() * 4
+    del big
+    assert cumulus.stats()["bytes_in_use"] == before
+    assert torch.cumulus.memory_allocated() == before
+
+
+def test_quota_overflow_is_an_out_of_memory_error_and_session_survives(executor_address):
+    with remote.attach(executor_address, quota_bytes=1 << 20):
+        keep = torch.ones(1000, device="cumulus")
+        with pytest.raises(RemoteOutOfMemoryError) as info:
+            torch.empty(1 << 20, device="cumulus").fill_(1).sum().item()
+        assert isinstance(info.value, torch.OutOfMemoryError)
+        assert "quota" in str(info.value)
+        assert keep.sum().item() == 1000.0
+
+
+def test_detach_closes_the_session(executor_address):
+    handle = remote.attach(executor_address)
+    x = torch.ones(2, device="cumulus")
+    remote.detach()
+    assert handle.session.closed
+    with pytest.raises(SessionClosedError):
+        (x + 1).cpu()
