@@ -78,6 +78,9 @@ class Executor:
             await _send_fatal(channel, str(exc))
         except SessionClosedError:
             log.info("session %d: client went away", session_id)
+        except Exception as exc:  # whatever one session does, the others keep running
+            log.exception("session %d: internal error", session_id)
+            await _send_fatal(channel, f"executor internal error: {type(exc).__name__}: {exc}")
         finally:
             self.sessions.pop(session_id, None)
             if session is not None:

@@ -152,6 +152,8 @@ class ExecutorSession:
             self.stats.ops += 1
         except OpFailed as exc:
             self._fail(record, name, exc.kind, str(exc))
+        except Exception as exc:  # a bug here must cost one op, never the executor
+            self._fail(record, name, "InternalError", f"{type(exc).__name__}: {exc}")
 
     def _run_op(self, name: str, args: Any, kwargs: Any, outs: Any, blobs) -> None:
         if not isinstance(args, list) or not isinstance(kwargs, dict):
@@ -380,6 +382,9 @@ class ExecutorSession:
         except OpFailed as exc:
             if self._error is None:
                 self._error = (exc.kind, str(exc), "query")
+        except Exception as exc:  # same rule as for ops: the session survives
+            if self._error is None:
+                self._error = ("InternalError", f"{type(exc).__name__}: {exc}", "query")
         reply.error, self._error = self._error, None
         if reply.error is not None:
             reply.result, reply.blobs = None, []
