@@ -48,3 +48,144 @@ class RemoteExecutionError(CumulusError):
 
 class SessionClosedError(CumulusError):
     """The remote session is gone (closed, dropped or never attached). Attach a new one."""
+
+
+# --- market and signed messages --------------------------------------------------------
+
+
+class IdentityFileError(CumulusError):
+    """The node key file exists but is not a valid key.
+
+    The file is never overwritten. Restore it from a backup, or move it away to start
+    over with a new identity (a new peer ID, and no reputation).
+    """
+
+
+class InvalidMessageError(LocalProtocolError):
+    """This node tried to build a message or envelope with an invalid field value.
+
+    Raised by the constructors of the typed messages, so an invalid message cannot exist.
+    Fix the caller; the message names the field.
+    """
+
+
+class MalformedMessageError(RemoteProtocolError):
+    """Bytes from a peer did not decode into a valid message: bad msgpack, wrong shape,
+    wrong types, out-of-range values, or a non-canonical encoding. Drop the message.
+    """
+
+
+class EnvelopeRejectedError(RemoteProtocolError):
+    """A signed envelope from a peer failed validation.
+
+    ``reason`` is a ``cumulus_p2p.envelope.Rejection`` (bad signature, expired, replayed,
+    ...) and ``detail`` a sentence for logs. Drop the message; ``reason`` tells whether
+    the sender is at fault.
+    """
+
+    def __init__(self, reason: object, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class LeaseRefusedError(CumulusError):
+    """The host refused a lease proposal.
+
+    ``reason`` is a ``cumulus_p2p.market.RefusalReason`` (no capacity, expired, price
+    mismatch, ...). Try another offer, or re-propose after fixing what ``reason`` names.
+    """
+
+    def __init__(self, reason: object, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class InvalidCountersignatureError(RemoteProtocolError):
+    """A peer's countersignature on a lease or receipt does not verify, or does not
+    match the document it claims to sign. Treat the document as unsigned.
+    """
+
+
+class ReceiptRejectedError(RemoteProtocolError):
+    """A usage receipt from a host is inconsistent with its lease (wrong lease, interval
+    outside the lease, more share-seconds than leased). Do not countersign it.
+    """
+
+
+class LedgerCorruptError(CumulusError):
+    """The ledger file is damaged somewhere other than its last, unacknowledged line.
+
+    Nothing was changed. Restore the file from a backup or inspect the named line.
+    """
+
+
+# --- mesh ---
+
+
+class MeshError(CumulusError):
+    """The mesh (libp2p host, DHT, gossip) could not do what was asked.
+
+    Raised by ``cumulus_p2p.dht``; the subclasses say what went wrong.
+    """
+
+
+class PeerUnreachableError(MeshError):
+    """No connection could be made to a peer, directly or through a relay.
+
+    Check the address, or reach the peer through a relay it holds a reservation on.
+    """
+
+
+class AnnouncementError(MeshError, LocalProtocolError):
+    """This node tried to announce something the mesh cannot carry: too many offers,
+    a sheet over the envelope size limit, or a kind its own validator refuses.
+    Announce fewer or smaller offers, or add the kind to the validator.
+    """
+
+
+class InvalidRecordError(RemoteProtocolError):
+    """A ``/cumulus/`` DHT record from a peer failed validation: a bad key, a bad or
+    expired envelope, or an offer not authored by the key's owner. The record is
+    neither stored nor used.
+    """
+
+
+# --- secure channel -------------------------------------------------------------------
+
+
+class HandshakeError(RemoteProtocolError):
+    """The peer's secure-channel handshake was malformed, truncated, oversized or too slow.
+
+    The connection is closed; a provider keeps serving everyone else. The message says
+    which rule was broken.
+    """
+
+
+class PeerAuthenticationError(HandshakeError):
+    """The peer failed to prove the identity it had to have.
+
+    On the consumer: the provider is not the expected key, or its transcript signature or
+    resumption MAC is wrong (an impostor or a man in the middle). On the provider: the
+    consumer's signature does not match the key it claimed. Do not retry blindly.
+    """
+
+
+class SessionRefusedError(CumulusError):
+    """The provider refused the session; ``reason`` is the provider's explanation.
+
+    Typical reasons: no valid lease, not on the private pool's allow list, or (on a
+    resumption) the session already expired. Obtain a lease, or open a new session.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"provider refused the session: {reason}")
+        self.reason = reason
+
+
+class RecordAuthenticationError(RemoteProtocolError):
+    """An encrypted record failed authentication: tampered, replayed, reordered or forged.
+
+    The connection is dropped; the session may resume on a new connection.
+    """

@@ -1,0 +1,69 @@
+"""The market: offers, bids, the order book, leases, metering and the ledger.
+
+Parts, lowest first (each imports only those above it):
+
+- ``messages``: the typed wire messages (``Offer``, ``Bid``, ``Cancel``,
+  ``LeaseProposal``, ``Receipt``), their canonical msgpack encoding, and
+  ``seal_message``/``open_message`` to carry them in signed envelopes. ``Lease`` and
+  ``CountersignedReceipt`` add the other party's countersignature.
+- ``book``: the order book (sans-IO): price-time priority per resource class,
+  partial fills, cancels, expiry, amendment by newer nonce, deterministic matching.
+- ``intake``: received bytes -> envelope validator -> ``open_message`` -> book.
+- ``matcher``: the consumer's ranking of offers by effective price (reliability and
+  latency are inputs).
+- ``lease``: the host's reservation core (sans-IO): reserve atomically and
+  countersign, or refuse with a ``RefusalReason``.
+- ``negotiation``: the thin trio shell speaking ``/cumulus/lease/1.0.0`` over a
+  direct libp2p stream (``call_propose_lease`` / ``rpc_propose_lease``).
+- ``metering``: the host's ``Meter`` issuing signed receipts, the consumer's
+  ``check_receipt``.
+- ``ledger``: the durable, deduplicated receipt store, and the ``PaymentRail``
+  protocol a payment system plugs into.
+
+Cores take the time as an argument and never read a clock; only ``negotiation``
+(trio, libp2p) and ``ledger`` (files) do I/O.
+"""
+
+from .book import BookStatistics as BookStatistics
+from .book import Fill as Fill
+from .book import InsertStatus as InsertStatus
+from .book import OrderBook as OrderBook
+from .book import RestingOrder as RestingOrder
+from .intake import ORDER_KINDS as ORDER_KINDS
+from .intake import Admitted as Admitted
+from .intake import MarketIntake as MarketIntake
+from .lease import LeaseBook as LeaseBook
+from .lease import Refusal as Refusal
+from .lease import RefusalReason as RefusalReason
+from .lease import Reservation as Reservation
+from .ledger import Ledger as Ledger
+from .ledger import LedgerEntry as LedgerEntry
+from .ledger import LedgerTotals as LedgerTotals
+from .ledger import PaymentRail as PaymentRail
+from .matcher import RankedOffer as RankedOffer
+from .matcher import RankingPolicy as RankingPolicy
+from .matcher import effective_price as effective_price
+from .matcher import rank_offers as rank_offers
+from .messages import KINDS as KINDS
+from .messages import Bid as Bid
+from .messages import Cancel as Cancel
+from .messages import CountersignedReceipt as CountersignedReceipt
+from .messages import Lease as Lease
+from .messages import LeaseProposal as LeaseProposal
+from .messages import MarketMessage as MarketMessage
+from .messages import Offer as Offer
+from .messages import PriorityClass as PriorityClass
+from .messages import Receipt as Receipt
+from .messages import Side as Side
+from .messages import decode_message as decode_message
+from .messages import encode_message as encode_message
+from .messages import open_message as open_message
+from .messages import peer_id_of as peer_id_of
+from .messages import seal_message as seal_message
+from .metering import Meter as Meter
+from .metering import check_receipt as check_receipt
+from .negotiation import LEASE_PROTOCOL as LEASE_PROTOCOL
+from .negotiation import LeaseServer as LeaseServer
+from .negotiation import RpcContext as RpcContext
+from .negotiation import call_propose_lease as call_propose_lease
+from .negotiation import serve_leases as serve_leases

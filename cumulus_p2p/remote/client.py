@@ -10,6 +10,7 @@ list; the frees ride along with the next batch, after that batch's ops.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Any
 
@@ -29,6 +30,9 @@ from .transport import FrameChannel
 
 #: Ops queued before a batch leaves without a sync point.
 DEFAULT_BATCH_OPS = 1024
+#: Handles at and above DYN_BASE are for data-dependent outputs, DYN_BLOCK per op.
+DYN_BASE = 1 << 40
+DYN_BLOCK = 1 << 10
 #: Bytes of inline tensors queued before a batch leaves.
 DEFAULT_BATCH_BYTES = 16 * 1024 * 1024
 
@@ -51,7 +55,9 @@ class RemoteSession:
         self._keepalive: list[torch.Tensor] = []
         self._frees: list[int] = []
         self._seq = 0
-        self._next_handle = 1
+        # next() on a count is atomic under the GIL: no lock on the hot path.
+        self._handles = itertools.count(1)
+        self._dyn_blocks = itertools.count(0)
         self._lock = threading.RLock()
         self.closed = False
         self.bytes_allocated = 0
@@ -71,14 +77,18 @@ class RemoteSession:
     # --- building batches ---------------------------------------------------------------
 
     def new_handle(self) -> int:
-        with self._lock:
-            handle = self._next_handle
-            self._next_handle += 1
-            return handle
+        """A fresh storage handle for an output whose layout the client knows."""
+        return next(self._handles)
+
+    def new_dynamic_block(self) -> int:
+        """The first of ``DYN_BLOCK`` handles the executor may give a data-dependent op's
+        outputs; a range apart from ``new_handle``'s, so neither side can collide."""
+        return DYN_BASE + next(self._dyn_blocks) * DYN_BLOCK
 
     def allocated(self, nbytes: int) -> None:
         self.bytes_allocated += nbytes
-        self.peak_bytes_allocated = max(self.peak_bytes_allocated, self.bytes_allocated)
+        if self.bytes_allocated > self.peak_bytes_allocated:
+            self.peak_bytes_allocated = self.bytes_allocated
 
     def free(self, handle: int, nbytes: int) -> None:
         """Queue a storage for release. Safe from any thread and from ``__del__``."""
@@ -156,7 +166,6 @@ class RemoteSession:
         with self._lock:
             self._ops.append(record)
             result, _ = self.flush(["call"])
-            self._next_handle = max(self._next_handle, _max_handle(result) + 1)
             return result
 
     def fetch(self, ref: TensorRef) -> memoryview:
@@ -208,11 +217,3 @@ def current_session() -> RemoteSession:
             "(or run under `cumulus-node --consume`) before using device='cumulus'"
         )
     return session
-
-
-def _max_handle(result: Any) -> int:
-    if isinstance(result, TensorRef):
-        return result.handle
-    if isinstance(result, list):
-        return max((_max_handle(r) for r in result), default=0)
-    return 0

@@ -26,6 +26,9 @@ from .transport import DEFAULT_MAX_FRAME, AsyncFrameChannel, TrioFrameChannel
 log = logging.getLogger(__name__)
 
 DEFAULT_QUOTA = 8 * 1024**3
+#: Batches this short run on the event loop itself; longer ones go to a worker thread so
+#: the loop keeps serving other sessions' I/O while the device computes.
+INLINE_OPS = 8
 
 
 def pick_device(choice: str = "auto") -> torch.device:
@@ -104,7 +107,7 @@ class Executor:
             "session": session_id,
             "device": str(self.ctx.device),
             "device_name": _device_name(self.ctx.device),
-            "torch": torch.__version__,
+            "torch": str(torch.__version__),
             "quota": min(options.get("quota", self.config.quota_bytes), self.config.quota_bytes),
         }
         await channel.send_frame(encode_frame(["welcome", PROTOCOL_VERSION, info]))
@@ -123,7 +126,11 @@ class Executor:
                 raise RemoteProtocolError(f"unexpected {header[0]!r} message in a session")
             batch = parse_batch(header, area)
             async with self._device_lock:
-                reply = await trio.to_thread.run_sync(session.run_batch, batch)
+                if len(batch.ops) <= INLINE_OPS:
+                    # A sync point's short tail: a thread hop would cost more than the ops.
+                    reply = session.run_batch(batch)
+                else:
+                    reply = await trio.to_thread.run_sync(session.run_batch, batch)
             if reply is not None:
                 await channel.send_frame(_encode_reply(reply))
 

@@ -33,6 +33,7 @@ from .protocol import CpuTensorRef, DeviceToken, TensorRef, split_blobs, storage
 #: torch's own default CPU seed, so an unseeded session draws what a fresh process draws.
 DEFAULT_SEED = 67280421310721
 MAX_HANDLE = 2**62
+DYN_BLOCK = 1 << 10  # handles a client reserves per data-dependent op (client.DYN_BLOCK)
 _EMPTY_OPS = {"empty.memory_format", "empty_strided.default", "new_empty.default"}
 
 
@@ -203,10 +204,8 @@ class ExecutorSession:
             if why is not None:
                 raise OpFailed("RuntimeError", f"input is unavailable: {why}")
             raise OpFailed("InvalidHandleError", f"no tensor with handle {ref.handle} here")
-        if ref.offset < 0 or any(s < 0 for s in ref.sizes) or any(s < 0 for s in ref.strides):
+        if ref.offset < 0 or min(ref.sizes, default=0) < 0 or min(ref.strides, default=0) < 0:
             raise OpFailed("IndexError", "negative size, stride or offset in a tensor reference")
-        if len(ref.sizes) != len(ref.strides):
-            raise OpFailed("IndexError", "sizes and strides differ in rank")
         needed = storage_extent(ref.sizes, ref.strides, ref.offset) * ref.dtype.itemsize
         if needed > self._capacity[ref.handle]:
             raise OpFailed(
@@ -278,6 +277,8 @@ class ExecutorSession:
         if type(first_handle) is not int:
             raise OpFailed("RemoteProtocolError", "dyn output needs an integer first handle")
         next_handle = first_handle
+        if len(_flat_tensors(result)) > DYN_BLOCK:
+            raise OpFailed("RuntimeError", f"an op may return at most {DYN_BLOCK} tensors")
 
         def describe(value: Any) -> Any:
             nonlocal next_handle

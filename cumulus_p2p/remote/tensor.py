@@ -21,6 +21,7 @@ output wrappers, which is what keeps the per-op client cost low. Plans come in t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -74,11 +75,10 @@ class RemoteTensor(torch.Tensor):
         t._sig = (dtype, sizes, strides, offset)
         return t
 
-    @property
+    @functools.cached_property
     def _cumulus_ext(self) -> msgpack.ExtType:
-        dtype, sizes, strides, offset = self._sig
-        ref = TensorRef(self._rs.handle, dtype, offset, sizes, strides)
-        return msgpack.ExtType(EXT_TENSOR, pack_tensor_ref(ref))
+        # A wrapper's layout never changes, so its wire form is computed once.
+        return msgpack.ExtType(EXT_TENSOR, pack_tensor_ref(self._ref()))
 
     def _ref(self) -> TensorRef:
         dtype, sizes, strides, offset = self._sig
@@ -92,7 +92,13 @@ class RemoteTensor(torch.Tensor):
             result = special(func, args, kwargs)
             if result is not NotImplemented:
                 return result
-        key = (func, _sig(args), _sig(kwargs))
+        loose = _LOOSE.get(func)
+        if loose is None:
+            loose = _LOOSE[func] = _loose_arguments(func)
+        if loose:
+            key = (func, _loose_sig(args, kwargs, loose))
+        else:
+            key = (func, _sig(args), _sig(kwargs) if kwargs else ())
         plan = _PLANS.get(key)
         if plan is None:
             if len(_PLANS) > _MAX_PLANS:
@@ -134,6 +140,37 @@ class RemoteTensor(torch.Tensor):
 
 
 _PLANS: dict[tuple, Callable] = {}
+_LOOSE: dict = {}
+_VALUE_FREE_TYPES = {"float", "Scalar", "Optional[float]", "Optional[Scalar]"}
+
+
+def _loose_arguments(func) -> frozenset:
+    """Arguments whose *value* never changes an op's output metadata, only their type.
+
+    A float or Scalar argument (``alpha``, ``value``, a dropout ``p``, Adam's step size)
+    decides numbers, not shapes, and type promotion looks at its kind, not its value. Keying
+    plans on their kind lets an optimizer with a changing step size reuse one plan. Lists of
+    floats (``scale_factors``) do shape outputs and stay keyed by value.
+    """
+    return frozenset(
+        (i, arg.name)
+        for i, arg in enumerate(func._schema.arguments)
+        if str(arg.type) in _VALUE_FREE_TYPES
+    )
+
+
+def _loose_sig(args, kwargs, loose: frozenset) -> tuple:
+    positions = {i for i, _ in loose}
+    names = {name for _, name in loose}
+    sig_args = tuple(
+        (type(a),) if i in positions and type(a) is not RemoteTensor else _sig(a)
+        for i, a in enumerate(args)
+    )
+    sig_kwargs = tuple(
+        (k, (type(v),) if k in names and type(v) is not RemoteTensor else _sig(v))
+        for k, v in kwargs.items()
+    )
+    return sig_args, sig_kwargs
 
 
 def _sig(x: Any) -> Any:
@@ -165,9 +202,7 @@ class _Out:
     sizes: tuple = ()
     strides: tuple = ()
     offset: int = 0
-
-    def nbytes(self) -> int:
-        return storage_extent(self.sizes, self.strides, self.offset) * self.dtype.itemsize
+    nbytes: int = 0
 
 
 def _make_plan(func, args, kwargs) -> Callable:
@@ -208,7 +243,7 @@ def _sync_plan(func) -> Callable:
     def run(args, kwargs):
         session = current_session()
         args, kwargs = _ship_cpu_tensors(session, args), _ship_cpu_tensors(session, kwargs)
-        first = session.new_handle()
+        first = session.new_dynamic_block()
         result = session.call([name, args, kwargs, ["dyn", first]])
         storages = _storages_by_handle(args, kwargs)
         return _from_description(result, session, storages)
@@ -221,7 +256,7 @@ def _build(out: _Out, args, kwargs, session, wire) -> Any:
         return None
     if out.kind == "new":
         handle = session.new_handle()
-        storage = RemoteStorage(session, handle, out.nbytes())
+        storage = RemoteStorage(session, handle, out.nbytes)
         wire.append([handle, list(out.sizes), list(out.strides), out.offset])
         return RemoteTensor(storage, out.dtype, out.sizes, out.strides, out.offset)
     base = _argument(args, kwargs, out.arg)
@@ -260,7 +295,8 @@ def _out_specs(schema, meta_out, args, kwargs) -> list[_Out]:
                 continue
             meta = (item.dtype, tuple(item.shape), tuple(item.stride()), item.storage_offset())
             if where is None:
-                specs.append(_Out("new", None, *meta))
+                nbytes = storage_extent(meta[1], meta[2], meta[3]) * item.dtype.itemsize
+                specs.append(_Out("new", None, *meta, nbytes))
                 continue
             sub = where if not isinstance(value, (list, tuple)) else (*where[:2], i)
             kind = "same" if alias.is_write else "view"

@@ -168,16 +168,32 @@ class TrioFrameChannel:
         return await self._receive_exactly(length)
 
     async def _receive_exactly(self, n: int) -> bytearray:
-        while len(self._buffer) < n:
+        # receive_some(n) would allocate n bytes per call; large frames are read straight
+        # into one preallocated buffer instead.
+        out = bytearray(n)
+        view = memoryview(out)
+        got = min(n, len(self._buffer))
+        view[:got] = self._buffer[:got]
+        del self._buffer[:got]
+        sock = getattr(self._stream, "socket", None)
+        while got < n:
             try:
-                chunk = await self._stream.receive_some(max(65536, n - len(self._buffer)))
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                if sock is not None and n - got >= 65536:
+                    k = await sock.recv_into(view[got:])
+                    chunk = None
+                else:
+                    chunk = await self._stream.receive_some(65536)
+                    k = len(chunk)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 raise SessionClosedError(f"client connection lost: {exc}") from exc
-            if not chunk:
+            if k == 0:
                 raise SessionClosedError("client closed the connection")
-            self._buffer += chunk
-        out = self._buffer[:n]
-        del self._buffer[:n]
+            if chunk is not None:
+                take = min(k, n - got)
+                view[got : got + take] = chunk[:take]
+                self._buffer += chunk[take:]
+                k = take
+            got += k
         return out
 
     async def aclose(self) -> None:

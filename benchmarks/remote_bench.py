@@ -1,0 +1,164 @@
+"""Remote device benchmark: client cost per op, streaming rate, sync round trip, transfer
+rates and training step time, with the executor as a separate process on loopback.
+
+Prints one JSON object (keys below) and writes ``benchmarks/results/remote.json``::
+
+    python benchmarks/remote_bench.py [--quick] [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import cumulus_p2p.remote as remote
+from cumulus_p2p.testing.executor import executor_process
+from cumulus_p2p.testing.models import TASKS
+
+ECHO_SERVER = """
+import trio, sys
+async def echo(stream):
+    try:
+        while data := await stream.receive_some(65536):
+            await stream.send_all(data)
+    except trio.BrokenResourceError:
+        pass
+async def main():
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    print(listeners[0].socket.getsockname()[1], flush=True)
+    await trio.serve_listeners(echo, listeners)
+trio.run(main)
+"""
+
+
+def raw_tcp_rtt_us(rounds: int) -> float:
+    """Median round trip of a 64-byte ping to a trio echo server in another process."""
+    proc = subprocess.Popen([sys.executable, "-c", ECHO_SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        samples = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            sock.sendall(b"x" * 64)
+            got = 0
+            while got < 64:
+                got += len(sock.recv(64 - got))
+            samples.append(time.perf_counter() - t0)
+        sock.close()
+        return statistics.median(samples) * 1e6
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def dispatch_cost(n: int) -> tuple[float, float]:
+    """(client µs per op with a warm plan cache, ops per second including the final sync)."""
+    a = torch.randn(64, 64, device="cumulus")
+    b = torch.randn(64, 64, device="cumulus")
+    for _ in range(100):  # warm the plan cache
+        c = a * b
+    torch.cumulus.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        c = a * b  # noqa: F841 - the op, and the free of the previous c, is the workload
+    t1 = time.perf_counter()
+    torch.cumulus.synchronize()
+    t2 = time.perf_counter()
+    return (t1 - t0) / n * 1e6, n / (t2 - t0)
+
+
+def sync_rtt_us(rounds: int) -> float:
+    samples = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        torch.cumulus.synchronize()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples) * 1e6
+
+
+def transfer_mb_s(mbytes: int, repeats: int) -> tuple[float, float]:
+    host = torch.randn(mbytes * 1024 * 1024 // 4)
+    up, down = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dev = host.to("cumulus")
+        torch.cumulus.synchronize()
+        up.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        back = dev.cpu()
+        down.append(time.perf_counter() - t0)
+        del dev, back
+    return mbytes / min(up), mbytes / min(down)
+
+
+def step_time(task: str, device: str, steps: int) -> float:
+    spec = TASKS[task]
+    torch.manual_seed(0)
+    model = spec.make_model().to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    batches = [tuple(t.to(device) for t in spec.make_batch(gen)) for _ in range(4)]
+
+    def one(i):
+        x, y = batches[i % len(batches)]
+        opt.zero_grad()
+        loss = spec.loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()  # a sync point every step, as real loops log the loss
+
+    for i in range(3):
+        one(i)
+    samples = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        one(i)
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (< 60 s)")
+    parser.add_argument("--device", default="cpu", help="executor device: cpu, cuda or auto")
+    args = parser.parse_args()
+    q = args.quick
+    with executor_process(device=args.device) as (address, _):
+        with remote.attach(address) as session:
+            us_per_op, ops_per_s = dispatch_cost(5_000 if q else 50_000)
+            rtt = sync_rtt_us(300 if q else 3000)
+            up, down = transfer_mb_s(32 if q else 128, 2 if q else 5)
+            ratios = {}
+            for task in ("mlp", "transformer"):
+                local = step_time(task, "cpu", 10 if q else 50)
+                far = step_time(task, "cumulus", 10 if q else 50)
+                ratios[task] = far / local
+            device = session.info["device"]
+    result = {
+        "executor_device": device,
+        "dispatch_us_per_op": round(us_per_op, 2),
+        "ops_per_s": round(ops_per_s),
+        "sync_rtt_us": round(rtt, 1),
+        "raw_tcp_rtt_us": round(raw_tcp_rtt_us(300 if q else 3000), 1),
+        "upload_mb_s": round(up, 1),
+        "download_mb_s": round(down, 1),
+        "step_ratio_mlp": round(ratios["mlp"], 3),
+        "step_ratio_transformer": round(ratios["transformer"], 3),
+    }
+    print(json.dumps(result, indent=2))
+    out = Path(__file__).parent / "results" / "remote.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,381 @@
+"""The order book: live offers and bids, price-time priority, partial fills. Sans-IO.
+
+Theory of operation
+-------------------
+Offers rest in one sorted list per resource class (GPU model, VRAM), keyed by
+``(price, created_at, host, offer_id)``: cheapest first, then oldest, then a canonical
+tie-break on the author's peer ID and order id. Bids rest in one sorted list keyed by
+``(-max_price, created_at, consumer, bid_id)``: highest limit first. Keys never
+involve arrival order, so every node that holds the same messages holds the same
+book and computes the same matches.
+
+Each ``(side, author, order_id)`` has a *version*: the highest nonce seen for it and
+how long that knowledge must be kept. A message with a higher nonce replaces the
+order (amendment), a ``Cancel`` with a higher nonce removes it and stays as a
+tombstone, and a message with a lower nonce is ignored. If an author signs two
+different messages with the same nonce, the one with the smaller canonical encoding
+wins, so even equivocation cannot make two books differ. Versions are kept until the
+latest expiry of any message seen for the key; past that, the envelope validator
+refuses the old messages as expired, so forgetting is safe.
+
+Inserting never matches: matching is a separate, deterministic step. ``match_bid``
+fills one incoming bid against resting offers; ``match`` clears resting bids in bid
+priority order, each against the best offers. A fill takes
+``min(bid shares left, offer shares left)`` at the offer's price, so an offer is
+never over-filled and leftovers stay for later bids.
+
+Scale: an insert is a dict update plus a sorted-list insertion (O(log n)); a match
+walks offers from the best price and stops at the bid's limit or when it is filled.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from sortedcontainers import SortedList
+
+from .messages import Bid, Cancel, Offer, PriorityClass, Side, encode_message
+
+__all__ = ["BookStatistics", "Fill", "InsertStatus", "OrderBook", "RestingOrder"]
+
+
+class InsertStatus(enum.Enum):
+    """What ``OrderBook.insert`` did with a message."""
+
+    ADDED = "added"
+    REPLACED = "replaced an older version"
+    CANCELLED = "cancelled"
+    DUPLICATE = "duplicate"
+    SUPERSEDED = "superseded by a newer nonce"
+    EQUIVOCATION = "another message with the same nonce exists"
+    EXPIRED = "expired"
+
+    @property
+    def changed_book(self) -> bool:
+        """Whether the book's live orders changed."""
+        return self in (InsertStatus.ADDED, InsertStatus.REPLACED, InsertStatus.CANCELLED)
+
+
+@dataclass(frozen=True, slots=True)
+class Fill:
+    """Shares of one offer matched to one bid, at the offer's price."""
+
+    consumer: str
+    bid_id: str
+    host: str
+    offer_id: str
+    offer_nonce: int
+    shares: int
+    price: int
+    priority: PriorityClass
+
+
+@dataclass(frozen=True, slots=True)
+class RestingOrder:
+    """A live order and the shares it has left."""
+
+    order: Offer | Bid
+    remaining: int
+
+
+@dataclass(frozen=True, slots=True)
+class BookStatistics:
+    """Counts of what the book holds."""
+
+    offers: int
+    bids: int
+    resource_classes: int
+    versions: int
+
+
+@dataclass(slots=True)
+class _Version:
+    nonce: int
+    retain_until: float
+    # The winning message for this nonce (an order, or the cancel's tombstone).
+    message: Offer | Bid | Cancel
+
+
+@dataclass(slots=True)
+class _Live:
+    order: Offer | Bid
+    key: tuple
+    remaining: int
+
+
+@dataclass(slots=True)
+class _ClassIndex:
+    gpu_model: str
+    vram_mib: int
+    keys: SortedList = field(default_factory=SortedList)
+
+
+def _offer_key(offer: Offer) -> tuple:
+    return (offer.price, offer.created_at, offer.host, offer.offer_id)
+
+
+def _bid_key(bid: Bid) -> tuple:
+    return (-bid.max_price, bid.created_at, bid.consumer, bid.bid_id)
+
+
+class OrderBook:
+    """Every live offer and bid this node knows, for all resource classes.
+
+    Feed it messages that passed the envelope validator and ``open_message``; it
+    trusts that their authors signed them. All methods take ``now`` where time matters
+    and never read a clock.
+    """
+
+    def __init__(self) -> None:
+        self._classes: dict[tuple[str, int], _ClassIndex] = {}
+        self._offers: dict[tuple[str, str], _Live] = {}
+        self._bids: dict[tuple[str, str], _Live] = {}
+        self._bid_keys = SortedList()
+        self._versions: dict[tuple[Side, str, str], _Version] = {}
+        # (time, tie, side, author, order_id, nonce): nonce -1 marks a version deadline.
+        self._deadlines: list[tuple[float, int, Side, str, str, int]] = []
+        self._tie = itertools.count()
+
+    # -- inserting ----------------------------------------------------------------------
+
+    def insert(self, message: Offer | Bid | Cancel, *, now: float) -> InsertStatus:
+        """Add, replace or cancel an order.
+
+        Args:
+            message: An authenticated offer, bid or cancel.
+            now: The current Unix time.
+
+        Returns:
+            What happened. Only ``ADDED``, ``REPLACED`` and ``CANCELLED`` change the
+            live orders; the other statuses leave the book as it was.
+        """
+        if message.expires_at <= now:
+            return InsertStatus.EXPIRED
+        kind = type(message)
+        if kind is Offer:
+            side, author, order_id = Side.OFFER, message.host, message.offer_id
+        elif kind is Bid:
+            side, author, order_id = Side.BID, message.consumer, message.bid_id
+        else:
+            side, author, order_id = message.side, message.author, message.order_id
+        vkey = (side, author, order_id)
+        version = self._versions.get(vkey)
+        if version is not None:
+            if message.expires_at > version.retain_until:
+                version.retain_until = message.expires_at
+                self._push_deadline(message.expires_at, side, author, order_id, -1)
+            if message.nonce < version.nonce:
+                return InsertStatus.SUPERSEDED
+            if message.nonce == version.nonce:
+                if message == version.message:
+                    return InsertStatus.DUPLICATE
+                if encode_message(message) >= encode_message(version.message):
+                    return InsertStatus.EQUIVOCATION
+            version.nonce = message.nonce
+            version.message = message
+            replaced = self._remove_live(side, author, order_id)
+        else:
+            self._versions[vkey] = _Version(message.nonce, message.expires_at, message)
+            self._push_deadline(message.expires_at, side, author, order_id, -1)
+            replaced = False
+        if kind is Cancel:
+            return InsertStatus.CANCELLED
+        self._add_live(side, message, author, order_id)
+        if message.expires_at < self._versions[vkey].retain_until:
+            # Otherwise the version's own deadline drops the order, with one heap entry.
+            self._push_deadline(message.expires_at, side, author, order_id, message.nonce)
+        return InsertStatus.REPLACED if replaced else InsertStatus.ADDED
+
+    def _add_live(self, side: Side, order: Offer | Bid, author: str, order_id: str) -> None:
+        if side is Side.OFFER:
+            key = _offer_key(order)
+            resource_class = (order.gpu_model, order.vram_mib)
+            index = self._classes.get(resource_class)
+            if index is None:
+                index = self._classes[resource_class] = _ClassIndex(*resource_class)
+            index.keys.add(key)
+            self._offers[(author, order_id)] = _Live(order, key, order.shares_free)
+        else:
+            key = _bid_key(order)
+            self._bid_keys.add(key)
+            self._bids[(author, order_id)] = _Live(order, key, order.shares)
+
+    def _remove_live(self, side: Side, author: str, order_id: str) -> bool:
+        if side is Side.OFFER:
+            live = self._offers.pop((author, order_id), None)
+            if live is None:
+                return False
+            index = self._classes[live.order.resource_class]
+            index.keys.remove(live.key)
+            if not index.keys:
+                del self._classes[live.order.resource_class]
+        else:
+            live = self._bids.pop((author, order_id), None)
+            if live is None:
+                return False
+            self._bid_keys.remove(live.key)
+        return True
+
+    def _push_deadline(
+        self, at: float, side: Side, author: str, order_id: str, nonce: int
+    ) -> None:
+        heapq.heappush(self._deadlines, (at, next(self._tie), side, author, order_id, nonce))
+
+    # -- expiry -------------------------------------------------------------------------
+
+    def expire(self, now: float) -> int:
+        """Drop orders (and forget versions) that have expired by ``now``.
+
+        Returns:
+            How many live orders were dropped.
+        """
+        dropped = 0
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] <= now:
+            _, _, side, author, order_id, nonce = heapq.heappop(deadlines)
+            if nonce < 0:
+                version = self._versions.get((side, author, order_id))
+                if version is not None and version.retain_until <= now:
+                    del self._versions[(side, author, order_id)]
+            # A version deadline also stands for an order that expires with it (no entry
+            # of its own was pushed), even if the version itself was since extended.
+            live = (self._offers if side is Side.OFFER else self._bids).get((author, order_id))
+            if live is not None and live.order.expires_at <= now:
+                dropped += self._remove_live(side, author, order_id)
+        return dropped
+
+    # -- matching -----------------------------------------------------------------------
+
+    def candidates(self, bid: Bid) -> Iterator[RestingOrder]:
+        """Offers that meet ``bid``'s requirements and limit, best first.
+
+        Best means price-time priority: lowest price, then earliest ``created_at``,
+        then the canonical tie-break. Offers from the bid's own author are skipped.
+        Do not change the book while iterating.
+        """
+        ceiling = (bid.max_price, math.inf)
+        lists = [
+            index.keys.irange(maximum=ceiling)
+            for index in self._classes.values()
+            if index.vram_mib >= bid.min_vram_mib
+            and (not bid.gpu_models or index.gpu_model in bid.gpu_models)
+        ]
+        offers = self._offers
+        for key in heapq.merge(*lists) if len(lists) != 1 else lists[0]:
+            live = offers[(key[2], key[3])]
+            order = live.order
+            if (
+                order.perf_units >= bid.min_perf_units
+                and order.min_lease_s <= bid.duration_s
+                and order.host != bid.consumer
+            ):
+                yield RestingOrder(order, live.remaining)
+
+    def match_bid(self, bid: Bid, *, now: float) -> list[Fill]:
+        """Fill an incoming bid against resting offers and take the shares from them.
+
+        The bid itself is not rested; insert it for that. An expired bid fills nothing.
+
+        Args:
+            bid: The bid to fill.
+            now: The current Unix time; expired orders are dropped first.
+
+        Returns:
+            The fills, best offer first; their shares sum to at most ``bid.shares``.
+        """
+        self.expire(now)
+        if bid.expires_at <= now:
+            return []
+        return self._fill(bid, bid.shares)
+
+    def match(self, *, now: float) -> list[Fill]:
+        """Clear resting bids against resting offers, best bid first.
+
+        Filled shares are taken from both sides; fully filled orders leave the book,
+        partly filled ones stay with what is left. The result depends only on the set
+        of live orders, never on the order in which they arrived.
+
+        Returns:
+            All fills, in the order they were made.
+        """
+        self.expire(now)
+        fills: list[Fill] = []
+        for key in list(self._bid_keys):
+            live = self._bids[(key[2], key[3])]
+            made = self._fill(live.order, live.remaining)
+            if not made:
+                continue
+            fills.extend(made)
+            live.remaining -= sum(f.shares for f in made)
+            if live.remaining == 0:
+                self._remove_live(Side.BID, key[2], key[3])
+        return fills
+
+    def _fill(self, bid: Bid, wanted: int) -> list[Fill]:
+        taken: list[tuple[Offer, int]] = []
+        for resting in self.candidates(bid):
+            shares = min(wanted, resting.remaining)
+            taken.append((resting.order, shares))
+            wanted -= shares
+            if wanted == 0:
+                break
+        fills = []
+        for offer, shares in taken:
+            live = self._offers[(offer.host, offer.offer_id)]
+            live.remaining -= shares
+            if live.remaining == 0:
+                self._remove_live(Side.OFFER, offer.host, offer.offer_id)
+            fills.append(
+                Fill(
+                    bid.consumer,
+                    bid.bid_id,
+                    offer.host,
+                    offer.offer_id,
+                    offer.nonce,
+                    shares,
+                    offer.price,
+                    bid.priority,
+                )
+            )
+        return fills
+
+    # -- inspection ---------------------------------------------------------------------
+
+    def get(self, side: Side, author: str, order_id: str) -> RestingOrder | None:
+        """The live order ``(side, author, order_id)``, or ``None``."""
+        live = (self._offers if side is Side.OFFER else self._bids).get((author, order_id))
+        return None if live is None else RestingOrder(live.order, live.remaining)
+
+    def offers(self) -> Iterator[RestingOrder]:
+        """Every live offer, in no particular order."""
+        return (RestingOrder(live.order, live.remaining) for live in self._offers.values())
+
+    def bids(self) -> Iterator[RestingOrder]:
+        """Every live bid, in priority order (highest limit, then oldest, then key)."""
+        return (
+            RestingOrder(live.order, live.remaining)
+            for live in (self._bids[(k[2], k[3])] for k in self._bid_keys)
+        )
+
+    def snapshot(self) -> tuple[tuple[Side, str, str, int, int], ...]:
+        """A canonical summary of the live orders: ``(side, author, id, nonce, left)``.
+
+        Two books with equal snapshots hold the same live orders.
+        """
+        rows = [
+            (side, author, order_id, live.order.nonce, live.remaining)
+            for side, table in ((Side.OFFER, self._offers), (Side.BID, self._bids))
+            for (author, order_id), live in table.items()
+        ]
+        return tuple(sorted(rows))
+
+    def statistics(self) -> BookStatistics:
+        """How much the book holds."""
+        return BookStatistics(
+            len(self._offers), len(self._bids), len(self._classes), len(self._versions)
+        )

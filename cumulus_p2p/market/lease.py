@@ -1,0 +1,257 @@
+"""Lease negotiation, host side: reserve shares atomically or refuse with a reason. Sans-IO.
+
+Theory of operation
+-------------------
+A host publishes its own offers into its ``LeaseBook``; each offer id is a pool of
+free shares. A consumer sends a signed ``LeaseProposal``; ``LeaseBook.propose`` runs it
+through, in order:
+
+1. the envelope validator (shape, signature, expiry, replay) - nothing else is looked
+   at for a forged or replayed proposal;
+2. the proposal's own terms against this host: addressed to us, sent by its signer,
+   lease id unused, offer known and live, price at least the offer's, duration at
+   least the offer's minimum, start time near now;
+3. capacity: the shares must be free.
+
+Only when every check passes are the shares taken from the pool and the proposal
+countersigned, in one synchronous call. The trio shell calls ``propose`` without
+awaiting in between, so concurrent proposals are serialized by construction and the
+pool can never go negative: nothing is double-booked. A refused proposal changes
+nothing except the validator's memory of its nonce (so its replay is refused too).
+
+Shares return to the pool when the lease ends (``expire``) or is released. When the
+host re-announces an offer (a newer nonce), the pool takes the new ``shares_free``:
+announce ``free_shares(offer_id)`` to keep the two in step.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from dataclasses import dataclass
+
+from .._errors import MalformedMessageError
+from ..envelope import EnvelopeValidator, Rejected, Rejection
+from ..identity import NodeIdentity
+from .messages import Lease, LeaseProposal, Offer, open_message
+
+__all__ = ["LeaseBook", "RefusalReason", "Refusal", "Reservation"]
+
+
+class RefusalReason(enum.Enum):
+    """Why a host refused a lease proposal."""
+
+    MALFORMED = "malformed"
+    BAD_SIGNATURE = "bad signature"
+    EXPIRED = "proposal expired"
+    REPLAYED = "replayed"
+    WRONG_HOST = "addressed to another host"
+    WRONG_SENDER = "sent by someone other than its signer"
+    DUPLICATE_LEASE_ID = "lease id already used"
+    UNKNOWN_OFFER = "no such offer"
+    OFFER_EXPIRED = "offer expired"
+    PRICE_MISMATCH = "price below the offer's"
+    TOO_SHORT = "shorter than the offer's minimum lease"
+    BAD_START = "start time too far from now"
+    NO_CAPACITY = "not enough free shares"
+    OVERLOADED = "host overloaded"
+
+    @property
+    def is_peer_fault(self) -> bool:
+        """Whether the proposer misbehaved (as opposed to bad luck or our load)."""
+        return self in _PEER_FAULTS
+
+
+_PEER_FAULTS = frozenset(
+    {
+        RefusalReason.MALFORMED,
+        RefusalReason.BAD_SIGNATURE,
+        RefusalReason.REPLAYED,
+        RefusalReason.WRONG_SENDER,
+        RefusalReason.DUPLICATE_LEASE_ID,
+    }
+)
+
+_FROM_REJECTION = {
+    Rejection.MALFORMED: RefusalReason.MALFORMED,
+    Rejection.OVERSIZED: RefusalReason.MALFORMED,
+    Rejection.UNKNOWN_KIND: RefusalReason.MALFORMED,
+    Rejection.BAD_SIGNATURE: RefusalReason.BAD_SIGNATURE,
+    Rejection.EXPIRED: RefusalReason.EXPIRED,
+    Rejection.TOO_FAR_IN_FUTURE: RefusalReason.MALFORMED,
+    Rejection.REPLAYED: RefusalReason.REPLAYED,
+    Rejection.STALE_NONCE: RefusalReason.REPLAYED,
+    Rejection.REPLAY_CACHE_FULL: RefusalReason.OVERLOADED,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A refused proposal: the reason and a sentence for the consumer."""
+
+    reason: RefusalReason
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Shares held for a granted lease until ``end_at``."""
+
+    lease: Lease
+    proposal: LeaseProposal
+
+    @property
+    def end_at(self) -> float:
+        """When the shares return to the pool."""
+        return self.proposal.end_at
+
+
+@dataclass(slots=True)
+class _Pool:
+    offer: Offer
+    free: int
+
+
+class LeaseBook:
+    """The host's offers, their free shares and the leases granted against them.
+
+    Args:
+        identity: The host; it countersigns granted leases.
+        max_start_skew: How far (seconds) a proposal's start may be from ``now``.
+        max_proposal_ttl: Longest proposal lifetime accepted (the replay memory bound).
+    """
+
+    def __init__(
+        self,
+        identity: NodeIdentity,
+        *,
+        max_start_skew: float = 300.0,
+        max_proposal_ttl: float = 600.0,
+    ) -> None:
+        self._identity = identity
+        self._peer_id = identity.peer_id.to_base58()
+        self._validator = EnvelopeValidator([LeaseProposal.KIND], max_ttl=max_proposal_ttl)
+        self._max_start_skew = max_start_skew
+        self._pools: dict[str, _Pool] = {}
+        self._leases: dict[str, Reservation] = {}
+        self._ends: list[tuple[float, str]] = []
+
+    @property
+    def peer_id(self) -> str:
+        """The host's peer ID (base58)."""
+        return self._peer_id
+
+    def publish(self, offer: Offer) -> None:
+        """Put one of this host's offers up for leasing, or re-announce it.
+
+        A newer nonce for the same ``offer_id`` replaces the terms and sets the free
+        shares to ``offer.shares_free``; an older or equal nonce is ignored.
+
+        Raises:
+            ValueError: The offer names another host.
+        """
+        if offer.host != self._peer_id:
+            raise ValueError(f"offer names host {offer.host}, this host is {self._peer_id}")
+        pool = self._pools.get(offer.offer_id)
+        if pool is None or offer.nonce > pool.offer.nonce:
+            self._pools[offer.offer_id] = _Pool(offer, offer.shares_free)
+
+    def withdraw(self, offer_id: str) -> None:
+        """Stop leasing from ``offer_id``; granted leases are unaffected."""
+        self._pools.pop(offer_id, None)
+
+    def free_shares(self, offer_id: str) -> int:
+        """Shares of ``offer_id`` free now (0 for an unknown offer)."""
+        pool = self._pools.get(offer_id)
+        return 0 if pool is None else pool.free
+
+    def leases(self) -> list[Reservation]:
+        """The leases currently holding shares."""
+        return list(self._leases.values())
+
+    def propose(self, raw: bytes, *, now: float, sender: str | None = None) -> Lease | Refusal:
+        """Grant or refuse a lease proposal.
+
+        Args:
+            raw: The proposal's envelope bytes, as received.
+            now: The current Unix time.
+            sender: The authenticated peer ID it arrived from, when known; it must
+                be the proposal's signer.
+
+        Returns:
+            The countersigned ``Lease`` (the shares are now reserved), or a
+            ``Refusal``. A refusal changes nothing but the replay memory.
+        """
+        checked = self._validator.validate(raw, now=now)
+        if isinstance(checked, Rejected):
+            return Refusal(_FROM_REJECTION[checked.reason], checked.detail)
+        try:
+            proposal = open_message(checked)
+        except MalformedMessageError as exc:
+            return Refusal(RefusalReason.MALFORMED, str(exc))
+        if type(proposal) is not LeaseProposal:
+            return Refusal(RefusalReason.MALFORMED, "not a lease proposal")
+        refusal = self._check_terms(proposal, now, sender)
+        if refusal is not None:
+            return refusal
+        pool = self._pools[proposal.offer_id]
+        pool.free -= proposal.shares
+        lease = Lease.countersign(self._identity, checked)
+        self._leases[proposal.lease_id] = Reservation(lease, proposal)
+        heapq.heappush(self._ends, (proposal.end_at, proposal.lease_id))
+        return lease
+
+    def _check_terms(
+        self, proposal: LeaseProposal, now: float, sender: str | None
+    ) -> Refusal | None:
+        if proposal.host != self._peer_id:
+            return Refusal(RefusalReason.WRONG_HOST, f"this host is {self._peer_id}")
+        if sender is not None and sender != proposal.consumer:
+            return Refusal(RefusalReason.WRONG_SENDER, f"signed by {proposal.consumer}")
+        if proposal.lease_id in self._leases:
+            return Refusal(RefusalReason.DUPLICATE_LEASE_ID, proposal.lease_id)
+        pool = self._pools.get(proposal.offer_id)
+        if pool is None:
+            return Refusal(RefusalReason.UNKNOWN_OFFER, proposal.offer_id)
+        offer = pool.offer
+        if offer.expires_at <= now:
+            return Refusal(RefusalReason.OFFER_EXPIRED, f"offer expired at {offer.expires_at}")
+        if proposal.price < offer.price:
+            return Refusal(
+                RefusalReason.PRICE_MISMATCH, f"offered {proposal.price}, asking {offer.price}"
+            )
+        if proposal.duration_s < offer.min_lease_s:
+            return Refusal(RefusalReason.TOO_SHORT, f"minimum lease is {offer.min_lease_s}s")
+        if abs(proposal.start_at - now) > self._max_start_skew:
+            return Refusal(RefusalReason.BAD_START, f"start {proposal.start_at}, now {now}")
+        if proposal.shares > pool.free:
+            return Refusal(
+                RefusalReason.NO_CAPACITY, f"{proposal.shares} wanted, {pool.free} free"
+            )
+        return None
+
+    def release(self, lease_id: str) -> bool:
+        """End a lease early and return its shares. Returns whether it was held."""
+        reservation = self._leases.pop(lease_id, None)
+        if reservation is None:
+            return False
+        pool = self._pools.get(reservation.proposal.offer_id)
+        if pool is not None:
+            pool.free += reservation.proposal.shares
+        return True
+
+    def expire(self, now: float) -> list[Reservation]:
+        """End the leases whose time is up and forget expired proposal nonces.
+
+        Returns:
+            The leases that ended.
+        """
+        ended = []
+        while self._ends and self._ends[0][0] <= now:
+            _, lease_id = heapq.heappop(self._ends)
+            reservation = self._leases.get(lease_id)
+            if reservation is not None and reservation.end_at <= now:
+                self.release(lease_id)
+                ended.append(reservation)
+        self._validator.expire(now)
+        return ended

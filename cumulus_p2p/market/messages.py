@@ -1,0 +1,641 @@
+"""The market's wire messages: typed, frozen, validated on construction.
+
+Each message is a frozen dataclass whose ``__post_init__`` checks every field, so an
+invalid message cannot exist: building one locally with a bad value raises
+``InvalidMessageError`` (our bug); decoding one from a peer raises
+``MalformedMessageError`` (their fault).
+
+Encoding: a message's body is the canonical msgpack array of its fields in declaration
+order (enums as their values, tuples as arrays). Decoding re-encodes and compares, so
+each message has exactly one encoding. Messages travel signed inside an ``Envelope``
+whose kind is the class's ``KIND``; the envelope's ``expires_at`` and ``nonce`` must
+equal the message's, and its author must be the peer the message names (``host``,
+``consumer`` or ``author``). ``seal_message`` and ``open_message`` enforce that pairing.
+
+Money is an integer number of micro-credits, so prices compare exactly and every node
+computes the same book. Times are Unix seconds (floats); durations whole seconds.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, fields
+from functools import lru_cache
+from typing import Any, ClassVar, TypeAlias
+
+import msgpack
+
+from .._errors import (
+    EnvelopeRejectedError,
+    InvalidCountersignatureError,
+    InvalidMessageError,
+    MalformedMessageError,
+)
+from ..envelope import Envelope, seal
+from ..identity import NodeIdentity, peer_id_from_public_key, verify
+
+__all__ = [
+    "KINDS",
+    "Bid",
+    "Cancel",
+    "CountersignedReceipt",
+    "Lease",
+    "LeaseProposal",
+    "MarketMessage",
+    "Offer",
+    "PriorityClass",
+    "Receipt",
+    "Side",
+    "decode_message",
+    "encode_message",
+    "open_message",
+    "peer_id_of",
+    "seal_message",
+]
+
+_MAX_ID = 64
+_MAX_PEER_ID = 128
+_MAX_TEXT = 64
+_MAX_MODELS = 16
+_MAX_U64 = 2**64 - 1
+_COUNTERSIGN_DOMAIN = "cumulus/countersign/v1"
+
+
+class PriorityClass(enum.IntEnum):
+    """How a consumer wants its lease treated.
+
+    ``ON_DEMAND`` leases run to their end; ``INTERRUPTIBLE`` leases may be preempted by
+    the host and are usually cheaper.
+    """
+
+    ON_DEMAND = 0
+    INTERRUPTIBLE = 1
+
+
+class Side(enum.IntEnum):
+    """Which side of the book an order (or its cancellation) is on."""
+
+    OFFER = 0
+    BID = 1
+
+
+def _bad(cls: type, name: str, why: str) -> InvalidMessageError:
+    return InvalidMessageError(f"{cls.__name__}.{name} {why}")
+
+
+def _check_int(msg: object, name: str, lo: int, hi: int = _MAX_U64) -> None:
+    value = getattr(msg, name)
+    if type(value) is not int or not lo <= value <= hi:
+        raise _bad(type(msg), name, f"must be an int in {lo}..{hi}, got {value!r}")
+
+
+def _check_float(msg: object, name: str) -> None:
+    value = getattr(msg, name)
+    # Accept ints from local callers for convenience; store the float so the encoding is
+    # canonical. Decoded peer input is held to the float type by the re-encode check.
+    if type(value) is int:
+        value = float(value)
+        object.__setattr__(msg, name, value)
+    if type(value) is not float or not math.isfinite(value) or value < 0:
+        raise _bad(type(msg), name, f"must be a finite, non-negative float, got {value!r}")
+
+
+def _check_text(msg: object, name: str, max_len: int, *, allow_empty: bool = False) -> None:
+    value = getattr(msg, name)
+    if type(value) is not str or len(value) > max_len or (not value and not allow_empty):
+        raise _bad(type(msg), name, f"must be a {'' if allow_empty else 'non-empty '}string "
+                   f"of at most {max_len} characters, got {value!r}")
+
+
+def _check_bytes(msg: object, name: str, size: int | None = None) -> None:
+    value = getattr(msg, name)
+    if type(value) is not bytes or (size is not None and len(value) != size):
+        raise _bad(type(msg), name, f"must be {size or 'some'} bytes")
+
+
+def _check_enum(msg: object, name: str, enum_type: type[enum.IntEnum]) -> None:
+    value = getattr(msg, name)
+    if type(value) is enum_type:
+        return
+    if type(value) is int and value in enum_type._value2member_map_:
+        object.__setattr__(msg, name, enum_type(value))
+        return
+    raise _bad(type(msg), name, f"must be a {enum_type.__name__}, got {value!r}")
+
+
+def _check_window(msg: Any) -> None:
+    if msg.created_at > msg.expires_at:
+        raise _bad(type(msg), "expires_at", "must not be before created_at")
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """A host's signed advertisement of GPU capacity.
+
+    Attributes:
+        host: The host's peer ID (base58); must be the envelope's author.
+        offer_id: The host's name for this offer; a newer nonce with the same id
+            replaces it.
+        gpu_model: The GPU model, e.g. ``"RTX 4090"``.
+        vram_mib: GPU memory, MiB.
+        perf_units: Measured performance units (from the host's self benchmark).
+        shares_free: Share units offered.
+        price: Micro-credits per share-hour.
+        min_lease_s: Shortest lease accepted, seconds.
+        region: A free-form hint such as ``"eu-west"``; may be empty.
+        created_at: When the host made the offer (time priority in the book).
+        expires_at: When the offer lapses.
+        nonce: The host's increasing nonce.
+    """
+
+    KIND: ClassVar[str] = "market/offer"
+    AUTHOR_FIELD: ClassVar[str] = "host"
+
+    host: str
+    offer_id: str
+    gpu_model: str
+    vram_mib: int
+    perf_units: int
+    shares_free: int
+    price: int
+    min_lease_s: int
+    region: str
+    created_at: float
+    expires_at: float
+    nonce: int
+
+    def __post_init__(self) -> None:
+        _check_text(self, "host", _MAX_PEER_ID)
+        _check_text(self, "offer_id", _MAX_ID)
+        _check_text(self, "gpu_model", _MAX_TEXT)
+        _check_int(self, "vram_mib", 1, 2**32)
+        _check_int(self, "perf_units", 0, 2**32)
+        _check_int(self, "shares_free", 1, 2**16)
+        _check_int(self, "price", 0, 2**48)
+        _check_int(self, "min_lease_s", 0, 2**32)
+        _check_text(self, "region", _MAX_TEXT, allow_empty=True)
+        _check_float(self, "created_at")
+        _check_float(self, "expires_at")
+        _check_int(self, "nonce", 0)
+        _check_window(self)
+
+    @property
+    def resource_class(self) -> tuple[str, int]:
+        """The book this offer rests in: (GPU model, VRAM MiB)."""
+        return (self.gpu_model, self.vram_mib)
+
+    @property
+    def author(self) -> str:
+        """The signing peer."""
+        return self.host
+
+    @property
+    def order_id(self) -> str:
+        """The id under which the author may replace or cancel this order."""
+        return self.offer_id
+
+
+@dataclass(frozen=True, slots=True)
+class Bid:
+    """A consumer's signed request for GPU capacity.
+
+    Attributes:
+        consumer: The consumer's peer ID; must be the envelope's author.
+        bid_id: The consumer's name for this bid.
+        min_vram_mib: Least GPU memory acceptable, MiB.
+        gpu_models: Acceptable GPU models; empty means any model.
+        min_perf_units: Least performance acceptable.
+        shares: Share units wanted.
+        max_price: Most micro-credits per share-hour the consumer pays.
+        priority: ``ON_DEMAND`` or ``INTERRUPTIBLE``.
+        duration_s: Expected lease length, seconds.
+        created_at: When the bid was made (time priority in the book).
+        expires_at: When the bid lapses.
+        nonce: The consumer's increasing nonce.
+    """
+
+    KIND: ClassVar[str] = "market/bid"
+    AUTHOR_FIELD: ClassVar[str] = "consumer"
+
+    consumer: str
+    bid_id: str
+    min_vram_mib: int
+    gpu_models: tuple[str, ...]
+    min_perf_units: int
+    shares: int
+    max_price: int
+    priority: PriorityClass
+    duration_s: int
+    created_at: float
+    expires_at: float
+    nonce: int
+
+    def __post_init__(self) -> None:
+        _check_text(self, "consumer", _MAX_PEER_ID)
+        _check_text(self, "bid_id", _MAX_ID)
+        _check_int(self, "min_vram_mib", 0, 2**32)
+        models = self.gpu_models
+        if type(models) is list:
+            models = tuple(models)
+        if (
+            type(models) is not tuple
+            or len(models) > _MAX_MODELS
+            or any(type(m) is not str or not 0 < len(m) <= _MAX_TEXT for m in models)
+        ):
+            raise _bad(Bid, "gpu_models", f"must be up to {_MAX_MODELS} non-empty names")
+        # Sorted and unique, so equal requirements have equal encodings.
+        object.__setattr__(self, "gpu_models", tuple(sorted(set(models))))
+        _check_int(self, "min_perf_units", 0, 2**32)
+        _check_int(self, "shares", 1, 2**16)
+        _check_int(self, "max_price", 0, 2**48)
+        _check_enum(self, "priority", PriorityClass)
+        _check_int(self, "duration_s", 1, 2**32)
+        _check_float(self, "created_at")
+        _check_float(self, "expires_at")
+        _check_int(self, "nonce", 0)
+        _check_window(self)
+
+    @property
+    def author(self) -> str:
+        """The signing peer."""
+        return self.consumer
+
+    @property
+    def order_id(self) -> str:
+        """The id under which the author may replace or cancel this order."""
+        return self.bid_id
+
+    def accepts(self, offer: Offer) -> bool:
+        """Whether ``offer`` meets this bid's requirements (price aside)."""
+        return (
+            offer.vram_mib >= self.min_vram_mib
+            and offer.perf_units >= self.min_perf_units
+            and offer.min_lease_s <= self.duration_s
+            and (not self.gpu_models or offer.gpu_model in self.gpu_models)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """Withdraws the author's order ``(side, order_id)`` with a nonce below this one."""
+
+    KIND: ClassVar[str] = "market/cancel"
+    AUTHOR_FIELD: ClassVar[str] = "author"
+
+    author: str
+    side: Side
+    order_id: str
+    expires_at: float
+    nonce: int
+
+    def __post_init__(self) -> None:
+        _check_text(self, "author", _MAX_PEER_ID)
+        _check_enum(self, "side", Side)
+        _check_text(self, "order_id", _MAX_ID)
+        _check_float(self, "expires_at")
+        _check_int(self, "nonce", 0)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseProposal:
+    """A consumer's signed proposal to lease shares of one offer.
+
+    Attributes:
+        lease_id: Chosen by the consumer; unique (e.g. 16 random bytes in hex).
+        consumer: The consumer's peer ID; must be the envelope's author.
+        host: The host's peer ID.
+        offer_id: The offer leased from.
+        offer_nonce: The version of the offer the consumer saw.
+        shares: Share units leased.
+        price: Micro-credits per share-hour; at least the offer's price.
+        start_at: Lease start, Unix seconds.
+        duration_s: Lease length, seconds.
+        priority: ``ON_DEMAND`` or ``INTERRUPTIBLE``.
+        expires_at: The proposal lapses if the host has not answered by then.
+        nonce: The consumer's increasing nonce.
+    """
+
+    KIND: ClassVar[str] = "market/lease-proposal"
+    AUTHOR_FIELD: ClassVar[str] = "consumer"
+
+    lease_id: str
+    consumer: str
+    host: str
+    offer_id: str
+    offer_nonce: int
+    shares: int
+    price: int
+    start_at: float
+    duration_s: int
+    priority: PriorityClass
+    expires_at: float
+    nonce: int
+
+    def __post_init__(self) -> None:
+        _check_text(self, "lease_id", _MAX_ID)
+        _check_text(self, "consumer", _MAX_PEER_ID)
+        _check_text(self, "host", _MAX_PEER_ID)
+        _check_text(self, "offer_id", _MAX_ID)
+        _check_int(self, "offer_nonce", 0)
+        _check_int(self, "shares", 1, 2**16)
+        _check_int(self, "price", 0, 2**48)
+        _check_float(self, "start_at")
+        _check_int(self, "duration_s", 1, 2**32)
+        _check_enum(self, "priority", PriorityClass)
+        _check_float(self, "expires_at")
+        _check_int(self, "nonce", 0)
+
+    @property
+    def end_at(self) -> float:
+        """When the lease ends."""
+        return self.start_at + self.duration_s
+
+
+@dataclass(frozen=True, slots=True)
+class Receipt:
+    """A host's signed statement of usage under a lease for one interval.
+
+    Attributes:
+        lease_id: The lease metered.
+        seq: 0, 1, 2, ... per lease; ``(lease_id, seq)`` is the receipt's id.
+        interval_start: Start of the metered interval, Unix seconds.
+        interval_end: End of the metered interval.
+        share_seconds: Share units times seconds used in the interval.
+        bytes_moved: Bytes carried for the lease in the interval.
+        expires_at: The envelope's expiry (a receipt must be countersigned by then).
+        nonce: The host's increasing nonce.
+    """
+
+    KIND: ClassVar[str] = "market/receipt"
+    AUTHOR_FIELD: ClassVar[str] = "host"
+
+    lease_id: str
+    host: str
+    seq: int
+    interval_start: float
+    interval_end: float
+    share_seconds: int
+    bytes_moved: int
+    expires_at: float
+    nonce: int
+
+    def __post_init__(self) -> None:
+        _check_text(self, "lease_id", _MAX_ID)
+        _check_text(self, "host", _MAX_PEER_ID)
+        _check_int(self, "seq", 0, 2**32)
+        _check_float(self, "interval_start")
+        _check_float(self, "interval_end")
+        if self.interval_end < self.interval_start:
+            raise _bad(Receipt, "interval_end", "must not be before interval_start")
+        _check_int(self, "share_seconds", 0)
+        _check_int(self, "bytes_moved", 0)
+        _check_float(self, "expires_at")
+        _check_int(self, "nonce", 0)
+
+    @property
+    def receipt_id(self) -> str:
+        """``"<lease_id>/<seq>"``: the id ledgers deduplicate on."""
+        return f"{self.lease_id}/{self.seq}"
+
+
+MarketMessage: TypeAlias = Offer | Bid | Cancel | LeaseProposal | Receipt
+_BY_KIND: dict[str, type[Any]] = {
+    cls.KIND: cls for cls in (Offer, Bid, Cancel, LeaseProposal, Receipt)
+}
+KINDS = frozenset(_BY_KIND)
+
+
+def _packb(obj: object) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True, strict_types=True)
+
+
+def _wire_value(value: object) -> object:
+    if isinstance(value, enum.IntEnum):
+        return int(value)
+    if type(value) is tuple:
+        return list(value)
+    return value
+
+
+def encode_message(message: MarketMessage) -> bytes:
+    """Return the canonical msgpack body of ``message``."""
+    return _packb([_wire_value(getattr(message, f.name)) for f in fields(message)])
+
+
+def decode_message(kind: str, body: bytes) -> MarketMessage:
+    """Decode a message body of the given envelope kind.
+
+    Raises:
+        MalformedMessageError: Unknown kind, bad msgpack, wrong shape, an invalid field
+            value, or a non-canonical encoding.
+    """
+    cls = _BY_KIND.get(kind)
+    if cls is None:
+        raise MalformedMessageError(f"unknown market message kind {kind!r}")
+    try:
+        values = msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=True)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise MalformedMessageError(f"{cls.__name__} body is not msgpack: {exc}") from exc
+    if type(values) is not list or len(values) != len(fields(cls)):
+        raise MalformedMessageError(f"{cls.__name__} body must be an array of "
+                                    f"{len(fields(cls))} fields")
+    try:
+        message = cls(*values)
+    except InvalidMessageError as exc:
+        raise MalformedMessageError(str(exc)) from exc
+    if encode_message(message) != body:
+        raise MalformedMessageError(f"{cls.__name__} body is not the canonical encoding")
+    return message
+
+
+@lru_cache(maxsize=65536)
+def peer_id_of(public_key: bytes) -> str:
+    """The base58 peer ID of a raw public key (cached: base58 is slow in Python).
+
+    Raises:
+        ValueError: Not a valid ed25519 public key.
+    """
+    return peer_id_from_public_key(public_key).to_base58()
+
+
+def seal_message(identity: NodeIdentity, message: MarketMessage, *, now: float) -> Envelope:
+    """Sign ``message`` as ``identity``, with the message's own expiry and nonce.
+
+    Raises:
+        InvalidMessageError: ``identity`` is not the peer the message names as author,
+            or the message has already expired at ``now``.
+    """
+    author = getattr(message, type(message).AUTHOR_FIELD)
+    if author != identity.peer_id.to_base58():
+        raise InvalidMessageError(f"{type(message).__name__} names {author} as its author, "
+                                  f"but is being signed by {identity.peer_id.to_base58()}")
+    return seal(
+        identity,
+        message.KIND,
+        encode_message(message),
+        now=now,
+        ttl=message.expires_at - now,
+        nonce=message.nonce,
+    )
+
+
+def open_message(envelope: Envelope) -> MarketMessage:
+    """Decode a validated envelope's market message and check it matches the envelope.
+
+    Run the envelope through an ``EnvelopeValidator`` first; this checks what only the
+    market knows: the body's shape, and that its author, expiry and nonce are the
+    envelope's.
+
+    Raises:
+        MalformedMessageError: The body is invalid or disagrees with the envelope.
+    """
+    message = decode_message(envelope.kind, envelope.body)
+    try:
+        signer = peer_id_of(envelope.author)
+    except ValueError as exc:
+        raise MalformedMessageError("envelope author is not a valid public key") from exc
+    author = getattr(message, type(message).AUTHOR_FIELD)
+    if author != signer:
+        raise MalformedMessageError(f"{type(message).__name__} claims author {author} "
+                                    f"but was signed by {signer}")
+    if message.expires_at != envelope.expires_at or message.nonce != envelope.nonce:
+        raise MalformedMessageError("message expiry or nonce differs from its envelope's")
+    return message
+
+
+def _countersign_bytes(envelope: Envelope) -> bytes:
+    return _packb([_COUNTERSIGN_DOMAIN, envelope.to_bytes()])
+
+
+@dataclass(frozen=True, slots=True)
+class _Countersigned:
+    envelope: Envelope
+    countersignature: bytes
+
+    def __post_init__(self) -> None:
+        if type(self.envelope) is not Envelope:
+            raise _bad(type(self), "envelope", "must be an Envelope")
+        _check_bytes(self, "countersignature", 64)
+
+    def to_bytes(self) -> bytes:
+        """Canonical wire form: ``[envelope bytes, countersignature]``."""
+        return _packb([self.envelope.to_bytes(), self.countersignature])
+
+    def countersignature_valid(self, public_key: bytes) -> bool:
+        """Whether ``public_key`` countersigned exactly this envelope."""
+        return verify(public_key, _countersign_bytes(self.envelope), self.countersignature)
+
+    @classmethod
+    def _from_bytes(cls, raw: bytes, max_size: int) -> Any:
+        if len(raw) > max_size:
+            raise MalformedMessageError(f"{cls.__name__} of {len(raw)} bytes is too large")
+        try:
+            parts = msgpack.unpackb(raw, raw=False, use_list=True, strict_map_key=True)
+        except (ValueError, msgpack.UnpackException) as exc:
+            raise MalformedMessageError(f"{cls.__name__} is not msgpack: {exc}") from exc
+        if type(parts) is not list or len(parts) != 2 or type(parts[0]) is not bytes:
+            raise MalformedMessageError(f"{cls.__name__} must be [envelope, countersignature]")
+        try:
+            result = cls(Envelope.from_bytes(parts[0], max_size), parts[1])
+        except (EnvelopeRejectedError, InvalidMessageError) as exc:
+            raise MalformedMessageError(f"{cls.__name__}: {exc}") from exc
+        if result.to_bytes() != raw:
+            raise MalformedMessageError(f"{cls.__name__} is not the canonical encoding")
+        return result
+
+
+@dataclass(frozen=True, slots=True)
+class Lease(_Countersigned):
+    """A lease: the consumer's signed proposal, countersigned by the host.
+
+    Build it with ``Lease.countersign(host_identity, proposal_envelope)``.
+    """
+
+    @classmethod
+    def countersign(cls, host: NodeIdentity, proposal: Envelope) -> Lease:
+        """Return the lease ``host`` grants by countersigning ``proposal``."""
+        return cls(proposal, host.sign(_countersign_bytes(proposal)))
+
+    @property
+    def proposal(self) -> LeaseProposal:
+        """The decoded proposal.
+
+        Raises:
+            MalformedMessageError: The envelope does not hold a lease proposal.
+        """
+        message = open_message(self.envelope)
+        if type(message) is not LeaseProposal:
+            raise MalformedMessageError("a lease must wrap a lease proposal")
+        return message
+
+    def verify(self, host_public_key: bytes) -> LeaseProposal:
+        """Check both signatures and return the proposal.
+
+        Raises:
+            InvalidCountersignatureError: A signature does not verify, or the host key
+                is not the proposal's host.
+            MalformedMessageError: The envelope does not hold a valid proposal.
+        """
+        proposal = self.proposal
+        if not self.envelope.has_valid_signature():
+            raise InvalidCountersignatureError("the consumer's signature does not verify")
+        if peer_id_of(host_public_key) != proposal.host or not self.countersignature_valid(
+            host_public_key
+        ):
+            raise InvalidCountersignatureError("the host's countersignature does not verify")
+        return proposal
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, max_size: int = 16 * 1024) -> Lease:
+        """Decode a lease from peer bytes (signatures are checked by ``verify``).
+
+        Raises:
+            MalformedMessageError: Not a canonical lease encoding.
+        """
+        return cls._from_bytes(raw, max_size)
+
+
+@dataclass(frozen=True, slots=True)
+class CountersignedReceipt(_Countersigned):
+    """A host-signed receipt, countersigned by the consumer: both agree on the usage."""
+
+    @classmethod
+    def countersign(cls, consumer: NodeIdentity, receipt: Envelope) -> CountersignedReceipt:
+        """Return ``receipt`` countersigned by ``consumer``."""
+        return cls(receipt, consumer.sign(_countersign_bytes(receipt)))
+
+    @property
+    def receipt(self) -> Receipt:
+        """The decoded receipt.
+
+        Raises:
+            MalformedMessageError: The envelope does not hold a receipt.
+        """
+        message = open_message(self.envelope)
+        if type(message) is not Receipt:
+            raise MalformedMessageError("a countersigned receipt must wrap a receipt")
+        return message
+
+    def verify(self, consumer_public_key: bytes) -> Receipt:
+        """Check the host's signature and the consumer's countersignature.
+
+        Raises:
+            InvalidCountersignatureError: A signature does not verify.
+            MalformedMessageError: The envelope does not hold a valid receipt.
+        """
+        receipt = self.receipt
+        if not self.envelope.has_valid_signature():
+            raise InvalidCountersignatureError("the host's signature does not verify")
+        if not self.countersignature_valid(consumer_public_key):
+            raise InvalidCountersignatureError("the consumer's countersignature does not verify")
+        return receipt
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, max_size: int = 16 * 1024) -> CountersignedReceipt:
+        """Decode a countersigned receipt from peer bytes.
+
+        Raises:
+            MalformedMessageError: Not a canonical encoding.
+        """
+        return cls._from_bytes(raw, max_size)

@@ -1,0 +1,208 @@
+"""The lease protocol over a direct libp2p stream: a thin trio shell around ``LeaseBook``.
+
+One request, one response per stream, each a frame: a 4-byte big-endian length, then
+that many bytes. The request is the consumer's signed proposal envelope. The response
+is msgpack ``[True, lease_bytes]`` or ``[False, reason_name, detail]``.
+
+Server: ``LeaseServer(book)`` with ``rpc_propose_lease(request, context) -> bytes``;
+``serve_leases(host, server)`` registers it under ``LEASE_PROTOCOL``. Its handler
+catches every stream error itself: an exception escaping a py-libp2p handler breaks
+later streams on that connection (see LIBP2P-NOTES). ``rpc_propose_lease`` never
+awaits, so a check and its reservation can never interleave with another proposal.
+
+Client: ``call_propose_lease(host, peer, proposal) -> Lease``, which checks the host's
+countersignature against the key inside ``peer`` before returning.
+
+Use hosts built with Noise as their only security transport.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgpack
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.custom_types import TProtocol
+from libp2p.exceptions import BaseLibp2pError
+from libp2p.peer.id import ID
+
+from .._errors import (
+    FrameTooLargeError,
+    InvalidCountersignatureError,
+    LeaseRefusedError,
+    MalformedMessageError,
+)
+from ..envelope import Envelope
+from .lease import LeaseBook, Refusal, RefusalReason
+from .messages import Lease
+
+__all__ = [
+    "LEASE_PROTOCOL",
+    "LeaseServer",
+    "RpcContext",
+    "call_propose_lease",
+    "serve_leases",
+]
+
+LEASE_PROTOCOL = TProtocol("/cumulus/lease/1.0.0")
+MAX_FRAME = 16 * 1024
+_HEADER = 4
+
+
+@dataclass(frozen=True, slots=True)
+class RpcContext:
+    """Who a request came from: the Noise-authenticated peer ID (base58)."""
+
+    peer: str
+
+
+async def _read_exactly(stream: INetStream, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        # StreamEOF is raised on a short read; the caller's except clause handles it.
+        buf += await stream.read(n - len(buf))
+    return bytes(buf)
+
+
+async def _read_frame(stream: INetStream, max_size: int) -> bytes:
+    size = int.from_bytes(await _read_exactly(stream, _HEADER), "big")
+    if size > max_size:
+        raise FrameTooLargeError(f"frame of {size} bytes is over the limit of {max_size}")
+    return await _read_exactly(stream, size)
+
+
+async def _write_frame(stream: INetStream, payload: bytes) -> None:
+    await stream.write(len(payload).to_bytes(_HEADER, "big") + payload)
+
+
+def _packb(obj: object) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True, strict_types=True)
+
+
+class LeaseServer:
+    """Serves lease proposals from a ``LeaseBook``.
+
+    Args:
+        book: The host's lease book.
+        clock: Returns the current Unix time; the only clock read on this path.
+        timeout: Seconds a peer gets to send its request.
+    """
+
+    def __init__(
+        self,
+        book: LeaseBook,
+        *,
+        clock: Callable[[], float] = time.time,
+        timeout: float = 10.0,
+    ) -> None:
+        self.book = book
+        self._clock = clock
+        self._timeout = timeout
+
+    def rpc_propose_lease(self, request: bytes, context: RpcContext) -> bytes:
+        """Decide one proposal and return the encoded response. Synchronous on purpose.
+
+        Args:
+            request: The proposal envelope's bytes.
+            context: The authenticated sender.
+        """
+        now = self._clock()
+        self.book.expire(now)
+        result = self.book.propose(request, now=now, sender=context.peer)
+        if isinstance(result, Refusal):
+            return _packb([False, result.reason.name, result.detail])
+        return _packb([True, result.to_bytes()])
+
+    async def handle_stream(self, stream: INetStream) -> None:
+        """Serve one request on ``stream``; never raises stream errors."""
+        try:
+            with trio.fail_after(self._timeout):
+                request = await _read_frame(stream, MAX_FRAME)
+                context = RpcContext(stream.muxed_conn.peer_id.to_base58())
+                await _write_frame(stream, self.rpc_propose_lease(request, context))
+                await stream.close()
+        except (BaseLibp2pError, FrameTooLargeError, trio.TooSlowError):
+            # The peer hung up, stalled or sent a bad frame: drop this stream only.
+            await _reset_quietly(stream)
+
+
+async def _reset_quietly(stream: INetStream) -> None:
+    try:
+        await stream.reset()
+    except BaseLibp2pError:
+        pass  # Already torn down; nothing is left to release.
+
+
+def serve_leases(host: IHost, server: LeaseServer) -> None:
+    """Register ``server`` on ``host`` under ``LEASE_PROTOCOL``."""
+    host.set_stream_handler(LEASE_PROTOCOL, server.handle_stream)
+
+
+async def call_propose_lease(
+    host: IHost, peer: ID, proposal: Envelope, *, timeout: float = 10.0
+) -> Lease:
+    """Propose a lease to ``peer`` and return the countersigned lease.
+
+    Args:
+        host: This node's libp2p host, connected to (or able to dial) ``peer``.
+        peer: The host that published the offer.
+        proposal: The signed ``LeaseProposal`` envelope (see ``seal_message``).
+        timeout: Seconds for the whole exchange.
+
+    Returns:
+        The lease, with the host's countersignature verified.
+
+    Raises:
+        LeaseRefusedError: The host refused; ``reason`` is a ``RefusalReason``.
+        MalformedMessageError: The host answered with something invalid.
+        InvalidCountersignatureError: The host's countersignature does not verify, or
+            it countersigned a different proposal.
+        trio.TooSlowError: No answer within ``timeout``.
+        libp2p.exceptions.BaseLibp2pError: The stream could not be opened or broke.
+    """
+    host_key = peer.extract_public_key()
+    if host_key is None:
+        raise ValueError(f"peer ID {peer} does not embed its public key")
+    with trio.fail_after(timeout):
+        stream = await host.new_stream(peer, [LEASE_PROTOCOL])
+        try:
+            await _write_frame(stream, proposal.to_bytes())
+            response = await _read_frame(stream, MAX_FRAME)
+        finally:
+            await _close_quietly(stream)
+    lease = _decode_response(response)
+    if lease.envelope != proposal:
+        raise InvalidCountersignatureError("the host countersigned a different proposal")
+    lease.verify(host_key.to_bytes())
+    return lease
+
+
+async def _close_quietly(stream: INetStream) -> None:
+    try:
+        await stream.close()
+    except BaseLibp2pError:
+        pass  # The response is already in hand; a failed close loses nothing.
+
+
+def _decode_response(response: bytes) -> Lease:
+    try:
+        decoded = msgpack.unpackb(response, raw=False, use_list=True, strict_map_key=True)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise MalformedMessageError(f"lease response is not msgpack: {exc}") from exc
+    if type(decoded) is list and len(decoded) == 2 and decoded[0] is True:
+        if type(decoded[1]) is not bytes:
+            raise MalformedMessageError("lease response must carry the lease as bytes")
+        return Lease.from_bytes(decoded[1])
+    if (
+        type(decoded) is list
+        and len(decoded) == 3
+        and decoded[0] is False
+        and type(decoded[1]) is str
+        and decoded[1] in RefusalReason.__members__
+        and type(decoded[2]) is str
+    ):
+        raise LeaseRefusedError(RefusalReason[decoded[1]], decoded[2])
+    raise MalformedMessageError("lease response must be [True, lease] or [False, reason, detail]")

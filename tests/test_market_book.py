@@ -1,0 +1,257 @@
+"""Specs for cumulus_p2p.market.book: the order book, checked against a brute-force model."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cumulus_p2p.market.book import InsertStatus, OrderBook
+from cumulus_p2p.market.messages import (
+    Bid,
+    Cancel,
+    Offer,
+    PriorityClass,
+    Side,
+    encode_message,
+)
+
+HOSTS = ["h0", "h1", "h2"]
+CONSUMERS = ["c0", "c1", "c2"]
+
+
+def offer(host="h0", offer_id="o", *, price=10, shares=4, created=0.0, expires=100.0, nonce=1,
+          model="A100", vram=40, perf=10, min_lease=0):
+    return Offer(host, offer_id, model, vram, perf, shares, price, min_lease, "", created,
+                 expires, nonce)
+
+
+def bid(consumer="c0", bid_id="b", *, max_price=100, shares=1, created=0.0, expires=100.0,
+        nonce=1, models=(), min_vram=0, min_perf=0, duration=60):
+    return Bid(consumer, bid_id, min_vram, models, min_perf, shares, max_price,
+               PriorityClass.ON_DEMAND, duration, created, expires, nonce)
+
+
+offers = st.builds(
+    offer,
+    st.sampled_from(HOSTS),
+    st.sampled_from(["o0", "o1"]),
+    price=st.integers(1, 6),
+    shares=st.integers(1, 4),
+    created=st.sampled_from([0.0, 1.0, 2.0]),
+    expires=st.sampled_from([10.0, 20.0, 30.0]),
+    nonce=st.integers(0, 4),
+    model=st.sampled_from(["A100", "H100"]),
+    vram=st.sampled_from([40, 80]),
+    perf=st.sampled_from([5, 10]),
+    min_lease=st.sampled_from([0, 100]),
+)
+bids = st.builds(
+    bid,
+    st.sampled_from(CONSUMERS),
+    st.sampled_from(["b0", "b1"]),
+    max_price=st.integers(0, 7),
+    shares=st.integers(1, 6),
+    created=st.sampled_from([0.0, 1.0, 2.0]),
+    expires=st.sampled_from([10.0, 20.0, 30.0]),
+    nonce=st.integers(0, 4),
+    models=st.sampled_from([(), ("A100",), ("H100",), ("A100", "H100")]),
+    min_vram=st.sampled_from([0, 80]),
+    min_perf=st.sampled_from([0, 10]),
+    duration=st.sampled_from([60, 200]),
+)
+cancels = st.builds(
+    Cancel,
+    st.sampled_from(HOSTS + CONSUMERS),
+    st.sampled_from([Side.OFFER, Side.BID]),
+    st.sampled_from(["o0", "o1", "b0", "b1"]),
+    st.sampled_from([10.0, 20.0, 30.0]),
+    st.integers(0, 5),
+)
+messages = st.lists(st.one_of(offers, bids, cancels), max_size=25)
+
+
+def side_key(message):
+    if type(message) is Offer:
+        return (Side.OFFER, message.host, message.offer_id)
+    if type(message) is Bid:
+        return (Side.BID, message.consumer, message.bid_id)
+    return (message.side, message.author, message.order_id)
+
+
+def model_live_orders(all_messages, now):
+    """The live orders by brute force: per key, the highest nonce (ties: smallest bytes)."""
+    winners = {}
+    for message in all_messages:
+        key = side_key(message)
+        rank = (-message.nonce, encode_message(message))
+        if key not in winners or rank < winners[key][0]:
+            winners[key] = (rank, message)
+    return {
+        key: message
+        for key, (_, message) in winners.items()
+        if type(message) is not Cancel and message.expires_at > now
+    }
+
+
+def offer_key(o):
+    return (o.price, o.created_at, o.host, o.offer_id)
+
+
+def model_fill(b, wanted, remaining, live_offers):
+    fills = []
+    eligible = sorted(
+        (o for o in live_offers if remaining[(o.host, o.offer_id)] > 0 and o.price <= b.max_price
+         and b.accepts(o) and o.host != b.consumer),
+        key=offer_key,
+    )
+    for o in eligible:
+        if wanted == 0:
+            break
+        take = min(wanted, remaining[(o.host, o.offer_id)])
+        remaining[(o.host, o.offer_id)] -= take
+        wanted -= take
+        fills.append((b.consumer, b.bid_id, o.host, o.offer_id, take, o.price))
+    return fills
+
+
+def model_match(live):
+    live_offers = [m for m in live.values() if type(m) is Offer]
+    live_bids = sorted(
+        (m for m in live.values() if type(m) is Bid),
+        key=lambda b: (-b.max_price, b.created_at, b.consumer, b.bid_id),
+    )
+    remaining = {(o.host, o.offer_id): o.shares_free for o in live_offers}
+    fills = []
+    for b in live_bids:
+        fills += model_fill(b, b.shares, remaining, live_offers)
+    return fills
+
+
+def fill_tuples(fills):
+    return [(f.consumer, f.bid_id, f.host, f.offer_id, f.shares, f.price) for f in fills]
+
+
+def build(all_messages, now=0.0):
+    book = OrderBook()
+    for message in all_messages:
+        book.insert(message, now=now)
+    return book
+
+
+@settings(max_examples=150, deadline=None)
+@given(messages, st.randoms(use_true_random=False))
+def test_any_message_order_gives_the_same_book_and_the_same_matches(all_messages, rng):
+    shuffled = list(all_messages)
+    rng.shuffle(shuffled)
+    first, second = build(all_messages), build(shuffled)
+    assert first.snapshot() == second.snapshot()
+    assert first.match(now=5.0) == second.match(now=5.0)
+    assert first.snapshot() == second.snapshot()
+
+
+@settings(max_examples=150, deadline=None)
+@given(messages, st.sampled_from([0.0, 10.0, 20.0, 25.0]))
+def test_replacement_cancels_and_expiry_leave_exactly_the_model_live_orders(all_messages, now):
+    book = build(all_messages)
+    book.expire(now)
+    expected = {
+        (key[0], key[1], key[2], m.nonce, m.shares_free if type(m) is Offer else m.shares)
+        for key, m in model_live_orders(all_messages, now).items()
+    }
+    assert set(book.snapshot()) == expected
+
+
+@settings(max_examples=150, deadline=None)
+@given(messages)
+def test_match_follows_price_time_priority_like_the_model(all_messages):
+    book = build(all_messages)
+    assert fill_tuples(book.match(now=0.0)) == model_match(model_live_orders(all_messages, 0.0))
+
+
+@settings(max_examples=150, deadline=None)
+@given(messages, bids)
+def test_match_bid_follows_price_time_priority_like_the_model(all_messages, incoming):
+    book = build(all_messages)
+    live = model_live_orders(all_messages, 0.0)
+    live_offers = [m for m in live.values() if type(m) is Offer]
+    remaining = {(o.host, o.offer_id): o.shares_free for o in live_offers}
+    expected = model_fill(incoming, incoming.shares, remaining, live_offers)
+    assert fill_tuples(book.match_bid(incoming, now=0.0)) == expected
+
+
+@settings(max_examples=150, deadline=None)
+@given(messages, st.sampled_from([0.0, 15.0]))
+def test_matching_never_over_fills_and_honours_limits(all_messages, now):
+    book = build(all_messages)
+    live = model_live_orders(all_messages, now)
+    fills = book.match(now=now)
+    per_offer, per_bid = {}, {}
+    for f in fills:
+        o = live[(Side.OFFER, f.host, f.offer_id)]
+        b = live[(Side.BID, f.consumer, f.bid_id)]
+        assert f.price == o.price <= b.max_price
+        assert b.accepts(o) and f.offer_nonce == o.nonce
+        per_offer[(f.host, f.offer_id)] = per_offer.get((f.host, f.offer_id), 0) + f.shares
+        per_bid[(f.consumer, f.bid_id)] = per_bid.get((f.consumer, f.bid_id), 0) + f.shares
+    for (host, offer_id), filled in per_offer.items():
+        o = live[(Side.OFFER, host, offer_id)]
+        assert filled <= o.shares_free
+        left = book.get(Side.OFFER, host, offer_id)
+        assert (0 if left is None else left.remaining) == o.shares_free - filled
+    for (consumer, bid_id), filled in per_bid.items():
+        assert filled <= live[(Side.BID, consumer, bid_id)].shares
+
+
+def test_partial_fill_leaves_the_rest_of_the_offer_resting():
+    book = OrderBook()
+    book.insert(offer(shares=4), now=0.0)
+    [fill] = book.match_bid(bid(shares=1), now=0.0)
+    assert fill.shares == 1
+    assert book.get(Side.OFFER, "h0", "o").remaining == 3
+    assert [f.shares for f in book.match_bid(bid(shares=5), now=0.0)] == [3]
+    assert book.get(Side.OFFER, "h0", "o") is None
+
+
+def test_cheaper_offer_fills_first_then_older_at_equal_price():
+    book = OrderBook()
+    book.insert(offer("h0", price=5, created=2.0), now=0.0)
+    book.insert(offer("h1", price=5, created=1.0), now=0.0)
+    book.insert(offer("h2", price=4, created=3.0), now=0.0)
+    fills = book.match_bid(bid(shares=12), now=0.0)
+    assert [f.host for f in fills] == ["h2", "h1", "h0"]
+
+
+def test_newer_nonce_replaces_and_older_nonce_is_ignored():
+    book = OrderBook()
+    assert book.insert(offer(price=10, nonce=2), now=0.0) is InsertStatus.ADDED
+    assert book.insert(offer(price=9, nonce=3), now=0.0) is InsertStatus.REPLACED
+    assert book.insert(offer(price=1, nonce=1), now=0.0) is InsertStatus.SUPERSEDED
+    assert book.insert(offer(price=9, nonce=3), now=0.0) is InsertStatus.DUPLICATE
+    assert book.get(Side.OFFER, "h0", "o").order.price == 9
+
+
+def test_cancel_arriving_before_its_order_still_wins():
+    book = OrderBook()
+    assert book.insert(Cancel("h0", Side.OFFER, "o", 100.0, 5), now=0.0) is InsertStatus.CANCELLED
+    assert book.insert(offer(nonce=4), now=0.0) is InsertStatus.SUPERSEDED
+    assert book.get(Side.OFFER, "h0", "o") is None
+
+
+def test_expired_orders_leave_the_book_and_are_not_accepted():
+    book = OrderBook()
+    book.insert(offer(expires=10.0), now=0.0)
+    assert book.insert(offer("h1", expires=10.0), now=10.0) is InsertStatus.EXPIRED
+    assert book.match_bid(bid(), now=10.0) == []
+    assert book.statistics().offers == 0
+    assert book.statistics().versions == 0
+
+
+def test_equivocation_resolves_the_same_way_in_any_order():
+    a, b = offer(price=3, nonce=7), offer(price=4, nonce=7)
+    first, second = build([a, b]), build([b, a])
+    assert first.snapshot() == second.snapshot()
+    assert first.get(Side.OFFER, "h0", "o").order == second.get(Side.OFFER, "h0", "o").order
+
+
+def test_a_bid_never_fills_against_its_own_authors_offer():
+    book = OrderBook()
+    book.insert(offer("c0"), now=0.0)
+    assert book.match_bid(bid("c0"), now=0.0) == []

@@ -1,0 +1,164 @@
+"""Specs for cumulus_p2p.market.lease: the host's sans-IO reservation core."""
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cumulus_p2p.envelope import Envelope, seal
+from cumulus_p2p.identity import NodeIdentity
+from cumulus_p2p.market.lease import LeaseBook, Refusal, RefusalReason
+from cumulus_p2p.market.messages import (
+    Lease,
+    LeaseProposal,
+    Offer,
+    PriorityClass,
+    encode_message,
+    seal_message,
+)
+
+NOW = 1_700_000_000.0
+HOST = NodeIdentity.generate()
+ALICE = NodeIdentity.generate()
+MALLORY = NodeIdentity.generate()
+
+
+def offer(shares=4, *, price=1000, min_lease=60, expires=NOW + 600, nonce=1):
+    return Offer(HOST.peer_id.to_base58(), "gpu0", "RTX 4090", 24576, 100, shares, price,
+                 min_lease, "", NOW, expires, nonce)
+
+
+def proposal(lease_id="L1", *, shares=1, price=1000, duration=3600, start=NOW, nonce=1,
+             offer_id="gpu0", host=HOST, consumer=ALICE, ttl=30.0):
+    return LeaseProposal(lease_id, consumer.peer_id.to_base58(), host.peer_id.to_base58(),
+                         offer_id, 1, shares, price, start, duration, PriorityClass.ON_DEMAND,
+                         NOW + ttl, nonce)
+
+
+def sealed(p, signer=ALICE):
+    return seal_message(signer, p, now=NOW).to_bytes()
+
+
+def book_with(shares=4, **kwargs):
+    book = LeaseBook(HOST)
+    book.publish(offer(shares, **kwargs))
+    return book
+
+
+def refusal_of(result):
+    assert isinstance(result, Refusal), result
+    return result.reason
+
+
+def test_a_valid_proposal_is_countersigned_and_reserves_shares():
+    book = book_with(4)
+    lease = book.propose(sealed(proposal(shares=3)), now=NOW)
+    assert isinstance(lease, Lease)
+    assert lease.verify(HOST.public_key).shares == 3
+    assert book.free_shares("gpu0") == 1
+    assert Lease.from_bytes(lease.to_bytes()) == lease
+
+
+def forged_signature(raw_proposal):
+    envelope = Envelope.from_bytes(raw_proposal)
+    return dataclasses.replace(envelope, signature=MALLORY.sign(envelope.signing_bytes()))
+
+
+@pytest.mark.parametrize(
+    ("make_raw", "reason", "now"),
+    [
+        (lambda: b"\x93garbage", RefusalReason.MALFORMED, NOW),
+        (lambda: sealed(proposal())[:-3], RefusalReason.MALFORMED, NOW),
+        (lambda: forged_signature(sealed(proposal())).to_bytes(), RefusalReason.BAD_SIGNATURE,
+         NOW),
+        (lambda: dataclasses.replace(forged_signature(sealed(proposal())),
+                                     signature=b"\0" * 64).to_bytes(),
+         RefusalReason.BAD_SIGNATURE, NOW),
+        (lambda: sealed(proposal()), RefusalReason.EXPIRED, NOW + 31),
+        (lambda: sealed(proposal(host=MALLORY)), RefusalReason.WRONG_HOST, NOW),
+        (lambda: sealed(proposal(offer_id="nope")), RefusalReason.UNKNOWN_OFFER, NOW),
+        (lambda: sealed(proposal(price=999)), RefusalReason.PRICE_MISMATCH, NOW),
+        (lambda: sealed(proposal(duration=59)), RefusalReason.TOO_SHORT, NOW),
+        (lambda: sealed(proposal(start=NOW + 3600)), RefusalReason.BAD_START, NOW),
+        (lambda: sealed(proposal(shares=5)), RefusalReason.NO_CAPACITY, NOW),
+    ],
+)
+def test_bad_proposals_are_refused_with_a_reason_and_nothing_changes(make_raw, reason, now):
+    book = book_with(4)
+    assert refusal_of(book.propose(make_raw(), now=now)) is reason
+    assert book.free_shares("gpu0") == 4
+    assert book.leases() == []
+
+
+def test_a_proposal_whose_body_names_another_signer_is_malformed():
+    raw = sealed(proposal(consumer=ALICE))
+    relabelled = seal(MALLORY, LeaseProposal.KIND, encode_message(proposal(consumer=ALICE)),
+                      now=NOW, ttl=30.0, nonce=1)
+    book = book_with(4)
+    assert refusal_of(book.propose(relabelled.to_bytes(), now=NOW)) is RefusalReason.MALFORMED
+    assert isinstance(book.propose(raw, now=NOW), Lease)
+
+
+def test_a_replayed_proposal_is_refused_and_reserves_nothing_more():
+    book = book_with(4)
+    raw = sealed(proposal())
+    assert isinstance(book.propose(raw, now=NOW), Lease)
+    assert refusal_of(book.propose(raw, now=NOW + 1)) is RefusalReason.REPLAYED
+    assert book.free_shares("gpu0") == 3
+
+
+def test_a_reused_lease_id_is_refused():
+    book = book_with(4)
+    assert isinstance(book.propose(sealed(proposal("L1", nonce=1)), now=NOW), Lease)
+    result = book.propose(sealed(proposal("L1", nonce=2)), now=NOW)
+    assert refusal_of(result) is RefusalReason.DUPLICATE_LEASE_ID
+    assert book.free_shares("gpu0") == 3
+
+
+def test_an_expired_offer_is_not_leased():
+    book = book_with(4, expires=NOW + 10)
+    assert refusal_of(book.propose(sealed(proposal()), now=NOW + 10)) is (
+        RefusalReason.OFFER_EXPIRED
+    )
+
+
+def test_shares_return_when_the_lease_ends_or_is_released():
+    book = book_with(4)
+    book.propose(sealed(proposal("L1", shares=2, duration=60, nonce=1)), now=NOW)
+    book.propose(sealed(proposal("L2", shares=2, duration=120, nonce=2)), now=NOW)
+    assert [r.proposal.lease_id for r in book.expire(NOW + 60)] == ["L1"]
+    assert book.free_shares("gpu0") == 2
+    assert book.release("L2") and not book.release("L2")
+    assert book.free_shares("gpu0") == 4
+
+
+def test_a_sender_who_is_not_the_signer_is_refused():
+    book = book_with(4)
+    result = book.propose(sealed(proposal()), now=NOW, sender=MALLORY.peer_id.to_base58())
+    assert refusal_of(result) is RefusalReason.WRONG_SENDER
+
+
+def test_publishing_another_hosts_offer_is_an_error():
+    other = dataclasses.replace(offer(), host=MALLORY.peer_id.to_base58())
+    with pytest.raises(ValueError):
+        LeaseBook(HOST).publish(other)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 4), st.booleans()), max_size=30))
+def test_shares_are_never_double_booked(requests):
+    book = book_with(6)
+    granted = {}
+    for nonce, (shares, release_first) in enumerate(requests):
+        if release_first and granted:
+            lease_id = sorted(granted)[0]
+            assert book.release(lease_id)
+            del granted[lease_id]
+        result = book.propose(sealed(proposal(f"L{nonce}", shares=shares, nonce=nonce)), now=NOW)
+        if isinstance(result, Lease):
+            granted[f"L{nonce}"] = shares
+        else:
+            assert result.reason is RefusalReason.NO_CAPACITY
+            assert shares > 6 - sum(granted.values())
+        assert book.free_shares("gpu0") == 6 - sum(granted.values()) >= 0

@@ -1,0 +1,80 @@
+"""Specs for cumulus_p2p.market.matcher: ranking offers by effective price."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cumulus_p2p._errors import InvalidMessageError
+from cumulus_p2p.market.book import OrderBook
+from cumulus_p2p.market.matcher import RankingPolicy, effective_price, rank_offers
+from cumulus_p2p.market.messages import Bid, Offer, PriorityClass
+
+
+def offer(host, price, *, created=0.0, model="A100"):
+    return Offer(host, "o", model, 40, 10, 4, price, 0, "", created, 100.0, 1)
+
+
+def bid(max_price=1000, models=()):
+    return Bid("me", "b", 0, models, 0, 1, max_price, PriorityClass.ON_DEMAND, 60, 0.0, 100.0, 1)
+
+
+def book_of(*offers):
+    book = OrderBook()
+    for o in offers:
+        book.insert(o, now=0.0)
+    return book
+
+
+def test_with_neutral_inputs_the_cheapest_offer_ranks_first():
+    book = book_of(offer("h1", 30), offer("h2", 10), offer("h3", 20))
+    assert [r.offer.host for r in rank_offers(book, bid())] == ["h2", "h3", "h1"]
+
+
+def test_a_reliable_host_beats_a_slightly_cheaper_unknown_one():
+    book = book_of(offer("cheap", 90), offer("reliable", 100))
+    ranked = rank_offers(book, bid(), reliability={"reliable": 0.9})
+    assert [r.offer.host for r in ranked] == ["reliable", "cheap"]
+    assert ranked[1].reliability == 0.5
+
+
+def test_a_distant_host_ranks_below_a_near_one_at_the_same_price():
+    book = book_of(offer("far", 100), offer("near", 100))
+    ranked = rank_offers(book, bid(), latency_ms={"far": 300.0, "near": 5.0})
+    assert [r.offer.host for r in ranked] == ["near", "far"]
+
+
+def test_offers_over_the_limit_or_of_another_model_are_not_ranked():
+    book = book_of(offer("h1", 10, model="H100"), offer("h2", 2000), offer("h3", 50))
+    assert [r.offer.host for r in rank_offers(book, bid(models=("A100",)))] == ["h3"]
+
+
+def test_effective_price_is_neutral_for_unknown_hosts_and_clamps_scores():
+    policy = RankingPolicy(default_latency_ms=0.0)
+    assert effective_price(100, reliability=0.5, latency_ms=0.0, policy=policy) == 100.0
+    assert effective_price(100, reliability=7.0, latency_ms=-3.0, policy=policy) == 50.0
+
+
+def test_a_policy_that_could_make_prices_negative_is_refused():
+    with pytest.raises(InvalidMessageError):
+        RankingPolicy(reliability_weight=3.0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 50), st.floats(0, 1), st.floats(0, 500)), max_size=30),
+    st.integers(1, 5),
+)
+def test_early_stop_returns_exactly_the_top_of_a_full_sort(hosts, limit):
+    offers = [offer(f"h{i}", price) for i, (price, _, _) in enumerate(hosts)]
+    reliability = {f"h{i}": r for i, (_, r, _) in enumerate(hosts)}
+    latency = {f"h{i}": lat for i, (_, _, lat) in enumerate(hosts)}
+    ranked = rank_offers(book_of(*offers), bid(), reliability=reliability,
+                         latency_ms=latency, limit=limit)
+    policy = RankingPolicy()
+    expected = sorted(
+        offers,
+        key=lambda o: (effective_price(o.price, reliability=reliability[o.host],
+                                       latency_ms=latency[o.host], policy=policy),
+                       o.price, o.created_at, o.host, o.offer_id),
+    )[:limit]
+    assert [r.offer for r in ranked] == expected

@@ -1,0 +1,143 @@
+"""Specs for cumulus_p2p.market.messages: typed messages and their canonical encoding."""
+
+import dataclasses
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cumulus_p2p._errors import (
+    InvalidCountersignatureError,
+    InvalidMessageError,
+    MalformedMessageError,
+)
+from cumulus_p2p.envelope import seal
+from cumulus_p2p.identity import NodeIdentity
+from cumulus_p2p.market.messages import (
+    Bid,
+    Cancel,
+    Lease,
+    LeaseProposal,
+    Offer,
+    PriorityClass,
+    Receipt,
+    Side,
+    decode_message,
+    encode_message,
+    open_message,
+    seal_message,
+)
+
+NOW = 1_700_000_000.0
+HOST, CONSUMER = NodeIdentity.generate(), NodeIdentity.generate()
+H, C = HOST.peer_id.to_base58(), CONSUMER.peer_id.to_base58()
+
+OFFER = Offer(H, "gpu0", "RTX 4090", 24576, 100, 4, 1000, 60, "eu", NOW, NOW + 60, 1)
+BID = Bid(C, "b1", 16000, ("RTX 4090", "A100"), 0, 1, 2000, PriorityClass.INTERRUPTIBLE, 600,
+          NOW, NOW + 60, 2)
+CANCEL = Cancel(H, Side.OFFER, "gpu0", NOW + 60, 3)
+PROPOSAL = LeaseProposal("L1", C, H, "gpu0", 1, 1, 1000, NOW, 600, PriorityClass.ON_DEMAND,
+                         NOW + 30, 4)
+RECEIPT = Receipt("L1", H, 0, NOW, NOW + 60, 60, 123, NOW + 600, 5)
+ALL = [OFFER, BID, CANCEL, PROPOSAL, RECEIPT]
+
+
+@pytest.mark.parametrize("message", ALL, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips_through_its_canonical_encoding(message):
+    assert decode_message(message.KIND, encode_message(message)) == message
+
+
+@pytest.mark.parametrize("message", ALL, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips_through_a_signed_envelope(message):
+    signer = HOST if message in (OFFER, CANCEL, RECEIPT) else CONSUMER
+    envelope = seal_message(signer, message, now=NOW)
+    assert envelope.has_valid_signature()
+    assert open_message(envelope) == message
+
+
+@pytest.mark.parametrize(
+    ("message", "changes"),
+    [
+        (OFFER, {"vram_mib": 0}),
+        (OFFER, {"shares_free": 0}),
+        (OFFER, {"price": -1}),
+        (OFFER, {"price": 1.5}),
+        (OFFER, {"host": ""}),
+        (OFFER, {"offer_id": "x" * 65}),
+        (OFFER, {"expires_at": NOW - 1}),
+        (OFFER, {"created_at": float("inf")}),
+        (BID, {"priority": 7}),
+        (BID, {"gpu_models": ("",)}),
+        (BID, {"shares": True}),
+        (BID, {"duration_s": 0}),
+        (CANCEL, {"side": 2}),
+        (PROPOSAL, {"shares": 0}),
+        (RECEIPT, {"interval_end": NOW - 1}),
+        (RECEIPT, {"share_seconds": -1}),
+    ],
+)
+def test_an_invalid_message_cannot_be_built(message, changes):
+    with pytest.raises(InvalidMessageError):
+        dataclasses.replace(message, **changes)
+
+
+def test_equal_requirements_encode_equally():
+    shuffled = dataclasses.replace(BID, gpu_models=["A100", "RTX 4090", "A100"])
+    assert encode_message(shuffled) == encode_message(BID)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"\xc1",
+        msgpack.packb([1, 2]),
+        msgpack.packb([H, "gpu0", "RTX 4090", 24576, 100, 4, 1000, 60, "eu", NOW, NOW + 60, -1]),
+        msgpack.packb([H, "gpu0", "RTX 4090", 24576, 100, 4, 1000, 60, "eu", 1, NOW + 60, 1]),
+    ],
+)
+def test_malformed_peer_bodies_raise_a_remote_error(body):
+    with pytest.raises(MalformedMessageError):
+        decode_message(Offer.KIND, body)
+
+
+@given(st.binary(max_size=200), st.sampled_from([Offer.KIND, Bid.KIND, Receipt.KIND]))
+def test_arbitrary_bodies_never_raise_anything_but_malformed(body, kind):
+    try:
+        decode_message(kind, body)
+    except MalformedMessageError:
+        pass
+
+
+def test_signing_someone_elses_message_is_refused_locally():
+    with pytest.raises(InvalidMessageError):
+        seal_message(CONSUMER, OFFER, now=NOW)
+
+
+def test_an_envelope_whose_body_names_another_author_is_malformed():
+    envelope = seal(CONSUMER, Offer.KIND, encode_message(OFFER), now=NOW, ttl=60.0, nonce=1)
+    with pytest.raises(MalformedMessageError, match="signed by"):
+        open_message(envelope)
+
+
+def test_an_envelope_whose_expiry_differs_from_its_body_is_malformed():
+    envelope = seal(HOST, Offer.KIND, encode_message(OFFER), now=NOW, ttl=3600.0, nonce=1)
+    with pytest.raises(MalformedMessageError, match="expiry"):
+        open_message(envelope)
+
+
+def test_a_lease_verifies_only_with_the_hosts_key():
+    lease = Lease.countersign(HOST, seal_message(CONSUMER, PROPOSAL, now=NOW))
+    assert Lease.from_bytes(lease.to_bytes()).verify(HOST.public_key) == PROPOSAL
+    with pytest.raises(InvalidCountersignatureError):
+        lease.verify(CONSUMER.public_key)
+    forged = Lease.countersign(CONSUMER, lease.envelope)
+    with pytest.raises(InvalidCountersignatureError):
+        forged.verify(HOST.public_key)
+
+
+def test_a_truncated_lease_is_malformed():
+    lease = Lease.countersign(HOST, seal_message(CONSUMER, PROPOSAL, now=NOW))
+    with pytest.raises(MalformedMessageError):
+        Lease.from_bytes(lease.to_bytes()[:-1])

@@ -1,0 +1,65 @@
+"""Specs for cumulus_p2p.market.metering: host receipts, consumer checks."""
+
+import pytest
+
+from cumulus_p2p._errors import EnvelopeRejectedError, ReceiptRejectedError
+from cumulus_p2p.envelope import Rejection
+from cumulus_p2p.identity import NodeIdentity
+from cumulus_p2p.market.messages import (
+    CountersignedReceipt,
+    LeaseProposal,
+    PriorityClass,
+    Receipt,
+    seal_message,
+)
+from cumulus_p2p.market.metering import Meter, check_receipt
+
+NOW = 1_700_000_000.0
+HOST, CONSUMER, MALLORY = (NodeIdentity.generate() for _ in range(3))
+LEASE = LeaseProposal("L1", CONSUMER.peer_id.to_base58(), HOST.peer_id.to_base58(), "gpu0", 1,
+                      2, 1000, NOW, 150, PriorityClass.ON_DEMAND, NOW + 30, 1)
+
+
+def test_receipts_cover_the_lease_in_intervals_and_countersign():
+    meter = Meter(HOST, LEASE, interval=60.0)
+    assert not meter.due(NOW + 59)
+    meter.record_bytes(1000)
+    previous, receipts = None, []
+    for t, nonce in [(NOW + 60, 1), (NOW + 120, 2), (NOW + 200, 3)]:
+        assert meter.due(t)
+        envelope, previous = check_receipt(meter.issue(t, nonce=nonce).to_bytes(), LEASE,
+                                           now=t, previous=previous)
+        receipts.append(previous)
+        signed = CountersignedReceipt.countersign(CONSUMER, envelope)
+        assert signed.verify(CONSUMER.public_key) == previous
+    assert meter.finished and not meter.due(NOW + 1000)
+    assert [r.share_seconds for r in receipts] == [120, 120, 60]
+    assert [r.bytes_moved for r in receipts] == [1000, 0, 0]
+
+
+def test_a_receipt_charging_more_than_leased_is_rejected():
+    inflated = Receipt("L1", LEASE.host, 0, NOW, NOW + 60, 121, 0, NOW + 600, 1)
+    raw = seal_message(HOST, inflated, now=NOW + 60).to_bytes()
+    with pytest.raises(ReceiptRejectedError):
+        check_receipt(raw, LEASE, now=NOW + 60)
+
+
+def test_an_overlapping_receipt_is_rejected():
+    first = Receipt("L1", LEASE.host, 0, NOW, NOW + 60, 120, 0, NOW + 600, 1)
+    overlap = Receipt("L1", LEASE.host, 1, NOW, NOW + 60, 120, 0, NOW + 600, 2)
+    raw = seal_message(HOST, overlap, now=NOW + 60).to_bytes()
+    with pytest.raises(ReceiptRejectedError):
+        check_receipt(raw, LEASE, now=NOW + 60, previous=first)
+
+
+def test_a_receipt_from_another_host_is_rejected():
+    forged = Receipt("L1", MALLORY.peer_id.to_base58(), 0, NOW, NOW + 60, 1, 0, NOW + 600, 1)
+    with pytest.raises(ReceiptRejectedError):
+        check_receipt(seal_message(MALLORY, forged, now=NOW).to_bytes(), LEASE, now=NOW + 60)
+
+
+def test_an_expired_receipt_is_rejected():
+    raw = Meter(HOST, LEASE, receipt_ttl=10).issue(NOW + 60, nonce=1).to_bytes()
+    with pytest.raises(EnvelopeRejectedError) as info:
+        check_receipt(raw, LEASE, now=NOW + 70)
+    assert info.value.reason is Rejection.EXPIRED

@@ -1,0 +1,155 @@
+"""Specs for cumulus_p2p.market.negotiation: the lease protocol over real libp2p streams."""
+
+import secrets
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import multiaddr
+import pytest
+import trio
+from libp2p import new_host
+from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
+from libp2p.exceptions import BaseLibp2pError
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+
+from cumulus_p2p._errors import LeaseRefusedError
+from cumulus_p2p.identity import NodeIdentity
+from cumulus_p2p.market.lease import LeaseBook, RefusalReason
+from cumulus_p2p.market.messages import LeaseProposal, Offer, PriorityClass, seal_message
+from cumulus_p2p.market.negotiation import (
+    LEASE_PROTOCOL,
+    LeaseServer,
+    call_propose_lease,
+    serve_leases,
+)
+
+NOW = 1_700_000_000.0
+
+
+@asynccontextmanager
+async def noise_hosts(identities):
+    """Real py-libp2p hosts on 127.0.0.1, Noise as the only security transport."""
+    async with AsyncExitStack() as stack:
+        hosts = []
+        for identity in identities:
+            noise = NoiseTransport(
+                identity.key_pair, noise_privkey=create_x25519_key_pair().private_key
+            )
+            host = new_host(key_pair=identity.key_pair, sec_opt={NOISE_PROTOCOL_ID: noise})
+            listen = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")
+            await stack.enter_async_context(host.run(listen_addrs=[listen]))
+            hosts.append(host)
+        yield hosts
+
+
+def make_offer(host_identity, shares):
+    return Offer(host_identity.peer_id.to_base58(), "gpu0", "RTX 4090", 24576, 100, shares,
+                 1000, 60, "eu", NOW, NOW + 600, 1)
+
+
+def make_proposal(consumer, host_identity, *, shares=1, price=1000, nonce=1):
+    proposal = LeaseProposal(secrets.token_hex(8), consumer.peer_id.to_base58(),
+                             host_identity.peer_id.to_base58(), "gpu0", 1, shares, price, NOW,
+                             3600, PriorityClass.ON_DEMAND, NOW + 30, nonce)
+    return seal_message(consumer, proposal, now=NOW)
+
+
+async def connect(client, server):
+    await client.connect(info_from_p2p_addr(server.get_addrs()[0]))
+
+
+async def test_a_proposal_over_libp2p_returns_a_verified_lease():
+    host_id, consumer_id = NodeIdentity.generate(), NodeIdentity.generate()
+    book = LeaseBook(host_id)
+    book.publish(make_offer(host_id, shares=2))
+    async with noise_hosts([host_id, consumer_id]) as (host, consumer):
+        serve_leases(host, LeaseServer(book, clock=lambda: NOW))
+        await connect(consumer, host)
+        proposal = make_proposal(consumer_id, host_id)
+        lease = await call_propose_lease(consumer, host.get_id(), proposal)
+    assert lease.envelope == proposal
+    assert lease.verify(host_id.public_key).shares == 1
+    assert book.free_shares("gpu0") == 1
+
+
+async def test_concurrent_consumers_lease_exactly_the_free_shares_and_the_rest_are_refused():
+    host_id = NodeIdentity.generate()
+    consumer_ids = [NodeIdentity.generate() for _ in range(3)]
+    book = LeaseBook(host_id)
+    book.publish(make_offer(host_id, shares=5))
+    granted, refused = [], []
+    async with noise_hosts([host_id, *consumer_ids]) as (host, *consumers):
+        serve_leases(host, LeaseServer(book, clock=lambda: NOW))
+
+        async def propose(consumer, identity, nonce):
+            try:
+                granted.append(await call_propose_lease(
+                    consumer, host.get_id(), make_proposal(identity, host_id, nonce=nonce)))
+            except LeaseRefusedError as exc:
+                refused.append(exc.reason)
+
+        for consumer in consumers:
+            await connect(consumer, host)
+        async with trio.open_nursery() as nursery:
+            for consumer, identity in zip(consumers, consumer_ids, strict=True):
+                for nonce in range(4):
+                    nursery.start_soon(propose, consumer, identity, nonce)
+    assert len(granted) == 5
+    assert refused == [RefusalReason.NO_CAPACITY] * 7
+    assert book.free_shares("gpu0") == 0
+    assert len({lease.proposal.lease_id for lease in granted}) == 5
+    assert {r.proposal.lease_id for r in book.leases()} == {g.proposal.lease_id for g in granted}
+
+
+async def test_a_proposal_relayed_by_another_peer_is_refused_as_wrong_sender():
+    host_id, alice_id, mallory_id = (NodeIdentity.generate() for _ in range(3))
+    book = LeaseBook(host_id)
+    book.publish(make_offer(host_id, shares=2))
+    async with noise_hosts([host_id, mallory_id]) as (host, mallory):
+        serve_leases(host, LeaseServer(book, clock=lambda: NOW))
+        await connect(mallory, host)
+        with pytest.raises(LeaseRefusedError) as info:
+            await call_propose_lease(mallory, host.get_id(), make_proposal(alice_id, host_id))
+    assert info.value.reason is RefusalReason.WRONG_SENDER
+    assert book.free_shares("gpu0") == 2
+
+
+async def test_refusals_over_the_wire_carry_the_reason_and_change_nothing():
+    host_id, consumer_id = NodeIdentity.generate(), NodeIdentity.generate()
+    book = LeaseBook(host_id)
+    book.publish(make_offer(host_id, shares=2))
+    async with noise_hosts([host_id, consumer_id]) as (host, consumer):
+        serve_leases(host, LeaseServer(book, clock=lambda: NOW))
+        await connect(consumer, host)
+        cheap = make_proposal(consumer_id, host_id, price=999, nonce=1)
+        with pytest.raises(LeaseRefusedError) as info:
+            await call_propose_lease(consumer, host.get_id(), cheap)
+        assert info.value.reason is RefusalReason.PRICE_MISMATCH
+        with pytest.raises(LeaseRefusedError) as info:
+            await call_propose_lease(consumer, host.get_id(), cheap)
+        assert info.value.reason is RefusalReason.REPLAYED
+    assert book.free_shares("gpu0") == 2
+    assert book.leases() == []
+
+
+async def test_a_garbage_or_oversized_frame_drops_only_that_stream():
+    host_id, consumer_id = NodeIdentity.generate(), NodeIdentity.generate()
+    book = LeaseBook(host_id)
+    book.publish(make_offer(host_id, shares=2))
+    async with noise_hosts([host_id, consumer_id]) as (host, consumer):
+        serve_leases(host, LeaseServer(book, clock=lambda: NOW))
+        await connect(consumer, host)
+        for frame in [b"\xff\xff\xff\xff", b"\x00\x00\x00\x03abc", b"\x00\x00"]:
+            stream = await consumer.new_stream(host.get_id(), [LEASE_PROTOCOL])
+            await stream.write(frame)
+            await stream.close_write()
+            with trio.fail_after(5):
+                try:
+                    answer = await stream.read(4096)
+                except BaseLibp2pError:  # reset by the server: the expected answer
+                    answer = b""
+            assert answer == b"" or b"MALFORMED" in answer
+        lease = await call_propose_lease(consumer, host.get_id(), make_proposal(consumer_id,
+                                                                                host_id))
+    assert lease.verify(host_id.public_key).shares == 1
