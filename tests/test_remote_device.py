@@ -185,3 +185,16 @@ def test_detach_closes_the_session(executor_address):
     assert handle.session.closed
     with pytest.raises(SessionClosedError):
         (x + 1).cpu()
+
+
+def test_in_place_layout_ops_change_only_the_layout(cumulus):
+    x = torch.arange(6.0, device="cumulus").reshape(2, 3)
+    queued = x * 1  # names x by its old layout
+    x.t_()
+    assert x.shape == (3, 2)
+    assert x.cpu().tolist() == [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]
+    assert queued.cpu().tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    assert (torch.ones(2, 3, device="cumulus") @ torch.ones(3, device="cumulus")).tolist() == [
+        3.0,
+        3.0,
+    ]

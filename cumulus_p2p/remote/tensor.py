@@ -36,6 +36,7 @@ from .protocol import EXT_TENSOR, TensorRef, pack_tensor_ref, storage_extent
 
 DEVICE = torch.device("cumulus", 0)
 _META = torch.device("meta")
+_META_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.Meta)
 _SCALARS = (int, float, bool, str, type(None), complex)
 _MAX_PLANS = 50_000
 
@@ -79,6 +80,16 @@ class RemoteTensor(torch.Tensor):
     def _cumulus_ext(self) -> msgpack.ExtType:
         # A wrapper's layout never changes, so its wire form is computed once.
         return msgpack.ExtType(EXT_TENSOR, pack_tensor_ref(self._ref()))
+
+    def _restride(self, sizes, strides, offset) -> None:
+        """Change this tensor's layout in place (``squeeze_``, ``t_``...), locally only."""
+        # Ops already queued name this tensor by its old layout: send them first.
+        self._rs.session.flush()
+        torch.ops.aten.as_strided_.default.redispatch(
+            _META_KEYS, self, list(sizes), list(strides), offset
+        )
+        self._sig = (self._sig[0], sizes, strides, offset)
+        self.__dict__.pop("_cumulus_ext", None)
 
     def _ref(self) -> TensorRef:
         dtype, sizes, strides, offset = self._sig
@@ -217,11 +228,25 @@ def _make_plan(func, args, kwargs) -> Callable:
     shape = _structure(meta_out)
     name = op_name(func)
     has_cpu = _has_cpu_tensor(args) or _has_cpu_tensor(kwargs)
+    if any(o.kind == "restride" for o in outs):
+        return _restride_plan(outs, shape)
     if all(o.kind in ("view", "same", "none") for o in outs):
         mutates = any(o.kind == "same" for o in outs) or _mutates(schema)
         if not mutates:
             return lambda a, k: shape([_build(o, a, k, None, None) for o in outs])
     return _async_plan(name, outs, shape, has_cpu)
+
+
+def _restride_plan(outs, shape) -> Callable:
+    def run(args, kwargs):
+        results = []
+        for out in outs:
+            tensor = _argument(args, kwargs, out.arg)
+            tensor._restride(out.sizes, out.strides, out.offset)
+            results.append(tensor)
+        return shape(results)
+
+    return run
 
 
 def _async_plan(name, outs, shape, has_cpu) -> Callable:
@@ -300,8 +325,8 @@ def _out_specs(schema, meta_out, args, kwargs) -> list[_Out]:
                 continue
             sub = where if not isinstance(value, (list, tuple)) else (*where[:2], i)
             kind = "same" if alias.is_write else "view"
-            if kind == "same":
-                _check_unchanged(_argument(args, kwargs, sub), meta, schema.name)
+            if kind == "same" and _restrides(_argument(args, kwargs, sub), meta, schema.name):
+                kind = "restride"
             specs.append(_Out(kind, sub, *meta))
     return specs
 
@@ -315,12 +340,24 @@ def _alias_source(schema, alias, args) -> tuple:
     raise NotImplementedError(f"cumulus cannot tell which input {schema.name} aliases")
 
 
-def _check_unchanged(arg, meta, name) -> None:
-    if isinstance(arg, RemoteTensor) and arg._sig != meta:
-        raise NotImplementedError(
-            f"{name} changes the shape or strides of a tensor in place (resize or restride); "
-            "the cumulus device does not support that yet. Use the out-of-place form."
-        )
+#: In-place ops that only change a tensor's shape/strides: the executor need not hear of
+#: them, since every later op names its tensors by layout anyway.
+_RESTRIDE_OPS = {
+    "aten::squeeze_", "aten::unsqueeze_", "aten::t_", "aten::transpose_", "aten::as_strided_",
+    "aten::swapdims_", "aten::swapaxes_",
+}  # fmt: skip
+
+
+def _restrides(arg, meta, name) -> bool:
+    """Whether an in-place op changes ``arg``'s layout; refuses layout changes we cannot mirror."""
+    if not isinstance(arg, RemoteTensor) or arg._sig == meta:
+        return False
+    if name in _RESTRIDE_OPS:
+        return True
+    raise NotImplementedError(
+        f"{name} changes the shape or strides of a tensor in place (resize or restride); "
+        "the cumulus device does not support that yet. Use the out-of-place form."
+    )
 
 
 def _mutates(schema) -> bool:
