@@ -189,3 +189,28 @@ class RecordAuthenticationError(RemoteProtocolError):
 
     The connection is dropped; the session may resume on a new connection.
     """
+
+
+# --- reputation -----------------------------------------------------------------------
+
+
+class InvalidEvidenceError(RemoteProtocolError):
+    """A reputation report's evidence does not check: a lease or receipt signature does
+    not verify, the parts do not belong together (a receipt for another lease, an offer
+    the lease never named), or the reporter is not a party entitled to report it.
+
+    The report is dropped and nothing is stored; the message says which check failed.
+    """
+
+
+class ReportRejectedError(RemoteProtocolError):
+    """A reputation report from a peer was refused.
+
+    ``reason`` is a ``cumulus_p2p.reputation.ReportRefusal`` and ``detail`` a sentence
+    for logs. Nothing was stored; drop the report.
+    """
+
+    def __init__(self, reason: object, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail

@@ -1,7 +1,10 @@
 """``cumulus-executor``: run an executor directly, without the market.
 
-Useful on a trusted LAN, for tests and for benchmarks. Prints one line when it listens:
-``cumulus executor listening on HOST:PORT device=... quota=...``.
+Plain TCP suits loopback and a trusted LAN (tests, benchmarks). ``--secure`` serves the
+authenticated, encrypted, resumable session channel instead, to the consumers whose node
+keys are on the allow list (a private pool). Prints one line when it listens:
+``cumulus executor listening on HOST:PORT device=... quota=...`` (plus ``key=HEX`` when
+secure: the provider key consumers must expect).
 """
 
 from __future__ import annotations
@@ -9,10 +12,14 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from functools import partial
+from pathlib import Path
 
 import trio
 
+from ..identity import NodeIdentity
 from .executor import Executor, ExecutorConfig
+from .secure import serve_secure
 
 
 def parse_size(text: str) -> int:
@@ -45,6 +52,24 @@ def build_parser() -> argparse.ArgumentParser:
         default="8GiB",
         help="memory quota per session, e.g. 512MiB or 8GiB (default 8GiB)",
     )
+    parser.add_argument(
+        "--secure",
+        action="store_true",
+        help="serve the encrypted, authenticated session channel instead of plain TCP",
+    )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path.home() / ".cumulus",
+        help="where the node key lives (created on first use; default ~/.cumulus)",
+    )
+    parser.add_argument(
+        "--allow-key",
+        action="append",
+        default=[],
+        metavar="HEX",
+        help="with --secure: a consumer public key (hex) allowed to connect; repeatable",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log sessions")
     return parser
 
@@ -52,16 +77,43 @@ def build_parser() -> argparse.ArgumentParser:
 async def _serve(executor: Executor, host: str, port: int) -> None:
     async with trio.open_nursery() as nursery:
         bound = await nursery.start(executor.serve_tcp, host, port)
-        quota_gib = executor.config.quota_bytes / 1024**3
+        print(f"cumulus executor listening on {host}:{bound} {_describe(executor)}", flush=True)
+
+
+async def _serve_secure(
+    executor: Executor, host: str, port: int, identity: NodeIdentity, allowed: set[bytes]
+) -> None:
+    def authorize(key: bytes, lease: bytes | None) -> str | None:
+        if key in allowed:
+            return None
+        return "this executor serves only consumers on its allow list (--allow-key)"
+
+    serve = partial(
+        serve_secure, identity, authorize=authorize, handler=executor.run_session,
+        host=host, port=port,
+    )  # fmt: skip
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(serve)
         print(
-            f"cumulus executor listening on {host}:{bound} device={executor.ctx.device} "
-            f"quota={quota_gib:.2f}GiB",
+            f"cumulus executor listening on {host}:{server.port} {_describe(executor)} "
+            f"secure key={identity.public_key.hex()}",
             flush=True,
         )
 
 
+def _describe(executor: Executor) -> str:
+    quota_gib = executor.config.quota_bytes / 1024**3
+    return f"device={executor.ctx.device} quota={quota_gib:.2f}GiB"
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    bad = [k for k in args.allow_key if not _is_key_hex(k)]
+    if bad:
+        parser.error(f"--allow-key expects a 64-hex-digit ed25519 public key, got {bad[0]!r}")
+    if args.allow_key and not args.secure:
+        parser.error("--allow-key only makes sense with --secure")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     try:
         executor = Executor(ExecutorConfig(device=args.device, quota_bytes=args.quota))
@@ -69,10 +121,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cumulus-executor: {exc}", file=sys.stderr)
         return 2
     try:
-        trio.run(_serve, executor, args.host, args.port)
+        if args.secure:
+            identity = NodeIdentity.load_or_create(args.data_dir)
+            allowed = {bytes.fromhex(k) for k in args.allow_key}
+            trio.run(_serve_secure, executor, args.host, args.port, identity, allowed)
+        else:
+            trio.run(_serve, executor, args.host, args.port)
     except KeyboardInterrupt:
         return 0
     return 0
+
+
+def _is_key_hex(text: str) -> bool:
+    try:
+        return len(bytes.fromhex(text)) == 32
+    except ValueError:
+        return False
 
 
 if __name__ == "__main__":

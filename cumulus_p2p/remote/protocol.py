@@ -77,6 +77,7 @@ _CPU_HEAD = struct.Struct("<BBI")  # dtype code, ndim, blob index
 _COMPLEX = struct.Struct("<dd")
 _U32 = struct.Struct("<I")
 MAX_NDIM = 64
+BLOB_ALIGN = 16
 
 
 class TensorRef(NamedTuple):
@@ -209,11 +210,33 @@ def decode_ext(code: int, data: bytes) -> Any:
 # --- frames --------------------------------------------------------------------------
 
 
+def _pad(n: int) -> int:
+    return -n % BLOB_ALIGN
+
+
 def encode_frame(header: list, blobs: list[memoryview] = ()) -> list:
-    """Return the parts of one frame: length-prefixed header, then the blobs unjoined."""
+    """Return the parts of one frame: length-prefixed header, then the blobs unjoined.
+
+    Every blob starts at a ``BLOB_ALIGN`` offset in the frame, so the receiver can view
+    it as float64/complex128 data in place (vectorised kernels fault on misaligned data).
+    """
     # strict_types: a TensorRef is a tuple and must reach encode_value, not become an array.
     packed = msgpack.packb(header, default=encode_value, use_bin_type=True, strict_types=True)
-    return [_U32.pack(len(packed)) + packed, *blobs]
+    parts = [_U32.pack(len(packed)) + packed + bytes(_pad(_U32.size + len(packed)))]
+    for blob in blobs:
+        parts.append(blob)
+        if _pad(len(blob)):
+            parts.append(bytes(_pad(len(blob))))
+    return parts
+
+
+def aligned_bytes(blob: memoryview) -> torch.Tensor:
+    """A uint8 tensor over ``blob``, copied only if the peer left it misaligned.
+
+    Never trust a peer's alignment: a misaligned view could crash a SIMD kernel.
+    """
+    tensor = torch.frombuffer(blob, dtype=torch.uint8)
+    return tensor.clone() if tensor.data_ptr() % BLOB_ALIGN else tensor
 
 
 def decode_frame(frame: bytearray | bytes, *, max_header: int = 64 * 1024 * 1024):
@@ -243,19 +266,21 @@ def decode_frame(frame: bytearray | bytes, *, max_header: int = 64 * 1024 * 1024
         raise RemoteProtocolError(f"malformed header: {exc}") from exc
     if not isinstance(header, list) or not header or not isinstance(header[0], str):
         raise RemoteProtocolError("header must be a non-empty array starting with a kind")
-    return header, view[_U32.size + hlen :]
+    start = _U32.size + hlen + _pad(_U32.size + hlen)
+    return header, view[min(start, len(view)) :]
 
 
 def split_blobs(area: memoryview, lengths: Any) -> list[memoryview]:
     """Cut the blob area into the blobs the header announced, checking the lengths add up."""
     if not isinstance(lengths, list) or not all(type(n) is int and n >= 0 for n in lengths):
         raise RemoteProtocolError("blob lengths must be a list of non-negative integers")
-    if sum(lengths) != len(area):
+    padded = sum(n + _pad(n) for n in lengths)
+    if padded != len(area):
         raise RemoteProtocolError(
-            f"blob lengths add up to {sum(lengths)} but the frame carries {len(area)} bytes"
+            f"blob lengths add up to {padded} padded bytes but the frame carries {len(area)}"
         )
     out, pos = [], 0
     for n in lengths:
         out.append(area[pos : pos + n])
-        pos += n
+        pos += n + _pad(n)
     return out

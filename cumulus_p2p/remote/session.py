@@ -28,7 +28,14 @@ import torch
 
 from .._errors import RemoteProtocolError
 from .ops import UnknownOpError, resolve_op
-from .protocol import CpuTensorRef, DeviceToken, TensorRef, split_blobs, storage_extent
+from .protocol import (
+    CpuTensorRef,
+    DeviceToken,
+    TensorRef,
+    aligned_bytes,
+    split_blobs,
+    storage_extent,
+)
 
 #: torch's own default CPU seed, so an unseeded session draws what a fresh process draws.
 DEFAULT_SEED = 67280421310721
@@ -446,7 +453,7 @@ def _inline_tensor(ref: CpuTensorRef, blobs: list[memoryview]) -> torch.Tensor:
         raise OpFailed("RemoteProtocolError", "inline tensor size does not match its bytes")
     if numel == 0:
         return torch.empty(ref.sizes, dtype=ref.dtype)
-    return torch.frombuffer(blob, dtype=ref.dtype).reshape(ref.sizes)
+    return aligned_bytes(blob).view(ref.dtype).reshape(ref.sizes)
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:

@@ -32,7 +32,7 @@ import torch
 from . import device as _device  # noqa: F401 - must rename PrivateUse1 before DEVICE exists
 from .client import RemoteSession, current_session
 from .ops import op_name
-from .protocol import EXT_TENSOR, TensorRef, pack_tensor_ref, storage_extent
+from .protocol import EXT_TENSOR, TensorRef, aligned_bytes, pack_tensor_ref, storage_extent
 
 DEVICE = torch.device("cumulus", 0)
 _META = torch.device("meta")
@@ -476,7 +476,7 @@ def download(tensor: RemoteTensor) -> torch.Tensor:
     data = session.fetch(tensor._ref())
     if len(data) == 0:
         return torch.empty(tensor.shape, dtype=tensor.dtype)
-    flat = torch.frombuffer(data, dtype=torch.uint8).view(tensor.dtype)
+    flat = aligned_bytes(data).view(tensor.dtype)
     return flat.reshape(tensor.shape)
 
 

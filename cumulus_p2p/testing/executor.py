@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 _LISTENING = re.compile(r"listening on ([0-9.]+):(\d+)")
+_KEY = re.compile(r"key=([0-9a-f]{64})")
 
 
 @contextmanager
@@ -28,6 +29,8 @@ def executor_process(
         if match is None:
             err = proc.stderr.read() if proc.poll() is not None else ""
             raise RuntimeError(f"executor did not start: {line!r} {err}")
+        key = _KEY.search(line)
+        proc.provider_key = bytes.fromhex(key.group(1)) if key else None
         yield f"{match.group(1)}:{match.group(2)}", proc
     finally:
         proc.terminate()

@@ -1,0 +1,518 @@
+"""Blocking shell of the secure channel on the consumer (the user's PyTorch thread).
+
+Theory of operation
+-------------------
+``SecureClientChannel`` drives a ``SessionCore`` over a *link*: anything with
+``sendmsg_all``, ``recv_into``, ``shutdown`` and ``close`` (a TCP socket here, a bridged
+libp2p stream in ``libp2p_path``). A ``dial`` callable opens a fresh link; it is how a
+dropped connection is resumed.
+
+When a send or receive finds the link broken, the channel resumes: it dials again, proves
+the resume secret, learns how many records the provider holds and resends the rest from
+its retransmit buffer, retrying with backoff until ``resume_timeout``. The caller's
+``send_frame``/``recv_frame`` simply takes longer; only a refused or timed-out resume
+raises ``SessionClosedError``.
+
+Threads: one thread may send while another receives. ``_send_lock`` orders sealing and
+writing, ``_recv_lock`` reading, ``_core_lock`` guards the core's state; the order is
+send → recv → core, and a receiver only ever *tries* the send lock (to send an ``ACK``),
+so the two never wait on each other in a cycle.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from ..._errors import (
+    HandshakeError,
+    PeerAuthenticationError,
+    SessionClosedError,
+    SessionRefusedError,
+)
+from ..transport import DEFAULT_MAX_FRAME, Buffer
+from . import handshake as hs
+from .record import (
+    DEFAULT_MAX_RECORD,
+    DEFAULT_REKEY_BYTES,
+    HEADER_SIZE,
+    RECORD_LIMIT,
+    TAG_SIZE,
+)
+from .resume import DEFAULT_MAX_UNACKED, Closed, Record, SessionCore
+
+log = logging.getLogger("cumulus_p2p.remote.secure")
+
+
+class Link(Protocol):
+    """A blocking byte pipe the secure channel runs over."""
+
+    def sendmsg_all(self, chunks: Sequence[Buffer]) -> None:
+        """Send every byte of ``chunks`` in order. Raises ``OSError`` if the link broke."""
+
+    def recv_into(self, view: memoryview) -> int:
+        """Read some bytes into ``view``; 0 means end of stream. ``OSError`` if broken."""
+
+    def shutdown(self) -> None:
+        """Wake any thread blocked on the link and stop it (never raises)."""
+
+    def close(self) -> None:
+        """Release the link (never raises)."""
+
+
+class _ConnectionLost(Exception):
+    pass
+
+
+class SocketLink:
+    """A ``Link`` over a connected TCP socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # A provider that vanishes without a FIN/RST is noticed in about 25 s.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+            if hasattr(socket, name):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+        self.sock = sock
+
+    @classmethod
+    def dial(cls, host: str, port: int, timeout: float) -> SocketLink:
+        sock = socket.create_connection((host, port), timeout=timeout)
+        return cls(sock)
+
+    def settimeout(self, timeout: float | None) -> None:
+        self.sock.settimeout(timeout)
+
+    def sendmsg_all(self, chunks: Sequence[Buffer]) -> None:
+        views = [memoryview(c).cast("B") for c in chunks]
+        sock = self.sock
+        while views:
+            sent = sock.sendmsg(views[:512])  # IOV_MAX is 1024 on Linux
+            while sent:
+                head = views[0]
+                if sent >= head.nbytes:
+                    sent -= head.nbytes
+                    views.pop(0)
+                else:
+                    views[0] = head[sent:]
+                    sent = 0
+            while views and views[0].nbytes == 0:
+                views.pop(0)
+
+    def recv_into(self, view: memoryview) -> int:
+        return self.sock.recv_into(view)
+
+    def shutdown(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class _Reader:
+    """Exact reads from a link through one reusable buffer (see ``_io.StreamReader``)."""
+
+    def __init__(self, link: Link, max_record: int) -> None:
+        self.link = link
+        self._buf = bytearray(2 * (RECORD_LIMIT + HEADER_SIZE + TAG_SIZE) + 65536)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+
+    def take(self, n: int) -> memoryview:
+        if self._end - self._start < n:
+            have = self._end - self._start
+            if self._start + n > len(self._buf):
+                self._view[:have] = self._view[self._start : self._end]
+                self._start, self._end = 0, have
+            while self._end - self._start < n:
+                try:
+                    got = self.link.recv_into(self._view[self._end :])
+                except OSError as exc:
+                    raise _ConnectionLost(f"connection lost: {exc}") from exc
+                if got == 0:
+                    raise _ConnectionLost("provider closed the connection")
+                self._end += got
+        view = self._view[self._start : self._start + n]
+        self._start += n
+        return view
+
+    def read_handshake(self) -> bytes:
+        try:
+            n = hs.parse_length(bytes(self.take(hs.LENGTH.size)))
+            return bytes(self.take(n))
+        except _ConnectionLost as exc:
+            raise HandshakeError(f"handshake interrupted: {exc}") from exc
+
+
+def _send_handshake(link: Link, message: bytes) -> None:
+    try:
+        link.sendmsg_all([message])
+    except OSError as exc:
+        raise HandshakeError(f"handshake interrupted: {exc}") from exc
+
+
+class SecureClientChannel:
+    """A blocking ``FrameChannel``: authenticated, encrypted, resumable.
+
+    Build it with ``connect_secure`` (TCP) or ``libp2p_path.connect_secure_libp2p``.
+    """
+
+    def __init__(
+        self,
+        dial: Callable[[], Link],
+        link: Link,
+        reader: _Reader,
+        keys: hs.SessionKeys,
+        *,
+        max_frame: int,
+        max_record: int,
+        rekey_bytes: int,
+        max_unacked: int,
+        resume_timeout: float,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        self.max_frame = max_frame
+        self.peer_public_key = keys.peer_public_key
+        self.session_id = keys.session_id
+        self._dial = dial
+        self._link = link
+        self._reader = reader
+        self._resume_secret = keys.resume_secret
+        self._max_record = max_record
+        self._resume_timeout = resume_timeout
+        self._on_close = on_close
+        self._core = SessionCore(
+            keys.send_key,
+            keys.recv_key,
+            max_frame=max_frame,
+            max_record=max_record,
+            rekey_bytes=rekey_bytes,
+            max_unacked=max_unacked,
+        )
+        self._send_lock = threading.RLock()
+        self._recv_lock = threading.Lock()
+        self._core_lock = threading.Lock()
+        self._generation = 0
+        self._inbox: deque[bytearray] = deque()
+        self._closed: str | None = None
+        #: How many times this channel resumed (for monitoring and tests).
+        self.resumes = 0
+
+    # --- FrameChannel -----------------------------------------------------------------
+
+    def send_frame(self, parts: Sequence[Buffer]) -> None:
+        """Send one frame made of ``parts`` concatenated (scatter-gather, no join).
+
+        Raises:
+            SessionClosedError: the session ended or could not be resumed.
+            FrameTooLargeError: the frame exceeds ``max_frame`` (nothing was sent).
+        """
+        with self._send_lock:
+            self._check_open()
+            with self._core_lock:
+                records = self._core.seal_frame(parts)
+                record = next(records)
+            while record is not None:
+                self._write(record)
+                if self._core.must_wait:
+                    self._pump_until_acked()
+                with self._core_lock:
+                    record = next(records, None)
+
+    def recv_frame(self) -> bytearray:
+        """Block until one whole frame arrives.
+
+        Raises:
+            SessionClosedError: the provider closed the session, or it could not be
+                resumed.
+            RemoteProtocolError: the provider sent an invalid record (subclasses say
+                which), or the resume was refused by an authentication failure.
+        """
+        while True:
+            with self._recv_lock:
+                if self._inbox:
+                    return self._inbox.popleft()
+                self._check_open()
+                generation = self._generation
+                try:
+                    event = self._read_record()
+                except _ConnectionLost as exc:
+                    lost: _ConnectionLost | None = exc
+                else:
+                    lost = None
+                    if type(event) is bytearray:
+                        self._maybe_ack()
+                        return event
+                    if type(event) is Closed:
+                        self._mark_closed(f"provider closed the session: {event.reason}")
+                        raise SessionClosedError(self._closed)
+                    self._maybe_ack()
+            if lost is not None:
+                self._recover(generation, lost)
+
+    def close(self) -> None:
+        """End the session (the provider's handler sees ``SessionClosedError``). Idempotent."""
+        if self._closed is not None:
+            return
+        if self._send_lock.acquire(timeout=5.0):
+            try:
+                if self._closed is None:
+                    with self._core_lock:
+                        record = self._core.seal_close("consumer closed the session")
+                    try:
+                        self._link.sendmsg_all(record)
+                    except OSError:
+                        pass
+            finally:
+                self._send_lock.release()
+        self._mark_closed("channel closed by this consumer")
+
+    def __enter__(self) -> SecureClientChannel:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- internals --------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed is not None:
+            raise SessionClosedError(self._closed)
+
+    def _mark_closed(self, reason: str) -> None:
+        if self._closed is None:
+            self._closed = reason
+        self._link.shutdown()
+        self._link.close()
+        if self._on_close is not None:
+            on_close, self._on_close = self._on_close, None
+            on_close()
+
+    def _read_record(self) -> bytearray | Closed | None:
+        """Read and absorb one record (caller holds ``_recv_lock``)."""
+        reader = self._reader
+        header = bytes(reader.take(HEADER_SIZE))
+        with self._core_lock:
+            n = self._core.receive_header(header)
+        try:
+            body = reader.take(n)
+        except _ConnectionLost:
+            with self._core_lock:
+                self._core.abort_partial_read()
+            raise
+        with self._core_lock:
+            return self._core.receive_body(header, body)
+
+    def _maybe_ack(self) -> None:
+        # Only *try* the send lock: a sender blocked on a full socket must not stall us.
+        if self._core.ack_due and self._send_lock.acquire(blocking=False):
+            try:
+                with self._core_lock:
+                    record = self._core.seal_ack()
+                self._write(record)
+            finally:
+                self._send_lock.release()
+
+    def _write(self, record: Record) -> None:
+        """Send one sealed record (caller holds ``_send_lock``); resume if the link broke."""
+        generation = self._generation
+        try:
+            self._link.sendmsg_all(record)
+        except OSError as exc:
+            # The record is in the retransmit buffer: the resume resends it.
+            self._recover(generation, exc)
+
+    def _pump_until_acked(self) -> None:
+        """Read incoming records until the retransmit buffer has room again."""
+        while self._core.must_wait:
+            with self._recv_lock:
+                self._check_open()
+                generation = self._generation
+                try:
+                    event = self._read_record()
+                except _ConnectionLost as exc:
+                    lost: _ConnectionLost | None = exc
+                else:
+                    lost = None
+                    if type(event) is bytearray:
+                        self._inbox.append(event)
+                    elif type(event) is Closed:
+                        self._mark_closed(f"provider closed the session: {event.reason}")
+                        raise SessionClosedError(self._closed)
+                    if self._core.ack_due:
+                        with self._core_lock:
+                            record = self._core.seal_ack()
+                        self._write(record)
+            if lost is not None:
+                self._recover(generation, lost)
+
+    def _recover(self, generation: int, cause: BaseException) -> None:
+        """Resume the session on a new link, unless another thread already did."""
+        self._link.shutdown()  # wake a thread blocked on the dead link
+        with self._send_lock:
+            if self._generation != generation:
+                return
+            self._check_open()
+            log.info("secure channel lost its connection (%s); resuming", cause)
+            deadline = time.monotonic() + self._resume_timeout
+            delay = 0.02
+            while True:
+                with self._recv_lock:
+                    self._link.close()
+                    try:
+                        link, reader, peer_received = self._resume_once()
+                    except (SessionRefusedError, PeerAuthenticationError) as exc:
+                        self._mark_closed(f"session could not be resumed: {exc}")
+                        raise SessionClosedError(self._closed) from exc
+                    except (OSError, HandshakeError) as exc:
+                        if time.monotonic() + delay > deadline:
+                            self._mark_closed(
+                                f"session could not be resumed within "
+                                f"{self._resume_timeout:g} s: {exc}"
+                            )
+                            raise SessionClosedError(self._closed) from exc
+                        log.info("resume attempt failed (%s); retrying", exc)
+                        link = None
+                    if link is not None:
+                        with self._core_lock:
+                            try:
+                                resend = self._core.resend_from(peer_received)
+                            except Exception as exc:
+                                self._mark_closed(f"provider resumed at an impossible point: {exc}")
+                                raise SessionClosedError(self._closed) from exc
+                            self._core.resumed()
+                        self._link, self._reader = link, reader
+                        self._generation += 1
+                        self.resumes += 1
+                        try:
+                            for record in resend:
+                                link.sendmsg_all(record)
+                        except OSError as exc:
+                            log.info("link broke while resending (%s); resuming again", exc)
+                            generation = self._generation
+                            link.shutdown()
+                        else:
+                            return
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    def _resume_once(self) -> tuple[Link, _Reader, int]:
+        link = self._dial()
+        try:
+            reader = _Reader(link, self._max_record)
+            resume = hs.ClientResume(self.session_id, self._resume_secret, self._core.received)
+            _send_handshake(link, resume.hello())
+            _send_handshake(link, resume.on_challenge(reader.read_handshake()))
+            peer_received = resume.on_resumed(reader.read_handshake())
+        except BaseException:
+            link.shutdown()
+            link.close()
+            raise
+        _set_timeout(link, None)
+        return link, reader, peer_received
+
+
+def _set_timeout(link: Link, timeout: float | None) -> None:
+    settimeout = getattr(link, "settimeout", None)
+    if settimeout is not None:
+        settimeout(timeout)
+
+
+def handshake_new(
+    link: Link,
+    *,
+    identity,
+    expected_peer_public_key: bytes,
+    lease: bytes | None,
+    max_record: int,
+) -> tuple[_Reader, hs.SessionKeys]:
+    """Run the new-session handshake on a fresh link (blocking)."""
+    reader = _Reader(link, max_record)
+    shake = hs.ClientHandshake(identity.public_key, identity.sign, expected_peer_public_key, lease)
+    _send_handshake(link, shake.hello())
+    _send_handshake(link, shake.on_server_auth(reader.read_handshake()))
+    keys = shake.on_result(reader.read_handshake())
+    return reader, keys
+
+
+def connect_secure(
+    host: str,
+    port: int,
+    *,
+    identity,
+    expected_peer_public_key: bytes,
+    lease: bytes | None = None,
+    timeout: float = 10.0,
+    resume_timeout: float = 30.0,
+    max_frame: int = DEFAULT_MAX_FRAME,
+    max_record: int = DEFAULT_MAX_RECORD,
+    rekey_bytes: int = DEFAULT_REKEY_BYTES,
+    max_unacked: int = DEFAULT_MAX_UNACKED,
+) -> SecureClientChannel:
+    """Open a secure session to a provider over direct TCP (blocking).
+
+    Args:
+        host: The provider's address.
+        port: The provider's secure-channel port.
+        identity: This consumer's ``NodeIdentity``.
+        expected_peer_public_key: The provider's ed25519 public key (32 bytes), from its
+            offer or lease. Any other key is treated as an impostor.
+        lease: An opaque lease token for the provider's ``authorize`` (for example the
+            countersigned lease's bytes), or ``None``.
+        timeout: Seconds for connecting and for each handshake.
+        resume_timeout: How long a dropped connection is retried before the session is
+            declared lost (keep it at or below the provider's grace period).
+        max_frame: Largest frame accepted from the provider.
+        max_record: Largest record plaintext (must match the provider's).
+        rekey_bytes: Ciphertext per key before the implicit rekey (must match).
+        max_unacked: Retransmit buffer bound.
+
+    Returns:
+        The channel, a ``FrameChannel``.
+
+    Raises:
+        SessionRefusedError: the provider refused this consumer (``.reason`` says why).
+        PeerAuthenticationError: the peer is not the expected provider.
+        HandshakeError: the handshake failed (malformed, truncated or timed out).
+        OSError: the provider could not be reached.
+    """
+
+    def dial() -> Link:
+        link = SocketLink.dial(host, port, timeout)
+        return link
+
+    link = dial()
+    try:
+        reader, keys = handshake_new(
+            link,
+            identity=identity,
+            expected_peer_public_key=expected_peer_public_key,
+            lease=lease,
+            max_record=max_record,
+        )
+    except BaseException:
+        link.shutdown()
+        link.close()
+        raise
+    link.settimeout(None)
+    return SecureClientChannel(
+        dial,
+        link,
+        reader,
+        keys,
+        max_frame=max_frame,
+        max_record=max_record,
+        rekey_bytes=rekey_bytes,
+        max_unacked=max_unacked,
+        resume_timeout=resume_timeout,
+    )

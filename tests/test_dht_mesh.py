@@ -1,0 +1,300 @@
+"""The mesh with real py-libp2p hosts on 127.0.0.1: gossip, DHT, expiry, bad input, relay.
+
+Every test starts its own nodes through ``cumulus_p2p.testing.mesh`` and short
+heartbeats and TTLs (``fast_config``), and waits with trio timeouts, never sleeps
+on a guess.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import multiaddr
+import pytest
+import trio
+from libp2p import new_host
+from libp2p.custom_types import TProtocol
+from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.records.validator import BlankValidator, NamespacedValidator
+from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
+from libp2p.tools.anyio_service import background_trio_service
+
+from cumulus_p2p._errors import PeerUnreachableError
+from cumulus_p2p.dht.gossip import MARKET_TOPIC, GossipConfig
+from cumulus_p2p.dht.host import LOOPBACK, connect, new_mesh_host, parse_peer_addr, yamux_only
+from cumulus_p2p.dht.records import SHEET_KIND, encode_sheet_body, offers_key
+from cumulus_p2p.envelope import Envelope, seal
+from cumulus_p2p.identity import NodeIdentity
+from cumulus_p2p.testing.mesh import (
+    Mesh,
+    fast_config,
+    open_mesh,
+    open_rogue_peer,
+    wait_for,
+)
+
+N = 10
+OFFER = "market/offer"
+
+# py-libp2p logs every closed DHT stream as a warning; keep test output readable.
+logging.getLogger("libp2p").setLevel(logging.ERROR)
+
+
+def has_offer_from(mesh: Mesh, index: int, author: bytes) -> bool:
+    return author in mesh.books[index].authors(time.time(), kind=OFFER)
+
+
+async def test_offer_reaches_every_node_within_two_seconds() -> None:
+    async with open_mesh(N) as mesh:
+        env = await mesh.nodes[N // 2].announce("gpu0", OFFER, b"rtx4090 x1")
+        took = await wait_for(
+            lambda: all(env.digest in book for book in mesh.books),
+            timeout=2.0,
+            what="offer in every book",
+        )
+        assert took < 2.0
+        assert all(mesh.received(i)[0].source == "gossip" for i in range(N))
+
+
+async def test_late_joiner_reads_every_live_offer_from_the_dht() -> None:
+    # Re-announce rarely and keep little gossip history, so the joiner cannot get the
+    # offers from fresh or replayed gossip: only the DHT has them.
+    config = fast_config(
+        announce_interval=20.0,
+        offer_ttl=60.0,
+        gossip=GossipConfig(heartbeat_interval=0.5, history=3),
+    )
+    async with open_mesh(N, config=config) as mesh:
+        hosts = [0, 3, 7]
+        for i in hosts:
+            await mesh.nodes[i].announce("gpu", OFFER, b"offer from %d" % i)
+        authors = {mesh.nodes[i].identity.public_key for i in hosts}
+        await wait_for(
+            lambda: all(mesh.books[i].authors(time.time()) >= authors for i in range(N)),
+            timeout=5.0,
+            what="offers gossiped",
+        )
+        # Let the DHT puts land and the gossip message cache (3 heartbeats) roll over.
+        await wait_for(
+            lambda: (
+                all(mesh.nodes[i].statistics().announcements == 1 for i in hosts)
+                and all(mesh.nodes[i].dht.get_value_store_size() >= 1 for i in range(N))
+            ),
+            timeout=5.0,
+            what="offer sheets stored",
+        )
+        await trio.sleep(2.0)
+
+        joiner = await mesh.add_node(
+            fast_config(
+                bootstrap=(str(mesh.nodes[5].addrs[0]),),
+                announce_interval=20.0,
+                offer_ttl=60.0,
+                gossip=GossipConfig(heartbeat_interval=0.5, history=3),
+            )
+        )
+        j = len(mesh.nodes) - 1
+        await wait_for(
+            lambda: mesh.books[j].authors(time.time(), kind=OFFER) == authors,
+            timeout=3.0,
+            what="joiner has every offer",
+        )
+        assert {m.source for m in mesh.received(j)} == {"dht"}
+        assert joiner.statistics().dht_offers_delivered == len(hosts)
+        # Asking again reads the same book from the DHT but delivers nothing twice.
+        found = await joiner.sync_offers()
+        assert {offers[0].author for offers in found.values()} == authors
+        assert len(mesh.received(j)) == len(hosts)
+
+
+async def test_offers_of_a_departed_host_expire_everywhere_within_the_ttl() -> None:
+    config = fast_config(announce_interval=0.5, offer_ttl=2.0)
+    async with open_mesh(N, config=config) as mesh:
+        leaver = mesh.nodes[4]
+        author = leaver.identity.public_key
+        await leaver.announce("gpu", OFFER, b"going away soon")
+        await wait_for(
+            lambda: all(has_offer_from(mesh, i, author) for i in range(N)),
+            timeout=3.0,
+            what="offer everywhere",
+        )
+        # Several heartbeats: the offer is renewed, not left to lapse.
+        await trio.sleep(2.5)
+        assert all(has_offer_from(mesh, i, author) for i in range(N))
+
+        stopped_at = time.time()
+        await mesh.stop_node(4)
+        others = [i for i in range(N) if i != 4]
+        await wait_for(
+            lambda: not any(has_offer_from(mesh, i, author) for i in others),
+            timeout=config.offer_ttl + 1.0,
+            what="departed host's offers gone",
+        )
+        assert time.time() - stopped_at <= config.offer_ttl + 0.5
+        # The DHT no longer yields them either.
+        found = await mesh.nodes[0].sync_offers()
+        assert leaver.peer_id not in found
+
+
+# --- bad input: each kind of bad message, sent by a peer that does not validate ---------
+
+
+async def _assert_dropped_everywhere(mesh: Mesh, payload: bytes, reason: str) -> None:
+    targets = mesh.nodes
+    async with open_rogue_peer(targets) as rogue:
+        before = [len(mesh.received(i)) for i in range(N)]
+        await rogue.publish_raw(payload)
+        await wait_for(
+            lambda: all(n.statistics().rejected.get(reason, 0) >= 1 for n in targets),
+            timeout=3.0,
+            what=f"every node rejected the payload as {reason}",
+        )
+        # Nothing from it ever reaches a book; let any stray delivery surface first.
+        await trio.sleep(0.3)
+        assert [len(mesh.received(i)) for i in range(N)] == before
+        for node in targets:
+            score = node.router.scorer.score(rogue.peer_id, [MARKET_TOPIC])
+            assert score < 0, "the sender of an invalid message loses gossip score"
+
+
+async def test_forged_offer_is_dropped_by_every_node() -> None:
+    async with open_mesh(N) as mesh:
+        victim = NodeIdentity.generate()
+        good = seal(victim, OFFER, b"cheap gpu", now=time.time(), ttl=30.0, nonce=1)
+        forged = Envelope(
+            good.kind, good.author, b"free gpu", good.expires_at, good.nonce, good.signature
+        )
+        await _assert_dropped_everywhere(mesh, forged.to_bytes(), "BAD_SIGNATURE")
+
+
+async def test_replayed_offer_is_dropped_by_every_node() -> None:
+    async with open_mesh(N) as mesh:
+        # A long TTL, so the copy is still live (a replay, not merely expired) when resent.
+        env = mesh.nodes[2].seal("market/bid", b"once only", ttl=60.0)
+        await mesh.nodes[2].publish(env)
+        await wait_for(
+            lambda: all(env.digest in b for b in mesh.books), timeout=3.0, what="original"
+        )
+        await _assert_dropped_everywhere(mesh, env.to_bytes(), "REPLAYED")
+        for i in range(N):
+            assert sum(m.envelope.digest == env.digest for m in mesh.received(i)) == 1
+
+
+async def test_expired_offer_is_dropped_by_every_node() -> None:
+    async with open_mesh(N) as mesh:
+        author = NodeIdentity.generate()
+        stale = seal(author, OFFER, b"old", now=time.time() - 60.0, ttl=30.0, nonce=1)
+        await _assert_dropped_everywhere(mesh, stale.to_bytes(), "EXPIRED")
+
+
+async def test_oversized_offer_is_dropped_by_every_node() -> None:
+    async with open_mesh(N) as mesh:
+        author = NodeIdentity.generate()
+        huge = seal(author, OFFER, b"x" * 100_000, now=time.time(), ttl=30.0, nonce=1)
+        await _assert_dropped_everywhere(mesh, huge.to_bytes(), "OVERSIZED")
+
+
+async def test_malformed_payload_is_dropped_by_every_node() -> None:
+    async with open_mesh(N) as mesh:
+        await _assert_dropped_everywhere(mesh, b"\x96not an envelope", "MALFORMED")
+
+
+# --- transport security and NAT traversal -----------------------------------------------
+
+
+async def test_plaintext_peer_cannot_connect() -> None:
+    async with open_mesh(1) as mesh:
+        identity = NodeIdentity.generate()
+        plain = new_host(
+            key_pair=identity.key_pair,
+            sec_opt={PLAINTEXT_PROTOCOL_ID: InsecureTransport(identity.key_pair)},
+            muxer_opt=yamux_only(),
+        )
+        async with plain.run(listen_addrs=[LOOPBACK]):
+            with pytest.raises(PeerUnreachableError):
+                await connect(plain, parse_peer_addr(mesh.nodes[0].addrs[0]), timeout=5.0)
+        assert mesh.nodes[0].statistics().connected_peers == 0
+
+
+ECHO = TProtocol("/cumulus/test-echo/1.0.0")
+
+
+async def _echo(stream) -> None:  # type: ignore[no-untyped-def]
+    # Catch stream errors here: one escaping a handler breaks later streams.
+    try:
+        data = await stream.read(1024)
+        await stream.write(b"echo:" + data)
+        await stream.close()
+    except Exception:  # noqa: BLE001
+        await stream.reset()
+
+
+async def test_node_that_cannot_be_dialed_is_reached_through_a_relay() -> None:
+    async with open_mesh(2) as mesh:
+        relay, dialer = mesh.nodes
+        assert relay.nat is not None and relay.nat.is_relay
+        hidden = await mesh.add_node(fast_config(listen_addrs=(), relays=(str(relay.addrs[0]),)))
+        assert hidden.host.get_addrs() == []  # nothing to dial directly
+        assert (
+            hidden.nat is not None and relay.peer_id in hidden.nat.transport.discovery.get_relays()
+        )
+        hidden.host.set_stream_handler(ECHO, _echo)
+
+        with trio.fail_after(10):
+            await dialer.connect_via_relay(relay.addrs[0], hidden.peer_id)
+            stream = await dialer.host.new_stream(hidden.peer_id, [ECHO])
+            await stream.write(b"hello")
+            assert await stream.read(1024) == b"echo:hello"
+            await stream.close()
+        conns = dialer.host.get_network().get_connections(hidden.peer_id)
+        assert any("p2p-circuit" in str(a) for c in conns for a in _addrs(c))
+
+        # The relayed peer takes part in the market too.
+        env = await dialer.announce("gpu", OFFER, b"reachable from behind NAT")
+        await wait_for(
+            lambda: env.digest in mesh.books[2], timeout=5.0, what="offer at hidden node"
+        )
+
+
+def _addrs(conn: object) -> list[multiaddr.Multiaddr]:
+    muxed = getattr(conn, "muxed_conn", None)
+    raw = getattr(muxed, "secured_conn", None)
+    get = getattr(raw, "get_transport_addresses", None)
+    try:
+        return list(get()) if get is not None else []
+    except Exception:  # noqa: BLE001 - diagnostic only
+        return []
+
+
+async def test_autonat_finds_a_listening_node_publicly_reachable() -> None:
+    async with open_mesh(5) as mesh:
+        node = mesh.nodes[0]
+        assert node.nat is not None
+        servers = [n.peer_id for n in mesh.nodes[1:]]
+        with trio.fail_after(10):
+            assert await node.nat.check_reachability(servers) == "public"
+        assert node.statistics().reachability == "public"
+
+
+async def test_forged_dht_record_is_stored_by_no_node() -> None:
+    async with open_mesh(N) as mesh:
+        victim = mesh.nodes[1]
+        key = offers_key(victim.peer_id)
+        rogue = NodeIdentity.generate()
+        host = new_mesh_host(rogue.key_pair)
+        # The attacker's DHT accepts anything under /cumulus/ and pushes it to peers.
+        permissive = NamespacedValidator({"cumulus": BlankValidator()})
+        dht = KadDHT(host, DHTMode.SERVER, validator=permissive, validator_changed=True)
+        forged = seal(rogue, SHEET_KIND, encode_sheet_body([]), now=time.time(), ttl=30, nonce=1)
+        async with host.run(listen_addrs=[LOOPBACK]), background_trio_service(dht):
+            for node in mesh.nodes:
+                await connect(host, parse_peer_addr(node.addrs[0]))
+                await dht.add_peer(node.peer_id)
+            await dht.put_value(key, forged.to_bytes())
+            # Control: the same peer's own, valid sheet is stored, so the PUTs do land.
+            own_key = offers_key(host.get_id())
+            own = seal(rogue, SHEET_KIND, encode_sheet_body([]), now=time.time(), ttl=30, nonce=2)
+            await dht.put_value(own_key, own.to_bytes())
+        assert all(n.dht.value_store.get(key.encode()) is None for n in mesh.nodes)
+        assert any(n.dht.value_store.get(own_key.encode()) is not None for n in mesh.nodes)
