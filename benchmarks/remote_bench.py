@@ -21,7 +21,7 @@ import torch
 
 import cumulus_p2p.remote as remote
 from cumulus_p2p.testing.executor import executor_process
-from cumulus_p2p.testing.models import TASKS
+from cumulus_p2p.testing.models import MLP, TASKS, Task, TinyTransformer, _lm_loss
 
 ECHO_SERVER = """
 import trio, sys
@@ -101,8 +101,30 @@ def transfer_mb_s(mbytes: int, repeats: int) -> tuple[float, float]:
     return mbytes / min(up), mbytes / min(down)
 
 
-def step_time(task: str, device: str, steps: int) -> float:
-    spec = TASKS[task]
+def _bench_tokens(gen):
+    idx = torch.randint(0, 512, (16, 128), generator=gen)
+    return idx, torch.roll(idx, -1, dims=1)
+
+
+#: Models sized like small real workloads, where per-op overhead meets real compute.
+BENCH_TASKS = {
+    "mlp": Task(
+        lambda: MLP(width=1024, depth=4),
+        lambda gen: (
+            torch.randn(256, 32, generator=gen),
+            torch.randint(0, 10, (256,), generator=gen),
+        ),
+        torch.nn.functional.cross_entropy,
+    ),
+    "transformer": Task(
+        lambda: TinyTransformer(vocab=512, dim=256, heads=8, layers=4, ctx=128),
+        _bench_tokens,
+        _lm_loss,
+    ),
+}
+
+
+def step_time(spec: Task, device: str, steps: int) -> float:
     torch.manual_seed(0)
     model = spec.make_model().to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -140,9 +162,10 @@ def main() -> None:
             up, down = transfer_mb_s(32 if q else 128, 2 if q else 5)
             ratios = {}
             for task in ("mlp", "transformer"):
-                local = step_time(task, "cpu", 10 if q else 50)
-                far = step_time(task, "cumulus", 10 if q else 50)
-                ratios[task] = far / local
+                for label, spec in ((task, BENCH_TASKS[task]), (task + "_tiny", TASKS[task])):
+                    local = step_time(spec, "cpu", 5 if q else 20)
+                    far = step_time(spec, "cumulus", 5 if q else 20)
+                    ratios[label] = far / local
             device = session.info["device"]
     result = {
         "executor_device": device,
@@ -154,6 +177,8 @@ def main() -> None:
         "download_mb_s": round(down, 1),
         "step_ratio_mlp": round(ratios["mlp"], 3),
         "step_ratio_transformer": round(ratios["transformer"], 3),
+        "step_ratio_mlp_tiny": round(ratios["mlp_tiny"], 3),
+        "step_ratio_transformer_tiny": round(ratios["transformer_tiny"], 3),
     }
     print(json.dumps(result, indent=2))
     out = Path(__file__).parent / "results" / "remote.json"

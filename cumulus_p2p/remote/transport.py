@@ -85,6 +85,7 @@ class SocketFrameChannel:
     def __init__(self, sock: socket.socket, *, max_frame: int = DEFAULT_MAX_FRAME) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
+        self._pending = bytearray()
         self.max_frame = max_frame
 
     @classmethod
@@ -105,22 +106,37 @@ class SocketFrameChannel:
             raise SessionClosedError(f"connection to executor lost while sending: {exc}") from exc
 
     def recv_frame(self) -> bytearray:
-        length = parse_length(self._recv_exactly(_LENGTH.size), self.max_frame)
-        return self._recv_exactly(length)
-
-    def _recv_exactly(self, n: int) -> bytearray:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
+        # One recv usually brings the prefix and a small reply together.
+        while len(self._pending) < _LENGTH.size:
+            self._pending += self._recv_some(65536)
+        length = parse_length(self._pending[: _LENGTH.size], self.max_frame)
+        have = len(self._pending) - _LENGTH.size
+        if have >= length:
+            frame = self._pending[_LENGTH.size : _LENGTH.size + length]
+            del self._pending[: _LENGTH.size + length]
+            return frame
+        frame = bytearray(length)
+        view = memoryview(frame)
+        view[:have] = self._pending[_LENGTH.size :]
+        self._pending.clear()
+        while have < length:
             try:
-                k = self._sock.recv_into(view[got:])
+                k = self._sock.recv_into(view[have:])
             except OSError as exc:
                 raise SessionClosedError(f"connection to executor lost: {exc}") from exc
             if k == 0:
                 raise SessionClosedError("executor closed the connection")
-            got += k
-        return buf
+            have += k
+        return frame
+
+    def _recv_some(self, n: int) -> bytes:
+        try:
+            chunk = self._sock.recv(n)
+        except OSError as exc:
+            raise SessionClosedError(f"connection to executor lost: {exc}") from exc
+        if not chunk:
+            raise SessionClosedError("executor closed the connection")
+        return chunk
 
     def close(self) -> None:
         self._sock.close()
