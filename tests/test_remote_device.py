@@ -198,3 +198,19 @@ def test_in_place_layout_ops_change_only_the_layout(cumulus):
         3.0,
         3.0,
     ]
+
+
+def test_eval_mode_batch_norm_matches_cpu(cumulus):
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm2d(3)
+    bn.running_mean.uniform_()
+    x = torch.randn(2, 3, 4, 4)
+    with torch.no_grad():  # a live CPU graph would pin the weights (see issue notes)
+        expected = bn.eval()(x)
+    got = bn.to("cumulus").eval()(x.to("cumulus"))
+    torch.testing.assert_close(got.cpu(), expected, rtol=0, atol=0)
+
+
+def test_single_element_views_download(cumulus):
+    x = torch.arange(6.0).reshape(2, 3)
+    assert torch.diagonal(x.to("cumulus")[:1, 1:2]).cpu().tolist() == [1.0]

@@ -259,10 +259,14 @@ class ExecutorSession:
             )
         handle, sizes, strides, offset = spec
         if list(tensor.shape) != sizes:
-            raise OpFailed(
-                "RuntimeError",
-                f"executor produced shape {list(tensor.shape)}, client expected {sizes}",
-            )
+            # Meta and the real kernel disagree (eval-mode batch_norm's unused statistics).
+            # Only this output is unusable; the op's other outputs are fine.
+            if type(handle) is int:
+                self._poisoned[handle] = (
+                    f"the executor produced shape {list(tensor.shape)} where the client "
+                    f"expected {sizes}; this output cannot be used"
+                )
+            return handle
         if (
             list(tensor.stride()) != strides
             or tensor.storage_offset() != offset
@@ -457,9 +461,11 @@ def _inline_tensor(ref: CpuTensorRef, blobs: list[memoryview]) -> torch.Tensor:
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    flat = tensor.detach().contiguous().cpu().reshape(-1)
+    flat = tensor.detach().contiguous().cpu()
     if flat.numel() == 0:
         return memoryview(b"")
+    # A one-element "contiguous" tensor may still carry any stride: flatten explicitly.
+    flat = flat.as_strided((flat.numel(),), (1,), flat.storage_offset())
     return memoryview(flat.view(torch.uint8).numpy())
 
 
