@@ -19,7 +19,7 @@ import torch
 
 from .client import current_session
 from .ops import op_name
-from .tensor import DEVICE, RemoteStorage, RemoteTensor, contiguous_strides, download, new_empty
+from .tensor import DEVICE, RemoteTensor, contiguous_strides, download, fresh_tensor, new_empty
 
 _META = torch.device("meta")
 _FLASH_CPU = 1  # sdp::SDPBackend::flash_attention, as _fused_sdp_choice reports it
@@ -106,12 +106,11 @@ def _factory_kernel(func) -> Callable:
     def kernel(*args, **kwargs):
         meta = func(*args, **{**kwargs, "device": _META})
         session = current_session()
-        sizes, strides = tuple(meta.shape), tuple(meta.stride())
-        handle = session.new_handle()
-        storage = RemoteStorage(session, handle, meta.untyped_storage().nbytes())
-        out = [[handle, list(sizes), list(strides), meta.storage_offset()]]
-        session.submit([name, list(args), {**kwargs, "device": DEVICE}, out])
-        return RemoteTensor(storage, meta.dtype, sizes, strides, meta.storage_offset())
+        tensor, spec = fresh_tensor(
+            session, meta.dtype, tuple(meta.shape), tuple(meta.stride()), meta.storage_offset()
+        )
+        session.submit([name, list(args), {**kwargs, "device": DEVICE}, [spec]])
+        return tensor
 
     return kernel
 

@@ -273,11 +273,7 @@ class ExecutorSession:
             or _aliases(tensor, inputs)
         ):
             # Keep the client's picture true: lay the result out exactly as it expects.
-            fresh = (
-                torch.empty_strided(sizes, strides, dtype=tensor.dtype, device=self.device)
-                if offset == 0
-                else _strided_with_offset(sizes, strides, offset, tensor, self.device)
-            )
+            fresh = _strided_with_offset(sizes, strides, offset, tensor, self.device)
             fresh.copy_(tensor)
             tensor = fresh
         self._add(handle, tensor)

@@ -78,7 +78,7 @@ class RemoteTensor(torch.Tensor):
 
     @functools.cached_property
     def _cumulus_ext(self) -> msgpack.ExtType:
-        # A wrapper's layout never changes, so its wire form is computed once.
+        # Computed once per wrapper; ``_restride`` drops it when the layout changes.
         return msgpack.ExtType(EXT_TENSOR, pack_tensor_ref(self._ref()))
 
     def _restride(self, sizes, strides, offset) -> None:
@@ -280,10 +280,11 @@ def _build(out: _Out, args, kwargs, session, wire) -> Any:
     if out.kind == "none":
         return None
     if out.kind == "new":
-        handle = session.new_handle()
-        storage = RemoteStorage(session, handle, out.nbytes)
-        wire.append([handle, list(out.sizes), list(out.strides), out.offset])
-        return RemoteTensor(storage, out.dtype, out.sizes, out.strides, out.offset)
+        tensor, spec = fresh_tensor(
+            session, out.dtype, out.sizes, out.strides, out.offset, nbytes=out.nbytes
+        )
+        wire.append(spec)
+        return tensor
     base = _argument(args, kwargs, out.arg)
     if type(base) is not RemoteTensor:
         raise RuntimeError(
@@ -503,22 +504,24 @@ _SPECIAL: dict = {
 }
 
 
+def fresh_tensor(
+    session: RemoteSession, dtype, sizes, strides, offset: int, *, nbytes: int | None = None
+) -> tuple[RemoteTensor, list]:
+    """A tensor on new remote memory, and the output spec that names its handle on the wire."""
+    if nbytes is None:
+        nbytes = storage_extent(sizes, strides, offset) * dtype.itemsize
+    handle = session.new_handle()
+    tensor = RemoteTensor(RemoteStorage(session, handle, nbytes), dtype, sizes, strides, offset)
+    return tensor, [handle, list(sizes), list(strides), offset]
+
+
 def new_empty(sizes, strides, dtype: torch.dtype) -> RemoteTensor:
     """Allocate uninitialised remote memory (the device's ``empty_strided`` kernel)."""
     session = current_session()
-    sizes, strides = tuple(sizes), tuple(strides)
-    handle = session.new_handle()
-    nbytes = storage_extent(sizes, strides, 0) * dtype.itemsize
-    storage = RemoteStorage(session, handle, nbytes)
-    session.submit(
-        [
-            "aten.empty_strided.default",
-            [list(sizes), list(strides)],
-            {"dtype": dtype, "device": DEVICE},
-            [[handle, list(sizes), list(strides), 0]],
-        ]
-    )
-    return RemoteTensor(storage, dtype, sizes, strides, 0)
+    tensor, spec = fresh_tensor(session, dtype, tuple(sizes), tuple(strides), 0)
+    args = [list(sizes), list(strides)]
+    session.submit(["aten.empty_strided.default", args, {"dtype": dtype, "device": DEVICE}, [spec]])
+    return tensor
 
 
 def contiguous_strides(sizes) -> tuple[int, ...]:

@@ -101,7 +101,7 @@ class SocketFrameChannel:
         views = [memoryview(frame_header(parts, self.max_frame))]
         views.extend(memoryview(p).cast("B") for p in parts)
         try:
-            _sendmsg_all(self._sock, views)
+            sendmsg_all(self._sock, views)
         except OSError as exc:
             raise SessionClosedError(f"connection to executor lost while sending: {exc}") from exc
 
@@ -142,7 +142,7 @@ class SocketFrameChannel:
         self._sock.close()
 
 
-def _sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
+def sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
     """``sendmsg`` until every byte of every view is gone (it may send only part)."""
     while views:
         sent = sock.sendmsg(views[:512])  # IOV_MAX is 1024 on Linux

@@ -35,7 +35,7 @@ from ..._errors import (
     SessionClosedError,
     SessionRefusedError,
 )
-from ..transport import DEFAULT_MAX_FRAME, Buffer
+from ..transport import DEFAULT_MAX_FRAME, Buffer, sendmsg_all
 from . import handshake as hs
 from .record import (
     DEFAULT_MAX_RECORD,
@@ -90,20 +90,7 @@ class SocketLink:
         self.sock.settimeout(timeout)
 
     def sendmsg_all(self, chunks: Sequence[Buffer]) -> None:
-        views = [memoryview(c).cast("B") for c in chunks]
-        sock = self.sock
-        while views:
-            sent = sock.sendmsg(views[:512])  # IOV_MAX is 1024 on Linux
-            while sent:
-                head = views[0]
-                if sent >= head.nbytes:
-                    sent -= head.nbytes
-                    views.pop(0)
-                else:
-                    views[0] = head[sent:]
-                    sent = 0
-            while views and views[0].nbytes == 0:
-                views.pop(0)
+        sendmsg_all(self.sock, [memoryview(c).cast("B") for c in chunks])
 
     def recv_into(self, view: memoryview) -> int:
         return self.sock.recv_into(view)
