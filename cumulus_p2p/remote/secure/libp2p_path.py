@@ -18,6 +18,7 @@ loop and joins the thread.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Sequence
 
@@ -69,11 +70,14 @@ class Libp2pByteStream(trio.abc.Stream):
             await trio.lowlevel.checkpoint()
             return
         self.closed.set()
+        # A FIN, not a reset: a reset makes the peer drop frames it has not read yet,
+        # such as the refusal we have just sent. Reset only if the FIN cannot go out.
         with trio.CancelScope(shield=True), trio.move_on_after(2):
             try:
-                await self._stream.reset()
+                await self._stream.close()
             except BaseLibp2pError:
-                pass
+                with contextlib.suppress(BaseLibp2pError):
+                    await self._stream.reset()
 
 
 def handle_libp2p_sessions(
