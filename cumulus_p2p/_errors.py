@@ -214,3 +214,15 @@ class ReportRejectedError(RemoteProtocolError):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+
+
+# --- the node (cumulus-node) ----------------------------------------------------------
+
+
+class NodeConfigError(CumulusError):
+    """The node cannot start as configured: a bad flag value, a corrupt or busy data
+    directory, an unreachable bootstrap peer. The message says what to do."""
+
+
+class NoMatchError(CumulusError):
+    """No offer on the mesh met the bid before the wait ended."""

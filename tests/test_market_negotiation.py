@@ -67,10 +67,23 @@ async def test_a_proposal_over_libp2p_returns_a_verified_lease():
         serve_leases(host, LeaseServer(book, clock=lambda: NOW))
         await connect(consumer, host)
         proposal = make_proposal(consumer_id, host_id)
-        lease = await call_propose_lease(consumer, host.get_id(), proposal)
-    assert lease.envelope == proposal
-    assert lease.verify(host_id.public_key).shares == 1
+        grant = await call_propose_lease(consumer, host.get_id(), proposal)
+    assert grant.lease.envelope == proposal
+    assert grant.lease.verify(host_id.public_key).shares == 1
     assert book.free_shares("gpu0") == 1
+
+
+async def test_a_granted_lease_names_the_session_endpoints():
+    host_id, consumer_id = NodeIdentity.generate(), NodeIdentity.generate()
+    book = LeaseBook(host_id)
+    book.publish(make_offer(host_id, shares=2))
+    async with noise_hosts([host_id, consumer_id]) as (host, consumer):
+        endpoints = lambda: ["127.0.0.1:7001", "127.0.0.2:7001"]  # noqa: E731
+        serve_leases(host, LeaseServer(book, clock=lambda: NOW, endpoints=endpoints))
+        await connect(consumer, host)
+        grant = await call_propose_lease(consumer, host.get_id(),
+                                         make_proposal(consumer_id, host_id))
+    assert grant.endpoints == ("127.0.0.1:7001", "127.0.0.2:7001")
 
 
 async def test_concurrent_consumers_lease_exactly_the_free_shares_and_the_rest_are_refused():
@@ -98,8 +111,10 @@ async def test_concurrent_consumers_lease_exactly_the_free_shares_and_the_rest_a
     assert len(granted) == 5
     assert refused == [RefusalReason.NO_CAPACITY] * 7
     assert book.free_shares("gpu0") == 0
-    assert len({lease.proposal.lease_id for lease in granted}) == 5
-    assert {r.proposal.lease_id for r in book.leases()} == {g.proposal.lease_id for g in granted}
+    assert len({grant.lease.proposal.lease_id for grant in granted}) == 5
+    assert {r.proposal.lease_id for r in book.leases()} == {
+        g.lease.proposal.lease_id for g in granted
+    }
 
 
 async def test_a_proposal_relayed_by_another_peer_is_refused_as_wrong_sender():
@@ -150,6 +165,6 @@ async def test_a_garbage_or_oversized_frame_drops_only_that_stream():
                 except BaseLibp2pError:  # reset by the server: the expected answer
                     answer = b""
             assert answer == b"" or b"MALFORMED" in answer
-        lease = await call_propose_lease(consumer, host.get_id(), make_proposal(consumer_id,
+        grant = await call_propose_lease(consumer, host.get_id(), make_proposal(consumer_id,
                                                                                 host_id))
-    assert lease.verify(host_id.public_key).shares == 1
+    assert grant.lease.verify(host_id.public_key).shares == 1

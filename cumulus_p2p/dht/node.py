@@ -66,6 +66,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: An announcement's body: fixed bytes, or ``body(nonce, expires_at) -> bytes``.
+AnnouncedBody = bytes | Callable[[int, float], bytes]
+
 DHT_SOURCE = "dht"
 GOSSIP_SOURCE = "gossip"
 
@@ -186,7 +189,7 @@ class MeshNode:
         self._send = send
         self.messages: trio.MemoryReceiveChannel[MeshMessage] = receive
         self._nonce = 0
-        self._announced: dict[str, tuple[str, bytes]] = {}
+        self._announced: dict[str, tuple[str, AnnouncedBody]] = {}
         self._current: dict[str, Envelope] = {}
         self._dirty = trio.Event()
         self._rounds = 0
@@ -246,6 +249,14 @@ class MeshNode:
             nonce=self.next_nonce(),
         )
 
+    def _seal_announced(self, kind: str, body: AnnouncedBody) -> Envelope:
+        if isinstance(body, bytes):
+            return self.seal(kind, body)
+        now, ttl, nonce = self._clock(), self.config.offer_ttl, self.next_nonce()
+        # seal() computes the expiry the same way, so body and envelope agree exactly.
+        encoded = body(nonce, float(now + ttl))
+        return seal(self.identity, kind, encoded, now=now, ttl=ttl, nonce=nonce)
+
     # --- publishing -----------------------------------------------------------------
 
     async def publish(self, envelope: Envelope | bytes, *, topic: str = MARKET_TOPIC) -> None:
@@ -259,13 +270,15 @@ class MeshNode:
         raw = envelope.to_bytes() if isinstance(envelope, Envelope) else envelope
         await self.pubsub.publish(topic, raw)
 
-    async def announce(self, name: str, kind: str, body: bytes) -> Envelope:
+    async def announce(self, name: str, kind: str, body: AnnouncedBody) -> Envelope:
         """Keep an offer alive: gossip it now and re-announce it every heartbeat.
 
         Args:
             name: This node's handle for the offer; announcing a name again replaces it.
             kind: The envelope kind (e.g. ``"market/offer"``).
-            body: The encoded offer.
+            body: The encoded offer, or a function ``body(nonce, expires_at)`` that
+                encodes it for each sealing: market messages repeat their envelope's
+                nonce and expiry inside the body, so each re-announcement needs a new one.
 
         Returns:
             The envelope gossiped now.
@@ -279,7 +292,7 @@ class MeshNode:
         if kind not in self.validator.kinds:
             raise AnnouncementError(f"our own validator does not accept kind {kind!r}")
         self._announced[name] = (kind, body)
-        envelope = self.seal(kind, body)
+        envelope = self._seal_announced(kind, body)
         self._current[name] = envelope
         await self.publish(envelope)
         self._dirty.set()
@@ -382,7 +395,7 @@ class MeshNode:
     async def _announce_once(self, *, reseal: bool) -> None:
         if reseal:
             for name, (kind, body) in list(self._announced.items()):
-                envelope = self.seal(kind, body)
+                envelope = self._seal_announced(kind, body)
                 self._current[name] = envelope
                 await self.publish(envelope)
         if not self._current and self._rounds == 0:

@@ -14,7 +14,7 @@ Parts, lowest first (each imports only those above it):
 - ``lease``: the host's reservation core (sans-IO): reserve atomically and
   countersign, or refuse with a ``RefusalReason``.
 - ``negotiation``: the thin trio shell speaking ``/cumulus/lease/1.0.0`` over a
-  direct libp2p stream (``call_propose_lease`` / ``rpc_propose_lease``).
+  direct libp2p stream (``call_propose_lease`` / ``rpc_propose_lease``), returning a ``LeaseGrant``.
 - ``metering``: the host's ``Meter`` issuing signed receipts, the consumer's
   ``check_receipt``.
 - ``ledger``: the durable, deduplicated receipt store, and the ``PaymentRail``
@@ -63,6 +63,7 @@ from .messages import seal_message as seal_message
 from .metering import Meter as Meter
 from .metering import check_receipt as check_receipt
 from .negotiation import LEASE_PROTOCOL as LEASE_PROTOCOL
+from .negotiation import LeaseGrant as LeaseGrant
 from .negotiation import LeaseServer as LeaseServer
 from .negotiation import RpcContext as RpcContext
 from .negotiation import call_propose_lease as call_propose_lease

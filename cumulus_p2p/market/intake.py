@@ -57,10 +57,18 @@ class MarketIntake:
         checked = self.validator.validate(raw, now=now, remember=remember)
         if isinstance(checked, Rejected):
             return checked
+        return self.admit(checked, now=now)
+
+    def admit(self, envelope: Envelope, *, now: float) -> Admitted | Rejected:
+        """Insert an envelope that an ``EnvelopeValidator`` has already accepted.
+
+        For envelopes the mesh node delivers: its topic gate ran the validator, so
+        validating again here would refuse them as replays.
+        """
         try:
-            message = open_message(checked)
+            message = open_message(envelope)
         except MalformedMessageError as exc:
             return Rejected(Rejection.MALFORMED, str(exc))
         if type(message) not in (Offer, Bid, Cancel):
-            return Rejected(Rejection.UNKNOWN_KIND, f"{checked.kind} is not an order message")
-        return Admitted(checked, message, self.book.insert(message, now=now))
+            return Rejected(Rejection.UNKNOWN_KIND, f"{envelope.kind} is not an order message")
+        return Admitted(envelope, message, self.book.insert(message, now=now))

@@ -2,7 +2,8 @@
 
 One request, one response per stream, each a frame: a 4-byte big-endian length, then
 that many bytes. The request is the consumer's signed proposal envelope. The response
-is msgpack ``[True, lease_bytes]`` or ``[False, reason_name, detail]``.
+is msgpack ``[True, lease_bytes, endpoints]`` or ``[False, reason_name, detail]``, where
+``endpoints`` lists the ``"host:port"`` addresses of the host's direct session channel.
 
 Server: ``LeaseServer(book)`` with ``rpc_propose_lease(request, context) -> bytes``;
 ``serve_leases(host, server)`` registers it under ``LEASE_PROTOCOL``. Its handler
@@ -10,8 +11,8 @@ catches every stream error itself: an exception escaping a py-libp2p handler bre
 later streams on that connection (see LIBP2P-NOTES). ``rpc_propose_lease`` never
 awaits, so a check and its reservation can never interleave with another proposal.
 
-Client: ``call_propose_lease(host, peer, proposal) -> Lease``, which checks the host's
-countersignature against the key inside ``peer`` before returning.
+Client: ``call_propose_lease(host, peer, proposal) -> LeaseGrant``, which checks the
+host's countersignature against the key inside ``peer`` before returning.
 
 Use hosts built with Noise as their only security transport.
 """
@@ -41,6 +42,7 @@ from .messages import Lease
 
 __all__ = [
     "LEASE_PROTOCOL",
+    "LeaseGrant",
     "LeaseServer",
     "RpcContext",
     "call_propose_lease",
@@ -50,6 +52,8 @@ __all__ = [
 LEASE_PROTOCOL = TProtocol("/cumulus/lease/1.0.0")
 MAX_FRAME = 16 * 1024
 _HEADER = 4
+_MAX_ENDPOINTS = 8
+_MAX_ENDPOINT_LEN = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +61,20 @@ class RpcContext:
     """Who a request came from: the Noise-authenticated peer ID (base58)."""
 
     peer: str
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseGrant:
+    """A countersigned lease and where to open its session channel.
+
+    Attributes:
+        lease: The lease, countersignature verified.
+        endpoints: ``"host:port"`` addresses of the host's direct session channel, best
+            first; empty when the host serves sessions over libp2p streams only.
+    """
+
+    lease: Lease
+    endpoints: tuple[str, ...]
 
 
 async def _read_exactly(stream: INetStream, n: int) -> bytes:
@@ -67,14 +85,14 @@ async def _read_exactly(stream: INetStream, n: int) -> bytes:
     return bytes(buf)
 
 
-async def _read_frame(stream: INetStream, max_size: int) -> bytes:
+async def read_frame(stream: INetStream, max_size: int) -> bytes:
     size = int.from_bytes(await _read_exactly(stream, _HEADER), "big")
     if size > max_size:
         raise FrameTooLargeError(f"frame of {size} bytes is over the limit of {max_size}")
     return await _read_exactly(stream, size)
 
 
-async def _write_frame(stream: INetStream, payload: bytes) -> None:
+async def write_frame(stream: INetStream, payload: bytes) -> None:
     await stream.write(len(payload).to_bytes(_HEADER, "big") + payload)
 
 
@@ -89,6 +107,8 @@ class LeaseServer:
         book: The host's lease book.
         clock: Returns the current Unix time; the only clock read on this path.
         timeout: Seconds a peer gets to send its request.
+        endpoints: Returns the ``"host:port"`` addresses of the session channel sent
+            with each granted lease.
     """
 
     def __init__(
@@ -97,10 +117,12 @@ class LeaseServer:
         *,
         clock: Callable[[], float] = time.time,
         timeout: float = 10.0,
+        endpoints: Callable[[], list[str]] = list,
     ) -> None:
         self.book = book
         self._clock = clock
         self._timeout = timeout
+        self._endpoints = endpoints
 
     def rpc_propose_lease(self, request: bytes, context: RpcContext) -> bytes:
         """Decide one proposal and return the encoded response. Synchronous on purpose.
@@ -114,15 +136,15 @@ class LeaseServer:
         result = self.book.propose(request, now=now, sender=context.peer)
         if isinstance(result, Refusal):
             return _packb([False, result.reason.name, result.detail])
-        return _packb([True, result.to_bytes()])
+        return _packb([True, result.to_bytes(), self._endpoints()[:_MAX_ENDPOINTS]])
 
     async def handle_stream(self, stream: INetStream) -> None:
         """Serve one request on ``stream``; never raises stream errors."""
         try:
             with trio.fail_after(self._timeout):
-                request = await _read_frame(stream, MAX_FRAME)
+                request = await read_frame(stream, MAX_FRAME)
                 context = RpcContext(stream.muxed_conn.peer_id.to_base58())
-                await _write_frame(stream, self.rpc_propose_lease(request, context))
+                await write_frame(stream, self.rpc_propose_lease(request, context))
                 await stream.close()
         except (BaseLibp2pError, FrameTooLargeError, trio.TooSlowError):
             # The peer hung up, stalled or sent a bad frame: drop this stream only.
@@ -143,8 +165,8 @@ def serve_leases(host: IHost, server: LeaseServer) -> None:
 
 async def call_propose_lease(
     host: IHost, peer: ID, proposal: Envelope, *, timeout: float = 10.0
-) -> Lease:
-    """Propose a lease to ``peer`` and return the countersigned lease.
+) -> LeaseGrant:
+    """Propose a lease to ``peer`` and return the countersigned lease and its endpoints.
 
     Args:
         host: This node's libp2p host, connected to (or able to dial) ``peer``.
@@ -153,7 +175,8 @@ async def call_propose_lease(
         timeout: Seconds for the whole exchange.
 
     Returns:
-        The lease, with the host's countersignature verified.
+        The grant: the lease, with the host's countersignature verified, and the
+        session channel's endpoints.
 
     Raises:
         LeaseRefusedError: The host refused; ``reason`` is a ``RefusalReason``.
@@ -169,15 +192,15 @@ async def call_propose_lease(
     with trio.fail_after(timeout):
         stream = await host.new_stream(peer, [LEASE_PROTOCOL])
         try:
-            await _write_frame(stream, proposal.to_bytes())
-            response = await _read_frame(stream, MAX_FRAME)
+            await write_frame(stream, proposal.to_bytes())
+            response = await read_frame(stream, MAX_FRAME)
         finally:
             await _close_quietly(stream)
-    lease = _decode_response(response)
-    if lease.envelope != proposal:
+    grant = _decode_response(response)
+    if grant.lease.envelope != proposal:
         raise InvalidCountersignatureError("the host countersigned a different proposal")
-    lease.verify(host_key.to_bytes())
-    return lease
+    grant.lease.verify(host_key.to_bytes())
+    return grant
 
 
 async def _close_quietly(stream: INetStream) -> None:
@@ -187,15 +210,15 @@ async def _close_quietly(stream: INetStream) -> None:
         pass  # The response is already in hand; a failed close loses nothing.
 
 
-def _decode_response(response: bytes) -> Lease:
+def _decode_response(response: bytes) -> LeaseGrant:
     try:
         decoded = msgpack.unpackb(response, raw=False, use_list=True, strict_map_key=True)
     except (ValueError, msgpack.UnpackException) as exc:
         raise MalformedMessageError(f"lease response is not msgpack: {exc}") from exc
-    if type(decoded) is list and len(decoded) == 2 and decoded[0] is True:
+    if type(decoded) is list and len(decoded) == 3 and decoded[0] is True:
         if type(decoded[1]) is not bytes:
             raise MalformedMessageError("lease response must carry the lease as bytes")
-        return Lease.from_bytes(decoded[1])
+        return LeaseGrant(Lease.from_bytes(decoded[1]), _endpoints(decoded[2]))
     if (
         type(decoded) is list
         and len(decoded) == 3
@@ -205,4 +228,16 @@ def _decode_response(response: bytes) -> Lease:
         and type(decoded[2]) is str
     ):
         raise LeaseRefusedError(RefusalReason[decoded[1]], decoded[2])
-    raise MalformedMessageError("lease response must be [True, lease] or [False, reason, detail]")
+    raise MalformedMessageError(
+        "lease response must be [True, lease, endpoints] or [False, reason, detail]"
+    )
+
+
+def _endpoints(value: object) -> tuple[str, ...]:
+    if type(value) is not list or len(value) > _MAX_ENDPOINTS:
+        raise MalformedMessageError(f"endpoints must be a list of at most {_MAX_ENDPOINTS}")
+    for item in value:
+        host, _, port = item.rpartition(":") if type(item) is str else ("", "", "")
+        if not host or not port.isdigit() or len(item) > _MAX_ENDPOINT_LEN:
+            raise MalformedMessageError(f"endpoint {item!r} is not host:port")
+    return tuple(value)

@@ -1,0 +1,412 @@
+"""``cumulus-node``: run a node (provide, consume, or just route), or read what one knows.
+
+    cumulus-node --provide [--price 0.5] [--shares 4] [--bootstrap ADDR] ...
+    cumulus-node --consume [--min-vram 8GiB] [--max-price 1.0] ... -- python train.py
+    cumulus-node [--listen ADDR]                 a bootstrap node: routes and relays only
+    cumulus-node status | peers | offers | ledger [--data-dir DIR] [--json]
+
+Every node prints ``listening on <multiaddr>`` once it has joined; other nodes pass that
+address to ``--bootstrap``. Flag defaults can also come from ``config.json`` in the data
+directory (keys are the flags' long names with dashes as underscores).
+
+Exit status: the script's own with ``--consume``; 2 for a bad command line; 3 when the
+node cannot start as configured; 4 when no offer matched in time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import trio
+from rich.console import Console
+from rich.live import Live
+
+from ._errors import CumulusError, NodeConfigError, NoMatchError
+from .dht import MeshConfig
+from .market import PriorityClass
+from .node import hardware, views
+from .node.datadir import DataDir, default_data_dir
+from .remote.executor_main import parse_size
+
+EXIT_USAGE, EXIT_CONFIG, EXIT_NO_MATCH = 2, 3, 4
+VIEWS = ("status", "peers", "offers", "ledger")
+DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/4001"
+
+
+def parse_duration(text: str) -> int:
+    """``"90"``, ``"90s"``, ``"30m"``, ``"2h"`` -> seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    text = text.strip().lower()
+    factor = units.get(text[-1:], 0)
+    number = text[:-1] if factor else text
+    try:
+        seconds = float(number) * (factor or 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (try 90s, 30m, 2h)") from None
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError("a duration must be positive")
+    return int(seconds)
+
+
+def parse_price(text: str) -> int:
+    """Credits per share-hour, e.g. ``"0.5"``, as micro-credits."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a price: {text!r} (credits per share-hour)"
+        ) from None
+    if not 0 <= value < 2**48 / 1e6:
+        raise argparse.ArgumentTypeError("a price must be a non-negative number")
+    return round(value * 1e6)
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 8GiB or 512MiB)") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cumulus-node",
+        description="A Cumulus peer-to-peer GPU mesh node. Provide this machine's GPU, "
+        "consume a remote one for a PyTorch script, or (with neither flag) run a "
+        "bootstrap node that routes and relays.",
+        epilog="Also: cumulus-node status|peers|offers|ledger [--data-dir DIR] [--json]. "
+        "With --consume, everything after -- is the script: -- python train.py [args].",
+    )
+    role = parser.add_mutually_exclusive_group()
+    role.add_argument("--provide", action="store_true", help="offer this machine's device")
+    role.add_argument("--consume", action="store_true",
+                      help="rent a device and run the script given after --")
+    node = parser.add_argument_group("node")
+    node.add_argument("--data-dir", type=Path, default=None,
+                      help="identity, config and ledger (default $CUMULUS_DATA_DIR or ~/.cumulus)")
+    node.add_argument("--listen", default=DEFAULT_LISTEN,
+                      help=f"libp2p listen multiaddr (default {DEFAULT_LISTEN})")
+    node.add_argument("--bootstrap", action="append", default=[], metavar="ADDR",
+                      help="a known node's /ip4/.../tcp/.../p2p/<id> address; repeatable")
+    node.add_argument("--announce-interval", type=float, default=10.0, metavar="SECONDS",
+                      help="seconds between re-announcements of offers and bids (default 10)")
+    node.add_argument("--no-live", action="store_true",
+                      help="plain log lines instead of the live status table")
+    node.add_argument("-v", "--verbose", action="store_true", help="log more")
+    provide = parser.add_argument_group("--provide")
+    provide.add_argument("--price", type=parse_price, default=parse_price("1.0"),
+                         help="asking price in credits per share-hour (default 1.0)")
+    provide.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                         help="auto: the first GPU NVML sees, else the CPU (default auto)")
+    provide.add_argument("--session-host", default="127.0.0.1",
+                         help="address the session channel binds (default 127.0.0.1)")
+    provide.add_argument("--session-port", type=int, default=0,
+                         help="session channel port (default: any free port)")
+    provide.add_argument("--advertise-host", default=None,
+                         help="address consumers dial for sessions (default --session-host)")
+    provide.add_argument("--region", default="", help="free-form region hint, e.g. eu-west")
+    provide.add_argument("--min-lease", type=parse_duration, default=0, metavar="DURATION",
+                         help="shortest lease accepted (default none)")
+    provide.add_argument("--receipt-interval", type=parse_duration, default=30,
+                         metavar="DURATION", help="time between usage receipts (default 30s)")
+    provide.add_argument("--bench-seconds", type=float, default=0.5,
+                         help="length of the start-up self benchmark (default 0.5)")
+    consume = parser.add_argument_group("--consume")
+    consume.add_argument("--gpu", action="append", default=[], metavar="MODEL",
+                         help="acceptable device model; repeatable (default any)")
+    consume.add_argument("--min-vram", type=_size, default=0, metavar="SIZE",
+                         help="least device memory, e.g. 16GiB (default 0)")
+    consume.add_argument("--min-perf", type=int, default=0,
+                         help="least performance units (GFLOP/s; default 0)")
+    consume.add_argument("--max-price", type=parse_price, default=parse_price("10"),
+                         help="most credits per share-hour (default 10)")
+    consume.add_argument("--priority", choices=["on-demand", "interruptible"],
+                         default="on-demand", help="lease class (default on-demand)")
+    consume.add_argument("--duration", type=parse_duration, default=3600, metavar="DURATION",
+                         help="lease length (default 1h)")
+    consume.add_argument("--match-timeout", type=parse_duration, default=60,
+                         metavar="DURATION", help="how long to wait for a match (default 60s)")
+    consume.add_argument("--checkpoint-interval", type=parse_duration, default=30,
+                         metavar="DURATION",
+                         help="time between session checkpoints for failover (default 30s)")
+    consume.add_argument("--no-cuda-compat", action="store_true",
+                         help="do not map torch.cuda and device='cuda' to the remote device")
+    both = parser.add_argument_group("--provide and --consume")
+    both.add_argument("--shares", type=int, default=None,
+                      help="share units to offer (default 4) or to lease (default 1)")
+    return parser
+
+
+def build_view_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cumulus-node VIEW",
+        description="Show what the node on a data directory knows: status (summary and "
+        "leases), peers, offers (live, with host scores) or ledger (receipts).",
+    )
+    parser.add_argument("view", choices=VIEWS)
+    parser.add_argument("--data-dir", type=Path, default=None,
+                        help="the node's data directory (default $CUMULUS_DATA_DIR or ~/.cumulus)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    console = Console()
+    try:
+        if argv and argv[0] in VIEWS:
+            return show_view(build_view_parser().parse_args(argv), console)
+        command: list[str] = []
+        if "--" in argv:
+            split = argv.index("--")
+            argv, command = argv[:split], argv[split + 1:]
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        _check_args(parser, args, command)
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                            format="%(levelname)s %(name)s: %(message)s")
+        return run_node(args, command, console)
+    except NodeConfigError as exc:
+        console.print(f"[red]cumulus-node:[/red] {exc}", highlight=False)
+        return EXIT_CONFIG
+    except NoMatchError as exc:
+        console.print(f"[red]cumulus-node: no match:[/red] {exc}", highlight=False)
+        return EXIT_NO_MATCH
+    except CumulusError as exc:
+        console.print(f"[red]cumulus-node:[/red] {exc}", highlight=False)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _check_args(parser: argparse.ArgumentParser, args, command: list[str]) -> None:
+    if args.consume and not command:
+        parser.error("--consume needs the script after --, e.g. -- python train.py")
+    if command and not args.consume:
+        parser.error("a command after -- is only run with --consume")
+    if command:
+        from .node.consumer import script_command
+
+        try:
+            script_command(tuple(command), cuda_compat=True)
+        except CumulusError as exc:
+            parser.error(str(exc))
+    if args.shares is not None and not 1 <= args.shares <= 2**16:
+        parser.error("--shares must be between 1 and 65536")
+    if args.provide and args.device == "cuda" and not hardware.detect().devices[0].kind == "cuda":
+        parser.error("--device cuda, but no NVIDIA GPU is usable here (try --device auto)")
+
+
+def _data_dir(args) -> DataDir:
+    return DataDir(args.data_dir or default_data_dir())
+
+
+def _mesh_config(args, data: DataDir) -> MeshConfig:
+    config = data.config()
+    bootstrap = tuple(args.bootstrap or config.get("bootstrap", ()))
+    try:
+        return MeshConfig(
+            listen_addrs=(args.listen,), bootstrap=bootstrap,
+            announce_interval=args.announce_interval,
+            offer_ttl=max(30.0, 3 * args.announce_interval),
+        )  # fmt: skip
+    except CumulusError as exc:
+        raise NodeConfigError(f"bad mesh settings: {exc}") from exc
+
+
+def run_node(args, command: list[str], console: Console) -> int:
+    """Start the node the flags describe and run it until it ends (or Ctrl-C)."""
+    data = _data_dir(args)
+    data.identity()  # a corrupt key file stops us here, before anything starts
+    mesh_config = _mesh_config(args, data)
+    _check_listen(args.listen)
+    with data.locked(), _plain_errors():
+        if args.provide:
+            return trio.run(_provide, args, data, mesh_config, console)
+        if args.consume:
+            return trio.run(_consume, args, data, mesh_config, command, console)
+        return trio.run(_route, data, mesh_config, console)
+
+
+@contextlib.contextmanager
+def _plain_errors() -> Iterator[None]:
+    """Raise a lone ``CumulusError`` out of the exception groups trio's nurseries make."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        leaves = _leaves(group)
+        if len(leaves) == 1 and isinstance(leaves[0], CumulusError | KeyboardInterrupt):
+            raise leaves[0] from None
+        raise
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    found: list[BaseException] = []
+    for exc in group.exceptions:
+        found.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return found
+
+
+def _check_listen(listen: str) -> None:
+    import multiaddr
+
+    try:
+        multiaddr.Multiaddr(listen)
+    except Exception as exc:  # noqa: BLE001 - multiaddr raises several unrelated types
+        raise NodeConfigError(f"--listen {listen!r} is not a multiaddr "
+                              "(e.g. /ip4/0.0.0.0/tcp/4001)") from exc
+
+
+async def _route(data: DataDir, mesh_config: MeshConfig, console: Console) -> int:
+    from .node.runtime import open_runtime
+
+    async with open_runtime(data.identity(), data, mesh_config) as runtime:
+        _print_addrs(console, runtime.mesh.addrs)
+        while True:
+            data.write_state({"role": "bootstrap", "peer_id": runtime.peer_id,
+                              "addrs": [str(a) for a in runtime.mesh.addrs],
+                              "peers": runtime.peers(), "offers": runtime.offers(),
+                              "leases": [], "updated": time.time()})
+            await trio.sleep(1.0)
+
+
+def _print_addrs(console: Console, addrs) -> None:
+    for addr in addrs:
+        console.print(f"listening on {addr}", highlight=False, soft_wrap=True)
+    sys.stdout.flush()
+
+
+async def _provide(args, data: DataDir, mesh_config: MeshConfig, console: Console) -> int:
+    from .node.provider import ProviderOptions, run_provider
+
+    found = hardware.detect()
+    if found.notice:
+        console.print(f"[yellow]notice:[/yellow] {found.notice}", highlight=False)
+    device = found.devices[0]
+    if args.device == "cpu":
+        device = hardware.cpu_facts()
+    with console.status("self benchmark..."):
+        target = f"cuda:{device.index}" if device.kind == "cuda" else "cpu"
+        perf = await trio.to_thread.run_sync(
+            lambda: hardware.self_benchmark(target, seconds=args.bench_seconds))
+    options = ProviderOptions(
+        device=device, perf_units=perf, shares=args.shares or 4, price=args.price,
+        min_lease_s=args.min_lease, region=args.region, session_host=args.session_host,
+        session_port=args.session_port, advertise_host=args.advertise_host,
+        receipt_interval=args.receipt_interval,
+    )  # fmt: skip
+    live = _live(console, args.no_live)
+
+    def ready(provider) -> None:
+        _print_addrs(console, provider.runtime.mesh.addrs)
+        console.print(
+            f"providing {device.model} ({perf} perf units, {options.shares} shares at "
+            f"{views.credits(options.price)}/share-hour); sessions on {provider.endpoint}",
+            highlight=False,
+        )
+        sys.stdout.flush()
+        if live is not None:
+            live.start()
+
+    def tick(provider) -> None:
+        if live is not None:
+            live.update(views.status_table(provider.snapshot()))
+
+    try:
+        await run_provider(data, mesh_config, options, on_ready=ready, on_tick=tick)
+    finally:
+        if live is not None:
+            live.stop()
+    return 0
+
+
+def _live(console: Console, disabled: bool) -> Live | None:
+    if disabled or not console.is_terminal:
+        return None
+    return Live(console=console, refresh_per_second=2, transient=False)
+
+
+async def _consume(args, data, mesh_config, command: list[str], console: Console) -> int:
+    from .node.consumer import ConsumerOptions, run_consumer
+
+    options = ConsumerOptions(
+        command=tuple(command), gpu_models=tuple(args.gpu), min_vram_mib=args.min_vram // 2**20,
+        min_perf=args.min_perf, max_price=args.max_price,
+        priority=PriorityClass.INTERRUPTIBLE if args.priority == "interruptible"
+        else PriorityClass.ON_DEMAND,
+        shares=args.shares or 1, duration_s=args.duration, match_timeout=args.match_timeout,
+        cuda_compat=not args.no_cuda_compat, checkpoint_interval=args.checkpoint_interval,
+    )  # fmt: skip
+    announced = [False]
+    status = console.status("joining the mesh...")
+    status.start()
+
+    def tick(consumer) -> None:
+        if consumer.status == "matching":
+            offers = len(consumer.runtime.offers())
+            status.update(f"waiting for a match: {offers} offer(s) on the book")
+        elif consumer.held and not announced[0]:
+            announced[0] = True
+            status.stop()
+            held = consumer.held[-1]
+            console.print(
+                f"leased {held.proposal.shares} share(s) from {views.short(held.proposal.host)} "
+                f"at {views.credits(held.proposal.price)}/share-hour; session on "
+                f"{held.endpoint}; running {' '.join(command)}", highlight=False)
+            sys.stdout.flush()
+
+    try:
+        consumer = await run_consumer(data, mesh_config, options, on_tick=tick)
+    finally:
+        status.stop()
+    console.print(views.leases_table([r for r in consumer.snapshot()["leases"]], "consumer"))
+    console.print(f"total cost: {views.credits(consumer.cost())} credits "
+                  f"({len(list(consumer.desk.ledger.entries()))} receipts in the ledger)",
+                  highlight=False)
+    return consumer.exit_code if consumer.exit_code is not None else 1
+
+
+def show_view(args, console: Console) -> int:
+    """``cumulus-node status|peers|offers|ledger``."""
+    data = _data_dir(args)
+    if args.view == "ledger":
+        ledger = data.ledger()
+        entries = list(ledger.entries())
+        if args.json:
+            print(json.dumps([_entry_json(e) for e in entries], indent=1))
+        else:
+            console.print(views.ledger_table(entries))
+        return 0
+    state = data.read_state()
+    if state is None:
+        raise NodeConfigError(
+            f"no node has run on {data.path} yet: start one with cumulus-node --provide, "
+            "--consume or plain cumulus-node")
+    if not data.is_locked():
+        console.print(f"[yellow]the node on {data.path} is not running; this is what it "
+                      "knew when it stopped[/yellow]", highlight=False)
+    if args.json:
+        print(json.dumps(state if args.view == "status" else state.get(args.view, []), indent=1))
+        return 0
+    render = {"status": views.status_table, "peers": lambda s: views.peers_table(s["peers"]),
+              "offers": lambda s: views.offers_table(s["offers"])}[args.view]
+    console.print(render(state))
+    return 0
+
+
+def _entry_json(entry) -> dict:
+    fields = dataclasses.asdict(entry)
+    fields.pop("countersigned")
+    return fields
+
+
+if __name__ == "__main__":
+    sys.exit(main())

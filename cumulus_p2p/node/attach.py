@@ -1,0 +1,52 @@
+"""The shim's side of a leased session: ask the node, open the secure channel, attach.
+
+In the script's process ``attach_leased()`` asks the consumer node (over the control
+channel in ``control``) for the lease it matched, opens the authenticated, encrypted
+session channel to that provider, and attaches the ``cumulus`` device with failover:
+when the provider vanishes past the channel's resume grace period, the session asks
+the node for another host and restores itself there from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from .. import remote
+from ..identity import NodeIdentity
+from ..remote.secure import connect_secure
+from .control import ControlClient, SessionTicket
+from .datadir import DataDir, default_data_dir
+
+log = logging.getLogger("cumulus_p2p.node.attach")
+
+
+def open_channel(ticket: SessionTicket, identity: NodeIdentity, *, resume_timeout: float = 10.0):
+    """Open the secure session channel a ticket describes (blocking)."""
+    host, _, port = ticket.endpoint.rpartition(":")
+    return connect_secure(
+        host, int(port), identity=identity, expected_peer_public_key=ticket.provider_key,
+        lease=ticket.lease, resume_timeout=resume_timeout,
+    )  # fmt: skip
+
+
+def attach_leased(client: ControlClient):
+    """Attach the ``cumulus`` device to the provider the node leased; returns ``attach``'s
+    handle. From the environment: ``CUMULUS_CHECKPOINT_INTERVAL`` (seconds between
+    checkpoints) and ``CUMULUS_RESUME_TIMEOUT`` (how long a dropped connection is retried
+    before the host counts as gone)."""
+    data = DataDir(default_data_dir())
+    identity = data.identity()
+    interval = float(os.environ.get("CUMULUS_CHECKPOINT_INTERVAL", "30"))
+    resume = float(os.environ.get("CUMULUS_RESUME_TIMEOUT", "10"))
+
+    def reconnect():
+        log.warning("the provider is unreachable; asking the node for another host")
+        ticket = client.failover("provider unreachable past resume")
+        return open_channel(ticket, identity, resume_timeout=resume)
+
+    return remote.attach(
+        channel=open_channel(client.session(), identity, resume_timeout=resume),
+        reconnect=reconnect,
+        checkpoint_interval=interval,
+    )

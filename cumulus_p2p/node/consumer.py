@@ -1,0 +1,364 @@
+"""``cumulus-node --consume -- python train.py``: bid, match, lease, run the script.
+
+One trio program composes:
+
+- the ``Runtime`` (mesh, book, reputation) and a ``ReceiptDesk`` answering the hosts'
+  receipts (checked against the lease, countersigned, kept in the ledger);
+- the bid, re-announced on the mesh until the script ends, then cancelled;
+- ``Matcher.lease()``: rank the offers that meet the bid (price adjusted by the hosts'
+  reliability scores), propose a lease to the best, fall through to the next on refusal,
+  and keep waiting (bounded by ``match_timeout``) while nothing fits;
+- the control channel the shim in the script's process asks for its session, and for a
+  new host when the current one vanished (``failover``): the vanished host gets a signed
+  ``LeaseFailure`` report gossiped against it and is not matched again;
+- the script itself, a child process run under ``python -m cumulus_p2p.shim``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import sys
+import time
+from dataclasses import dataclass, field
+
+import trio
+from libp2p.exceptions import BaseLibp2pError
+
+from .._errors import CumulusError, LeaseRefusedError, NoMatchError
+from ..market import Bid, Cancel, Lease, LeaseProposal, PriorityClass, Side, rank_offers
+from ..market.messages import encode_message, seal_message
+from ..market.negotiation import call_propose_lease
+from ..market.settlement import ReceiptDesk, call_close_lease, serve_receipts
+from ..reputation import FailureReason, LeaseFailure, Report, ServiceRecord, seal_report
+from ..reputation.evidence import MAX_RECEIPTS
+from . import control
+from .datadir import DataDir
+from .runtime import Runtime, open_runtime, peer_of
+
+log = logging.getLogger("cumulus_p2p.node.consumer")
+
+BID_NAME = "bid0"
+#: How long to wait for a vanished host's successor before giving up.
+FAILOVER_TIMEOUT = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerOptions:
+    """What ``--consume`` asks for and runs.
+
+    Attributes:
+        command: The script and its arguments (``["train.py", "--epochs", "3"]``).
+        gpu_models: Acceptable GPU models; empty for any.
+        min_vram_mib: Least device memory.
+        min_perf: Least performance units.
+        max_price: Most micro-credits per share-hour.
+        priority: On-demand or interruptible.
+        shares: Share units wanted.
+        duration_s: Lease length.
+        match_timeout: Seconds to wait for a matching offer before giving up.
+        cuda_compat: Run CUDA-style scripts unchanged on the remote device.
+        checkpoint_interval: Seconds between session checkpoints (failover).
+    """
+
+    command: tuple[str, ...]
+    gpu_models: tuple[str, ...] = ()
+    min_vram_mib: int = 0
+    min_perf: int = 0
+    max_price: int = 2**48
+    priority: PriorityClass = PriorityClass.ON_DEMAND
+    shares: int = 1
+    duration_s: int = 3600
+    match_timeout: float = 60.0
+    cuda_compat: bool = True
+    checkpoint_interval: float = 30.0
+
+
+@dataclass
+class Held:
+    """A lease this consumer holds, and where its session runs."""
+
+    lease: Lease
+    proposal: LeaseProposal
+    host_key: bytes
+    endpoint: str
+    failed: bool = False
+
+
+@dataclass
+class Consumer:
+    """The consumer's state: its bid, its leases, the hosts it gave up on."""
+
+    runtime: Runtime
+    options: ConsumerOptions
+    desk: ReceiptDesk
+    bid: Bid | None = None
+    held: list[Held] = field(default_factory=list)
+    excluded: set[str] = field(default_factory=set)
+    status: str = "starting"
+    exit_code: int | None = None
+
+    # --- the bid --------------------------------------------------------------------
+
+    def bid_body(self, nonce: int, expires_at: float) -> bytes:
+        o, now = self.options, self.runtime.clock()
+        self.bid = Bid(
+            self.runtime.peer_id, BID_NAME, o.min_vram_mib, o.gpu_models, o.min_perf,
+            o.shares, o.max_price, o.priority, o.duration_s, now, expires_at, nonce,
+        )  # fmt: skip
+        return encode_message(self.bid)
+
+    async def withdraw_bid(self) -> None:
+        """Stop announcing the bid and tell the market it is gone."""
+        self.runtime.mesh.withdraw(BID_NAME)
+        now = self.runtime.clock()
+        cancel = Cancel(self.runtime.peer_id, Side.BID, BID_NAME, now + 60,
+                        self.runtime.mesh.next_nonce())
+        await self.runtime.mesh.publish(seal_message(self.runtime.identity, cancel, now=now))
+
+    # --- matching -------------------------------------------------------------------
+
+    async def lease(self, timeout: float) -> Held:
+        """Lease from the best offer that meets the bid, waiting up to ``timeout`` s.
+
+        Raises:
+            NoMatchError: Nothing fit in time; the message says what the book held.
+        """
+        deadline = trio.current_time() + timeout
+        while trio.current_time() < deadline:
+            for ranked in self._candidates():
+                held = await self._propose(ranked.offer)
+                if held is not None:
+                    self.held.append(held)
+                    self.desk.open_account(held.proposal)
+                    return held
+            await trio.sleep(0.25)
+        raise NoMatchError(self._no_match_reason(timeout))
+
+    def _candidates(self):
+        if self.bid is None:
+            return []
+        now = self.runtime.clock()
+        hosts = {r.order.host for r in self.runtime.book.offers()}
+        scores = self.runtime.reputation.scores_for_matcher(hosts, now=now)
+        ranked = rank_offers(self.runtime.book, self.bid, reliability=scores, limit=8)
+        return [r for r in ranked if r.offer.host not in self.excluded]
+
+    async def _propose(self, offer) -> Held | None:
+        rt, now = self.runtime, self.runtime.clock()
+        proposal = LeaseProposal(
+            secrets.token_hex(16), rt.peer_id, offer.host, offer.offer_id, offer.nonce,
+            self.options.shares, offer.price, now, self.options.duration_s,
+            self.options.priority, now + 60, rt.mesh.next_nonce(),
+        )  # fmt: skip
+        peer = peer_of(offer.host)
+        try:
+            await self._reach(peer)
+            grant = await call_propose_lease(rt.mesh.host, peer, seal_message(
+                rt.identity, proposal, now=now))
+        except LeaseRefusedError as exc:
+            log.info("host %s refused the lease: %s", offer.host[:12], exc)
+            return None
+        except (CumulusError, BaseLibp2pError, trio.TooSlowError, OSError) as exc:
+            log.info("host %s unreachable for a lease: %s", offer.host[:12], exc)
+            return None
+        if not grant.endpoints:
+            log.info("host %s gave no session endpoint", offer.host[:12])
+            return None
+        return Held(grant.lease, proposal, peer.extract_public_key().to_bytes(),
+                    grant.endpoints[0])
+
+    async def _reach(self, peer) -> None:
+        host = self.runtime.mesh.host
+        if peer in host.get_connected_peers():
+            return
+        info = await self.runtime.mesh.dht.find_peer(peer)
+        if info is None:
+            raise CumulusError("the host's address is not in the DHT")
+        await host.connect(info)
+
+    def _no_match_reason(self, timeout: float) -> str:
+        offers = [r.order for r in self.runtime.book.offers()]
+        usable = [o for o in offers if o.host not in self.excluded]
+        o = self.options
+        if not usable:
+            return (f"no offers reached this node within {timeout:.0f}s. Check --bootstrap, "
+                    "or wait for providers to join and try again.")
+        return (
+            f"{len(usable)} offer(s) seen in {timeout:.0f}s, none meets the bid "
+            f"(min VRAM {o.min_vram_mib} MiB, min perf {o.min_perf}, max price "
+            f"{o.max_price / 1e6:g}/share-hour, models {list(o.gpu_models) or 'any'}). "
+            f"Largest VRAM offered: {max(x.vram_mib for x in usable)} MiB; cheapest price: "
+            f"{min(x.price for x in usable) / 1e6:g}. Relax the requirements and retry."
+        )
+
+    # --- the shim's requests ----------------------------------------------------------
+
+    async def current_ticket(self) -> control.SessionTicket:
+        live = [h for h in self.held if not h.failed]
+        return _ticket(live[-1])
+
+    async def failover(self, reason: str) -> control.SessionTicket:
+        """The current host vanished: report it, exclude it, lease from another."""
+        self.status = f"failover: {reason}"
+        live = [h for h in self.held if not h.failed]
+        if live:
+            gone = live[-1]
+            gone.failed = True
+            self.excluded.add(gone.proposal.host)
+            await self._report_failure(gone)
+        held = await self.lease(FAILOVER_TIMEOUT)
+        self.status = "running"
+        return _ticket(held)
+
+    async def _report_failure(self, gone: Held) -> None:
+        now = self.runtime.clock()
+        ended = min(now, gone.proposal.end_at)
+        evidence = LeaseFailure(gone.lease, gone.host_key, FailureReason.VANISHED, ended)
+        await self._publish_report(gone.proposal.host, evidence)
+
+    async def report_service(self) -> None:
+        """Gossip a service record for each lease that was receipted."""
+        for held in self.held:
+            receipts = tuple(
+                e.countersigned for e in self.desk.ledger.entries()
+                if e.lease_id == held.proposal.lease_id
+            )[:MAX_RECEIPTS]
+            if receipts:
+                record = ServiceRecord(held.lease, held.host_key, receipts)
+                await self._publish_report(held.proposal.host, record)
+
+    async def _publish_report(self, host: str, evidence) -> None:
+        rt, now = self.runtime, self.runtime.clock()
+        report = Report(rt.peer_id, host, evidence, now, now + 600, rt.mesh.next_nonce())
+        try:
+            await rt.publish_report(seal_report(rt.identity, report, now=now))
+        except CumulusError as exc:
+            log.warning("could not report on host %s: %s", host[:12], exc)
+
+    # --- status ---------------------------------------------------------------------
+
+    def cost(self) -> int:
+        """Micro-credits receipted so far, over all leases."""
+        price = {h.proposal.lease_id: h.proposal.price for h in self.held}
+        return sum(e.share_seconds * price.get(e.lease_id, 0) // 3600
+                   for e in self.desk.ledger.entries())
+
+    def snapshot(self) -> dict:
+        return {
+            "role": "consumer",
+            "peer_id": self.runtime.peer_id,
+            "addrs": [str(a) for a in self.runtime.mesh.addrs],
+            "status": self.status,
+            "command": list(self.options.command),
+            "leases": [_held_row(h, self.desk) for h in self.held],
+            "cost": self.cost(),
+            "peers": self.runtime.peers(),
+            "offers": self.runtime.offers(),
+            "updated": time.time(),
+        }
+
+
+def _ticket(held: Held) -> control.SessionTicket:
+    return control.SessionTicket(held.proposal.host, held.endpoint, held.host_key,
+                                 held.lease.to_bytes())
+
+
+def _held_row(held: Held, desk: ReceiptDesk) -> dict:
+    entries = [e for e in desk.ledger.entries() if e.lease_id == held.proposal.lease_id]
+    share_seconds = sum(e.share_seconds for e in entries)
+    return {
+        "lease_id": held.proposal.lease_id, "host": held.proposal.host,
+        "endpoint": held.endpoint, "price": held.proposal.price,
+        "receipts": len(entries), "share_seconds": share_seconds,
+        "cost": share_seconds * held.proposal.price // 3600,
+        "state": "failed" if held.failed else "held",
+    }
+
+
+def script_command(command: tuple[str, ...], *, cuda_compat: bool) -> list[str]:
+    """The child's command line: the script under the shim, with this interpreter.
+
+    Accepts ``python train.py args``, ``python -m module args`` or ``train.py args``.
+
+    Raises:
+        CumulusError: The command is not a Python script (the shim must run in-process).
+    """
+    args = list(command)
+    if args and os.path.basename(args[0]).startswith("python"):
+        args = args[1:]
+    if not args or not (args[0].endswith(".py") or args[0] == "-m"):
+        raise CumulusError(
+            f"--consume runs a Python script: give `-- python train.py [args]` or "
+            f"`-- python -m package.module [args]`, not {' '.join(command)!r}"
+        )
+    shim = [sys.executable, "-m", "cumulus_p2p.shim"]
+    if not cuda_compat:
+        shim.append("--no-cuda-compat")
+    return [*shim, *args]
+
+
+async def run_consumer(data: DataDir, mesh_config, options: ConsumerOptions, *,
+                       on_tick=None) -> Consumer:
+    """Run the script on a leased host; return the consumer when it has finished.
+
+    Raises:
+        NoMatchError: No offer met the bid within ``options.match_timeout``.
+    """
+    identity = data.identity()
+    argv = script_command(options.command, cuda_compat=options.cuda_compat)
+    async with open_runtime(identity, data, mesh_config) as runtime:
+        desk = ReceiptDesk(identity, data.ledger())
+        serve_receipts(runtime.mesh.host, desk, clock=runtime.clock)
+        consumer = Consumer(runtime, options, desk)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_tick, consumer, on_tick)
+            await runtime.mesh.announce(BID_NAME, Bid.KIND, consumer.bid_body)
+            consumer.status = "matching"
+            await consumer.lease(options.match_timeout)
+            consumer.status = "running"
+            token = control.new_token()
+            address = await nursery.start(
+                control.serve_control, token, consumer.current_ticket, consumer.failover)
+            env = _child_env(data, address, token, options)
+            finished = await trio.run_process(argv, check=False, env=env)
+            consumer.exit_code = finished.returncode
+            consumer.status = "settling"
+            await _settle_leases(consumer)
+            await consumer.withdraw_bid()
+            await consumer.report_service()
+            consumer.status = "done"
+            data.write_state(consumer.snapshot())
+            nursery.cancel_scope.cancel()
+    return consumer
+
+
+async def _tick(consumer: Consumer, on_tick) -> None:
+    while True:
+        consumer.runtime.data.write_state(consumer.snapshot())
+        if on_tick is not None:
+            on_tick(consumer)
+        await trio.sleep(1.0)
+
+
+def _child_env(data: DataDir, address: str, token: str, options: ConsumerOptions) -> dict:
+    env = dict(os.environ)
+    env[control.ENV_ADDRESS] = address
+    env[control.ENV_TOKEN] = token
+    env["CUMULUS_DATA_DIR"] = str(data.path)
+    env["CUMULUS_CHECKPOINT_INTERVAL"] = str(options.checkpoint_interval)
+    return env
+
+
+async def _settle_leases(consumer: Consumer) -> None:
+    # The host sends its last receipt when it sees the session end; closing the lease
+    # waits for exactly that, so both ledgers end up with the same receipts.
+    for held in consumer.held:
+        if held.failed:
+            continue
+        try:
+            await call_close_lease(consumer.runtime.mesh.host, peer_of(held.proposal.host),
+                                   held.proposal.lease_id)
+        except (CumulusError, BaseLibp2pError, trio.TooSlowError, OSError) as exc:
+            log.warning("lease %s not settled: %s", held.proposal.lease_id, exc)

@@ -1,0 +1,151 @@
+"""The local control channel between a consumer node and the shim in its script.
+
+``cumulus-node --consume -- python train.py`` runs the script in a child process (the
+shim attaches the ``cumulus`` device there). The child holds the session; the node holds
+the mesh, the market and the ledger. They talk over loopback TCP, one msgpack frame per
+message, the child proving itself with a random token the node put in its environment
+(other local users can reach loopback too).
+
+Requests, from the shim::
+
+    ["session", token]            -> the lease to use now
+    ["failover", token, reason]   -> the host is gone: a lease with another host
+
+Answers: ``["ok", {"endpoint": "host:port", "provider_key": bytes, "lease": bytes,
+"host": peer_id}]`` or ``["error", message]``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import msgpack
+import trio
+
+from .._errors import CumulusError, RemoteProtocolError
+from ..remote.transport import SocketFrameChannel, TrioFrameChannel
+
+ENV_ADDRESS = "CUMULUS_CONTROL"
+ENV_TOKEN = "CUMULUS_CONTROL_TOKEN"
+MAX_FRAME = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class SessionTicket:
+    """Everything the shim needs to open a session with a provider."""
+
+    host: str
+    endpoint: str
+    provider_key: bytes
+    lease: bytes
+
+    def to_wire(self) -> dict:
+        return {"host": self.host, "endpoint": self.endpoint,
+                "provider_key": self.provider_key, "lease": self.lease}
+
+    @classmethod
+    def from_wire(cls, value: object) -> SessionTicket:
+        if not isinstance(value, dict):
+            raise RemoteProtocolError("the node's answer is not a session ticket")
+        try:
+            ticket = cls(value["host"], value["endpoint"], value["provider_key"], value["lease"])
+        except KeyError as exc:
+            raise RemoteProtocolError(f"session ticket lacks {exc}") from exc
+        if not (isinstance(ticket.endpoint, str) and isinstance(ticket.lease, bytes)
+                and isinstance(ticket.provider_key, bytes) and isinstance(ticket.host, str)):
+            raise RemoteProtocolError("session ticket fields have the wrong types")
+        return ticket
+
+
+#: What the node does for each request: ``session()`` and ``failover(reason)``.
+SessionSource = Callable[[], Awaitable[SessionTicket]]
+FailoverSource = Callable[[str], Awaitable[SessionTicket]]
+
+
+def new_token() -> str:
+    """A fresh secret for one child process."""
+    return secrets.token_hex(16)
+
+
+async def serve_control(
+    token: str,
+    session: SessionSource,
+    failover: FailoverSource,
+    *,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve control requests on loopback forever; reports ``"127.0.0.1:port"``."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+
+    async def handle(stream: trio.SocketStream) -> None:
+        channel = TrioFrameChannel(stream, max_frame=MAX_FRAME)
+        try:
+            while True:
+                request = msgpack.unpackb(await channel.receive_frame(), raw=False)
+                answer = await _answer(request, token, session, failover)
+                await channel.send_frame([msgpack.packb(answer)])
+        except (CumulusError, trio.BrokenResourceError, ValueError, msgpack.UnpackException):
+            pass  # the child went away or spoke nonsense: this connection only ends
+        finally:
+            await channel.aclose()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(trio.serve_listeners, handle, listeners)
+        task_status.started(f"127.0.0.1:{port}")
+
+
+async def _answer(
+    request: object, token: str, session: SessionSource, failover: FailoverSource
+) -> list:
+    if not (isinstance(request, list) and len(request) >= 2 and isinstance(request[1], str)):
+        return ["error", "malformed control request"]
+    if not hmac.compare_digest(request[1], token):
+        return ["error", "wrong control token"]
+    try:
+        if request[0] == "session" and len(request) == 2:
+            return ["ok", (await session()).to_wire()]
+        if request[0] == "failover" and len(request) == 3 and isinstance(request[2], str):
+            return ["ok", (await failover(request[2])).to_wire()]
+    except CumulusError as exc:
+        return ["error", str(exc)]
+    return ["error", f"unknown control request {request[0]!r}"]
+
+
+class ControlClient:
+    """The shim's end (blocking): ask the node for a session, or for a new host."""
+
+    def __init__(self, address: str, token: str) -> None:
+        host, _, port = address.rpartition(":")
+        self._channel = SocketFrameChannel.connect(host, int(port), max_frame=MAX_FRAME)
+        self._token = token
+
+    @classmethod
+    def from_environment(cls) -> ControlClient | None:
+        """The client for the node that started this process, if one did."""
+        address, token = os.environ.get(ENV_ADDRESS), os.environ.get(ENV_TOKEN)
+        return cls(address, token) if address and token else None
+
+    def session(self) -> SessionTicket:
+        """The lease to use now."""
+        return self._ask(["session", self._token])
+
+    def failover(self, reason: str) -> SessionTicket:
+        """Report the host gone and get a lease with another one (may take a while)."""
+        return self._ask(["failover", self._token, reason[:500]])
+
+    def _ask(self, request: list) -> SessionTicket:
+        self._channel.send_frame([msgpack.packb(request)])
+        answer = msgpack.unpackb(self._channel.recv_frame(), raw=False)
+        if isinstance(answer, list) and len(answer) == 2 and answer[0] == "ok":
+            return SessionTicket.from_wire(answer[1])
+        if isinstance(answer, list) and len(answer) == 2 and answer[0] == "error":
+            raise CumulusError(f"the cumulus node could not provide a session: {answer[1]}")
+        raise RemoteProtocolError("malformed answer from the cumulus node")
+
+    def close(self) -> None:
+        self._channel.close()

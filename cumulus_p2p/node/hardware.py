@@ -1,0 +1,128 @@
+"""What this machine can offer: its GPUs through NVML, or its CPU, and how fast it is.
+
+``detect()`` asks NVML (``pynvml``, from nvidia-ml-py) for each GPU's model, memory,
+utilization and driver. Without a usable NVML (no NVIDIA driver, a container without
+the device) it describes the CPU instead, and says why, so a provider knows it is
+offering a CPU executor. ``self_benchmark`` times square matrix products on the device
+the executor will use and turns them into performance units (GFLOP/s, rounded down):
+the number offers carry and consumers filter on with ``--min-perf``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceFacts:
+    """One device a provider can offer.
+
+    Attributes:
+        kind: ``"cuda"`` or ``"cpu"``.
+        index: The CUDA ordinal (0 for the CPU).
+        model: e.g. ``"NVIDIA GeForce RTX 4090"`` or ``"cpu"``.
+        memory_mib: Device memory (for a CPU: half the machine's RAM, as the offer's VRAM).
+        utilization: Percent busy now (GPU only; ``None`` for a CPU).
+        driver: The NVIDIA driver version, or ``""``.
+    """
+
+    kind: str
+    index: int
+    model: str
+    memory_mib: int
+    utilization: int | None
+    driver: str
+
+
+@dataclass(frozen=True, slots=True)
+class Detection:
+    """What ``detect`` found: the devices, and why there is no GPU when there is none."""
+
+    devices: tuple[DeviceFacts, ...]
+    notice: str = ""
+
+
+def detect() -> Detection:
+    """The GPUs NVML sees, else the CPU with a notice saying why."""
+    try:
+        gpus = _nvml_devices()
+    except Exception as exc:  # noqa: BLE001 - pynvml raises NVMLError subclasses or OSError
+        return Detection((cpu_facts(),), f"no NVIDIA GPU usable through NVML ({exc}); "
+                         "offering a CPU executor")
+    if not gpus:
+        return Detection((cpu_facts(),), "NVML reports no GPU; offering a CPU executor")
+    return Detection(tuple(gpus))
+
+
+def _nvml_devices() -> list[DeviceFacts]:
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        driver = _text(pynvml.nvmlSystemGetDriverVersion())
+        found = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            busy = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
+            name = _text(pynvml.nvmlDeviceGetName(handle))
+            found.append(DeviceFacts("cuda", index, name, memory.total // 2**20, busy, driver))
+        return found
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def cpu_facts() -> DeviceFacts:
+    pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    return DeviceFacts("cpu", 0, "cpu", pages * page_size // 2**20 // 2, None, "")
+
+
+def utilization(device: DeviceFacts) -> int | None:
+    """The device's utilization percent now (``None`` for a CPU or if NVML fails)."""
+    if device.kind != "cuda":
+        return None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(device.index)
+            return int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - a status column must never stop the node
+        return None
+
+
+def self_benchmark(device: str, *, seconds: float = 0.5, size: int = 512) -> int:
+    """Performance units of ``device`` (``"cpu"`` or ``"cuda:N"``): measured GFLOP/s.
+
+    Multiplies ``size``-square float32 matrices for about ``seconds`` after a warm-up.
+    """
+    dev = torch.device(device)
+    a = torch.randn(size, size, device=dev)
+    b = torch.randn(size, size, device=dev)
+    torch.mm(a, b)
+    _sync(dev)
+    runs, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds or runs < 3:
+        torch.mm(a, b)
+        runs += 1
+        if runs % 8 == 0:
+            _sync(dev)
+    _sync(dev)
+    elapsed = time.perf_counter() - start
+    return int(2 * size**3 * runs / elapsed / 1e9)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

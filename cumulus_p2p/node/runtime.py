@@ -1,0 +1,132 @@
+"""What every node runs: the mesh node, its order book and its reputation view.
+
+``open_runtime`` joins the mesh and feeds each accepted envelope to the right core:
+offers, bids and cancels to the ``OrderBook`` (through ``MarketIntake.admit``: the mesh
+already validated them), reports to ``Reputation``. Providers and consumers build on it;
+a node with neither role is a bootstrap peer that only routes and relays.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import trio
+from libp2p.peer.id import ID
+
+from .._errors import NodeConfigError
+from ..dht import REPUTATION_TOPIC, MeshConfig, MeshNode, mesh_validator, open_mesh_node
+from ..envelope import Envelope
+from ..identity import NodeIdentity
+from ..market import KINDS as MARKET_KINDS
+from ..market import MarketIntake, OrderBook
+from ..market.intake import ORDER_KINDS
+from ..reputation import REPORT_KIND, Reputation
+from .datadir import DataDir
+
+
+@dataclass
+class Runtime:
+    """A running node's shared parts. Get one from ``open_runtime``."""
+
+    identity: NodeIdentity
+    data: DataDir
+    mesh: MeshNode
+    book: OrderBook
+    intake: MarketIntake
+    reputation: Reputation
+    clock: Callable[[], float]
+    received: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def peer_id(self) -> str:
+        """This node's peer ID (base58)."""
+        return self.mesh.peer_id.to_base58()
+
+    async def publish_report(self, envelope: Envelope) -> None:
+        """Gossip a signed reputation report (and count it ourselves)."""
+        self.reputation.receive_envelope(envelope, now=self.clock())
+        await self.mesh.publish(envelope, topic=REPUTATION_TOPIC)
+
+    async def consume_messages(self) -> None:
+        """Feed every accepted envelope to its core, until cancelled."""
+        async for msg in self.mesh.messages:
+            kind = msg.envelope.kind
+            self.received[kind] = self.received.get(kind, 0) + 1
+            now = self.clock()
+            if kind in ORDER_KINDS:
+                self.intake.admit(msg.envelope, now=now)
+            elif kind == REPORT_KIND:
+                self.reputation.receive_envelope(msg.envelope, now=now)
+
+    async def expire_loop(self, interval: float = 1.0) -> None:
+        """Drop expired orders and evidence on a timer."""
+        while True:
+            now = self.clock()
+            self.book.expire(now)
+            self.reputation.expire(now)
+            await trio.sleep(interval)
+
+    def peers(self) -> list[dict]:
+        """The peers this node is connected to, with their addresses."""
+        store = self.mesh.host.get_peerstore()
+        rows = []
+        for peer in self.mesh.host.get_connected_peers():
+            addrs = [str(a) for a in store.addrs(peer)] if peer in store.peer_ids() else []
+            rows.append({"peer": peer.to_base58(), "addrs": addrs[:3]})
+        return rows
+
+    def offers(self) -> list[dict]:
+        """Every live offer in this node's book, cheapest first, with host scores."""
+        now = self.clock()
+        rows = []
+        for resting in self.book.offers():
+            offer = resting.order
+            score = self.reputation.score(offer.host, now=now)
+            rows.append({
+                "host": offer.host, "offer_id": offer.offer_id, "gpu": offer.gpu_model,
+                "vram_mib": offer.vram_mib, "perf": offer.perf_units,
+                "shares": resting.remaining, "price": offer.price,
+                "score": round(score.mean, 3), "expires_in": round(offer.expires_at - now, 1),
+            })
+        return sorted(rows, key=lambda r: (r["price"], r["host"]))
+
+
+@asynccontextmanager
+async def open_runtime(
+    identity: NodeIdentity,
+    data: DataDir,
+    config: MeshConfig,
+    *,
+    clock: Callable[[], float] = time.time,
+) -> AsyncIterator[Runtime]:
+    """Join the mesh and run the message loop; everything stops on exit.
+
+    Raises:
+        NodeConfigError: Bootstrap peers were given and none could be reached.
+    """
+    validator = mesh_validator([*MARKET_KINDS, REPORT_KIND])
+    async with open_mesh_node(identity, validator, config, clock=clock) as mesh:
+        if config.bootstrap and not mesh.host.get_connected_peers():
+            raise NodeConfigError(
+                f"no bootstrap peer could be reached ({', '.join(config.bootstrap)}). Check "
+                "that the address is right and that the node there is running, or leave "
+                "out --bootstrap to start a new mesh."
+            )
+        book = OrderBook()
+        runtime = Runtime(
+            identity, data, mesh, book, MarketIntake(book),
+            Reputation(identity.peer_id.to_base58()), clock,
+        )
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(runtime.consume_messages)
+            nursery.start_soon(runtime.expire_loop)
+            yield runtime
+            nursery.cancel_scope.cancel()
+
+
+def peer_of(peer_id: str) -> ID:
+    """A base58 peer ID as libp2p's ``ID``."""
+    return ID.from_base58(peer_id)

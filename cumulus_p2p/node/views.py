@@ -1,0 +1,110 @@
+"""The tables people read: a node's status, peers, offers and ledger (``rich``).
+
+Each function takes plain data (the ``state.json`` a running node writes, or ledger
+entries) and returns a ``rich`` renderable, so the CLI, the live display and the tests
+share them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from rich.console import Group
+from rich.table import Table
+
+from ..market.ledger import LedgerEntry
+
+
+def credits(micro: int) -> str:
+    """Micro-credits as credits, e.g. ``0.001250``."""
+    return f"{micro / 1e6:.6f}"
+
+
+def short(peer_id: str) -> str:
+    """A peer ID shortened for a table cell."""
+    return peer_id if len(peer_id) <= 16 else f"{peer_id[:6]}…{peer_id[-6:]}"
+
+
+def status_table(state: dict) -> Group:
+    """The node's summary and its leases."""
+    summary = Table(title=f"cumulus node ({state.get('role', '?')})", show_header=False)
+    summary.add_column("field", style="bold")
+    summary.add_column("value")
+    summary.add_row("peer id", state.get("peer_id", ""))
+    for addr in state.get("addrs", [])[:2]:
+        summary.add_row("listening", addr)
+    if state.get("role") == "provider":
+        summary.add_row("device", f"{state['device']} ({state['perf_units']} perf units)")
+        summary.add_row("session channel", state.get("session_endpoint", ""))
+        summary.add_row("price", f"{credits(state['price'])} per share-hour")
+        summary.add_row("shares free", f"{state['shares_free']} of {state['shares_total']}")
+        summary.add_row("sessions", str(state["sessions"]))
+        summary.add_row("earned", credits(state["earned"]))
+    else:
+        summary.add_row("status", state.get("status", ""))
+        summary.add_row("command", " ".join(state.get("command", [])))
+        summary.add_row("cost", credits(state.get("cost", 0)))
+    summary.add_row("peers", str(len(state.get("peers", []))))
+    summary.add_row("offers known", str(len(state.get("offers", []))))
+    age = time.time() - state.get("updated", 0)
+    summary.add_row("updated", f"{age:.0f}s ago")
+    return Group(summary, leases_table(state.get("leases", []), state.get("role", "")))
+
+
+def leases_table(rows: Iterable[dict], role: str) -> Table:
+    """One row per lease: who, price, receipts, share-seconds, money."""
+    table = Table(title="leases")
+    other = "consumer" if role == "provider" else "host"
+    money = "earned" if role == "provider" else "cost"
+    for column in ("lease", other, "price/share-h", "receipts", "share-s", money, "state"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(
+            row["lease_id"][:12], short(row.get(other, "")), credits(row["price"]),
+            str(row["receipts"]), str(row["share_seconds"]), credits(row.get(money, 0)),
+            row["state"],
+        )  # fmt: skip
+    return table
+
+
+def peers_table(rows: Iterable[dict]) -> Table:
+    """Connected peers and their addresses."""
+    table = Table(title="peers")
+    table.add_column("peer id")
+    table.add_column("addresses")
+    for row in rows:
+        table.add_row(row["peer"], "\n".join(row["addrs"]))
+    return table
+
+
+def offers_table(rows: Iterable[dict]) -> Table:
+    """Live offers, cheapest first, with the host's reliability score."""
+    table = Table(title="offers")
+    for column in ("host", "gpu", "VRAM MiB", "perf", "shares", "price/share-h", "score",
+                   "expires in"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(
+            short(row["host"]), row["gpu"], str(row["vram_mib"]), str(row["perf"]),
+            str(row["shares"]), credits(row["price"]), f"{row['score']:.2f}",
+            f"{row['expires_in']:.0f}s",
+        )  # fmt: skip
+    return table
+
+
+def ledger_table(entries: Iterable[LedgerEntry]) -> Table:
+    """Every countersigned receipt in the ledger, oldest first."""
+    table = Table(title="ledger (countersigned receipts)")
+    for column in ("receipt", "lease", "host", "from", "to", "share-s", "bytes"):
+        table.add_column(column)
+    for e in entries:
+        table.add_row(
+            e.receipt_id[:12], e.lease_id[:12], short(e.host), _clock(e.interval_start),
+            _clock(e.interval_end), str(e.share_seconds), str(e.bytes_moved),
+        )  # fmt: skip
+    return table
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t))

@@ -1,0 +1,76 @@
+"""Real ``cumulus-node`` processes on loopback, for tests, the demo and benchmarks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LOOPBACK_LISTEN = "/ip4/127.0.0.1/tcp/0"
+
+
+@dataclass
+class NodeProcess:
+    """A running ``cumulus-node`` and what it printed so far."""
+
+    proc: subprocess.Popen
+    data_dir: Path
+    lines: list[str] = field(default_factory=list)
+    addr: str = ""
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def wait_for(self, text: str, timeout: float = 30.0) -> str:
+        """Wait until a printed line contains ``text``; return that line."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if text in line:
+                    return line
+            if self.proc.poll() is not None and not any(text in x for x in self.lines):
+                raise RuntimeError(f"cumulus-node exited ({self.proc.returncode}):\n"
+                                   + self.output())
+            time.sleep(0.05)
+        raise TimeoutError(f"no line with {text!r} within {timeout}s:\n{self.output()}")
+
+
+def node_command(*args: str) -> list[str]:
+    """``cumulus-node`` with this interpreter (what the console script runs)."""
+    return [sys.executable, "-m", "cumulus_p2p.cli", *args]
+
+
+def start_node(data_dir: Path, *args: str, env: dict | None = None) -> NodeProcess:
+    """Start ``cumulus-node --data-dir DATA_DIR ARGS`` with its output captured.
+
+    For a node that listens (not ``--consume``), waits for its ``listening on`` line.
+    """
+    full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
+    proc = subprocess.Popen(
+        node_command("--data-dir", str(data_dir), *args),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
+    )  # fmt: skip
+    node = NodeProcess(proc, Path(data_dir))
+    threading.Thread(target=_pump, args=(proc, node.lines), daemon=True).start()
+    if "--consume" not in args:
+        node.addr = node.wait_for("listening on").split()[-1]
+    return node
+
+
+def _pump(proc: subprocess.Popen, lines: list[str]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)

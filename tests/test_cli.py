@@ -1,0 +1,135 @@
+"""cumulus-node's command line: bad flags, bad places, bad data, each with a clear way out.
+
+Every test runs the real command in a subprocess, as a user would.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from cumulus_p2p.identity import KEY_FILE_NAME, NodeIdentity
+from cumulus_p2p.testing.nodes import LOOPBACK_LISTEN, node_command, start_node
+
+def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(node_command(*args), capture_output=True, text=True,
+                          timeout=timeout, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
+
+
+def test_an_unknown_flag_is_a_usage_error_naming_it(tmp_path):
+    result = run("--data-dir", str(tmp_path), "--provide", "--gpus", "2")
+    assert result.returncode == 2
+    assert "unrecognized arguments: --gpus" in result.stderr
+
+
+def test_consume_without_a_script_says_how_to_give_one(tmp_path):
+    result = run("--data-dir", str(tmp_path), "--consume")
+    assert result.returncode == 2
+    assert "-- python train.py" in result.stderr
+
+
+def test_a_bad_size_or_duration_says_what_form_is_expected(tmp_path):
+    size = run("--consume", "--min-vram", "lots", "--", "python", "x.py")
+    duration = run("--consume", "--match-timeout", "soon", "--", "python", "x.py")
+    assert size.returncode == duration.returncode == 2
+    assert "try 8GiB" in size.stderr
+    assert "try 90s" in duration.stderr
+
+
+def test_consume_refuses_a_command_that_is_not_a_python_script():
+    result = run("--consume", "--", "bash", "train.sh")
+    assert result.returncode == 2
+    assert "runs a Python script" in result.stderr
+
+
+def test_provide_and_consume_together_are_refused():
+    result = run("--provide", "--consume", "--", "python", "x.py")
+    assert result.returncode == 2
+    assert "not allowed with argument" in result.stderr
+
+
+def test_help_documents_every_flag():
+    result = run("--help")
+    assert result.returncode == 0
+    for flag in ("--provide", "--consume", "--bootstrap", "--price", "--shares", "--gpu",
+                 "--min-vram", "--max-price", "--priority", "--match-timeout", "--data-dir",
+                 "status|peers|offers|ledger"):
+        assert flag in result.stdout
+
+
+def test_a_corrupt_key_file_stops_the_node_and_is_left_untouched(tmp_path):
+    key = tmp_path / KEY_FILE_NAME
+    key.write_bytes(b"not a key\n")
+    result = run("--data-dir", str(tmp_path), "--listen", LOOPBACK_LISTEN)
+    assert result.returncode == 3
+    assert "corrupt" in result.stdout and "move it away" in result.stdout
+    assert key.read_bytes() == b"not a key\n"
+
+
+def test_a_corrupt_config_file_is_reported_and_left_untouched(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text("{price: cheap")
+    result = run("--data-dir", str(tmp_path), "--listen", LOOPBACK_LISTEN, timeout=30)
+    assert result.returncode == 3
+    assert "config.json is not valid JSON" in result.stdout
+    assert config.read_text() == "{price: cheap"
+
+
+def test_a_corrupt_ledger_is_reported_and_left_untouched(tmp_path):
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.write_bytes(b"garbage line\n{\"also\": 1}\n")
+    result = run("ledger", "--data-dir", str(tmp_path))
+    assert result.returncode == 3
+    assert ledger.read_bytes() == b"garbage line\n{\"also\": 1}\n"
+
+
+def test_an_unreachable_bootstrap_peer_is_a_clear_error(tmp_path):
+    nobody = NodeIdentity.generate().peer_id.to_base58()
+    result = run("--data-dir", str(tmp_path), "--listen", LOOPBACK_LISTEN,
+                 "--bootstrap", f"/ip4/127.0.0.1/tcp/9/p2p/{nobody}")
+    assert result.returncode == 3
+    assert "no bootstrap peer could be reached" in result.stdout
+
+
+def test_a_bad_listen_address_is_a_clear_error(tmp_path):
+    result = run("--data-dir", str(tmp_path), "--listen", "127.0.0.1:4001")
+    assert result.returncode == 3
+    assert "is not a multiaddr" in result.stdout
+
+
+def test_status_before_any_node_ran_says_how_to_start_one(tmp_path):
+    result = run("status", "--data-dir", str(tmp_path))
+    assert result.returncode == 3
+    assert "start one with cumulus-node --provide" in result.stdout
+
+
+def test_a_second_node_on_the_same_data_dir_is_refused(tmp_path):
+    first = start_node(tmp_path, "--listen", LOOPBACK_LISTEN)
+    try:
+        second = run("--data-dir", str(tmp_path), "--listen", LOOPBACK_LISTEN)
+    finally:
+        first.stop()
+    assert second.returncode == 3
+    assert "another cumulus-node is running" in second.stdout
+
+
+def test_impossible_requirements_end_after_the_match_timeout_with_what_the_book_held(tmp_path):
+    boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
+    provider = start_node(tmp_path / "p", "--provide", "--listen", LOOPBACK_LISTEN,
+                          "--bootstrap", boot.addr, "--announce-interval", "1",
+                          "--bench-seconds", "0.1")
+    try:
+        provider.wait_for("providing")
+        started = time.monotonic()
+        result = run("--data-dir", str(tmp_path / "c"), "--consume", "--listen",
+                     LOOPBACK_LISTEN, "--bootstrap", boot.addr, "--min-vram", "100000GiB",
+                     "--match-timeout", "4s", "--", "python", "train.py")
+        elapsed = time.monotonic() - started
+    finally:
+        provider.stop()
+        boot.stop()
+    assert result.returncode == 4
+    assert "none meets the bid" in result.stdout and "Largest VRAM offered" in result.stdout
+    assert elapsed < 30
