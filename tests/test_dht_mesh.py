@@ -57,6 +57,24 @@ async def test_offer_reaches_every_node_within_two_seconds() -> None:
         assert all(mesh.received(i)[0].source == "gossip" for i in range(N))
 
 
+async def test_an_announcement_built_per_seal_repeats_each_envelopes_nonce_and_expiry():
+    # Market messages carry their envelope's nonce and expiry in the body, so a
+    # re-announcement must rebuild the body, not re-sign the old one.
+    async with open_mesh(2, config=fast_config(announce_interval=0.3, offer_ttl=2.0)) as mesh:
+        built: list[tuple[int, float]] = []
+
+        def body(nonce: int, expires_at: float) -> bytes:
+            built.append((nonce, expires_at))
+            return b"offer %d %r" % (nonce, expires_at)
+
+        await mesh.nodes[0].announce("gpu0", OFFER, body)
+        await wait_for(lambda: len(mesh.received(1)) >= 2, timeout=5.0, what="a re-announce")
+    for msg in mesh.received(1)[:2]:
+        env = msg.envelope
+        assert env.body == b"offer %d %r" % (env.nonce, env.expires_at)
+        assert (env.nonce, env.expires_at) in built
+
+
 async def test_late_joiner_reads_every_live_offer_from_the_dht() -> None:
     # Re-announce rarely and keep little gossip history, so the joiner cannot get the
     # offers from fresh or replayed gossip: only the DHT has them.

@@ -3,6 +3,7 @@
 import secrets
 from contextlib import AsyncExitStack, asynccontextmanager
 
+import msgpack
 import multiaddr
 import pytest
 import trio
@@ -13,7 +14,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 
-from cumulus_p2p._errors import LeaseRefusedError
+from cumulus_p2p._errors import LeaseRefusedError, MalformedMessageError
 from cumulus_p2p.identity import NodeIdentity
 from cumulus_p2p.market.lease import LeaseBook, RefusalReason
 from cumulus_p2p.market.messages import LeaseProposal, Offer, PriorityClass, seal_message
@@ -168,3 +169,17 @@ async def test_a_garbage_or_oversized_frame_drops_only_that_stream():
         grant = await call_propose_lease(consumer, host.get_id(), make_proposal(consumer_id,
                                                                                 host_id))
     assert grant.lease.verify(host_id.public_key).shares == 1
+
+
+@pytest.mark.parametrize("endpoints", [["no-port"], ["host:port"], [7], "127.0.0.1:1",
+                                       ["h:1"] * 9, ["x" * 200 + ":1"]])
+def test_a_grant_with_malformed_endpoints_is_refused(endpoints):
+    from cumulus_p2p.market.negotiation import _decode_response
+
+    host_id, consumer_id = NodeIdentity.generate(), NodeIdentity.generate()
+    book = LeaseBook(host_id)
+    book.publish(make_offer(host_id, shares=2))
+    lease = book.propose(make_proposal(consumer_id, host_id).to_bytes(), now=NOW)
+    response = msgpack.packb([True, lease.to_bytes(), endpoints])
+    with pytest.raises(MalformedMessageError, match="endpoint"):
+        _decode_response(response)

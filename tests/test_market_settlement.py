@@ -1,0 +1,69 @@
+"""Specs for cumulus_p2p.market.settlement: the consumer's receipt desk (sans-IO)."""
+
+import pytest
+
+from cumulus_p2p._errors import EnvelopeRejectedError, MalformedMessageError, ReceiptRejectedError
+from cumulus_p2p.identity import NodeIdentity
+from cumulus_p2p.market.ledger import Ledger
+from cumulus_p2p.market.messages import LeaseProposal, PriorityClass
+from cumulus_p2p.market.metering import Meter
+from cumulus_p2p.market.settlement import ReceiptDesk
+
+NOW = 1_700_000_000.0
+HOST, CONSUMER, MALLORY = (NodeIdentity.generate() for _ in range(3))
+HOST_ID = HOST.peer_id.to_base58()
+LEASE = LeaseProposal("L1", CONSUMER.peer_id.to_base58(), HOST_ID, "gpu0", 1, 2, 1000, NOW,
+                      150, PriorityClass.ON_DEMAND, NOW + 30, 1)
+
+
+@pytest.fixture
+def desk(tmp_path):
+    with Ledger.open(tmp_path) as ledger:
+        desk = ReceiptDesk(CONSUMER, ledger)
+        desk.open_account(LEASE)
+        yield desk
+
+
+def test_a_fitting_receipt_is_countersigned_and_recorded(desk):
+    raw = Meter(HOST, LEASE, interval=60).issue(NOW + 60, nonce=1).to_bytes()
+    signed = desk.countersign(raw, sender=HOST_ID, now=NOW + 60)
+    assert signed.verify(CONSUMER.public_key).share_seconds == 120
+    assert [e.receipt_id for e in desk.ledger.entries()] == [signed.receipt.receipt_id]
+
+
+def test_receipts_must_follow_each_other(desk):
+    meter = Meter(HOST, LEASE, interval=60)
+    meter.issue(NOW + 60, nonce=1)  # never delivered
+    second = meter.issue(NOW + 120, nonce=2).to_bytes()
+    with pytest.raises(ReceiptRejectedError):
+        desk.countersign(second, sender=HOST_ID, now=NOW + 120)
+    assert len(desk.ledger) == 0
+
+
+def test_a_receipt_for_a_lease_never_opened_is_refused(desk):
+    other = LeaseProposal("L2", LEASE.consumer, HOST_ID, "gpu0", 1, 2, 1000, NOW, 150,
+                          PriorityClass.ON_DEMAND, NOW + 30, 2)
+    raw = Meter(HOST, other, interval=60).issue(NOW + 60, nonce=1).to_bytes()
+    with pytest.raises(ReceiptRejectedError, match="no lease"):
+        desk.countersign(raw, sender=HOST_ID, now=NOW + 60)
+
+
+def test_a_receipt_relayed_by_another_peer_is_refused(desk):
+    raw = Meter(HOST, LEASE, interval=60).issue(NOW + 60, nonce=1).to_bytes()
+    with pytest.raises(ReceiptRejectedError, match="only from its host"):
+        desk.countersign(raw, sender=MALLORY.peer_id.to_base58(), now=NOW + 60)
+
+
+def test_a_replayed_receipt_is_refused_and_recorded_once(desk):
+    raw = Meter(HOST, LEASE, interval=60).issue(NOW + 60, nonce=1).to_bytes()
+    desk.countersign(raw, sender=HOST_ID, now=NOW + 60)
+    with pytest.raises((EnvelopeRejectedError, ReceiptRejectedError)):
+        desk.countersign(raw, sender=HOST_ID, now=NOW + 61)
+    assert len(desk.ledger) == 1
+
+
+@pytest.mark.parametrize("raw", [b"", b"\x00" * 10, b"\x93\x01\x02\x03"])
+def test_garbage_is_refused_as_malformed(desk, raw):
+    with pytest.raises((MalformedMessageError, EnvelopeRejectedError)):
+        desk.countersign(raw, sender=HOST_ID, now=NOW)
+    assert len(desk.ledger) == 0
