@@ -1,68 +1,154 @@
-"""The demo: train a small transformer on a ``cumulus`` device served by a local executor.
+"""The demo: a whole Cumulus mesh on loopback, in one command.
 
-Starts a real executor process on loopback, attaches to it, trains the same model on the
-local CPU and on ``cumulus``, and shows both side by side. (The mesh demo, with providers,
-bids and a market, grows from this one as those parts land.)
+Starts real ``cumulus-node`` processes on 127.0.0.1: a bootstrap node, two CPU providers
+asking different prices, and a consumer that bids, matches the cheaper provider, leases
+it and runs an ordinary CUDA-style training script (``cumulus_p2p.demo_train``) through
+the torch shim. Midway the demo kills the provider the job runs on (SIGKILL): the
+consumer re-matches to the other one and the job resumes from its last checkpoint. At
+the end it shows the consumer's cost and receipts next to each provider's, and checks
+that the loss equals a local CPU run of the same script.
+
+    python -m cumulus_p2p.demo [--steps 40] [--no-kill]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import signal
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-import cumulus_p2p.remote as remote
-from cumulus_p2p.testing.executor import executor_process
-from cumulus_p2p.testing.models import train
+from .market.ledger import Ledger
+from .node import views
+from .testing.nodes import LOOPBACK_LISTEN, NodeProcess, start_node
+
+PRICES = {"provider-a": "0.40", "provider-b": "0.60"}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="cumulus-demo", description=__doc__)
-    parser.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
-    parser.add_argument("--task", choices=["mlp", "cnn", "transformer"], default="transformer")
+    parser = argparse.ArgumentParser(prog="cumulus-demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
+    parser.add_argument("--no-kill", action="store_true",
+                        help="let the first provider live (no failover)")
     args = parser.parse_args(argv)
     console = Console()
-    with console.status("starting a CPU executor on 127.0.0.1 ..."):
-        ctx = executor_process(device="cpu")
-        address, _ = ctx.__enter__()
-    try:
-        console.print(f"executor listening on [bold]{address}[/bold]")
-        with remote.attach(address) as session:
-            console.print(
-                f"attached: session {session.info['session']} on {session.info['device']}"
-            )
-            with console.status(f"training {args.task} locally on the CPU ..."):
-                t0 = time.perf_counter()
-                local, _ = train(args.task, "cpu", steps=args.steps)
-                local_s = time.perf_counter() - t0
-            with console.status(f"training {args.task} on the cumulus device ..."):
-                t0 = time.perf_counter()
-                far, _ = train(args.task, "cumulus", steps=args.steps)
-                far_s = time.perf_counter() - t0
-            stats = session.stats()
-    finally:
-        ctx.__exit__(None, None, None)
-    table = Table(title=f"{args.task}: {args.steps} Adam steps")
-    table.add_column("step", justify="right")
-    table.add_column("loss (local CPU)", justify="right")
-    table.add_column("loss (cumulus)", justify="right")
-    table.add_column("same", justify="center")
-    for i, (a, b) in enumerate(zip(local, far, strict=True)):
-        table.add_row(str(i + 1), f"{a:.6f}", f"{b:.6f}", "yes" if abs(a - b) <= 1e-5 else "NO")
-    console.print(table)
-    console.print(
-        f"local {local_s:.2f}s, remote {far_s:.2f}s; executor ran {stats['ops']} ops, "
-        f"peak {stats['peak_bytes'] / 1024**2:.1f} MiB"
-    )
-    same = all(abs(a - b) <= 1e-5 for a, b in zip(local, far, strict=True))
-    console.print(
-        "[green]remote training matches local training[/green]"
-        if same
-        else "[red]remote and local losses differ[/red]"
-    )
-    return 0 if same else 1
+    with tempfile.TemporaryDirectory(prefix="cumulus-demo-") as tmp:
+        return Demo(Path(tmp), console, args.steps, kill=not args.no_kill).run()
+
+
+class Demo:
+    def __init__(self, root: Path, console: Console, steps: int, *, kill: bool) -> None:
+        self.root, self.console, self.steps, self.kill = root, console, steps, kill
+        self.nodes: dict[str, NodeProcess] = {}
+
+    def run(self) -> int:
+        try:
+            local = self.train_locally()
+            self.start_mesh()
+            remote, failover_s = self.consume()
+            self.show_books()
+        finally:
+            for node in self.nodes.values():
+                node.stop()
+        return self.verdict(local, remote, failover_s)
+
+    def train_locally(self) -> dict:
+        with self.console.status("training the script locally on the CPU, for reference..."):
+            out = subprocess.run(self.script(), capture_output=True, text=True, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def script(self) -> list[str]:
+        return [sys.executable, "-m", "cumulus_p2p.demo_train", "--steps", str(self.steps)]
+
+    def start_mesh(self) -> None:
+        with self.console.status("starting a bootstrap node and two CPU providers..."):
+            boot = start_node(self.root / "bootstrap", "--listen", LOOPBACK_LISTEN)
+            self.nodes["bootstrap"] = boot
+            for name, price in PRICES.items():
+                self.nodes[name] = start_node(
+                    self.root / name, "--provide", "--listen", LOOPBACK_LISTEN,
+                    "--bootstrap", boot.addr, "--price", price, "--announce-interval", "1",
+                    "--receipt-interval", "3s", "--bench-seconds", "0.2", "--no-live",
+                )  # fmt: skip
+            for name in PRICES:
+                self.nodes[name].wait_for("providing")
+        table = Table(title="the mesh (all on 127.0.0.1)")
+        table.add_column("node")
+        table.add_column("price/share-hour")
+        table.add_column("address")
+        table.add_row("bootstrap", "", boot.addr)
+        for name, price in PRICES.items():
+            table.add_row(name, price, self.nodes[name].addr)
+        self.console.print(table)
+
+    def consume(self) -> tuple[dict, float | None]:
+        boot = self.nodes["bootstrap"].addr
+        consumer = start_node(
+            self.root / "consumer", "--consume", "--listen", LOOPBACK_LISTEN,
+            "--bootstrap", boot, "--announce-interval", "1", "--max-price", "1.0",
+            "--checkpoint-interval", "2s", "--", *self.script()[1:],
+        )  # fmt: skip
+        self.nodes["consumer"] = consumer
+        env_note = "" if self.kill else " (no kill)"
+        self.console.print(f"consumer: bidding at most 1.0/share-hour{env_note}...")
+        leased = consumer.wait_for("leased", timeout=60)
+        self.console.print(leased.strip(), highlight=False)
+        failover_s = None
+        if self.kill:
+            consumer.wait_for(f"step {max(5, self.steps // 2 - self.steps % 5):4d}", timeout=120)
+            victim = next(n for n in PRICES if _short_in(self.nodes[n].addr, leased))
+            self.console.print(f"[red]killing {victim} (SIGKILL) in the middle of training[/red]")
+            killed_at, seen = time.monotonic(), len(consumer.lines)
+            self.nodes[victim].proc.send_signal(signal.SIGKILL)
+            self.nodes[victim].proc.wait()
+            consumer.wait_for("step", timeout=120, start=seen)
+            failover_s = time.monotonic() - killed_at
+        consumer.proc.wait(timeout=300)
+        for line in consumer.lines:
+            if line.startswith("step"):
+                self.console.print("  " + line.rstrip(), highlight=False)
+        result = json.loads(next(x for x in reversed(consumer.lines) if x.startswith("{")))
+        return result, failover_s
+
+    def show_books(self) -> None:
+        with Ledger.open(self.root / "consumer") as ledger:
+            entries = list(ledger.entries())
+        self.console.print(views.ledger_table(entries))
+        table = Table(title="receipts per node")
+        table.add_column("node")
+        table.add_column("receipts")
+        table.add_column("share-seconds")
+        for name in ["consumer", *PRICES]:
+            with Ledger.open(self.root / name) as ledger:
+                mine = list(ledger.entries())
+            table.add_row(name, str(len(mine)), str(sum(e.share_seconds for e in mine)))
+        self.console.print(table)
+        for line in self.nodes["consumer"].lines:
+            if line.startswith("total cost"):
+                self.console.print(line.rstrip(), highlight=False)
+
+    def verdict(self, local: dict, remote: dict, failover_s: float | None) -> int:
+        same = local["final_loss"] == remote["final_loss"]
+        if failover_s is not None:
+            self.console.print(f"failover: the job ran on within {failover_s:.1f}s of the kill")
+        self.console.print(f"final loss: local CPU {local['final_loss']:.6f}, through the "
+                           f"mesh {remote['final_loss']:.6f}", highlight=False)
+        self.console.print("[green]the job finished with the same loss as a local run[/green]"
+                           if same else "[red]the losses differ[/red]")
+        return 0 if same else 1
+
+
+def _short_in(addr: str, line: str) -> bool:
+    peer = addr.split("/")[-1]
+    return views.short(peer) in line
 
 
 if __name__ == "__main__":

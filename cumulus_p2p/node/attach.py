@@ -35,8 +35,7 @@ def attach_leased(client: ControlClient):
     handle. From the environment: ``CUMULUS_CHECKPOINT_INTERVAL`` (seconds between
     checkpoints) and ``CUMULUS_RESUME_TIMEOUT`` (how long a dropped connection is retried
     before the host counts as gone)."""
-    data = DataDir(default_data_dir())
-    identity = data.identity()
+    identity = DataDir(default_data_dir()).identity()
     interval = float(os.environ.get("CUMULUS_CHECKPOINT_INTERVAL", "30"))
     resume = float(os.environ.get("CUMULUS_RESUME_TIMEOUT", "10"))
 

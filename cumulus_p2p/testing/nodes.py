@@ -34,14 +34,14 @@ class NodeProcess:
                 self.proc.kill()
                 self.proc.wait()
 
-    def wait_for(self, text: str, timeout: float = 30.0) -> str:
-        """Wait until a printed line contains ``text``; return that line."""
+    def wait_for(self, text: str, timeout: float = 30.0, *, start: int = 0) -> str:
+        """Wait until a printed line (from line ``start`` on) contains ``text``; return it."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for line in list(self.lines):
+            for line in self.lines[start:]:
                 if text in line:
                     return line
-            if self.proc.poll() is not None and not any(text in x for x in self.lines):
+            if self.proc.poll() is not None and not any(text in x for x in self.lines[start:]):
                 raise RuntimeError(f"cumulus-node exited ({self.proc.returncode}):\n"
                                    + self.output())
             time.sleep(0.05)

@@ -1,0 +1,221 @@
+"""Run a user's PyTorch script with the ``cumulus`` device attached.
+
+``cumulus-node --consume [requirements] -- python train.py [args]`` runs the script as::
+
+    python -m cumulus_p2p.shim [--no-cuda-compat] train.py [args...]
+    python -m cumulus_p2p.shim [--no-cuda-compat] -m package.module [args...]
+
+The shim attaches the session the environment describes (``connect``), turns on CUDA
+compatibility mode (``cumulus_p2p.remote.cuda_compat``) unless told not to, and runs the
+script as ``__main__`` the way ``python train.py`` would: ``sys.argv`` is
+``[train.py, args...]`` and the script's directory comes first on ``sys.path``. Whatever
+way the script ends (returning, ``sys.exit``, an exception, Ctrl-C, SIGTERM), the session
+is detached, so the executor releases the script's remote memory at once rather than
+holding it for a consumer that might come back.
+
+Exit status: the script's own (an uncaught exception prints its traceback and exits 1, as
+in plain Python; SIGTERM exits 143); 2 when the shim cannot start the script: a bad command
+line, no session described in the environment, or an executor that cannot be reached.
+
+Environment:
+    CUMULUS_CONTROL, CUMULUS_CONTROL_TOKEN: set by ``cumulus-node --consume``: the node's
+        control channel, which hands over the leased session and finds a new host on
+        failover (see ``cumulus_p2p.node.control``).
+    CUMULUS_EXECUTOR: otherwise, ``host:port`` of an executor reachable over plain TCP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import runpy
+import signal
+import sys
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+
+from . import remote
+from ._errors import CumulusError, SessionClosedError
+from .node import control
+from .remote import cuda_compat as _cuda_compat
+from .remote.client import RemoteSession
+
+#: ``host:port`` of a plain-TCP executor.
+ENV_EXECUTOR = "CUMULUS_EXECUTOR"
+EXIT_CANNOT_START = 2
+USAGE = (
+    "usage: python -m cumulus_p2p.shim [--no-cuda-compat] script.py [args...]\n"
+    "       python -m cumulus_p2p.shim [--no-cuda-compat] -m package.module [args...]"
+)
+
+
+def connect(environ: Mapping[str, str]) -> RemoteSession:
+    """Attach the session the environment describes as the ``cumulus`` device; return it.
+
+    The one place that knows how the node hands a session to the script's process: the
+    consumer node's control channel (a leased provider over the secure channel, with
+    failover), or ``CUMULUS_EXECUTOR=host:port``, an executor over plain TCP.
+
+    Args:
+        environ: the environment to read (``os.environ`` in the shim).
+
+    Raises:
+        SessionClosedError: nothing in ``environ`` says where the session is, or the executor
+            cannot be reached or refuses the session.
+    """
+    if environ.get(control.ENV_ADDRESS) and environ.get(control.ENV_TOKEN):
+        return _connect_leased(environ)
+    address = environ.get(ENV_EXECUTOR)
+    if not address:
+        raise SessionClosedError(
+            f"no cumulus session to attach: {ENV_EXECUTOR} is not set. Run the script with "
+            f"`cumulus-node --consume ... -- python script.py`, or set {ENV_EXECUTOR}=host:port "
+            "of a running `cumulus-executor`."
+        )
+    try:
+        return remote.attach(address).session
+    except (OSError, ValueError, CumulusError) as exc:
+        raise SessionClosedError(f"cannot attach to the executor at {address}: {exc}") from exc
+
+
+def _connect_leased(environ: Mapping[str, str]) -> RemoteSession:
+    """The session ``cumulus-node --consume`` leased for this process, with failover."""
+    from .node.attach import attach_leased
+
+    try:
+        client = control.ControlClient(environ[control.ENV_ADDRESS], environ[control.ENV_TOKEN])
+        return attach_leased(client).session
+    except (OSError, ValueError, CumulusError) as exc:
+        raise SessionClosedError(f"cannot open the leased session: {exc}") from exc
+
+
+def run(
+    target: str,
+    args: Sequence[str] = (),
+    *,
+    module: bool = False,
+    cuda_compat: bool = True,
+    environ: Mapping[str, str] | None = None,
+) -> None:
+    """Attach, run ``target`` as ``__main__``, detach.
+
+    Args:
+        target: the script's path, or with ``module=True`` a module name (as ``python -m``).
+        args: the script's arguments (``sys.argv[1:]`` as it sees them).
+        module: run ``target`` as a module instead of a file.
+        cuda_compat: turn on CUDA compatibility mode while the script runs.
+        environ: where ``connect`` reads the session from (default ``os.environ``).
+
+    Raises:
+        SessionClosedError: from ``connect``; the script did not run.
+        BaseException: whatever the script raises, ``SystemExit`` included, unchanged.
+    """
+    session = connect(os.environ if environ is None else environ)
+    _run_attached(session, target, args, module=module, cuda_compat=cuda_compat)
+
+
+def _run_attached(
+    session: RemoteSession, target: str, args: Sequence[str], *, module: bool, cuda_compat: bool
+) -> None:
+    try:
+        compat = _cuda_compat.cuda_compat() if cuda_compat else contextlib.nullcontext()
+        with compat, _as_main(target, args, module=module):
+            if module:
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(target, run_name="__main__")
+    finally:
+        remote.detach()
+        session.close()  # in case the script attached a session of its own meanwhile
+
+
+@contextlib.contextmanager
+def _as_main(target: str, args: Sequence[str], *, module: bool) -> Iterator[None]:
+    """``sys.argv`` and ``sys.path[0]`` as ``python script.py args`` would set them."""
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    # run_module fills in argv[0] itself (alter_sys); a file's argv[0] is its path as given.
+    sys.argv = [target, *args]
+    if not module:
+        # `python -m cumulus_p2p.shim` put the working directory first, as `python -m mod`
+        # wants; `python script.py` puts the script's directory there instead.
+        sys.path[:1] = [os.path.dirname(os.path.abspath(target))]
+    try:
+        yield
+    finally:
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+
+
+def _parse(argv: Sequence[str]) -> tuple[str, list[str], bool, bool] | str:
+    """``(target, args, module, cuda_compat)``, or the message for a bad command line."""
+    cuda_compat, i = True, 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--no-cuda-compat":
+            cuda_compat = False
+        elif arg == "--":
+            i += 1
+            break
+        elif arg in ("-h", "--help"):
+            return USAGE
+        elif arg == "-m":
+            if i + 1 >= len(argv):
+                return f"-m needs a module name\n{USAGE}"
+            return argv[i + 1], list(argv[i + 2 :]), True, cuda_compat
+        elif arg.startswith("-"):
+            return f"unknown option {arg!r}\n{USAGE}"
+        else:
+            break
+        i += 1
+    if i >= len(argv):
+        return f"no script given\n{USAGE}"
+    return argv[i], list(argv[i + 1 :]), False, cuda_compat
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``python -m cumulus_p2p.shim`` command; returns 0 when the script returns.
+
+    The script's ``SystemExit`` and exceptions propagate, so the interpreter exits with
+    the script's own status and prints its traceback.
+    """
+    parsed = _parse(sys.argv[1:] if argv is None else argv)
+    if isinstance(parsed, str):
+        print(parsed, file=sys.stdout if parsed == USAGE else sys.stderr)
+        return 0 if parsed == USAGE else EXIT_CANNOT_START
+    target, args, module, cuda_compat = parsed
+    if not module and not os.path.isfile(target):
+        print(f"cumulus shim: can't open file {target!r}", file=sys.stderr)
+        return EXIT_CANNOT_START
+    try:
+        session = connect(os.environ)
+    except SessionClosedError as exc:
+        print(f"cumulus shim: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_START
+    with _sigterm_exits():
+        _run_attached(session, target, args, module=module, cuda_compat=cuda_compat)
+    return 0
+
+
+@contextlib.contextmanager
+def _sigterm_exits() -> Iterator[None]:
+    """Turn SIGTERM into ``SystemExit(143)`` so the session is detached, not just dropped.
+
+    A script may install its own handler (say, to checkpoint before a preemption); it
+    replaces this one as usual.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def exit_(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""End to end: real cumulus-node processes on loopback run an unmodified CUDA-style script.
+
+A bootstrap node, two CPU providers at different prices and a consumer whose script
+(tests/scripts/cuda_train.py, written with .cuda() and device="cuda") must finish with
+exactly the losses of a local CPU run, on the cheaper provider, with the consumer's
+ledger holding exactly the receipts the provider holds.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cumulus_p2p.market.ledger import Ledger
+from cumulus_p2p.testing.nodes import LOOPBACK_LISTEN, start_node
+
+SCRIPT = Path(__file__).parent / "scripts" / "cuda_train.py"
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mesh")
+    boot = start_node(root / "boot", "--listen", LOOPBACK_LISTEN)
+    providers = {
+        price: start_node(
+            root / f"p{price}",
+            "--provide",
+            "--listen",
+            LOOPBACK_LISTEN,
+            "--bootstrap",
+            boot.addr,
+            "--price",
+            price,
+            "--announce-interval",
+            "1",
+            "--receipt-interval",
+            "1s",
+            "--bench-seconds",
+            "0.1",
+            "--no-live",
+        )
+        for price in ("0.3", "0.7")
+    }
+    try:
+        for node in providers.values():
+            node.wait_for("providing")
+        yield root, boot, providers
+    finally:
+        for node in [*providers.values(), boot]:
+            node.stop()
+
+
+def local_run() -> dict:
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "2"], capture_output=True, text=True, check=True, timeout=120
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def receipt_ids(data_dir: Path) -> set[str]:
+    with Ledger.open(data_dir) as ledger:
+        return {e.receipt_id for e in ledger.entries()}
+
+
+def test_a_cuda_style_script_runs_unchanged_on_the_cheaper_provider_with_matching_books(mesh):
+    root, boot, providers = mesh
+    consumer = start_node(
+        root / "consumer",
+        "--consume",
+        "--listen",
+        LOOPBACK_LISTEN,
+        "--bootstrap",
+        boot.addr,
+        "--announce-interval",
+        "1",
+        "--max-price",
+        "1.0",
+        "--",
+        "python",
+        str(SCRIPT),
+        "2",
+    )
+    assert consumer.proc.wait(timeout=240) == 0, consumer.output()
+    result = json.loads(next(x for x in reversed(consumer.lines) if x.startswith("{")))
+    expected = local_run()
+    assert result["device"] == "cumulus:0"
+    assert result["losses"] == expected["losses"]
+    assert result["eval_loss"] == expected["eval_loss"]
+    cheap, dear = receipt_ids(root / "p0.3"), receipt_ids(root / "p0.7")
+    assert cheap and not dear
+    assert receipt_ids(root / "consumer") == cheap
+    assert "total cost" in consumer.output()

@@ -1,0 +1,159 @@
+"""``python -m cumulus_p2p.shim``: a user's script runs with the cumulus device attached."""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cumulus_p2p import shim
+from cumulus_p2p.remote import cuda_compat
+from cumulus_p2p.remote.client import CURRENT
+
+SCRIPTS = Path(__file__).parent / "scripts"
+PROBE = SCRIPTS / "shim_probe.py"
+
+
+def run_shim(*args: str, executor: str | None, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != shim.ENV_EXECUTOR}
+    if executor is not None:
+        env[shim.ENV_EXECUTOR] = executor
+    return subprocess.run(
+        [sys.executable, "-m", "cumulus_p2p.shim", *args],
+        env=env, cwd=cwd, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def report(proc: subprocess.CompletedProcess) -> dict:
+    return json.loads(proc.stdout.strip().splitlines()[0])
+
+
+def test_script_runs_as_main_on_the_remote_device(executor_address, tmp_path):
+    proc = run_shim(str(PROBE), "a", "--b", executor=executor_address, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    seen = report(proc)
+    assert seen["argv"] == [str(PROBE), "a", "--b"]
+    assert seen["name"] == "__main__"
+    assert seen["path0"] == str(SCRIPTS)
+    assert seen["cuda"] is True
+    assert seen["device"] == "cumulus:0"
+    assert seen["sum"] == 3.0
+
+
+def test_no_cuda_compat_attaches_the_device_but_leaves_cuda_alone(executor_address, tmp_path):
+    proc = run_shim("--no-cuda-compat", str(PROBE), executor=executor_address, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    seen = report(proc)
+    assert seen["cuda"] is False  # this torch has no CUDA of its own
+    assert seen["device"] == "cumulus:0"
+
+
+def test_exit_status_is_the_scripts(executor_address, tmp_path):
+    proc = run_shim(str(PROBE), "exit", "3", executor=executor_address, cwd=tmp_path)
+    assert proc.returncode == 3
+    assert report(proc)["device"] == "cumulus:0"
+
+
+def test_script_exceptions_propagate_with_their_traceback(executor_address, tmp_path):
+    proc = run_shim(str(PROBE), "raise", executor=executor_address, cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "ValueError: boom from the script" in proc.stderr
+    assert "shim_probe.py" in proc.stderr
+
+
+def test_sigterm_ends_the_script_through_a_clean_exit(executor_address, tmp_path):
+    env = {**os.environ, shim.ENV_EXECUTOR: executor_address}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cumulus_p2p.shim", str(PROBE), "wait"],
+        env=env, cwd=tmp_path, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert json.loads(proc.stdout.readline())["device"] == "cumulus:0"
+        proc.terminate()
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM  # SystemExit: finally blocks ran
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdin.close()
+        proc.stdout.close()
+
+
+def test_cuda_training_script_under_the_shim_matches_the_cpu(executor_address, tmp_path):
+    train = SCRIPTS / "cuda_train.py"
+    under_shim = run_shim(str(train), "1", executor=executor_address, cwd=tmp_path)
+    assert under_shim.returncode == 0, under_shim.stderr
+    saved, sys.argv = sys.argv, [str(train), "1"]
+    try:
+        local = runpy.run_path(str(train), run_name="__main__")  # here: no shim, no CUDA
+    finally:
+        sys.argv = saved
+    remote_report = report(under_shim)
+    assert (local["param_device"], remote_report["device"]) == ("cpu", "cumulus:0")
+    assert remote_report["losses"] == local["losses"]
+    assert remote_report["peak"] > 0
+
+
+def test_missing_executor_environment_says_what_to_set(tmp_path):
+    proc = run_shim(str(PROBE), executor=None, cwd=tmp_path)
+    assert proc.returncode == shim.EXIT_CANNOT_START
+    assert shim.ENV_EXECUTOR in proc.stderr and "cumulus-node --consume" in proc.stderr
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("argv", [[], ["--no-cuda-compat"], ["--bogus", "x.py"], ["-m"]], ids=str)
+def test_bad_command_lines_exit_with_usage(argv, capsys):
+    assert shim.main(argv) == shim.EXIT_CANNOT_START
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_missing_script_file_is_reported(capsys, tmp_path):
+    assert shim.main([str(tmp_path / "nope.py")]) == shim.EXIT_CANNOT_START
+    assert "nope.py" in capsys.readouterr().err
+
+
+@pytest.fixture
+def attached_sessions(monkeypatch):
+    """Every session ``shim.connect`` attaches, in order."""
+    sessions = []
+    real_connect = shim.connect
+
+    def connect(environ):
+        sessions.append(real_connect(environ))
+        return sessions[-1]
+
+    monkeypatch.setattr(shim, "connect", connect)
+    return sessions
+
+
+@pytest.mark.parametrize(
+    "ending", [[], ["exit", "4"], ["raise"]], ids=["returns", "exits", "raises"]
+)
+def test_session_is_detached_and_compat_off_however_the_script_ends(
+    executor_address, attached_sessions, capsys, ending
+):
+    env = {shim.ENV_EXECUTOR: executor_address}
+    try:
+        shim.run(str(PROBE), ending, environ=env)
+    except (SystemExit, ValueError):
+        pass
+    capsys.readouterr()
+    assert len(attached_sessions) == 1 and attached_sessions[0].closed
+    assert CURRENT.session is None
+    assert not cuda_compat.is_enabled()
+
+
+def test_module_form_runs_the_module_as_main(
+    executor_address, attached_sessions, monkeypatch, capsys
+):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    shim.run("shim_probe", ["x"], module=True, environ={shim.ENV_EXECUTOR: executor_address})
+    seen = json.loads(capsys.readouterr().out)
+    assert seen["name"] == "__main__"
+    assert seen["argv"] == [str(PROBE), "x"]
+    assert seen["device"] == "cumulus:0"
