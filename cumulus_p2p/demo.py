@@ -8,7 +8,7 @@ consumer re-matches to the other one and the job resumes from its last checkpoin
 the end it shows the consumer's cost and receipts next to each provider's, and checks
 that the loss equals a local CPU run of the same script.
 
-    python -m cumulus_p2p.demo [--steps 40] [--no-kill]
+    python -m cumulus_p2p.demo [--steps 60] [--no-kill]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ PRICES = {"provider-a": "0.40", "provider-b": "0.60"}
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cumulus-demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
+    parser.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
     parser.add_argument("--no-kill", action="store_true",
                         help="let the first provider live (no failover)")
     args = parser.parse_args(argv)
@@ -95,28 +95,45 @@ class Demo:
             self.root / "consumer", "--consume", "--listen", LOOPBACK_LISTEN,
             "--bootstrap", boot, "--announce-interval", "1", "--max-price", "1.0",
             "--checkpoint-interval", "2s", "--", *self.script()[1:],
+            env={"CUMULUS_RESUME_TIMEOUT": "2"},
         )  # fmt: skip
         self.nodes["consumer"] = consumer
-        env_note = "" if self.kill else " (no kill)"
-        self.console.print(f"consumer: bidding at most 1.0/share-hour{env_note}...")
+        self.console.print("consumer: bidding at most 1.0/share-hour...")
         leased = consumer.wait_for("leased", timeout=60)
         self.console.print(leased.strip(), highlight=False)
+        self._printed = 0
         failover_s = None
         if self.kill:
-            consumer.wait_for(f"step {max(5, self.steps // 2 - self.steps % 5):4d}", timeout=120)
+            self._echo_until(consumer, f"step {self.steps // 2 - self.steps // 2 % 5:4d}")
             victim = next(n for n in PRICES if _short_in(self.nodes[n].addr, leased))
             self.console.print(f"[red]killing {victim} (SIGKILL) in the middle of training[/red]")
-            killed_at, seen = time.monotonic(), len(consumer.lines)
+            killed_at = time.monotonic()
             self.nodes[victim].proc.send_signal(signal.SIGKILL)
             self.nodes[victim].proc.wait()
-            consumer.wait_for("step", timeout=120, start=seen)
+            self._echo_until(consumer, "step")
             failover_s = time.monotonic() - killed_at
-        consumer.proc.wait(timeout=300)
-        for line in consumer.lines:
-            if line.startswith("step"):
-                self.console.print("  " + line.rstrip(), highlight=False)
+        self._echo_until(consumer, None)
         result = json.loads(next(x for x in reversed(consumer.lines) if x.startswith("{")))
         return result, failover_s
+
+    def _echo_until(self, consumer: NodeProcess, text: str | None, timeout: float = 180) -> None:
+        """Show the script's progress lines as they come, until one contains ``text``
+        (``None``: until the consumer's output ends)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ended = consumer.drained.is_set()  # checked first: no line arrives after it
+            for line in consumer.lines[self._printed:]:
+                self._printed += 1
+                if line.startswith("step"):
+                    self.console.print("  " + line.rstrip(), highlight=False)
+                if text is not None and text in line:
+                    return
+            if ended and text is None:
+                return
+            if ended:
+                raise RuntimeError(f"the consumer ended early:\n{consumer.output()}")
+            time.sleep(0.05)
+        raise TimeoutError(f"the consumer stalled:\n{consumer.output()}")
 
     def show_books(self) -> None:
         with Ledger.open(self.root / "consumer") as ledger:

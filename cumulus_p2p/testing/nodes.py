@@ -21,6 +21,7 @@ class NodeProcess:
     data_dir: Path
     lines: list[str] = field(default_factory=list)
     addr: str = ""
+    drained: threading.Event = field(default_factory=threading.Event)
 
     def output(self) -> str:
         return "".join(self.lines)
@@ -64,13 +65,14 @@ def start_node(data_dir: Path, *args: str, env: dict | None = None) -> NodeProce
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
     )  # fmt: skip
     node = NodeProcess(proc, Path(data_dir))
-    threading.Thread(target=_pump, args=(proc, node.lines), daemon=True).start()
+    threading.Thread(target=_pump, args=(proc, node), daemon=True).start()
     if "--consume" not in args:
         node.addr = node.wait_for("listening on").split()[-1]
     return node
 
 
-def _pump(proc: subprocess.Popen, lines: list[str]) -> None:
+def _pump(proc: subprocess.Popen, node: NodeProcess) -> None:
     assert proc.stdout is not None
     for line in proc.stdout:
-        lines.append(line)
+        node.lines.append(line)
+    node.drained.set()
