@@ -226,3 +226,23 @@ class NodeConfigError(CumulusError):
 
 class NoMatchError(CumulusError):
     """No offer on the mesh met the bid before the wait ended."""
+
+
+# --- failover (remote) ---------------------------------------------------------------
+
+
+class FailoverError(SessionClosedError):
+    """The session's host was lost and no replacement could take the session over.
+
+    Raised after ``failover_attempts`` tries (``reconnect`` failed, or each new host failed
+    during the restore). The session is closed; its remote tensors are gone. The cause of
+    the last attempt is chained. Attach a new session and restart from your own checkpoint.
+    """
+
+
+class CheckpointCorruptError(CumulusError):
+    """A stored checkpoint file is truncated or not a checkpoint.
+
+    Failover cannot restore from it; the session falls back to the next attempt and fails
+    with ``FailoverError`` if none works. Delete the file; the next checkpoint rewrites it.
+    """

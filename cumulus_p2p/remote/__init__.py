@@ -6,7 +6,10 @@ Parts:
 - ``protocol``: the op-stream codec (sans-IO).
 - ``session``: the executor's per-session state machine (handles, quota, op execution).
 - ``executor``: the trio service that runs sessions; ``executor_main`` is its command.
-- ``client``: the consumer's session: batching, sync points, frees.
+- ``client``: the consumer's session: batching, sync points, frees, failover.
+- ``failover``, ``checkpoint`` and ``hostcache``: surviving a lost host: the replay log and
+  checkpoint policy, checkpoints and where the consumer keeps them, and the executor's
+  cache of sessions whose consumer vanished.
 - ``tensor``, ``kernels`` and ``device``: ``RemoteTensor`` and its dispatch, the PrivateUse1
   kernels dispatch cannot reach, and the ``torch.cumulus`` module.
 
@@ -16,18 +19,39 @@ Typical use, against an executor started with ``cumulus-executor --port 5555``::
     with remote.attach("127.0.0.1:5555"):
         model = MyModel().to("cumulus")
         ...
+
+To survive the executor vanishing, say how to reach a replacement::
+
+    remote.attach(channel=connect(), reconnect=connect, checkpoint_interval=30.0)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from .._errors import CheckpointCorruptError, FailoverError
 from . import device as _device  # registers the cumulus device with torch
 from . import kernels as _kernels  # noqa: F401 - PrivateUse1 kernels: factories, copies, sdpa
+from .checkpoint import (
+    Checkpoint,
+    CheckpointStore,
+    DirectoryCheckpointStore,
+    MemoryCheckpointStore,
+)
 from .client import CURRENT, RemoteSession, current_session
 from .errors import RemoteOutOfMemoryError
+from .failover import FailoverStatistics
 from .tensor import RemoteTensor
 from .transport import FrameChannel, SocketFrameChannel
 
 __all__ = [
+    "Checkpoint",
+    "CheckpointCorruptError",
+    "CheckpointStore",
+    "DirectoryCheckpointStore",
+    "FailoverError",
+    "FailoverStatistics",
+    "MemoryCheckpointStore",
     "RemoteOutOfMemoryError",
     "RemoteSession",
     "RemoteTensor",
@@ -55,6 +79,9 @@ def attach(
     *,
     channel: FrameChannel | None = None,
     quota_bytes: int | None = None,
+    reconnect: Callable[[], FrameChannel] | None = None,
+    checkpoint_interval: float | None = None,
+    checkpoint_store: CheckpointStore | None = None,
 ) -> _Attached:
     """Open a session with an executor and make it the ``cumulus`` device.
 
@@ -62,10 +89,19 @@ def attach(
         address: ``"host:port"`` of an executor reachable over plain TCP.
         channel: an already connected ``FrameChannel`` (e.g. the secure channel) instead.
         quota_bytes: ask for a smaller memory quota than the executor's default.
+        reconnect: turns failover on: called when the executor is lost, returns a new
+            connected ``FrameChannel`` (to the same host, which may resume the session
+            from its cache, or to a replacement). None: a lost executor ends the session
+            with ``SessionClosedError``. See ``RemoteSession``.
+        checkpoint_interval: with ``reconnect``, seconds between checkpoints (taken at a
+            sync point; 0: every sync point; None: only when the replay log is full).
+        checkpoint_store: where checkpoints are kept (default: this process's memory;
+            ``DirectoryCheckpointStore(path)`` for disk).
 
     Returns:
         A handle whose ``.session`` is the ``RemoteSession``; use it in a ``with`` block
-        to detach at the end.
+        to detach at the end. ``session.failovers``, ``session.last_failover_s`` and
+        ``session.failover_statistics()`` say what failover did.
     """
     if (address is None) == (channel is None):
         raise ValueError("pass exactly one of address='host:port' or channel=...")
@@ -75,7 +111,13 @@ def attach(
             raise ValueError(f"executor address must look like host:port, got {address!r}")
         channel = SocketFrameChannel.connect(host, int(port))
     detach()
-    session = RemoteSession(channel, quota_bytes=quota_bytes)
+    session = RemoteSession(
+        channel,
+        quota_bytes=quota_bytes,
+        reconnect=reconnect,
+        checkpoint_interval=checkpoint_interval,
+        checkpoint_store=checkpoint_store,
+    )
     CURRENT.session = session
     pending = _device.CumulusModule._pending_seed
     if pending is not None:

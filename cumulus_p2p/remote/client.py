@@ -6,18 +6,40 @@ queue leaves as one frame when it is long, when it carries many bytes, or at a s
 
 Tensors die in whatever thread the garbage collector picks, so ``free`` only appends to a
 list; the frees ride along with the next batch, after that batch's ops.
+
+With a ``reconnect`` callable the session survives losing its executor (``failover.py``
+explains how): every frame sent is also kept in a replay log, a checkpoint of the
+executor's state is taken at a sync point every ``checkpoint_interval`` seconds, and when
+the channel breaks the session dials a new executor, restores the checkpoint there (or
+resumes from the old host's cache), replays the log and retries what it was doing. The
+caller sees a pause, nothing else.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .._errors import RemoteProtocolError, SessionClosedError
+from .._errors import CumulusError, FailoverError, RemoteProtocolError, SessionClosedError
+from .checkpoint import Checkpoint, CheckpointStore, MemoryCheckpointStore
 from .errors import remote_error
+from .failover import (
+    DEFAULT_MAX_LOG_BYTES,
+    TRANSFER_CHUNK,
+    CheckpointPolicy,
+    FailoverStatistics,
+    ImageAssembler,
+    ReplayLog,
+    parse_manifest,
+    plan_reads,
+    restore_batches,
+)
 from .protocol import (
     PROTOCOL_VERSION,
     CpuTensorRef,
@@ -28,6 +50,8 @@ from .protocol import (
 )
 from .transport import FrameChannel
 
+log = logging.getLogger(__name__)
+
 #: Ops queued before a batch leaves without a sync point.
 DEFAULT_BATCH_OPS = 1024
 #: Handles at and above DYN_BASE are for data-dependent outputs, DYN_BLOCK per op.
@@ -35,10 +59,35 @@ DYN_BASE = 1 << 40
 DYN_BLOCK = 1 << 10
 #: Bytes of inline tensors queued before a batch leaves.
 DEFAULT_BATCH_BYTES = 16 * 1024 * 1024
+#: Hosts tried, one ``reconnect()`` each, before failover gives up.
+DEFAULT_FAILOVER_ATTEMPTS = 3
 
 
 class RemoteSession:
-    """A live session with one executor, over any ``FrameChannel``."""
+    """A live session with one executor, over any ``FrameChannel``.
+
+    Args:
+        channel: a connected channel to the executor.
+        quota_bytes: ask for a smaller memory quota than the executor's default.
+        batch_ops: ops queued before a batch leaves without a sync point.
+        reconnect: turns failover on. Called with no arguments when the channel breaks
+            (after the channel's own resume, if it has one, gave up); returns a new
+            connected ``FrameChannel`` to the same host (which may still hold the session
+            in its cache) or to another one (the consumer's re-match). It may raise
+            ``OSError`` or a ``CumulusError`` to report that no host could be reached; that
+            counts as a failed attempt. None (the default): a lost channel raises
+            ``SessionClosedError`` at the next sync point, as without failover.
+        checkpoint_interval: with ``reconnect``, take a checkpoint at the first sync point
+            this many seconds after the previous one (0: at every sync point). None: only
+            when the replay log reaches ``max_log_bytes``, or on ``checkpoint()``.
+        checkpoint_store: where checkpoints are kept; default: this process's memory
+            (``MemoryCheckpointStore``). ``DirectoryCheckpointStore`` keeps them on disk.
+        max_log_bytes: replay log size that forces a checkpoint at the next batch.
+        failover_attempts: ``reconnect()`` calls per failover before ``FailoverError``.
+
+    Raises:
+        ValueError: a checkpoint option was given without ``reconnect``, or is invalid.
+    """
 
     def __init__(
         self,
@@ -46,7 +95,16 @@ class RemoteSession:
         *,
         quota_bytes: int | None = None,
         batch_ops: int = DEFAULT_BATCH_OPS,
+        reconnect: Callable[[], FrameChannel] | None = None,
+        checkpoint_interval: float | None = None,
+        checkpoint_store: CheckpointStore | None = None,
+        max_log_bytes: int = DEFAULT_MAX_LOG_BYTES,
+        failover_attempts: int = DEFAULT_FAILOVER_ATTEMPTS,
     ) -> None:
+        if reconnect is None and (checkpoint_interval, checkpoint_store) != (None, None):
+            raise ValueError("checkpoints serve failover: pass reconnect= to use them")
+        if failover_attempts < 1:
+            raise ValueError("failover_attempts must be at least 1")
         self._channel = channel
         self._batch_ops = batch_ops
         self._ops: list[list] = []
@@ -62,17 +120,27 @@ class RemoteSession:
         self.closed = False
         self.bytes_allocated = 0
         self.peak_bytes_allocated = 0
-        options = {} if quota_bytes is None else {"quota": quota_bytes}
-        self.info = self._handshake(options)
+        self._options = {} if quota_bytes is None else {"quota": quota_bytes}
+        self._reconnect = reconnect
+        self._attempts = failover_attempts
+        self._log = ReplayLog() if reconnect is not None else None
+        self._policy = CheckpointPolicy(checkpoint_interval, max_log_bytes, time.monotonic())
+        self._store = checkpoint_store if checkpoint_store is not None else MemoryCheckpointStore()
+        #: Failovers survived, and the pause the last one caused (seconds).
+        self.failovers = 0
+        self.last_failover_s: float | None = None
+        self._cache_resumes = 0
+        self._checkpoints = 0
+        self._checkpoint_bytes = 0
+        self._last_checkpoint_s: float | None = None
+        self.info = self._handshake(channel, self._options)
 
-    def _handshake(self, options: dict) -> dict:
-        self._channel.send_frame(encode_frame(["hello", PROTOCOL_VERSION, options]))
-        header, _ = decode_frame(self._channel.recv_frame())
+    def _handshake(self, channel: FrameChannel, options: dict) -> dict:
+        channel.send_frame(encode_frame(["hello", PROTOCOL_VERSION, options]))
+        header, _ = decode_frame(channel.recv_frame())
         if header[0] == "fatal":
             raise SessionClosedError(f"executor refused the session: {header[1]}")
-        if header[0] != "welcome" or len(header) != 3 or not isinstance(header[2], dict):
-            raise RemoteProtocolError(f"expected welcome from the executor, got {header[0]!r}")
-        return header[2]
+        return _welcome_info(header)
 
     # --- building batches ---------------------------------------------------------------
 
@@ -131,23 +199,38 @@ class RemoteSession:
             frees, self._frees = self._frees, []
             if not self._ops and not frees and query is None:
                 return None, []
-            self._seq += 1
-            lengths = [len(b) for b in self._blobs]
-            header = ["batch", self._seq, self._ops, frees, query, lengths]
-            blobs, keepalive = self._blobs, self._keepalive
+            ops, blobs, keepalive = self._ops, self._blobs, self._keepalive
             self._ops, self._blobs, self._keepalive, self._blob_bytes = [], [], [], 0
-            try:
-                self._channel.send_frame(encode_frame(header, blobs))
-            except SessionClosedError:
-                self.closed = True
-                raise
+            seq, parts = self._encode(ops, frees, query, blobs)
+            # The records hold the tensors they name: let those only they kept alive die
+            # now, so their frees leave with the next batch (or a checkpoint's), not later.
+            del ops
+            frame = self._exchange(parts, seq if query is not None else None)
             del keepalive
-            if query is None:
-                return None, []
-            return self._await_reply(self._seq)
+            answer = (None, []) if frame is None else self._read_reply(frame, seq)
+            if self._log is not None:
+                self._maybe_checkpoint(at_sync_point=query is not None)
+            return answer
 
-    def _await_reply(self, seq: int) -> tuple[Any, list[memoryview]]:
-        header, area = decode_frame(self._channel.recv_frame())
+    def _encode(self, ops: list, frees: list, query: list | None, blobs: list) -> tuple[int, list]:
+        """Number a batch and encode it; with failover on, log it too."""
+        self._seq += 1
+        seq = self._seq
+        parts = encode_frame(["batch", seq, ops, frees, query, [len(b) for b in blobs]], blobs)
+        if self._log is not None:
+            parts = [self._log.record(seq, parts, query is not None)]
+        return seq, parts
+
+    def _exchange(self, parts: list, awaiting: int | None) -> bytearray | None:
+        """Send a frame and, when ``awaiting`` names its batch, receive the reply to it."""
+        try:
+            self._channel.send_frame(parts)
+            return None if awaiting is None else self._channel.recv_frame()
+        except SessionClosedError as exc:
+            return self._fail_over(exc, awaiting)
+
+    def _read_reply(self, frame: bytearray, seq: int) -> tuple[Any, list[memoryview]]:
+        header, area = decode_frame(frame)
         if header[0] == "fatal":
             self.closed = True
             raise SessionClosedError(f"executor ended the session: {header[1]}")
@@ -185,11 +268,205 @@ class RemoteSession:
     def seed(self, seed: int) -> None:
         self.submit(["@seed", [int(seed) & (2**64 - 1)], {}, None])
 
+    # --- checkpoints --------------------------------------------------------------------
+
+    def checkpoint(self) -> Checkpoint:
+        """Take a checkpoint now (a sync point), keep it in the store and return it.
+
+        The replay log restarts empty. Needs failover on (``reconnect=``).
+
+        Raises:
+            RemoteExecutionError: a queued op failed (raised as at any sync point).
+            FailoverError: the host was lost and failover gave up.
+        """
+        if self._log is None:
+            raise ValueError("checkpoints serve failover: create the session with reconnect=")
+        with self._lock:
+            self.synchronize()
+            checkpoint = None
+            while checkpoint is None:  # a host lost mid-way: the next one is checkpointed
+                checkpoint = self._take_checkpoint()
+            return checkpoint
+
+    def _maybe_checkpoint(self, *, at_sync_point: bool) -> None:
+        now = time.monotonic()
+        if self._policy.due(now=now, log_bytes=self._log.nbytes, at_sync_point=at_sync_point):
+            try:
+                self._take_checkpoint()
+            except OSError as exc:  # the store's disk: keep the previous checkpoint and log
+                log.warning("cumulus: could not store a checkpoint: %s", exc)
+                self._policy.taken(now=now)
+
+    def _take_checkpoint(self) -> Checkpoint | None:
+        """Read every storage and the RNG state; None if the host was lost meanwhile.
+
+        Runs right after a reply, when no op is queued, so the frees still pending can go
+        first: the checkpoint then leaves out tensors that died during the last batch. That
+        batch changes state, so it is logged; the reads after it change nothing.
+        """
+        started = time.perf_counter()
+        frees, self._frees = self._frees, []
+        seq, parts = self._encode([], frees, ["checkpoint"], [])
+        manifest = parse_manifest(*self._read_reply(self._exchange(parts, seq), seq))
+        images = ImageAssembler(manifest)
+        try:
+            for reads in plan_reads(manifest, budget=_chunk(self._channel)):
+                images.add(reads, self._ask(["read", reads])[1][1])
+        except _ChannelLost as lost:
+            self._fail_over(lost.cause, None)
+            return None
+        checkpoint = images.checkpoint(seq)
+        self._store.save(checkpoint)
+        self._log.reset(seq)
+        self._policy.taken(now=time.monotonic())
+        self._checkpoints += 1
+        self._checkpoint_bytes = checkpoint.nbytes
+        self._last_checkpoint_s = time.perf_counter() - started
+        return checkpoint
+
+    def _ask(self, query: list) -> tuple[int, tuple[Any, list[memoryview]]]:
+        """One empty batch asking ``query``; raises ``_ChannelLost`` instead of failing over."""
+        self._seq += 1
+        seq = self._seq
+        try:
+            self._channel.send_frame(encode_frame(["batch", seq, [], [], query, []]))
+            frame = self._channel.recv_frame()
+        except SessionClosedError as exc:
+            raise _ChannelLost(exc) from exc
+        return seq, self._read_reply(frame, seq)
+
+    # --- failover -----------------------------------------------------------------------
+
+    def _fail_over(self, cause: SessionClosedError, awaiting: int | None) -> bytearray | None:
+        """Move the session to a new channel; return the reply to batch ``awaiting``.
+
+        Raises:
+            SessionClosedError: ``cause`` itself when failover is off.
+            FailoverError: every attempt failed.
+        """
+        if self._reconnect is None:
+            self.closed = True
+            raise cause
+        started = time.perf_counter()
+        log.info("cumulus: lost the executor (%s); failing over", cause)
+        last: BaseException = cause
+        for attempt in range(1, self._attempts + 1):
+            try:
+                reply = self._recover(awaiting)
+            except (OSError, CumulusError) as exc:
+                log.warning("cumulus: failover attempt %d failed: %s", attempt, exc)
+                last = exc
+                continue
+            self.failovers += 1
+            self.last_failover_s = time.perf_counter() - started
+            moved_to = self.info.get("device")
+            log.info("cumulus: session moved to %s in %.3f s", moved_to, self.last_failover_s)
+            return reply
+        self.closed = True
+        raise FailoverError(
+            f"lost the executor ({cause}) and {self._attempts} failover attempts failed; "
+            f"the last one: {last}"
+        ) from last
+
+    def _recover(self, awaiting: int | None) -> bytearray | None:
+        channel = self._reconnect()
+        try:
+            info = self._resume(channel)
+            if info is not None:
+                reply = self._replay(channel, info["last_seq"], awaiting, resumed=True)
+                self._cache_resumes += 1
+            else:
+                info = self._handshake(channel, self._options)
+                self._restore(channel, info)
+                reply = self._replay(channel, self._log.after_seq, awaiting, resumed=False)
+        except BaseException:
+            channel.close()
+            raise
+        old, self._channel, self.info = self._channel, channel, info
+        old.close()
+        return reply
+
+    def _resume(self, channel: FrameChannel) -> dict | None:
+        """Ask for the session by its token; its welcome info, or None if refused."""
+        token = self.info.get("token")
+        if not isinstance(token, str):
+            return None
+        channel.send_frame(encode_frame(["resume", PROTOCOL_VERSION, {"token": token}]))
+        header, _ = decode_frame(channel.recv_frame())
+        if header[0] == "refused":
+            return None
+        info = _welcome_info(header)
+        if type(info.get("last_seq")) is not int or info["last_seq"] < self._log.after_seq:
+            # Not the state this log continues: never reuse it (a bye releases it there).
+            self.info = {**self.info, "token": None}
+            channel.send_frame(encode_frame(["bye"]))
+            raise RemoteProtocolError("the host resumed the session from before its checkpoint")
+        return info
+
+    def _restore(self, channel: FrameChannel, info: dict) -> None:
+        """Upload the latest checkpoint into the fresh session on ``channel``."""
+        if self._log.after_seq == 0:
+            return  # no checkpoint yet: the log replays the session from its start
+        checkpoint = self._store.load()
+        if checkpoint is None or checkpoint.seq != self._log.after_seq:
+            raise FailoverError("the checkpoint store no longer holds the latest checkpoint")
+        same_rng = info.get("device") == checkpoint.device
+        if not same_rng:
+            why = "cumulus: a %s executor cannot take a %s RNG state; random draws will differ"
+            log.warning(why, info.get("device"), checkpoint.device)
+        seq = checkpoint.seq
+        budget = _chunk(channel)
+        for ops, blobs in restore_batches(checkpoint, with_rng=same_rng, budget=budget):
+            header = ["batch", seq, ops, [], None, [len(b) for b in blobs]]
+            channel.send_frame(encode_frame(header, blobs))
+        channel.send_frame(encode_frame(["batch", seq, [], [], ["sync"], []]))
+        self._read_reply(channel.recv_frame(), seq)
+
+    def _replay(
+        self, channel: FrameChannel, after_seq: int, awaiting: int | None, *, resumed: bool
+    ) -> bytearray | None:
+        """Send the logged frames after ``after_seq``; return the reply to ``awaiting``.
+
+        Replies to other logged queries were seen before the failure: they are read (the
+        same, since the stream is deterministic) and dropped.
+        """
+        if resumed and awaiting is not None and awaiting <= after_seq:
+            channel.send_frame(encode_frame(["resend", awaiting]))
+            return channel.recv_frame()
+        answer = None
+        for entry in self._log.since(after_seq):
+            channel.send_frame([entry.frame])
+            if entry.has_query:
+                frame = channel.recv_frame()
+                if entry.seq == awaiting:
+                    answer = frame
+                else:
+                    _check_replayed(frame, entry.seq)
+        if awaiting is not None and answer is None:
+            raise RemoteProtocolError(f"batch {awaiting} is missing from the replay log")
+        return answer
+
+    def failover_statistics(self) -> FailoverStatistics:
+        """Failovers and checkpoints so far, and the replay log's size now."""
+        log_ = self._log
+        return FailoverStatistics(
+            failovers=self.failovers,
+            cache_resumes=self._cache_resumes,
+            cold_restores=self.failovers - self._cache_resumes,
+            last_failover_s=self.last_failover_s,
+            checkpoints=self._checkpoints,
+            last_checkpoint_s=self._last_checkpoint_s,
+            checkpoint_bytes=self._checkpoint_bytes,
+            log_frames=0 if log_ is None else len(log_),
+            log_bytes=0 if log_ is None else log_.nbytes,
+        )
+
     def close(self) -> None:
         """End the session; the executor releases all of its memory. Idempotent."""
         with self._lock:
             if self.closed:
                 return
+            self._reconnect = None  # leaving: a lost host just ends the session now
             try:
                 self.flush()
                 self._channel.send_frame(encode_frame(["bye"]))
@@ -198,6 +475,32 @@ class RemoteSession:
             finally:
                 self.closed = True
                 self._channel.close()
+
+
+class _ChannelLost(Exception):
+    """The channel broke while taking a checkpoint (carries the transport's error)."""
+
+    def __init__(self, cause: SessionClosedError) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def _chunk(channel: FrameChannel) -> int:
+    """Tensor bytes per frame while moving a checkpoint: well inside the frame limit."""
+    return max(1, min(TRANSFER_CHUNK, channel.max_frame // 2))
+
+
+def _welcome_info(header: list) -> dict:
+    if header[0] != "welcome" or len(header) != 3 or not isinstance(header[2], dict):
+        raise RemoteProtocolError(f"expected welcome from the executor, got {header[0]!r}")
+    return header[2]
+
+
+def _check_replayed(frame: bytearray, seq: int) -> None:
+    """A replayed query's reply: its errors were raised the first time; its kind must fit."""
+    header, _ = decode_frame(frame)
+    if header[0] != "reply" or len(header) != 5 or header[1] != seq:
+        raise RemoteProtocolError(f"replay of batch {seq} got {header[0]!r} instead of a reply")
 
 
 class _Current:

@@ -7,11 +7,18 @@ the device lock is where compute isolation between tenants lives.
 
 A frame that cannot be decoded ends only its own session, with a ``fatal`` message saying
 why; the executor and every other session carry on.
+
+A connection that drops without ``bye`` does not end its session: the session is parked in
+the host-side cache (``hostcache.py``) under the token ``welcome`` gave the client, and a
+``resume`` with that token on a new connection picks it up where it stopped. A resume that
+finds the session still attached to a connection the executor has not yet seen die takes
+it over: the old connection's task is cancelled between two batches and parks it first.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,13 +26,22 @@ import torch
 import trio
 
 from .._errors import FrameTooLargeError, RemoteProtocolError, SessionClosedError
+from .hostcache import HostCache
 from .protocol import PROTOCOL_VERSION, decode_frame, encode_frame
-from .session import Batch, DeviceContext, ExecutorSession, Reply, parse_batch
+from .session import DeviceContext, ExecutorSession, Reply, parse_batch
 from .transport import DEFAULT_MAX_FRAME, AsyncFrameChannel, TrioFrameChannel
 
 log = logging.getLogger(__name__)
 
 DEFAULT_QUOTA = 8 * 1024**3
+#: How long a session whose connection dropped is kept for its consumer to resume it.
+DEFAULT_CACHE_GRACE = 60.0
+#: Host memory that parked sessions may hold, all together.
+DEFAULT_CACHE_BYTES = 4 * 1024**3
+#: How long a resume waits for the session's old connection to let go of it.
+TAKEOVER_TIMEOUT = 30.0
+#: Refused resumes one connection may try before it must say hello.
+MAX_REFUSALS = 4
 #: Batches this short run on the event loop itself; longer ones go to a worker thread so
 #: the loop keeps serving other sessions' I/O while the device computes.
 INLINE_OPS = 8
@@ -48,34 +64,61 @@ def pick_device(choice: str = "auto") -> torch.device:
 
 @dataclass
 class ExecutorConfig:
-    """How an executor runs: device, per-session memory quota, largest frame accepted."""
+    """How an executor runs: device, per-session memory quota, largest frame accepted, and
+    how long (``cache_grace``, seconds; 0 turns the cache off) and in how much host memory
+    (``cache_bytes``) sessions whose consumer vanished are kept for it to resume."""
 
     device: str = "auto"
     quota_bytes: int = DEFAULT_QUOTA
     max_frame: int = DEFAULT_MAX_FRAME
+    cache_grace: float = DEFAULT_CACHE_GRACE
+    cache_bytes: int = DEFAULT_CACHE_BYTES
+
+
+@dataclass
+class _Attached:
+    """A session attached to a connection, as a resume from another connection sees it."""
+
+    session: ExecutorSession
+    owner: object
+    scope: trio.CancelScope
+    released: trio.Event
 
 
 class Executor:
-    """Serves sessions on one device. Share one instance across listeners and channels."""
+    """Serves sessions on one device. Share one instance across listeners and channels.
+
+    Parked sessions expire lazily whenever a session starts or ends; run
+    ``expire_parked_forever`` beside the listeners to also release them on time when the
+    executor is idle (``serve_tcp`` does).
+    """
 
     def __init__(self, config: ExecutorConfig | None = None) -> None:
         self.config = config or ExecutorConfig()
         self.ctx = DeviceContext(pick_device(self.config.device))
         self.sessions: dict[int, ExecutorSession] = {}
+        self.cache: HostCache[ExecutorSession] = HostCache(
+            max_bytes=self.config.cache_bytes, grace=self.config.cache_grace
+        )
+        self._attached: dict[str, _Attached] = {}
         self._device_lock = trio.Lock()
         self._next_id = 1
 
     async def run_session(self, channel: AsyncFrameChannel) -> None:
-        """Serve one session until the client leaves or breaks the protocol."""
+        """Serve one session until the client leaves or breaks the protocol.
+
+        A client that vanishes without ``bye`` leaves its session parked for a resume.
+        """
         session_id = self._next_id
         self._next_id += 1
+        self._expire_parked()
+        token: str | None = None
         session: ExecutorSession | None = None
+        park = False
         try:
-            options = await self._handshake(channel, session_id)
-            quota = min(options.get("quota", self.config.quota_bytes), self.config.quota_bytes)
-            session = ExecutorSession(self.ctx, quota_bytes=quota)
+            token, session = await self._open(channel, session_id)
             self.sessions[session_id] = session
-            await self._serve_batches(channel, session)
+            park = await self._serve_attached(channel, token, session)
         except RemoteProtocolError as exc:
             log.info("session %d: protocol error: %s", session_id, exc)
             await _send_fatal(channel, str(exc))
@@ -86,32 +129,77 @@ class Executor:
             await _send_fatal(channel, f"executor internal error: {type(exc).__name__}: {exc}")
         finally:
             self.sessions.pop(session_id, None)
-            if session is not None:
-                session.close()
             with trio.CancelScope(shield=True):
+                if session is not None:
+                    await self._let_go(channel, token, session, park)
                 await channel.aclose()
 
-    async def _handshake(self, channel: AsyncFrameChannel, session_id: int) -> dict:
-        header, _ = decode_frame(await channel.receive_frame())
-        if header[0] != "hello" or len(header) != 3 or not isinstance(header[2], dict):
-            raise RemoteProtocolError("expected a hello message first")
-        if header[1] != PROTOCOL_VERSION:
-            raise RemoteProtocolError(
-                f"client speaks op-stream version {header[1]!r}; this executor speaks "
-                f"{PROTOCOL_VERSION}. Upgrade the older side."
-            )
-        options = header[2]
-        if "quota" in options and (type(options["quota"]) is not int or options["quota"] <= 0):
-            raise RemoteProtocolError("quota must be a positive integer")
-        info = {
+    # --- opening: hello or resume ---------------------------------------------------------
+
+    async def _open(
+        self, channel: AsyncFrameChannel, session_id: int
+    ) -> tuple[str, ExecutorSession]:
+        for _ in range(MAX_REFUSALS + 1):
+            header, _ = decode_frame(await channel.receive_frame())
+            if header[0] == "resume":
+                token = _resume_token(header)
+                session = await self._take(token, _owner(channel))
+                if session is None:
+                    reason = "unknown or expired session token; send hello for a new session"
+                    await channel.send_frame(encode_frame(["refused", reason]))
+                    continue
+                resumed = {"resumed": True, "last_seq": session.last_seq}
+                info = self._info(session_id, session, token) | resumed
+                await channel.send_frame(encode_frame(["welcome", PROTOCOL_VERSION, info]))
+                return token, session
+            options = _hello_options(header)
+            quota = min(options.get("quota", self.config.quota_bytes), self.config.quota_bytes)
+            session = ExecutorSession(self.ctx, quota_bytes=quota)
+            token = secrets.token_hex(16)
+            info = self._info(session_id, session, token)
+            await channel.send_frame(encode_frame(["welcome", PROTOCOL_VERSION, info]))
+            return token, session
+        raise RemoteProtocolError(f"more than {MAX_REFUSALS} refused resumes on one connection")
+
+    def _info(self, session_id: int, session: ExecutorSession, token: str) -> dict:
+        return {
             "session": session_id,
+            "token": token,
             "device": str(self.ctx.device),
             "device_name": _device_name(self.ctx.device),
             "torch": str(torch.__version__),
-            "quota": min(options.get("quota", self.config.quota_bytes), self.config.quota_bytes),
+            "quota": session.quota_bytes,
         }
-        await channel.send_frame(encode_frame(["welcome", PROTOCOL_VERSION, info]))
-        return options
+
+    async def _take(self, token: str, owner: object) -> ExecutorSession | None:
+        """The session parked under ``token``, taken over from its old connection if need be."""
+        attached = self._attached.get(token)
+        if attached is not None and attached.owner == owner:
+            attached.scope.cancel()
+            with trio.move_on_after(TAKEOVER_TIMEOUT):
+                await attached.released.wait()
+        session = self.cache.take(token, now=trio.current_time(), owner=owner)
+        if session is not None:
+            await self._on_device(session.unpark, inline=self.ctx.device.type != "cuda")
+        return session
+
+    # --- serving ------------------------------------------------------------------------
+
+    async def _serve_attached(
+        self, channel: AsyncFrameChannel, token: str, session: ExecutorSession
+    ) -> bool:
+        """Serve batches; True when the session should be parked (no ``bye`` came)."""
+        attached = _Attached(session, _owner(channel), trio.CancelScope(), trio.Event())
+        self._attached[token] = attached
+        with attached.scope:
+            try:
+                await self._serve_batches(channel, session)
+                return False
+            except SessionClosedError:
+                log.info("session %s...: connection lost; parking it", token[:8])
+                return True
+        log.info("session %s...: taken over by a resume", token[:8])
+        return True
 
     async def _serve_batches(self, channel: AsyncFrameChannel, session: ExecutorSession) -> None:
         while True:
@@ -122,14 +210,21 @@ class Executor:
             header, area = decode_frame(frame)
             if header[0] == "bye":
                 return
-            if header[0] != "batch":
+            if header[0] == "resend":
+                if len(header) != 2 or type(header[1]) is not int:
+                    raise RemoteProtocolError("resend takes one batch number")
+                reply = await self._on_device(session.resend, header[1])
+            elif header[0] == "batch":
+                batch = parse_batch(header, area)
+                # A sync point's short tail: a thread hop would cost more than the ops.
+                inline = len(batch.ops) <= INLINE_OPS
+                reply = await self._on_device(session.run_batch, batch, inline=inline)
+            else:
                 raise RemoteProtocolError(f"unexpected {header[0]!r} message in a session")
-            batch = parse_batch(header, area)
-            reply = await self._run_on_device(session, batch)
             if reply is not None:
                 await channel.send_frame(_encode_reply(reply))
 
-    async def _run_on_device(self, session: ExecutorSession, batch: Batch) -> Reply | None:
+    async def _on_device(self, fn, *args, inline: bool = False) -> Any:
         # Taking a free lock without a checkpoint saves a trip through the scheduler on
         # every sync point; the batch's own I/O awaits are the fairness points.
         try:
@@ -137,12 +232,46 @@ class Executor:
         except trio.WouldBlock:
             await self._device_lock.acquire()
         try:
-            if len(batch.ops) <= INLINE_OPS:
-                # A sync point's short tail: a thread hop would cost more than the ops.
-                return session.run_batch(batch)
-            return await trio.to_thread.run_sync(session.run_batch, batch)
+            if inline:
+                return fn(*args)
+            return await trio.to_thread.run_sync(fn, *args)
         finally:
             self._device_lock.release()
+
+    # --- letting go: close or park --------------------------------------------------------
+
+    async def _let_go(
+        self, channel: AsyncFrameChannel, token: str | None, session: ExecutorSession, park: bool
+    ) -> None:
+        attached = self._attached.get(token) if token is not None else None
+        if park and token is not None:
+            nbytes = await self._on_device(session.park, inline=self.ctx.device.type != "cuda")
+            now = trio.current_time()
+            dropped = self.cache.park(token, session, nbytes, now=now, owner=_owner(channel))
+            for old in dropped:
+                old.close()
+        else:
+            session.close()
+        if attached is not None and attached.session is session:
+            del self._attached[token]
+            attached.released.set()
+        self._expire_parked()
+
+    def _expire_parked(self) -> None:
+        for session in self.cache.expire(now=trio.current_time()):
+            session.close()
+
+    async def expire_parked_forever(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Release parked sessions as their grace periods end, until cancelled."""
+        task_status.started()
+        if self.config.cache_grace <= 0:
+            await trio.sleep_forever()  # nothing is ever parked
+        tick = min(1.0, max(0.05, self.config.cache_grace / 4))
+        while True:
+            await trio.sleep(tick)
+            self._expire_parked()
 
     async def serve_tcp(
         self,
@@ -159,6 +288,7 @@ class Executor:
             await self.run_session(TrioFrameChannel(stream, max_frame=self.config.max_frame))
 
         async with trio.open_nursery() as nursery:
+            await nursery.start(self.expire_parked_forever)
             await nursery.start(trio.serve_listeners, handler, listeners)
             task_status.started(bound)
 
@@ -175,6 +305,36 @@ async def _send_fatal(channel: AsyncFrameChannel, message: str) -> None:
             await channel.send_frame(encode_frame(["fatal", message]))
     except SessionClosedError:
         pass
+
+
+def _hello_options(header: list) -> dict:
+    if header[0] != "hello" or len(header) != 3 or not isinstance(header[2], dict):
+        raise RemoteProtocolError("expected a hello (or resume) message first")
+    if header[1] != PROTOCOL_VERSION:
+        raise RemoteProtocolError(
+            f"client speaks op-stream version {header[1]!r}; this executor speaks "
+            f"{PROTOCOL_VERSION}. Upgrade the older side."
+        )
+    options = header[2]
+    if "quota" in options and (type(options["quota"]) is not int or options["quota"] <= 0):
+        raise RemoteProtocolError("quota must be a positive integer")
+    return options
+
+
+def _resume_token(header: list) -> str:
+    ok = len(header) == 3 and header[1] == PROTOCOL_VERSION and isinstance(header[2], dict)
+    token = header[2].get("token") if ok else None
+    if not (isinstance(token, str) and 0 < len(token) <= 64):
+        raise RemoteProtocolError(
+            f'resume must be ["resume", {PROTOCOL_VERSION}, {{"token": str}}] with the '
+            "token from welcome"
+        )
+    return token
+
+
+def _owner(channel: AsyncFrameChannel) -> object:
+    """Who may resume a session: the consumer's key on an authenticated channel."""
+    return getattr(channel, "peer_public_key", None)
 
 
 def _device_name(device: torch.device) -> str:

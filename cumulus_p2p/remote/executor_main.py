@@ -53,6 +53,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="memory quota per session, e.g. 512MiB or 8GiB (default 8GiB)",
     )
     parser.add_argument(
+        "--cache-grace",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="keep a session whose consumer vanished this long for it to resume "
+        "(default 60; 0 turns the host-side cache off)",
+    )
+    parser.add_argument(
+        "--cache-bytes",
+        type=parse_size,
+        default="4GiB",
+        metavar="SIZE",
+        help="host memory all kept sessions may hold together, oldest dropped first (default 4GiB)",
+    )
+    parser.add_argument(
         "--secure",
         action="store_true",
         help="serve the encrypted, authenticated session channel instead of plain TCP",
@@ -93,6 +108,7 @@ async def _serve_secure(
         host=host, port=port,
     )  # fmt: skip
     async with trio.open_nursery() as nursery:
+        await nursery.start(executor.expire_parked_forever)
         server = await nursery.start(serve)
         print(
             f"cumulus executor listening on {host}:{server.port} {_describe(executor)} "
@@ -102,8 +118,10 @@ async def _serve_secure(
 
 
 def _describe(executor: Executor) -> str:
-    quota_gib = executor.config.quota_bytes / 1024**3
-    return f"device={executor.ctx.device} quota={quota_gib:.2f}GiB"
+    config = executor.config
+    quota_gib = config.quota_bytes / 1024**3
+    cache = f"cache={config.cache_bytes / 1024**3:.2f}GiB/{config.cache_grace:g}s"
+    return f"device={executor.ctx.device} quota={quota_gib:.2f}GiB {cache}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,9 +132,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--allow-key expects a 64-hex-digit ed25519 public key, got {bad[0]!r}")
     if args.allow_key and not args.secure:
         parser.error("--allow-key only makes sense with --secure")
+    if args.cache_grace < 0:
+        parser.error("--cache-grace must not be negative")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    config = ExecutorConfig(
+        device=args.device,
+        quota_bytes=args.quota,
+        cache_grace=args.cache_grace,
+        cache_bytes=args.cache_bytes,
+    )
     try:
-        executor = Executor(ExecutorConfig(device=args.device, quota_bytes=args.quota))
+        executor = Executor(config)
     except ValueError as exc:
         print(f"cumulus-executor: {exc}", file=sys.stderr)
         return 2

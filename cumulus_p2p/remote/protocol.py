@@ -14,14 +14,26 @@ lands in the executor as a ``memoryview`` slice of the received frame.
 Client → executor::
 
     ["hello", version, {options}]
+    ["resume", version, {"token": token}]   (take back a session the executor kept)
     ["batch", seq, ops, frees, query, blob_lengths]
+    ["resend", seq]                         (after a resume: the reply to batch seq again)
     ["bye"]
 
 Executor → client::
 
-    ["welcome", version, {info}]
+    ["welcome", version, {info}]  (info carries the session "token"; after a resume also
+                                   "resumed": true and "last_seq", the last batch it ran)
+    ["refused", reason]           (no session under that token; hello may follow)
     ["reply", seq, error_or_nil, result, blob_lengths]
     ["fatal", message]            (protocol violation; the executor closes the session)
+
+A batch's ``query`` is ``["sync"]``, ``["fetch", tensor]``, ``["call"]`` (describe the
+outputs of the last ``dyn`` op), ``["stats"]``, ``["checkpoint"]`` (every storage's
+``[handle, dtype, nbytes]`` and, as a blob, the RNG state) or ``["read", [[handle, start,
+length], ...]]`` (storage bytes, as blobs). Besides aten ops, a batch may carry the records
+``@seed [seed]``, ``@restore [handle, dtype, nbytes, start, bytes]`` (one piece of a
+storage from a checkpoint) and ``@rng [bytes]`` (the generator state), ``bytes`` being an
+inline uint8 tensor; failover (``failover.py``) is built from these.
 
 An *op* is ``[name, args, kwargs, outs]``: ``name`` an aten overload such as
 ``"aten.add.Tensor"``; ``args``/``kwargs`` plain msgpack values in which tensors, dtypes

@@ -14,6 +14,13 @@ Ops run one batch at a time. An op that fails poisons its output handles and rec
 is counted per storage and capped by a quota; going over it is an out-of-memory error for
 that op only.
 
+For failover (``failover.py``) a session can describe itself (the ``checkpoint`` query:
+every storage's handle, dtype and size, plus the RNG state), hand out its bytes (``read``)
+and be rebuilt from them (the ``@restore`` and ``@rng`` records), each checked like any
+other input. It can also be *parked* when its consumer vanishes (``park``: tensors move to
+host memory, pinned, when they lived on a GPU) and resume later on a new connection,
+answering the last query again if its reply was lost (``resend``).
+
 This module does no I/O: the trio shell in ``executor.py`` feeds it decoded batches and
 sends back what it returns. It does run torch ops, on the device it was given.
 """
@@ -41,6 +48,10 @@ from .protocol import (
 DEFAULT_SEED = 67280421310721
 MAX_HANDLE = 2**62
 DYN_BLOCK = 1 << 10  # handles a client reserves per data-dependent op (client.DYN_BLOCK)
+#: Most bytes one ``read`` query may ask for; the client asks for 32 MiB at a time.
+MAX_READ_BYTES = 64 * 1024 * 1024
+#: Queries whose reply blobs are recomputed, not kept, for ``resend``.
+_BLOB_QUERIES = {"fetch", "checkpoint", "read"}
 _EMPTY_OPS = {"empty.memory_format", "empty_strided.default", "new_empty.default"}
 
 
@@ -83,6 +94,12 @@ class DeviceContext:
 
     def forget(self, session: ExecutorSession) -> None:
         if self.rng_owner is session:
+            self.rng_owner = None
+
+    def release(self, session: ExecutorSession) -> None:
+        """Let go of the generator, keeping the session's draw position with the session."""
+        if self.rng_owner is session:
+            session.rng_state = self.generator().get_state()
             self.rng_owner = None
 
 
@@ -130,6 +147,7 @@ class ExecutorSession:
         self._poisoned: dict[int, str] = {}  # handle -> why it has no value
         self._error: tuple[str, str, str] | None = None
         self._dyn_result: Any = None
+        self._last_answer: tuple[int, list, Any, Any] | None = None  # seq, query, error, result
         self.last_seq = 0
 
     # --- the batch ----------------------------------------------------------------------
@@ -153,8 +171,8 @@ class ExecutorSession:
             if not (isinstance(record, list) and len(record) == 4 and isinstance(name, str)):
                 raise OpFailed("RemoteProtocolError", "malformed op record")
             _, args, kwargs, outs = record
-            if name == "@seed":
-                self._seed(args)
+            if name in _RECORDS:
+                _RECORDS[name](self, args, blobs)
                 return
             self._run_op(name, args, kwargs, outs, blobs)
             self.stats.ops += 1
@@ -183,10 +201,82 @@ class ExecutorSession:
             raise OpFailed(type(exc).__name__, str(exc)) from None
         self._register_outputs(result, outs, inputs)
 
-    def _seed(self, args: Any) -> None:
+    def _seed(self, args: Any, blobs: list[memoryview]) -> None:
         if not (isinstance(args, list) and len(args) == 1 and type(args[0]) is int):
             raise OpFailed("RemoteProtocolError", "@seed takes one integer")
         self.ctx.generator().manual_seed(args[0] & (2**64 - 1))
+
+    # --- restoring from a checkpoint ----------------------------------------------------
+
+    def _restore(self, args: Any, blobs: list[memoryview]) -> None:
+        """``@restore [handle, dtype, nbytes, start, data]``: one piece of a storage's bytes.
+
+        The piece at ``start`` 0 creates the storage (a new handle, within quota); later
+        pieces fill the same storage and must repeat its dtype and size.
+        """
+        if not (isinstance(args, list) and len(args) == 5):
+            raise OpFailed(
+                "RemoteProtocolError", "@restore takes [handle, dtype, nbytes, start, data]"
+            )
+        handle, dtype, nbytes, start, data = args
+        if type(handle) is not int or not 0 < handle < MAX_HANDLE:
+            raise OpFailed("InvalidHandleError", f"@restore: bad handle {handle!r}")
+        if not isinstance(dtype, torch.dtype):
+            raise OpFailed("TypeError", "@restore: dtype must be a dtype")
+        if type(nbytes) is not int or type(start) is not int or nbytes < 0 or start < 0:
+            raise OpFailed("ValueError", "@restore: size and start must be non-negative integers")
+        if type(data) is not CpuTensorRef or data.dtype != torch.uint8 or len(data.sizes) != 1:
+            raise OpFailed("RemoteProtocolError", "@restore: data must be inline uint8 bytes")
+        piece = _inline_tensor(data, blobs)
+        if start + piece.numel() > nbytes:
+            raise OpFailed(
+                "IndexError",
+                f"@restore: bytes [{start}, {start + piece.numel()}) are out of bounds for a "
+                f"storage of {nbytes} bytes",
+            )
+        if start == 0:
+            self._create_storage(handle, dtype, nbytes)
+        self._check_restoring(handle, dtype, nbytes)
+        _raw_bytes(self._anchors[handle], start, piece.numel()).copy_(piece)
+
+    def _create_storage(self, handle: int, dtype: torch.dtype, nbytes: int) -> None:
+        if handle in self._anchors:
+            raise OpFailed("InvalidHandleError", f"@restore: handle {handle} is already in use")
+        self._check_quota(nbytes)
+        raw = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self._add(handle, _anchor_over(raw.untyped_storage(), dtype, self.device))
+
+    def _check_restoring(self, handle: int, dtype: torch.dtype, nbytes: int) -> None:
+        anchor = self._anchors.get(handle)
+        if anchor is None:
+            raise OpFailed("InvalidHandleError", f"@restore: storage {handle} must start at byte 0")
+        if anchor.dtype != dtype or self._capacity[handle] != nbytes:
+            raise OpFailed(
+                "ValueError",
+                f"@restore: storage {handle} holds {self._capacity[handle]} bytes of "
+                f"{anchor.dtype}, not {nbytes} bytes of {dtype}",
+            )
+
+    def _set_rng(self, args: Any, blobs: list[memoryview]) -> None:
+        """``@rng [data]``: the session generator's state, as ``checkpoint`` reported it."""
+        if not (isinstance(args, list) and len(args) == 1 and type(args[0]) is CpuTensorRef):
+            raise OpFailed("RemoteProtocolError", "@rng takes one inline tensor")
+        ref = args[0]
+        if ref.dtype != torch.uint8 or len(ref.sizes) != 1:
+            raise OpFailed("RemoteProtocolError", "@rng: the state must be uint8 bytes")
+        state = _inline_tensor(ref, blobs)
+        generator = self.ctx.generator()
+        expected = generator.get_state().numel()
+        if state.numel() != expected:
+            raise OpFailed(
+                "ValueError",
+                f"@rng: a generator state of {state.numel()} bytes does not fit this "
+                f"executor's {self.device.type} generator, whose state is {expected} bytes",
+            )
+        try:
+            generator.set_state(state.clone())
+        except RuntimeError as exc:  # torch validates the state's contents
+            raise OpFailed("ValueError", f"@rng: not a valid generator state: {exc}") from None
 
     # --- arguments ----------------------------------------------------------------------
 
@@ -376,15 +466,7 @@ class ExecutorSession:
     def _answer(self, seq: int, query: Any) -> Reply:
         reply = Reply(seq, None)
         try:
-            kind = query[0] if isinstance(query, list) and query else None
-            if kind == "fetch" and len(query) == 2 and type(query[1]) is TensorRef:
-                reply.blobs = [_tensor_bytes(self.tensor(query[1]))]
-            elif kind == "call":
-                reply.result = self._dyn_result
-            elif kind == "stats":
-                reply.result = self._stats_map()
-            elif kind != "sync":
-                raise OpFailed("RemoteProtocolError", f"unknown query {query!r}")
+            reply.result, reply.blobs = self._respond(query)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except OpFailed as exc:
@@ -397,7 +479,88 @@ class ExecutorSession:
         if reply.error is not None:
             reply.result, reply.blobs = None, []
         self._dyn_result = None
+        self._last_answer = (seq, query, reply.error, reply.result)
         return reply
+
+    def _respond(self, query: Any) -> tuple[Any, list]:
+        kind = query[0] if isinstance(query, list) and query else None
+        if kind == "fetch" and len(query) == 2 and type(query[1]) is TensorRef:
+            return None, [_tensor_bytes(self.tensor(query[1]))]
+        if kind == "call":
+            return self._dyn_result, []
+        if kind == "stats":
+            return self._stats_map(), []
+        if kind == "sync":
+            return None, []
+        if kind == "checkpoint" and len(query) == 1:
+            return self._manifest(), [_tensor_bytes(self.ctx.generator().get_state())]
+        if kind == "read" and len(query) == 2:
+            return None, self._read(query[1])
+        raise OpFailed("RemoteProtocolError", f"unknown query {query!r}")
+
+    def _manifest(self) -> dict:
+        storages = [[h, a.dtype, self._capacity[h]] for h, a in self._anchors.items()]
+        return {"device": str(self.device), "storages": storages}
+
+    def _read(self, ranges: Any) -> list[memoryview]:
+        """The bytes ``[[handle, start, length], ...]`` of whole storages, for a checkpoint."""
+        if not isinstance(ranges, list):
+            raise OpFailed("RemoteProtocolError", "read takes a list of [handle, start, length]")
+        total, out = 0, []
+        for entry in ranges:
+            ok = isinstance(entry, list) and len(entry) == 3
+            if not ok or not all(type(v) is int and v >= 0 for v in entry):
+                raise OpFailed("RemoteProtocolError", f"bad read range {entry!r}")
+            handle, start, length = entry
+            if handle not in self._anchors:
+                raise OpFailed("InvalidHandleError", f"no tensor with handle {handle} here")
+            if start + length > self._capacity[handle]:
+                raise OpFailed("IndexError", f"read of storage {handle} is out of bounds")
+            total += length
+            if total > MAX_READ_BYTES:
+                raise OpFailed("ValueError", f"one read may return at most {MAX_READ_BYTES} bytes")
+            out.append(_tensor_bytes(_raw_bytes(self._anchors[handle], start, length)))
+        return out
+
+    # --- resuming -----------------------------------------------------------------------
+
+    def resend(self, seq: int) -> Reply:
+        """The reply to batch ``seq`` again: a resumed client lost it with the connection.
+
+        Only the latest query can be asked for, and nothing has run since it, so blobs are
+        recomputed from the same state rather than kept.
+
+        Raises:
+            RemoteProtocolError: ``seq`` is not the latest batch, or it asked nothing.
+        """
+        last = self._last_answer
+        if last is None or last[0] != seq or self.last_seq != seq:
+            raise RemoteProtocolError(f"batch {seq} is not the last answered batch; no resend")
+        _, query, error, result = last
+        reply = Reply(seq, error, result)
+        if error is None and query[0] in _BLOB_QUERIES:
+            self.ctx.take_rng(self)
+            try:
+                reply.blobs = self._respond(query)[1]
+            except OpFailed as exc:  # cannot happen on unchanged state; report, never crash
+                reply.error, reply.result = (exc.kind, str(exc), "query"), None
+        return reply
+
+    def park(self) -> int:
+        """Set the session aside while its consumer is away; returns the bytes it holds.
+
+        The RNG state stays with the session. On a GPU, tensors move to pinned host memory
+        so the device serves other tenants meanwhile; ``unpark`` moves them back.
+        """
+        self.ctx.release(self)
+        if self.device.type == "cuda":
+            self._anchors = {h: _moved(a, torch.device("cpu")) for h, a in self._anchors.items()}
+        return self.stats.bytes_in_use
+
+    def unpark(self) -> None:
+        """Bring a parked session's tensors back to its device."""
+        if self.device.type == "cuda":
+            self._anchors = {h: _moved(a, self.device) for h, a in self._anchors.items()}
 
     def _stats_map(self) -> dict:
         s = self.stats
@@ -422,6 +585,34 @@ class ExecutorSession:
         self.stats.bytes_in_use = 0
         self.stats.storages = 0
         self.ctx.forget(self)
+
+
+_RECORDS = {
+    "@seed": ExecutorSession._seed,
+    "@restore": ExecutorSession._restore,
+    "@rng": ExecutorSession._set_rng,
+}
+
+
+def _anchor_over(storage: torch.UntypedStorage, dtype: torch.dtype, device) -> torch.Tensor:
+    """A 1-d anchor of ``dtype`` over a whole storage; views never depend on its shape."""
+    count = storage.nbytes() // dtype.itemsize
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, (count,), (1,))
+
+
+def _raw_bytes(anchor: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """Bytes ``[start, start + length)`` of an anchor's storage, as a uint8 view."""
+    raw = torch.empty(0, dtype=torch.uint8, device=anchor.device)
+    return raw.set_(anchor.untyped_storage(), start, (length,), (1,))
+
+
+def _moved(anchor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The anchor's whole storage copied to ``device`` (pinned when it is host memory)."""
+    nbytes = anchor.untyped_storage().nbytes()
+    pin = device.type == "cpu" and torch.cuda.is_available()
+    copy = torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
+    copy.copy_(_raw_bytes(anchor, 0, nbytes))
+    return _anchor_over(copy.untyped_storage(), anchor.dtype, device)
 
 
 def _flat_tensors(result: Any) -> list[torch.Tensor]:
