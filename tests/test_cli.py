@@ -8,10 +8,9 @@ from __future__ import annotations
 import subprocess
 import time
 
-import pytest
-
 from cumulus_p2p.identity import KEY_FILE_NAME, NodeIdentity
 from cumulus_p2p.testing.nodes import LOOPBACK_LISTEN, node_command, start_node
+
 
 def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(node_command(*args), capture_output=True, text=True,
