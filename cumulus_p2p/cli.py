@@ -3,7 +3,7 @@
     cumulus-node --provide [--price 0.5] [--shares 4] [--bootstrap ADDR] ...
     cumulus-node --consume [--min-vram 8GiB] [--max-price 1.0] ... -- python train.py
     cumulus-node [--listen ADDR]                 a bootstrap node: routes and relays only
-    cumulus-node status | peers | offers | ledger [--data-dir DIR] [--json]
+    cumulus-node status | peers | offers | reputation | ledger [--data-dir DIR] [--json]
 
 Every node prints ``listening on <multiaddr>`` once it has joined; other nodes pass that
 address to ``--bootstrap``. Flag defaults can also come from ``config.json`` in the data
@@ -37,7 +37,7 @@ from .node.datadir import DataDir, default_data_dir
 from .remote.executor_main import parse_size
 
 EXIT_USAGE, EXIT_CONFIG, EXIT_NO_MATCH = 2, 3, 4
-VIEWS = ("status", "peers", "offers", "ledger")
+VIEWS = ("status", "peers", "offers", "reputation", "ledger")
 DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/4001"
 
 
@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="A Cumulus peer-to-peer GPU mesh node. Provide this machine's GPU, "
         "consume a remote one for a PyTorch script, or (with neither flag) run a "
         "bootstrap node that routes and relays.",
-        epilog="Also: cumulus-node status|peers|offers|ledger [--data-dir DIR] [--json]. "
+        epilog="Also: cumulus-node status|peers|offers|reputation|ledger [--data-dir DIR] "
+        "[--json]. "
         "With --consume, everything after -- is the script: -- python train.py [args].",
     )
     role = parser.add_mutually_exclusive_group()
@@ -149,7 +150,8 @@ def build_view_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cumulus-node VIEW",
         description="Show what the node on a data directory knows: status (summary and "
-        "leases), peers, offers (live, with host scores) or ledger (receipts).",
+        "leases), peers, offers (live, with host scores), reputation (every host's "
+        "reliability score and the evidence behind it) or ledger (receipts).",
     )
     parser.add_argument("view", choices=VIEWS)
     parser.add_argument("--data-dir", type=Path, default=None,
@@ -274,6 +276,7 @@ async def _route(data: DataDir, mesh_config: MeshConfig, console: Console) -> in
             data.write_state({"role": "bootstrap", "peer_id": runtime.peer_id,
                               "addrs": [str(a) for a in runtime.mesh.addrs],
                               "peers": runtime.peers(), "offers": runtime.offers(),
+                              "scores": runtime.scores(),
                               "leases": [], "updated": time.time()})
             await trio.sleep(1.0)
 
@@ -375,7 +378,7 @@ async def _consume(args, data, mesh_config, command: list[str], console: Console
 
 
 def show_view(args, console: Console) -> int:
-    """``cumulus-node status|peers|offers|ledger``."""
+    """``cumulus-node status|peers|offers|reputation|ledger``."""
     data = _data_dir(args)
     if args.view == "ledger":
         ledger = data.ledger()
@@ -393,11 +396,13 @@ def show_view(args, console: Console) -> int:
     if not data.is_locked():
         console.print(f"[yellow]the node on {data.path} is not running; this is what it "
                       "knew when it stopped[/yellow]", highlight=False)
+    key = {"reputation": "scores"}.get(args.view, args.view)
     if args.json:
-        print(json.dumps(state if args.view == "status" else state.get(args.view, []), indent=1))
+        print(json.dumps(state if args.view == "status" else state.get(key, []), indent=1))
         return 0
     render = {"status": views.status_table, "peers": lambda s: views.peers_table(s["peers"]),
-              "offers": lambda s: views.offers_table(s["offers"])}[args.view]
+              "offers": lambda s: views.offers_table(s["offers"]),
+              "reputation": lambda s: views.scores_table(s.get("scores", []))}[args.view]
     console.print(render(state))
     return 0
 

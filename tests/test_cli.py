@@ -54,7 +54,7 @@ def test_help_documents_every_flag():
     assert result.returncode == 0
     for flag in ("--provide", "--consume", "--bootstrap", "--price", "--shares", "--gpu",
                  "--min-vram", "--max-price", "--priority", "--match-timeout", "--data-dir",
-                 "status|peers|offers|ledger"):
+                 "status|peers|offers|reputation|ledger"):
         assert flag in result.stdout
 
 

@@ -124,4 +124,7 @@ def test_a_job_survives_its_provider_being_killed_and_finishes_on_the_other(tmp_
     assert result["final_loss"] == json.loads(local.stdout.splitlines()[-1])["final_loss"]
     state = json.loads((tmp_path / "consumer" / "state.json").read_text())
     assert [lease["state"] for lease in state["leases"]] == ["failed", "held"]
+    gone = state["leases"][0]["host"]
+    score = next(row for row in state["scores"] if row["host"] == gone)
+    assert score["failures"] > 0
     assert receipt_ids(tmp_path / "p1") <= receipt_ids(tmp_path / "consumer")

@@ -256,6 +256,7 @@ class Consumer:
             "cost": self.cost(),
             "peers": self.runtime.peers(),
             "offers": self.runtime.offers(),
+            "scores": self.runtime.scores(),
             "updated": time.time(),
         }
 

@@ -242,6 +242,7 @@ class Provider:
             "leases": [_lease_row(a) for a in leases],
             "peers": self.runtime.peers(),
             "offers": self.runtime.offers(),
+            "scores": self.runtime.scores(),
             "updated": time.time(),
         }
 

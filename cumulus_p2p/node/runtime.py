@@ -78,13 +78,28 @@ class Runtime:
             rows.append({"peer": peer.to_base58(), "addrs": addrs[:3]})
         return rows
 
+    def scores(self) -> list[dict]:
+        """This node's reliability score of every host it has evidence about or an offer
+        from, most reliable (by lower credible bound) first."""
+        now = self.clock()
+        hosts = {r.order.host for r in self.book.offers()}
+        rows = [
+            {"host": s.host, "mean": round(s.mean, 4), "lower_bound": round(s.lower_bound, 4),
+             "evidence": round(s.evidence_weight, 3), "successes": round(s.successes, 3),
+             "failures": round(s.failures, 3)}
+            for s in self.reputation.scores(now=now, hosts=hosts).values()
+        ]
+        return sorted(rows, key=lambda r: (-r["lower_bound"], r["host"]))
+
     def offers(self) -> list[dict]:
         """Every live offer in this node's book, cheapest first, with host scores."""
         now = self.clock()
+        offers = list(self.book.offers())
+        scores = self.reputation.scores(now=now, hosts={r.order.host for r in offers})
         rows = []
-        for resting in self.book.offers():
+        for resting in offers:
             offer = resting.order
-            score = self.reputation.score(offer.host, now=now)
+            score = scores[offer.host]
             rows.append({
                 "host": offer.host, "offer_id": offer.offer_id, "gpu": offer.gpu_model,
                 "vram_mib": offer.vram_mib, "perf": offer.perf_units,

@@ -93,6 +93,19 @@ def offers_table(rows: Iterable[dict]) -> Table:
     return table
 
 
+def scores_table(rows: Iterable[dict]) -> Table:
+    """The reputation explorer: each host's posterior reliability and its evidence."""
+    table = Table(title="host reliability (Beta posterior; rank by the lower bound)")
+    for column in ("host", "mean", "lower bound", "evidence", "successes", "failures"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(
+            row["host"], f"{row['mean']:.3f}", f"{row['lower_bound']:.3f}",
+            f"{row['evidence']:.2f}", f"{row['successes']:.2f}", f"{row['failures']:.2f}",
+        )  # fmt: skip
+    return table
+
+
 def ledger_table(entries: Iterable[LedgerEntry]) -> Table:
     """Every countersigned receipt in the ledger, oldest first."""
     table = Table(title="ledger (countersigned receipts)")
