@@ -3,10 +3,13 @@ blocking consumer in a worker thread, as in production."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
 import struct
+import threading
+import time
 from contextlib import asynccontextmanager
 
 import pytest
@@ -218,6 +221,45 @@ async def test_repeated_disconnects_on_both_directions_lose_nothing():
     assert handler.sessions == 1
 
 
+@pytest.mark.parametrize("attack", ["tamper", "replay"])
+async def test_tampered_or_replayed_record_is_dropped_and_the_consumer_resumes(attack, caplog):
+    """The provider opens records in the handler's task: a record changed or replayed on
+    the wire fails authentication there, the connection is dropped, and the consumer's
+    resume delivers the genuine record, so the handler sees every frame exactly once."""
+    handler = Recorder()
+    sent = [os.urandom(n) for n in (100, 20_000, 7)]
+    async with provider(handler, grace_period=10) as server:
+
+        def consumer():
+            with connect(server) as ch:
+                real_send = ch._link.sendmsg_all
+                calls = itertools.count()
+
+                def attacker(chunks):
+                    header, ct = chunks
+                    if next(calls) == 1:  # the second frame's record
+                        if attack == "tamper":
+                            forged = bytearray(ct)
+                            forged[5] ^= 0x40
+                            real_send([header, forged])
+                            return
+                        real_send(chunks)  # the genuine record, then a replay
+                    real_send(chunks)
+
+                ch._link.sendmsg_all = attacker
+                out = []
+                for frame in sent:
+                    ch.send_frame([frame])
+                    out.append(bytes(ch.recv_frame()))
+                return out, ch.resumes
+
+        out, resumes = await in_thread(consumer)
+    assert out == sent
+    assert handler.frames == sent
+    assert resumes == 1
+    assert "failed authentication" in caplog.text
+
+
 async def test_session_idle_past_grace_period_is_cleaned_up():
     handler = Recorder()
     async with provider(handler, grace_period=0.2) as server:
@@ -266,6 +308,124 @@ async def test_provider_ending_the_session_reaches_the_consumer():
                     ch.recv_frame()
 
         await in_thread(consumer)
+
+
+# --- the provider's reader: handler cancellation, concurrent tasks, acknowledgements ---
+
+
+async def test_handler_timing_out_on_receive_loses_no_frame():
+    """The handler's own task reads the socket: a cancelled ``receive_frame`` (here a
+    timeout that often fires mid-frame, between records) must lose and tear nothing."""
+    seen: list[bytes] = []
+
+    async def impatient(channel) -> None:
+        patience = itertools.cycle([0, 0.0001, 0.001, 0.01])
+        try:
+            while True:
+                frame = None
+                with trio.move_on_after(next(patience)):
+                    frame = await channel.receive_frame()
+                if frame is not None:
+                    seen.append(bytes(frame))
+                    await channel.send_frame([frame])
+        except SessionClosedError:
+            pass
+
+    sent = [os.urandom(n) for n in (10, 90_000, 5, 40_000, 0, 200_000, 3) * 6]
+    async with provider(impatient) as server:
+
+        def consumer():
+            with connect(server, max_record=8 * 1024) as ch:
+                real_send = ch._link.sendmsg_all
+                calls = itertools.count()
+
+                def dawdle_between_records(chunks):
+                    if next(calls) % 4 == 3:  # the provider waits mid-frame, and times out
+                        time.sleep(0.0005)
+                    real_send(chunks)
+
+                ch._link.sendmsg_all = dawdle_between_records
+                out = []
+                for i in range(0, len(sent), 3):
+                    batch = sent[i : i + 3]
+                    for frame in batch:  # pipelined, so records queue up on the provider
+                        ch.send_frame([frame])
+                    out += [bytes(ch.recv_frame()) for _ in batch]
+                return out, ch.resumes
+
+        out, resumes = await in_thread(consumer)
+    assert out == sent
+    assert seen == sent
+    assert resumes == 0
+
+
+async def test_sender_short_of_acks_reads_frames_for_a_concurrent_receiver():
+    """One handler task sends while another receives. When the sender's retransmit
+    buffer is full it reads records itself (for the acks) and queues the frames it
+    meets for the receiver; nothing is lost, duplicated or reordered."""
+    received: list[bytes] = []
+
+    async def two_tasks(channel) -> None:
+        async def receive() -> None:
+            await trio.sleep(0.2)  # meanwhile the sender, short of acks, reads for us
+            for _ in range(60):
+                received.append(bytes(await channel.receive_frame()))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(receive)
+            for i in range(120):
+                await channel.send_frame([struct.pack(">I", i) * 4_000])
+
+    inbound = [os.urandom(12_000) for _ in range(60)]
+    # Room for the 64 records after which the consumer acknowledges, and not much more.
+    async with provider(two_tasks, max_unacked=1_100_000) as server:
+
+        def consumer():
+            with connect(server) as ch:
+                out: list[bytes] = []
+
+                def receive_late() -> None:
+                    time.sleep(0.3)  # let the provider's sender run out of room first
+                    out.extend(bytes(ch.recv_frame()) for _ in range(120))
+
+                reader = threading.Thread(target=receive_late)
+                reader.start()
+                for frame in inbound:
+                    ch.send_frame([frame])
+                reader.join(15)
+                return out
+
+        out = await in_thread(consumer)
+    assert out == [struct.pack(">I", i) * 4_000 for i in range(120)]
+    assert received == inbound
+
+
+async def test_provider_acknowledges_a_consumer_that_only_sends():
+    """A consumer that never receives still gets ``ACK`` records, so its retransmit
+    buffer drains and it does not block."""
+    count = 0
+
+    async def sink(channel) -> None:
+        nonlocal count
+        while True:
+            frame = await channel.receive_frame()
+            if frame == b"done":
+                await channel.send_frame([b"%d" % count])
+                return
+            count += 1
+
+    async with provider(sink) as server:
+
+        def consumer():
+            with connect(server, max_unacked=256 * 1024) as ch:
+                for _ in range(2_000):
+                    ch.send_frame([b"z" * 1_000])
+                ch.send_frame([b"done"])
+                return ch.recv_frame(), ch._core.buffer.nbytes
+
+        reply, unacked = await in_thread(consumer)
+    assert reply == b"2000"
+    assert unacked < 256 * 1024
 
 
 # --- hostile handshakes ---------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import os
 
 import pytest
@@ -42,6 +43,19 @@ def test_frames_of_any_shape_round_trip():
     blob = os.urandom(5000)
     for parts in ([b"hello"], [b""], [b"ab", memoryview(blob), b"cd"], [blob[:999], blob[999:]]):
         assert send_frame(a, b, parts) == b"".join(bytes(p) for p in parts)
+
+
+def test_single_record_fast_path_matches_the_general_path():
+    a, b = core_pair(max_record=1000)
+    words = memoryview(array.array("I", range(200)))  # 800 bytes, 4-byte items
+    for parts in ([b"hello"], [b""], [words], [b"ab", words, b"cd"], [bytearray(1000)]):
+        record = a.seal_single(parts)
+        assert record is not None
+        assert deliver(b, record) == b"".join(bytes(p) for p in parts)
+    assert a.seal_single([b"x" * 1001]) is None  # two records: the caller uses seal_frame
+    assert a.seal_single([b"x" * 600, b"y" * 600]) is None
+    with pytest.raises(FrameTooLargeError):
+        core_pair(max_frame=10)[0].seal_single([b"x" * 11])
 
 
 def test_tampered_ciphertext_is_rejected():

@@ -16,9 +16,12 @@ class StreamReader:
     """Reads exact byte counts from a trio stream through one reusable buffer.
 
     Reading greedily into a buffer larger than a record lets one system call bring a
-    header, a body and the next header; ``take`` returns views into that buffer, valid
-    until the next ``take``. A ``trio.SocketStream`` is read with ``recv_into`` (no
-    allocation per read).
+    header, a body and the next header; ``peek`` and ``take`` return views into that
+    buffer, valid until the next read. A ``trio.SocketStream`` is read with ``recv_into``
+    (no allocation per read).
+
+    ``peek`` consumes nothing, so a read cancelled half way loses no bytes: the session
+    peeks a whole record, then consumes and opens it without awaiting in between.
     """
 
     def __init__(self, stream: trio.abc.Stream, max_record: int = DEFAULT_MAX_RECORD) -> None:
@@ -28,38 +31,85 @@ class StreamReader:
         self._view = memoryview(self._buf)
         self._start = 0
         self._end = 0
-        sock = getattr(stream, "socket", None) if isinstance(stream, trio.SocketStream) else None
+        #: Reads from the stream so far. Each one was a trio checkpoint, so a caller can
+        #: tell whether it still owes one.
+        self.reads = 0
+        self._interrupted = False
+        self._scope: trio.CancelScope | None = None
+        sock = stream.socket if isinstance(stream, trio.SocketStream) else None
+        self._socket = sock
         self._recv_into = sock.recv_into if sock is not None else None
 
-    async def take(self, n: int) -> memoryview:
-        """Return the next ``n`` bytes (a view, valid until the next call).
+    async def peek(self, n: int) -> memoryview:
+        """The next ``n`` bytes, not consumed (a view, valid until the next read).
 
         Raises:
             EOFError: the peer closed the stream first.
             OSError, trio.BrokenResourceError: the connection broke.
+            trio.ClosedResourceError: ``interrupt`` was called.
         """
-        if self._end - self._start < n:
+        if self._end - self._start < n or self._interrupted:
             await self._fill(n)
-        view = self._view[self._start : self._start + n]
+        return self._view[self._start : self._start + n]
+
+    def consume(self, n: int) -> None:
+        """Drop the first ``n`` buffered bytes (after ``peek(n)`` or more)."""
+        self._start += n
+
+    async def take(self, n: int) -> memoryview:
+        """Return and consume the next ``n`` bytes (see ``peek``)."""
+        view = await self.peek(n)
         self._start += n
         return view
 
+    def interrupt(self) -> None:
+        """Stop this connection now: a read in progress or to come raises ``ClosedResourceError``.
+
+        Synchronous, so session bookkeeping can call it from anywhere. A TCP socket is
+        closed (trio wakes every task waiting on it, writers included); other streams
+        have their pending read cancelled and still need ``aclose``.
+        """
+        self._interrupted = True
+        if self._socket is not None:
+            self._socket.close()
+        elif self._scope is not None:
+            self._scope.cancel()
+
     async def _fill(self, n: int) -> None:
+        if self._interrupted:
+            raise trio.ClosedResourceError("connection was replaced or ended")
         have = self._end - self._start
-        if self._start + n > len(self._buf):
+        if have == 0:
+            # Nothing buffered: start over at the front, so request/response traffic
+            # keeps using the same few (cache-hot) bytes of the buffer.
+            self._start = self._end = 0
+        elif self._start + n > len(self._buf):
             # Slide the partial record to the front (memoryview assignment is a memmove).
             self._view[:have] = self._view[self._start : self._end]
             self._start, self._end = 0, have
         while self._end - self._start < n:
+            self.reads += 1
             if self._recv_into is not None:
                 got = await self._recv_into(self._view[self._end :])
             else:
-                data = await self.stream.receive_some(len(self._buf) - self._end)
-                got = len(data)
-                self._view[self._end : self._end + got] = data
+                got = await self._receive_some()
             if got == 0:
                 raise EOFError("peer closed the connection")
             self._end += got
+
+    async def _receive_some(self) -> int:
+        # Streams other than TCP sockets cannot be woken by closing them: their read
+        # runs in a scope that ``interrupt`` cancels.
+        try:
+            with trio.CancelScope() as scope:
+                self._scope = scope
+                data = await self.stream.receive_some(len(self._buf) - self._end)
+        finally:
+            self._scope = None
+        if scope.cancelled_caught:
+            raise trio.ClosedResourceError("connection was replaced or ended")
+        self._view[self._end : self._end + len(data)] = data
+        return len(data)
 
     async def read_handshake(self) -> bytes:
         """Read one length-prefixed handshake message.
@@ -83,7 +133,7 @@ class StreamWriter:
         self._sock = sock
 
     async def send(self, *chunks: bytes | memoryview) -> None:
-        """Send ``chunks`` back to back."""
+        """Send ``chunks`` back to back (one system call when the socket takes them all)."""
         if self._sock is None:
             if len(chunks) == 1 or sum(len(c) for c in chunks) < 65536:
                 await self.stream.send_all(b"".join(chunks))
@@ -91,9 +141,16 @@ class StreamWriter:
                 for c in chunks:
                     await self.stream.send_all(c)
             return
-        views = [memoryview(c) for c in chunks]
+        sent = await self._sock.sendmsg(chunks)
+        total = 0
+        for chunk in chunks:
+            total += len(chunk)
+        if sent < total:
+            await self._send_rest(chunks, sent)
+
+    async def _send_rest(self, chunks: tuple[bytes | memoryview, ...], sent: int) -> None:
+        views = [memoryview(c).cast("B") for c in chunks]
         while views:
-            sent = await self._sock.sendmsg(views)
             while sent:
                 head = views[0]
                 if sent >= head.nbytes:
@@ -104,3 +161,5 @@ class StreamWriter:
                     sent = 0
             while views and views[0].nbytes == 0:
                 views.pop(0)
+            if views:
+                sent = await self._sock.sendmsg(views)

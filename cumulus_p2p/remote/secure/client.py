@@ -14,9 +14,14 @@ its retransmit buffer, retrying with backoff until ``resume_timeout``. The calle
 raises ``SessionClosedError``.
 
 Threads: one thread may send while another receives. ``_send_lock`` orders sealing and
-writing, ``_recv_lock`` reading, ``_core_lock`` guards the core's state; the order is
-send → recv → core, and a receiver only ever *tries* the send lock (to send an ``ACK``),
-so the two never wait on each other in a cycle.
+writing, ``_recv_lock`` reading (and the core's receive-only state: the header being
+parsed, the frame being filled), ``_core_lock`` the core's state both sides touch; the
+order is send → recv → core, and a receiver only ever *tries* the send lock (to send an
+``ACK``), so the two never wait on each other in a cycle.
+
+A frame that fits in one record (the round-trip case) takes a short path: sealed in one
+step (``SessionCore.seal_single``) and written with one ``sendmsg``; a reply usually
+arrives whole in one ``recv_into``.
 """
 
 from __future__ import annotations
@@ -90,7 +95,15 @@ class SocketLink:
         self.sock.settimeout(timeout)
 
     def sendmsg_all(self, chunks: Sequence[Buffer]) -> None:
-        sendmsg_all(self.sock, [memoryview(c).cast("B") for c in chunks])
+        # One system call nearly always takes a whole record; only then is it worth
+        # building views to send the rest.
+        sent = self.sock.sendmsg(chunks)
+        if sent < _nbytes(chunks):
+            views = [memoryview(c).cast("B") for c in chunks]
+            while sent >= views[0].nbytes:
+                sent -= views.pop(0).nbytes
+            views[0] = views[0][sent:]
+            sendmsg_all(self.sock, views)
 
     def recv_into(self, view: memoryview) -> int:
         return self.sock.recv_into(view)
@@ -105,6 +118,13 @@ class SocketLink:
         self.sock.close()
 
 
+def _nbytes(chunks: Sequence[Buffer]) -> int:
+    total = 0
+    for chunk in chunks:
+        total += chunk.nbytes if type(chunk) is memoryview else len(chunk)
+    return total
+
+
 class _Reader:
     """Exact reads from a link through one reusable buffer (see ``_io.StreamReader``)."""
 
@@ -114,24 +134,42 @@ class _Reader:
         self._view = memoryview(self._buf)
         self._start = 0
         self._end = 0
+        # A TCP link is read straight from its socket (one call less per read).
+        self._recv_into = link.sock.recv_into if type(link) is SocketLink else link.recv_into
+
+    def peek(self, n: int) -> memoryview:
+        """The next ``n`` bytes, not consumed (a view, valid until the next read)."""
+        if self._end - self._start < n:
+            self._fill(n)
+        return self._view[self._start : self._start + n]
+
+    def consume(self, n: int) -> None:
+        """Drop the first ``n`` buffered bytes (after ``peek(n)`` or more)."""
+        self._start += n
 
     def take(self, n: int) -> memoryview:
-        if self._end - self._start < n:
-            have = self._end - self._start
-            if self._start + n > len(self._buf):
-                self._view[:have] = self._view[self._start : self._end]
-                self._start, self._end = 0, have
-            while self._end - self._start < n:
-                try:
-                    got = self.link.recv_into(self._view[self._end :])
-                except OSError as exc:
-                    raise _ConnectionLost(f"connection lost: {exc}") from exc
-                if got == 0:
-                    raise _ConnectionLost("provider closed the connection")
-                self._end += got
-        view = self._view[self._start : self._start + n]
+        """Return and consume the next ``n`` bytes (see ``peek``)."""
+        view = self.peek(n)
         self._start += n
         return view
+
+    def _fill(self, n: int) -> None:
+        have = self._end - self._start
+        if have == 0:
+            # Nothing buffered: start over at the front, so request/response traffic
+            # keeps using the same few (cache-hot) bytes of the buffer.
+            self._start = self._end = 0
+        elif self._start + n > len(self._buf):
+            self._view[:have] = self._view[self._start : self._end]
+            self._start, self._end = 0, have
+        while self._end - self._start < n:
+            try:
+                got = self._recv_into(self._view[self._end :])
+            except OSError as exc:
+                raise _ConnectionLost(f"connection lost: {exc}") from exc
+            if got == 0:
+                raise _ConnectionLost("provider closed the connection")
+            self._end += got
 
     def read_handshake(self) -> bytes:
         try:
@@ -206,6 +244,13 @@ class SecureClientChannel:
         """
         with self._send_lock:
             self._check_open()
+            with self._core_lock:
+                record = self._core.seal_single(parts)
+            if record is not None:
+                self._write(record)
+                if self._core.must_wait:
+                    self._pump_until_acked()
+                return
             with self._core_lock:
                 records = self._core.seal_frame(parts)
                 record = next(records)
@@ -288,17 +333,17 @@ class SecureClientChannel:
     def _read_record(self) -> bytearray | Closed | None:
         """Read and absorb one record (caller holds ``_recv_lock``)."""
         reader = self._reader
-        header = bytes(reader.take(HEADER_SIZE))
-        with self._core_lock:
-            n = self._core.receive_header(header)
+        core = self._core
+        # receive_header touches only the receiving state, which _recv_lock guards.
+        size = HEADER_SIZE + core.receive_header(reader.peek(HEADER_SIZE))
         try:
-            body = reader.take(n)
+            record = reader.peek(size)
         except _ConnectionLost:
-            with self._core_lock:
-                self._core.abort_partial_read()
+            core.abort_partial_read()
             raise
+        reader.consume(size)
         with self._core_lock:
-            return self._core.receive_body(header, body)
+            return core.receive_body(record[:HEADER_SIZE], record[HEADER_SIZE:])
 
     def _maybe_ack(self) -> None:
         # Only *try* the send lock: a sender blocked on a full socket must not stall us.

@@ -83,7 +83,7 @@ class RetransmitBuffer:
         Raises:
             RemoteProtocolError: ``count`` acknowledges records never sent.
         """
-        if count > self.end:
+        if count > self.base + len(self._records):
             raise RemoteProtocolError(f"peer acknowledged {count} records; only {self.end} sent")
         while self.base < count:
             header, ct = self._records.popleft()
@@ -206,6 +206,33 @@ class SessionCore:
             yield self._seal(kind, arg, chunk)
             kind, arg = MORE, 0
 
+    def seal_single(self, parts: Sequence[Buffer]) -> Record | None:
+        """Seal a frame that fits in one record, or return ``None`` (use ``seal_frame``).
+
+        The small-frame fast path of the round trip: one record, sealed at once, with no
+        generator and no chunking. Parts are joined (a copy, but of at most one record).
+
+        Raises:
+            FrameTooLargeError: the frame is larger than ``max_frame``.
+        """
+        if len(parts) == 1:
+            payload = parts[0]
+            if type(payload) is not bytes and type(payload) is not bytearray:
+                payload = memoryview(payload).cast("B")  # len() must count bytes
+            total = len(payload)
+        else:
+            total = sum(memoryview(p).nbytes for p in parts)
+            payload = None
+        if total > self.max_frame:
+            raise FrameTooLargeError(
+                f"frame of {total} bytes exceeds the limit of {self.max_frame}"
+            )
+        if total > self.max_record:
+            return None
+        if payload is None:
+            payload = b"".join(parts)
+        return self._seal(FRAME, total, payload)
+
     def seal_ack(self) -> Record:
         """An ``ACK`` record carrying the current receive count."""
         return self._seal(ACK, 0, b"")
@@ -277,7 +304,8 @@ class SessionCore:
         n = ct_len - TAG_SIZE
         if kind == FRAME:
             frame = bytearray(arg)
-            self._opener.open_into(header, ciphertext, memoryview(frame)[:n])
+            # A frame in one record (the common small case) needs no view to fill.
+            self._opener.open_into(header, ciphertext, frame if n == arg else memoryview(frame)[:n])
             self._frame, self._filled = frame, 0
         elif kind == MORE:
             frame = self._frame

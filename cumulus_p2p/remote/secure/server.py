@@ -11,23 +11,36 @@ connection under the handler's feet.
 
 Per session:
 
-- the *read loop* (inside the session task) opens records, queues whole frames for the
-  handler and applies acknowledgements;
-- ``send_frame`` seals and writes records under ``_wire`` (one record at a time, so the
-  read loop can slip an ``ACK`` in between) and ``_frames`` (one frame at a time);
+- there is no reader task: ``receive_frame`` reads and opens records itself, in the
+  handler's task. A frame therefore costs one wake-up (the socket's), not two (socket,
+  then a hand-over between tasks), which is most of the round trip on loopback. Only one
+  task reads at a time (the *reader*); another task that needs records waits for the
+  reader's progress instead;
+- ``send_frame`` seals and writes records under ``_wire`` (one record at a time, so an
+  ``ACK`` can slip in between) and ``_frames`` (one frame at a time). A sender whose
+  retransmit buffer is full becomes the reader until acknowledgements arrive, queueing
+  any frame it reads for ``receive_frame``;
+- acknowledgements ride on every outgoing record; when one is due and nobody is
+  sending, the reader writes an ``ACK`` record at once (the consumer then frees its
+  retransmit buffer before it allocates the next large frame). Cancelling the reader
+  loses nothing: a record is consumed only once it is whole, a finished frame is queued
+  before the ``ACK`` is written, and an ``ACK`` cut short drops the connection, so the
+  consumer resumes and gets it whole;
 - while no connection is attached, sealed records only go to the retransmit buffer; the
   resume sends them.
 
-When the connection drops, the session waits ``grace_period`` for a resume. If none comes,
-the session ends: ``receive_frame``/``send_frame`` raise ``SessionClosedError`` and the
-executor releases the session's memory.
+The session task runs the handler and owns the connections: it closes detached ones and,
+when none is attached, waits ``grace_period`` for a resume. If none comes, the session
+ends: ``receive_frame``/``send_frame`` raise ``SessionClosedError`` and the executor
+releases the session's memory. A dropped connection is noticed by the next read or write
+(a handler waiting in ``receive_frame`` notices at once).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -50,8 +63,8 @@ log = logging.getLogger("cumulus_p2p.remote.secure")
 Authorize = Callable[[bytes, bytes | None], str | None]
 Handler = Callable[["SecureServerChannel"], Awaitable[None]]
 
-#: Frames the handler has not taken yet, in bytes, before the read loop stops reading
-#: (TCP backpressure then reaches the consumer).
+#: Frames read but not taken by the handler, in bytes, above which a sender waiting for
+#: acknowledgements stops reading (TCP backpressure then reaches the consumer).
 _MAX_INBOUND_BYTES = 64 * 1024 * 1024
 
 
@@ -90,7 +103,9 @@ class SecureServerChannel:
         await self._session.send_frame(parts)
 
     async def receive_frame(self) -> bytearray:
-        """Wait for the next frame.
+        """Wait for the next frame (reading the connection in the caller's task).
+
+        Cancelling it (a timeout, say) loses nothing: the frame comes with the next call.
 
         Raises:
             SessionClosedError: the consumer closed the session, or did not resume within
@@ -103,12 +118,73 @@ class SecureServerChannel:
         await self._session.finish("session closed by the provider")
 
 
+class _Signal:
+    """Wakes every task waiting for "something changed"; costs nothing when none waits.
+
+    A ``trio.Event`` per change would be allocated and set for every record even though
+    someone waits only now and then (a sender short of acknowledgements, a second reader).
+    """
+
+    __slots__ = ("_event",)
+
+    def __init__(self) -> None:
+        self._event: trio.Event | None = None
+
+    async def wait(self) -> None:
+        if self._event is None:
+            self._event = trio.Event()
+        await self._event.wait()
+
+    def fire(self) -> None:
+        if self._event is not None:
+            self._event.set()
+            self._event = None
+
+
+class _Mutex:
+    """A lock between the tasks of one session, cheap enough for every record.
+
+    Like ``trio.Lock`` (first come, first served: ``release`` hands the lock to the
+    longest waiter) but without owner bookkeeping, and taking a free lock does not pass
+    through the scheduler; the write that follows is the checkpoint. On the round-trip
+    path ``trio.Lock`` cost about 2 µs per frame.
+    """
+
+    __slots__ = ("locked", "_lot")
+
+    def __init__(self) -> None:
+        self.locked = False
+        self._lot = trio.lowlevel.ParkingLot()
+
+    async def acquire(self) -> None:
+        if self.locked:
+            await self._lot.park()  # woken by release, which hands the lock over
+        else:
+            self.locked = True
+
+    def release(self) -> None:
+        if len(self._lot):
+            self._lot.unpark()
+        else:
+            self.locked = False
+
+    async def __aenter__(self) -> None:
+        await self.acquire()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.release()
+
+
 class _Connection:
-    __slots__ = ("reader", "writer")
+    """One byte stream attached to a session."""
+
+    __slots__ = ("reader", "writer", "retired")
 
     def __init__(self, reader: StreamReader, writer: StreamWriter) -> None:
         self.reader = reader
         self.writer = writer
+        #: Detached from its session (lost, replaced or the session ended).
+        self.retired = False
 
 
 class _Session:
@@ -129,47 +205,35 @@ class _Session:
         self.channel = SecureServerChannel(self)
         self.ended: str | None = None
         self.resume_lock = trio.Lock()
-        self._wire = trio.Lock()
-        self._frames = trio.Lock()
+        self._wire = _Mutex()
+        self._frames = _Mutex()
         self._conn: _Connection | None = None
-        self._conn_scope: trio.CancelScope | None = None
-        self._attached = trio.Event()
-        self._idle = trio.Event()
-        self._changed = trio.Event()
-        self._inbound_send, self._inbound_recv = trio.open_memory_channel[bytearray](math.inf)
-        self._inbound_bytes = 0
+        self._retired: list[_Connection] = []
+        # Connection attached, detached, or session ended: the session task watches this.
+        self._conn_changed = _Signal()
+        # A record was read, a frame taken, or the connection changed: tasks waiting for
+        # the reader (or for a connection to read from) watch this.
+        self._progress = _Signal()
+        self._reading = False
+        self._inbox: deque[bytearray] = deque()
+        self._inbox_bytes = 0
 
     # --- lifecycle --------------------------------------------------------------------
 
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
-
     async def run(self, conn: _Connection) -> None:
-        """The session task: handler plus read loops across connections."""
+        """The session task: the handler, plus the connections' upkeep."""
         self._conn = conn
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._run_handler)
-                while self.ended is None:
-                    await self._read_loop()
-                    if self.ended is not None:
-                        break
-                    with trio.move_on_after(self.server.grace_period):
-                        await self._attached.wait()
-                    if self._conn is None and self.ended is None:
-                        self.server._expired += 1
-                        log.info(
-                            "session %s expired: no resume within %.1f s",
-                            self.session_id.hex(),
-                            self.server.grace_period,
-                        )
-                        self._end(
-                            f"session expired: the consumer did not resume within "
-                            f"{self.server.grace_period:g} s"
-                        )
+                await self._watch_connections()
         finally:
             self.server._sessions.pop(self.session_id, None)
+            # Also when cancelled (the server is closing): no stream is left open.
+            if self._conn is not None:
+                self._detach(self._conn)
+            with trio.CancelScope(shield=True):
+                await self._close_retired()
 
     async def _run_handler(self) -> None:
         try:
@@ -182,6 +246,30 @@ class _Session:
         finally:
             with trio.CancelScope(shield=True):
                 await self.finish("session ended by the provider")
+
+    async def _watch_connections(self) -> None:
+        """Close detached connections; end the session when a resume does not come."""
+        grace = self.server.grace_period
+        while True:
+            await self._close_retired()
+            if self.ended is not None:
+                return
+            if self._conn is not None:
+                await self._conn_changed.wait()
+                continue
+            with trio.move_on_after(grace) as timer:
+                await self._conn_changed.wait()  # only an attach or the end fires it now
+            if timer.cancelled_caught and self._conn is None and self.ended is None:
+                self.server._expired += 1
+                log.info(
+                    "session %s expired: no resume within %.1f s", self.session_id.hex(), grace
+                )
+                self._end(f"session expired: the consumer did not resume within {grace:g} s")
+
+    async def _close_retired(self) -> None:
+        while self._retired:
+            conn = self._retired.pop()
+            await trio.aclose_forcefully(conn.reader.stream)
 
     async def finish(self, reason: str) -> None:
         """End the session in order: a ``CLOSE`` record (best effort), then teardown."""
@@ -197,58 +285,37 @@ class _Session:
         if self.ended is not None:
             return
         self.ended = reason
-        self._inbound_send.close()
-        if self._conn_scope is not None:
-            self._conn_scope.cancel()
-        self._attached.set()
-        self._notify()
+        if self._conn is not None:
+            self._detach(self._conn)
+        self._conn_changed.fire()
+        self._progress.fire()
 
     # --- connections ------------------------------------------------------------------
 
-    async def _read_loop(self) -> None:
-        conn = self._conn
-        if conn is None:
+    def _detach(self, conn: _Connection) -> None:
+        """Stop using ``conn`` now (lost, replaced, or the session ended).
+
+        Its reads and writes in progress fail at once; the session task closes it.
+        """
+        if conn.retired:
             return
-        self._idle = trio.Event()
-        core = self.core
-        reader = conn.reader
-        try:
-            with trio.CancelScope() as scope:
-                self._conn_scope = scope
-                if self.ended is not None:
-                    scope.cancel()
-                while True:
-                    while self._inbound_bytes > _MAX_INBOUND_BYTES:
-                        await self._changed.wait()
-                    header = bytes(await reader.take(HEADER_SIZE))
-                    n = core.receive_header(header)
-                    event = core.receive_body(header, await reader.take(n))
-                    if type(event) is bytearray:
-                        self._inbound_bytes += len(event)
-                        self._inbound_send.send_nowait(event)
-                    elif type(event) is Closed:
-                        self._end(f"consumer closed the session: {event.reason}")
-                        return
-                    self._notify()
-                    if core.ack_due and not self._wire.locked():
-                        async with self._wire:
-                            await self._transmit(core.seal_ack())
-        except CONNECTION_LOST as exc:
-            log.info("session %s lost its connection: %r", self.session_id.hex(), exc)
-        except RemoteProtocolError as exc:
-            # Dropping the connection (not the session) lets an honest consumer whose
-            # bytes were damaged in transit resume and resend.
-            log.warning("session %s: dropping connection: %s", self.session_id.hex(), exc)
-        finally:
-            core.abort_partial_read()
-            self._conn_scope = None
-            if self._conn is conn:
-                self._conn = None
-                self._attached = trio.Event()
-            self._idle.set()
-            self._notify()
-            with trio.CancelScope(shield=True):
-                await trio.aclose_forcefully(conn.reader.stream)
+        conn.retired = True
+        conn.reader.interrupt()
+        self._retired.append(conn)
+        if self._conn is conn:
+            self._conn = None
+        self._conn_changed.fire()
+        self._progress.fire()
+
+    def take_over(self) -> None:
+        """Detach the current connection: a resume is replacing it."""
+        if self._conn is not None:
+            self._detach(self._conn)
+
+    def attach(self, conn: _Connection) -> None:
+        self._conn = conn
+        self._conn_changed.fire()
+        self._progress.fire()
 
     async def _transmit(self, record: Record) -> None:
         """Write one sealed record if connected; a failure just detaches (it is buffered)."""
@@ -258,46 +325,134 @@ class _Session:
         try:
             await conn.writer.send(*record)
         except CONNECTION_LOST as exc:
-            log.info("session %s: send failed, awaiting resume: %r", self.session_id.hex(), exc)
-            if self._conn is conn and self._conn_scope is not None:
-                self._conn_scope.cancel()
+            if not conn.retired:
+                log.info("session %s: send failed, awaiting resume: %r", self.session_id.hex(), exc)
+            self._detach(conn)
 
-    async def take_over(self) -> None:
-        """Stop the current read loop (a resume is replacing its connection)."""
-        if self._conn_scope is not None:
-            self._conn_scope.cancel()
-        if self._conn is not None or not self._idle.is_set():
-            await self._idle.wait()
+    # --- reading ----------------------------------------------------------------------
 
-    def attach(self, conn: _Connection) -> None:
-        self._conn = conn
-        self._attached.set()
-        self._notify()
+    async def _read_record(self, conn: _Connection) -> bytearray | None:
+        """Read and open one record as the session's reader; return a finished frame.
+
+        A lost or corrupt connection is detached (the consumer resumes on a new one).
+        Cancellation loses nothing: bytes are only consumed once the whole record is
+        buffered, nothing awaits between that and opening it, and a frame is queued
+        before an acknowledgement is written.
+        """
+        core = self.core
+        reader = conn.reader
+        self._reading = True
+        try:
+            n = core.receive_header(await reader.peek(HEADER_SIZE))
+            record = await reader.peek(HEADER_SIZE + n)
+            reader.consume(HEADER_SIZE + n)
+            event = core.receive_body(record[:HEADER_SIZE], record[HEADER_SIZE:])
+        except CONNECTION_LOST as exc:
+            core.abort_partial_read()
+            if not conn.retired:
+                log.info("session %s lost its connection: %r", self.session_id.hex(), exc)
+            self._detach(conn)
+            return None
+        except RemoteProtocolError as exc:
+            core.abort_partial_read()
+            # Dropping the connection (not the session) lets an honest consumer whose
+            # bytes were damaged in transit resume and resend.
+            log.warning("session %s: dropping connection: %s", self.session_id.hex(), exc)
+            self._detach(conn)
+            return None
+        except BaseException:
+            core.abort_partial_read()
+            raise
+        finally:
+            self._reading = False
+            self._progress.fire()
+        frame = None
+        if type(event) is bytearray:
+            frame = event
+        elif type(event) is Closed:
+            self._end(f"consumer closed the session: {event.reason}")
+        if core.ack_due and not self._wire.locked:
+            # (A sender holding the wire carries the ack on its next record instead.)
+            if frame is not None:
+                self._queue(frame)  # kept safe across the write below
+                frame = None
+            await self._acknowledge()
+        return frame
+
+    async def _acknowledge(self) -> None:
+        """Send an ``ACK`` record now, so the consumer can free its retransmit buffer.
+
+        Sent at once rather than left for the next reply: a consumer streaming large
+        frames then reuses that memory instead of allocating more.
+        """
+        conn = self._conn
+        if conn is None or self.ended is not None:
+            return  # a resume tells the consumer what we hold
+        await self._wire.acquire()  # free (the caller checked): returns at once
+        try:
+            await self._transmit(self.core.seal_ack())
+        except BaseException:
+            # Cancelled mid-write: the stream may hold part of the record. Dropping the
+            # connection makes the consumer resume and get the record whole.
+            self._detach(conn)
+            raise
+        finally:
+            self._wire.release()
 
     # --- the channel ------------------------------------------------------------------
+
+    async def receive_frame(self) -> bytearray:
+        checkpointed = False
+        while not self._inbox:
+            if self.ended is not None:
+                raise SessionClosedError(self.ended)
+            conn = self._conn
+            if self._reading or conn is None:
+                await self._progress.wait()  # another task reads, or no connection yet
+                checkpointed = True
+                continue
+            reads = conn.reader.reads
+            frame = await self._read_record(conn)
+            # Every read from the stream is a checkpoint; a frame that was already
+            # buffered must pass one below, so it waits in the inbox meanwhile.
+            checkpointed = checkpointed or conn.reader.reads != reads
+            if frame is not None:
+                if checkpointed:
+                    return frame
+                self._queue(frame)
+        if not checkpointed:
+            await trio.lowlevel.checkpoint()
+        frame = self._inbox.popleft()
+        self._inbox_bytes -= len(frame)
+        self._progress.fire()  # a sender may be waiting for room in the inbox
+        return frame
+
+    def _queue(self, frame: bytearray) -> None:
+        self._inbox.append(frame)
+        self._inbox_bytes += len(frame)
 
     async def send_frame(self, parts: Sequence[Buffer]) -> None:
         if self.ended is not None:
             raise SessionClosedError(self.ended)
-        await _acquire(self._frames)
+        if not (self._frames.locked or self._wire.locked or self.core.must_wait):
+            # Nobody else is sending: a frame that fits in one record is sealed and
+            # written in one go. Sealing and taking the wire happen without an await in
+            # between, so records still leave in the order they were sealed.
+            record = self.core.seal_single(parts)
+            if record is not None:
+                await self._send_single(record)
+                return
+        await self._frames.acquire()
         try:
             records = self.core.seal_frame(parts)
             started = False
             try:
                 while True:
-                    while self.core.must_wait:
-                        if self.ended is not None:
-                            raise SessionClosedError(self.ended)
-                        if self.core.ack_due:
-                            await _acquire(self._wire)
-                            try:
-                                await self._transmit(self.core.seal_ack())
-                            finally:
-                                self._wire.release()
-                        await self._changed.wait()
+                    if self.core.must_wait:
+                        await self._wait_for_acks()
                     if self.ended is not None:
                         raise SessionClosedError(self.ended)
-                    await _acquire(self._wire)
+                    await self._wire.acquire()
                     try:
                         record = next(records, None)
                         if record is None:
@@ -314,15 +469,34 @@ class _Session:
         finally:
             self._frames.release()
 
-    async def receive_frame(self) -> bytearray:
+    async def _send_single(self, record: Record) -> None:
+        await self._wire.acquire()  # free (the caller checked): returns at once
         try:
-            frame = await self._inbound_recv.receive()
-        except (trio.EndOfChannel, trio.ClosedResourceError):
-            raise SessionClosedError(self.ended or "session closed") from None
-        self._inbound_bytes -= len(frame)
-        if self._inbound_bytes <= _MAX_INBOUND_BYTES:
-            self._notify()
-        return frame
+            await self._transmit(record)
+        except BaseException:
+            # Maybe part of the record left: the stream cannot continue.
+            self._end("a frame was abandoned halfway (sender cancelled)")
+            raise
+        finally:
+            self._wire.release()
+
+    async def _wait_for_acks(self) -> None:
+        """Read records until the peer has acknowledged enough of the retransmit buffer.
+
+        Frames read meanwhile wait in the inbox for ``receive_frame``.
+        """
+        while self.core.must_wait:
+            if self.ended is not None:
+                raise SessionClosedError(self.ended)
+            conn = self._conn
+            if self._reading or conn is None or self._inbox_bytes > _MAX_INBOUND_BYTES:
+                # Another task reads, no connection yet, or the handler must take
+                # frames first (TCP backpressure then reaches the consumer).
+                await self._progress.wait()
+                continue
+            frame = await self._read_record(conn)
+            if frame is not None:
+                self._queue(frame)
 
 
 class SecureServer:
@@ -464,11 +638,11 @@ class SecureServer:
         await writer.send(resume.challenge())
         resume.on_proof(await reader.read_handshake())
         async with session.resume_lock:
-            await session.take_over()
-            if session.ended is not None:
-                await writer.send(hs.error_message(f"session ended: {session.ended}"))
-                return False
+            session.take_over()
             async with session._wire:
+                if session.ended is not None:
+                    await writer.send(hs.error_message(f"session ended: {session.ended}"))
+                    return False
                 try:
                     resend = session.core.resend_from(request.received)
                 except RemoteProtocolError as exc:
@@ -482,19 +656,6 @@ class SecureServer:
         self._resumes += 1
         log.info("session %s resumed (%d records resent)", session.session_id.hex(), len(resend))
         return True
-
-
-async def _acquire(lock: trio.Lock) -> None:
-    """Take ``lock`` without a scheduling checkpoint when it is free.
-
-    ``async with lock`` always yields to the scheduler (about 5 µs here), twice per
-    frame; on the round-trip path that is a noticeable share of the budget. The send
-    itself still checkpoints, so cancellation and fairness are unaffected.
-    """
-    if lock.locked():
-        await lock.acquire()
-    else:
-        lock.acquire_nowait()
 
 
 async def _send_error(writer: StreamWriter, reason: str) -> None:
