@@ -124,29 +124,42 @@ BENCH_TASKS = {
 }
 
 
-def step_time(spec: Task, device: str, steps: int) -> float:
+def trainer(spec: Task, device: str):
+    """One training step of ``spec`` on ``device`` per call, ending at a sync point."""
     torch.manual_seed(0)
     model = spec.make_model().to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(0)
     batches = [tuple(t.to(device) for t in spec.make_batch(gen)) for _ in range(4)]
+    count = iter(range(1 << 62))
 
-    def one(i):
-        x, y = batches[i % len(batches)]
+    def one() -> float:
+        x, y = batches[next(count) % len(batches)]
         opt.zero_grad()
         loss = spec.loss(model(x), y)
         loss.backward()
         opt.step()
         return loss.item()  # a sync point every step, as real loops log the loss
 
-    for i in range(3):
-        one(i)
-    samples = []
-    for i in range(steps):
-        t0 = time.perf_counter()
-        one(i)
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return one
+
+
+def step_ratio(spec: Task, steps: int) -> float:
+    """Median remote step time over median local step time.
+
+    Local and remote steps alternate, so load from other processes on this small machine
+    falls on both sides alike instead of on whichever ran second.
+    """
+    local, far = trainer(spec, "cpu"), trainer(spec, "cumulus")
+    for _ in range(3):
+        local(), far()
+    samples: dict[str, list[float]] = {"local": [], "far": []}
+    for _ in range(steps):
+        for name, step in (("local", local), ("far", far)):
+            t0 = time.perf_counter()
+            step()
+            samples[name].append(time.perf_counter() - t0)
+    return statistics.median(samples["far"]) / statistics.median(samples["local"])
 
 
 def main() -> None:
@@ -163,9 +176,7 @@ def main() -> None:
             ratios = {}
             for task in ("mlp", "transformer"):
                 for label, spec in ((task, BENCH_TASKS[task]), (task + "_tiny", TASKS[task])):
-                    local = step_time(spec, "cpu", 5 if q else 20)
-                    far = step_time(spec, "cumulus", 5 if q else 20)
-                    ratios[label] = far / local
+                    ratios[label] = step_ratio(spec, 5 if q else 20)
             device = session.info["device"]
     result = {
         "executor_device": device,

@@ -52,8 +52,10 @@ from .transport import FrameChannel
 
 log = logging.getLogger(__name__)
 
-#: Ops queued before a batch leaves without a sync point.
-DEFAULT_BATCH_OPS = 1024
+#: Ops queued before a batch leaves without a sync point. Short enough that the executor
+#: starts computing while the client is still dispatching the rest of a training step
+#: (one step of a small transformer is ~500 ops); long enough that frames stay cheap.
+DEFAULT_BATCH_OPS = 128
 #: Handles at and above DYN_BASE are for data-dependent outputs, DYN_BLOCK per op.
 DYN_BASE = 1 << 40
 DYN_BLOCK = 1 << 10

@@ -224,7 +224,10 @@ def _make_plan(func, args, kwargs) -> Callable:
         meta_out = func(*_to_meta(args), **_to_meta(kwargs))
     except Exception:  # no meta kernel, data-dependent shape: let the executor decide
         return _sync_plan(func)
-    outs = _out_specs(schema, meta_out, args, kwargs)
+    try:
+        outs = _out_specs(schema, meta_out, args, kwargs)
+    except _UnknownListAlias:  # the executor describes such outputs, as before lists planned
+        return _sync_plan(func)
     shape = _structure(meta_out)
     name = op_name(func)
     has_cpu = _has_cpu_tensor(args) or _has_cpu_tensor(kwargs)
@@ -324,7 +327,7 @@ def _out_specs(schema, meta_out, args, kwargs) -> list[_Out]:
                 nbytes = storage_extent(meta[1], meta[2], meta[3]) * item.dtype.itemsize
                 specs.append(_Out("new", None, *meta, nbytes))
                 continue
-            sub = where if not isinstance(value, (list, tuple)) else (*where[:2], i)
+            sub = _list_item(where, i, args, kwargs) if isinstance(value, (list, tuple)) else where
             kind = "same" if alias.is_write else "view"
             if kind == "same" and _restrides(_argument(args, kwargs, sub), meta, schema.name):
                 kind = "restride"
@@ -332,13 +335,30 @@ def _out_specs(schema, meta_out, args, kwargs) -> list[_Out]:
     return specs
 
 
+def _list_item(where: tuple, i: int, args, kwargs) -> tuple:
+    """Where output ``i`` of a list return aliases: item ``i`` of a list argument
+    (``_foreach_*_``), or the one tensor argument all items are views of (``split``)."""
+    source = _argument(args, kwargs, where)
+    return (*where[:2], i) if isinstance(source, (list, tuple)) else where
+
+
 def _alias_source(schema, alias, args) -> tuple:
+    # A list of views (``Tensor(a)[]``) shows no alias set on the list itself: its items
+    # come from the argument written ``Tensor(a -> *)``.
+    wanted = alias.before_set or {"*"}
     for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is not None and arg.alias_info.before_set & alias.before_set:
+        info = arg.alias_info
+        if info is not None and (info.before_set if alias.before_set else info.after_set) & wanted:
             if i < len(args) and not arg.kwarg_only:
                 return (False, i, None)
             return (True, arg.name, None)
+    if not alias.before_set:
+        raise _UnknownListAlias(schema.name)
     raise NotImplementedError(f"cumulus cannot tell which input {schema.name} aliases")
+
+
+class _UnknownListAlias(Exception):
+    """A list of views whose source argument the schema does not name with ``-> *``."""
 
 
 #: In-place ops that only change a tensor's shape/strides: the executor need not hear of
@@ -366,8 +386,10 @@ def _mutates(schema) -> bool:
 
 
 def _non_tensor_return(ret) -> bool:
+    # Tensor lists (``split``, ``unbind``) have meta kernels like any op: planning them
+    # keeps their views local instead of a round trip that stalls the pipeline.
     text = str(ret.type)
-    return not (text.startswith("Tensor") or text == "Optional[Tensor]")
+    return not (text.startswith("Tensor") or text in ("Optional[Tensor]", "List[Tensor]"))
 
 
 def _structure(meta_out) -> Callable[[list], Any]:
