@@ -214,3 +214,17 @@ def test_eval_mode_batch_norm_matches_cpu(cumulus):
 def test_single_element_views_download(cumulus):
     x = torch.arange(6.0).reshape(2, 3)
     assert torch.diagonal(x.to("cumulus")[:1, 1:2]).cpu().tolist() == [1.0]
+
+
+def test_a_cpu_model_with_gradients_moves_with_its_gradients(cumulus):
+    # Module._apply swaps each moved parameter (and its grad) with its CPU original right
+    # after queueing the upload; the upload must not name the swapped-out object.
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    lin(torch.randn(2, 4)).sum().backward()
+    weight, grad = lin.weight.detach().clone(), lin.weight.grad.clone()
+    lin.to("cumulus")
+    torch.cumulus.synchronize()
+    assert lin.weight.device.type == lin.weight.grad.device.type == "cumulus"
+    assert torch.equal(lin.weight.cpu(), weight)
+    assert torch.equal(lin.weight.grad.cpu(), grad)

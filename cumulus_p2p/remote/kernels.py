@@ -48,7 +48,10 @@ def _copy_from(src, dst, non_blocking=False):
         if type(src) is RemoteTensor:
             session.submit(["aten.copy_.default", [dst, src], {}, [None]])
         else:
-            session.submit(["aten.copy_.default", [dst, session.add_blob(src)], {}, [None]])
+            # Sent now: Module._apply may swap_tensors() ``dst`` with a CPU tensor
+            # before the batch would leave, and the record names ``dst`` itself.
+            record = ["aten.copy_.default", [dst, session.add_blob(src)], {}, [None]]
+            session.submit(record, flush_now=True)
         return dst
     dst.copy_(download(src))
     return dst

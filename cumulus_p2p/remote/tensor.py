@@ -259,7 +259,10 @@ def _async_plan(name, outs, shape, has_cpu) -> Callable:
             args, kwargs = _ship_cpu_tensors(session, args), _ship_cpu_tensors(session, kwargs)
         wire: list = []
         results = [_build(o, args, kwargs, session, wire) for o in outs]
-        session.submit([name, args, kwargs, wire])
+        # An op fed from CPU tensors (an upload, as in ``.to("cumulus")``) leaves at once:
+        # Module._apply may swap_tensors() its operands with CPU tensors right after, and
+        # records name tensors by their Python objects until the batch is encoded.
+        session.submit([name, args, kwargs, wire], flush_now=has_cpu)
         return shape(results)
 
     return run
