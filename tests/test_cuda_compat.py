@@ -172,12 +172,12 @@ def test_cuda_manual_seed_seeds_the_remote_generator(cumulus, compat):
     assert torch.equal(torch.randn(5), first)  # the CPU executor draws the CPU's stream
 
 
-def test_cuda_rng_state_reads_empty_with_a_warning(cumulus, compat, monkeypatch):
-    monkeypatch.setattr(cuda_compat, "_WARNED", set())
-    with pytest.warns(RuntimeWarning, match="manual_seed"):
-        state = torch.cuda.get_rng_state()
-    assert state.numel() == 0
+def test_cuda_rng_state_saves_and_restores_the_remote_generator(cumulus, compat):
+    torch.manual_seed(5)
+    state = torch.cuda.get_rng_state()
+    first = torch.randn(5, device="cuda").cpu()
     torch.cuda.set_rng_state(state)
+    assert torch.equal(torch.randn(5, device="cuda").cpu(), first)
     torch.cuda.set_rng_state_all(torch.cuda.get_rng_state_all())
 
 

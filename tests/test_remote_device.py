@@ -228,3 +228,19 @@ def test_a_cpu_model_with_gradients_moves_with_its_gradients(cumulus):
     assert lin.weight.device.type == lin.weight.grad.device.type == "cumulus"
     assert torch.equal(lin.weight.cpu(), weight)
     assert torch.equal(lin.weight.grad.cpu(), grad)
+
+
+def test_fork_rng_restores_the_remote_generator(cumulus):
+    torch.manual_seed(3)
+    expected = torch.rand(4)  # the CPU stream a CPU executor reproduces
+    torch.manual_seed(3)
+    with torch.random.fork_rng(device_type="cumulus"):
+        torch.rand(16, device="cumulus")  # drawn, then forgotten
+    assert torch.equal(torch.rand(4, device="cumulus").cpu(), expected)
+
+
+def test_a_generator_state_of_the_wrong_size_fails_at_the_next_sync(cumulus):
+    torch.cumulus.set_rng_state(torch.zeros(3, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="does not fit"):
+        torch.cumulus.synchronize()
+    assert torch.cumulus.get_rng_state().numel() > 3  # the session carries on

@@ -267,6 +267,16 @@ class RemoteSession:
         result, _ = self.flush(["stats"])
         return result
 
+    def rng_state(self) -> torch.Tensor:
+        """The executor's generator state for this session (a uint8 CPU tensor)."""
+        _, blobs = self.flush(["rng"])
+        return torch.frombuffer(bytearray(blobs[0]), dtype=torch.uint8)
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        """Restore a state ``rng_state`` returned; a wrong one fails at the next sync."""
+        state = state.detach().to("cpu", torch.uint8).contiguous()
+        self.submit(["@rng", [self.add_blob(state)], {}, None])
+
     def seed(self, seed: int) -> None:
         self.submit(["@seed", [int(seed) & (2**64 - 1)], {}, None])
 

@@ -59,7 +59,6 @@ import contextlib
 import os
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -69,7 +68,7 @@ from torch.overrides import TorchFunctionMode
 
 from .._errors import SessionClosedError
 from .client import CURRENT, RemoteSession
-from .device import NAME
+from .device import NAME, CumulusModule
 from .tensor import DEVICE, RemoteTensor
 
 __all__ = ["NO_SESSION_MESSAGE", "cuda_compat", "disable", "enable", "is_enabled"]
@@ -457,27 +456,10 @@ def _true(*args, **kwargs) -> bool:
     return True
 
 
-#: Said once per process when a script reads or restores the CUDA RNG state.
-RNG_STATE_WARNING = (
-    "the cumulus device's RNG state cannot be read or restored yet: "
-    "torch.cuda.get_rng_state() returns an empty state and set_rng_state() ignores it. "
-    "Reseed with torch.manual_seed to make a run reproducible."
-)
-_WARNED: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
 def _get_rng_state(device=None) -> torch.Tensor:
-    # Empty rather than an error: torch (torch.compile) and training frameworks save and
-    # restore the CUDA RNG state as a matter of course whenever CUDA is available.
+    """The remote generator's state: the executor's, for this session."""
     _check_index(device)
-    _warn_once(RNG_STATE_WARNING)
-    return torch.empty(0, dtype=torch.uint8)
+    return CumulusModule.get_rng_state()
 
 
 def _get_rng_state_all() -> list[torch.Tensor]:
@@ -486,8 +468,7 @@ def _get_rng_state_all() -> list[torch.Tensor]:
 
 def _set_rng_state(new_state: torch.Tensor, device=None) -> None:
     _check_index(device)
-    if new_state.numel():
-        _warn_once(RNG_STATE_WARNING)
+    CumulusModule.set_rng_state(new_state)
 
 
 def _set_rng_state_all(new_states) -> None:

@@ -87,6 +87,16 @@ class CumulusModule:
     manual_seed_all = manual_seed
 
     @staticmethod
+    def get_rng_state(device=None) -> torch.Tensor:
+        """The session generator's state on the executor (for ``torch.random.fork_rng``)."""
+        return current_session().rng_state()
+
+    @staticmethod
+    def set_rng_state(new_state: torch.Tensor, device=None) -> None:
+        """Restore a state from ``get_rng_state``."""
+        current_session().set_rng_state(new_state)
+
+    @staticmethod
     def _is_in_bad_fork() -> bool:
         return False
 

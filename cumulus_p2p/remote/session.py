@@ -51,7 +51,7 @@ DYN_BLOCK = 1 << 10  # handles a client reserves per data-dependent op (client.D
 #: Most bytes one ``read`` query may ask for; the client asks for 32 MiB at a time.
 MAX_READ_BYTES = 64 * 1024 * 1024
 #: Queries whose reply blobs are recomputed, not kept, for ``resend``.
-_BLOB_QUERIES = {"fetch", "checkpoint", "read"}
+_BLOB_QUERIES = {"fetch", "checkpoint", "read", "rng"}
 _EMPTY_OPS = {"empty.memory_format", "empty_strided.default", "new_empty.default"}
 
 
@@ -492,6 +492,8 @@ class ExecutorSession:
             return self._stats_map(), []
         if kind == "sync":
             return None, []
+        if kind == "rng" and len(query) == 1:
+            return None, [_tensor_bytes(self.ctx.generator().get_state())]
         if kind == "checkpoint" and len(query) == 1:
             return self._manifest(), [_tensor_bytes(self.ctx.generator().get_state())]
         if kind == "read" and len(query) == 2:
