@@ -245,9 +245,16 @@ def _plain_errors() -> Iterator[None]:
         yield
     except BaseExceptionGroup as group:
         leaves = _leaves(group)
-        if len(leaves) == 1 and isinstance(leaves[0], CumulusError | KeyboardInterrupt):
-            raise leaves[0] from None
-        raise
+        # Our own error first: what else failed did so while the node was shutting
+        # down because of it (py-libp2p services can raise as they are torn down).
+        ours = [e for e in leaves if isinstance(e, CumulusError | KeyboardInterrupt)]
+        if not ours:
+            raise
+        for other in leaves:
+            if other is not ours[0]:
+                logging.getLogger("cumulus_p2p.cli").debug(
+                    "also raised while stopping: %r", other, exc_info=other)
+        raise ours[0] from None
 
 
 def _leaves(group: BaseExceptionGroup) -> list[BaseException]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import subprocess
 import time
 
+import pytest
+
 from cumulus_p2p.identity import KEY_FILE_NAME, NodeIdentity
 from cumulus_p2p.testing.nodes import LOOPBACK_LISTEN, node_command, start_node
 
@@ -129,6 +131,17 @@ def test_impossible_requirements_end_after_the_match_timeout_with_what_the_book_
     finally:
         provider.stop()
         boot.stop()
-    assert result.returncode == 4
+    assert result.returncode == 4, result.stdout + result.stderr
     assert "none meets the bid" in result.stdout and "Largest VRAM offered" in result.stdout
     assert elapsed < 30
+
+
+def test_our_error_wins_over_errors_raised_while_the_node_stops():
+    from cumulus_p2p._errors import NoMatchError
+    from cumulus_p2p.cli import _plain_errors
+
+    group = BaseExceptionGroup("nursery", [RuntimeError("teardown"), NoMatchError("no offer")])
+    with pytest.raises(NoMatchError, match="no offer"), _plain_errors():
+        raise group
+    with pytest.raises(BaseExceptionGroup), _plain_errors():
+        raise BaseExceptionGroup("nursery", [RuntimeError("a bug")])
