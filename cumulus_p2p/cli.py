@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             split = argv.index("--")
             argv, command = argv[:split], argv[split + 1:]
         parser = build_parser()
+        _apply_config_defaults(parser, argv)
         args = parser.parse_args(argv)
         _check_args(parser, args, command)
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -211,9 +212,35 @@ def _data_dir(args) -> DataDir:
     return DataDir(args.data_dir or default_data_dir())
 
 
+#: Flags a config.json may not set: they choose what to run and where the config lives.
+_NOT_CONFIGURABLE = {"help", "provide", "consume", "data_dir"}
+
+
+def _apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """Take flag defaults from the data directory's ``config.json``.
+
+    Raises:
+        NodeConfigError: The file is not JSON, or names a flag that does not exist.
+    """
+    early, _ = parser.parse_known_args(argv)
+    config = _data_dir(early).config()
+    known = {a.dest for a in parser._actions} - _NOT_CONFIGURABLE
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise NodeConfigError(
+            f"config.json in {_data_dir(early).path} sets unknown flags {unknown}; valid keys "
+            f"are the long flag names with underscores: {sorted(known)}"
+        )
+    # argparse runs its type conversion on string defaults only: numbers become strings,
+    # so "price": 0.5 means what --price 0.5 means.
+    parser.set_defaults(**{
+        key: value if isinstance(value, list | bool) else str(value)
+        for key, value in config.items()
+    })
+
+
 def _mesh_config(args, data: DataDir) -> MeshConfig:
-    config = data.config()
-    bootstrap = tuple(args.bootstrap or config.get("bootstrap", ()))
+    bootstrap = tuple(args.bootstrap)
     try:
         return MeshConfig(
             listen_addrs=(args.listen,), bootstrap=bootstrap,

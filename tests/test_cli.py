@@ -145,3 +145,20 @@ def test_our_error_wins_over_errors_raised_while_the_node_stops():
         raise group
     with pytest.raises(BaseExceptionGroup), _plain_errors():
         raise BaseExceptionGroup("nursery", [RuntimeError("a bug")])
+
+
+def test_config_json_supplies_flag_defaults(tmp_path):
+    (tmp_path / "config.json").write_text('{"price": 0.25, "shares": 2, "bench_seconds": 0.1}')
+    provider = start_node(tmp_path, "--provide", "--listen", LOOPBACK_LISTEN, "--no-live")
+    try:
+        line = provider.wait_for("providing")
+    finally:
+        provider.stop()
+    assert "2 shares at 0.250000/share-hour" in line
+
+
+def test_config_json_naming_an_unknown_flag_is_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text('{"prize": 0.25}')
+    result = run("--data-dir", str(tmp_path), "--listen", LOOPBACK_LISTEN, timeout=30)
+    assert result.returncode == 3
+    assert "unknown flags ['prize']" in result.stdout
