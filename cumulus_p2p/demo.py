@@ -94,7 +94,7 @@ class Demo:
         consumer = start_node(
             self.root / "consumer", "--consume", "--listen", LOOPBACK_LISTEN,
             "--bootstrap", boot, "--announce-interval", "1", "--max-price", "1.0",
-            "--checkpoint-interval", "2s", "--", *self.script()[1:],
+            "--checkpoint-interval", "2s", "--", "python", *self.script()[1:],
             env={"CUMULUS_RESUME_TIMEOUT": "2"},
         )  # fmt: skip
         self.nodes["consumer"] = consumer
