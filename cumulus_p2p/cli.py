@@ -88,61 +88,149 @@ def build_parser() -> argparse.ArgumentParser:
     )
     role = parser.add_mutually_exclusive_group()
     role.add_argument("--provide", action="store_true", help="offer this machine's device")
-    role.add_argument("--consume", action="store_true",
-                      help="rent a device and run the script given after --")
+    role.add_argument(
+        "--consume", action="store_true", help="rent a device and run the script given after --"
+    )
     node = parser.add_argument_group("node")
-    node.add_argument("--data-dir", type=Path, default=None,
-                      help="identity, config and ledger (default $CUMULUS_DATA_DIR or ~/.cumulus)")
-    node.add_argument("--listen", default=DEFAULT_LISTEN,
-                      help=f"libp2p listen multiaddr (default {DEFAULT_LISTEN})")
-    node.add_argument("--bootstrap", action="append", default=[], metavar="ADDR",
-                      help="a known node's /ip4/.../tcp/.../p2p/<id> address; repeatable")
-    node.add_argument("--announce-interval", type=float, default=10.0, metavar="SECONDS",
-                      help="seconds between re-announcements of offers and bids (default 10)")
-    node.add_argument("--no-live", action="store_true",
-                      help="plain log lines instead of the live status table")
+    node.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="identity, config and ledger (default $CUMULUS_DATA_DIR or ~/.cumulus)",
+    )
+    node.add_argument(
+        "--listen",
+        default=DEFAULT_LISTEN,
+        help=f"libp2p listen multiaddr (default {DEFAULT_LISTEN})",
+    )
+    node.add_argument(
+        "--bootstrap",
+        action="append",
+        default=[],
+        metavar="ADDR",
+        help="a known node's /ip4/.../tcp/.../p2p/<id> address; repeatable",
+    )
+    node.add_argument(
+        "--announce-interval",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="seconds between re-announcements of offers and bids (default 10)",
+    )
+    node.add_argument(
+        "--no-live", action="store_true", help="plain log lines instead of the live status table"
+    )
     node.add_argument("-v", "--verbose", action="store_true", help="log more")
     provide = parser.add_argument_group("--provide")
-    provide.add_argument("--price", type=parse_price, default=parse_price("1.0"),
-                         help="asking price in credits per share-hour (default 1.0)")
-    provide.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                         help="auto: the first GPU NVML sees, else the CPU (default auto)")
-    provide.add_argument("--session-host", default="127.0.0.1",
-                         help="address the session channel binds (default 127.0.0.1)")
-    provide.add_argument("--session-port", type=int, default=0,
-                         help="session channel port (default: any free port)")
-    provide.add_argument("--advertise-host", default=None,
-                         help="address consumers dial for sessions (default --session-host)")
+    provide.add_argument(
+        "--price",
+        type=parse_price,
+        default=parse_price("1.0"),
+        help="asking price in credits per share-hour (default 1.0)",
+    )
+    provide.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="auto: the first GPU NVML sees, else the CPU (default auto)",
+    )
+    provide.add_argument(
+        "--session-host",
+        default="127.0.0.1",
+        help="address the session channel binds (default 127.0.0.1)",
+    )
+    provide.add_argument(
+        "--session-port", type=int, default=0, help="session channel port (default: any free port)"
+    )
+    provide.add_argument(
+        "--advertise-host",
+        default=None,
+        help="address consumers dial for sessions (default --session-host)",
+    )
     provide.add_argument("--region", default="", help="free-form region hint, e.g. eu-west")
-    provide.add_argument("--min-lease", type=parse_duration, default=0, metavar="DURATION",
-                         help="shortest lease accepted (default none)")
-    provide.add_argument("--receipt-interval", type=parse_duration, default=30,
-                         metavar="DURATION", help="time between usage receipts (default 30s)")
-    provide.add_argument("--bench-seconds", type=float, default=0.5,
-                         help="length of the start-up self benchmark (default 0.5)")
+    provide.add_argument(
+        "--min-lease",
+        type=parse_duration,
+        default=0,
+        metavar="DURATION",
+        help="shortest lease accepted (default none)",
+    )
+    provide.add_argument(
+        "--receipt-interval",
+        type=parse_duration,
+        default=30,
+        metavar="DURATION",
+        help="time between usage receipts (default 30s)",
+    )
+    provide.add_argument(
+        "--bench-seconds",
+        type=float,
+        default=0.5,
+        help="length of the start-up self benchmark (default 0.5)",
+    )
     consume = parser.add_argument_group("--consume")
-    consume.add_argument("--gpu", action="append", default=[], metavar="MODEL",
-                         help="acceptable device model; repeatable (default any)")
-    consume.add_argument("--min-vram", type=_size, default=0, metavar="SIZE",
-                         help="least device memory, e.g. 16GiB (default 0)")
-    consume.add_argument("--min-perf", type=int, default=0,
-                         help="least performance units (GFLOP/s; default 0)")
-    consume.add_argument("--max-price", type=parse_price, default=parse_price("10"),
-                         help="most credits per share-hour (default 10)")
-    consume.add_argument("--priority", choices=["on-demand", "interruptible"],
-                         default="on-demand", help="lease class (default on-demand)")
-    consume.add_argument("--duration", type=parse_duration, default=3600, metavar="DURATION",
-                         help="lease length (default 1h)")
-    consume.add_argument("--match-timeout", type=parse_duration, default=60,
-                         metavar="DURATION", help="how long to wait for a match (default 60s)")
-    consume.add_argument("--checkpoint-interval", type=parse_duration, default=30,
-                         metavar="DURATION",
-                         help="time between session checkpoints for failover (default 30s)")
-    consume.add_argument("--no-cuda-compat", action="store_true",
-                         help="do not map torch.cuda and device='cuda' to the remote device")
+    consume.add_argument(
+        "--gpu",
+        action="append",
+        default=[],
+        metavar="MODEL",
+        help="acceptable device model; repeatable (default any)",
+    )
+    consume.add_argument(
+        "--min-vram",
+        type=_size,
+        default=0,
+        metavar="SIZE",
+        help="least device memory, e.g. 16GiB (default 0)",
+    )
+    consume.add_argument(
+        "--min-perf", type=int, default=0, help="least performance units (GFLOP/s; default 0)"
+    )
+    consume.add_argument(
+        "--max-price",
+        type=parse_price,
+        default=parse_price("10"),
+        help="most credits per share-hour (default 10)",
+    )
+    consume.add_argument(
+        "--priority",
+        choices=["on-demand", "interruptible"],
+        default="on-demand",
+        help="lease class (default on-demand)",
+    )
+    consume.add_argument(
+        "--duration",
+        type=parse_duration,
+        default=3600,
+        metavar="DURATION",
+        help="lease length (default 1h)",
+    )
+    consume.add_argument(
+        "--match-timeout",
+        type=parse_duration,
+        default=60,
+        metavar="DURATION",
+        help="how long to wait for a match (default 60s)",
+    )
+    consume.add_argument(
+        "--checkpoint-interval",
+        type=parse_duration,
+        default=30,
+        metavar="DURATION",
+        help="time between session checkpoints for failover (default 30s)",
+    )
+    consume.add_argument(
+        "--no-cuda-compat",
+        action="store_true",
+        help="do not map torch.cuda and device='cuda' to the remote device",
+    )
     both = parser.add_argument_group("--provide and --consume")
-    both.add_argument("--shares", type=int, default=None,
-                      help="share units to offer (default 4) or to lease (default 1)")
+    both.add_argument(
+        "--shares",
+        type=int,
+        default=None,
+        help="share units to offer (default 4) or to lease (default 1)",
+    )
     return parser
 
 
@@ -154,8 +242,12 @@ def build_view_parser() -> argparse.ArgumentParser:
         "reliability score and the evidence behind it) or ledger (receipts).",
     )
     parser.add_argument("view", choices=VIEWS)
-    parser.add_argument("--data-dir", type=Path, default=None,
-                        help="the node's data directory (default $CUMULUS_DATA_DIR or ~/.cumulus)")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="the node's data directory (default $CUMULUS_DATA_DIR or ~/.cumulus)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
@@ -169,13 +261,15 @@ def main(argv: list[str] | None = None) -> int:
         command: list[str] = []
         if "--" in argv:
             split = argv.index("--")
-            argv, command = argv[:split], argv[split + 1:]
+            argv, command = argv[:split], argv[split + 1 :]
         parser = build_parser()
         _apply_config_defaults(parser, argv)
         args = parser.parse_args(argv)
         _check_args(parser, args, command)
-        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                            format="%(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=logging.INFO if args.verbose else logging.WARNING,
+            format="%(levelname)s %(name)s: %(message)s",
+        )
         return run_node(args, command, console)
     except NodeConfigError as exc:
         console.print(f"[red]cumulus-node:[/red] {exc}", highlight=False)
@@ -233,10 +327,12 @@ def _apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str]) -> 
         )
     # argparse runs its type conversion on string defaults only: numbers become strings,
     # so "price": 0.5 means what --price 0.5 means.
-    parser.set_defaults(**{
-        key: value if isinstance(value, list | bool) else str(value)
-        for key, value in config.items()
-    })
+    parser.set_defaults(
+        **{
+            key: value if isinstance(value, list | bool) else str(value)
+            for key, value in config.items()
+        }
+    )
 
 
 def _mesh_config(args, data: DataDir) -> MeshConfig:
@@ -280,7 +376,8 @@ def _plain_errors() -> Iterator[None]:
         for other in leaves:
             if other is not ours[0]:
                 logging.getLogger("cumulus_p2p.cli").debug(
-                    "also raised while stopping: %r", other, exc_info=other)
+                    "also raised while stopping: %r", other, exc_info=other
+                )
         raise ours[0] from None
 
 
@@ -297,8 +394,9 @@ def _check_listen(listen: str) -> None:
     try:
         multiaddr.Multiaddr(listen)
     except Exception as exc:  # noqa: BLE001 - multiaddr raises several unrelated types
-        raise NodeConfigError(f"--listen {listen!r} is not a multiaddr "
-                              "(e.g. /ip4/0.0.0.0/tcp/4001)") from exc
+        raise NodeConfigError(
+            f"--listen {listen!r} is not a multiaddr (e.g. /ip4/0.0.0.0/tcp/4001)"
+        ) from exc
 
 
 async def _route(data: DataDir, mesh_config: MeshConfig, console: Console) -> int:
@@ -307,11 +405,18 @@ async def _route(data: DataDir, mesh_config: MeshConfig, console: Console) -> in
     async with open_runtime(data.identity(), data, mesh_config) as runtime:
         _print_addrs(console, runtime.mesh.addrs)
         while True:
-            data.write_state({"role": "bootstrap", "peer_id": runtime.peer_id,
-                              "addrs": [str(a) for a in runtime.mesh.addrs],
-                              "peers": runtime.peers(), "offers": runtime.offers(),
-                              "scores": runtime.scores(),
-                              "leases": [], "updated": time.time()})
+            data.write_state(
+                {
+                    "role": "bootstrap",
+                    "peer_id": runtime.peer_id,
+                    "addrs": [str(a) for a in runtime.mesh.addrs],
+                    "peers": runtime.peers(),
+                    "offers": runtime.offers(),
+                    "scores": runtime.scores(),
+                    "leases": [],
+                    "updated": time.time(),
+                }
+            )
             await trio.sleep(1.0)
 
 
@@ -333,7 +438,8 @@ async def _provide(args, data: DataDir, mesh_config: MeshConfig, console: Consol
     with console.status("self benchmark..."):
         target = f"cuda:{device.index}" if device.kind == "cuda" else "cpu"
         perf = await trio.to_thread.run_sync(
-            lambda: hardware.self_benchmark(target, seconds=args.bench_seconds))
+            lambda: hardware.self_benchmark(target, seconds=args.bench_seconds)
+        )
     options = ProviderOptions(
         device=device, perf_units=perf, shares=args.shares or 4, price=args.price,
         min_lease_s=args.min_lease, region=args.region, session_host=args.session_host,
@@ -397,7 +503,9 @@ async def _consume(args, data, mesh_config, command: list[str], console: Console
             console.print(
                 f"leased {held.proposal.shares} share(s) from {views.short(held.proposal.host)} "
                 f"at {views.credits(held.proposal.price)}/share-hour; session on "
-                f"{held.endpoint}; running {' '.join(command)}", highlight=False)
+                f"{held.endpoint}; running {' '.join(command)}",
+                highlight=False,
+            )
             sys.stdout.flush()
 
     try:
@@ -405,9 +513,11 @@ async def _consume(args, data, mesh_config, command: list[str], console: Console
     finally:
         status.stop()
     console.print(views.leases_table([r for r in consumer.snapshot()["leases"]], "consumer"))
-    console.print(f"total cost: {views.credits(consumer.cost())} credits "
-                  f"({len(list(consumer.desk.ledger.entries()))} receipts in the ledger)",
-                  highlight=False)
+    console.print(
+        f"total cost: {views.credits(consumer.cost())} credits "
+        f"({len(list(consumer.desk.ledger.entries()))} receipts in the ledger)",
+        highlight=False,
+    )
     return consumer.exit_code if consumer.exit_code is not None else 1
 
 
@@ -426,17 +536,24 @@ def show_view(args, console: Console) -> int:
     if state is None:
         raise NodeConfigError(
             f"no node has run on {data.path} yet: start one with cumulus-node --provide, "
-            "--consume or plain cumulus-node")
+            "--consume or plain cumulus-node"
+        )
     if not data.is_locked():
-        console.print(f"[yellow]the node on {data.path} is not running; this is what it "
-                      "knew when it stopped[/yellow]", highlight=False)
+        console.print(
+            f"[yellow]the node on {data.path} is not running; this is what it "
+            "knew when it stopped[/yellow]",
+            highlight=False,
+        )
     key = {"reputation": "scores"}.get(args.view, args.view)
     if args.json:
         print(json.dumps(state if args.view == "status" else state.get(key, []), indent=1))
         return 0
-    render = {"status": views.status_table, "peers": lambda s: views.peers_table(s["peers"]),
-              "offers": lambda s: views.offers_table(s["offers"]),
-              "reputation": lambda s: views.scores_table(s.get("scores", []))}[args.view]
+    render = {
+        "status": views.status_table,
+        "peers": lambda s: views.peers_table(s["peers"]),
+        "offers": lambda s: views.offers_table(s["offers"]),
+        "reputation": lambda s: views.scores_table(s.get("scores", [])),
+    }[args.view]
     console.print(render(state))
     return 0
 

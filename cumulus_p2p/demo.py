@@ -33,11 +33,15 @@ PRICES = {"provider-a": "0.40", "provider-b": "0.60"}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="cumulus-demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="cumulus-demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
-    parser.add_argument("--no-kill", action="store_true",
-                        help="let the first provider live (no failover)")
+    parser.add_argument(
+        "--no-kill", action="store_true", help="let the first provider live (no failover)"
+    )
     args = parser.parse_args(argv)
     console = Console()
     with tempfile.TemporaryDirectory(prefix="cumulus-demo-") as tmp:
@@ -122,7 +126,7 @@ class Demo:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             ended = consumer.drained.is_set()  # checked first: no line arrives after it
-            for line in consumer.lines[self._printed:]:
+            for line in consumer.lines[self._printed :]:
                 self._printed += 1
                 if line.startswith("step"):
                     self.console.print("  " + line.rstrip(), highlight=False)
@@ -156,10 +160,16 @@ class Demo:
         same = local["final_loss"] == remote["final_loss"]
         if failover_s is not None:
             self.console.print(f"failover: the job ran on within {failover_s:.1f}s of the kill")
-        self.console.print(f"final loss: local CPU {local['final_loss']:.6f}, through the "
-                           f"mesh {remote['final_loss']:.6f}", highlight=False)
-        self.console.print("[green]the job finished with the same loss as a local run[/green]"
-                           if same else "[red]the losses differ[/red]")
+        self.console.print(
+            f"final loss: local CPU {local['final_loss']:.6f}, through the "
+            f"mesh {remote['final_loss']:.6f}",
+            highlight=False,
+        )
+        self.console.print(
+            "[green]the job finished with the same loss as a local run[/green]"
+            if same
+            else "[red]the losses differ[/red]"
+        )
         return 0 if same else 1
 
 

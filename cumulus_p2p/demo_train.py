@@ -66,11 +66,15 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         if step % args.log_every == 0 or step == args.steps:
-            print(f"step {step:4d}  loss {loss.item():.4f}  "
-                  f"{time.perf_counter() - started:.1f}s on {device}", flush=True)
+            print(
+                f"step {step:4d}  loss {loss.item():.4f}  "
+                f"{time.perf_counter() - started:.1f}s on {device}",
+                flush=True,
+            )
     checksum = sum(float(p.detach().double().sum().cpu()) for p in model.parameters())
-    print(json.dumps({"final_loss": loss.item(), "checksum": checksum, "device": device}),
-          flush=True)
+    print(
+        json.dumps({"final_loss": loss.item(), "checksum": checksum, "device": device}), flush=True
+    )
 
 
 if __name__ == "__main__":

@@ -15,8 +15,13 @@ from cumulus_p2p.testing.nodes import LOOPBACK_LISTEN, node_command, start_node
 
 
 def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(node_command(*args), capture_output=True, text=True,
-                          timeout=timeout, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
+    return subprocess.run(
+        node_command(*args),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"},
+    )
 
 
 def test_an_unknown_flag_is_a_usage_error_naming_it(tmp_path):
@@ -54,9 +59,20 @@ def test_provide_and_consume_together_are_refused():
 def test_help_documents_every_flag():
     result = run("--help")
     assert result.returncode == 0
-    for flag in ("--provide", "--consume", "--bootstrap", "--price", "--shares", "--gpu",
-                 "--min-vram", "--max-price", "--priority", "--match-timeout", "--data-dir",
-                 "status|peers|offers|reputation|ledger"):
+    for flag in (
+        "--provide",
+        "--consume",
+        "--bootstrap",
+        "--price",
+        "--shares",
+        "--gpu",
+        "--min-vram",
+        "--max-price",
+        "--priority",
+        "--match-timeout",
+        "--data-dir",
+        "status|peers|offers|reputation|ledger",
+    ):
         assert flag in result.stdout
 
 
@@ -80,16 +96,22 @@ def test_a_corrupt_config_file_is_reported_and_left_untouched(tmp_path):
 
 def test_a_corrupt_ledger_is_reported_and_left_untouched(tmp_path):
     ledger = tmp_path / "ledger.jsonl"
-    ledger.write_bytes(b"garbage line\n{\"also\": 1}\n")
+    ledger.write_bytes(b'garbage line\n{"also": 1}\n')
     result = run("ledger", "--data-dir", str(tmp_path))
     assert result.returncode == 3
-    assert ledger.read_bytes() == b"garbage line\n{\"also\": 1}\n"
+    assert ledger.read_bytes() == b'garbage line\n{"also": 1}\n'
 
 
 def test_an_unreachable_bootstrap_peer_is_a_clear_error(tmp_path):
     nobody = NodeIdentity.generate().peer_id.to_base58()
-    result = run("--data-dir", str(tmp_path), "--listen", LOOPBACK_LISTEN,
-                 "--bootstrap", f"/ip4/127.0.0.1/tcp/9/p2p/{nobody}")
+    result = run(
+        "--data-dir",
+        str(tmp_path),
+        "--listen",
+        LOOPBACK_LISTEN,
+        "--bootstrap",
+        f"/ip4/127.0.0.1/tcp/9/p2p/{nobody}",
+    )
     assert result.returncode == 3
     assert "no bootstrap peer could be reached" in result.stdout
 
@@ -118,15 +140,37 @@ def test_a_second_node_on_the_same_data_dir_is_refused(tmp_path):
 
 def test_impossible_requirements_end_after_the_match_timeout_with_what_the_book_held(tmp_path):
     boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
-    provider = start_node(tmp_path / "p", "--provide", "--listen", LOOPBACK_LISTEN,
-                          "--bootstrap", boot.addr, "--announce-interval", "1",
-                          "--bench-seconds", "0.1")
+    provider = start_node(
+        tmp_path / "p",
+        "--provide",
+        "--listen",
+        LOOPBACK_LISTEN,
+        "--bootstrap",
+        boot.addr,
+        "--announce-interval",
+        "1",
+        "--bench-seconds",
+        "0.1",
+    )
     try:
         provider.wait_for("providing")
         started = time.monotonic()
-        result = run("--data-dir", str(tmp_path / "c"), "--consume", "--listen",
-                     LOOPBACK_LISTEN, "--bootstrap", boot.addr, "--min-vram", "100000GiB",
-                     "--match-timeout", "4s", "--", "python", "train.py")
+        result = run(
+            "--data-dir",
+            str(tmp_path / "c"),
+            "--consume",
+            "--listen",
+            LOOPBACK_LISTEN,
+            "--bootstrap",
+            boot.addr,
+            "--min-vram",
+            "100000GiB",
+            "--match-timeout",
+            "4s",
+            "--",
+            "python",
+            "train.py",
+        )
         elapsed = time.monotonic() - started
     finally:
         provider.stop()

@@ -12,8 +12,20 @@ from cumulus_p2p.market.settlement import ReceiptDesk
 NOW = 1_700_000_000.0
 HOST, CONSUMER, MALLORY = (NodeIdentity.generate() for _ in range(3))
 HOST_ID = HOST.peer_id.to_base58()
-LEASE = LeaseProposal("L1", CONSUMER.peer_id.to_base58(), HOST_ID, "gpu0", 1, 2, 1000, NOW,
-                      150, PriorityClass.ON_DEMAND, NOW + 30, 1)
+LEASE = LeaseProposal(
+    "L1",
+    CONSUMER.peer_id.to_base58(),
+    HOST_ID,
+    "gpu0",
+    1,
+    2,
+    1000,
+    NOW,
+    150,
+    PriorityClass.ON_DEMAND,
+    NOW + 30,
+    1,
+)
 
 
 @pytest.fixture
@@ -41,8 +53,20 @@ def test_receipts_must_follow_each_other(desk):
 
 
 def test_a_receipt_for_a_lease_never_opened_is_refused(desk):
-    other = LeaseProposal("L2", LEASE.consumer, HOST_ID, "gpu0", 1, 2, 1000, NOW, 150,
-                          PriorityClass.ON_DEMAND, NOW + 30, 2)
+    other = LeaseProposal(
+        "L2",
+        LEASE.consumer,
+        HOST_ID,
+        "gpu0",
+        1,
+        2,
+        1000,
+        NOW,
+        150,
+        PriorityClass.ON_DEMAND,
+        NOW + 30,
+        2,
+    )
     raw = Meter(HOST, other, interval=60).issue(NOW + 60, nonce=1).to_bytes()
     with pytest.raises(ReceiptRejectedError, match="no lease"):
         desk.countersign(raw, sender=HOST_ID, now=NOW + 60)

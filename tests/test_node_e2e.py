@@ -99,19 +99,43 @@ def test_a_cuda_style_script_runs_unchanged_on_the_cheaper_provider_with_matchin
 def test_a_job_survives_its_provider_being_killed_and_finishes_on_the_other(tmp_path):
     boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
     providers = [
-        start_node(tmp_path / f"p{i}", "--provide", "--listen", LOOPBACK_LISTEN, "--bootstrap",
-                   boot.addr, "--price", price, "--announce-interval", "1", "--bench-seconds",
-                   "0.1", "--no-live")
+        start_node(
+            tmp_path / f"p{i}",
+            "--provide",
+            "--listen",
+            LOOPBACK_LISTEN,
+            "--bootstrap",
+            boot.addr,
+            "--price",
+            price,
+            "--announce-interval",
+            "1",
+            "--bench-seconds",
+            "0.1",
+            "--no-live",
+        )
         for i, price in enumerate(("0.3", "0.7"))
     ]
     script = ["-m", "cumulus_p2p.demo_train", "--steps", "30", "--log-every", "5"]
     try:
         for node in providers:
             node.wait_for("providing")
-        consumer = start_node(tmp_path / "consumer", "--consume", "--listen", LOOPBACK_LISTEN,
-                              "--bootstrap", boot.addr, "--announce-interval", "1",
-                              "--checkpoint-interval", "1s", "--", "python", *script,
-                              env={"CUMULUS_RESUME_TIMEOUT": "1"})
+        consumer = start_node(
+            tmp_path / "consumer",
+            "--consume",
+            "--listen",
+            LOOPBACK_LISTEN,
+            "--bootstrap",
+            boot.addr,
+            "--announce-interval",
+            "1",
+            "--checkpoint-interval",
+            "1s",
+            "--",
+            "python",
+            *script,
+            env={"CUMULUS_RESUME_TIMEOUT": "1"},
+        )
         consumer.wait_for("step   10", timeout=120)
         providers[0].proc.kill()
         assert consumer.proc.wait(timeout=180) == 0, consumer.output()
@@ -119,8 +143,9 @@ def test_a_job_survives_its_provider_being_killed_and_finishes_on_the_other(tmp_
         for node in [*providers, boot]:
             node.stop()
     result = json.loads(next(x for x in reversed(consumer.lines) if x.startswith("{")))
-    local = subprocess.run([sys.executable, *script], capture_output=True, text=True,
-                           check=True, timeout=120)
+    local = subprocess.run(
+        [sys.executable, *script], capture_output=True, text=True, check=True, timeout=120
+    )
     assert result["final_loss"] == json.loads(local.stdout.splitlines()[-1])["final_loss"]
     state = json.loads((tmp_path / "consumer" / "state.json").read_text())
     assert [lease["state"] for lease in state["leases"]] == ["failed", "held"]

@@ -74,9 +74,7 @@ class ReceiptDesk:
     identity: NodeIdentity
     ledger: Ledger
     _accounts: dict[str, _Account] = field(default_factory=dict)
-    _validator: EnvelopeValidator = field(
-        default_factory=lambda: EnvelopeValidator([Receipt.KIND])
-    )
+    _validator: EnvelopeValidator = field(default_factory=lambda: EnvelopeValidator([Receipt.KIND]))
 
     def open_account(self, lease: LeaseProposal) -> None:
         """Accept receipts for ``lease`` from now on."""
@@ -195,8 +193,8 @@ def serve_lease_close(host: IHost, close: CloseLease, *, timeout: float = 30.0) 
                 request = await read_frame(stream, MAX_FRAME)
                 requester = stream.muxed_conn.peer_id.to_base58()
                 lease_id = _lease_id(request)
-                refusal = "malformed request" if lease_id is None else await close(
-                    lease_id, requester
+                refusal = (
+                    "malformed request" if lease_id is None else await close(lease_id, requester)
                 )
                 await write_frame(stream, msgpack.packb([refusal is None, refusal or ""]))
                 await stream.close()

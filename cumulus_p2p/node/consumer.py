@@ -113,8 +113,9 @@ class Consumer:
         """Stop announcing the bid and tell the market it is gone."""
         self.runtime.mesh.withdraw(BID_NAME)
         now = self.runtime.clock()
-        cancel = Cancel(self.runtime.peer_id, Side.BID, BID_NAME, now + 60,
-                        self.runtime.mesh.next_nonce())
+        cancel = Cancel(
+            self.runtime.peer_id, Side.BID, BID_NAME, now + 60, self.runtime.mesh.next_nonce()
+        )
         await self.runtime.mesh.publish(seal_message(self.runtime.identity, cancel, now=now))
 
     # --- matching -------------------------------------------------------------------
@@ -155,8 +156,9 @@ class Consumer:
         peer = peer_of(offer.host)
         try:
             await self._reach(peer)
-            grant = await call_propose_lease(rt.mesh.host, peer, seal_message(
-                rt.identity, proposal, now=now))
+            grant = await call_propose_lease(
+                rt.mesh.host, peer, seal_message(rt.identity, proposal, now=now)
+            )
         except LeaseRefusedError as exc:
             log.info("host %s refused the lease: %s", offer.host[:12], exc)
             return None
@@ -166,8 +168,7 @@ class Consumer:
         if not grant.endpoints:
             log.info("host %s gave no session endpoint", offer.host[:12])
             return None
-        return Held(grant.lease, proposal, peer.extract_public_key().to_bytes(),
-                    grant.endpoints[0])
+        return Held(grant.lease, proposal, peer.extract_public_key().to_bytes(), grant.endpoints[0])
 
     async def _reach(self, peer) -> None:
         host = self.runtime.mesh.host
@@ -183,8 +184,10 @@ class Consumer:
         usable = [o for o in offers if o.host not in self.excluded]
         o = self.options
         if not usable:
-            return (f"no offers reached this node within {timeout:.0f}s. Check --bootstrap, "
-                    "or wait for providers to join and try again.")
+            return (
+                f"no offers reached this node within {timeout:.0f}s. Check --bootstrap, "
+                "or wait for providers to join and try again."
+            )
         return (
             f"{len(usable)} offer(s) seen in {timeout:.0f}s, none meets the bid "
             f"(min VRAM {o.min_vram_mib} MiB, min perf {o.min_perf}, max price "
@@ -222,7 +225,8 @@ class Consumer:
         """Gossip a service record for each lease that was receipted."""
         for held in self.held:
             receipts = tuple(
-                e.countersigned for e in self.desk.ledger.entries()
+                e.countersigned
+                for e in self.desk.ledger.entries()
                 if e.lease_id == held.proposal.lease_id
             )[:MAX_RECEIPTS]
             if receipts:
@@ -242,8 +246,9 @@ class Consumer:
     def cost(self) -> int:
         """Micro-credits receipted so far, over all leases."""
         price = {h.proposal.lease_id: h.proposal.price for h in self.held}
-        return sum(e.share_seconds * price.get(e.lease_id, 0) // 3600
-                   for e in self.desk.ledger.entries())
+        return sum(
+            e.share_seconds * price.get(e.lease_id, 0) // 3600 for e in self.desk.ledger.entries()
+        )
 
     def snapshot(self) -> dict:
         return {
@@ -262,17 +267,21 @@ class Consumer:
 
 
 def _ticket(held: Held) -> control.SessionTicket:
-    return control.SessionTicket(held.proposal.host, held.endpoint, held.host_key,
-                                 held.lease.to_bytes())
+    return control.SessionTicket(
+        held.proposal.host, held.endpoint, held.host_key, held.lease.to_bytes()
+    )
 
 
 def _held_row(held: Held, desk: ReceiptDesk) -> dict:
     entries = [e for e in desk.ledger.entries() if e.lease_id == held.proposal.lease_id]
     share_seconds = sum(e.share_seconds for e in entries)
     return {
-        "lease_id": held.proposal.lease_id, "host": held.proposal.host,
-        "endpoint": held.endpoint, "price": held.proposal.price,
-        "receipts": len(entries), "share_seconds": share_seconds,
+        "lease_id": held.proposal.lease_id,
+        "host": held.proposal.host,
+        "endpoint": held.endpoint,
+        "price": held.proposal.price,
+        "receipts": len(entries),
+        "share_seconds": share_seconds,
         "cost": share_seconds * held.proposal.price // 3600,
         "state": "failed" if held.failed else "held",
     }
@@ -300,8 +309,9 @@ def script_command(command: tuple[str, ...], *, cuda_compat: bool) -> list[str]:
     return [*shim, *args]
 
 
-async def run_consumer(data: DataDir, mesh_config, options: ConsumerOptions, *,
-                       on_tick=None) -> Consumer:
+async def run_consumer(
+    data: DataDir, mesh_config, options: ConsumerOptions, *, on_tick=None
+) -> Consumer:
     """Run the script on a leased host; return the consumer when it has finished.
 
     Raises:
@@ -321,7 +331,8 @@ async def run_consumer(data: DataDir, mesh_config, options: ConsumerOptions, *,
             consumer.status = "running"
             token = control.new_token()
             address = await nursery.start(
-                control.serve_control, token, consumer.current_ticket, consumer.failover)
+                control.serve_control, token, consumer.current_ticket, consumer.failover
+            )
             env = _child_env(data, address, token, options)
             finished = await trio.run_process(argv, check=False, env=env)
             consumer.exit_code = finished.returncode
@@ -359,7 +370,8 @@ async def _settle_leases(consumer: Consumer) -> None:
         if held.failed:
             continue
         try:
-            await call_close_lease(consumer.runtime.mesh.host, peer_of(held.proposal.host),
-                                   held.proposal.lease_id)
+            await call_close_lease(
+                consumer.runtime.mesh.host, peer_of(held.proposal.host), held.proposal.lease_id
+            )
         except (CumulusError, BaseLibp2pError, trio.TooSlowError, OSError) as exc:
             log.warning("lease %s not settled: %s", held.proposal.lease_id, exc)

@@ -44,8 +44,12 @@ class SessionTicket:
     lease: bytes
 
     def to_wire(self) -> dict:
-        return {"host": self.host, "endpoint": self.endpoint,
-                "provider_key": self.provider_key, "lease": self.lease}
+        return {
+            "host": self.host,
+            "endpoint": self.endpoint,
+            "provider_key": self.provider_key,
+            "lease": self.lease,
+        }
 
     @classmethod
     def from_wire(cls, value: object) -> SessionTicket:
@@ -55,8 +59,12 @@ class SessionTicket:
             ticket = cls(value["host"], value["endpoint"], value["provider_key"], value["lease"])
         except KeyError as exc:
             raise RemoteProtocolError(f"session ticket lacks {exc}") from exc
-        if not (isinstance(ticket.endpoint, str) and isinstance(ticket.lease, bytes)
-                and isinstance(ticket.provider_key, bytes) and isinstance(ticket.host, str)):
+        if not (
+            isinstance(ticket.endpoint, str)
+            and isinstance(ticket.lease, bytes)
+            and isinstance(ticket.provider_key, bytes)
+            and isinstance(ticket.host, str)
+        ):
             raise RemoteProtocolError("session ticket fields have the wrong types")
         return ticket
 

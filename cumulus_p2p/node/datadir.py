@@ -76,8 +76,7 @@ class DataDir:
             value = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise NodeConfigError(
-                f"{path} is not valid JSON ({exc}); fix it or move it away (it was left "
-                f"untouched)"
+                f"{path} is not valid JSON ({exc}); fix it or move it away (it was left untouched)"
             ) from exc
         if not isinstance(value, dict):
             raise NodeConfigError(f"{path} must hold a JSON object of flag defaults")

@@ -51,8 +51,9 @@ def detect() -> Detection:
     try:
         gpus = _nvml_devices()
     except Exception as exc:  # noqa: BLE001 - pynvml raises NVMLError subclasses or OSError
-        return Detection((cpu_facts(),), f"no NVIDIA GPU usable through NVML ({exc}); "
-                         "offering a CPU executor")
+        return Detection(
+            (cpu_facts(),), f"no NVIDIA GPU usable through NVML ({exc}); offering a CPU executor"
+        )
     if not gpus:
         return Detection((cpu_facts(),), "NVML reports no GPU; offering a CPU executor")
     return Detection(tuple(gpus))

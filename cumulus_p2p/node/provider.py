@@ -102,6 +102,8 @@ class Provider:
         self._presented: dict[bytes, LeaseProposal] = {}
         self.endpoint = ""
         self.announced = False
+        # Memory isolation between tenants: a lease gets its shares' part of the device.
+        self.share_bytes = options.device.memory_mib * 2**20 // options.shares
 
     # --- offers ---------------------------------------------------------------------
 
@@ -157,14 +159,14 @@ class Provider:
         proposal = self._presented.pop(channel.peer_public_key)
         active = self.active.get(proposal.lease_id)
         if active is None:
-            lease = next(r.lease for r in self.book.leases()
-                         if r.proposal.lease_id == proposal.lease_id)
-            meter = Meter(self.runtime.identity, proposal,
-                          interval=self.options.receipt_interval)
+            lease = next(
+                r.lease for r in self.book.leases() if r.proposal.lease_id == proposal.lease_id
+            )
+            meter = Meter(self.runtime.identity, proposal, interval=self.options.receipt_interval)
             active = ActiveLease(lease, proposal, meter, self.runtime.clock())
             self.active[proposal.lease_id] = active
         try:
-            await self.executor.run_session(channel)
+            await self.executor.run_session(channel, quota_bytes=self.share_bytes * proposal.shares)
         finally:
             with trio.CancelScope(shield=True):
                 await self._end(active)
@@ -184,7 +186,8 @@ class Provider:
     async def close_lease(self, lease_id: str, requester: str) -> str | None:
         """The consumer is done: answer once the lease's session ended and is settled."""
         found = self.active.get(lease_id) or next(
-            (a for a in self.finished if a.proposal.lease_id == lease_id), None)
+            (a for a in self.finished if a.proposal.lease_id == lease_id), None
+        )
         if found is None:
             return "no session ran under this lease here"
         if found.proposal.consumer != requester:
@@ -214,8 +217,9 @@ class Provider:
             try:
                 countersigned = await call_countersign(self.runtime.mesh.host, consumer, envelope)
             except (CumulusError, BaseLibp2pError, trio.TooSlowError, OSError) as exc:
-                log.warning("receipt for lease %s not settled yet: %s",
-                            active.proposal.lease_id, exc)
+                log.warning(
+                    "receipt for lease %s not settled yet: %s", active.proposal.lease_id, exc
+                )
                 return
             await trio.to_thread.run_sync(self._ledger.append, countersigned)
             active.unsettled.pop(0)
@@ -250,9 +254,14 @@ class Provider:
 def _lease_row(active: ActiveLease) -> dict:
     p = active.proposal
     return {
-        "lease_id": p.lease_id, "consumer": p.consumer, "shares": p.shares, "price": p.price,
-        "receipts": active.receipts, "share_seconds": active.share_seconds,
-        "earned": active.earned, "state": "ended" if active.ended else "running",
+        "lease_id": p.lease_id,
+        "consumer": p.consumer,
+        "shares": p.shares,
+        "price": p.price,
+        "receipts": active.receipts,
+        "share_seconds": active.share_seconds,
+        "earned": active.earned,
+        "state": "ended" if active.ended else "running",
     }
 
 
@@ -275,11 +284,14 @@ async def run_provider(
     """
     identity = data.identity()
     device = "cuda" if options.device.kind == "cuda" else "cpu"
-    executor = Executor(ExecutorConfig(device=device, quota_bytes=_quota(options)))
+    executor = Executor(
+        ExecutorConfig(device=device, quota_bytes=options.device.memory_mib * 2**20)
+    )
     async with open_runtime(identity, data, mesh_config) as runtime:
         provider = Provider(runtime, options, executor)
-        serve_leases(runtime.mesh.host,
-                     LeaseServer(provider.book, endpoints=lambda: [provider.endpoint]))
+        serve_leases(
+            runtime.mesh.host, LeaseServer(provider.book, endpoints=lambda: [provider.endpoint])
+        )
         serve_lease_close(runtime.mesh.host, provider.close_lease)
         async with trio.open_nursery() as nursery:
             server = await nursery.start(_serve_sessions, identity, provider)
@@ -301,8 +313,3 @@ async def _serve_sessions(identity, provider: Provider, *, task_status) -> None:
         host=provider.options.session_host, port=provider.options.session_port,
         grace_period=provider.options.grace_period, task_status=task_status,
     )  # fmt: skip
-
-
-def _quota(options: ProviderOptions) -> int:
-    # Memory isolation between tenants: each session gets one share of the device memory.
-    return options.device.memory_mib * 2**20 // options.shares

@@ -84,9 +84,14 @@ class Runtime:
         now = self.clock()
         hosts = {r.order.host for r in self.book.offers()}
         rows = [
-            {"host": s.host, "mean": round(s.mean, 4), "lower_bound": round(s.lower_bound, 4),
-             "evidence": round(s.evidence_weight, 3), "successes": round(s.successes, 3),
-             "failures": round(s.failures, 3)}
+            {
+                "host": s.host,
+                "mean": round(s.mean, 4),
+                "lower_bound": round(s.lower_bound, 4),
+                "evidence": round(s.evidence_weight, 3),
+                "successes": round(s.successes, 3),
+                "failures": round(s.failures, 3),
+            }
             for s in self.reputation.scores(now=now, hosts=hosts).values()
         ]
         return sorted(rows, key=lambda r: (-r["lower_bound"], r["host"]))
@@ -100,12 +105,19 @@ class Runtime:
         for resting in offers:
             offer = resting.order
             score = scores[offer.host]
-            rows.append({
-                "host": offer.host, "offer_id": offer.offer_id, "gpu": offer.gpu_model,
-                "vram_mib": offer.vram_mib, "perf": offer.perf_units,
-                "shares": resting.remaining, "price": offer.price,
-                "score": round(score.mean, 3), "expires_in": round(offer.expires_at - now, 1),
-            })
+            rows.append(
+                {
+                    "host": offer.host,
+                    "offer_id": offer.offer_id,
+                    "gpu": offer.gpu_model,
+                    "vram_mib": offer.vram_mib,
+                    "perf": offer.perf_units,
+                    "shares": resting.remaining,
+                    "price": offer.price,
+                    "score": round(score.mean, 3),
+                    "expires_in": round(offer.expires_at - now, 1),
+                }
+            )
         return sorted(rows, key=lambda r: (r["price"], r["host"]))
 
 
@@ -132,8 +144,13 @@ async def open_runtime(
             )
         book = OrderBook()
         runtime = Runtime(
-            identity, data, mesh, book, MarketIntake(book),
-            Reputation(identity.peer_id.to_base58()), clock,
+            identity,
+            data,
+            mesh,
+            book,
+            MarketIntake(book),
+            Reputation(identity.peer_id.to_base58()),
+            clock,
         )
         async with trio.open_nursery() as nursery:
             nursery.start_soon(runtime.consume_messages)

@@ -81,8 +81,16 @@ def peers_table(rows: Iterable[dict]) -> Table:
 def offers_table(rows: Iterable[dict]) -> Table:
     """Live offers, cheapest first, with the host's reliability score."""
     table = Table(title="offers")
-    for column in ("host", "gpu", "VRAM MiB", "perf", "shares", "price/share-h", "score",
-                   "expires in"):
+    for column in (
+        "host",
+        "gpu",
+        "VRAM MiB",
+        "perf",
+        "shares",
+        "price/share-h",
+        "score",
+        "expires in",
+    ):
         table.add_column(column)
     for row in rows:
         table.add_row(

@@ -104,10 +104,18 @@ class Executor:
         self._device_lock = trio.Lock()
         self._next_id = 1
 
-    async def run_session(self, channel: AsyncFrameChannel) -> None:
+    async def run_session(
+        self, channel: AsyncFrameChannel, *, quota_bytes: int | None = None
+    ) -> None:
         """Serve one session until the client leaves or breaks the protocol.
 
         A client that vanishes without ``bye`` leaves its session parked for a resume.
+
+        Args:
+            channel: The session's frame channel.
+            quota_bytes: This session's memory quota, when it differs from the
+                executor's default (a lease of several shares gets more); capped at the
+                executor's ``quota_bytes`` all the same.
         """
         session_id = self._next_id
         self._next_id += 1
@@ -116,7 +124,8 @@ class Executor:
         session: ExecutorSession | None = None
         park = False
         try:
-            token, session = await self._open(channel, session_id)
+            limit = min(quota_bytes or self.config.quota_bytes, self.config.quota_bytes)
+            token, session = await self._open(channel, session_id, limit)
             self.sessions[session_id] = session
             park = await self._serve_attached(channel, token, session)
         except RemoteProtocolError as exc:
@@ -137,7 +146,7 @@ class Executor:
     # --- opening: hello or resume ---------------------------------------------------------
 
     async def _open(
-        self, channel: AsyncFrameChannel, session_id: int
+        self, channel: AsyncFrameChannel, session_id: int, limit: int
     ) -> tuple[str, ExecutorSession]:
         for _ in range(MAX_REFUSALS + 1):
             header, _ = decode_frame(await channel.receive_frame())
@@ -153,7 +162,7 @@ class Executor:
                 await channel.send_frame(encode_frame(["welcome", PROTOCOL_VERSION, info]))
                 return token, session
             options = _hello_options(header)
-            quota = min(options.get("quota", self.config.quota_bytes), self.config.quota_bytes)
+            quota = min(options.get("quota", limit), limit)
             session = ExecutorSession(self.ctx, quota_bytes=quota)
             token = secrets.token_hex(16)
             info = self._info(session_id, session, token)

@@ -43,8 +43,9 @@ class NodeProcess:
                 if text in line:
                     return line
             if self.proc.poll() is not None and not any(text in x for x in self.lines[start:]):
-                raise RuntimeError(f"cumulus-node exited ({self.proc.returncode}):\n"
-                                   + self.output())
+                raise RuntimeError(
+                    f"cumulus-node exited ({self.proc.returncode}):\n" + self.output()
+                )
             time.sleep(0.05)
         raise TimeoutError(f"no line with {text!r} within {timeout}s:\n{self.output()}")
 

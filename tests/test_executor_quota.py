@@ -1,0 +1,39 @@
+"""A provider gives each lease its shares' part of the device: the session's quota."""
+
+import trio
+import trio.testing
+
+from cumulus_p2p.remote.executor import Executor, ExecutorConfig
+from cumulus_p2p.remote.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
+from cumulus_p2p.remote.transport import TrioFrameChannel
+
+
+async def welcome_quota(executor: Executor, *, granted: int | None, asked: int | None) -> int:
+    client_stream, server_stream = trio.testing.memory_stream_pair()
+    client = TrioFrameChannel(client_stream)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            lambda: executor.run_session(TrioFrameChannel(server_stream), quota_bytes=granted)
+        )
+        options = {} if asked is None else {"quota": asked}
+        await client.send_frame(encode_frame(["hello", PROTOCOL_VERSION, options]))
+        header, _ = decode_frame(await client.receive_frame())
+        await client.send_frame(encode_frame(["bye"]))
+    assert header[0] == "welcome"
+    return header[2]["quota"]
+
+
+async def test_a_session_gets_the_quota_its_lease_grants():
+    executor = Executor(ExecutorConfig(device="cpu", quota_bytes=8 << 20))
+    assert await welcome_quota(executor, granted=2 << 20, asked=None) == 2 << 20
+
+
+async def test_a_consumer_may_ask_for_less_but_never_more_than_granted():
+    executor = Executor(ExecutorConfig(device="cpu", quota_bytes=8 << 20))
+    assert await welcome_quota(executor, granted=2 << 20, asked=1 << 20) == 1 << 20
+    assert await welcome_quota(executor, granted=2 << 20, asked=4 << 20) == 2 << 20
+
+
+async def test_a_grant_above_the_executor_quota_is_capped():
+    executor = Executor(ExecutorConfig(device="cpu", quota_bytes=8 << 20))
+    assert await welcome_quota(executor, granted=64 << 20, asked=None) == 8 << 20
