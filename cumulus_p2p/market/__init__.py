@@ -13,15 +13,19 @@ Parts, lowest first (each imports only those above it):
   latency are inputs).
 - ``lease``: the host's reservation core (sans-IO): reserve atomically and
   countersign, or refuse with a ``RefusalReason``.
-- ``negotiation``: the thin trio shell speaking ``/cumulus/lease/1.0.0`` over a
-  direct libp2p stream (``call_propose_lease`` / ``rpc_propose_lease``), returning a ``LeaseGrant``.
+- ``rpc``: one request, one response per direct libp2p stream, the shell the
+  protocols below share.
+- ``negotiation``: the thin trio shell speaking ``/cumulus/lease/1.0.0``
+  (``call_propose_lease`` / ``rpc_propose_lease``), returning a ``LeaseGrant``.
 - ``metering``: the host's ``Meter`` issuing signed receipts, the consumer's
   ``check_receipt``.
 - ``ledger``: the durable, deduplicated receipt store, and the ``PaymentRail``
   protocol a payment system plugs into.
+- ``settlement``: receipts countersigned over ``/cumulus/receipt/1.0.0`` (the
+  consumer's ``ReceiptDesk``) and lease settlement over ``/cumulus/lease-close/1.0.0``.
 
-Cores take the time as an argument and never read a clock; only ``negotiation``
-(trio, libp2p) and ``ledger`` (files) do I/O.
+Cores take the time as an argument and never read a clock; only ``rpc``,
+``negotiation``, ``settlement`` (trio, libp2p) and ``ledger`` (files) do I/O.
 """
 
 from .book import BookStatistics as BookStatistics

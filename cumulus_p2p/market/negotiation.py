@@ -1,15 +1,14 @@
 """The lease protocol over a direct libp2p stream: a thin trio shell around ``LeaseBook``.
 
-One request, one response per stream, each a frame: a 4-byte big-endian length, then
-that many bytes. The request is the consumer's signed proposal envelope. The response
+One request, one response per stream (``rpc``). The request is the consumer's signed
+proposal envelope. The response
 is msgpack ``[True, lease_bytes, endpoints]`` or ``[False, reason_name, detail]``, where
 ``endpoints`` lists the ``"host:port"`` addresses of the host's direct session channel.
 
 Server: ``LeaseServer(book)`` with ``rpc_propose_lease(request, context) -> bytes``;
-``serve_leases(host, server)`` registers it under ``LEASE_PROTOCOL``. Its handler
-catches every stream error itself: an exception escaping a py-libp2p handler breaks
-later streams on that connection (see LIBP2P-NOTES). ``rpc_propose_lease`` never
-awaits, so a check and its reservation can never interleave with another proposal.
+``serve_leases(host, server)`` registers it under ``LEASE_PROTOCOL`` (``rpc.serve_rpc``
+handles stream errors). ``rpc_propose_lease`` never awaits, so a check and its
+reservation can never interleave with another proposal.
 
 Client: ``call_propose_lease(host, peer, proposal) -> LeaseGrant``, which checks the
 host's countersignature against the key inside ``peer`` before returning.
@@ -24,14 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgpack
-import trio
-from libp2p.abc import IHost, INetStream
+from libp2p.abc import IHost
 from libp2p.custom_types import TProtocol
-from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
 
 from .._errors import (
-    FrameTooLargeError,
     InvalidCountersignatureError,
     LeaseRefusedError,
     MalformedMessageError,
@@ -39,6 +35,7 @@ from .._errors import (
 from ..envelope import Envelope
 from .lease import LeaseBook, Refusal, RefusalReason
 from .messages import Lease
+from .rpc import call_rpc, serve_rpc
 
 __all__ = [
     "LEASE_PROTOCOL",
@@ -50,8 +47,6 @@ __all__ = [
 ]
 
 LEASE_PROTOCOL = TProtocol("/cumulus/lease/1.0.0")
-MAX_FRAME = 16 * 1024
-_HEADER = 4
 _MAX_ENDPOINTS = 8
 _MAX_ENDPOINT_LEN = 128
 
@@ -75,25 +70,6 @@ class LeaseGrant:
 
     lease: Lease
     endpoints: tuple[str, ...]
-
-
-async def _read_exactly(stream: INetStream, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        # StreamEOF is raised on a short read; the caller's except clause handles it.
-        buf += await stream.read(n - len(buf))
-    return bytes(buf)
-
-
-async def read_frame(stream: INetStream, max_size: int) -> bytes:
-    size = int.from_bytes(await _read_exactly(stream, _HEADER), "big")
-    if size > max_size:
-        raise FrameTooLargeError(f"frame of {size} bytes is over the limit of {max_size}")
-    return await _read_exactly(stream, size)
-
-
-async def write_frame(stream: INetStream, payload: bytes) -> None:
-    await stream.write(len(payload).to_bytes(_HEADER, "big") + payload)
 
 
 def _packb(obj: object) -> bytes:
@@ -121,7 +97,7 @@ class LeaseServer:
     ) -> None:
         self.book = book
         self._clock = clock
-        self._timeout = timeout
+        self.timeout = timeout
         self._endpoints = endpoints
 
     def rpc_propose_lease(self, request: bytes, context: RpcContext) -> bytes:
@@ -138,29 +114,14 @@ class LeaseServer:
             return _packb([False, result.reason.name, result.detail])
         return _packb([True, result.to_bytes(), self._endpoints()[:_MAX_ENDPOINTS]])
 
-    async def handle_stream(self, stream: INetStream) -> None:
-        """Serve one request on ``stream``; never raises stream errors."""
-        try:
-            with trio.fail_after(self._timeout):
-                request = await read_frame(stream, MAX_FRAME)
-                context = RpcContext(stream.muxed_conn.peer_id.to_base58())
-                await write_frame(stream, self.rpc_propose_lease(request, context))
-                await stream.close()
-        except (BaseLibp2pError, FrameTooLargeError, trio.TooSlowError):
-            # The peer hung up, stalled or sent a bad frame: drop this stream only.
-            await _reset_quietly(stream)
-
-
-async def _reset_quietly(stream: INetStream) -> None:
-    try:
-        await stream.reset()
-    except BaseLibp2pError:
-        pass  # Already torn down; nothing is left to release.
-
 
 def serve_leases(host: IHost, server: LeaseServer) -> None:
     """Register ``server`` on ``host`` under ``LEASE_PROTOCOL``."""
-    host.set_stream_handler(LEASE_PROTOCOL, server.handle_stream)
+
+    async def answer(request: bytes, requester: str) -> bytes:
+        return server.rpc_propose_lease(request, RpcContext(requester))
+
+    serve_rpc(host, LEASE_PROTOCOL, answer, timeout=server.timeout)
 
 
 async def call_propose_lease(
@@ -189,25 +150,12 @@ async def call_propose_lease(
     host_key = peer.extract_public_key()
     if host_key is None:
         raise ValueError(f"peer ID {peer} does not embed its public key")
-    with trio.fail_after(timeout):
-        stream = await host.new_stream(peer, [LEASE_PROTOCOL])
-        try:
-            await write_frame(stream, proposal.to_bytes())
-            response = await read_frame(stream, MAX_FRAME)
-        finally:
-            await _close_quietly(stream)
+    response = await call_rpc(host, peer, LEASE_PROTOCOL, proposal.to_bytes(), timeout=timeout)
     grant = _decode_response(response)
     if grant.lease.envelope != proposal:
         raise InvalidCountersignatureError("the host countersigned a different proposal")
     grant.lease.verify(host_key.to_bytes())
     return grant
-
-
-async def _close_quietly(stream: INetStream) -> None:
-    try:
-        await stream.close()
-    except BaseLibp2pError:
-        pass  # The response is already in hand; a failed close loses nothing.
 
 
 def _decode_response(response: bytes) -> LeaseGrant:

@@ -1,6 +1,6 @@
 """Receipts over a direct libp2p stream: the host asks, the consumer countersigns.
 
-One request, one response per stream, framed as in ``negotiation``. The request is the
+One request, one response per stream (``rpc``). The request is the
 host's signed receipt envelope. The response is msgpack ``[True, countersigned_bytes]``
 or ``[False, reason]``. The consumer's ``ReceiptDesk`` decides (sans-IO); the host's
 ``call_countersign`` checks the countersignature before it trusts the answer.
@@ -20,15 +20,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import msgpack
-import trio
-from libp2p.abc import IHost, INetStream
+from libp2p.abc import IHost
 from libp2p.custom_types import TProtocol
-from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
 
 from .._errors import (
     CumulusError,
-    FrameTooLargeError,
     MalformedMessageError,
     ReceiptRejectedError,
 )
@@ -37,7 +34,7 @@ from ..identity import NodeIdentity
 from .ledger import Ledger
 from .messages import CountersignedReceipt, LeaseProposal, Receipt
 from .metering import check_receipt
-from .negotiation import MAX_FRAME, read_frame, write_frame
+from .rpc import call_rpc, serve_rpc
 
 __all__ = [
     "CLOSE_PROTOCOL",
@@ -116,21 +113,10 @@ def serve_receipts(
 ) -> None:
     """Answer receipt requests on ``host`` from ``desk``."""
 
-    async def handle(stream: INetStream) -> None:
-        try:
-            with trio.fail_after(timeout):
-                request = await read_frame(stream, MAX_FRAME)
-                sender = stream.muxed_conn.peer_id.to_base58()
-                await write_frame(stream, _answer(desk, request, sender, clock()))
-                await stream.close()
-        except (BaseLibp2pError, FrameTooLargeError, trio.TooSlowError):
-            # Errors must not escape a py-libp2p handler (LIBP2P-NOTES); drop the stream.
-            try:
-                await stream.reset()
-            except BaseLibp2pError:
-                pass
+    async def answer(request: bytes, sender: str) -> bytes:
+        return _answer(desk, request, sender, clock())
 
-    host.set_stream_handler(RECEIPT_PROTOCOL, handle)
+    serve_rpc(host, RECEIPT_PROTOCOL, answer, timeout=timeout)
 
 
 def _answer(desk: ReceiptDesk, request: bytes, sender: str, now: float) -> bytes:
@@ -154,16 +140,7 @@ async def call_countersign(
     key = peer.extract_public_key()
     if key is None:
         raise ValueError(f"peer ID {peer} does not embed its public key")
-    with trio.fail_after(timeout):
-        stream = await host.new_stream(peer, [RECEIPT_PROTOCOL])
-        try:
-            await write_frame(stream, receipt.to_bytes())
-            response = await read_frame(stream, MAX_FRAME)
-        finally:
-            try:
-                await stream.close()
-            except BaseLibp2pError:
-                pass
+    response = await call_rpc(host, peer, RECEIPT_PROTOCOL, receipt.to_bytes(), timeout=timeout)
     countersigned = _decode(response)
     if countersigned.envelope != receipt:
         raise MalformedMessageError("the consumer countersigned a different receipt")
@@ -187,24 +164,12 @@ def _decode(response: bytes) -> CountersignedReceipt:
 def serve_lease_close(host: IHost, close: CloseLease, *, timeout: float = 30.0) -> None:
     """Answer settle requests with ``await close(lease_id, requester_peer_id)``."""
 
-    async def handle(stream: INetStream) -> None:
-        try:
-            with trio.fail_after(timeout):
-                request = await read_frame(stream, MAX_FRAME)
-                requester = stream.muxed_conn.peer_id.to_base58()
-                lease_id = _lease_id(request)
-                refusal = (
-                    "malformed request" if lease_id is None else await close(lease_id, requester)
-                )
-                await write_frame(stream, msgpack.packb([refusal is None, refusal or ""]))
-                await stream.close()
-        except (BaseLibp2pError, FrameTooLargeError, trio.TooSlowError):
-            try:
-                await stream.reset()
-            except BaseLibp2pError:
-                pass
+    async def answer(request: bytes, requester: str) -> bytes:
+        lease_id = _lease_id(request)
+        refusal = "malformed request" if lease_id is None else await close(lease_id, requester)
+        return msgpack.packb([refusal is None, refusal or ""])
 
-    host.set_stream_handler(CLOSE_PROTOCOL, handle)
+    serve_rpc(host, CLOSE_PROTOCOL, answer, timeout=timeout)
 
 
 def _lease_id(request: bytes) -> str | None:
@@ -223,16 +188,7 @@ async def call_close_lease(host: IHost, peer: ID, lease_id: str, *, timeout: flo
         MalformedMessageError: The answer is malformed.
         trio.TooSlowError, libp2p.exceptions.BaseLibp2pError: no answer.
     """
-    with trio.fail_after(timeout):
-        stream = await host.new_stream(peer, [CLOSE_PROTOCOL])
-        try:
-            await write_frame(stream, msgpack.packb(lease_id))
-            response = await read_frame(stream, MAX_FRAME)
-        finally:
-            try:
-                await stream.close()
-            except BaseLibp2pError:
-                pass
+    response = await call_rpc(host, peer, CLOSE_PROTOCOL, msgpack.packb(lease_id), timeout=timeout)
     try:
         decoded = msgpack.unpackb(response, raw=False)
     except (ValueError, msgpack.UnpackException) as exc:
