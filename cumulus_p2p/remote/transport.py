@@ -145,17 +145,21 @@ class SocketFrameChannel:
 def sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
     """``sendmsg`` until every byte of every view is gone (it may send only part)."""
     while views:
-        sent = sock.sendmsg(views[:512])  # IOV_MAX is 1024 on Linux
-        while sent:
-            head = views[0]
-            if sent >= head.nbytes:
-                sent -= head.nbytes
-                views.pop(0)
-            else:
-                views[0] = head[sent:]
-                sent = 0
-        while views and views[0].nbytes == 0:
+        drop_sent(views, sock.sendmsg(views[:512]))  # IOV_MAX is 1024 on Linux
+
+
+def drop_sent(views: list[memoryview], sent: int) -> None:
+    """Remove the first ``sent`` bytes (and any empty views) from ``views``, in place."""
+    while sent:
+        head = views[0]
+        if sent >= head.nbytes:
+            sent -= head.nbytes
             views.pop(0)
+        else:
+            views[0] = head[sent:]
+            sent = 0
+    while views and views[0].nbytes == 0:
+        views.pop(0)
 
 
 class TrioFrameChannel:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import trio
 
 from ..._errors import HandshakeError
+from ..transport import drop_sent
 from . import handshake as hs
 from .record import DEFAULT_MAX_RECORD, HEADER_SIZE, RECORD_LIMIT, TAG_SIZE
 
@@ -150,16 +151,6 @@ class StreamWriter:
 
     async def _send_rest(self, chunks: tuple[bytes | memoryview, ...], sent: int) -> None:
         views = [memoryview(c).cast("B") for c in chunks]
+        drop_sent(views, sent)
         while views:
-            while sent:
-                head = views[0]
-                if sent >= head.nbytes:
-                    sent -= head.nbytes
-                    views.pop(0)
-                else:
-                    views[0] = head[sent:]
-                    sent = 0
-            while views and views[0].nbytes == 0:
-                views.pop(0)
-            if views:
-                sent = await self._sock.sendmsg(views)
+            drop_sent(views, await self._sock.sendmsg(views))
