@@ -21,7 +21,6 @@ import dataclasses
 import json
 import logging
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -317,12 +316,13 @@ def _apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str]) -> 
         NodeConfigError: The file is not JSON, or names a flag that does not exist.
     """
     early, _ = parser.parse_known_args(argv)
-    config = _data_dir(early).config()
+    data = _data_dir(early)
+    config = data.config()
     known = {a.dest for a in parser._actions} - _NOT_CONFIGURABLE
     unknown = sorted(set(config) - known)
     if unknown:
         raise NodeConfigError(
-            f"config.json in {_data_dir(early).path} sets unknown flags {unknown}; valid keys "
+            f"config.json in {data.path} sets unknown flags {unknown}; valid keys "
             f"are the long flag names with underscores: {sorted(known)}"
         )
     # argparse runs its type conversion on string defaults only: numbers become strings,
@@ -405,18 +405,7 @@ async def _route(data: DataDir, mesh_config: MeshConfig, console: Console) -> in
     async with open_runtime(data.identity(), data, mesh_config) as runtime:
         _print_addrs(console, runtime.mesh.addrs)
         while True:
-            data.write_state(
-                {
-                    "role": "bootstrap",
-                    "peer_id": runtime.peer_id,
-                    "addrs": [str(a) for a in runtime.mesh.addrs],
-                    "peers": runtime.peers(),
-                    "offers": runtime.offers(),
-                    "scores": runtime.scores(),
-                    "leases": [],
-                    "updated": time.time(),
-                }
-            )
+            data.write_state(runtime.snapshot() | {"role": "bootstrap", "leases": []})
             await trio.sleep(1.0)
 
 
@@ -494,7 +483,7 @@ async def _consume(args, data, mesh_config, command: list[str], console: Console
 
     def tick(consumer) -> None:
         if consumer.status == "matching":
-            offers = len(consumer.runtime.offers())
+            offers = sum(1 for _ in consumer.runtime.book.offers())
             status.update(f"waiting for a match: {offers} offer(s) on the book")
         elif consumer.held and not announced[0]:
             announced[0] = True

@@ -60,6 +60,15 @@ def test_a_valid_proposal_is_countersigned_and_reserves_shares():
     assert Lease.from_bytes(lease.to_bytes()) == lease
 
 
+def test_a_granted_lease_can_be_looked_up_until_it_is_released():
+    book = book_with(4)
+    lease = book.propose(sealed(proposal(shares=1)), now=NOW)
+    lease_id = lease.proposal.lease_id
+    assert book.get(lease_id).lease == lease
+    assert book.release(lease_id)
+    assert book.get(lease_id) is None
+
+
 def forged_signature(raw_proposal):
     envelope = Envelope.from_bytes(raw_proposal)
     return dataclasses.replace(envelope, signature=MALLORY.sign(envelope.signing_bytes()))

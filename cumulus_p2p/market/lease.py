@@ -169,6 +169,10 @@ class LeaseBook:
         """The leases currently holding shares."""
         return list(self._leases.values())
 
+    def get(self, lease_id: str) -> Reservation | None:
+        """The lease ``lease_id`` if it still holds shares, else ``None``."""
+        return self._leases.get(lease_id)
+
     def propose(self, raw: bytes, *, now: float, sender: str | None = None) -> Lease | Refusal:
         """Grant or refuse a lease proposal.
 

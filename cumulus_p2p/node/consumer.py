@@ -20,7 +20,6 @@ import logging
 import os
 import secrets
 import sys
-import time
 from dataclasses import dataclass, field
 
 import trio
@@ -251,18 +250,12 @@ class Consumer:
         )
 
     def snapshot(self) -> dict:
-        return {
+        return self.runtime.snapshot() | {
             "role": "consumer",
-            "peer_id": self.runtime.peer_id,
-            "addrs": [str(a) for a in self.runtime.mesh.addrs],
             "status": self.status,
             "command": list(self.options.command),
             "leases": [_held_row(h, self.desk) for h in self.held],
             "cost": self.cost(),
-            "peers": self.runtime.peers(),
-            "offers": self.runtime.offers(),
-            "scores": self.runtime.scores(),
-            "updated": time.time(),
         }
 
 

@@ -15,7 +15,6 @@ One trio program composes:
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 
 import trio
@@ -149,7 +148,7 @@ class Provider:
             return f"the lease is not valid here: {exc}"
         if proposal.consumer != peer_id_of(consumer_key):
             return "the lease belongs to another consumer"
-        if proposal.lease_id not in {r.proposal.lease_id for r in self.book.leases()}:
+        if self.book.get(proposal.lease_id) is None:
             return "the lease has ended or was never granted by this host"
         self._presented[consumer_key] = proposal
         return None
@@ -159,9 +158,7 @@ class Provider:
         proposal = self._presented.pop(channel.peer_public_key)
         active = self.active.get(proposal.lease_id)
         if active is None:
-            lease = next(
-                r.lease for r in self.book.leases() if r.proposal.lease_id == proposal.lease_id
-            )
+            lease = self.book.get(proposal.lease_id).lease
             meter = Meter(self.runtime.identity, proposal, interval=self.options.receipt_interval)
             active = ActiveLease(lease, proposal, meter, self.runtime.clock())
             self.active[proposal.lease_id] = active
@@ -231,10 +228,8 @@ class Provider:
     def snapshot(self) -> dict:
         """What ``cumulus-node status`` shows."""
         leases = [*self.active.values(), *self.finished[-10:]]
-        return {
+        return self.runtime.snapshot() | {
             "role": "provider",
-            "peer_id": self.runtime.peer_id,
-            "addrs": [str(a) for a in self.runtime.mesh.addrs],
             "session_endpoint": self.endpoint,
             "device": self.options.device.model,
             "perf_units": self.options.perf_units,
@@ -244,10 +239,6 @@ class Provider:
             "sessions": len(self.executor.sessions),
             "earned": sum(a.earned for a in leases),
             "leases": [_lease_row(a) for a in leases],
-            "peers": self.runtime.peers(),
-            "offers": self.runtime.offers(),
-            "scores": self.runtime.scores(),
-            "updated": time.time(),
         }
 
 

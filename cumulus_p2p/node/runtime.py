@@ -78,47 +78,55 @@ class Runtime:
             rows.append({"peer": peer.to_base58(), "addrs": addrs[:3]})
         return rows
 
-    def scores(self) -> list[dict]:
-        """This node's reliability score of every host it has evidence about or an offer
-        from, most reliable (by lower credible bound) first."""
-        now = self.clock()
-        hosts = {r.order.host for r in self.book.offers()}
-        rows = [
-            {
-                "host": s.host,
-                "mean": round(s.mean, 4),
-                "lower_bound": round(s.lower_bound, 4),
-                "evidence": round(s.evidence_weight, 3),
-                "successes": round(s.successes, 3),
-                "failures": round(s.failures, 3),
-            }
-            for s in self.reputation.scores(now=now, hosts=hosts).values()
-        ]
-        return sorted(rows, key=lambda r: (-r["lower_bound"], r["host"]))
-
-    def offers(self) -> list[dict]:
-        """Every live offer in this node's book, cheapest first, with host scores."""
+    def snapshot(self) -> dict:
+        """What every node's ``state.json`` holds: who it is, its peers, the live offers
+        and its host scores (computed once for both)."""
         now = self.clock()
         offers = list(self.book.offers())
         scores = self.reputation.scores(now=now, hosts={r.order.host for r in offers})
-        rows = []
-        for resting in offers:
-            offer = resting.order
-            score = scores[offer.host]
-            rows.append(
-                {
-                    "host": offer.host,
-                    "offer_id": offer.offer_id,
-                    "gpu": offer.gpu_model,
-                    "vram_mib": offer.vram_mib,
-                    "perf": offer.perf_units,
-                    "shares": resting.remaining,
-                    "price": offer.price,
-                    "score": round(score.mean, 3),
-                    "expires_in": round(offer.expires_at - now, 1),
-                }
-            )
-        return sorted(rows, key=lambda r: (r["price"], r["host"]))
+        return {
+            "peer_id": self.peer_id,
+            "addrs": [str(a) for a in self.mesh.addrs],
+            "peers": self.peers(),
+            "offers": _offer_rows(offers, scores, now),
+            "scores": _score_rows(scores.values()),
+            "updated": time.time(),
+        }
+
+
+def _offer_rows(offers: list, scores: dict, now: float) -> list[dict]:
+    """Every live offer, cheapest first, with its host's score."""
+    rows = [
+        {
+            "host": r.order.host,
+            "offer_id": r.order.offer_id,
+            "gpu": r.order.gpu_model,
+            "vram_mib": r.order.vram_mib,
+            "perf": r.order.perf_units,
+            "shares": r.remaining,
+            "price": r.order.price,
+            "score": round(scores[r.order.host].mean, 3),
+            "expires_in": round(r.order.expires_at - now, 1),
+        }
+        for r in offers
+    ]
+    return sorted(rows, key=lambda row: (row["price"], row["host"]))
+
+
+def _score_rows(scores) -> list[dict]:
+    """Each host's reliability, most reliable (by lower credible bound) first."""
+    rows = [
+        {
+            "host": s.host,
+            "mean": round(s.mean, 4),
+            "lower_bound": round(s.lower_bound, 4),
+            "evidence": round(s.evidence_weight, 3),
+            "successes": round(s.successes, 3),
+            "failures": round(s.failures, 3),
+        }
+        for s in scores
+    ]
+    return sorted(rows, key=lambda r: (-r["lower_bound"], r["host"]))
 
 
 @asynccontextmanager
