@@ -122,14 +122,18 @@ class _PlainSocketChannel:
     """The plain-TCP baseline, consumer side: blocking socket, built like the secure client.
 
     One ``sendmsg`` per frame; small frames are read through a reusable buffer (one
-    ``recv_into`` usually brings prefix and payload), large ones straight into place.
+    ``recv_into`` usually brings prefix and payload), large ones straight into place;
+    each read polls briefly first, as the secure client does (``ReadySpinner``).
     """
 
     def __init__(self, sock) -> None:
         import socket
 
+        from cumulus_p2p.remote.transport import ReadySpinner
+
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
+        self._spinner = ReadySpinner(sock)
         self._buf = bytearray(4 * _SMALL)
         self._view = memoryview(self._buf)
         self._start = 0
@@ -182,6 +186,7 @@ class _PlainSocketChannel:
         return self._view[self._start : self._start + n]
 
     def _recv_into(self, view) -> int:
+        self._spinner.spin()
         got = self._sock.recv_into(view)
         if not got:
             raise ConnectionError("plain server closed the connection")

@@ -4,6 +4,10 @@ rates and training step time, with the executor as a separate process on loopbac
 Prints one JSON object (keys below) and writes ``benchmarks/results/remote.json``::
 
     python benchmarks/remote_bench.py [--quick] [--device cpu|cuda]
+
+``raw_tcp_rtt_us`` is a plain socket client that sleeps in ``recv``;
+``raw_tcp_spin_rtt_us`` polls before each read as the cumulus client does, so the sync
+round trip can be read against both.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 import torch
 
 import cumulus_p2p.remote as remote
+from cumulus_p2p.remote.transport import DEFAULT_SPIN_S, ReadySpinner
 from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.testing.models import MLP, TASKS, Task, TinyTransformer, _lm_loss
 
@@ -39,19 +44,25 @@ trio.run(main)
 """
 
 
-def raw_tcp_rtt_us(rounds: int) -> float:
-    """Median round trip of a 64-byte ping to a trio echo server in another process."""
+def raw_tcp_rtt_us(rounds: int, *, spin: bool = False) -> float:
+    """Median round trip of a 64-byte ping to a trio echo server in another process.
+
+    With ``spin``, the client polls before each read as the cumulus client does
+    (``ReadySpinner``); without, it sleeps in ``recv`` like a plain socket client.
+    """
     proc = subprocess.Popen([sys.executable, "-c", ECHO_SERVER], stdout=subprocess.PIPE, text=True)
     try:
         port = int(proc.stdout.readline())
         sock = socket.create_connection(("127.0.0.1", port))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        spinner = ReadySpinner(sock, DEFAULT_SPIN_S if spin else 0.0)
         samples = []
         for _ in range(rounds):
             t0 = time.perf_counter()
             sock.sendall(b"x" * 64)
             got = 0
             while got < 64:
+                spinner.spin()
                 got += len(sock.recv(64 - got))
             samples.append(time.perf_counter() - t0)
         sock.close()
@@ -184,6 +195,7 @@ def main() -> None:
         "ops_per_s": round(ops_per_s),
         "sync_rtt_us": round(rtt, 1),
         "raw_tcp_rtt_us": round(raw_tcp_rtt_us(300 if q else 3000), 1),
+        "raw_tcp_spin_rtt_us": round(raw_tcp_rtt_us(300 if q else 3000, spin=True), 1),
         "upload_mb_s": round(up, 1),
         "download_mb_s": round(down, 1),
         "step_ratio_mlp": round(ratios["mlp"], 3),

@@ -40,7 +40,7 @@ from ..._errors import (
     SessionClosedError,
     SessionRefusedError,
 )
-from ..transport import DEFAULT_MAX_FRAME, Buffer, sendmsg_all
+from ..transport import DEFAULT_MAX_FRAME, Buffer, ReadySpinner, sendmsg_all
 from . import handshake as hs
 from .record import (
     DEFAULT_MAX_RECORD,
@@ -134,8 +134,11 @@ class _Reader:
         self._view = memoryview(self._buf)
         self._start = 0
         self._end = 0
-        # A TCP link is read straight from its socket (one call less per read).
-        self._recv_into = link.sock.recv_into if type(link) is SocketLink else link.recv_into
+        # A TCP link is read straight from its socket (one call less per read), after a
+        # short poll that keeps the thread awake for a quick reply.
+        is_tcp = type(link) is SocketLink
+        self._recv_into = link.sock.recv_into if is_tcp else link.recv_into
+        self._spinner = ReadySpinner(link.sock) if is_tcp else None
 
     def peek(self, n: int) -> memoryview:
         """The next ``n`` bytes, not consumed (a view, valid until the next read)."""
@@ -163,6 +166,8 @@ class _Reader:
             self._view[:have] = self._view[self._start : self._end]
             self._start, self._end = 0, have
         while self._end - self._start < n:
+            if self._spinner is not None:
+                self._spinner.spin()
             try:
                 got = self._recv_into(self._view[self._end :])
             except OSError as exc:
