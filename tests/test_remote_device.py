@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 
 import pytest
@@ -228,6 +229,20 @@ def test_a_cpu_model_with_gradients_moves_with_its_gradients(cumulus):
     assert lin.weight.device.type == lin.weight.grad.device.type == "cumulus"
     assert torch.equal(lin.weight.cpu(), weight)
     assert torch.equal(lin.weight.grad.cpu(), grad)
+
+
+def test_a_remote_model_moves_again_right_after_backward(cumulus):
+    # Queued backward ops name views of the weights; Module._apply's swap_tensors refuses
+    # a parameter that anything else still references.
+    torch.manual_seed(0)
+    local, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+    far = copy.deepcopy(local).to("cumulus")
+    local(x).sum().backward()
+    loss = far(x.to("cumulus")).sum()
+    loss.backward()
+    far.to("cumulus")  # no sync point since backward
+    torch.testing.assert_close(far.weight.cpu(), local.weight, rtol=0, atol=0)
+    torch.testing.assert_close(far.weight.grad.cpu(), local.weight.grad, rtol=0, atol=0)
 
 
 def test_fork_rng_restores_the_remote_generator(cumulus):

@@ -182,15 +182,11 @@ class RemoteSession:
             self._blob_bytes += len(view)
             return CpuTensorRef(tensor.dtype, tuple(tensor.shape), len(self._blobs) - 1)
 
-    def submit(self, record: list, *, flush_now: bool = False) -> None:
-        """Queue one op record; send the batch if it is full."""
+    def submit(self, record: list) -> None:
+        """Queue one op record (tensors in it by wire reference); send a full batch."""
         with self._lock:
             self._ops.append(record)
-            if (
-                flush_now
-                or len(self._ops) >= self._batch_ops
-                or self._blob_bytes >= DEFAULT_BATCH_BYTES
-            ):
+            if len(self._ops) >= self._batch_ops or self._blob_bytes >= DEFAULT_BATCH_BYTES:
                 self.flush()
 
     def flush(self, query: list | None = None) -> tuple[Any, list[memoryview]]:
@@ -204,9 +200,6 @@ class RemoteSession:
             ops, blobs, keepalive = self._ops, self._blobs, self._keepalive
             self._ops, self._blobs, self._keepalive, self._blob_bytes = [], [], [], 0
             seq, parts = self._encode(ops, frees, query, blobs)
-            # The records hold the tensors they name: let those only they kept alive die
-            # now, so their frees leave with the next batch (or a checkpoint's), not later.
-            del ops
             frame = self._exchange(parts, seq if query is not None else None)
             del keepalive
             answer = (None, []) if frame is None else self._read_reply(frame, seq)

@@ -19,7 +19,15 @@ import torch
 
 from .client import current_session
 from .ops import op_name
-from .tensor import DEVICE, RemoteTensor, contiguous_strides, download, fresh_tensor, new_empty
+from .tensor import (
+    DEVICE,
+    RemoteTensor,
+    contiguous_strides,
+    download,
+    fresh_tensor,
+    new_empty,
+    wire_arguments,
+)
 
 _META = torch.device("meta")
 _FLASH_CPU = 1  # sdp::SDPBackend::flash_attention, as _fused_sdp_choice reports it
@@ -45,13 +53,7 @@ def _copy_from(src, dst, non_blocking=False):
     """``copy_`` reached below the Python key (``torch.tensor(..., device="cumulus")``)."""
     if type(dst) is RemoteTensor:
         session = current_session()
-        if type(src) is RemoteTensor:
-            session.submit(["aten.copy_.default", [dst, src], {}, [None]])
-        else:
-            # Sent now: Module._apply may swap_tensors() ``dst`` with a CPU tensor
-            # before the batch would leave, and the record names ``dst`` itself.
-            record = ["aten.copy_.default", [dst, session.add_blob(src)], {}, [None]]
-            session.submit(record, flush_now=True)
+        session.submit(["aten.copy_.default", *wire_arguments(session, [dst, src], {}), [None]])
         return dst
     dst.copy_(download(src))
     return dst

@@ -83,8 +83,6 @@ class RemoteTensor(torch.Tensor):
 
     def _restride(self, sizes, strides, offset) -> None:
         """Change this tensor's layout in place (``squeeze_``, ``t_``...), locally only."""
-        # Ops already queued name this tensor by its old layout: send them first.
-        self._rs.session.flush()
         torch.ops.aten.as_strided_.default.redispatch(
             _META_KEYS, self, list(sizes), list(strides), offset
         )
@@ -230,14 +228,13 @@ def _make_plan(func, args, kwargs) -> Callable:
         return _sync_plan(func)
     shape = _structure(meta_out)
     name = op_name(func)
-    has_cpu = _has_cpu_tensor(args) or _has_cpu_tensor(kwargs)
     if any(o.kind == "restride" for o in outs):
         return _restride_plan(outs, shape)
     if all(o.kind in ("view", "same", "none") for o in outs):
         mutates = any(o.kind == "same" for o in outs) or _mutates(schema)
         if not mutates:
             return lambda a, k: shape([_build(o, a, k, None, None) for o in outs])
-    return _async_plan(name, outs, shape, has_cpu)
+    return _async_plan(name, outs, shape)
 
 
 def _restride_plan(outs, shape) -> Callable:
@@ -252,17 +249,12 @@ def _restride_plan(outs, shape) -> Callable:
     return run
 
 
-def _async_plan(name, outs, shape, has_cpu) -> Callable:
+def _async_plan(name, outs, shape) -> Callable:
     def run(args, kwargs):
         session = current_session()
-        if has_cpu:
-            args, kwargs = _ship_cpu_tensors(session, args), _ship_cpu_tensors(session, kwargs)
         wire: list = []
         results = [_build(o, args, kwargs, session, wire) for o in outs]
-        # An op fed from CPU tensors (an upload, as in ``.to("cumulus")``) leaves at once:
-        # Module._apply may swap_tensors() its operands with CPU tensors right after, and
-        # records name tensors by their Python objects until the batch is encoded.
-        session.submit([name, args, kwargs, wire], flush_now=has_cpu)
+        session.submit([name, *wire_arguments(session, args, kwargs), wire])
         return shape(results)
 
     return run
@@ -273,9 +265,8 @@ def _sync_plan(func) -> Callable:
 
     def run(args, kwargs):
         session = current_session()
-        args, kwargs = _ship_cpu_tensors(session, args), _ship_cpu_tensors(session, kwargs)
         first = session.new_dynamic_block()
-        result = session.call([name, args, kwargs, ["dyn", first]])
+        result = session.call([name, *wire_arguments(session, args, kwargs), ["dyn", first]])
         storages = _storages_by_handle(args, kwargs)
         return _from_description(result, session, storages)
 
@@ -441,22 +432,27 @@ def _to_meta(x: Any) -> Any:
     return x
 
 
-def _has_cpu_tensor(x: Any) -> bool:
-    t = type(x)
-    if t is list or t is tuple:
-        return any(_has_cpu_tensor(v) for v in x)
-    if t is dict:
-        return any(_has_cpu_tensor(v) for v in x.values())
-    return t is not RemoteTensor and isinstance(x, torch.Tensor)
+def wire_arguments(session: RemoteSession, args, kwargs) -> tuple[list, dict]:
+    """An op's arguments as its queued record holds them: tensors by wire reference.
+
+    A record must not hold tensor objects. ``Module._apply`` swaps a parameter's
+    contents with another tensor's right after moving it (``swap_tensors``), and refuses
+    while anything else holds a reference to it, as a queued view would through its base.
+    A reference taken now also names the layout the op saw, whatever happens to the
+    tensor before the batch leaves. CPU tensors become blobs of the batch.
+    """
+    return _to_wire(session, args), _to_wire(session, kwargs)
 
 
-def _ship_cpu_tensors(session: RemoteSession, x: Any) -> Any:
+def _to_wire(session: RemoteSession, x: Any) -> Any:
     t = type(x)
+    if t is RemoteTensor:
+        return x._cumulus_ext
     if t is list or t is tuple:
-        return [_ship_cpu_tensors(session, v) for v in x]
+        return [_to_wire(session, v) for v in x]
     if t is dict:
-        return {k: _ship_cpu_tensors(session, v) for k, v in x.items()}
-    if t is not RemoteTensor and isinstance(x, torch.Tensor):
+        return {k: _to_wire(session, v) for k, v in x.items()}
+    if isinstance(x, torch.Tensor):
         if x.device.type != "cpu":
             raise RuntimeError(f"cannot mix {x.device} and cumulus tensors in one op")
         return session.add_blob(x)
