@@ -245,6 +245,13 @@ def test_a_remote_model_moves_again_right_after_backward(cumulus):
     torch.testing.assert_close(far.weight.grad.cpu(), local.weight.grad, rtol=0, atol=0)
 
 
+def test_a_pinning_data_loader_feeds_the_remote_device(cumulus):
+    data = torch.utils.data.TensorDataset(torch.arange(8.0).reshape(4, 2))
+    loader = torch.utils.data.DataLoader(data, batch_size=2, pin_memory=True)
+    sums = [batch.to("cumulus", non_blocking=True).sum().item() for (batch,) in loader]
+    assert sums == [6.0, 22.0]
+
+
 def test_fork_rng_restores_the_remote_generator(cumulus):
     torch.manual_seed(3)
     expected = torch.rand(4)  # the CPU stream a CPU executor reproduces

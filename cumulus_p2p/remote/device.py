@@ -9,7 +9,10 @@ beside ``RemoteTensor`` in ``tensor.py``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.utils.data._utils.pin_memory as _dataloader_pinning
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
 from .client import CURRENT, current_session
@@ -109,4 +112,29 @@ class CumulusModule:
         return [torch.float16, torch.bfloat16]
 
 
+def _pins_for_cumulus(device) -> bool:
+    if device is None or device == "":
+        current = torch.accelerator.current_accelerator()
+        return current is not None and current.type == NAME
+    return torch.device(device).type == NAME
+
+
+def _skip_pinning_for_cumulus(pin_memory):
+    """``DataLoader``'s pinning step, made a no-op when it pins for ``cumulus``.
+
+    Page-locked memory speeds up DMA to a local GPU; batches for a remote device leave
+    through a socket, so there is nothing to gain, and a pure-Python backend cannot
+    provide the pinned allocator torch would ask for. Once ``cumulus`` is registered it
+    is the current accelerator, so an ordinary ``DataLoader(pin_memory=True)`` pins for
+    it and would fail in its pinning thread.
+    """
+
+    @functools.wraps(pin_memory)
+    def pin(data, device=None):
+        return data if _pins_for_cumulus(device) else pin_memory(data, device)
+
+    return pin
+
+
 _setup_privateuseone_for_python_backend(NAME, backend_module=CumulusModule())
+_dataloader_pinning.pin_memory = _skip_pinning_for_cumulus(_dataloader_pinning.pin_memory)
