@@ -66,6 +66,11 @@ def receipt_ids(data_dir: Path) -> set[str]:
         return {e.receipt_id for e in ledger.entries()}
 
 
+def bytes_moved(data_dir: Path) -> int:
+    with Ledger.open(data_dir) as ledger:
+        return sum(e.bytes_moved for e in ledger.entries())
+
+
 def test_a_cuda_style_script_runs_unchanged_on_the_cheaper_provider_with_matching_books(mesh):
     root, boot, providers = mesh
     consumer = start_node(
@@ -93,6 +98,7 @@ def test_a_cuda_style_script_runs_unchanged_on_the_cheaper_provider_with_matchin
     cheap, dear = receipt_ids(root / "p0.3"), receipt_ids(root / "p0.7")
     assert cheap and not dear
     assert receipt_ids(root / "consumer") == cheap
+    assert bytes_moved(root / "consumer") == bytes_moved(root / "p0.3") > 0
     assert "total cost" in consumer.output()
 
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 import socket
 import time
 
-from cumulus_p2p.remote.transport import ReadySpinner, SocketFrameChannel
+import trio
+import trio.testing
+
+from cumulus_p2p.remote.transport import (
+    CountingChannel,
+    ReadySpinner,
+    SocketFrameChannel,
+    TrioFrameChannel,
+)
 
 
 def tcp_pair() -> tuple[socket.socket, socket.socket]:
@@ -46,3 +54,15 @@ def test_a_channel_with_spinning_off_still_reads_whole_frames() -> None:
     finally:
         reader.close()
         writer.close()
+
+
+async def test_a_counting_channel_reports_each_frame_both_ways() -> None:
+    left, right = trio.testing.memory_stream_pair()
+    counted: list[int] = []
+    near = CountingChannel(TrioFrameChannel(left), counted.append)
+    far = TrioFrameChannel(right)
+    await near.send_frame([b"abc", b"de"])
+    assert await far.receive_frame() == bytearray(b"abcde")
+    await far.send_frame([b"xyz"])
+    assert await near.receive_frame() == bytearray(b"xyz")
+    assert counted == [4 + 5, 4 + 3]

@@ -27,6 +27,7 @@ from ..market.messages import encode_message, peer_id_of
 from ..market.settlement import call_countersign, serve_lease_close
 from ..remote.executor import Executor, ExecutorConfig
 from ..remote.secure import serve_secure
+from ..remote.transport import CountingChannel
 from .datadir import DataDir
 from .hardware import DeviceFacts
 from .runtime import Runtime, open_runtime, peer_of
@@ -163,7 +164,8 @@ class Provider:
             active = ActiveLease(lease, proposal, meter, self.runtime.clock())
             self.active[proposal.lease_id] = active
         try:
-            await self.executor.run_session(channel, quota_bytes=self.share_bytes * proposal.shares)
+            metered = CountingChannel(channel, active.meter.record_bytes)
+            await self.executor.run_session(metered, quota_bytes=self.share_bytes * proposal.shares)
         finally:
             with trio.CancelScope(shield=True):
                 await self._end(active)

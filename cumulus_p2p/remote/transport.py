@@ -257,3 +257,31 @@ class TrioFrameChannel:
 
     async def aclose(self) -> None:
         await self._stream.aclose()
+
+
+class CountingChannel:
+    """An ``AsyncFrameChannel`` that reports the bytes of every frame it carries.
+
+    The provider meters a lease's traffic with it: ``on_bytes`` gets each frame's
+    length (prefix included) in either direction, as the op stream sees it; the secure
+    channel's record overhead is not counted. ``peer_public_key`` passes through, so
+    the executor still knows who may resume the session.
+    """
+
+    def __init__(self, inner: AsyncFrameChannel, on_bytes) -> None:
+        self._inner = inner
+        self._on_bytes = on_bytes
+        self.max_frame = inner.max_frame
+        self.peer_public_key = getattr(inner, "peer_public_key", None)
+
+    async def send_frame(self, parts: Sequence[Buffer]) -> None:
+        await self._inner.send_frame(parts)
+        self._on_bytes(_LENGTH.size + sum(memoryview(p).nbytes for p in parts))
+
+    async def receive_frame(self) -> bytearray:
+        frame = await self._inner.receive_frame()
+        self._on_bytes(_LENGTH.size + len(frame))
+        return frame
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
