@@ -22,10 +22,20 @@ from libp2p.exceptions import BaseLibp2pError
 
 from .._errors import CumulusError
 from ..dht import MeshConfig
-from ..market import Lease, LeaseBook, LeaseProposal, LeaseServer, Meter, Offer, serve_leases
+from ..market import (
+    Lease,
+    LeaseBook,
+    LeaseProposal,
+    LeaseServer,
+    Meter,
+    Offer,
+    PriorityClass,
+    serve_leases,
+)
 from ..market.messages import encode_message, peer_id_of
 from ..market.settlement import call_countersign, serve_lease_close
 from ..remote.executor import Executor, ExecutorConfig
+from ..remote.scheduler import lease_rank
 from ..remote.secure import serve_secure
 from ..remote.transport import CountingChannel
 from .datadir import DataDir
@@ -165,7 +175,11 @@ class Provider:
             self.active[proposal.lease_id] = active
         try:
             metered = CountingChannel(channel, active.meter.record_bytes)
-            await self.executor.run_session(metered, quota_bytes=self.share_bytes * proposal.shares)
+            await self.executor.run_session(
+                metered,
+                quota_bytes=self.share_bytes * proposal.shares,
+                rank=lease_rank(proposal.priority is PriorityClass.ON_DEMAND, proposal.price),
+            )
         finally:
             with trio.CancelScope(shield=True):
                 await self._end(active)

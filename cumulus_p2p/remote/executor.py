@@ -2,8 +2,9 @@
 
 Each connection is one session (``session.py`` holds its state). The shell reads a frame,
 decodes it, lets the session run the batch in a worker thread (torch ops block), and sends
-the reply if the batch asked for one. Batches from all sessions take turns on the device:
-the device lock is where compute isolation between tenants lives.
+the reply if the batch asked for one. Batches from all sessions take turns on the device,
+best-ranked session first (``scheduler.py``): that is where compute isolation and
+priority between tenants live.
 
 A frame that cannot be decoded ends only its own session, with a ``fatal`` message saying
 why; the executor and every other session carry on.
@@ -28,6 +29,7 @@ import trio
 from .._errors import FrameTooLargeError, RemoteProtocolError, SessionClosedError
 from .hostcache import HostCache
 from .protocol import PROTOCOL_VERSION, decode_frame, encode_frame
+from .scheduler import DEFAULT_RANK, DeviceScheduler
 from .session import DeviceContext, ExecutorSession, Reply, parse_batch
 from .transport import DEFAULT_MAX_FRAME, AsyncFrameChannel, TrioFrameChannel
 
@@ -101,11 +103,15 @@ class Executor:
             max_bytes=self.config.cache_bytes, grace=self.config.cache_grace
         )
         self._attached: dict[str, _Attached] = {}
-        self._device_lock = trio.Lock()
+        self.scheduler = DeviceScheduler()
         self._next_id = 1
 
     async def run_session(
-        self, channel: AsyncFrameChannel, *, quota_bytes: int | None = None
+        self,
+        channel: AsyncFrameChannel,
+        *,
+        quota_bytes: int | None = None,
+        rank: tuple = DEFAULT_RANK,
     ) -> None:
         """Serve one session until the client leaves or breaks the protocol.
 
@@ -116,6 +122,8 @@ class Executor:
             quota_bytes: This session's memory quota, when it differs from the
                 executor's default (a lease of several shares gets more); capped at the
                 executor's ``quota_bytes`` all the same.
+            rank: This session's place in the queue for the device when tenants
+                contend (``scheduler.lease_rank``); lower goes first.
         """
         session_id = self._next_id
         self._next_id += 1
@@ -127,7 +135,7 @@ class Executor:
             limit = min(quota_bytes or self.config.quota_bytes, self.config.quota_bytes)
             token, session = await self._open(channel, session_id, limit)
             self.sessions[session_id] = session
-            park = await self._serve_attached(channel, token, session)
+            park = await self._serve_attached(channel, token, session, rank)
         except RemoteProtocolError as exc:
             log.info("session %d: protocol error: %s", session_id, exc)
             await _send_fatal(channel, str(exc))
@@ -195,14 +203,14 @@ class Executor:
     # --- serving ------------------------------------------------------------------------
 
     async def _serve_attached(
-        self, channel: AsyncFrameChannel, token: str, session: ExecutorSession
+        self, channel: AsyncFrameChannel, token: str, session: ExecutorSession, rank: tuple
     ) -> bool:
         """Serve batches; True when the session should be parked (no ``bye`` came)."""
         attached = _Attached(session, _owner(channel), trio.CancelScope(), trio.Event())
         self._attached[token] = attached
         with attached.scope:
             try:
-                await self._serve_batches(channel, session)
+                await self._serve_batches(channel, session, rank)
                 return False
             except SessionClosedError:
                 log.info("session %s...: connection lost; parking it", token[:8])
@@ -210,7 +218,9 @@ class Executor:
         log.info("session %s...: taken over by a resume", token[:8])
         return True
 
-    async def _serve_batches(self, channel: AsyncFrameChannel, session: ExecutorSession) -> None:
+    async def _serve_batches(
+        self, channel: AsyncFrameChannel, session: ExecutorSession, rank: tuple
+    ) -> None:
         while True:
             try:
                 frame = await channel.receive_frame()
@@ -222,30 +232,27 @@ class Executor:
             if header[0] == "resend":
                 if len(header) != 2 or type(header[1]) is not int:
                     raise RemoteProtocolError("resend takes one batch number")
-                reply = await self._on_device(session.resend, header[1])
+                reply = await self._on_device(session.resend, header[1], rank=rank)
             elif header[0] == "batch":
                 batch = parse_batch(header, area)
                 # A sync point's short tail: a thread hop would cost more than the ops.
                 inline = len(batch.ops) <= INLINE_OPS
-                reply = await self._on_device(session.run_batch, batch, inline=inline)
+                reply = await self._on_device(session.run_batch, batch, inline=inline, rank=rank)
             else:
                 raise RemoteProtocolError(f"unexpected {header[0]!r} message in a session")
             if reply is not None:
                 await channel.send_frame(_encode_reply(reply))
 
-    async def _on_device(self, fn, *args, inline: bool = False) -> Any:
-        # Taking a free lock without a checkpoint saves a trip through the scheduler on
-        # every sync point; the batch's own I/O awaits are the fairness points.
-        try:
-            self._device_lock.acquire_nowait()
-        except trio.WouldBlock:
-            await self._device_lock.acquire()
+    async def _on_device(self, fn, *args, inline: bool = False, rank: tuple = DEFAULT_RANK) -> Any:
+        # A free device is taken without a checkpoint, which saves a trip through trio's
+        # scheduler on every sync point; the batch's own I/O awaits are the fairness points.
+        await self.scheduler.acquire(rank)
         try:
             if inline:
                 return fn(*args)
             return await trio.to_thread.run_sync(fn, *args)
         finally:
-            self._device_lock.release()
+            self.scheduler.release()
 
     # --- letting go: close or park --------------------------------------------------------
 
