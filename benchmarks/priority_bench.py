@@ -1,0 +1,157 @@
+"""Priority between tenants of one executor: what a dear on-demand lease gains.
+
+One CPU executor serves several tenants, each a client process of its own:
+
+- *background*: ``BACKGROUND_TENANTS`` interruptible leases at a low price that keep the
+  device busy (matmul steps back to back);
+- *foreground*: an on-demand lease at a high price, timing short steps (a few small
+  matmuls, then ``.item()``).
+
+The foreground step time is measured alone, then beside the background tenant with the
+executor ranking sessions by lease (``scheduler.lease_rank``), then beside them with all
+sessions at the same rank (first come, first served, as before priorities existed). A
+session has at most one batch waiting for the device, so with one background tenant the
+two orders are the same; the difference grows with the number of tenants waiting.
+
+Prints JSON and writes ``benchmarks/results/priority.json``::
+
+    python benchmarks/priority_bench.py [--quick]
+
+Keys: ``foreground_alone_ms``, ``foreground_ranked_ms``, ``foreground_fifo_ms`` (median
+step times), ``background_steps_per_s_ranked``, ``background_steps_per_s_fifo`` (all
+background tenants together).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+FOREGROUND = (0, -900)  # lease_rank(True, 900)
+BACKGROUND = (1, -100)  # lease_rank(False, 100)
+BACKGROUND_TENANTS = 3
+
+
+def serve(ranked: bool) -> None:
+    """The executor: port 1 serves the foreground rank, port 2 the background rank."""
+    import trio
+
+    from cumulus_p2p.remote.executor import Executor, ExecutorConfig
+    from cumulus_p2p.remote.scheduler import lease_rank
+    from cumulus_p2p.remote.transport import TrioFrameChannel
+
+    assert lease_rank(True, 900) == FOREGROUND and lease_rank(False, 100) == BACKGROUND
+    executor = Executor(ExecutorConfig(device="cpu"))
+    ranks = (FOREGROUND, BACKGROUND) if ranked else (FOREGROUND, FOREGROUND)
+
+    async def main() -> None:
+        ports = []
+        async with trio.open_nursery() as nursery:
+            for rank in ranks:
+                listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+                ports.append(listeners[0].socket.getsockname()[1])
+
+                async def handler(stream, rank=rank) -> None:
+                    await executor.run_session(TrioFrameChannel(stream), rank=rank)
+
+                nursery.start_soon(trio.serve_listeners, handler, listeners)
+            print(*ports, flush=True)
+
+    trio.run(main)
+
+
+def client(role: str, address: str, seconds: float) -> None:
+    """Run one tenant's loop for ``seconds``; print its step times (ms) as JSON."""
+    import torch
+
+    import cumulus_p2p.remote as remote
+
+    with remote.attach(address):
+        torch.manual_seed(0)
+        size = 384 if role == "background" else 128
+        a = torch.randn(size, size, device="cumulus")
+        times = []
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            t0 = time.perf_counter()
+            x = a
+            for _ in range(4):
+                x = torch.tanh(x @ a)
+            x.sum().item()
+            times.append((time.perf_counter() - t0) * 1e3)
+            if role == "foreground":
+                time.sleep(0.01)  # an interactive tenant: short steps with pauses
+    print(json.dumps(times), flush=True)
+
+
+def _spawn(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+
+
+def _times(proc: subprocess.Popen) -> list[float]:
+    out, _ = proc.communicate(timeout=300)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def measure(ranked: bool, seconds: float, *, with_background: bool) -> tuple[list, list]:
+    """(foreground step times, background step times) for one arrangement."""
+    server = _spawn("--serve", "ranked" if ranked else "fifo")
+    try:
+        fore_port, back_port = server.stdout.readline().split()
+        address = f"127.0.0.1:{back_port}"
+        count = BACKGROUND_TENANTS if with_background else 0
+        background = [_spawn("--client", "background", address, str(seconds)) for _ in range(count)]
+        if background:
+            time.sleep(3.0)  # let them start and fill the device
+        foreground = _spawn("--client", "foreground", f"127.0.0.1:{fore_port}", str(seconds / 2))
+        fore = _times(foreground)[5:]
+        back = [t for proc in background for t in _times(proc)]
+        return fore, back
+    finally:
+        server.kill()
+        server.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="shorter runs (< 60 s)")
+    parser.add_argument("--serve", choices=("ranked", "fifo"), help=argparse.SUPPRESS)
+    parser.add_argument("--client", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        serve(args.serve == "ranked")
+        return
+    if args.client:
+        role, address, seconds = args.client
+        client(role, address, float(seconds))
+        return
+    seconds = 8.0 if args.quick else 30.0
+    alone, _ = measure(True, seconds, with_background=False)
+    ranked, back_ranked = measure(True, seconds, with_background=True)
+    fifo, back_fifo = measure(False, seconds, with_background=True)
+    result = {
+        "foreground_alone_ms": round(statistics.median(alone), 2),
+        "foreground_ranked_ms": round(statistics.median(ranked), 2),
+        "foreground_fifo_ms": round(statistics.median(fifo), 2),
+        "foreground_ranked_p90_ms": round(statistics.quantiles(ranked, n=10)[-1], 2),
+        "foreground_fifo_p90_ms": round(statistics.quantiles(fifo, n=10)[-1], 2),
+        "background_steps_per_s_ranked": round(len(back_ranked) / seconds, 1),
+        "background_steps_per_s_fifo": round(len(back_fifo) / seconds, 1),
+    }
+    print(json.dumps(result, indent=2))
+    out = ROOT / "benchmarks" / "results" / "priority.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
