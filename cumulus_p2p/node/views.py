@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterable
 
 from rich.console import Group
+from rich.filesize import decimal as _bytes
 from rich.table import Table
 
 from ..market.ledger import LedgerEntry
@@ -122,7 +123,7 @@ def ledger_table(entries: Iterable[LedgerEntry]) -> Table:
     for e in entries:
         table.add_row(
             e.receipt_id[:12], e.lease_id[:12], short(e.host), _clock(e.interval_start),
-            _clock(e.interval_end), str(e.share_seconds), str(e.bytes_moved),
+            _clock(e.interval_end), str(e.share_seconds), _bytes(e.bytes_moved),
         )  # fmt: skip
     return table
 
