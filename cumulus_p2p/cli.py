@@ -110,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="a known node's /ip4/.../tcp/.../p2p/<id> address; repeatable",
     )
     node.add_argument(
+        "--mdns",
+        action="store_true",
+        help="find other nodes on the local network by mDNS (no --bootstrap needed on a LAN)",
+    )
+    node.add_argument(
         "--announce-interval",
         type=float,
         default=10.0,
@@ -339,7 +344,7 @@ def _mesh_config(args, data: DataDir) -> MeshConfig:
     bootstrap = tuple(args.bootstrap)
     try:
         return MeshConfig(
-            listen_addrs=(args.listen,), bootstrap=bootstrap,
+            listen_addrs=(args.listen,), bootstrap=bootstrap, enable_mdns=args.mdns,
             announce_interval=args.announce_interval,
             offer_ttl=max(30.0, 3 * args.announce_interval),
         )  # fmt: skip

@@ -5,6 +5,7 @@ Every test runs the real command in a subprocess, as a user would.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 
@@ -63,6 +64,7 @@ def test_help_documents_every_flag():
         "--provide",
         "--consume",
         "--bootstrap",
+        "--mdns",
         "--price",
         "--shares",
         "--gpu",
@@ -206,3 +208,21 @@ def test_config_json_naming_an_unknown_flag_is_a_clear_error(tmp_path):
     result = run("--data-dir", str(tmp_path), "--listen", LOOPBACK_LISTEN, timeout=30)
     assert result.returncode == 3
     assert "unknown flags ['prize']" in result.stdout
+
+
+def test_two_nodes_with_mdns_find_each_other_without_bootstrap(tmp_path):
+    first = start_node(tmp_path / "a", "--listen", LOOPBACK_LISTEN, "--mdns")
+    second = start_node(tmp_path / "b", "--listen", LOOPBACK_LISTEN, "--mdns")
+    try:
+        wanted = NodeIdentity.load_or_create(tmp_path / "b").peer_id.to_base58()
+        deadline = time.monotonic() + 30
+        seen: list[str] = []
+        while time.monotonic() < deadline and wanted not in seen:
+            time.sleep(0.5)
+            result = run("peers", "--data-dir", str(tmp_path / "a"), "--json")
+            if result.returncode == 0:
+                seen = [row["peer"] for row in json.loads(result.stdout)]
+        assert wanted in seen
+    finally:
+        first.stop()
+        second.stop()

@@ -23,10 +23,12 @@ from libp2p.tools.anyio_service import background_trio_service
 from cumulus_p2p._errors import PeerUnreachableError
 from cumulus_p2p.dht.gossip import MARKET_TOPIC, GossipConfig
 from cumulus_p2p.dht.host import LOOPBACK, connect, new_mesh_host, parse_peer_addr, yamux_only
+from cumulus_p2p.dht.node import mesh_validator, open_mesh_node
 from cumulus_p2p.dht.records import SHEET_KIND, encode_sheet_body, offers_key
 from cumulus_p2p.envelope import Envelope, seal
 from cumulus_p2p.identity import NodeIdentity
 from cumulus_p2p.testing.mesh import (
+    TEST_KINDS,
     Mesh,
     fast_config,
     open_mesh,
@@ -316,3 +318,16 @@ async def test_forged_dht_record_is_stored_by_no_node() -> None:
             await dht.put_value(own_key, own.to_bytes())
         assert all(n.dht.value_store.get(key.encode()) is None for n in mesh.nodes)
         assert any(n.dht.value_store.get(own_key.encode()) is not None for n in mesh.nodes)
+
+
+async def test_nodes_with_mdns_find_each_other_without_a_bootstrap_peer() -> None:
+    config = fast_config(enable_mdns=True, maintenance_interval=0.2)
+    async with (
+        open_mesh_node(NodeIdentity.generate(), mesh_validator(TEST_KINDS), config) as a,
+        open_mesh_node(NodeIdentity.generate(), mesh_validator(TEST_KINDS), config) as b,
+    ):
+        await wait_for(
+            lambda: b.host.get_id() in a.host.get_connected_peers(),
+            timeout=15,
+            what="the two nodes to find each other by mDNS",
+        )
