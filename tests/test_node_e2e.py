@@ -54,9 +54,13 @@ def mesh(tmp_path_factory):
             node.stop()
 
 
-def local_run() -> dict:
+def local_run(epochs: str = "2") -> dict:
     out = subprocess.run(
-        [sys.executable, str(SCRIPT), "2"], capture_output=True, text=True, check=True, timeout=120
+        [sys.executable, str(SCRIPT), epochs],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -100,6 +104,38 @@ def test_a_cuda_style_script_runs_unchanged_on_the_cheaper_provider_with_matchin
     assert receipt_ids(root / "consumer") == cheap
     assert bytes_moved(root / "consumer") == bytes_moved(root / "p0.3") > 0
     assert "total cost" in consumer.output()
+
+
+def test_a_job_outlasting_its_lease_renews_it_and_finishes_with_the_same_losses(mesh):
+    root, boot, _ = mesh
+    consumer = start_node(
+        root / "renewing",
+        "--consume",
+        "--listen",
+        LOOPBACK_LISTEN,
+        "--bootstrap",
+        boot.addr,
+        "--announce-interval",
+        "1",
+        "--max-price",
+        "1.0",
+        "--duration",
+        "4s",
+        "--checkpoint-interval",
+        "1s",
+        "--",
+        "python",
+        str(SCRIPT),
+        "3",
+        "0.4",
+    )
+    assert consumer.proc.wait(timeout=240) == 0, consumer.output()
+    result = json.loads(next(x for x in reversed(consumer.lines) if x.startswith("{")))
+    assert result["losses"] == local_run("3")["losses"]
+    state = json.loads((root / "renewing" / "state.json").read_text())
+    states = [lease["state"] for lease in state["leases"]]
+    assert len(states) >= 2 and set(states[:-1]) == {"ended"}, states
+    assert all(row["failures"] == 0 for row in state["scores"])
 
 
 def test_a_job_survives_its_provider_being_killed_and_finishes_on_the_other(tmp_path):

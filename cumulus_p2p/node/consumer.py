@@ -41,6 +41,9 @@ log = logging.getLogger("cumulus_p2p.node.consumer")
 BID_NAME = "bid0"
 #: How long to wait for a vanished host's successor before giving up.
 FAILOVER_TIMEOUT = 120.0
+#: A host may end a session this long before its lease ends (clocks differ) and still
+#: count as having served the whole term.
+LEASE_END_SLACK_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +86,12 @@ class Held:
     host_key: bytes
     endpoint: str
     failed: bool = False
+    ended: bool = False
+
+    @property
+    def live(self) -> bool:
+        """Neither failed nor past its term: the session may run under it."""
+        return not (self.failed or self.ended)
 
 
 @dataclass
@@ -198,18 +207,27 @@ class Consumer:
     # --- the shim's requests ----------------------------------------------------------
 
     async def current_ticket(self) -> control.SessionTicket:
-        live = [h for h in self.held if not h.failed]
+        live = [h for h in self.held if h.live]
         return _ticket(live[-1])
 
     async def failover(self, reason: str) -> control.SessionTicket:
-        """The current host vanished: report it, exclude it, lease from another."""
+        """The session lost its host: lease again and return where to resume.
+
+        A lease past its term was ended by the host as agreed: its host stays welcome
+        (the session waits there, parked, to be resumed under a new lease). A host that
+        dropped the session before the term ended vanished: it is reported and excluded.
+        """
         self.status = f"failover: {reason}"
-        live = [h for h in self.held if not h.failed]
+        live = [h for h in self.held if h.live]
         if live:
             gone = live[-1]
-            gone.failed = True
-            self.excluded.add(gone.proposal.host)
-            await self._report_failure(gone)
+            if self.runtime.clock() >= gone.proposal.end_at - LEASE_END_SLACK_S:
+                gone.ended = True
+                self.status = "renewing the lease"
+            else:
+                gone.failed = True
+                self.excluded.add(gone.proposal.host)
+                await self._report_failure(gone)
         held = await self.lease(FAILOVER_TIMEOUT)
         self.status = "running"
         return _ticket(held)
@@ -276,7 +294,7 @@ def _held_row(held: Held, desk: ReceiptDesk) -> dict:
         "receipts": len(entries),
         "share_seconds": share_seconds,
         "cost": share_seconds * held.proposal.price // 3600,
-        "state": "failed" if held.failed else "held",
+        "state": "failed" if held.failed else "ended" if held.ended else "held",
     }
 
 

@@ -175,10 +175,14 @@ class Provider:
             self.active[proposal.lease_id] = active
         try:
             metered = CountingChannel(channel, active.meter.record_bytes)
+            # The session is served for the lease's term, no longer: then the executor
+            # parks it, and the consumer leases again and resumes it.
+            left = proposal.end_at - self.runtime.clock()
             await self.executor.run_session(
                 metered,
                 quota_bytes=self.share_bytes * proposal.shares,
                 rank=lease_rank(proposal.priority is PriorityClass.ON_DEMAND, proposal.price),
+                until=trio.current_time() + max(0.0, left),
             )
         finally:
             with trio.CancelScope(shield=True):

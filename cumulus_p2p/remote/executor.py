@@ -19,6 +19,7 @@ it over: the old connection's task is cancelled between two batches and parks it
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -112,6 +113,7 @@ class Executor:
         *,
         quota_bytes: int | None = None,
         rank: tuple = DEFAULT_RANK,
+        until: float = math.inf,
     ) -> None:
         """Serve one session until the client leaves or breaks the protocol.
 
@@ -124,6 +126,9 @@ class Executor:
                 executor's ``quota_bytes`` all the same.
             rank: This session's place in the queue for the device when tenants
                 contend (``scheduler.lease_rank``); lower goes first.
+            until: trio time at which this connection's time is up (its lease ends): the
+                connection is dropped and the session parked, so that a renewed lease
+                resumes it where it stopped.
         """
         session_id = self._next_id
         self._next_id += 1
@@ -135,7 +140,7 @@ class Executor:
             limit = min(quota_bytes or self.config.quota_bytes, self.config.quota_bytes)
             token, session = await self._open(channel, session_id, limit)
             self.sessions[session_id] = session
-            park = await self._serve_attached(channel, token, session, rank)
+            park = await self._serve_attached(channel, token, session, rank, until)
         except RemoteProtocolError as exc:
             log.info("session %d: protocol error: %s", session_id, exc)
             await _send_fatal(channel, str(exc))
@@ -203,10 +208,16 @@ class Executor:
     # --- serving ------------------------------------------------------------------------
 
     async def _serve_attached(
-        self, channel: AsyncFrameChannel, token: str, session: ExecutorSession, rank: tuple
+        self,
+        channel: AsyncFrameChannel,
+        token: str,
+        session: ExecutorSession,
+        rank: tuple,
+        until: float,
     ) -> bool:
         """Serve batches; True when the session should be parked (no ``bye`` came)."""
-        attached = _Attached(session, _owner(channel), trio.CancelScope(), trio.Event())
+        scope = trio.CancelScope(deadline=until)
+        attached = _Attached(session, _owner(channel), scope, trio.Event())
         self._attached[token] = attached
         with attached.scope:
             try:
@@ -215,7 +226,10 @@ class Executor:
             except SessionClosedError:
                 log.info("session %s...: connection lost; parking it", token[:8])
                 return True
-        log.info("session %s...: taken over by a resume", token[:8])
+        if trio.current_time() >= until:
+            log.info("session %s...: its time is up; parking it", token[:8])
+        else:
+            log.info("session %s...: taken over by a resume", token[:8])
         return True
 
     async def _serve_batches(

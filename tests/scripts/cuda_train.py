@@ -2,11 +2,13 @@
 
 Nothing here knows about cumulus. The tests run it untouched: on the CPU with CUDA
 compatibility mode off, and with the mode on against a CPU executor, and expect the same
-losses to the bit. Usage: ``python cuda_train.py [epochs]``; prints one JSON line.
+losses to the bit. Usage: ``python cuda_train.py [epochs] [pause]``, ``pause`` seconds of
+sleep after each step (to make a run outlast a short lease); prints one JSON line.
 """
 
 import json
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 use_cuda = torch.cuda.is_available()
 device = "cuda" if use_cuda else "cpu"
 epochs = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+pause = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
 
 
 class Net(nn.Module):
@@ -68,6 +71,7 @@ for _epoch in range(epochs):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         losses.append(loss.item())
+        time.sleep(pause)
     scheduler.step()
 
 peak_memory = 0
