@@ -1,4 +1,4 @@
-"""A provider gives each lease its shares' part of the device: the session's quota."""
+"""A provider gives each lease its part of the device: its quota, and its time."""
 
 import trio
 import trio.testing
@@ -37,3 +37,21 @@ async def test_a_consumer_may_ask_for_less_but_never_more_than_granted():
 async def test_a_grant_above_the_executor_quota_is_capped():
     executor = Executor(ExecutorConfig(device="cpu", quota_bytes=8 << 20))
     assert await welcome_quota(executor, granted=64 << 20, asked=None) == 8 << 20
+
+
+async def test_a_session_whose_time_is_up_is_parked_for_its_next_lease():
+    executor = Executor(ExecutorConfig(device="cpu"))
+    client_stream, server_stream = trio.testing.memory_stream_pair()
+    client = TrioFrameChannel(client_stream)
+    async with trio.open_nursery() as nursery:
+        until = trio.current_time() + 0.2
+        nursery.start_soon(
+            lambda: executor.run_session(TrioFrameChannel(server_stream), until=until)
+        )
+        await client.send_frame(encode_frame(["hello", PROTOCOL_VERSION, {}]))
+        header, _ = decode_frame(await client.receive_frame())
+        token = header[2]["token"]
+        with trio.fail_after(5):
+            while executor.sessions:  # the lease runs out while the client is idle
+                await trio.sleep(0.05)
+    assert token in executor.cache
