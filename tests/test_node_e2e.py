@@ -195,3 +195,52 @@ def test_a_job_survives_its_provider_being_killed_and_finishes_on_the_other(tmp_
     score = next(row for row in state["scores"] if row["host"] == gone)
     assert score["failures"] > 0
     assert receipt_ids(tmp_path / "p1") <= receipt_ids(tmp_path / "consumer")
+
+
+def test_a_provider_whose_session_port_cannot_be_dialed_is_reached_over_libp2p(tmp_path):
+    boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
+    # It listens for sessions on 127.0.0.1 but advertises 127.0.0.9, where nothing
+    # answers: as a host behind NAT advertising an address nobody can dial.
+    provider = start_node(
+        tmp_path / "natted",
+        "--provide",
+        "--listen",
+        LOOPBACK_LISTEN,
+        "--bootstrap",
+        boot.addr,
+        "--session-host",
+        "127.0.0.1",
+        "--advertise-host",
+        "127.0.0.9",
+        "--announce-interval",
+        "1",
+        "--receipt-interval",
+        "1s",
+        "--bench-seconds",
+        "0.1",
+        "--no-live",
+    )
+    try:
+        provider.wait_for("providing")
+        consumer = start_node(
+            tmp_path / "consumer",
+            "--consume",
+            "--listen",
+            LOOPBACK_LISTEN,
+            "--bootstrap",
+            boot.addr,
+            "--announce-interval",
+            "1",
+            "--",
+            "python",
+            str(SCRIPT),
+            "1",
+        )
+        assert consumer.proc.wait(timeout=240) == 0, consumer.output()
+    finally:
+        for node in (provider, boot):
+            node.stop()
+    result = json.loads(next(x for x in reversed(consumer.lines) if x.startswith("{")))
+    assert result["losses"] == local_run("1")["losses"]
+    assert "using libp2p" in consumer.output()
+    assert receipt_ids(tmp_path / "consumer") == receipt_ids(tmp_path / "natted")

@@ -13,8 +13,10 @@ import logging
 import os
 
 from .. import remote
+from .._errors import MeshError, PeerUnreachableError
 from ..identity import NodeIdentity
 from ..remote.secure import connect_secure
+from ..remote.secure.libp2p_path import connect_secure_libp2p
 from .control import ControlClient, SessionTicket
 from .datadir import DataDir, default_data_dir
 
@@ -22,12 +24,37 @@ log = logging.getLogger("cumulus_p2p.node.attach")
 
 
 def open_channel(ticket: SessionTicket, identity: NodeIdentity, *, resume_timeout: float = 10.0):
-    """Open the secure session channel a ticket describes (blocking)."""
+    """Open the secure session channel a ticket describes (blocking).
+
+    Direct TCP to the provider's session endpoint first; when that cannot be dialed (the
+    provider is behind NAT or a firewall), the same channel over a libp2p stream to
+    each of the provider's mesh addresses in turn, relayed ones included. A provider
+    that answers and refuses is not retried on another path.
+
+    Raises:
+        PeerUnreachableError: no path reached the provider; the message lists each.
+    """
+    keys = {"identity": identity, "expected_peer_public_key": ticket.provider_key}
+    keys |= {"lease": ticket.lease, "resume_timeout": resume_timeout}
     host, _, port = ticket.endpoint.rpartition(":")
-    return connect_secure(
-        host, int(port), identity=identity, expected_peer_public_key=ticket.provider_key,
-        lease=ticket.lease, resume_timeout=resume_timeout,
-    )  # fmt: skip
+    failures = []
+    try:
+        return connect_secure(host, int(port), **keys)
+    except OSError as exc:
+        failures.append(f"{ticket.endpoint}: {exc}")
+    for addr in ticket.peer_addrs:
+        try:
+            channel = connect_secure_libp2p(addr, **keys)
+        except (OSError, MeshError) as exc:
+            failures.append(f"{addr}: {exc}")
+            continue
+        log.warning("provider's session port unreachable; using libp2p via %s", addr)
+        return channel
+    raise PeerUnreachableError(
+        "could not reach the provider on any path (" + "; ".join(failures) + "). "
+        "The provider may be offline, or its session port closed: it should run with "
+        "--advertise-host set to an address consumers can dial."
+    )
 
 
 def attach_leased(client: ControlClient):

@@ -208,7 +208,15 @@ class Consumer:
 
     async def current_ticket(self) -> control.SessionTicket:
         live = [h for h in self.held if h.live]
-        return _ticket(live[-1])
+        return _ticket(live[-1], self._peer_addrs(live[-1]))
+
+    def _peer_addrs(self, held: Held) -> tuple[str, ...]:
+        """Where this node knows the lease's host on libp2p, each ending in its peer id."""
+        peer = peer_of(held.proposal.host)
+        store = self.runtime.mesh.host.get_peerstore()
+        addrs = store.addrs(peer) if peer in store.peer_ids() else []
+        suffix = f"/p2p/{held.proposal.host}"
+        return tuple(a if a.endswith(suffix) else a + suffix for a in map(str, addrs))
 
     async def failover(self, reason: str) -> control.SessionTicket:
         """The session lost its host: lease again and return where to resume.
@@ -230,7 +238,7 @@ class Consumer:
                 await self._report_failure(gone)
         held = await self.lease(FAILOVER_TIMEOUT)
         self.status = "running"
-        return _ticket(held)
+        return _ticket(held, self._peer_addrs(held))
 
     async def _report_failure(self, gone: Held) -> None:
         now = self.runtime.clock()
@@ -277,9 +285,9 @@ class Consumer:
         }
 
 
-def _ticket(held: Held) -> control.SessionTicket:
+def _ticket(held: Held, peer_addrs: tuple[str, ...]) -> control.SessionTicket:
     return control.SessionTicket(
-        held.proposal.host, held.endpoint, held.host_key, held.lease.to_bytes()
+        held.proposal.host, held.endpoint, held.host_key, held.lease.to_bytes(), peer_addrs
     )
 
 

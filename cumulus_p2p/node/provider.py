@@ -37,6 +37,7 @@ from ..market.settlement import call_countersign, serve_lease_close
 from ..remote.executor import Executor, ExecutorConfig
 from ..remote.scheduler import lease_rank
 from ..remote.secure import serve_secure
+from ..remote.secure.libp2p_path import handle_libp2p_sessions
 from ..remote.transport import CountingChannel
 from .datadir import DataDir
 from .hardware import DeviceFacts
@@ -306,6 +307,9 @@ async def run_provider(
         serve_lease_close(runtime.mesh.host, provider.close_lease)
         async with trio.open_nursery() as nursery:
             server = await nursery.start(_serve_sessions, identity, provider)
+            # The same sessions over libp2p streams, for consumers that cannot dial the
+            # session port (this host behind NAT: the stream may come through a relay).
+            handle_libp2p_sessions(runtime.mesh.host, server)
             provider.endpoint = f"{options.advertise_host or options.session_host}:{server.port}"
             nursery.start_soon(provider.keep_offer_current)
             nursery.start_soon(provider.metering_loop)

@@ -1,0 +1,51 @@
+"""The session ticket the consumer node hands the shim, and how the shim dials it."""
+
+from __future__ import annotations
+
+import pytest
+
+from cumulus_p2p._errors import PeerUnreachableError, RemoteProtocolError
+from cumulus_p2p.identity import NodeIdentity
+from cumulus_p2p.node.attach import open_channel
+from cumulus_p2p.node.control import SessionTicket
+
+TICKET = SessionTicket(
+    "12D3KooWhost",
+    "127.0.0.1:7001",
+    b"k" * 32,
+    b"lease",
+    ("/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWhost",),
+)
+
+
+def test_a_ticket_round_trips_through_its_wire_form() -> None:
+    assert SessionTicket.from_wire(TICKET.to_wire()) == TICKET
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("peer_addrs", "/ip4/127.0.0.1/tcp/4001"),  # a string, not a list of them
+        ("peer_addrs", [7]),
+        ("endpoint", None),
+        ("provider_key", "not bytes"),
+    ],
+)
+def test_a_ticket_with_a_field_of_the_wrong_type_is_refused(field, value) -> None:
+    wire = TICKET.to_wire() | {field: value}
+    with pytest.raises(RemoteProtocolError, match="wrong types"):
+        SessionTicket.from_wire(wire)
+
+
+def test_a_ticket_missing_a_field_is_refused_naming_it() -> None:
+    wire = TICKET.to_wire()
+    del wire["peer_addrs"]
+    with pytest.raises(RemoteProtocolError, match="peer_addrs"):
+        SessionTicket.from_wire(wire)
+
+
+def test_a_provider_reachable_on_no_path_is_reported_with_each_path_tried() -> None:
+    ticket = SessionTicket("12D3KooWhost", "127.0.0.9:1", b"k" * 32, b"lease", ("garbage",))
+    with pytest.raises(PeerUnreachableError) as caught:
+        open_channel(ticket, NodeIdentity.generate(), resume_timeout=1.0)
+    assert "127.0.0.9:1" in str(caught.value) and "garbage" in str(caught.value)
