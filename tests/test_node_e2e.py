@@ -242,5 +242,5 @@ def test_a_provider_whose_session_port_cannot_be_dialed_is_reached_over_libp2p(t
             node.stop()
     result = json.loads(next(x for x in reversed(consumer.lines) if x.startswith("{")))
     assert result["losses"] == local_run("1")["losses"]
-    assert "using libp2p" in consumer.output()
+    assert "going through libp2p" in consumer.output()
     assert receipt_ids(tmp_path / "consumer") == receipt_ids(tmp_path / "natted")

@@ -13,10 +13,9 @@ import logging
 import os
 
 from .. import remote
-from .._errors import MeshError, PeerUnreachableError
+from .._errors import HandshakeError, PeerAuthenticationError, PeerUnreachableError
 from ..identity import NodeIdentity
 from ..remote.secure import connect_secure
-from ..remote.secure.libp2p_path import connect_secure_libp2p
 from .control import ControlClient, SessionTicket
 from .datadir import DataDir, default_data_dir
 
@@ -27,33 +26,32 @@ def open_channel(ticket: SessionTicket, identity: NodeIdentity, *, resume_timeou
     """Open the secure session channel a ticket describes (blocking).
 
     Direct TCP to the provider's session endpoint first; when that cannot be dialed (the
-    provider is behind NAT or a firewall), the same channel over a libp2p stream to
-    each of the provider's mesh addresses in turn, relayed ones included. A provider
-    that answers and refuses is not retried on another path.
+    provider is behind NAT or a firewall), the same channel through the consumer node's
+    door to it (``session_proxy``: a libp2p stream over the node's own connection to
+    the provider, relayed or not). A provider that answers and refuses is not retried.
 
     Raises:
-        PeerUnreachableError: no path reached the provider; the message lists each.
+        PeerUnreachableError: no path reached the provider; the message names each.
     """
     keys = {"identity": identity, "expected_peer_public_key": ticket.provider_key}
     keys |= {"lease": ticket.lease, "resume_timeout": resume_timeout}
-    host, _, port = ticket.endpoint.rpartition(":")
     failures = []
-    try:
-        return connect_secure(host, int(port), **keys)
-    except OSError as exc:
-        failures.append(f"{ticket.endpoint}: {exc}")
-    for addr in ticket.peer_addrs:
+    for endpoint in filter(None, (ticket.endpoint, ticket.door)):
+        host, _, port = endpoint.rpartition(":")
         try:
-            channel = connect_secure_libp2p(addr, **keys)
-        except (OSError, MeshError) as exc:
-            failures.append(f"{addr}: {exc}")
+            channel = connect_secure(host, int(port), **keys)
+        except PeerAuthenticationError:
+            raise  # someone answered, and is not the provider: no other path will help
+        except (OSError, HandshakeError) as exc:
+            failures.append(f"{endpoint}: {exc}")
             continue
-        log.warning("provider's session port unreachable; using libp2p via %s", addr)
+        if endpoint == ticket.door:
+            log.warning("provider's session port unreachable; going through libp2p")
         return channel
     raise PeerUnreachableError(
         "could not reach the provider on any path (" + "; ".join(failures) + "). "
-        "The provider may be offline, or its session port closed: it should run with "
-        "--advertise-host set to an address consumers can dial."
+        "The provider may be offline, or unreachable from here: a provider behind NAT "
+        "should forward its session port and set --advertise-host."
     )
 
 

@@ -35,6 +35,7 @@ from ..reputation.evidence import MAX_RECEIPTS
 from . import control
 from .datadir import DataDir
 from .runtime import Runtime, open_runtime, peer_of
+from .session_proxy import SessionDoors
 
 log = logging.getLogger("cumulus_p2p.node.consumer")
 
@@ -106,6 +107,7 @@ class Consumer:
     excluded: set[str] = field(default_factory=set)
     status: str = "starting"
     exit_code: int | None = None
+    doors: SessionDoors | None = None
 
     # --- the bid --------------------------------------------------------------------
 
@@ -208,15 +210,13 @@ class Consumer:
 
     async def current_ticket(self) -> control.SessionTicket:
         live = [h for h in self.held if h.live]
-        return _ticket(live[-1], self._peer_addrs(live[-1]))
+        return await self._ticket(live[-1])
 
-    def _peer_addrs(self, held: Held) -> tuple[str, ...]:
-        """Where this node knows the lease's host on libp2p, each ending in its peer id."""
-        peer = peer_of(held.proposal.host)
-        store = self.runtime.mesh.host.get_peerstore()
-        addrs = store.addrs(peer) if peer in store.peer_ids() else []
-        suffix = f"/p2p/{held.proposal.host}"
-        return tuple(a if a.endswith(suffix) else a + suffix for a in map(str, addrs))
+    async def _ticket(self, held: Held) -> control.SessionTicket:
+        door = "" if self.doors is None else await self.doors.door(held.proposal.host)
+        return control.SessionTicket(
+            held.proposal.host, held.endpoint, held.host_key, held.lease.to_bytes(), door
+        )
 
     async def failover(self, reason: str) -> control.SessionTicket:
         """The session lost its host: lease again and return where to resume.
@@ -238,7 +238,7 @@ class Consumer:
                 await self._report_failure(gone)
         held = await self.lease(FAILOVER_TIMEOUT)
         self.status = "running"
-        return _ticket(held, self._peer_addrs(held))
+        return await self._ticket(held)
 
     async def _report_failure(self, gone: Held) -> None:
         now = self.runtime.clock()
@@ -283,12 +283,6 @@ class Consumer:
             "leases": [_held_row(h, self.desk) for h in self.held],
             "cost": self.cost(),
         }
-
-
-def _ticket(held: Held, peer_addrs: tuple[str, ...]) -> control.SessionTicket:
-    return control.SessionTicket(
-        held.proposal.host, held.endpoint, held.host_key, held.lease.to_bytes(), peer_addrs
-    )
 
 
 def _held_row(held: Held, desk: ReceiptDesk) -> dict:
@@ -343,6 +337,7 @@ async def run_consumer(
         serve_receipts(runtime.mesh.host, desk, clock=runtime.clock)
         consumer = Consumer(runtime, options, desk)
         async with trio.open_nursery() as nursery:
+            consumer.doors = SessionDoors(runtime.mesh.host, nursery)
             nursery.start_soon(_tick, consumer, on_tick)
             await runtime.mesh.announce(BID_NAME, Bid.KIND, consumer.bid_body)
             consumer.status = "matching"

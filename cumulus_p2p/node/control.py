@@ -42,9 +42,9 @@ class SessionTicket:
     endpoint: str
     provider_key: bytes
     lease: bytes
-    #: The provider's libp2p addresses (``.../p2p/<id>``, relayed ones included), for
-    #: when ``endpoint`` cannot be dialed.
-    peer_addrs: tuple[str, ...] = ()
+    #: Where the consumer node carries the session to the provider over libp2p, for
+    #: when ``endpoint`` cannot be dialed (``session_proxy``); empty if none.
+    door: str = ""
 
     def to_wire(self) -> dict:
         return {
@@ -52,7 +52,7 @@ class SessionTicket:
             "endpoint": self.endpoint,
             "provider_key": self.provider_key,
             "lease": self.lease,
-            "peer_addrs": list(self.peer_addrs),
+            "door": self.door,
         }
 
     @classmethod
@@ -60,18 +60,17 @@ class SessionTicket:
         if not isinstance(value, dict):
             raise RemoteProtocolError("the node's answer is not a session ticket")
         try:
-            addrs = value["peer_addrs"]
             ticket = cls(
                 value["host"],
                 value["endpoint"],
                 value["provider_key"],
                 value["lease"],
-                tuple(addrs) if isinstance(addrs, list) else (None,),
+                value["door"],
             )
         except KeyError as exc:
             raise RemoteProtocolError(f"session ticket lacks {exc}") from exc
         if not (
-            all(isinstance(a, str) for a in ticket.peer_addrs)
+            isinstance(ticket.door, str)
             and isinstance(ticket.endpoint, str)
             and isinstance(ticket.lease, bytes)
             and isinstance(ticket.provider_key, bytes)
