@@ -100,7 +100,16 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument(
         "--listen",
         default=DEFAULT_LISTEN,
-        help=f"libp2p listen multiaddr (default {DEFAULT_LISTEN})",
+        help=f"libp2p listen multiaddr (default {DEFAULT_LISTEN}), or 'none' for a node "
+        "that cannot be dialed and is reached through its --relay nodes",
+    )
+    node.add_argument(
+        "--relay",
+        action="append",
+        default=[],
+        metavar="ADDR",
+        help="a node to keep a relay reservation on, so peers reach this one through it "
+        "when it cannot be dialed (behind NAT); repeatable",
     )
     node.add_argument(
         "--bootstrap",
@@ -344,7 +353,8 @@ def _mesh_config(args, data: DataDir) -> MeshConfig:
     bootstrap = tuple(args.bootstrap)
     try:
         return MeshConfig(
-            listen_addrs=(args.listen,), bootstrap=bootstrap, enable_mdns=args.mdns,
+            listen_addrs=() if args.listen == "none" else (args.listen,),
+            bootstrap=bootstrap, relays=tuple(args.relay), enable_mdns=args.mdns,
             announce_interval=args.announce_interval,
             offer_ttl=max(30.0, 3 * args.announce_interval),
         )  # fmt: skip
@@ -396,6 +406,8 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
 def _check_listen(listen: str) -> None:
     import multiaddr
 
+    if listen == "none":
+        return
     try:
         multiaddr.Multiaddr(listen)
     except Exception as exc:  # noqa: BLE001 - multiaddr raises several unrelated types
@@ -417,6 +429,8 @@ async def _route(data: DataDir, mesh_config: MeshConfig, console: Console) -> in
 def _print_addrs(console: Console, addrs) -> None:
     for addr in addrs:
         console.print(f"listening on {addr}", highlight=False, soft_wrap=True)
+    if not addrs:
+        console.print("listening on no address: reached through its --relay nodes only")
     sys.stdout.flush()
 
 

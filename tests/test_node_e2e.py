@@ -244,3 +244,52 @@ def test_a_provider_whose_session_port_cannot_be_dialed_is_reached_over_libp2p(t
     assert result["losses"] == local_run("1")["losses"]
     assert "going through libp2p" in consumer.output()
     assert receipt_ids(tmp_path / "consumer") == receipt_ids(tmp_path / "natted")
+
+
+def test_a_provider_behind_nat_is_leased_and_used_through_a_relay(tmp_path):
+    boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
+    # No listen address at all, and a session port nobody can dial: reachable only
+    # through the relay reservation it keeps on the bootstrap node.
+    provider = start_node(
+        tmp_path / "hidden",
+        "--provide",
+        "--listen",
+        "none",
+        "--relay",
+        boot.addr,
+        "--bootstrap",
+        boot.addr,
+        "--advertise-host",
+        "127.0.0.9",
+        "--announce-interval",
+        "1",
+        "--receipt-interval",
+        "1s",
+        "--bench-seconds",
+        "0.1",
+        "--no-live",
+    )
+    try:
+        provider.wait_for("providing")
+        consumer = start_node(
+            tmp_path / "consumer",
+            "--consume",
+            "--listen",
+            LOOPBACK_LISTEN,
+            "--bootstrap",
+            boot.addr,
+            "--announce-interval",
+            "1",
+            "--",
+            "python",
+            str(SCRIPT),
+            "1",
+        )
+        assert consumer.proc.wait(timeout=240) == 0, consumer.output()
+    finally:
+        for node in (provider, boot):
+            node.stop()
+    result = json.loads(next(x for x in reversed(consumer.lines) if x.startswith("{")))
+    assert result["losses"] == local_run("1")["losses"]
+    assert "going through libp2p" in consumer.output()
+    assert receipt_ids(tmp_path / "consumer") == receipt_ids(tmp_path / "hidden")

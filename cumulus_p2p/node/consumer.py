@@ -181,13 +181,26 @@ class Consumer:
         return Held(grant.lease, proposal, peer.extract_public_key().to_bytes(), grant.endpoints[0])
 
     async def _reach(self, peer) -> None:
-        host = self.runtime.mesh.host
-        if peer in host.get_connected_peers():
+        """Connect to a host: at its own addresses, else through a relay (it may have
+        none that can be dialed: behind NAT, it is reachable only through its relays)."""
+        mesh = self.runtime.mesh
+        if peer in mesh.host.get_connected_peers():
             return
-        info = await self.runtime.mesh.dht.find_peer(peer)
-        if info is None:
-            raise CumulusError("the host's address is not in the DHT")
-        await host.connect(info)
+        info = await mesh.dht.find_peer(peer)
+        failures = []
+        if info is not None and info.addrs:
+            try:
+                await mesh.host.connect(info)
+                return
+            except (BaseLibp2pError, OSError, trio.TooSlowError) as exc:
+                failures.append(f"directly: {exc}")
+        for relay in mesh.config.relays or mesh.config.bootstrap:
+            try:
+                await mesh.connect_via_relay(relay, peer)
+                return
+            except (CumulusError, BaseLibp2pError, OSError, trio.TooSlowError) as exc:
+                failures.append(f"via {relay}: {exc}")
+        raise CumulusError("cannot reach the host (" + "; ".join(failures or ["no path"]) + ")")
 
     def _no_match_reason(self, timeout: float) -> str:
         offers = [r.order for r in self.runtime.book.offers()]
