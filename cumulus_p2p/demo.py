@@ -27,7 +27,13 @@ from rich.table import Table
 
 from .market.ledger import Ledger
 from .node import views
-from .testing.nodes import LOOPBACK_LISTEN, NodeProcess, start_node
+from .testing.nodes import (
+    LOOPBACK_LISTEN,
+    NodeProcess,
+    start_consumer,
+    start_node,
+    start_provider,
+)
 
 PRICES = {"provider-a": "0.40", "provider-b": "0.60"}
 
@@ -77,10 +83,9 @@ class Demo:
             boot = start_node(self.root / "bootstrap", "--listen", LOOPBACK_LISTEN)
             self.nodes["bootstrap"] = boot
             for name, price in PRICES.items():
-                self.nodes[name] = start_node(
-                    self.root / name, "--provide", "--listen", LOOPBACK_LISTEN,
-                    "--bootstrap", boot.addr, "--price", price, "--announce-interval", "1",
-                    "--receipt-interval", "3s", "--bench-seconds", "0.2", "--no-live",
+                self.nodes[name] = start_provider(
+                    self.root / name, boot.addr, "--price", price,
+                    receipt_interval="3s", bench_seconds="0.2",
                 )  # fmt: skip
             for name in PRICES:
                 self.nodes[name].wait_for("providing")
@@ -95,11 +100,9 @@ class Demo:
 
     def consume(self) -> tuple[dict, float | None]:
         boot = self.nodes["bootstrap"].addr
-        consumer = start_node(
-            self.root / "consumer", "--consume", "--listen", LOOPBACK_LISTEN,
-            "--bootstrap", boot, "--announce-interval", "1", "--max-price", "1.0",
-            "--checkpoint-interval", "2s", "--", "python", *self.script()[1:],
-            env={"CUMULUS_RESUME_TIMEOUT": "2"},
+        consumer = start_consumer(
+            self.root / "consumer", boot, "--max-price", "1.0", "--checkpoint-interval", "2s",
+            command=self.script()[1:], env={"CUMULUS_RESUME_TIMEOUT": "2"},
         )  # fmt: skip
         self.nodes["consumer"] = consumer
         self.console.print("consumer: bidding at most 1.0/share-hour...")

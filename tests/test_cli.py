@@ -12,7 +12,7 @@ import time
 import pytest
 
 from cumulus_p2p.identity import KEY_FILE_NAME, NodeIdentity
-from cumulus_p2p.testing.nodes import LOOPBACK_LISTEN, node_command, start_node
+from cumulus_p2p.testing.nodes import LOOPBACK_LISTEN, node_command, start_node, start_provider
 
 
 def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -142,18 +142,7 @@ def test_a_second_node_on_the_same_data_dir_is_refused(tmp_path):
 
 def test_impossible_requirements_end_after_the_match_timeout_with_what_the_book_held(tmp_path):
     boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
-    provider = start_node(
-        tmp_path / "p",
-        "--provide",
-        "--listen",
-        LOOPBACK_LISTEN,
-        "--bootstrap",
-        boot.addr,
-        "--announce-interval",
-        "1",
-        "--bench-seconds",
-        "0.1",
-    )
+    provider = start_provider(tmp_path / "p", boot.addr)
     try:
         provider.wait_for("providing")
         started = time.monotonic()

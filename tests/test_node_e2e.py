@@ -16,7 +16,12 @@ from pathlib import Path
 import pytest
 
 from cumulus_p2p.market.ledger import Ledger
-from cumulus_p2p.testing.nodes import LOOPBACK_LISTEN, start_node
+from cumulus_p2p.testing.nodes import (
+    LOOPBACK_LISTEN,
+    start_consumer,
+    start_node,
+    start_provider,
+)
 
 SCRIPT = Path(__file__).parent / "scripts" / "cuda_train.py"
 
@@ -26,23 +31,7 @@ def mesh(tmp_path_factory):
     root = tmp_path_factory.mktemp("mesh")
     boot = start_node(root / "boot", "--listen", LOOPBACK_LISTEN)
     providers = {
-        price: start_node(
-            root / f"p{price}",
-            "--provide",
-            "--listen",
-            LOOPBACK_LISTEN,
-            "--bootstrap",
-            boot.addr,
-            "--price",
-            price,
-            "--announce-interval",
-            "1",
-            "--receipt-interval",
-            "1s",
-            "--bench-seconds",
-            "0.1",
-            "--no-live",
-        )
+        price: start_provider(root / f"p{price}", boot.addr, "--price", price)
         for price in ("0.3", "0.7")
     }
     try:
@@ -75,26 +64,17 @@ def bytes_moved(data_dir: Path) -> int:
         return sum(e.bytes_moved for e in ledger.entries())
 
 
+def last_json(node) -> dict:
+    return json.loads(next(x for x in reversed(node.lines) if x.startswith("{")))
+
+
 def test_a_cuda_style_script_runs_unchanged_on_the_cheaper_provider_with_matching_books(mesh):
     root, boot, providers = mesh
-    consumer = start_node(
-        root / "consumer",
-        "--consume",
-        "--listen",
-        LOOPBACK_LISTEN,
-        "--bootstrap",
-        boot.addr,
-        "--announce-interval",
-        "1",
-        "--max-price",
-        "1.0",
-        "--",
-        "python",
-        str(SCRIPT),
-        "2",
+    consumer = start_consumer(
+        root / "consumer", boot.addr, "--max-price", "1.0", command=[str(SCRIPT), "2"]
     )
     assert consumer.proc.wait(timeout=240) == 0, consumer.output()
-    result = json.loads(next(x for x in reversed(consumer.lines) if x.startswith("{")))
+    result = last_json(consumer)
     expected = local_run()
     assert result["device"] == "cumulus:0"
     assert result["losses"] == expected["losses"]
@@ -108,30 +88,19 @@ def test_a_cuda_style_script_runs_unchanged_on_the_cheaper_provider_with_matchin
 
 def test_a_job_outlasting_its_lease_renews_it_and_finishes_with_the_same_losses(mesh):
     root, boot, _ = mesh
-    consumer = start_node(
+    consumer = start_consumer(
         root / "renewing",
-        "--consume",
-        "--listen",
-        LOOPBACK_LISTEN,
-        "--bootstrap",
         boot.addr,
-        "--announce-interval",
-        "1",
         "--max-price",
         "1.0",
         "--duration",
         "4s",
         "--checkpoint-interval",
         "1s",
-        "--",
-        "python",
-        str(SCRIPT),
-        "3",
-        "0.4",
+        command=[str(SCRIPT), "3", "0.4"],
     )
     assert consumer.proc.wait(timeout=240) == 0, consumer.output()
-    result = json.loads(next(x for x in reversed(consumer.lines) if x.startswith("{")))
-    assert result["losses"] == local_run("3")["losses"]
+    assert last_json(consumer)["losses"] == local_run("3")["losses"]
     state = json.loads((root / "renewing" / "state.json").read_text())
     states = [lease["state"] for lease in state["leases"]]
     assert len(states) >= 2 and set(states[:-1]) == {"ended"}, states
@@ -141,41 +110,19 @@ def test_a_job_outlasting_its_lease_renews_it_and_finishes_with_the_same_losses(
 def test_a_job_survives_its_provider_being_killed_and_finishes_on_the_other(tmp_path):
     boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
     providers = [
-        start_node(
-            tmp_path / f"p{i}",
-            "--provide",
-            "--listen",
-            LOOPBACK_LISTEN,
-            "--bootstrap",
-            boot.addr,
-            "--price",
-            price,
-            "--announce-interval",
-            "1",
-            "--bench-seconds",
-            "0.1",
-            "--no-live",
-        )
+        start_provider(tmp_path / f"p{i}", boot.addr, "--price", price)
         for i, price in enumerate(("0.3", "0.7"))
     ]
     script = ["-m", "cumulus_p2p.demo_train", "--steps", "30", "--log-every", "5"]
     try:
         for node in providers:
             node.wait_for("providing")
-        consumer = start_node(
+        consumer = start_consumer(
             tmp_path / "consumer",
-            "--consume",
-            "--listen",
-            LOOPBACK_LISTEN,
-            "--bootstrap",
             boot.addr,
-            "--announce-interval",
-            "1",
             "--checkpoint-interval",
             "1s",
-            "--",
-            "python",
-            *script,
+            command=script,
             env={"CUMULUS_RESUME_TIMEOUT": "1"},
         )
         consumer.wait_for("step   10", timeout=120)
@@ -184,11 +131,12 @@ def test_a_job_survives_its_provider_being_killed_and_finishes_on_the_other(tmp_
     finally:
         for node in [*providers, boot]:
             node.stop()
-    result = json.loads(next(x for x in reversed(consumer.lines) if x.startswith("{")))
     local = subprocess.run(
         [sys.executable, *script], capture_output=True, text=True, check=True, timeout=120
     )
-    assert result["final_loss"] == json.loads(local.stdout.splitlines()[-1])["final_loss"]
+    assert (
+        last_json(consumer)["final_loss"] == json.loads(local.stdout.splitlines()[-1])["final_loss"]
+    )
     state = json.loads((tmp_path / "consumer" / "state.json").read_text())
     assert [lease["state"] for lease in state["leases"]] == ["failed", "held"]
     gone = state["leases"][0]["host"]
@@ -197,99 +145,47 @@ def test_a_job_survives_its_provider_being_killed_and_finishes_on_the_other(tmp_
     assert receipt_ids(tmp_path / "p1") <= receipt_ids(tmp_path / "consumer")
 
 
+def run_one_epoch_through_libp2p(tmp_path: Path, boot, provider) -> None:
+    """Run one epoch of the script against ``provider``, the only one on the mesh, and
+    check that it went through the consumer node's libp2p door with matching books."""
+    try:
+        provider.wait_for("providing")
+        consumer = start_consumer(tmp_path / "consumer", boot.addr, command=[str(SCRIPT), "1"])
+        assert consumer.proc.wait(timeout=240) == 0, consumer.output()
+    finally:
+        for node in (provider, boot):
+            node.stop()
+    assert last_json(consumer)["losses"] == local_run("1")["losses"]
+    assert "going through libp2p" in consumer.output()
+    assert receipt_ids(tmp_path / "consumer") == receipt_ids(provider.data_dir)
+
+
 def test_a_provider_whose_session_port_cannot_be_dialed_is_reached_over_libp2p(tmp_path):
     boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
     # It listens for sessions on 127.0.0.1 but advertises 127.0.0.9, where nothing
     # answers: as a host behind NAT advertising an address nobody can dial.
-    provider = start_node(
+    provider = start_provider(
         tmp_path / "natted",
-        "--provide",
-        "--listen",
-        LOOPBACK_LISTEN,
-        "--bootstrap",
         boot.addr,
         "--session-host",
         "127.0.0.1",
         "--advertise-host",
         "127.0.0.9",
-        "--announce-interval",
-        "1",
-        "--receipt-interval",
-        "1s",
-        "--bench-seconds",
-        "0.1",
-        "--no-live",
     )
-    try:
-        provider.wait_for("providing")
-        consumer = start_node(
-            tmp_path / "consumer",
-            "--consume",
-            "--listen",
-            LOOPBACK_LISTEN,
-            "--bootstrap",
-            boot.addr,
-            "--announce-interval",
-            "1",
-            "--",
-            "python",
-            str(SCRIPT),
-            "1",
-        )
-        assert consumer.proc.wait(timeout=240) == 0, consumer.output()
-    finally:
-        for node in (provider, boot):
-            node.stop()
-    result = json.loads(next(x for x in reversed(consumer.lines) if x.startswith("{")))
-    assert result["losses"] == local_run("1")["losses"]
-    assert "going through libp2p" in consumer.output()
-    assert receipt_ids(tmp_path / "consumer") == receipt_ids(tmp_path / "natted")
+    run_one_epoch_through_libp2p(tmp_path, boot, provider)
 
 
 def test_a_provider_behind_nat_is_leased_and_used_through_a_relay(tmp_path):
     boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
     # No listen address at all, and a session port nobody can dial: reachable only
     # through the relay reservation it keeps on the bootstrap node.
-    provider = start_node(
+    provider = start_provider(
         tmp_path / "hidden",
-        "--provide",
-        "--listen",
-        "none",
-        "--relay",
         boot.addr,
-        "--bootstrap",
+        "--relay",
         boot.addr,
         "--advertise-host",
         "127.0.0.9",
-        "--announce-interval",
-        "1",
-        "--receipt-interval",
-        "1s",
-        "--bench-seconds",
-        "0.1",
-        "--no-live",
+        listen="none",
     )
-    try:
-        provider.wait_for("providing")
-        consumer = start_node(
-            tmp_path / "consumer",
-            "--consume",
-            "--listen",
-            LOOPBACK_LISTEN,
-            "--bootstrap",
-            boot.addr,
-            "--announce-interval",
-            "1",
-            "--",
-            "python",
-            str(SCRIPT),
-            "1",
-        )
-        assert consumer.proc.wait(timeout=240) == 0, consumer.output()
-    finally:
-        for node in (provider, boot):
-            node.stop()
-    result = json.loads(next(x for x in reversed(consumer.lines) if x.startswith("{")))
-    assert result["losses"] == local_run("1")["losses"]
-    assert "going through libp2p" in consumer.output()
-    assert receipt_ids(tmp_path / "consumer") == receipt_ids(tmp_path / "hidden")
+    run_one_epoch_through_libp2p(tmp_path, boot, provider)

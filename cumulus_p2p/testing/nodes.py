@@ -50,6 +50,34 @@ class NodeProcess:
         raise TimeoutError(f"no line with {text!r} within {timeout}s:\n{self.output()}")
 
 
+def start_provider(
+    data_dir: Path,
+    bootstrap: str,
+    *args: str,
+    listen: str = LOOPBACK_LISTEN,
+    receipt_interval: str = "1s",
+    bench_seconds: str = "0.1",
+) -> NodeProcess:
+    """A CPU provider joined through ``bootstrap`` that announces every second; ``args``
+    add flags (``--price``...). Wait for its ``providing`` line before leasing from it."""
+    return start_node(
+        data_dir, "--provide", "--listen", listen, "--bootstrap", bootstrap,
+        "--announce-interval", "1", "--receipt-interval", receipt_interval,
+        "--bench-seconds", bench_seconds, "--no-live", *args,
+    )  # fmt: skip
+
+
+def start_consumer(
+    data_dir: Path, bootstrap: str, *args: str, command: list[str], env: dict | None = None
+) -> NodeProcess:
+    """A consumer joined through ``bootstrap`` that bids every second and runs
+    ``python *command``; ``args`` add flags before the ``--``."""
+    return start_node(
+        data_dir, "--consume", "--listen", LOOPBACK_LISTEN, "--bootstrap", bootstrap,
+        "--announce-interval", "1", *args, "--", "python", *command, env=env,
+    )  # fmt: skip
+
+
 def node_command(*args: str) -> list[str]:
     """``cumulus-node`` with this interpreter (what the console script runs)."""
     return [sys.executable, "-m", "cumulus_p2p.cli", *args]
