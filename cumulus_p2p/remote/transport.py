@@ -67,9 +67,17 @@ class AsyncFrameChannel(Protocol):
         """Close the channel. Idempotent."""
 
 
+def nbytes(parts: Sequence[Buffer]) -> int:
+    """The bytes in ``parts`` together (a memoryview's ``len`` counts items, not bytes)."""
+    total = 0
+    for part in parts:
+        total += part.nbytes if type(part) is memoryview else len(part)
+    return total
+
+
 def frame_header(parts: Sequence[Buffer], max_frame: int) -> bytes:
     """Return the length prefix for a frame made of ``parts``, checking the limit."""
-    total = sum(len(p) if not isinstance(p, memoryview) else p.nbytes for p in parts)
+    total = nbytes(parts)
     if total > max_frame:
         raise FrameTooLargeError(f"frame of {total} bytes exceeds the limit of {max_frame}")
     return _LENGTH.pack(total)
@@ -276,7 +284,7 @@ class CountingChannel:
 
     async def send_frame(self, parts: Sequence[Buffer]) -> None:
         await self._inner.send_frame(parts)
-        self._on_bytes(_LENGTH.size + sum(memoryview(p).nbytes for p in parts))
+        self._on_bytes(_LENGTH.size + nbytes(parts))
 
     async def receive_frame(self) -> bytearray:
         frame = await self._inner.receive_frame()

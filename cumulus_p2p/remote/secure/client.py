@@ -40,7 +40,7 @@ from ..._errors import (
     SessionClosedError,
     SessionRefusedError,
 )
-from ..transport import DEFAULT_MAX_FRAME, Buffer, ReadySpinner, sendmsg_all
+from ..transport import DEFAULT_MAX_FRAME, Buffer, ReadySpinner, nbytes, sendmsg_all
 from . import handshake as hs
 from .record import (
     DEFAULT_MAX_RECORD,
@@ -98,7 +98,7 @@ class SocketLink:
         # One system call nearly always takes a whole record; only then is it worth
         # building views to send the rest.
         sent = self.sock.sendmsg(chunks)
-        if sent < _nbytes(chunks):
+        if sent < nbytes(chunks):
             views = [memoryview(c).cast("B") for c in chunks]
             while sent >= views[0].nbytes:
                 sent -= views.pop(0).nbytes
@@ -116,13 +116,6 @@ class SocketLink:
 
     def close(self) -> None:
         self.sock.close()
-
-
-def _nbytes(chunks: Sequence[Buffer]) -> int:
-    total = 0
-    for chunk in chunks:
-        total += chunk.nbytes if type(chunk) is memoryview else len(chunk)
-    return total
 
 
 class _Reader:

@@ -34,6 +34,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from ..._errors import FrameTooLargeError, LocalProtocolError, RemoteProtocolError
+from ..transport import nbytes
 from .record import (
     ACK,
     CLOSE,
@@ -196,7 +197,7 @@ class SessionCore:
         Raises:
             FrameTooLargeError: the frame is larger than ``max_frame``.
         """
-        total = sum(memoryview(p).nbytes for p in parts)
+        total = nbytes(parts)
         if total > self.max_frame:
             raise FrameTooLargeError(
                 f"frame of {total} bytes exceeds the limit of {self.max_frame}"
@@ -221,7 +222,7 @@ class SessionCore:
                 payload = memoryview(payload).cast("B")  # len() must count bytes
             total = len(payload)
         else:
-            total = sum(memoryview(p).nbytes for p in parts)
+            total = nbytes(parts)
             payload = None
         if total > self.max_frame:
             raise FrameTooLargeError(
