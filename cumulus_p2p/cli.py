@@ -351,9 +351,10 @@ def _apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str]) -> 
 
 def _mesh_config(args, data: DataDir) -> MeshConfig:
     bootstrap = tuple(args.bootstrap)
+    listen_addrs = _listen_addrs(args.listen)
     try:
         return MeshConfig(
-            listen_addrs=() if args.listen == "none" else (args.listen,),
+            listen_addrs=listen_addrs,
             bootstrap=bootstrap, relays=tuple(args.relay), enable_mdns=args.mdns,
             announce_interval=args.announce_interval,
             offer_ttl=max(30.0, 3 * args.announce_interval),
@@ -367,7 +368,6 @@ def run_node(args, command: list[str], console: Console) -> int:
     data = _data_dir(args)
     data.identity()  # a corrupt key file stops us here, before anything starts
     mesh_config = _mesh_config(args, data)
-    _check_listen(args.listen)
     with data.locked(), _plain_errors():
         if args.provide:
             return trio.run(_provide, args, data, mesh_config, console)
@@ -403,17 +403,19 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
     return found
 
 
-def _check_listen(listen: str) -> None:
+def _listen_addrs(listen: str) -> tuple[str, ...]:
+    """``--listen`` as the node's listen addresses: none, or one valid multiaddr."""
     import multiaddr
 
     if listen == "none":
-        return
+        return ()
     try:
         multiaddr.Multiaddr(listen)
     except Exception as exc:  # noqa: BLE001 - multiaddr raises several unrelated types
         raise NodeConfigError(
             f"--listen {listen!r} is not a multiaddr (e.g. /ip4/0.0.0.0/tcp/4001)"
         ) from exc
+    return (listen,)
 
 
 async def _route(data: DataDir, mesh_config: MeshConfig, console: Console) -> int:
