@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import trio
 from libp2p.exceptions import BaseLibp2pError
 
-from .._errors import CumulusError, LeaseRefusedError, NoMatchError
+from .._errors import CumulusError, LeaseRefusedError, NoMatchError, PeerUnreachableError
+from ..dht.host import connect
 from ..market import Bid, Cancel, Lease, LeaseProposal, PriorityClass, Side, rank_offers
 from ..market.messages import encode_message, seal_message
 from ..market.negotiation import call_propose_lease
@@ -86,13 +87,9 @@ class Held:
     proposal: LeaseProposal
     host_key: bytes
     endpoint: str
-    failed: bool = False
-    ended: bool = False
-
-    @property
-    def live(self) -> bool:
-        """Neither failed nor past its term: the session may run under it."""
-        return not (self.failed or self.ended)
+    #: ``held`` while the session may run under it; ``ended`` once its term is over;
+    #: ``failed`` if the host dropped the session before that.
+    state: str = "held"
 
 
 @dataclass
@@ -190,9 +187,9 @@ class Consumer:
         failures = []
         if info is not None and info.addrs:
             try:
-                await mesh.host.connect(info)
+                await connect(mesh.host, info)
                 return
-            except (BaseLibp2pError, OSError, trio.TooSlowError) as exc:
+            except PeerUnreachableError as exc:
                 failures.append(f"directly: {exc}")
         for relay in mesh.config.relays or mesh.config.bootstrap:
             try:
@@ -222,7 +219,7 @@ class Consumer:
     # --- the shim's requests ----------------------------------------------------------
 
     async def current_ticket(self) -> control.SessionTicket:
-        live = [h for h in self.held if h.live]
+        live = [h for h in self.held if h.state == "held"]
         return await self._ticket(live[-1])
 
     async def _ticket(self, held: Held) -> control.SessionTicket:
@@ -239,14 +236,14 @@ class Consumer:
         dropped the session before the term ended vanished: it is reported and excluded.
         """
         self.status = f"failover: {reason}"
-        live = [h for h in self.held if h.live]
+        live = [h for h in self.held if h.state == "held"]
         if live:
             gone = live[-1]
             if self.runtime.clock() >= gone.proposal.end_at - LEASE_END_SLACK_S:
-                gone.ended = True
+                gone.state = "ended"
                 self.status = "renewing the lease"
             else:
-                gone.failed = True
+                gone.state = "failed"
                 self.excluded.add(gone.proposal.host)
                 await self._report_failure(gone)
         held = await self.lease(FAILOVER_TIMEOUT)
@@ -309,7 +306,7 @@ def _held_row(held: Held, desk: ReceiptDesk) -> dict:
         "receipts": len(entries),
         "share_seconds": share_seconds,
         "cost": share_seconds * held.proposal.price // 3600,
-        "state": "failed" if held.failed else "ended" if held.ended else "held",
+        "state": held.state,
     }
 
 
@@ -394,7 +391,7 @@ async def _settle_leases(consumer: Consumer) -> None:
     # The host sends its last receipt when it sees the session end; closing the lease
     # waits for exactly that, so both ledgers end up with the same receipts.
     for held in consumer.held:
-        if held.failed:
+        if held.state == "failed":
             continue
         try:
             await call_close_lease(
