@@ -35,8 +35,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-FOREGROUND = (0, -900)  # lease_rank(True, 900)
-BACKGROUND = (1, -100)  # lease_rank(False, 100)
+from cumulus_p2p.remote.scheduler import lease_rank  # noqa: E402 - after the path fix
+
+FOREGROUND = lease_rank(True, 900)  # on-demand at a high price
+BACKGROUND = lease_rank(False, 100)  # interruptible at a low price
 BACKGROUND_TENANTS = 3
 
 
@@ -45,10 +47,8 @@ def serve(ranked: bool) -> None:
     import trio
 
     from cumulus_p2p.remote.executor import Executor, ExecutorConfig
-    from cumulus_p2p.remote.scheduler import lease_rank
     from cumulus_p2p.remote.transport import TrioFrameChannel
 
-    assert lease_rank(True, 900) == FOREGROUND and lease_rank(False, 100) == BACKGROUND
     executor = Executor(ExecutorConfig(device="cpu"))
     ranks = (FOREGROUND, BACKGROUND) if ranked else (FOREGROUND, FOREGROUND)
 
