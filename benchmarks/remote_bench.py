@@ -26,7 +26,7 @@ import torch
 import cumulus_p2p.remote as remote
 from cumulus_p2p.remote.transport import DEFAULT_SPIN_S, ReadySpinner
 from cumulus_p2p.testing.executor import executor_process
-from cumulus_p2p.testing.models import MLP, TASKS, Task, TinyTransformer, _lm_loss
+from cumulus_p2p.testing.models import TASKS, WORKLOADS, Task
 
 ECHO_SERVER = """
 import trio, sys
@@ -112,27 +112,8 @@ def transfer_mb_s(mbytes: int, repeats: int) -> tuple[float, float]:
     return mbytes / min(up), mbytes / min(down)
 
 
-def _bench_tokens(gen):
-    idx = torch.randint(0, 512, (16, 128), generator=gen)
-    return idx, torch.roll(idx, -1, dims=1)
-
-
 #: Models sized like small real workloads, where per-op overhead meets real compute.
-BENCH_TASKS = {
-    "mlp": Task(
-        lambda: MLP(width=1024, depth=4),
-        lambda gen: (
-            torch.randn(256, 32, generator=gen),
-            torch.randint(0, 10, (256,), generator=gen),
-        ),
-        torch.nn.functional.cross_entropy,
-    ),
-    "transformer": Task(
-        lambda: TinyTransformer(vocab=512, dim=256, heads=8, layers=4, ctx=128),
-        _bench_tokens,
-        _lm_loss,
-    ),
-}
+BENCH_TASKS = {"mlp": WORKLOADS["mlp_bench"], "transformer": WORKLOADS["transformer_bench"]}
 
 
 def trainer(spec: Task, device: str):

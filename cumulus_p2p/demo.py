@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -160,7 +161,9 @@ class Demo:
                 self.console.print(line.rstrip(), highlight=False)
 
     def verdict(self, local: dict, remote: dict, failover_s: float | None) -> int:
-        same = local["final_loss"] == remote["final_loss"]
+        # The providers run here with --device auto: on CUDA when this machine has it.
+        exact = not _cuda_here()
+        same = losses_agree(local["final_loss"], remote["final_loss"], exact=exact)
         if failover_s is not None:
             self.console.print(f"failover: the job ran on within {failover_s:.1f}s of the kill")
         self.console.print(
@@ -168,12 +171,30 @@ class Demo:
             f"mesh {remote['final_loss']:.6f}",
             highlight=False,
         )
+        how = "exactly" if exact else f"within {LOSS_RTOL:.0%} (CPU against GPU)"
         self.console.print(
-            "[green]the job finished with the same loss as a local run[/green]"
+            f"[green]the job finished with a local run's loss, {how}[/green]"
             if same
-            else "[red]the losses differ[/red]"
+            else f"[red]the losses differ (compared {how})[/red]"
         )
         return 0 if same else 1
+
+
+#: How far a GPU provider's final loss may stray from the local CPU run's: the two devices
+#: sum in different orders, and a few hundred steps of training magnify that.
+LOSS_RTOL = 1e-2
+
+
+def losses_agree(local: float, remote: float, *, exact: bool) -> bool:
+    """Exactly equal when both ran on CPUs (the executor draws the CPU's random stream and
+    runs the same kernels), within ``LOSS_RTOL`` when the provider computed on a GPU."""
+    return local == remote if exact else math.isclose(local, remote, rel_tol=LOSS_RTOL)
+
+
+def _cuda_here() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _short_in(addr: str, line: str) -> bool:

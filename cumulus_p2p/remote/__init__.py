@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .._errors import CheckpointCorruptError, FailoverError
-from . import device as _device  # registers the cumulus device with torch
+from . import device as _device
 from . import kernels as _kernels  # noqa: F401 - PrivateUse1 kernels: factories, copies, sdpa
 from .checkpoint import (
     Checkpoint,
@@ -58,7 +58,11 @@ __all__ = [
     "attach",
     "current_session",
     "detach",
+    "register_device",
 ]
+
+#: Make ``cumulus`` a torch device before any session (``attach`` does it too).
+register_device = _device.register
 
 
 class _Attached:
@@ -110,6 +114,7 @@ def attach(
         if not host or not port.isdigit():
             raise ValueError(f"executor address must look like host:port, got {address!r}")
         channel = SocketFrameChannel.connect(host, int(port))
+    _device.register()
     detach()
     session = RemoteSession(
         channel,

@@ -68,7 +68,7 @@ from torch.overrides import TorchFunctionMode
 
 from .._errors import SessionClosedError
 from .client import CURRENT, RemoteSession
-from .device import NAME, CumulusModule
+from .device import NAME, CumulusModule, register
 from .tensor import DEVICE, RemoteTensor
 
 __all__ = ["NO_SESSION_MESSAGE", "cuda_compat", "disable", "enable", "is_enabled"]
@@ -99,6 +99,7 @@ def enable() -> bool:
     """
     if _STATE.mode is not None:
         return False
+    register()
     saved = []
     try:
         for owner, name, value in _replacements():

@@ -1,6 +1,11 @@
 """Registers the ``cumulus`` device with torch and provides ``torch.cumulus``.
 
-torch's pure-Python PrivateUse1 backend is renamed ``cumulus``. Ops on existing cumulus
+torch's pure-Python PrivateUse1 backend is renamed ``cumulus`` at import, except on a
+machine with a CUDA GPU of its own: once a PrivateUse1 backend exists, torch takes it for
+*the* accelerator of the process (``at::getAccelerator``, pytorch/pytorch#161129), and
+autograd then fails on every local CUDA backward. There registration waits for first need
+(``register``, which ``attach`` and CUDA compatibility mode call), so importing
+``cumulus_p2p.remote`` leaves the local GPU usable. Ops on existing cumulus
 tensors reach ``RemoteTensor.__torch_dispatch__``; ops that *create* tensors from nothing
 (``torch.empty(..., device="cumulus")`` and everything built on it: ``zeros``, ``randn``,
 ``arange``, ``tensor(...)``) have no tensor to dispatch on; their PrivateUse1 kernels sit
@@ -136,5 +141,27 @@ def _skip_pinning_for_cumulus(pin_memory):
     return pin
 
 
-_setup_privateuseone_for_python_backend(NAME, backend_module=CumulusModule())
-_dataloader_pinning.pin_memory = _skip_pinning_for_cumulus(_dataloader_pinning.pin_memory)
+def is_registered() -> bool:
+    """Whether ``cumulus`` is a torch device in this process yet."""
+    return torch._C._get_privateuse1_backend_name() == NAME
+
+
+def register() -> None:
+    """Make ``cumulus`` a torch device in this process (idempotent; cannot be undone).
+
+    Until then ``torch.manual_seed`` cannot reach the device, so the first registration
+    carries its seed over: the session is seeded as if the device had existed all along.
+
+    Caveat (a torch limitation, pytorch/pytorch#161129): from now on torch treats
+    ``cumulus`` as this process's accelerator, and a backward pass over *local* CUDA
+    tensors fails inside autograd. Train on a local GPU in another process.
+    """
+    if is_registered():
+        return
+    _setup_privateuseone_for_python_backend(NAME, backend_module=CumulusModule())
+    _dataloader_pinning.pin_memory = _skip_pinning_for_cumulus(_dataloader_pinning.pin_memory)
+    CumulusModule._pending_seed = torch.initial_seed()
+
+
+if not torch.cuda.is_available():
+    register()

@@ -28,6 +28,7 @@ sends back what it returns. It does run torch ops, on the device it was given.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,6 +128,10 @@ class Reply:
 @dataclass
 class SessionStats:
     ops: int = 0
+    #: Seconds spent running batches (decoding arguments, launching kernels, registering
+    #: outputs): the executor's own cost. On CUDA kernels run asynchronously, so this is
+    #: the host-side time per op, not the GPU's.
+    busy_s: float = 0.0
     failed_ops: int = 0
     bytes_in_use: int = 0
     peak_bytes: int = 0
@@ -154,12 +159,14 @@ class ExecutorSession:
 
     def run_batch(self, batch: Batch) -> Reply | None:
         """Run every op of ``batch`` in order, apply its frees, answer its query."""
+        started = time.perf_counter()
         self.ctx.take_rng(self)
         self.last_seq = batch.seq
         for record in batch.ops:
             self._run_record(record, batch.blobs)
         for handle in batch.frees:
             self._free(handle)
+        self.stats.busy_s += time.perf_counter() - started
         if batch.query is None:
             return None
         return self._answer(batch.seq, batch.query)
@@ -569,6 +576,7 @@ class ExecutorSession:
         return {
             "ops": s.ops,
             "failed_ops": s.failed_ops,
+            "busy_s": s.busy_s,
             "bytes_in_use": s.bytes_in_use,
             "peak_bytes": s.peak_bytes,
             "storages": s.storages,

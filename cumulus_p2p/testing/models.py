@@ -119,6 +119,40 @@ TASKS: dict[str, Task] = {
 }
 
 
+def _lm_batches(vocab: int, batch: int, ctx: int):
+    def make(gen):
+        idx = torch.randint(0, vocab, (batch, ctx), generator=gen)
+        return idx, torch.roll(idx, -1, dims=1)
+
+    return make
+
+
+#: Workloads the benchmarks time, from the test models up to a compute-bound GPT.
+#: ``gpt`` is nanoGPT's character-level Shakespeare shape (6 layers, 6 heads, dim 384,
+#: ctx 256) at batch 8; ``gpt_large`` is GPT-2 small's shape (12 layers, dim 768, GPT-2's
+#: vocabulary) at ctx 512, batch 16: too slow for a CPU, there to be compute-bound on a GPU.
+WORKLOADS: dict[str, Task] = {
+    "mlp_tiny": TASKS["mlp"],
+    "transformer_tiny": TASKS["transformer"],
+    "mlp_bench": Task(lambda: MLP(width=1024, depth=4), _classify((256, 32)), F.cross_entropy),
+    "transformer_bench": Task(
+        lambda: TinyTransformer(vocab=512, dim=256, heads=8, layers=4, ctx=128),
+        _lm_batches(512, 16, 128),
+        _lm_loss,
+    ),
+    "gpt": Task(
+        lambda: TinyTransformer(vocab=65, dim=384, heads=6, layers=6, ctx=256),
+        _lm_batches(65, 8, 256),
+        _lm_loss,
+    ),
+    "gpt_large": Task(
+        lambda: TinyTransformer(vocab=50304, dim=768, heads=12, layers=12, ctx=512),
+        _lm_batches(50304, 16, 512),
+        _lm_loss,
+    ),
+}
+
+
 def train(
     task: str, device: str, *, steps: int = 5, foreach: bool | None = None, clip: float = 1.0
 ) -> tuple[list[float], dict[str, torch.Tensor]]:

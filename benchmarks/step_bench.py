@@ -1,0 +1,154 @@
+"""Training-step benchmark: what the cumulus device adds per op on real steps.
+
+Each workload (``cumulus_p2p.testing.models.WORKLOADS``) trains with a plain
+``torch.optim.Adam(model.parameters())``, ``loss.item()`` every step, on a real executor
+process over loopback. Prints one JSON object and writes ``benchmarks/results/step.json``::
+
+    python benchmarks/step_bench.py [--quick] [--device cpu|cuda] [--workloads a,b]
+
+Per workload:
+
+- ``<name>_ops_per_step``: ops the executor ran per step (views never leave the client);
+- ``<name>_client_ms``: time to build a step (zero_grad, forward, backward, ``opt.step()``)
+  before its final sync; ``<name>_client_us_per_op`` is that over the ops;
+- ``<name>_executor_us_per_op``: the executor's busy time per op (session stats);
+- ``<name>_plans_per_step``: op plans the client had to build in a steady step (0 is right);
+- ``<name>_step_ratio``: median remote step over median local CPU step (steps alternate,
+  so load on this small machine falls on both alike). CPU executor only.
+
+With ``--device cuda`` the executor runs on CUDA and native CUDA is timed in a separate
+process that never imports ``cumulus_p2p.remote``: ``<name>_native_cuda_ms``,
+``<name>_remote_ms`` and ``<name>_cuda_ratio``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from cumulus_p2p.testing.models import WORKLOADS
+
+CPU_WORKLOADS = ["mlp_tiny", "transformer_tiny", "transformer_bench", "gpt"]
+CUDA_WORKLOADS = [*CPU_WORKLOADS, "gpt_large"]
+
+
+def trainer(name: str, device: str):
+    """One step of workload ``name`` on ``device`` per call: returns (build_s, step_s)."""
+    spec = WORKLOADS[name]
+    torch.manual_seed(0)
+    model = spec.make_model().to(device)
+    opt = torch.optim.Adam(model.parameters())
+    gen = torch.Generator().manual_seed(0)
+    batches = [tuple(t.to(device) for t in spec.make_batch(gen)) for _ in range(2)]
+    count = iter(range(1 << 62))
+
+    def step() -> tuple[float, float]:
+        x, y = batches[next(count) % len(batches)]
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = spec.loss(model(x), y)
+        loss.backward()
+        opt.step()
+        t1 = time.perf_counter()
+        loss.item()  # a sync point every step, as real loops log the loss
+        return t1 - t0, time.perf_counter() - t0
+
+    return step
+
+
+def native_cuda_ms(name: str, steps: int) -> float:
+    """Median native CUDA step of ``name``, timed in a fresh process without cumulus."""
+    code = (
+        "import json, statistics, sys; sys.path.insert(0, 'benchmarks'); import step_bench; "
+        f"step = step_bench.trainer({name!r}, 'cuda'); [step() for _ in range(3)]; "
+        f"ms = [step()[1] * 1e3 for _ in range({steps})]; "
+        "assert 'cumulus_p2p.remote' not in sys.modules; "
+        "print(json.dumps(statistics.median(ms)))"
+    )
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, check=True, capture_output=True, text=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure(name: str, steps: int, device: str) -> dict:
+    """Time ``name`` through the attached session (and locally on CPU, alternating)."""
+    from cumulus_p2p.remote import current_session
+    from cumulus_p2p.remote.tensor import plan_count
+
+    session = current_session()
+    far = trainer(name, "cumulus")
+    local = trainer(name, "cpu") if device == "cpu" else None
+    for _ in range(3):  # the first steps build plans and optimizer state
+        far()
+        if local is not None:
+            local()
+    before, plans = session.stats(), plan_count()
+    builds, remote_steps, local_steps = [], [], []
+    for _ in range(steps):
+        build, total = far()
+        builds.append(build)
+        remote_steps.append(total)
+        if local is not None:
+            local_steps.append(local()[1])
+    plans = plan_count() - plans
+    after = session.stats()
+    ops = (after["ops"] - before["ops"]) / steps
+    client_ms = statistics.median(builds) * 1e3
+    out = {
+        "ops_per_step": round(ops),
+        "client_ms": round(client_ms, 2),
+        "client_us_per_op": round(client_ms * 1e3 / ops, 1),
+        "executor_us_per_op": round((after["busy_s"] - before["busy_s"]) / steps / ops * 1e6, 1),
+        "plans_per_step": plans / steps,
+        "remote_ms": round(statistics.median(remote_steps) * 1e3, 2),
+    }
+    if local_steps:
+        out["local_ms"] = round(statistics.median(local_steps) * 1e3, 2)
+        out["step_ratio"] = round(out["remote_ms"] / out["local_ms"], 3)
+    return {f"{name}_{key}": value for key, value in out.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps (within 60 s)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--workloads", help="comma-separated subset of the workloads")
+    args = parser.parse_args()
+    names = args.workloads.split(",") if args.workloads else None
+    names = names or (CUDA_WORKLOADS if args.device == "cuda" else CPU_WORKLOADS)
+    unknown = sorted(set(names) - set(WORKLOADS))
+    if unknown:
+        parser.error(f"unknown workloads {unknown}; choose from {sorted(WORKLOADS)}")
+
+    import cumulus_p2p.remote as remote
+    from cumulus_p2p.testing.executor import executor_process
+
+    result: dict = {"executor_device": args.device}
+    with executor_process(device=args.device, quota="64GiB") as (address, _):
+        with remote.attach(address):
+            for name in names:
+                steps = 5 if args.quick or name.startswith("gpt") else 20
+                result.update(measure(name, steps, args.device))
+                print(f"step_bench: {name} done", file=sys.stderr, flush=True)
+    if args.device == "cuda":
+        for name in names:
+            native = native_cuda_ms(name, 10 if args.quick else 30)
+            result[f"{name}_native_cuda_ms"] = round(native, 2)
+            result[f"{name}_cuda_ratio"] = round(result[f"{name}_remote_ms"] / native, 3)
+    print(json.dumps(result, indent=2))
+    suffix = "" if args.device == "cpu" else f"_{args.device}"
+    out = Path(__file__).parent / "results" / f"step{suffix}.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
