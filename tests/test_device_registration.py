@@ -23,6 +23,7 @@ def _run(code: str) -> str:
     return out.stdout.strip()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a local GPU")
 def test_without_a_local_gpu_importing_registers_the_device():
     code = "import torch, cumulus_p2p.remote; print(torch.device('cumulus', 0))"
     assert _run(code) == "cumulus:0"

@@ -7,8 +7,10 @@ calls do not:
   argument to dispatch on;
 - ``copy_`` inside ``torch.tensor(..., device=...)`` runs below the Python key;
 - ``scaled_dot_product_attention`` picks its fused kernel in C++ by device type, and would
-  always fall back to the unfused math path for an unknown device. Here it picks what the
-  executor's device would pick, so results match a local run and the op stays one op.
+  always fall back to the unfused math path (some 35 ops) for an unknown device. Here it
+  picks what the executor's device would pick (a CPU's choice is computed locally; a GPU
+  executor is asked once per signature), so results match a local run, the executor runs
+  its device's best kernel, and the op stays one op forward and one backward.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from .tensor import (
 )
 
 _META = torch.device("meta")
-_FLASH_CPU = 1  # sdp::SDPBackend::flash_attention, as _fused_sdp_choice reports it
+# sdp::SDPBackend values, as _fused_sdp_choice reports them.
+_FLASH, _EFFICIENT, _CUDNN = 1, 2, 3
 
 
 def _empty_memory_format(
@@ -62,16 +65,19 @@ def _copy_from(src, dst, non_blocking=False):
 _sdp_choices: dict[tuple, int] = {}
 
 
-def _cpu_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> int:
-    """The kernel a CPU would choose for these arguments (cached per signature).
+def _sdp_choice(on_cpu: bool, query, key, value, attn_mask, dropout_p, is_causal, scale,
+                enable_gqa) -> int:  # fmt: skip
+    """The kernel the executor's device would choose for these arguments (cached).
 
-    Decided on CPU tensors of the same layout; ``empty_strided`` does not touch the pages,
-    so this costs an allocation, not a copy.
+    A CPU's choice is made here on CPU tensors of the same layout (``empty_strided`` does
+    not touch the pages). Any other device is asked: ``_fused_sdp_choice`` on the remote
+    tensors is an op with a non-tensor result, so it runs there as a sync point, once per
+    signature.
     """
     sig = (
         query._sig, key._sig, value._sig,
         None if attn_mask is None else (attn_mask.dtype, tuple(attn_mask.shape)),
-        dropout_p, is_causal, scale, enable_gqa,
+        dropout_p, is_causal, scale, enable_gqa, query.requires_grad,
     )  # fmt: skip
     choice = _sdp_choices.get(sig)
     if choice is None:
@@ -79,8 +85,9 @@ def _cpu_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, e
         def cpu(t):
             return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
 
+        here = cpu if on_cpu else (lambda t: t)
         choice = _sdp_choices[sig] = torch.ops.aten._fused_sdp_choice(
-            cpu(query), cpu(key), cpu(value), cpu(attn_mask), dropout_p, is_causal,
+            here(query), here(key), here(value), here(attn_mask), dropout_p, is_causal,
             scale=scale, enable_gqa=enable_gqa,
         )  # fmt: skip
     return choice
@@ -90,13 +97,35 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
           enable_gqa=False):  # fmt: skip
     on_cpu = current_session().info.get("device") == "cpu"
     args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    if on_cpu and _cpu_sdp_choice(*args) == _FLASH_CPU:
+    choice = _sdp_choice(on_cpu, *args)
+    if on_cpu and choice == _FLASH:
         out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
         )
         return out
+    # The fused GPU kernels, called as torch's own sdpa calls them, for the plain case:
+    # no mask to convert, no head dimension to pad, no grouped heads to expand.
+    plain = attn_mask is None and not enable_gqa and query.shape[-1] % 8 == 0
+    if not on_cpu and plain and choice in (_FLASH, _EFFICIENT, _CUDNN):
+        return _fused_gpu_attention(choice, query, key, value, dropout_p, is_causal, scale)
     return torch.ops.aten._scaled_dot_product_attention_math(
         query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+    )[0]
+
+
+def _fused_gpu_attention(choice, query, key, value, dropout_p, is_causal, scale):
+    aten = torch.ops.aten
+    if choice == _FLASH:
+        return aten._scaled_dot_product_flash_attention(
+            query, key, value, dropout_p, is_causal, False, scale=scale
+        )[0]
+    lse = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    if choice == _EFFICIENT:
+        return aten._scaled_dot_product_efficient_attention(
+            query, key, value, None, lse, dropout_p, is_causal, scale=scale
+        )[0]
+    return aten._scaled_dot_product_cudnn_attention(
+        query, key, value, None, lse, dropout_p, is_causal, False, scale=scale
     )[0]
 
 

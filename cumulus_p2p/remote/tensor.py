@@ -224,7 +224,7 @@ def _sig(x: Any) -> Any:
 class _Out:
     """How to produce one output: fresh memory, a view of an argument, or the argument."""
 
-    kind: str  # "new" | "view" | "same" | "none"
+    kind: str  # "new" | "view" | "same" | "none" | "const" (an int the meta kernel knew)
     arg: tuple | None  # where the aliased argument sits: (in_kwargs, key, list_index)
     dtype: torch.dtype | None = None
     sizes: tuple = ()
@@ -233,9 +233,18 @@ class _Out:
     nbytes: int = 0
 
 
+#: Ops whose integer results are sizes their meta kernels compute from shapes alone (the
+#: fused attention kernels' ``max_q``/``max_k``): planned like tensor-only ops, not synced.
+_META_SIZED_INTS = {
+    "aten::_scaled_dot_product_flash_attention",
+    "aten::_scaled_dot_product_cudnn_attention",
+}
+
+
 def _make_plan(func, args, kwargs) -> Callable:
     schema = func._schema
-    if any(_non_tensor_return(r) for r in schema.returns):
+    sized = schema.name in _META_SIZED_INTS
+    if not sized and any(_non_tensor_return(r) for r in schema.returns):
         return _sync_plan(func)
     try:
         meta_out = func(*_to_meta(args), **_to_meta(kwargs))
@@ -249,7 +258,7 @@ def _make_plan(func, args, kwargs) -> Callable:
     name = op_name(func)
     if any(o.kind == "restride" for o in outs):
         return _restride_plan(outs, shape)
-    if all(o.kind in ("view", "same", "none") for o in outs):
+    if all(o.kind in ("view", "same", "none", "const") for o in outs):
         mutates = any(o.kind == "same" for o in outs) or _mutates(schema)
         if not mutates:
             return lambda a, k: shape([_build(o, a, k, None, None) for o in outs])
@@ -295,6 +304,8 @@ def _sync_plan(func) -> Callable:
 def _build(out: _Out, args, kwargs, session, wire) -> Any:
     if out.kind == "none":
         return None
+    if out.kind == "const":
+        return out.offset
     if out.kind == "new":
         tensor, spec = fresh_tensor(
             session, out.dtype, out.sizes, out.strides, out.offset, nbytes=out.nbytes
@@ -334,6 +345,9 @@ def _out_specs(schema, meta_out, args, kwargs) -> list[_Out]:
         for i, item in enumerate(items):
             if item is None:
                 specs.append(_Out("none", None))
+                continue
+            if type(item) is int:
+                specs.append(_Out("const", None, offset=item))
                 continue
             meta = (item.dtype, tuple(item.shape), tuple(item.stride()), item.storage_offset())
             if where is None:
