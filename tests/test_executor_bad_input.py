@@ -111,7 +111,14 @@ def test_unknown_op_name_is_an_error_for_that_op(executor_address, honest):
 
 
 @pytest.mark.parametrize(
-    "name", ["os.system.default", "builtins.eval.default", "aten.from_file.default"]
+    "name",
+    [
+        "os.system.default",
+        "builtins.eval.default",
+        "aten.from_file.default",
+        "aten.squeeze_.default",  # layout changes in place would make reused views lie
+        "aten.transpose_.default",
+    ],
 )
 def test_ops_outside_aten_or_blocked_are_refused(executor_address, honest, name):
     attacker = second_session(executor_address)
@@ -144,6 +151,20 @@ def test_out_of_bounds_view_is_refused(executor_address, honest):
     err = _fails_with(
         attacker, ["aten.neg.default", [too_far], {}, [[2, [4], [1], 0]]], "IndexError"
     )
+    assert "out of bounds" in str(err)
+    assert honest_ok(honest)
+
+
+def test_a_freed_handle_reused_for_a_smaller_storage_checks_views_again(executor_address, honest):
+    attacker = second_session(executor_address)
+    view = TensorRef(1, torch.float32, 0, (8,), (1,))
+    attacker.submit(["aten.empty_strided.default", [[8], [1]], {}, [[1, [8], [1], 0]]])
+    attacker.submit(["aten.neg.default", [view], {}, [[2, [8], [1], 0]]])
+    attacker.synchronize()  # the executor has now built and kept a view for ``view``
+    attacker.free(1, 0)
+    attacker.synchronize()  # frees apply after their batch's ops
+    attacker.submit(["aten.empty_strided.default", [[4], [1]], {}, [[1, [4], [1], 0]]])
+    err = _fails_with(attacker, ["aten.neg.default", [view], {}, [[3, [8], [1], 0]]], "IndexError")
     assert "out of bounds" in str(err)
     assert honest_ok(honest)
 

@@ -53,6 +53,7 @@ tables.
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -144,6 +145,7 @@ def pack_tensor_ref(ref: TensorRef) -> bytes:
     )
 
 
+@functools.lru_cache(maxsize=16384)  # a training loop names the same views step after step
 def _unpack_tensor_ref(data: bytes) -> TensorRef:
     if len(data) < _TENSOR_HEAD.size:
         raise RemoteProtocolError("truncated tensor reference")

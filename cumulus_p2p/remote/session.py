@@ -48,6 +48,9 @@ from .protocol import (
 #: torch's own default CPU seed, so an unseeded session draws what a fresh process draws.
 DEFAULT_SEED = 67280421310721
 MAX_HANDLE = 2**62
+#: Distinct views of one storage the executor keeps built (a bound on what a client's
+#: references can make it hold).
+MAX_VIEWS_PER_STORAGE = 64
 DYN_BLOCK = 1 << 10  # handles a client reserves per data-dependent op (client.DYN_BLOCK)
 #: Most bytes one ``read`` query may ask for; the client asks for 32 MiB at a time.
 MAX_READ_BYTES = 64 * 1024 * 1024
@@ -148,6 +151,10 @@ class ExecutorSession:
         self.rng_state: torch.Tensor | None = None
         self.stats = SessionStats()
         self._anchors: dict[int, torch.Tensor] = {}
+        # Checked views of each storage, by the reference that named them: parameters,
+        # gradients and optimizer state are named the same way every step, and a view
+        # built and bounds-checked once is reused until its storage is freed.
+        self._views: dict[int, dict[TensorRef, torch.Tensor]] = {}
         self._capacity: dict[int, int] = {}  # handle -> storage bytes
         self._poisoned: dict[int, str] = {}  # handle -> why it has no value
         self._error: tuple[str, str, str] | None = None
@@ -301,7 +308,20 @@ class ExecutorSession:
         return value
 
     def tensor(self, ref: TensorRef) -> torch.Tensor:
-        """Rebuild the tensor ``ref`` names, after checking it stays inside its storage."""
+        """The tensor ``ref`` names, checked to stay inside its storage (cached per ref)."""
+        views = self._views.get(ref.handle)
+        if views is None:
+            views = self._views[ref.handle] = {}
+        else:
+            view = views.get(ref)
+            if view is not None:
+                return view
+            if len(views) >= MAX_VIEWS_PER_STORAGE:
+                views.clear()
+        view = views[ref] = self._checked_view(ref)
+        return view
+
+    def _checked_view(self, ref: TensorRef) -> torch.Tensor:
         anchor = self._anchors.get(ref.handle)
         if anchor is None:
             why = self._poisoned.get(ref.handle)
@@ -431,6 +451,7 @@ class ExecutorSession:
             raise OpFailed("InvalidHandleError", f"handle {handle} is already in use")
         nbytes = tensor.untyped_storage().nbytes()
         self._anchors[handle] = tensor
+        self._views.pop(handle, None)
         self._capacity[handle] = nbytes
         self._poisoned.pop(handle, None)
         self.stats.bytes_in_use += nbytes
@@ -441,6 +462,7 @@ class ExecutorSession:
         if type(handle) is not int:
             return
         self._poisoned.pop(handle, None)
+        self._views.pop(handle, None)
         if self._anchors.pop(handle, None) is not None:
             self.stats.bytes_in_use -= self._capacity.pop(handle)
             self.stats.storages -= 1
@@ -562,12 +584,14 @@ class ExecutorSession:
         so the device serves other tenants meanwhile; ``unpark`` moves them back.
         """
         self.ctx.release(self)
+        self._views.clear()
         if self.device.type == "cuda":
             self._anchors = {h: _moved(a, torch.device("cpu")) for h, a in self._anchors.items()}
         return self.stats.bytes_in_use
 
     def unpark(self) -> None:
         """Bring a parked session's tensors back to its device."""
+        self._views.clear()
         if self.device.type == "cuda":
             self._anchors = {h: _moved(a, self.device) for h, a in self._anchors.items()}
 
@@ -590,6 +614,7 @@ class ExecutorSession:
     def close(self) -> None:
         """Release every tensor of the session."""
         self._anchors.clear()
+        self._views.clear()
         self._capacity.clear()
         self._poisoned.clear()
         self.stats.bytes_in_use = 0
