@@ -140,9 +140,12 @@ def storage_extent(sizes, strides, offset: int) -> int:
 
 def pack_tensor_ref(ref: TensorRef) -> bytes:
     ndim = len(ref.sizes)
-    return _TENSOR_HEAD.pack(ref.handle, DTYPE_CODE[ref.dtype], ndim, ref.offset) + struct.pack(
-        f"<{2 * ndim}q", *ref.sizes, *ref.strides
-    )
+    dims = _DIMS[ndim] if ndim < len(_DIMS) else struct.Struct(f"<{2 * ndim}q")
+    head = _TENSOR_HEAD.pack(ref.handle, DTYPE_CODE[ref.dtype], ndim, ref.offset)
+    return head + dims.pack(*ref.sizes, *ref.strides)
+
+
+_DIMS = [struct.Struct(f"<{2 * n}q") for n in range(9)]
 
 
 @functools.lru_cache(maxsize=16384)  # a training loop names the same views step after step
@@ -188,9 +191,9 @@ def encode_value(obj: Any) -> msgpack.ExtType:
         return obj.to_ext()
     if isinstance(obj, tuple):  # strict packing sends every tuple here: torch.Size, ...
         return list(obj)
-    ext = getattr(obj, "_cumulus_ext", None)  # a RemoteTensor carries its own cached ext
-    if ext is not None:
-        return ext
+    wire = getattr(obj, "_wire", None)  # a RemoteTensor builds its own reference
+    if wire is not None:
+        return wire()
     raise TypeError(f"cannot send a value of type {type(obj).__name__} to the executor")
 
 

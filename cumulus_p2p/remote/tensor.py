@@ -21,7 +21,6 @@ output wrappers, which is what keeps the per-op client cost low. Plans come in t
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +65,7 @@ class RemoteTensor(torch.Tensor):
 
     _rs: RemoteStorage
     _sig: tuple
+    _ext: msgpack.ExtType | None  # the wire reference, built on first send
 
     # Skip the Python-level __torch_function__ layer: dispatch is all we need.
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -77,12 +77,15 @@ class RemoteTensor(torch.Tensor):
         )
         t._rs = storage
         t._sig = (dtype, sizes, strides, offset)
+        t._ext = None
         return t
 
-    @functools.cached_property
-    def _cumulus_ext(self) -> msgpack.ExtType:
-        # Computed once per wrapper; ``_restride`` drops it when the layout changes.
-        return msgpack.ExtType(EXT_TENSOR, pack_tensor_ref(self._ref()))
+    def _wire(self) -> msgpack.ExtType:
+        """This tensor's wire reference: built once per wrapper (``_restride`` drops it)."""
+        ext = self._ext
+        if ext is None:
+            ext = self._ext = msgpack.ExtType(EXT_TENSOR, pack_tensor_ref(self._ref()))
+        return ext
 
     def _restride(self, sizes, strides, offset) -> None:
         """Change this tensor's layout in place (``squeeze_``, ``t_``...), locally only."""
@@ -90,7 +93,7 @@ class RemoteTensor(torch.Tensor):
             _META_KEYS, self, list(sizes), list(strides), offset
         )
         self._sig = (self._sig[0], sizes, strides, offset)
-        self.__dict__.pop("_cumulus_ext", None)
+        self._ext = None
 
     def _ref(self) -> TensorRef:
         dtype, sizes, strides, offset = self._sig
@@ -480,7 +483,8 @@ def wire_arguments(session: RemoteSession, args, kwargs) -> tuple[list, dict]:
 def _to_wire(session: RemoteSession, x: Any) -> Any:
     t = type(x)
     if t is RemoteTensor:
-        return x._cumulus_ext
+        ext = x._ext
+        return ext if ext is not None else x._wire()
     if t is list or t is tuple:
         return [_to_wire(session, v) for v in x]
     if t is dict:
