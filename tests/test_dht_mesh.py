@@ -256,8 +256,12 @@ async def test_node_that_cannot_be_dialed_is_reached_through_a_relay() -> None:
         assert relay.nat is not None and relay.nat.is_relay
         hidden = await mesh.add_node(fast_config(listen_addrs=(), relays=(str(relay.addrs[0]),)))
         assert hidden.host.get_addrs() == []  # nothing to dial directly
-        assert (
-            hidden.nat is not None and relay.peer_id in hidden.nat.transport.discovery.get_relays()
+        assert hidden.nat is not None
+        # The reservation is made in the background after the node starts: wait for it.
+        await wait_for(
+            lambda: relay.peer_id in hidden.nat.transport.discovery.get_relays(),
+            timeout=10.0,
+            what="relay reservation",
         )
         hidden.host.set_stream_handler(ECHO, _echo)
 
