@@ -234,6 +234,7 @@ class _Out:
     strides: tuple = ()
     offset: int = 0
     nbytes: int = 0
+    value: int = 0  # a "const" output's integer
 
 
 #: Ops whose integer results are sizes their meta kernels compute from shapes alone (the
@@ -308,7 +309,7 @@ def _build(out: _Out, args, kwargs, session, wire) -> Any:
     if out.kind == "none":
         return None
     if out.kind == "const":
-        return out.offset
+        return out.value
     if out.kind == "new":
         tensor, spec = fresh_tensor(
             session, out.dtype, out.sizes, out.strides, out.offset, nbytes=out.nbytes
@@ -350,7 +351,7 @@ def _out_specs(schema, meta_out, args, kwargs) -> list[_Out]:
                 specs.append(_Out("none", None))
                 continue
             if type(item) is int:
-                specs.append(_Out("const", None, offset=item))
+                specs.append(_Out("const", None, value=item))
                 continue
             meta = (item.dtype, tuple(item.shape), tuple(item.stride()), item.storage_offset())
             if where is None:
@@ -483,8 +484,7 @@ def wire_arguments(session: RemoteSession, args, kwargs) -> tuple[list, dict]:
 def _to_wire(session: RemoteSession, x: Any) -> Any:
     t = type(x)
     if t is RemoteTensor:
-        ext = x._ext
-        return ext if ext is not None else x._wire()
+        return x._wire()
     if t is list or t is tuple:
         return [_to_wire(session, v) for v in x]
     if t is dict:
