@@ -5,6 +5,7 @@ Each workload (``cumulus_p2p.testing.models.WORKLOADS``) trains with a plain
 process over loopback. Prints one JSON object and writes ``benchmarks/results/step.json``::
 
     python benchmarks/step_bench.py [--quick] [--device cpu|cuda] [--workloads a,b]
+                                    [--isolation shared|worker]
 
 Per workload:
 
@@ -19,6 +20,10 @@ Per workload:
 With ``--device cuda`` the executor runs on CUDA and native CUDA is timed in a separate
 process that never imports ``cumulus_p2p.remote``: ``<name>_native_cuda_ms``,
 ``<name>_remote_ms`` and ``<name>_cuda_ratio``.
+
+``--isolation worker`` runs the session in a worker process of its own behind the
+executor's supervisor (issue 12), to compare with ``shared`` (every session in the
+executor's process); results then go to ``step[_cuda]_worker.json``.
 """
 
 from __future__ import annotations
@@ -122,6 +127,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps (within 60 s)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--workloads", help="comma-separated subset of the workloads")
+    parser.add_argument(
+        "--isolation",
+        choices=["shared", "worker"],
+        default="shared",
+        help="sessions in the executor's process, or each in a worker process",
+    )
     args = parser.parse_args()
     names = args.workloads.split(",") if args.workloads else None
     names = names or (CUDA_WORKLOADS if args.device == "cuda" else CPU_WORKLOADS)
@@ -132,8 +143,9 @@ def main() -> None:
     import cumulus_p2p.remote as remote
     from cumulus_p2p.testing.executor import executor_process
 
-    result: dict = {"executor_device": args.device}
-    with executor_process(device=args.device, quota="64GiB") as (address, _):
+    result: dict = {"executor_device": args.device, "isolation": args.isolation}
+    mode = "--worker-per-session" if args.isolation == "worker" else "--shared-process"
+    with executor_process(device=args.device, quota="64GiB", extra=[mode]) as (address, _):
         with remote.attach(address):
             for name in names:
                 steps = 5 if args.quick or name.startswith("gpt") else 20
@@ -146,6 +158,7 @@ def main() -> None:
             result[f"{name}_cuda_ratio"] = round(result[f"{name}_remote_ms"] / native, 3)
     print(json.dumps(result, indent=2))
     suffix = "" if args.device == "cpu" else f"_{args.device}"
+    suffix += "_worker" if args.isolation == "worker" else ""
     out = Path(__file__).parent / "results" / f"step{suffix}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
 

@@ -175,6 +175,27 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DURATION",
         help="time between usage receipts (default 30s)",
     )
+    isolation = provide.add_mutually_exclusive_group()
+    isolation.add_argument(
+        "--worker-per-session",
+        dest="workers",
+        action="store_true",
+        default=None,
+        help="run each session in a worker process of its own (default with a GPU)",
+    )
+    isolation.add_argument(
+        "--shared-process",
+        dest="workers",
+        action="store_false",
+        help="run every session in the node's process (default on a CPU)",
+    )
+    provide.add_argument(
+        "--pool",
+        type=int,
+        default=1,
+        metavar="N",
+        help="worker processes kept started for the next lease (default 1)",
+    )
     provide.add_argument(
         "--bench-seconds",
         type=float,
@@ -311,6 +332,8 @@ def _check_args(parser: argparse.ArgumentParser, args, command: list[str]) -> No
             parser.error(str(exc))
     if args.shares is not None and not 1 <= args.shares <= 2**16:
         parser.error("--shares must be between 1 and 65536")
+    if args.pool < 0:
+        parser.error("--pool must not be negative (0 starts each worker when its lease comes)")
     if args.provide and args.device == "cuda" and not hardware.detect().devices[0].kind == "cuda":
         parser.error("--device cuda, but no NVIDIA GPU is usable here (try --device auto)")
 
@@ -454,7 +477,7 @@ async def _provide(args, data: DataDir, mesh_config: MeshConfig, console: Consol
         device=device, perf_units=perf, shares=args.shares or 4, price=args.price,
         min_lease_s=args.min_lease, region=args.region, session_host=args.session_host,
         session_port=args.session_port, advertise_host=args.advertise_host,
-        receipt_interval=args.receipt_interval,
+        receipt_interval=args.receipt_interval, workers=args.workers, pool=args.pool,
     )  # fmt: skip
     live = _live(console, args.no_live)
 

@@ -3,7 +3,10 @@
 One trio program composes:
 
 - the ``Runtime`` (mesh, book, reputation);
-- an ``Executor`` on the device ``hardware.detect`` found (CUDA, else the CPU);
+- the device ``hardware.detect`` found (CUDA, else the CPU), served by a
+  ``WorkerSupervisor`` (a worker process per session: the default with CUDA) or an
+  in-process ``Executor``; while the supervisor finds the device unhealthy, the offer
+  is withdrawn;
 - the secure session channel on TCP, admitting only consumers that present a lease this
   host countersigned and that is still held (``_Leases.authorize``);
 - a ``LeaseBook`` behind the lease protocol, whose offer is re-announced on the mesh
@@ -35,9 +38,11 @@ from ..market import (
 from ..market.messages import encode_message, peer_id_of
 from ..market.settlement import call_countersign, serve_lease_close
 from ..remote.executor import Executor, ExecutorConfig
+from ..remote.executor_main import build_executor
 from ..remote.scheduler import lease_rank
 from ..remote.secure import serve_secure
 from ..remote.secure.libp2p_path import handle_libp2p_sessions
+from ..remote.supervisor import WorkerSupervisor
 from ..remote.transport import CountingChannel
 from .datadir import DataDir
 from .hardware import DeviceFacts
@@ -64,6 +69,8 @@ class ProviderOptions:
         advertise_host: The address consumers are told to dial (default: session_host).
         receipt_interval: Seconds between receipts.
         grace_period: Seconds a dropped session may take to resume.
+        workers: A worker process per session (None: when the device is a GPU).
+        pool: Worker processes kept started for the next lease.
     """
 
     device: DeviceFacts
@@ -77,6 +84,13 @@ class ProviderOptions:
     advertise_host: str | None = None
     receipt_interval: float = 30.0
     grace_period: float = 30.0
+    workers: bool | None = None
+    pool: int = 1
+
+    @property
+    def uses_workers(self) -> bool:
+        """Whether sessions run in worker processes of their own."""
+        return self.device.kind == "cuda" if self.workers is None else self.workers
 
 
 @dataclass
@@ -102,7 +116,9 @@ class ActiveLease:
 class Provider:
     """The provider's state: leases granted, sessions served, receipts settled."""
 
-    def __init__(self, runtime: Runtime, options: ProviderOptions, executor: Executor) -> None:
+    def __init__(
+        self, runtime: Runtime, options: ProviderOptions, executor: Executor | WorkerSupervisor
+    ) -> None:
         self.runtime = runtime
         self.options = options
         self.executor = executor
@@ -135,10 +151,11 @@ class Provider:
         return encode_message(offer)
 
     async def keep_offer_current(self) -> None:
-        """Announce while shares are free; withdraw while none are. Expire ended leases."""
+        """Announce while shares are free and the device is healthy; withdraw otherwise.
+        Expire ended leases."""
         while True:
             self.book.expire(self.runtime.clock())
-            free = self.free_shares()
+            free = self.free_shares() if self.executor.health.healthy else 0
             if free > 0 and not self.announced:
                 await self.runtime.mesh.announce(OFFER_NAME, Offer.KIND, self.offer_body)
                 self.announced = True
@@ -258,6 +275,8 @@ class Provider:
             "shares_total": self.options.shares,
             "shares_free": self.free_shares(),
             "sessions": len(self.executor.sessions),
+            "isolation": "worker per session" if self.options.uses_workers else "shared process",
+            "device_health": self.executor.health.reason or "ok",
             "earned": sum(a.earned for a in leases),
             "leases": [_lease_row(a) for a in leases],
         }
@@ -295,9 +314,11 @@ async def run_provider(
         on_tick: Called every second with the ``Provider`` (status display).
     """
     identity = data.identity()
-    device = "cuda" if options.device.kind == "cuda" else "cpu"
-    executor = Executor(
-        ExecutorConfig(device=device, quota_bytes=options.device.memory_mib * 2**20)
+    facts = options.device
+    device = f"cuda:{facts.index}" if facts.kind == "cuda" else "cpu"
+    config = ExecutorConfig(device=device, quota_bytes=facts.memory_mib * 2**20)
+    executor = build_executor(
+        config, workers=options.uses_workers, pool=options.pool, hidden=[data.path]
     )
     async with open_runtime(identity, data, mesh_config) as runtime:
         provider = Provider(runtime, options, executor)
@@ -306,6 +327,8 @@ async def run_provider(
         )
         serve_lease_close(runtime.mesh.host, provider.close_lease)
         async with trio.open_nursery() as nursery:
+            if isinstance(executor, WorkerSupervisor):
+                await nursery.start(executor.run)
             server = await nursery.start(_serve_sessions, identity, provider)
             # The same sessions over libp2p streams, for consumers that cannot dial the
             # session port (this host behind NAT: the stream may come through a relay).

@@ -40,7 +40,9 @@ def status_table(state: dict) -> Group:
         summary.add_row("session channel", state.get("session_endpoint", ""))
         summary.add_row("price", f"{credits(state['price'])} per share-hour")
         summary.add_row("shares free", f"{state['shares_free']} of {state['shares_total']}")
-        summary.add_row("sessions", str(state["sessions"]))
+        summary.add_row("sessions", f"{state['sessions']} ({state.get('isolation', '?')})")
+        health = state.get("device_health", "ok")
+        summary.add_row("device health", health if health == "ok" else f"[red]{health}[/red]")
         summary.add_row("earned", credits(state["earned"]))
     else:
         summary.add_row("status", state.get("status", ""))

@@ -46,6 +46,7 @@ from .protocol import (
     TensorRef,
     decode_frame,
     encode_frame,
+    lost_reason,
     split_blobs,
 )
 from .transport import FrameChannel
@@ -220,7 +221,13 @@ class RemoteSession:
         """Send a frame and, when ``awaiting`` names its batch, receive the reply to it."""
         try:
             self._channel.send_frame(parts)
-            return None if awaiting is None else self._channel.recv_frame()
+            if awaiting is None:
+                return None
+            frame = self._channel.recv_frame()
+            lost = lost_reason(frame)
+            if lost is not None:
+                raise SessionClosedError(f"the host lost this session: {lost}")
+            return frame
         except SessionClosedError as exc:
             return self._fail_over(exc, awaiting)
 

@@ -28,6 +28,7 @@ import torch
 import trio
 
 from .._errors import FrameTooLargeError, RemoteProtocolError, SessionClosedError
+from .health import DeviceHealth
 from .hostcache import HostCache
 from .protocol import PROTOCOL_VERSION, decode_frame, encode_frame
 from .scheduler import DEFAULT_RANK, DeviceScheduler
@@ -51,18 +52,27 @@ INLINE_OPS = 8
 
 
 def pick_device(choice: str = "auto") -> torch.device:
-    """``"auto"`` is CUDA when present, CPU otherwise; ``"cuda"``/``"cpu"`` force one.
+    """``"auto"`` is CUDA when present, CPU otherwise; ``"cpu"``, ``"cuda"`` (GPU 0) and
+    ``"cuda:N"`` force one.
 
     Raises:
-        ValueError: ``"cuda"`` was forced on a machine without CUDA, or the choice is unknown.
+        ValueError: CUDA (or GPU ``N``) was forced on a machine without it, or the choice
+            is unknown.
     """
     if choice == "auto":
         return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was forced but this machine has no usable CUDA GPU")
-    if choice not in ("cpu", "cuda"):
-        raise ValueError(f"unknown device {choice!r}: use auto, cpu or cuda")
-    return torch.device("cuda", 0) if choice == "cuda" else torch.device("cpu")
+    if choice == "cpu":
+        return torch.device("cpu")
+    kind, _, index = choice.partition(":")
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise ValueError(f"unknown device {choice!r}: use auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {choice} was forced but this machine has no usable CUDA GPU")
+    n = int(index or 0)
+    if n >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise ValueError(f"--device {choice}: this machine has GPUs cuda:0 to cuda:{count - 1}")
+    return torch.device("cuda", n)
 
 
 @dataclass
@@ -96,7 +106,15 @@ class Executor:
     executor is idle (``serve_tcp`` does).
     """
 
-    def __init__(self, config: ExecutorConfig | None = None) -> None:
+    def __init__(
+        self,
+        config: ExecutorConfig | None = None,
+        *,
+        scheduler: DeviceScheduler | None = None,
+        welcome_extra: dict | None = None,
+    ) -> None:
+        """``scheduler`` grants device turns (a worker process asks its supervisor's);
+        ``welcome_extra`` is added to every session's welcome (a worker names its pid)."""
         self.config = config or ExecutorConfig()
         self.ctx = DeviceContext(pick_device(self.config.device))
         self.sessions: dict[int, ExecutorSession] = {}
@@ -104,8 +122,16 @@ class Executor:
             max_bytes=self.config.cache_bytes, grace=self.config.cache_grace
         )
         self._attached: dict[str, _Attached] = {}
-        self.scheduler = DeviceScheduler()
+        self.scheduler = scheduler if scheduler is not None else DeviceScheduler()
+        self._welcome_extra = welcome_extra or {}
         self._next_id = 1
+        #: Always healthy: a shared process has no fresh process to check the device with.
+        self.health = DeviceHealth()
+
+    @property
+    def idle(self) -> bool:
+        """No session is attached to a connection or parked for a resume."""
+        return not self.sessions and not self._attached and self.cache.statistics().entries == 0
 
     async def run_session(
         self,
@@ -191,7 +217,7 @@ class Executor:
             "device_name": _device_name(self.ctx.device),
             "torch": str(torch.__version__),
             "quota": session.quota_bytes,
-        }
+        } | self._welcome_extra
 
     async def _take(self, token: str, owner: object) -> ExecutorSession | None:
         """The session parked under ``token``, taken over from its old connection if need be."""

@@ -4,7 +4,8 @@ Plain TCP suits loopback and a trusted LAN (tests, benchmarks). ``--secure`` ser
 authenticated, encrypted, resumable session channel instead, to the consumers whose node
 keys are on the allow list (a private pool). Prints one line when it listens:
 ``cumulus executor listening on HOST:PORT device=... quota=...`` (plus ``key=HEX`` when
-secure: the provider key consumers must expect).
+secure: the provider key consumers must expect). With ``--worker-per-session`` (the default
+when CUDA is present) each session runs in a worker process of its own (``supervisor.py``).
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ import sys
 from functools import partial
 from pathlib import Path
 
+import torch
 import trio
 
 from ..identity import NodeIdentity
 from .executor import Executor, ExecutorConfig
 from .secure import serve_secure
+from .supervisor import SupervisorConfig, WorkerSupervisor
 
 
 def parse_size(text: str) -> int:
@@ -42,9 +45,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=0, help="TCP port (default: any free port)")
     parser.add_argument(
         "--device",
-        choices=["auto", "cpu", "cuda"],
         default="auto",
-        help="where ops run: auto = CUDA when present, else CPU",
+        help="where ops run: auto (CUDA when present, else CPU), cpu, cuda or cuda:N",
+    )
+    isolation = parser.add_mutually_exclusive_group()
+    isolation.add_argument(
+        "--worker-per-session",
+        dest="workers",
+        action="store_true",
+        default=None,
+        help="run each session in a worker process of its own (default when CUDA is present)",
+    )
+    isolation.add_argument(
+        "--shared-process",
+        dest="workers",
+        action="store_false",
+        help="run every session in this process (default on a CPU)",
+    )
+    parser.add_argument(
+        "--pool",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with worker processes: how many wait pre-started for a session (default 1)",
     )
     parser.add_argument(
         "--quota",
@@ -89,6 +112,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def build_executor(config: ExecutorConfig, *, workers: bool, pool: int = 1, hidden=()):
+    """The in-process ``Executor``, or a ``WorkerSupervisor`` running a process per session.
+
+    Raises:
+        ValueError: the device cannot be had here.
+    """
+    if not workers:
+        return Executor(config)
+    return WorkerSupervisor(SupervisorConfig(config, pool=pool, hidden=tuple(hidden)))
+
+
 async def _serve(executor: Executor, host: str, port: int) -> None:
     async with trio.open_nursery() as nursery:
         bound = await nursery.start(executor.serve_tcp, host, port)
@@ -108,7 +142,10 @@ async def _serve_secure(
         host=host, port=port,
     )  # fmt: skip
     async with trio.open_nursery() as nursery:
-        await nursery.start(executor.expire_parked_forever)
+        if isinstance(executor, WorkerSupervisor):
+            await nursery.start(executor.run)
+        else:
+            await nursery.start(executor.expire_parked_forever)
         server = await nursery.start(serve)
         print(
             f"cumulus executor listening on {host}:{server.port} {_describe(executor)} "
@@ -117,11 +154,15 @@ async def _serve_secure(
         )
 
 
-def _describe(executor: Executor) -> str:
-    config = executor.config
+def _describe(executor: Executor | WorkerSupervisor) -> str:
+    if isinstance(executor, WorkerSupervisor):
+        config, device = executor.config.executor, executor.device
+        mode = f" workers=per-session pool={executor.config.pool}"
+    else:
+        config, device, mode = executor.config, executor.ctx.device, ""
     quota_gib = config.quota_bytes / 1024**3
     cache = f"cache={config.cache_bytes / 1024**3:.2f}GiB/{config.cache_grace:g}s"
-    return f"device={executor.ctx.device} quota={quota_gib:.2f}GiB {cache}"
+    return f"device={device} quota={quota_gib:.2f}GiB {cache}{mode}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--allow-key only makes sense with --secure")
     if args.cache_grace < 0:
         parser.error("--cache-grace must not be negative")
+    if args.pool < 0:
+        parser.error("--pool must not be negative")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     config = ExecutorConfig(
         device=args.device,
@@ -141,8 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         cache_grace=args.cache_grace,
         cache_bytes=args.cache_bytes,
     )
+    workers = torch.cuda.is_available() if args.workers is None else args.workers
+    hidden = [args.data_dir] if args.secure else []
     try:
-        executor = Executor(config)
+        executor = build_executor(config, workers=workers, pool=args.pool, hidden=hidden)
     except ValueError as exc:
         print(f"cumulus-executor: {exc}", file=sys.stderr)
         return 2

@@ -26,6 +26,8 @@ Executor → client::
     ["refused", reason]           (no session under that token; hello may follow)
     ["reply", seq, error_or_nil, result, blob_lengths]
     ["fatal", message]            (protocol violation; the executor closes the session)
+    ["lost", message]             (the process running the session died: its state on
+                                   this host is gone; the client fails over if it can)
 
 A batch's ``query`` is ``["sync"]``, ``["fetch", tensor]``, ``["call"]`` (describe the
 outputs of the last ``dyn`` op), ``["stats"]``, ``["checkpoint"]`` (every storage's
@@ -254,6 +256,20 @@ def aligned_bytes(blob: memoryview) -> torch.Tensor:
     """
     tensor = torch.frombuffer(blob, dtype=torch.uint8)
     return tensor.clone() if tensor.data_ptr() % BLOB_ALIGN else tensor
+
+
+def lost_reason(frame: bytearray) -> str | None:
+    """The reason in a ``["lost", reason]`` frame; None for any other frame.
+
+    Checked on every reply, so it looks at the header's first bytes before decoding.
+    """
+    if frame[_U32.size : _U32.size + len(_LOST_START)] != _LOST_START:
+        return None
+    header, _ = decode_frame(frame)
+    return str(header[1]) if len(header) == 2 else "the host lost the session"
+
+
+_LOST_START = b"\x92\xa4lost"  # msgpack: a 2-element array whose first element is "lost"
 
 
 def decode_frame(frame: bytearray | bytes, *, max_header: int = 64 * 1024 * 1024):

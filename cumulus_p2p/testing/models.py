@@ -154,12 +154,19 @@ WORKLOADS: dict[str, Task] = {
 
 
 def train(
-    task: str, device: str, *, steps: int = 5, foreach: bool | None = None, clip: float = 1.0
+    task: str,
+    device: str,
+    *,
+    steps: int = 5,
+    foreach: bool | None = None,
+    clip: float = 1.0,
+    on_step: Callable[[int], None] = lambda i: None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train ``task`` on ``device`` deterministically; return losses and final CPU params.
 
     Seeds are set after the model moves, so dropout draws the same stream on every device
-    whose generator matches the CPU's (a CPU executor does).
+    whose generator matches the CPU's (a CPU executor does). ``on_step(i)`` runs after
+    step ``i``.
     """
     spec = TASKS[task]
     torch.manual_seed(0)
@@ -177,5 +184,6 @@ def train(
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=foreach)
         opt.step()
         losses.append(loss.item())
+        on_step(len(losses) - 1)
     params = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return losses, params

@@ -1,0 +1,265 @@
+"""A worker process: one tenant's session, in a device context of its own.
+
+The supervisor (``supervisor.py``) starts workers before they are needed and hands each
+one a single session: the connected socket of its consumer's op stream (plain frames;
+the supervisor ends the secure channel, so no key of any kind reaches a worker) and the
+lease's terms. The worker serves it with an ordinary ``Executor``, so the op rules,
+quotas, parking and resumes are the ones a shared executor has. Later connections that
+resume the same session come to the same worker.
+
+Why a process per session: a CUDA context belongs to a process, and a device-side assert
+poisons it for good. In its own process, one tenant's bug ends one session; the
+supervisor sees the worker go, checks the device and carries on.
+
+Messages on the link (``workerlink.py``), worker to supervisor:
+
+- ``["ready", pid]``: started, the device is initialised.
+- ``["acquire", n]`` / ``["release"]`` / ``["cancel", n]``: device turns
+  (``SupervisorTurns``), granted across all workers by the supervisor's ``DeviceQueue``
+  in the rank of each worker's lease.
+
+Supervisor to worker:
+
+- ``["session", options]`` with a socket: serve it (``options``: ``quota``, ``rank``,
+  ``seconds`` left in the lease, ``owner``: who may resume it, hex or None).
+- ``["grant", n]``: turn ``n`` is yours, until you are asked to ``["yield"]`` it.
+
+The worker exits 0 once it served a session and holds none (ended, or parked and
+expired), ``EXIT_POISONED`` when its session left the device context unusable, and at
+once if the supervisor goes (the link closes; ``PR_SET_PDEATHSIG`` is the backstop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+import trio
+
+from .executor import Executor, ExecutorConfig
+from .scheduler import DeviceScheduler
+from .transport import TrioFrameChannel
+from .workerlink import LinkClosedError, WorkerLink
+
+log = logging.getLogger(__name__)
+
+#: Exit status of a worker whose session poisoned its device context (not the host's fault).
+EXIT_POISONED = 3
+#: How often an idle worker checks whether its parked session has expired.
+IDLE_CHECK_S = 0.25
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker is started with: the executor's configuration, as argv-safe JSON."""
+
+    device: str
+    quota_bytes: int
+    max_frame: int
+    cache_grace: float
+    cache_bytes: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSpec:
+        return cls(**json.loads(text))
+
+    def executor_config(self) -> ExecutorConfig:
+        return ExecutorConfig(
+            device=self.device,
+            quota_bytes=self.quota_bytes,
+            max_frame=self.max_frame,
+            cache_grace=self.cache_grace,
+            cache_bytes=self.cache_bytes,
+        )
+
+
+class SupervisorTurns:
+    """``DeviceScheduler``'s interface, with the device turns granted by the supervisor.
+
+    A granted turn is kept across batches until the supervisor asks for it back
+    (``yield``: another worker waits), so a tenant alone on the device pays no message
+    per batch. Under contention the supervisor asks for it back at once, and turns pass
+    batch by batch in rank order, as they do inside one executor. This worker's own
+    connections (a resume taking over) queue on a local scheduler first.
+    """
+
+    def __init__(self, link: WorkerLink) -> None:
+        self._link = link
+        self._local = DeviceScheduler()
+        self._holding = False
+        self._busy = False
+        self._yield_asked = False
+        self._waiting: dict[int, trio.Event] = {}
+        self._next = 0
+
+    async def acquire(self, rank: tuple) -> None:
+        """Wait for the device. ``rank`` orders this worker's own connections only: the
+        supervisor ranks a worker by its session's lease, not by what the worker claims."""
+        await self._local.acquire(rank)
+        try:
+            if not self._holding:
+                await self._ask()
+                self._holding = True
+        except BaseException:
+            self._local.release()
+            raise
+        self._busy = True
+
+    async def _ask(self) -> None:
+        self._next += 1
+        number, granted = self._next, trio.Event()
+        self._waiting[number] = granted
+        await self._link.send(["acquire", number])
+        try:
+            await granted.wait()
+        except BaseException:
+            # Cancelled: the grant may be on its way; the supervisor sorts that out.
+            self._waiting.pop(number, None)
+            self._link.send_nowait(["cancel", number])
+            raise
+
+    def granted(self, number: int) -> None:
+        """The supervisor's grant for turn ``number`` arrived."""
+        event = self._waiting.pop(number, None)
+        if event is not None:
+            event.set()
+
+    def yield_asked(self) -> None:
+        """Another worker waits: hand the device back now, or after the running batch."""
+        if self._holding and not self._busy:
+            self._give_back()
+        elif self._holding:
+            self._yield_asked = True
+
+    def release(self) -> None:
+        """This batch is done; the turn stays unless the supervisor asked for it."""
+        self._busy = False
+        if self._yield_asked:
+            self._give_back()
+        self._local.release()
+
+    def _give_back(self) -> None:
+        self._holding = self._yield_asked = False
+        self._link.send_nowait(["release"])
+
+
+class Worker:
+    """Serves the sessions the supervisor hands over, until it holds none."""
+
+    def __init__(self, link: WorkerLink, spec: WorkerSpec) -> None:
+        self.link = link
+        self.turns = SupervisorTurns(link)
+        self.executor = Executor(
+            spec.executor_config(), scheduler=self.turns, welcome_extra={"worker_pid": os.getpid()}
+        )
+        self.served = 0
+        self.poisoned = False
+
+    async def run(self) -> int:
+        """Serve until done; return the process's exit status."""
+        await self.link.send(["ready", os.getpid()])
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.executor.expire_parked_forever)
+            nursery.start_soon(self._exit_when_done, nursery.cancel_scope)
+            try:
+                await self._read_link(nursery)
+            except LinkClosedError:
+                log.info("worker %d: the supervisor is gone; exiting", os.getpid())
+            nursery.cancel_scope.cancel()
+        return EXIT_POISONED if self.poisoned else 0
+
+    async def _read_link(self, nursery: trio.Nursery) -> None:
+        while True:
+            message, fd = await self.link.receive()
+            if message[0] == "grant" and len(message) == 2:
+                self.turns.granted(message[1])
+            elif message[0] == "yield" and len(message) == 1:
+                self.turns.yield_asked()
+            elif message[0] == "session" and fd is not None and len(message) == 2:
+                nursery.start_soon(self._serve, fd, message[1])
+            else:
+                if fd is not None:
+                    os.close(fd)
+                raise LinkClosedError(f"unexpected message from the supervisor: {message[0]!r}")
+
+    async def _serve(self, fd: int, options: dict) -> None:
+        sock = trio.socket.from_stdlib_socket(socket.socket(fileno=fd))
+        max_frame = self.executor.config.max_frame
+        channel = TrioFrameChannel(trio.SocketStream(sock), max_frame=max_frame)
+        owner = options.get("owner")
+        channel.peer_public_key = bytes.fromhex(owner) if owner else None  # type: ignore[attr-defined]
+        quota = options.get("quota")
+        _cap_device_memory(self.executor.ctx.device, quota or self.executor.config.quota_bytes)
+        seconds = options.get("seconds")
+        until = math.inf if seconds is None else trio.current_time() + seconds
+        rank = tuple(options.get("rank") or (0, 0))
+        try:
+            await self.executor.run_session(channel, quota_bytes=quota, rank=rank, until=until)
+        finally:
+            self.served += 1
+            self.poisoned = self.poisoned or _context_poisoned(self.executor.ctx.device)
+
+    async def _exit_when_done(self, scope: trio.CancelScope) -> None:
+        while not (self.served and (self.executor.idle or self.poisoned)):
+            await trio.sleep(IDLE_CHECK_S)
+        scope.cancel()
+
+
+def _cap_device_memory(device: torch.device, quota: int) -> None:
+    """The CUDA allocator's own cap, beside the session quota: a second wall."""
+    if device.type != "cuda":
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, quota / total), device)
+
+
+def _context_poisoned(device: torch.device) -> bool:
+    """True when the device context can no longer run anything (a device-side assert)."""
+    if device.type != "cuda":
+        return False
+    try:
+        torch.cuda.synchronize(device)
+        torch.ones(1, device=device).add_(1).item()
+    except RuntimeError:  # torch.AcceleratorError is a RuntimeError
+        return True
+    return False
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent (the supervisor) exits."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="cumulus-worker", description=__doc__.splitlines()[0])
+    parser.add_argument("--link-fd", type=int, required=True, help="the supervisor link's fd")
+    parser.add_argument("--spec", required=True, help="the WorkerSpec, as JSON")
+    parser.add_argument("--parent", type=int, required=True, help="the supervisor's pid")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    _die_with_parent()
+    if os.getppid() != args.parent:
+        return 1  # the supervisor died before the backstop was armed
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    worker = Worker(WorkerLink.from_fd(args.link_fd), WorkerSpec.from_json(args.spec))
+    return trio.run(worker.run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""A tenant in a process of its own: trains a test model on an executor, for isolation tests.
+
+``python -m cumulus_p2p.testing.tenant HOST:PORT TASK STEPS [--pause-after K]`` attaches,
+prints ``{"worker_pid": ...}`` (from the welcome), trains ``TASK`` for ``STEPS`` steps
+and prints ``{"losses": [...]}``; each a JSON line. With ``--pause-after K`` it prints
+``{"paused": K}`` after step ``K`` and waits for a line on stdin before going on, so a
+test can do something to another tenant meanwhile. Errors print ``{"error": "..."}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import cumulus_p2p.remote as remote
+from cumulus_p2p._errors import CumulusError
+from cumulus_p2p.testing.models import TASKS, train
+
+
+def _say(**fields) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tenant", description=__doc__.splitlines()[0])
+    parser.add_argument("address")
+    parser.add_argument("task", choices=sorted(TASKS))
+    parser.add_argument("steps", type=int)
+    parser.add_argument("--pause-after", type=int, default=None, metavar="K")
+    args = parser.parse_args(argv)
+
+    def on_step(i: int) -> None:
+        if i == args.pause_after:
+            _say(paused=i)
+            sys.stdin.readline()
+
+    try:
+        with remote.attach(args.address) as session:
+            _say(worker_pid=session.info.get("worker_pid"))
+            losses, _ = train(args.task, "cumulus", steps=args.steps, on_step=on_step)
+    except CumulusError as exc:
+        _say(error=f"{type(exc).__name__}: {exc}")
+        return 1
+    _say(losses=losses)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""Tenant isolation: every session runs in a worker process of its own (issue 12).
+
+Executors are real ``cumulus-executor --worker-per-session`` processes on loopback with
+CPU workers; tenants are real client processes (``cumulus_p2p.testing.tenant``) or this
+test's own session. "A worker dies" is a SIGKILL of its process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import cumulus_p2p.remote as remote
+from cumulus_p2p._errors import SessionClosedError
+from cumulus_p2p.identity import KEY_FILE_NAME, NodeIdentity
+from cumulus_p2p.remote.secure import connect_secure
+from cumulus_p2p.remote.transport import SocketFrameChannel
+from cumulus_p2p.testing.executor import executor_process
+from cumulus_p2p.testing.models import train
+
+WORKERS = ["--worker-per-session", "--pool", "2"]
+
+
+class Tenant:
+    """A tenant process: ``cumulus_p2p.testing.tenant``, read line by line."""
+
+    def __init__(self, address: str, task: str, steps: int, pause_after: int | None = None):
+        cmd = [sys.executable, "-m", "cumulus_p2p.testing.tenant", address, task, str(steps)]
+        if pause_after is not None:
+            cmd += ["--pause-after", str(pause_after)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def read(self) -> dict:
+        line = self.proc.stdout.readline()
+        assert line, f"the tenant exited early (status {self.proc.wait()})"
+        return json.loads(line)
+
+    def go_on(self) -> None:
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+
+    def finish(self) -> dict:
+        """The tenant's last line (its losses), once it exited cleanly."""
+        result = self.read()
+        while "losses" not in result and "error" not in result:
+            result = self.read()
+        assert self.proc.wait(timeout=60) == 0, result
+        return result
+
+
+def kill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def isolated():
+    """An executor running each session in a worker process, two kept warm."""
+    with executor_process(extra=WORKERS) as (address, proc):
+        yield address, proc
+
+
+@pytest.fixture(scope="module")
+def reference(isolated):
+    """The MLP's losses with nothing happening to anyone: what every tenant must get."""
+    address, _ = isolated
+    with remote.attach(address):
+        losses, _ = train("mlp", "cumulus", steps=6)
+    return losses
+
+
+def test_each_session_runs_in_a_worker_process_of_its_own(isolated):
+    address, proc = isolated
+    first, second = Tenant(address, "mlp", 2, pause_after=0), Tenant(address, "mlp", 2)
+    a, b = first.read()["worker_pid"], second.read()["worker_pid"]
+    second.finish()
+    assert first.read() == {"paused": 0}
+    first.go_on()
+    first.finish()
+    assert a != b
+    assert proc.pid not in (a, b)
+
+
+def test_a_killed_worker_ends_only_its_session(isolated, reference):
+    address, _ = isolated
+    bystander = Tenant(address, "mlp", 6, pause_after=2)
+    bystander.read()
+    assert bystander.read() == {"paused": 2}
+    with remote.attach(address) as session:
+        x = torch.ones(4, device="cumulus")
+        assert x.sum().item() == 4
+        kill(session.info["worker_pid"])
+        lost = "the worker process running it was killed by SIGKILL \\(a host failure\\)"
+        with pytest.raises(SessionClosedError, match=lost):
+            (x * 2).sum().item()
+    bystander.go_on()
+    assert bystander.finish() == {"losses": reference}
+
+
+def test_the_killed_sessions_job_fails_over_and_ends_with_the_same_losses(isolated, reference):
+    address, _ = isolated
+    host, port = address.split(":")
+    redial = lambda: SocketFrameChannel.connect(host, int(port))  # noqa: E731
+    with remote.attach(address, reconnect=redial) as session:
+
+        def kill_at_step_3(i: int) -> None:
+            if i == 3:
+                kill(session.info["worker_pid"])
+
+        losses, _ = train("mlp", "cumulus", steps=6, on_step=kill_at_step_3)
+        assert session.failovers == 1
+    assert losses == reference
+
+
+def test_new_sessions_succeed_after_a_worker_was_killed(isolated, reference):
+    address, _ = isolated
+    with remote.attach(address) as session:
+        kill(session.info["worker_pid"])
+    assert Tenant(address, "mlp", 6).finish()["losses"] == reference
+
+
+def test_a_warm_pool_serves_a_lease_with_a_worker_started_before_it(isolated):
+    address, _ = isolated
+    time.sleep(1.0)  # let the pool refill after earlier tests
+    asked = time.time()
+    with remote.attach(address) as session:
+        started = _process_start_time(session.info["worker_pid"])
+        assert torch.ones(2, device="cumulus").sum().item() == 2
+        first_op_s = time.time() - asked
+    assert started < asked
+    assert first_op_s < 1.0
+
+
+def test_a_worker_cannot_read_the_node_key_and_does_not_hold_it(tmp_path):
+    consumer = NodeIdentity.generate()
+    data_dir = tmp_path / "provider"
+    extra = [*WORKERS, "--secure", "--data-dir", str(data_dir)]
+    extra += ["--allow-key", consumer.public_key.hex()]
+    with executor_process(extra=extra) as (address, proc):
+        host, port = address.split(":")
+        channel = connect_secure(
+            host, int(port), identity=consumer, expected_peer_public_key=proc.provider_key
+        )
+        with remote.attach(channel=channel) as session:
+            pid = session.info["worker_pid"]
+            key_file = data_dir / KEY_FILE_NAME
+            assert key_file.exists()
+            # /proc/PID/root resolves paths in the worker's own mount namespace.
+            with pytest.raises(OSError):
+                (Path(f"/proc/{pid}/root") / key_file.relative_to("/")).read_bytes()
+            seed_hex = key_file.read_text().split()[1]
+            secrets = [bytes.fromhex(seed_hex), seed_hex.encode()]
+            assert torch.ones(2, device="cumulus").sum().item() == 2
+            assert not _memory_holds(pid, secrets)
+
+
+def test_bad_isolation_flags_are_refused_with_a_clear_error():
+    cmd = [sys.executable, "-m", "cumulus_p2p.remote.executor_main", "--pool", "-1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "--pool must not be negative" in out.stderr
+    both = [*cmd[:3], "--worker-per-session", "--shared-process"]
+    out = subprocess.run(both, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "not allowed with argument" in out.stderr
+
+
+def _process_start_time(pid: int) -> float:
+    """When ``pid`` started, as a Unix time."""
+    with open(f"/proc/{pid}/stat") as stat:
+        ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/stat") as boot:
+        btime = int(re.search(r"^btime (\d+)$", boot.read(), re.M).group(1))
+    return btime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _memory_holds(pid: int, needles: list[bytes]) -> bool:
+    """Whether any readable mapping of ``pid`` contains one of ``needles``."""
+    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", 0) as mem:
+        for line in maps:
+            span, perms = line.split()[:2]
+            if not perms.startswith("r"):
+                continue
+            start, end = (int(x, 16) for x in span.split("-"))
+            try:
+                mem.seek(start)
+                chunk = mem.read(end - start)
+            except (OSError, ValueError, OverflowError):
+                continue  # [vvar] and the like cannot be read
+            if any(needle in chunk for needle in needles):
+                return True
+    return False
