@@ -15,7 +15,11 @@ two orders are the same; the difference grows with the number of tenants waiting
 
 Prints JSON and writes ``benchmarks/results/priority.json``::
 
-    python benchmarks/priority_bench.py [--quick]
+    python benchmarks/priority_bench.py [--quick] [--isolation shared|worker]
+
+``--isolation worker`` serves every tenant in a worker process of its own, with the
+supervisor granting device turns across them (issue 12); results then go to
+``priority_worker.json``.
 
 Keys: ``foreground_alone_ms``, ``foreground_ranked_ms``, ``foreground_fifo_ms`` (median
 step times), ``background_steps_per_s_ranked``, ``background_steps_per_s_fifo`` (all
@@ -42,19 +46,26 @@ BACKGROUND = lease_rank(False, 100)  # interruptible at a low price
 BACKGROUND_TENANTS = 3
 
 
-def serve(ranked: bool) -> None:
+def serve(ranked: bool, isolation: str = "shared", pool: int = 4) -> None:
     """The executor: port 1 serves the foreground rank, port 2 the background rank."""
     import trio
 
-    from cumulus_p2p.remote.executor import Executor, ExecutorConfig
+    from cumulus_p2p.remote.executor import ExecutorConfig
+    from cumulus_p2p.remote.executor_main import build_executor
+    from cumulus_p2p.remote.supervisor import WorkerSupervisor
     from cumulus_p2p.remote.transport import TrioFrameChannel
 
-    executor = Executor(ExecutorConfig(device="cpu"))
+    config = ExecutorConfig(device="cpu")
+    executor = build_executor(config, workers=isolation == "worker", pool=pool)
     ranks = (FOREGROUND, BACKGROUND) if ranked else (FOREGROUND, FOREGROUND)
 
     async def main() -> None:
         ports = []
         async with trio.open_nursery() as nursery:
+            if isinstance(executor, WorkerSupervisor):
+                await nursery.start(executor.run)
+                while executor.ready_workers < pool:  # tenants find their workers warm
+                    await trio.sleep(0.1)
             for rank in ranks:
                 listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
                 ports.append(listeners[0].socket.getsockname()[1])
@@ -92,30 +103,37 @@ def client(role: str, address: str, seconds: float) -> None:
     print(json.dumps(times), flush=True)
 
 
-def _spawn(*args: str) -> subprocess.Popen:
+def spawn(*args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True, cwd=ROOT
     )
 
 
-def _times(proc: subprocess.Popen) -> list[float]:
+def times(proc: subprocess.Popen) -> list[float]:
     out, _ = proc.communicate(timeout=300)
     return json.loads(out.strip().splitlines()[-1])
 
 
-def measure(ranked: bool, seconds: float, *, with_background: bool) -> tuple[list, list]:
+def measure(
+    ranked: bool,
+    seconds: float,
+    *,
+    with_background: bool,
+    isolation: str = "shared",
+    tenants: int = BACKGROUND_TENANTS,
+) -> tuple[list, list]:
     """(foreground step times, background step times) for one arrangement."""
-    server = _spawn("--serve", "ranked" if ranked else "fifo")
+    server = spawn("--serve", "ranked" if ranked else "fifo", "--isolation", isolation)
     try:
         fore_port, back_port = server.stdout.readline().split()
         address = f"127.0.0.1:{back_port}"
-        count = BACKGROUND_TENANTS if with_background else 0
-        background = [_spawn("--client", "background", address, str(seconds)) for _ in range(count)]
+        count = tenants if with_background else 0
+        background = [spawn("--client", "background", address, str(seconds)) for _ in range(count)]
         if background:
             time.sleep(3.0)  # let them start and fill the device
-        foreground = _spawn("--client", "foreground", f"127.0.0.1:{fore_port}", str(seconds / 2))
-        fore = _times(foreground)[5:]
-        back = [t for proc in background for t in _times(proc)]
+        foreground = spawn("--client", "foreground", f"127.0.0.1:{fore_port}", str(seconds / 2))
+        fore = times(foreground)[5:]
+        back = [t for proc in background for t in times(proc)]
         return fore, back
     finally:
         server.kill()
@@ -127,19 +145,27 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="shorter runs (< 60 s)")
     parser.add_argument("--serve", choices=("ranked", "fifo"), help=argparse.SUPPRESS)
     parser.add_argument("--client", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--isolation",
+        choices=["shared", "worker"],
+        default="shared",
+        help="tenants in the executor's process, or each in a worker process",
+    )
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve == "ranked")
+        serve(args.serve == "ranked", args.isolation)
         return
     if args.client:
         role, address, seconds = args.client
         client(role, address, float(seconds))
         return
     seconds = 8.0 if args.quick else 30.0
-    alone, _ = measure(True, seconds, with_background=False)
-    ranked, back_ranked = measure(True, seconds, with_background=True)
-    fifo, back_fifo = measure(False, seconds, with_background=True)
+    mode = args.isolation
+    alone, _ = measure(True, seconds, with_background=False, isolation=mode)
+    ranked, back_ranked = measure(True, seconds, with_background=True, isolation=mode)
+    fifo, back_fifo = measure(False, seconds, with_background=True, isolation=mode)
     result = {
+        "isolation": mode,
         "foreground_alone_ms": round(statistics.median(alone), 2),
         "foreground_ranked_ms": round(statistics.median(ranked), 2),
         "foreground_fifo_ms": round(statistics.median(fifo), 2),
@@ -149,7 +175,8 @@ def main() -> None:
         "background_steps_per_s_fifo": round(len(back_fifo) / seconds, 1),
     }
     print(json.dumps(result, indent=2))
-    out = ROOT / "benchmarks" / "results" / "priority.json"
+    name = "priority.json" if mode == "shared" else f"priority_{mode}.json"
+    out = ROOT / "benchmarks" / "results" / name
     out.write_text(json.dumps(result, indent=2) + "\n")
 
 

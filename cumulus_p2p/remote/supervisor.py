@@ -160,6 +160,11 @@ class WorkerSupervisor:
         """Worker processes alive, pooled or serving."""
         return len(self._workers)
 
+    @property
+    def ready_workers(self) -> int:
+        """Workers started and waiting for a session."""
+        return len(self._idle)
+
     # --- the pool ---------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
