@@ -11,21 +11,27 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+import trio
 
 import cumulus_p2p.remote as remote
-from cumulus_p2p._errors import SessionClosedError
+from cumulus_p2p._errors import RemoteExecutionError, RemoteProtocolError, SessionClosedError
 from cumulus_p2p.identity import KEY_FILE_NAME, NodeIdentity
+from cumulus_p2p.remote.executor import Executor, ExecutorConfig
+from cumulus_p2p.remote.protocol import PROTOCOL_VERSION, encode_frame
 from cumulus_p2p.remote.secure import connect_secure
 from cumulus_p2p.remote.transport import SocketFrameChannel
 from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.testing.models import train
+from cumulus_p2p.testing.nodes import LOOPBACK_LISTEN, start_consumer, start_node, start_provider
 
 WORKERS = ["--worker-per-session", "--pool", "2"]
 
@@ -59,6 +65,10 @@ class Tenant:
 
 def kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
+
+
+def last_json(node) -> dict:
+    return json.loads(next(x for x in reversed(node.lines) if x.startswith("{")))
 
 
 @pytest.fixture(scope="module")
@@ -198,3 +208,118 @@ def _memory_holds(pid: int, needles: list[bytes]) -> bool:
             if any(needle in chunk for needle in needles):
                 return True
     return False
+
+
+# --- whose fault: a session that broke its own device context ------------------------------
+
+
+async def test_an_op_that_breaks_the_device_context_ends_its_session_after_its_error():
+    # On a CPU nothing breaks the context; the check that CUDA workers run is replaced by
+    # one that always finds the context broken.
+    executor = Executor(ExecutorConfig(device="cpu"), context_lost=lambda: True)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(executor.serve_tcp, "127.0.0.1", 0)
+
+        def hostile_tenant() -> None:
+            with remote.attach(f"127.0.0.1:{port}"):
+                weight = torch.randn(4, 2, device="cumulus")
+                index = torch.tensor([10]).to("cumulus")
+                with pytest.raises(RemoteExecutionError, match="embedding"):
+                    torch.nn.functional.embedding(index, weight).sum().item()
+                with pytest.raises(SessionClosedError):
+                    (weight * 2).sum().item()
+
+        await trio.to_thread.run_sync(hostile_tenant)
+        nursery.cancel_scope.cancel()
+
+
+def scripted_host(replies: list[list]) -> tuple[str, threading.Thread]:
+    """A host that welcomes one session, then answers each frame with the next reply."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        channel = SocketFrameChannel(conn)
+        channel.recv_frame()
+        channel.send_frame(encode_frame(["welcome", PROTOCOL_VERSION, {"token": "t"}]))
+        for reply in replies:
+            channel.recv_frame()
+            channel.send_frame(encode_frame(reply))
+        conn.close()
+        listener.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return f"127.0.0.1:{listener.getsockname()[1]}", thread
+
+
+def test_a_session_lost_by_its_own_fault_raises_instead_of_failing_over():
+    why = "the worker process running it stopped (caused by this session)"
+    address, host = scripted_host([["lost", why, "session"]])
+    redials = []
+    with remote.attach(address, reconnect=lambda: redials.append(1)):
+        with pytest.raises(SessionClosedError, match="the host ended this session: .*this session"):
+            torch.ones(2, device="cumulus").sum().item()
+    host.join(timeout=10)
+    assert redials == []
+
+
+def test_a_malformed_lost_message_is_a_protocol_error():
+    address, host = scripted_host([["lost", "why", "nobody"]])
+    with remote.attach(address):
+        with pytest.raises(RemoteProtocolError, match="malformed lost"):
+            torch.ones(2, device="cumulus").sum().item()
+    host.join(timeout=10)
+
+
+# --- on the market: a provider node running a worker per session ----------------------------
+
+
+def provider_state(node) -> dict:
+    return json.loads((node.data_dir / "state.json").read_text())
+
+
+def wait_for_state(node, check, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = provider_state(node)
+            if check(state):
+                return state
+        except (OSError, ValueError):
+            pass  # written as we read it
+        time.sleep(0.2)
+    raise TimeoutError(f"the provider's state never got there: {provider_state(node)}")
+
+
+def test_a_job_whose_worker_is_killed_finishes_elsewhere_and_the_shares_come_back(tmp_path):
+    boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
+    providers = [
+        start_provider(tmp_path / f"p{i}", boot.addr, "--price", price, "--worker-per-session")
+        for i, price in enumerate(("0.3", "0.7"))
+    ]
+    script = ["-m", "cumulus_p2p.demo_train", "--steps", "30", "--log-every", "5"]
+    try:
+        for node in providers:
+            node.wait_for("providing")
+        consumer = start_consumer(
+            tmp_path / "consumer", boot.addr, "--checkpoint-interval", "1s", command=script
+        )
+        consumer.wait_for("step   10", timeout=120)
+        cheap = providers[0]
+        busy = wait_for_state(cheap, lambda s: s["session_workers"] and s["shares_free"] < 4)
+        kill(busy["session_workers"][0]["pid"])
+        assert consumer.proc.wait(timeout=180) == 0, consumer.output()
+        after = wait_for_state(cheap, lambda s: not s["session_workers"])
+        assert after["shares_free"] == after["shares_total"]
+        assert after["device_health"] == "ok"
+        assert after["leases"][0]["state"] == "ended"
+    finally:
+        for node in [*providers, boot]:
+            node.stop()
+    local = subprocess.run(
+        [sys.executable, *script], capture_output=True, text=True, check=True, timeout=120
+    )
+    expected = json.loads(local.stdout.splitlines()[-1])["final_loss"]
+    assert last_json(consumer)["final_loss"] == expected
+    assert "worker process running it was killed by SIGKILL" in consumer.output()

@@ -65,8 +65,9 @@ def attach_leased(client: ControlClient):
     resume = float(os.environ.get("CUMULUS_RESUME_TIMEOUT", "10"))
 
     def reconnect():
-        log.warning("the provider is unreachable; asking the node for another host")
-        ticket = client.failover("provider unreachable past resume")
+        lost = remote.current_session().lost_because or "provider unreachable past resume"
+        log.warning("lost the provider (%s); asking the node for another host", lost)
+        ticket = client.failover(lost)
         return open_channel(ticket, identity, resume_timeout=resume)
 
     return remote.attach(

@@ -236,6 +236,7 @@ class Consumer:
         dropped the session before the term ended vanished: it is reported and excluded.
         """
         self.status = f"failover: {reason}"
+        log.warning("cumulus: failing over: %s", reason)
         live = [h for h in self.held if h.state == "held"]
         if live:
             gone = live[-1]

@@ -277,9 +277,20 @@ class Provider:
             "sessions": len(self.executor.sessions),
             "isolation": "worker per session" if self.options.uses_workers else "shared process",
             "device_health": self.executor.health.reason or "ok",
+            "session_workers": _session_workers(self.executor),
             "earned": sum(a.earned for a in leases),
             "leases": [_lease_row(a) for a in leases],
         }
+
+
+def _session_workers(executor: Executor | WorkerSupervisor) -> list[dict]:
+    """Each session's worker process and the frames it relayed (worker mode only)."""
+    if not isinstance(executor, WorkerSupervisor):
+        return []
+    return [
+        {"pid": view.worker_pid, "frames_in": view.frames_in, "frames_out": view.frames_out}
+        for view in executor.sessions.values()
+    ]
 
 
 def _lease_row(active: ActiveLease) -> dict:

@@ -41,6 +41,9 @@ def status_table(state: dict) -> Group:
         summary.add_row("price", f"{credits(state['price'])} per share-hour")
         summary.add_row("shares free", f"{state['shares_free']} of {state['shares_total']}")
         summary.add_row("sessions", f"{state['sessions']} ({state.get('isolation', '?')})")
+        for worker in state.get("session_workers", []):
+            frames = f"{worker['frames_in']} frames in, {worker['frames_out']} out"
+            summary.add_row("session worker", f"pid {worker['pid']}: {frames}")
         health = state.get("device_health", "ok")
         summary.add_row("device health", health if health == "ok" else f"[red]{health}[/red]")
         summary.add_row("earned", credits(state["earned"]))

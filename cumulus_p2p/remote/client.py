@@ -131,6 +131,8 @@ class RemoteSession:
         self._store = checkpoint_store if checkpoint_store is not None else MemoryCheckpointStore()
         #: Failovers survived, and the pause the last one caused (seconds).
         self.failovers = 0
+        #: Why the executor was last lost (the ``reconnect`` callable may read it).
+        self.lost_because: str | None = None
         self.last_failover_s: float | None = None
         self._cache_resumes = 0
         self._checkpoints = 0
@@ -224,12 +226,17 @@ class RemoteSession:
             if awaiting is None:
                 return None
             frame = self._channel.recv_frame()
-            lost = lost_reason(frame)
-            if lost is not None:
-                raise SessionClosedError(f"the host lost this session: {lost}")
-            return frame
         except SessionClosedError as exc:
             return self._fail_over(exc, awaiting)
+        lost = lost_reason(frame)
+        if lost is None:
+            return frame
+        reason, fault = lost
+        if fault == "session":
+            self.closed = True
+            raise SessionClosedError(f"the host ended this session: {reason}")
+        lost_here = SessionClosedError(f"the host lost this session: {reason}")
+        return self._fail_over(lost_here, awaiting)
 
     def _read_reply(self, frame: bytearray, seq: int) -> tuple[Any, list[memoryview]]:
         header, area = decode_frame(frame)
@@ -360,6 +367,7 @@ class RemoteSession:
             self.closed = True
             raise cause
         started = time.perf_counter()
+        self.lost_because = str(cause)
         log.info("cumulus: lost the executor (%s); failing over", cause)
         last: BaseException = cause
         for attempt in range(1, self._attempts + 1):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,9 +113,12 @@ class Executor:
         *,
         scheduler: DeviceScheduler | None = None,
         welcome_extra: dict | None = None,
+        context_lost: Callable[[], bool] | None = None,
     ) -> None:
         """``scheduler`` grants device turns (a worker process asks its supervisor's);
-        ``welcome_extra`` is added to every session's welcome (a worker names its pid)."""
+        ``welcome_extra`` is added to every session's welcome (a worker names its pid);
+        ``context_lost`` is asked after an op failed whether the device context is now
+        unusable (a CUDA device-side assert): then the session ends after that reply."""
         self.config = config or ExecutorConfig()
         self.ctx = DeviceContext(pick_device(self.config.device))
         self.sessions: dict[int, ExecutorSession] = {}
@@ -124,6 +128,7 @@ class Executor:
         self._attached: dict[str, _Attached] = {}
         self.scheduler = scheduler if scheduler is not None else DeviceScheduler()
         self._welcome_extra = welcome_extra or {}
+        self._context_lost = context_lost
         self._next_id = 1
         #: Always healthy: a shared process has no fresh process to check the device with.
         self.health = DeviceHealth()
@@ -172,6 +177,8 @@ class Executor:
             await _send_fatal(channel, str(exc))
         except SessionClosedError:
             log.info("session %d: client went away", session_id)
+        except _ContextLost as exc:
+            log.warning("session %d: op %s left the device context unusable", session_id, exc)
         except Exception as exc:  # whatever one session does, the others keep running
             log.exception("session %d: internal error", session_id)
             await _send_fatal(channel, f"executor internal error: {type(exc).__name__}: {exc}")
@@ -282,6 +289,8 @@ class Executor:
                 raise RemoteProtocolError(f"unexpected {header[0]!r} message in a session")
             if reply is not None:
                 await channel.send_frame(_encode_reply(reply))
+                if reply.error is not None and self._context_lost and self._context_lost():
+                    raise _ContextLost(reply.error[2])
 
     async def _on_device(self, fn, *args, inline: bool = False, rank: tuple = DEFAULT_RANK) -> Any:
         # A free device is taken without a checkpoint, which saves a trip through trio's
@@ -347,6 +356,10 @@ class Executor:
             await nursery.start(self.expire_parked_forever)
             await nursery.start(trio.serve_listeners, handler, listeners)
             task_status.started(bound)
+
+
+class _ContextLost(Exception):
+    """A session's op left the device context unusable; the session cannot go on."""
 
 
 def _encode_reply(reply: Reply) -> list:

@@ -26,8 +26,10 @@ Executor → client::
     ["refused", reason]           (no session under that token; hello may follow)
     ["reply", seq, error_or_nil, result, blob_lengths]
     ["fatal", message]            (protocol violation; the executor closes the session)
-    ["lost", message]             (the process running the session died: its state on
-                                   this host is gone; the client fails over if it can)
+    ["lost", message, fault]      (the process running the session died and its state on
+                                   this host is gone; fault "host": the client fails over
+                                   if it can; "session": its own op caused it, so
+                                   replaying elsewhere would fail the same way)
 
 A batch's ``query`` is ``["sync"]``, ``["fetch", tensor]``, ``["call"]`` (describe the
 outputs of the last ``dyn`` op), ``["stats"]``, ``["checkpoint"]`` (every storage's
@@ -258,18 +260,21 @@ def aligned_bytes(blob: memoryview) -> torch.Tensor:
     return tensor.clone() if tensor.data_ptr() % BLOB_ALIGN else tensor
 
 
-def lost_reason(frame: bytearray) -> str | None:
-    """The reason in a ``["lost", reason]`` frame; None for any other frame.
+def lost_reason(frame: bytearray) -> tuple[str, str] | None:
+    """``(reason, fault)`` from a ``["lost", reason, fault]`` frame; None for any other.
 
     Checked on every reply, so it looks at the header's first bytes before decoding.
     """
     if frame[_U32.size : _U32.size + len(_LOST_START)] != _LOST_START:
         return None
     header, _ = decode_frame(frame)
-    return str(header[1]) if len(header) == 2 else "the host lost the session"
+    reason, fault = header[1], header[2]
+    if not (isinstance(reason, str) and fault in ("host", "session")):
+        raise RemoteProtocolError("a malformed lost message")
+    return reason, fault
 
 
-_LOST_START = b"\x92\xa4lost"  # msgpack: a 2-element array whose first element is "lost"
+_LOST_START = b"\x93\xa4lost"  # msgpack: a 3-element array whose first element is "lost"
 
 
 def decode_frame(frame: bytearray | bytes, *, max_header: int = 64 * 1024 * 1024):

@@ -19,12 +19,14 @@ context included, end its own process and nothing else.
   its turn until another one asks (then the supervisor sends ``yield`` and the turn
   passes after the running batch): a tenant alone pays nothing per batch, and tenants in
   contention take turns batch by batch, as inside one executor.
-- **A worker dies.** Its consumer's channel gets ``["lost", why]``: with failover on, the
-  client moves the session (from its checkpoint) as if the host had vanished; without,
-  it raises with that reason at its sync point. Any exit but a clean one or a tenant's
-  poisoned context then runs a device check (``health.py``) in a fresh process; while the
-  device is unhealthy no worker starts and ``health`` says why, so the provider withdraws
-  its offer.
+- **A worker dies.** Its consumer's channel gets ``["lost", why, fault]``. A host fault
+  (the worker was killed, crashed): with failover on, the client moves the session from
+  its checkpoint as if the host had vanished; without, it raises with that reason at its
+  sync point. The session's own fault (its op poisoned the device context): it raises,
+  as replaying the same ops elsewhere would poison the next host too. Any exit but a
+  clean one or a tenant's poisoned context then runs a device check (``health.py``) in a
+  fresh process; sessions wait for its verdict, and while the device is unhealthy no
+  worker starts and ``health`` says why, so the provider withdraws its offer.
 - **Secrets.** A worker is exec'd fresh (nothing of this process's memory), inherits only
   its link, and where the kernel allows unprivileged user namespaces it runs in a mount
   namespace where the node's data directory is an empty, unmountable tmpfs.
@@ -65,6 +67,8 @@ DEFAULT_POOL = 1
 START_TIMEOUT_S = 120.0
 #: After a session's socket closes, how long to wait to learn whether its worker died.
 EXIT_WAIT_S = 0.5
+#: How long a consumer told its session was lost has to hang up before it is hung up on.
+LOST_LINGER_S = 10.0
 #: How often an unhealthy device is checked again.
 RECHECK_S = 30.0
 
@@ -380,7 +384,7 @@ class WorkerSupervisor:
             await worker.link.send(["session", options], theirs.fileno())
         except LinkClosedError:
             ours.close()
-            await _send(channel, ["lost", "the worker picked for this session died at once"])
+            await _send(channel, ["lost", "the worker picked for it died at once", "host"])
             await channel.aclose()
             return
         finally:
@@ -428,35 +432,38 @@ class WorkerSupervisor:
     async def _relay(
         self, client: AsyncFrameChannel, inner: TrioFrameChannel, worker: _Worker, view: SessionView
     ) -> None:
+        """Carry frames both ways until one side ends; tell the consumer if the worker died."""
+        ended: list[str] = []
+
         async def upstream() -> None:
             while True:
-                frame = await client.receive_frame()
+                frame = await _side(client.receive_frame(), "client")
                 view.frames_in += 1
-                await inner.send_frame([frame])
+                await _side(inner.send_frame([frame]), "worker")
 
         async def downstream() -> None:
             welcomed = False
             while True:
-                frame = await inner.receive_frame()
+                frame = await _side(inner.receive_frame(), "worker")
                 if not welcomed:
                     welcomed = self._learn_token(frame, worker)
                 view.frames_out += 1
-                await client.send_frame([frame])
+                await _side(client.send_frame([frame]), "client")
+
+        async def until_one_ends(pump, nursery: trio.Nursery) -> None:
+            try:
+                await pump()
+            except _SideClosed as exc:
+                ended.append(exc.side)
+            except (FrameTooLargeError, RemoteProtocolError) as exc:
+                await _send(client, ["fatal", str(exc)])
+            nursery.cancel_scope.cancel()
 
         async with trio.open_nursery() as nursery:
-
-            async def until_closed(pump, side: str) -> None:
-                try:
-                    await pump()
-                except SessionClosedError:
-                    if side == "worker":
-                        await self._report_loss(client, worker)
-                except (FrameTooLargeError, RemoteProtocolError) as exc:
-                    await _send(client, ["fatal", str(exc)])
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(until_closed, upstream, "client")
-            nursery.start_soon(until_closed, downstream, "worker")
+            nursery.start_soon(until_one_ends, upstream, nursery)
+            nursery.start_soon(until_one_ends, downstream, nursery)
+        if ended[:1] == ["worker"]:
+            await self._report_loss(client, worker)
 
     def _learn_token(self, frame: bytearray, worker: _Worker) -> bool:
         header, _ = decode_frame(frame)
@@ -469,14 +476,27 @@ class WorkerSupervisor:
         return True
 
     async def _report_loss(self, client: AsyncFrameChannel, worker: _Worker) -> None:
+        """The worker's end closed: if it died, say so and let the consumer hang up first.
+
+        Closing at once could reach the consumer before the ``lost`` frame is read (a
+        consumer sending a batch sees the closed channel first); so the channel stays
+        open, its frames dropped, until the consumer closes it or ``LOST_LINGER_S``.
+        """
         with trio.move_on_after(EXIT_WAIT_S):
             await worker.exited.wait()
         code = worker.process.returncode
         if code is None or code == 0:
             return  # the worker closed the session itself (bye, fatal, lease term)
-        blame = "caused by this session" if code == EXIT_POISONED else "a host failure"
+        own = code == EXIT_POISONED
+        blame = "caused by this session" if own else "a host failure"
         why = f"the worker process running it {worker.describe_exit()} ({blame})"
-        await _send(client, ["lost", why])
+        await _send(client, ["lost", why, "session" if own else "host"])
+        with trio.move_on_after(LOST_LINGER_S):
+            try:
+                while True:
+                    await client.receive_frame()
+            except (SessionClosedError, FrameTooLargeError):
+                pass
 
     async def serve_tcp(
         self,
@@ -508,6 +528,22 @@ def _worker_environment() -> dict[str, str]:
     already serialise the tenants' compute, so a worker keeps every core for its batches.
     """
     return {"OMP_WAIT_POLICY": "PASSIVE"} | dict(os.environ)
+
+
+class _SideClosed(Exception):
+    """One side of a relayed session (``"client"`` or ``"worker"``) closed or broke."""
+
+    def __init__(self, side: str) -> None:
+        super().__init__(side)
+        self.side = side
+
+
+async def _side(operation, side: str):
+    """Await one relay step, naming the side whose connection ended if it did."""
+    try:
+        return await operation
+    except SessionClosedError as exc:
+        raise _SideClosed(side) from exc
 
 
 class _Unavailable(Exception):

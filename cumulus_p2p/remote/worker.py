@@ -162,11 +162,14 @@ class Worker:
     def __init__(self, link: WorkerLink, spec: WorkerSpec) -> None:
         self.link = link
         self.turns = SupervisorTurns(link)
-        self.executor = Executor(
-            spec.executor_config(), scheduler=self.turns, welcome_extra={"worker_pid": os.getpid()}
-        )
         self.served = 0
         self.poisoned = False
+        self.executor = Executor(
+            spec.executor_config(),
+            scheduler=self.turns,
+            welcome_extra={"worker_pid": os.getpid()},
+            context_lost=self._context_lost,
+        )
 
     async def run(self) -> int:
         """Serve until done; return the process's exit status."""
@@ -208,9 +211,15 @@ class Worker:
         rank = tuple(options.get("rank") or (0, 0))
         try:
             await self.executor.run_session(channel, quota_bytes=quota, rank=rank, until=until)
+        except Exception:  # closing a session on a broken context can fail too
+            log.exception("worker %d: the session's task failed", os.getpid())
         finally:
             self.served += 1
-            self.poisoned = self.poisoned or _context_poisoned(self.executor.ctx.device)
+            self._context_lost()
+
+    def _context_lost(self) -> bool:
+        self.poisoned = self.poisoned or _context_poisoned(self.executor.ctx.device)
+        return self.poisoned
 
     async def _exit_when_done(self, scope: trio.CancelScope) -> None:
         while not (self.served and (self.executor.idle or self.poisoned)):

@@ -1,0 +1,166 @@
+"""The supervisor–worker link and device turns across worker processes.
+
+The link is a real socket pair; the supervisor's side of the turn rules is driven with
+workers that are link ends in this process (what a worker process would send, sent).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from types import SimpleNamespace
+
+import pytest
+import trio
+
+from cumulus_p2p.remote.executor import ExecutorConfig
+from cumulus_p2p.remote.scheduler import lease_rank
+from cumulus_p2p.remote.supervisor import SupervisorConfig, WorkerSupervisor, _Worker
+from cumulus_p2p.remote.worker import SupervisorTurns
+from cumulus_p2p.remote.workerlink import LinkClosedError, WorkerLink
+
+ON_DEMAND = lease_rank(True, 900)
+INTERRUPTIBLE = lease_rank(False, 100)
+
+
+def link_pair() -> tuple[WorkerLink, WorkerLink]:
+    ours, theirs = WorkerLink.pair()
+    return ours, WorkerLink(theirs)
+
+
+async def nothing_arrives(link: WorkerLink) -> bool:
+    with trio.move_on_after(0.1):
+        await link.receive()
+        return False
+    return True
+
+
+# --- the link ----------------------------------------------------------------------------
+
+
+async def test_a_message_arrives_whole_with_the_socket_it_carries():
+    a, b = link_pair()
+    left, right = socket.socketpair()
+    await a.send(["session", {"quota": 5}], left.fileno())
+    message, fd = await b.receive()
+    assert message == ["session", {"quota": 5}]
+    os.write(fd, b"hi")
+    assert right.recv(2) == b"hi"
+    os.close(fd)
+
+
+async def test_a_closed_link_is_reported_as_closed():
+    a, b = link_pair()
+    a.close()
+    with pytest.raises(LinkClosedError, match="closed"):
+        await b.receive()
+
+
+@pytest.mark.parametrize("packet", [b"\xc1", b"\x92\x01", b"\x91\x01", b"\x90"])
+async def test_a_packet_that_is_not_a_named_message_is_refused(packet):
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    link = WorkerLink(ours)
+    theirs.send(packet)
+    with pytest.raises(LinkClosedError, match="malformed"):
+        await link.receive()
+
+
+# --- the worker's side: turns kept until asked for ------------------------------------------
+
+
+async def test_a_granted_turn_is_kept_across_batches_without_a_message():
+    supervisor, worker = link_pair()
+    turns = SupervisorTurns(worker)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(turns.acquire, ON_DEMAND)
+        assert (await supervisor.receive())[0] == ["acquire", 1]
+        turns.granted(1)
+    turns.release()
+    await turns.acquire(ON_DEMAND)
+    turns.release()
+    assert await nothing_arrives(supervisor)
+
+
+async def test_a_yield_asked_during_a_batch_hands_the_turn_back_when_it_ends():
+    supervisor, worker = link_pair()
+    turns = SupervisorTurns(worker)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(turns.acquire, ON_DEMAND)
+        await supervisor.receive()
+        turns.granted(1)
+    turns.yield_asked()
+    assert await nothing_arrives(supervisor)
+    turns.release()
+    assert (await supervisor.receive())[0] == ["release"]
+
+
+async def test_a_yield_asked_between_batches_hands_the_turn_back_at_once():
+    supervisor, worker = link_pair()
+    turns = SupervisorTurns(worker)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(turns.acquire, ON_DEMAND)
+        await supervisor.receive()
+        turns.granted(1)
+    turns.release()
+    turns.yield_asked()
+    assert (await supervisor.receive())[0] == ["release"]
+
+
+async def test_an_acquire_cancelled_while_waiting_tells_the_supervisor():
+    supervisor, worker = link_pair()
+    turns = SupervisorTurns(worker)
+    with trio.move_on_after(0.1):
+        await turns.acquire(ON_DEMAND)
+    assert (await supervisor.receive())[0] == ["acquire", 1]
+    assert (await supervisor.receive())[0] == ["cancel", 1]
+
+
+# --- the supervisor's side: turns across workers, in lease rank -----------------------------
+
+
+def supervisor_with(*ranks: tuple) -> tuple[WorkerSupervisor, list[_Worker], list[WorkerLink]]:
+    sup = WorkerSupervisor(SupervisorConfig(ExecutorConfig(device="cpu")))
+    workers, far_ends = [], []
+    for pid, rank in enumerate(ranks, start=100):
+        near, far = link_pair()
+        worker = _Worker(SimpleNamespace(pid=pid), near, 0.0, rank=rank)
+        sup._workers[pid] = worker
+        workers.append(worker)
+        far_ends.append(far)
+    return sup, workers, far_ends
+
+
+async def test_turns_pass_to_the_best_ranked_waiting_worker():
+    sup, (holder, cheap, dear), (to_holder, to_cheap, to_dear) = supervisor_with(
+        ON_DEMAND, INTERRUPTIBLE, ON_DEMAND
+    )
+    sup._on_message(holder, ["acquire", 1])
+    assert (await to_holder.receive())[0] == ["grant", 1]
+    sup._on_message(cheap, ["acquire", 1])
+    assert (await to_holder.receive())[0] == ["yield"]
+    sup._on_message(dear, ["acquire", 1])
+    sup._on_message(holder, ["release"])
+    assert (await to_dear.receive())[0] == ["grant", 1]
+    assert (await to_dear.receive())[0] == ["yield"]  # the cheap one still waits
+    sup._on_message(dear, ["release"])
+    assert (await to_cheap.receive())[0] == ["grant", 1]
+    assert await nothing_arrives(to_cheap)  # nobody waits: it keeps the turn
+
+
+async def test_a_dead_holders_turn_passes_on():
+    sup, (holder, other), (_, to_other) = supervisor_with(ON_DEMAND, ON_DEMAND)
+    sup._on_message(holder, ["acquire", 1])
+    sup._on_message(other, ["acquire", 1])
+    holder.process.returncode = 0
+    sup._nursery = SimpleNamespace(start_soon=lambda *a: None)
+    sup._forget(holder)
+    assert (await to_other.receive())[0] == ["grant", 1]
+
+
+@pytest.mark.parametrize(
+    "message", [["acquire", "1"], ["acquire"], ["cancel", None], ["release", 1], ["launch", 1]]
+)
+def test_a_worker_breaking_the_link_protocol_is_cut_off(message):
+    sup, (worker,), _ = supervisor_with(ON_DEMAND)
+    with pytest.raises(LinkClosedError):
+        sup._on_message(worker, message)
