@@ -7,10 +7,12 @@ workers that are link ends in this process (what a worker process would send, se
 from __future__ import annotations
 
 import os
+import signal
 import socket
 from types import SimpleNamespace
 
 import pytest
+import torch
 import trio
 
 from cumulus_p2p.remote.executor import ExecutorConfig
@@ -164,3 +166,42 @@ def test_a_worker_breaking_the_link_protocol_is_cut_off(message):
     sup, (worker,), _ = supervisor_with(ON_DEMAND)
     with pytest.raises(LinkClosedError):
         sup._on_message(worker, message)
+
+
+# --- the device check after a worker fails -------------------------------------------------
+
+
+async def wait_until(predicate, timeout: float = 60.0) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.05)
+
+
+async def kill_a_pooled_worker(sup: WorkerSupervisor) -> None:
+    await wait_until(lambda: sup.ready_workers >= 1)
+    os.kill(sup._idle[0].pid, signal.SIGKILL)
+
+
+async def test_a_killed_worker_gets_the_device_checked_and_the_pool_refilled():
+    sup = WorkerSupervisor(SupervisorConfig(ExecutorConfig(device="cpu"), pool=1))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.run)
+        await kill_a_pooled_worker(sup)
+        await wait_until(lambda: not sup.health.healthy)
+        assert "checking the device after worker" in sup.health.reason
+        assert "killed by SIGKILL" in sup.health.reason
+        await wait_until(lambda: sup.health.healthy and sup.ready_workers == 1)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_device_that_fails_its_check_is_reported_and_gets_no_new_worker():
+    sup = WorkerSupervisor(SupervisorConfig(ExecutorConfig(device="cpu"), pool=1))
+    sup.device = torch.device("meta")  # stands in for a broken GPU: its check cannot pass
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.run)
+        await kill_a_pooled_worker(sup)
+        await wait_until(lambda: "failed its check" in sup.health.reason)
+        assert not sup.health.healthy
+        await trio.sleep(0.5)
+        assert sup.workers == 0
+        nursery.cancel_scope.cancel()
