@@ -170,6 +170,8 @@ def test_a_worker_cannot_read_the_node_key_and_does_not_hold_it(tmp_path):
             secrets = [bytes.fromhex(seed_hex), seed_hex.encode()]
             assert torch.ones(2, device="cumulus").sum().item() == 2
             assert not _memory_holds(pid, secrets)
+            assert _open_files(pid, under=data_dir) == []
+            assert _sockets_other_than_unix(pid) == []
 
 
 def test_bad_isolation_flags_are_refused_with_a_clear_error():
@@ -190,6 +192,21 @@ def _process_start_time(pid: int) -> float:
     with open("/proc/stat") as boot:
         btime = int(re.search(r"^btime (\d+)$", boot.read(), re.M).group(1))
     return btime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _open_files(pid: int, *, under: Path) -> list[str]:
+    """Files ``pid`` holds open below the directory ``under``."""
+    targets = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+    return [t for t in targets if t.startswith(str(under))]
+
+
+def _sockets_other_than_unix(pid: int) -> list[str]:
+    """``pid``'s open sockets that are not Unix sockets (TCP listeners, peers' streams)."""
+    with open("/proc/net/unix") as table:
+        unix = {line.split()[6] for line in table.readlines()[1:]}
+    targets = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+    sockets = [t[len("socket:[") : -1] for t in targets if t.startswith("socket:[")]
+    return [inode for inode in sockets if inode not in unix]
 
 
 def _memory_holds(pid: int, needles: list[bytes]) -> bool:

@@ -125,7 +125,7 @@ def supervisor_with(*ranks: tuple) -> tuple[WorkerSupervisor, list[_Worker], lis
     workers, far_ends = [], []
     for pid, rank in enumerate(ranks, start=100):
         near, far = link_pair()
-        worker = _Worker(SimpleNamespace(pid=pid), near, 0.0, rank=rank)
+        worker = _Worker(SimpleNamespace(pid=pid), near, rank=rank)
         sup._workers[pid] = worker
         workers.append(worker)
         far_ends.append(far)
@@ -205,3 +205,17 @@ async def test_a_device_that_fails_its_check_is_reported_and_gets_no_new_worker(
         await trio.sleep(0.5)
         assert sup.workers == 0
         nursery.cancel_scope.cancel()
+
+
+async def test_a_yield_right_behind_the_grant_waits_for_the_granted_batch():
+    supervisor, worker = link_pair()
+    turns = SupervisorTurns(worker)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(turns.acquire, ON_DEMAND)
+        await supervisor.receive()
+        turns.granted(1)
+        turns.yield_asked()  # others wait: the supervisor asks for it back at once
+    assert await nothing_arrives(supervisor)  # the granted batch runs first
+    turns.release()
+    with trio.fail_after(5):  # a lost yield would keep the turn forever
+        assert (await supervisor.receive())[0] == ["release"]

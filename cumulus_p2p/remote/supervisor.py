@@ -43,7 +43,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,7 +94,6 @@ class _Worker:
 
     process: subprocess.Popen
     link: WorkerLink
-    started: float
     rank: tuple = DEFAULT_RANK
     ready: trio.Event = field(default_factory=trio.Event)
     exited: trio.Event = field(default_factory=trio.Event)
@@ -124,7 +122,6 @@ class SessionView:
     """A relayed session as status shows it."""
 
     worker_pid: int
-    started: float
     frames_in: int = 0
     frames_out: int = 0
 
@@ -193,7 +190,12 @@ class WorkerSupervisor:
         while True:
             unassigned = sum(1 for w in self._workers.values() if not w.assigned)
             if self.health.healthy and unassigned < max(self.config.pool, self._takers):
-                self._start_worker()
+                try:
+                    self._start_worker()
+                except OSError as exc:
+                    why = f"a worker could not be started ({exc}); retrying in {RECHECK_S:.0f} s"
+                    self._set_health(DeviceHealth(False, why))
+                    await self._retry_later()
             else:
                 await self._pool_wanted.wait()
 
@@ -206,7 +208,7 @@ class WorkerSupervisor:
             )  # fmt: skip
         finally:
             theirs.close()
-        worker = _Worker(process, link, time.monotonic())
+        worker = _Worker(process, link)
         self._workers[worker.pid] = worker
         self._nursery.start_soon(self._run_worker, worker)
 
@@ -319,21 +321,24 @@ class WorkerSupervisor:
         code = worker.process.returncode
         if not worker.ready.is_set():
             why = f"a worker failed to start (it {worker.describe_exit()})"
-            self._nursery.start_soon(self._wait_and_retry, why)
+            self._set_health(DeviceHealth(False, f"{why}; retrying in {RECHECK_S:.0f} s"))
+            self._nursery.start_soon(self._retry_later)
         elif code not in (0, EXIT_POISONED) and not self._checking:
             why = f"worker {worker.pid} failed (it {worker.describe_exit()})"
             log.warning("%s; checking the device", why)
+            # Unhealthy from now, not from when the check task first runs: the pool
+            # keeper must not start a worker on a device that may be broken.
+            self._checking = True
+            self._set_health(DeviceHealth(False, f"checking the device after {why}"))
             self._nursery.start_soon(self._check_device, why)
         _wake(self, "_pool_wanted")
 
-    async def _wait_and_retry(self, why: str) -> None:
-        self._set_health(DeviceHealth(False, f"{why}; retrying in {RECHECK_S:.0f} s"))
+    async def _retry_later(self) -> None:
         await trio.sleep(RECHECK_S)
         self._set_health(DeviceHealth())
 
     async def _check_device(self, why: str) -> None:
         """Run the health check in a fresh process until the device passes it."""
-        self._checking = True
         try:
             while True:
                 self._set_health(DeviceHealth(False, f"checking the device after {why}"))
@@ -393,7 +398,7 @@ class WorkerSupervisor:
             trio.SocketStream(trio.socket.from_stdlib_socket(ours)), max_frame=channel.max_frame
         )
         session_id = next(self._ids)
-        self.sessions[session_id] = SessionView(worker.pid, time.time())
+        self.sessions[session_id] = SessionView(worker.pid)
         try:
             await inner.send_frame([first])
             await self._relay(channel, inner, worker, self.sessions[session_id])

@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 
 #: Exit status of a worker whose session poisoned its device context (not the host's fault).
 EXIT_POISONED = 3
+#: Room above the session quota for the CUDA allocator's cache, in its own cap.
+ALLOCATOR_HEADROOM = 256 * 1024**2
 #: How often an idle worker checks whether its parked session has expired.
 IDLE_CHECK_S = 0.25
 _PR_SET_PDEATHSIG = 1
@@ -110,13 +112,13 @@ class SupervisorTurns:
         supervisor ranks a worker by its session's lease, not by what the worker claims."""
         await self._local.acquire(rank)
         try:
-            if not self._holding:
-                await self._ask()
-                self._holding = True
+            if self._holding:
+                self._busy = True
+            else:
+                await self._ask()  # granted() marks the turn held and in use
         except BaseException:
             self._local.release()
             raise
-        self._busy = True
 
     async def _ask(self) -> None:
         self._next += 1
@@ -132,9 +134,14 @@ class SupervisorTurns:
             raise
 
     def granted(self, number: int) -> None:
-        """The supervisor's grant for turn ``number`` arrived."""
+        """The supervisor's grant for turn ``number`` arrived.
+
+        The turn is held and in use from this moment: a ``yield`` read right behind the
+        grant, before the waiting batch has even resumed, must wait for that batch.
+        """
         event = self._waiting.pop(number, None)
         if event is not None:
+            self._holding = self._busy = True
             event.set()
 
     def yield_asked(self) -> None:
@@ -228,11 +235,17 @@ class Worker:
 
 
 def _cap_device_memory(device: torch.device, quota: int) -> None:
-    """The CUDA allocator's own cap, beside the session quota: a second wall."""
+    """The CUDA allocator's own cap: a second wall a little above the session quota.
+
+    The quota counts the session's tensors and fails with a clear error naming the op;
+    the allocator also holds cached and fragmented blocks, so its cap leaves room for
+    them and only stops what the quota's accounting would miss.
+    """
     if device.type != "cuda":
         return
     total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, quota / total), device)
+    cap = quota + max(quota // 8, ALLOCATOR_HEADROOM)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
 
 
 def _context_poisoned(device: torch.device) -> bool:
