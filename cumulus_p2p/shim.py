@@ -17,6 +17,9 @@ Exit status: the script's own (an uncaught exception prints its traceback and ex
 in plain Python; SIGTERM exits 143); 2 when the shim cannot start the script: a bad command
 line, no session described in the environment, or an executor that cannot be reached.
 
+Under ``cumulus-node --consume`` the script lives and dies with its node: when the node
+is gone (killed, crashed), the shim stops the script (``_stop_when_node_is_gone``).
+
 Environment:
     CUMULUS_CONTROL, CUMULUS_CONTROL_TOKEN: set by ``cumulus-node --consume``: the node's
         control channel, which hands over the leased session and finds a new host on
@@ -27,11 +30,13 @@ Environment:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import runpy
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 
 from . import remote
@@ -43,6 +48,9 @@ from .remote.client import RemoteSession
 #: ``host:port`` of a plain-TCP executor.
 ENV_EXECUTOR = "CUMULUS_EXECUTOR"
 EXIT_CANNOT_START = 2
+#: Seconds a script whose node is gone has to end after SIGTERM.
+STOP_GRACE_S = 10.0
+_PR_SET_PDEATHSIG = 1
 USAGE = (
     "usage: python -m cumulus_p2p.shim [--no-cuda-compat] script.py [args...]\n"
     "       python -m cumulus_p2p.shim [--no-cuda-compat] -m package.module [args...]"
@@ -186,6 +194,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not module and not os.path.isfile(target):
         print(f"cumulus shim: can't open file {target!r}", file=sys.stderr)
         return EXIT_CANNOT_START
+    if not _stop_when_node_is_gone(os.environ):
+        print("cumulus shim: the cumulus-node that started this script is gone", file=sys.stderr)
+        return EXIT_CANNOT_START
     try:
         session = connect(os.environ)
     except SessionClosedError as exc:
@@ -194,6 +205,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     with _sigterm_exits():
         _run_attached(session, target, args, module=module, cuda_compat=cuda_compat)
     return 0
+
+
+def _stop_when_node_is_gone(environ: Mapping[str, str]) -> bool:
+    """Under ``cumulus-node --consume``, stop this process when the node goes.
+
+    A script must not train on a provider with no node left to countersign for it. A
+    thread watches the node's control channel; when it closes, the script gets SIGTERM
+    (``SystemExit`` through ``_sigterm_exits``) and ``STOP_GRACE_S`` to end before the
+    process exits. The kernel's parent-death signal is the backstop (Linux).
+
+    Returns:
+        False if the node is already gone (this process outlived it before it could
+        watch); True otherwise, also when no node started this process.
+    """
+    address, token = environ.get(control.ENV_ADDRESS), environ.get(control.ENV_TOKEN)
+    if not (address and token):
+        return True
+    node_pid = environ.get(control.ENV_NODE_PID)
+    if sys.platform.startswith("linux") and node_pid:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != int(node_pid):
+            return False
+    threading.Thread(target=_watch_node, args=(address, token), daemon=True).start()
+    return True
+
+
+def _watch_node(address: str, token: str) -> None:
+    how = control.wait_until_node_is_gone(address, token)
+    print(f"cumulus shim: the cumulus-node running this script is gone: {how}; stopping the "
+          "script", file=sys.stderr, flush=True)  # fmt: skip
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(STOP_GRACE_S)
+    os._exit(128 + signal.SIGTERM)  # the script ignored SIGTERM
 
 
 @contextlib.contextmanager

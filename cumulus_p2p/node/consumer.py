@@ -11,7 +11,9 @@ One trio program composes:
 - the control channel the shim in the script's process asks for its session, and for a
   new host when the current one vanished (``failover``): the vanished host gets a signed
   ``LeaseFailure`` report gossiped against it and is not matched again;
-- the script itself, a child process run under ``python -m cumulus_p2p.shim``.
+- the script itself, a child process run under ``python -m cumulus_p2p.shim`` that
+  lives and dies with this node (``script.py``): a SIGTERM or Ctrl-C stops it first,
+  and the leases are settled before the node exits with the script's status.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ..reputation.evidence import MAX_RECEIPTS
 from . import control
 from .datadir import DataDir
 from .runtime import Runtime, open_runtime, peer_of
+from .script import run_script
 from .session_proxy import SessionDoors
 
 log = logging.getLogger("cumulus_p2p.node.consumer")
@@ -359,8 +362,7 @@ async def run_consumer(
                 control.serve_control, token, consumer.current_ticket, consumer.failover
             )
             env = _child_env(data, address, token, options)
-            finished = await trio.run_process(argv, check=False, env=env)
-            consumer.exit_code = finished.returncode
+            consumer.exit_code = await run_script(argv, env)
             consumer.status = "settling"
             await _settle_leases(consumer)
             await consumer.withdraw_bid()
@@ -383,6 +385,7 @@ def _child_env(data: DataDir, address: str, token: str, options: ConsumerOptions
     env = dict(os.environ)
     env[control.ENV_ADDRESS] = address
     env[control.ENV_TOKEN] = token
+    env[control.ENV_NODE_PID] = str(os.getpid())
     env["CUMULUS_DATA_DIR"] = str(data.path)
     env["CUMULUS_CHECKPOINT_INTERVAL"] = str(options.checkpoint_interval)
     return env

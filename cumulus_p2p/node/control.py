@@ -10,6 +10,9 @@ Requests, from the shim::
 
     ["session", token]            -> the lease to use now
     ["failover", token, reason]   -> the host is gone: a lease with another host
+    ["watch", token]              -> never answered: the connection stays open while
+                                     the node lives (the shim stops the script when it
+                                     closes; ``wait_until_node_is_gone``)
 
 Answers: ``["ok", {"endpoint": "host:port", "provider_key": bytes, "lease": bytes,
 "host": peer_id}]`` or ``["error", message]``.
@@ -31,6 +34,8 @@ from ..remote.transport import SocketFrameChannel, TrioFrameChannel
 
 ENV_ADDRESS = "CUMULUS_CONTROL"
 ENV_TOKEN = "CUMULUS_CONTROL_TOKEN"
+#: The node's pid, so the script can tell it outlived its node before it could watch.
+ENV_NODE_PID = "CUMULUS_NODE_PID"
 MAX_FRAME = 64 * 1024
 
 
@@ -106,6 +111,8 @@ async def serve_control(
         try:
             while True:
                 request = msgpack.unpackb(await channel.receive_frame(), raw=False)
+                if request == ["watch", token]:
+                    await trio.sleep_forever()  # closed when this node's process ends
                 answer = await _answer(request, token, session, failover)
                 await channel.send_frame([msgpack.packb(answer)])
         except (CumulusError, trio.BrokenResourceError, ValueError, msgpack.UnpackException):
@@ -133,6 +140,22 @@ async def _answer(
     except CumulusError as exc:
         return ["error", str(exc)]
     return ["error", f"unknown control request {request[0]!r}"]
+
+
+def wait_until_node_is_gone(address: str, token: str) -> str:
+    """Block until the node serving ``address`` is gone; return how that showed.
+
+    Meant for a daemon thread in the script's process: the node holds this connection
+    open for as long as it runs, and the kernel closes it when the node dies, however.
+    """
+    host, _, port = address.rpartition(":")
+    try:
+        channel = SocketFrameChannel.connect(host, int(port), max_frame=MAX_FRAME)
+        channel.send_frame([msgpack.packb(["watch", token])])
+        channel.recv_frame()
+    except (OSError, CumulusError) as exc:
+        return f"its control channel closed ({exc})"
+    return "it answered a watch, which it never does"
 
 
 class ControlClient:

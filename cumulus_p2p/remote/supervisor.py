@@ -525,19 +525,15 @@ class WorkerSupervisor:
 
 
 def _worker_environment() -> dict[str, str]:
-    """This process's environment, with torch's intra-op threads fitted to the machine.
+    """This process's environment, with OpenMP's idle threads sleeping instead of spinning.
 
-    A worker shares the cores with the supervisor relaying its frames. With every core
-    in one worker's OpenMP pool, its threads spinning after each op starved the relay:
-    small CPU steps on a 2-core machine took twice as long (step_bench, mlp_tiny: 8.7 ms
-    against 3.0). Half the cores (at least one), idle threads asleep, measured within a
-    few percent of an in-process executor there (``isolation_bench``). Turns serialise
-    the tenants' compute, so a worker's threads rarely share cores with another's. On a
-    GPU host these threads only do bookkeeping. A variable the user set wins.
+    A worker shares the machine's cores with the supervisor relaying its frames. With
+    OpenMP's default spin-wait after each parallel op, the worker's threads starved the
+    relay: small CPU steps on a 2-core machine took twice as long (step_bench, mlp_tiny:
+    8.7 ms against 3.0). Fewer threads would avoid that too, but a CPU worker then no
+    longer computes bit for bit what a local CPU run does. A variable the user set wins.
     """
-    threads = max(1, (os.cpu_count() or 2) // 2)
-    fitted = {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"}
-    return fitted | dict(os.environ)
+    return {"OMP_WAIT_POLICY": "PASSIVE"} | dict(os.environ)
 
 
 class _SideClosed(Exception):

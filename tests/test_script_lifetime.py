@@ -1,0 +1,125 @@
+"""The script under the shim lives and dies with its consumer node (issue 16).
+
+Real ``cumulus-node`` processes on loopback: a bootstrap node, one provider and a
+consumer running a long training script; the consumer node is then stopped the way
+systemd, ``kill`` or a crash would stop it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cumulus_p2p.market.ledger import Ledger
+from cumulus_p2p.node import control
+from cumulus_p2p.testing.nodes import LOOPBACK_LISTEN, start_consumer, start_node, start_provider
+
+LONG_JOB = ["-m", "cumulus_p2p.demo_train", "--steps", "100000", "--log-every", "5"]
+
+
+@pytest.fixture
+def mesh(tmp_path):
+    boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
+    provider = start_provider(tmp_path / "provider", boot.addr)
+    try:
+        provider.wait_for("providing")
+        yield tmp_path, boot, provider
+    finally:
+        for node in (provider, boot):
+            node.stop()
+
+
+def children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as listing:
+        return [int(p) for p in listing.read().split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive(pid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def receipt_ids(data_dir: Path) -> set[str]:
+    with Ledger.open(data_dir) as ledger:
+        return {e.receipt_id for e in ledger.entries()}
+
+
+def lease_states(node) -> list[str]:
+    state = json.loads((node.data_dir / "state.json").read_text())
+    return [lease["state"] for lease in state["leases"]]
+
+
+def wait_for_leases_ended(node, timeout: float = 60.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            states = lease_states(node)
+            if states and set(states) == {"ended"}:
+                return states
+        except (OSError, ValueError):
+            pass  # written as we read it
+        time.sleep(0.2)
+    return lease_states(node)
+
+
+def start_long_job(tmp_path: Path, boot):
+    consumer = start_consumer(tmp_path / "consumer", boot.addr, command=LONG_JOB)
+    consumer.wait_for("step   10", timeout=120)
+    (script,) = children(consumer.proc.pid)
+    return consumer, script
+
+
+def test_a_consumer_node_stopped_with_sigterm_stops_its_script_and_settles(mesh):
+    tmp_path, boot, provider = mesh
+    consumer, script = start_long_job(tmp_path, boot)
+    consumer.proc.send_signal(signal.SIGTERM)
+    assert consumer.proc.wait(timeout=60) == 128 + signal.SIGTERM, consumer.output()
+    assert not alive(script)
+    assert "stopping the script" in consumer.output()
+    assert wait_for_leases_ended(provider) == ["ended"]
+    held = receipt_ids(tmp_path / "consumer")
+    assert held and held == receipt_ids(provider.data_dir)
+
+
+def test_a_consumer_node_killed_with_sigkill_takes_its_script_down(mesh):
+    tmp_path, boot, provider = mesh
+    consumer, script = start_long_job(tmp_path, boot)
+    consumer.proc.kill()
+    consumer.proc.wait()
+    assert wait_gone(script, timeout=15), "the script outlived its node"
+    assert wait_for_leases_ended(provider) == ["ended"]
+
+
+def test_a_shim_whose_node_is_already_gone_does_not_start_the_script(tmp_path):
+    script = tmp_path / "never.py"
+    script.write_text("open('ran', 'w').write('yes')\n")
+    env = dict(os.environ)
+    env[control.ENV_ADDRESS] = "127.0.0.1:9"
+    env[control.ENV_TOKEN] = "0" * 32
+    env[control.ENV_NODE_PID] = "1"  # not this process's parent: the node is gone
+    done = subprocess.run(
+        [sys.executable, "-m", "cumulus_p2p.shim", str(script)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "the cumulus-node that started this script is gone" in done.stderr
+    assert not (tmp_path / "ran").exists()
