@@ -17,7 +17,12 @@ import trio
 
 from cumulus_p2p.remote.executor import ExecutorConfig
 from cumulus_p2p.remote.scheduler import lease_rank
-from cumulus_p2p.remote.supervisor import SupervisorConfig, WorkerSupervisor, _Worker
+from cumulus_p2p.remote.supervisor import (
+    MAX_WAITING_TURNS,
+    SupervisorConfig,
+    WorkerSupervisor,
+    _Worker,
+)
 from cumulus_p2p.remote.worker import SupervisorTurns
 from cumulus_p2p.remote.workerlink import LinkClosedError, WorkerLink
 
@@ -219,3 +224,12 @@ async def test_a_yield_right_behind_the_grant_waits_for_the_granted_batch():
     turns.release()
     with trio.fail_after(5):  # a lost yield would keep the turn forever
         assert (await supervisor.receive())[0] == ["release"]
+
+
+def test_a_worker_asking_for_turns_without_end_is_cut_off():
+    sup, (holder, greedy), _ = supervisor_with(ON_DEMAND, ON_DEMAND)
+    sup._on_message(holder, ["acquire", 1])
+    for number in range(1, MAX_WAITING_TURNS + 1):
+        sup._on_message(greedy, ["acquire", number])
+    with pytest.raises(LinkClosedError, match="more turns"):
+        sup._on_message(greedy, ["acquire", MAX_WAITING_TURNS + 1])

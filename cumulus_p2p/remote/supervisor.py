@@ -68,6 +68,8 @@ START_TIMEOUT_S = 120.0
 EXIT_WAIT_S = 0.5
 #: How long a consumer told its session was lost has to hang up before it is hung up on.
 LOST_LINGER_S = 10.0
+#: Turns one worker may wait for at once (a session and a resume taking it over need 2).
+MAX_WAITING_TURNS = 4
 #: How often an unhealthy device is checked again.
 RECHECK_S = 30.0
 
@@ -256,6 +258,8 @@ class WorkerSupervisor:
             raise LinkClosedError(f"it sent a malformed {kind!r} message")
         ticket = (worker.pid, number)
         if kind == "acquire":
+            if len(worker.waiting) >= MAX_WAITING_TURNS:
+                raise LinkClosedError("it asked for more turns at once than it has sessions")
             if self.queue.request(ticket, worker.rank):
                 self._grant(ticket)
             else:
