@@ -31,7 +31,7 @@ from rich.live import Live
 from ._errors import CumulusError, NodeConfigError, NoMatchError
 from .dht import MeshConfig
 from .market import PriorityClass
-from .node import hardware, views
+from .node import hardware, logs, views
 from .node.datadir import DataDir, default_data_dir
 from .remote.executor_main import parse_size
 
@@ -392,6 +392,7 @@ def run_node(args, command: list[str], console: Console) -> int:
     data.identity()  # a corrupt key file stops us here, before anything starts
     mesh_config = _mesh_config(args, data)
     with data.locked(), _plain_errors():
+        logs.configure(data.path, verbose=args.verbose)
         if args.provide:
             return trio.run(_provide, args, data, mesh_config, console)
         if args.consume:

@@ -9,6 +9,7 @@ ledger holding exactly the receipts the provider holds.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -189,3 +190,24 @@ def test_a_provider_behind_nat_is_leased_and_used_through_a_relay(tmp_path):
         listen="none",
     )
     run_one_epoch_through_libp2p(tmp_path, boot, provider)
+
+
+#: py-libp2p's warnings about streams between other peers, which used to fill consoles.
+LIBP2P_NOISE = ("Failed to read DHT message", "Failed to open stream to", "Error sending ADD_")
+LOG_LINE = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) (\S+): ")
+
+
+def third_party_lines(output: str) -> list[str]:
+    """Console lines that came from a logger other than Cumulus's own."""
+    lines = output.splitlines()
+    formatted = [x for x in lines if (m := LOG_LINE.match(x)) and not m[2].startswith("cumulus")]
+    return formatted + [x for x in lines if x.startswith(LIBP2P_NOISE)]
+
+
+def test_consoles_show_no_third_party_log_lines_and_the_node_log_keeps_them(mesh):
+    root, boot, providers = mesh
+    consumer = start_consumer(root / "quiet", boot.addr, command=[str(SCRIPT), "1"])
+    assert consumer.proc.wait(timeout=240) == 0, consumer.output()
+    for node in (consumer, boot, *providers.values()):
+        assert third_party_lines(node.output()) == [], node.data_dir
+        assert (node.data_dir / "node.log").stat().st_size > 0

@@ -1,0 +1,57 @@
+"""Where a running node's log records go: its own warnings to the console, all to a file.
+
+A user reads the console of ``cumulus-node --consume`` as the script's output plus
+Cumulus's own short lines. py-libp2p's warnings about streams that failed between other
+peers (``Failed to read DHT message from stream``, by the dozen) are a log file's
+business, not theirs: they go to ``<data dir>/node.log`` (rotated), with everything
+else. ``-v`` brings them back to the console and records debug detail in the file.
+
+py-libp2p's ``libp2p`` logger does not propagate to the root logger (its own logging
+setup turns that off) and has no handler unless ``LIBP2P_DEBUG`` is set, so Python's
+last-resort handler printed its warnings bare on stderr; it gets the file handler here.
+"""
+
+from __future__ import annotations
+
+import logging
+from logging.handlers import RotatingFileHandler
+from pathlib import Path
+
+LOG_FILE = "node.log"
+#: Size at which the log file is rotated, and how many old ones are kept.
+MAX_BYTES = 10 * 1024 * 1024
+BACKUPS = 3
+_CONSOLE_FORMAT = "%(levelname)s %(name)s: %(message)s"
+_FILE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure(data_dir: Path, *, verbose: bool) -> Path:
+    """Send this process's log records to the console and ``data_dir/node.log``.
+
+    Without ``verbose``: the console shows ``cumulus_p2p`` warnings only; the file holds
+    INFO and above from every logger (py-libp2p's DEBUG records on every stream would
+    slow the node). With it: the console shows INFO from every logger, the file DEBUG.
+
+    Returns:
+        The log file's path.
+    """
+    path = data_dir / LOG_FILE
+    to_file = RotatingFileHandler(path, maxBytes=MAX_BYTES, backupCount=BACKUPS, encoding="utf-8")
+    to_file.setFormatter(logging.Formatter(_FILE_FORMAT))
+    to_console = logging.StreamHandler()
+    to_console.setFormatter(logging.Formatter(_CONSOLE_FORMAT))
+    to_console.setLevel(logging.INFO if verbose else logging.WARNING)
+    if not verbose:
+        to_console.addFilter(logging.Filter("cumulus_p2p"))
+    root = logging.getLogger()
+    root.handlers.clear()
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    root.addHandler(to_file)
+    root.addHandler(to_console)
+    libp2p = logging.getLogger("libp2p")
+    libp2p.setLevel(logging.NOTSET)  # follow the root's level
+    libp2p.handlers.clear()
+    libp2p.addHandler(to_file)
+    if verbose:
+        libp2p.addHandler(to_console)
+    return path
