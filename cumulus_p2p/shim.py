@@ -203,7 +203,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"cumulus shim: {exc}", file=sys.stderr)
         return EXIT_CANNOT_START
     with _sigterm_exits():
-        _run_attached(session, target, args, module=module, cuda_compat=cuda_compat)
+        try:
+            _run_attached(session, target, args, module=module, cuda_compat=cuda_compat)
+        except _Terminated:
+            _exit_at_once(128 + signal.SIGTERM)
     return 0
 
 
@@ -240,9 +243,13 @@ def _watch_node(address: str, token: str) -> None:
     os._exit(128 + signal.SIGTERM)  # the script ignored SIGTERM
 
 
+class _Terminated(SystemExit):
+    """SIGTERM, as ``SystemExit(143)``: a script may catch it like any exit."""
+
+
 @contextlib.contextmanager
 def _sigterm_exits() -> Iterator[None]:
-    """Turn SIGTERM into ``SystemExit(143)`` so the session is detached, not just dropped.
+    """Turn SIGTERM into ``_Terminated`` so the session is detached, not just dropped.
 
     A script may install its own handler (say, to checkpoint before a preemption); it
     replaces this one as usual.
@@ -252,13 +259,27 @@ def _sigterm_exits() -> Iterator[None]:
         return
 
     def exit_(signum, frame):
-        raise SystemExit(128 + signum)
+        raise _Terminated(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, exit_)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_at_once(status: int) -> None:
+    """Exit without finalizing the interpreter, once the session is detached.
+
+    SIGTERM can land mid-``backward()``: autograd's device thread may still be running
+    Python for the ``cumulus`` device when the main thread exits. Finalizing then ends that
+    thread with ``pthread_exit`` through C++ frames, and the process aborted ("terminate
+    called without an active exception", status 134) about once in four runs under load.
+    Python's own default for SIGTERM skips ``atexit`` too.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":
