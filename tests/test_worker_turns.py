@@ -233,3 +233,15 @@ def test_a_worker_asking_for_turns_without_end_is_cut_off():
         sup._on_message(greedy, ["acquire", number])
     with pytest.raises(LinkClosedError, match="more turns"):
         sup._on_message(greedy, ["acquire", MAX_WAITING_TURNS + 1])
+
+
+async def test_workers_that_cannot_start_in_their_namespace_start_without_it(tmp_path):
+    gone = tmp_path / "removed-data-dir"  # mounting over it fails, as a broken setup would
+    config = SupervisorConfig(ExecutorConfig(device="cpu"), pool=1, hidden=(gone,))
+    sup = WorkerSupervisor(config)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.run)
+        await wait_until(lambda: sup.ready_workers >= 1)
+        assert not sup.sandboxed
+        assert sup.health.healthy
+        nursery.cancel_scope.cancel()

@@ -323,7 +323,16 @@ class WorkerSupervisor:
         if self.queue.holder is not None and self.queue.holder[0] == worker.pid:
             self._pass_turn()
         code = worker.process.returncode
-        if not worker.ready.is_set():
+        if not worker.ready.is_set() and self.sandboxed:
+            # The namespace may be what failed (a driver that wants the real mounts, a
+            # hidden path that is gone): serving without it beats serving nothing.
+            self.sandboxed = False
+            log.warning(
+                "a worker failed to start in its user namespace (it %s); starting workers "
+                "without hiding %s from them", worker.describe_exit(),
+                ", ".join(map(str, self.config.hidden)),
+            )  # fmt: skip
+        elif not worker.ready.is_set():
             why = f"a worker failed to start (it {worker.describe_exit()})"
             self._set_health(DeviceHealth(False, f"{why}; retrying in {RECHECK_S:.0f} s"))
             self._nursery.start_soon(self._retry_later)
