@@ -33,7 +33,7 @@ from .dht import MeshConfig
 from .market import PriorityClass
 from .node import hardware, logs, views
 from .node.datadir import DataDir, default_data_dir
-from .remote.executor_main import parse_size
+from .remote.executor_main import add_isolation_flags, parse_size
 
 EXIT_USAGE, EXIT_CONFIG, EXIT_NO_MATCH = 2, 3, 4
 VIEWS = ("status", "peers", "offers", "reputation", "ledger")
@@ -175,27 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DURATION",
         help="time between usage receipts (default 30s)",
     )
-    isolation = provide.add_mutually_exclusive_group()
-    isolation.add_argument(
-        "--worker-per-session",
-        dest="workers",
-        action="store_true",
-        default=None,
-        help="run each session in a worker process of its own (default with a GPU)",
-    )
-    isolation.add_argument(
-        "--shared-process",
-        dest="workers",
-        action="store_false",
-        help="run every session in the node's process (default on a CPU)",
-    )
-    provide.add_argument(
-        "--pool",
-        type=int,
-        default=1,
-        metavar="N",
-        help="worker processes kept started for the next lease (default 1)",
-    )
+    add_isolation_flags(provide, where="the node's process")
     provide.add_argument(
         "--bench-seconds",
         type=float,

@@ -346,16 +346,33 @@ class Executor:
         task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Accept plain TCP sessions forever; reports the bound port through ``task_status``."""
-        listeners = await trio.open_tcp_listeners(port, host=host)
-        bound = listeners[0].socket.getsockname()[1]
+        await serve_plain_tcp(
+            self.run_session, self.expire_parked_forever, max_frame=self.config.max_frame,
+            host=host, port=port, task_status=task_status,
+        )  # fmt: skip
 
-        async def handler(stream: trio.SocketStream) -> None:
-            await self.run_session(TrioFrameChannel(stream, max_frame=self.config.max_frame))
 
-        async with trio.open_nursery() as nursery:
-            await nursery.start(self.expire_parked_forever)
-            await nursery.start(trio.serve_listeners, handler, listeners)
-            task_status.started(bound)
+async def serve_plain_tcp(
+    run_session,
+    upkeep,
+    *,
+    max_frame: int,
+    host: str,
+    port: int,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Start ``upkeep`` (a ``nursery.start``-able task), then hand each plain TCP
+    connection to ``run_session`` forever; reports the bound port through ``task_status``."""
+    listeners = await trio.open_tcp_listeners(port, host=host)
+    bound = listeners[0].socket.getsockname()[1]
+
+    async def handler(stream: trio.SocketStream) -> None:
+        await run_session(TrioFrameChannel(stream, max_frame=max_frame))
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(upkeep)
+        await nursery.start(trio.serve_listeners, handler, listeners)
+        task_status.started(bound)
 
 
 class _ContextLost(Exception):

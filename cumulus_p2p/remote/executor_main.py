@@ -35,6 +35,32 @@ def parse_size(text: str) -> int:
     return int(lowered)
 
 
+def add_isolation_flags(parser, *, where: str) -> None:
+    """``--worker-per-session`` / ``--shared-process`` and ``--pool``, on ``parser`` (or
+    an argument group); ``where`` names the process shared sessions run in."""
+    isolation = parser.add_mutually_exclusive_group()
+    isolation.add_argument(
+        "--worker-per-session",
+        dest="workers",
+        action="store_true",
+        default=None,
+        help="run each session in a worker process of its own (default when CUDA is present)",
+    )
+    isolation.add_argument(
+        "--shared-process",
+        dest="workers",
+        action="store_false",
+        help=f"run every session in {where} (default on a CPU)",
+    )
+    parser.add_argument(
+        "--pool",
+        type=int,
+        default=1,
+        metavar="N",
+        help="worker processes kept started for the next session (default 1)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cumulus-executor",
@@ -48,27 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="where ops run: auto (CUDA when present, else CPU), cpu, cuda or cuda:N",
     )
-    isolation = parser.add_mutually_exclusive_group()
-    isolation.add_argument(
-        "--worker-per-session",
-        dest="workers",
-        action="store_true",
-        default=None,
-        help="run each session in a worker process of its own (default when CUDA is present)",
-    )
-    isolation.add_argument(
-        "--shared-process",
-        dest="workers",
-        action="store_false",
-        help="run every session in this process (default on a CPU)",
-    )
-    parser.add_argument(
-        "--pool",
-        type=int,
-        default=1,
-        metavar="N",
-        help="with worker processes: how many wait pre-started for a session (default 1)",
-    )
+    add_isolation_flags(parser, where="this process")
     parser.add_argument(
         "--quota",
         type=parse_size,

@@ -50,7 +50,7 @@ from pathlib import Path
 import trio
 
 from .._errors import FrameTooLargeError, RemoteProtocolError, SessionClosedError
-from .executor import ExecutorConfig, pick_device
+from .executor import ExecutorConfig, pick_device, serve_plain_tcp
 from .health import CHECK_TIMEOUT_S, DeviceHealth
 from .protocol import decode_frame, encode_frame
 from .scheduler import DEFAULT_RANK, DeviceQueue
@@ -524,17 +524,10 @@ class WorkerSupervisor:
         task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Run the pool and accept plain TCP sessions forever; reports the bound port."""
-        listeners = await trio.open_tcp_listeners(port, host=host)
-        bound = listeners[0].socket.getsockname()[1]
-
-        async def handler(stream: trio.SocketStream) -> None:
-            max_frame = self.config.executor.max_frame
-            await self.run_session(TrioFrameChannel(stream, max_frame=max_frame))
-
-        async with trio.open_nursery() as nursery:
-            await nursery.start(self.run)
-            await nursery.start(trio.serve_listeners, handler, listeners)
-            task_status.started(bound)
+        await serve_plain_tcp(
+            self.run_session, self.run, max_frame=self.config.executor.max_frame,
+            host=host, port=port, task_status=task_status,
+        )  # fmt: skip
 
 
 def _worker_environment() -> dict[str, str]:
