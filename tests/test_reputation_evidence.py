@@ -7,6 +7,7 @@ from cumulus_p2p.identity import NodeIdentity
 from cumulus_p2p.reputation import (
     EvidenceKind,
     HeartbeatObservation,
+    NonPayment,
     PerformanceObservation,
     Report,
     ServiceRecord,
@@ -29,6 +30,7 @@ def test_every_evidence_kind_survives_the_wire():
         HeartbeatObservation(peer(HOST), NOW - 60, NOW, 10, 7),
         PerformanceObservation(LEASE, HOST.public_key,
                                MINT.offer(HOST, now=NOW - 8000, perf_units=100), 80, NOW - 7000),
+        MINT.nonpayment(HOST, LEASE),
     ]
     for record in records:
         report = Report(peer(CONSUMER), peer(HOST), record, NOW, NOW + 60, MINT.nonce())
@@ -59,6 +61,29 @@ def test_measured_performance_below_the_claim_gives_the_ratio():
     offer = MINT.offer(HOST, now=NOW - 8000, perf_units=100)
     observed = PerformanceObservation(LEASE, HOST.public_key, offer, 25, NOW - 7000)
     assert observed.check(peer(CONSUMER)).ratio == 0.25
+
+
+def test_a_nonpayment_claim_is_about_the_consumer_and_weighed_by_the_host():
+    report, finding = open_report(
+        MINT.report(HOST, peer(CONSUMER), MINT.nonpayment(HOST, LEASE), now=NOW))
+    assert (finding.kind, finding.host, finding.credited) == (
+        EvidenceKind.NONPAYMENT, peer(CONSUMER), peer(HOST))
+
+
+def test_only_the_lease_host_may_claim_nonpayment():
+    with pytest.raises(InvalidEvidenceError, match="not the lease's host"):
+        MINT.nonpayment(HOST, LEASE).check(peer(CONSUMER))
+
+
+def test_a_nonpayment_claim_needs_a_receipt_the_host_signed_for_that_lease():
+    other = MINT.lease(CONSUMER, HOST, start=NOW - 7200)
+    foreign = NonPayment(LEASE, HOST.public_key, MINT.nonpayment(HOST, other).receipt)
+    with pytest.raises(InvalidEvidenceError, match="not for this lease"):
+        foreign.check(peer(HOST))
+    elsewhere = MINT.lease(CONSUMER, OTHER, start=NOW - 7200)
+    forged = NonPayment(LEASE, HOST.public_key, MINT.nonpayment(OTHER, elsewhere).receipt)
+    with pytest.raises(InvalidEvidenceError, match="not signed by the lease's host"):
+        forged.check(peer(HOST))
 
 
 def test_a_host_cannot_report_its_own_heartbeats():

@@ -79,3 +79,24 @@ def test_receipts_covering_the_whole_lease_void_a_failure_claim():
 def test_a_report_from_a_peer_without_credibility_counts_for_nothing():
     items = outcomes([service(NOW)], now=NOW, policy=POLICY)
     assert score_hosts(items, {}, policy=POLICY)["h"].evidence_weight == 0.0
+
+
+def nonpayment(unpaid_until, key=b"L1"):
+    # About the consumer "c", weighed by the host "h" that reports it.
+    return Finding(b"n" + key, EvidenceKind.NONPAYMENT, "c", "h", unpaid_until, lease_key=key,
+                   served_until=unpaid_until, lease_shares=1, lease_end=unpaid_until + 3600)
+
+
+def consumer_score(findings):
+    items = outcomes(findings, now=NOW, policy=POLICY)
+    return score_hosts(items, {"h": 1.0, "c": 1.0}, policy=POLICY, hosts=["c"])["c"]
+
+
+def test_an_unpaid_lease_lowers_its_consumers_score():
+    assert consumer_score([nonpayment(NOW)]).failures == pytest.approx(POLICY.nonpayment_weight)
+    assert consumer_score([nonpayment(NOW)]).mean < consumer_score([]).mean
+
+
+def test_a_countersigned_receipt_voids_a_nonpayment_claim():
+    paid = consumer_score([service(NOW, served=60), nonpayment(NOW)])
+    assert paid.failures == 0.0

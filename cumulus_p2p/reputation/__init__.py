@@ -34,6 +34,7 @@ from .evidence import FailureReason as FailureReason
 from .evidence import Finding as Finding
 from .evidence import HeartbeatObservation as HeartbeatObservation
 from .evidence import LeaseFailure as LeaseFailure
+from .evidence import NonPayment as NonPayment
 from .evidence import PerformanceObservation as PerformanceObservation
 from .evidence import Report as Report
 from .evidence import ServiceRecord as ServiceRecord

@@ -20,6 +20,11 @@ the host): nobody can invent a lease against a host that never accepted one.
   be proven, so it carries no volume: only the observer's credibility weighs it.
 - ``PerformanceObservation``: the lease, the host-signed offer the lease names (the
   claim) and what the consumer measured. Only the consumer may make it.
+- ``NonPayment``: the host's claim that the lease's consumer never countersigned a
+  receipt the host issued. It is about the *consumer*: a ``Finding``'s ``host`` is the
+  peer the evidence is about, which here is the consumer, and the lease's host's
+  credibility weighs it. Only the lease's host may make it. A service record holding
+  that receipt countersigned voids the claim (the scorer checks).
 
 A ``Report`` wraps one record, names the reporter and the host, and travels in an
 ``Envelope`` of kind ``REPORT_KIND`` signed by the reporter (``seal_report`` /
@@ -50,6 +55,7 @@ from ..market.messages import (
     Lease,
     LeaseProposal,
     Offer,
+    Receipt,
     open_message,
     peer_id_of,
 )
@@ -63,6 +69,7 @@ __all__ = [
     "Finding",
     "HeartbeatObservation",
     "LeaseFailure",
+    "NonPayment",
     "PerformanceObservation",
     "Report",
     "ServiceRecord",
@@ -88,6 +95,7 @@ class EvidenceKind(enum.IntEnum):
     FAILURE = 2
     HEARTBEAT = 3
     PERFORMANCE = 4
+    NONPAYMENT = 5
 
 
 class FailureReason(enum.IntEnum):
@@ -104,13 +112,15 @@ class Finding:
     Attributes:
         evidence_id: Stable id; two reports of the same fact share it (dedupe key).
         kind: Which record it came from.
-        host: The host the evidence is about (base58 peer ID).
+        host: The peer the evidence is about (base58 peer ID): a host, or for
+            ``NONPAYMENT`` the consumer that did not pay.
         credited: The peer whose credibility weighs the evidence (the lease's
-            consumer, or the heartbeat observer).
+            consumer, the heartbeat observer, or for ``NONPAYMENT`` the lease's host).
         at: When the evidence happened (Unix seconds); decay counts from here.
         lease_key: Digest of the lease envelope, or ``b""`` for heartbeats.
         served: Receipted share-seconds (``SERVICE``).
-        served_until: End of the last receipt (``SERVICE``).
+        served_until: End of the last receipt (``SERVICE``), or of the unpaid one
+            (``NONPAYMENT``).
         lease_shares: Shares leased (lease-backed kinds).
         lease_end: When the lease was due to end (lease-backed kinds).
         ratio: Answered/expected heartbeats or measured/claimed performance, in [0, 1].
@@ -446,13 +456,81 @@ class PerformanceObservation:
         return cls(_lease_from(lease), host_key, envelope, measured, at)
 
 
-Evidence: TypeAlias = ServiceRecord | LeaseFailure | HeartbeatObservation | PerformanceObservation
+@dataclass(frozen=True, slots=True)
+class NonPayment:
+    """The host's claim that the lease's consumer left a receipt uncountersigned.
+
+    Attributes:
+        lease: The lease (doubly signed).
+        host_key: The host's raw public key; the host is the reporter.
+        receipt: The host-signed receipt envelope the consumer never countersigned.
+    """
+
+    KIND: ClassVar[EvidenceKind] = EvidenceKind.NONPAYMENT
+
+    lease: Lease
+    host_key: bytes
+    receipt: Envelope
+
+    def __post_init__(self) -> None:
+        _check_type(self, "lease", Lease)
+        _check_host_key(self)
+        _check_type(self, "receipt", Envelope)
+
+    def check(self, reporter: str) -> Finding:
+        """Verify the lease, that the reporter is its host, and that the host signed a
+        receipt for this lease.
+
+        Raises:
+            InvalidEvidenceError: A check failed; the message says which.
+        """
+        proposal = _verified_lease(self.lease, self.host_key)
+        if reporter != proposal.host:
+            raise InvalidEvidenceError(f"reporter {reporter} is not the lease's host")
+        receipt = self._receipt(proposal)
+        key = self.lease.envelope.digest
+        return Finding(
+            _evidence_id(self.KIND, key), self.KIND, proposal.consumer, proposal.host,
+            receipt.interval_end, lease_key=key, served_until=receipt.interval_end,
+            lease_shares=proposal.shares, lease_end=proposal.end_at,
+        )  # fmt: skip
+
+    def _receipt(self, proposal: LeaseProposal) -> Receipt:
+        if self.receipt.author != self.host_key or not self.receipt.has_valid_signature():
+            raise InvalidEvidenceError("the receipt is not signed by the lease's host")
+        try:
+            receipt = open_message(self.receipt)
+        except MalformedMessageError as exc:
+            raise InvalidEvidenceError(f"the receipt does not decode: {exc}") from exc
+        if type(receipt) is not Receipt or receipt.lease_id != proposal.lease_id:
+            raise InvalidEvidenceError("the receipt is not for this lease")
+        if not proposal.start_at <= receipt.interval_end <= proposal.end_at:
+            raise InvalidEvidenceError("the receipt lies outside the lease")
+        return receipt
+
+    def _to_wire(self) -> list[object]:
+        return [self.lease.to_bytes(), self.host_key, self.receipt.to_bytes()]
+
+    @classmethod
+    def _from_wire(cls, parts: list[Any]) -> NonPayment:
+        lease, host_key, receipt = parts
+        try:
+            envelope = Envelope.from_bytes(_as_bytes(receipt), _MAX_PART)
+        except EnvelopeRejectedError as exc:
+            raise MalformedMessageError(f"receipt envelope: {exc}") from exc
+        return cls(_lease_from(lease), host_key, envelope)
+
+
+Evidence: TypeAlias = (
+    ServiceRecord | LeaseFailure | HeartbeatObservation | PerformanceObservation | NonPayment
+)
 _BY_KIND: dict[int, Any] = {
     int(cls.KIND): cls
-    for cls in (ServiceRecord, LeaseFailure, HeartbeatObservation, PerformanceObservation)
+    for cls in (ServiceRecord, LeaseFailure, HeartbeatObservation, PerformanceObservation,
+                NonPayment)
 }
 _WIRE_ARITY = {EvidenceKind.SERVICE: 3, EvidenceKind.FAILURE: 4, EvidenceKind.HEARTBEAT: 5,
-               EvidenceKind.PERFORMANCE: 5}
+               EvidenceKind.PERFORMANCE: 5, EvidenceKind.NONPAYMENT: 3}
 
 
 def _as_bytes(value: object) -> bytes:

@@ -14,7 +14,10 @@ plus pseudo-observations from evidence:
   consumer its work, not just its time; receipts that cover the whole lease void a
   failure claim;
 - heartbeat and performance observations add ``heartbeat_weight`` or
-  ``performance_weight`` split by their ratio (answered/expected, measured/claimed).
+  ``performance_weight`` split by their ratio (answered/expected, measured/claimed);
+- a lease its consumer did not pay for adds ``nonpayment_weight`` failures to the
+  *consumer's* score (hosts read it to refuse chronic non-payers), unless a service
+  record shows that receipt countersigned after all.
 
 Each contribution is multiplied by ``0.5 ** (age / half_life_s)``, so old behaviour
 fades and a host can neither coast on nor be haunted by its distant past, and by the
@@ -62,6 +65,7 @@ class ScoringPolicy:
         failure_penalty: Weight of an unserved share-second relative to a served one.
         heartbeat_weight: Pseudo-observations one heartbeat window is worth.
         performance_weight: Pseudo-observations one performance measurement is worth.
+        nonpayment_weight: Failures one unpaid lease adds to its consumer's score.
         lower_quantile: The posterior quantile used as ``lower_bound`` for ranking.
     """
 
@@ -72,6 +76,7 @@ class ScoringPolicy:
     failure_penalty: float = 2.0
     heartbeat_weight: float = 0.25
     performance_weight: float = 1.0
+    nonpayment_weight: float = 2.0
     lower_quantile: float = 0.05
 
     def __post_init__(self) -> None:
@@ -79,7 +84,8 @@ class ScoringPolicy:
             raise InvalidMessageError("prior_mean must be in (0, 1), prior_weight positive")
         if not self.half_life_s > 0.0 or not self.volume_unit > 0.0:
             raise InvalidMessageError("half_life_s and volume_unit must be positive")
-        weights = (self.failure_penalty, self.heartbeat_weight, self.performance_weight)
+        weights = (self.failure_penalty, self.heartbeat_weight, self.performance_weight,
+                   self.nonpayment_weight)
         if any(not w >= 0.0 for w in weights):
             raise InvalidMessageError("evidence weights must be non-negative")
         if not 0.0 < self.lower_quantile < 0.5:
@@ -150,13 +156,17 @@ def outcomes(findings: Iterable[Finding], *, now: float, policy: ScoringPolicy) 
             served_until[f.lease_key] = max(f.served_until, served_until.get(f.lease_key, 0.0))
             good = f.served / policy.volume_unit
             result.append(_outcome(f, good, 0.0, now, policy))
-        elif f.kind is EvidenceKind.FAILURE:
-            pending.append(f)  # needs every receipt first, to clip the claim
+        elif f.kind in (EvidenceKind.FAILURE, EvidenceKind.NONPAYMENT):
+            pending.append(f)  # needs every receipt first, to clip or void the claim
         else:
             weight = (policy.heartbeat_weight if f.kind is EvidenceKind.HEARTBEAT
                       else policy.performance_weight)
             result.append(_outcome(f, weight * f.ratio, weight * (1.0 - f.ratio), now, policy))
     for f in pending:
+        if f.kind is EvidenceKind.NONPAYMENT:
+            if served_until.get(f.lease_key, 0.0) < f.served_until:  # else: it was paid
+                result.append(_outcome(f, 0.0, policy.nonpayment_weight, now, policy))
+            continue
         stopped = max(f.served_until, served_until.get(f.lease_key, 0.0))
         lost = max(0.0, f.lease_end - stopped) * f.lease_shares
         result.append(_outcome(f, 0.0, lost / policy.volume_unit * policy.failure_penalty,

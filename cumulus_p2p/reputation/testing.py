@@ -21,7 +21,15 @@ from ..market.messages import (
     Receipt,
     seal_message,
 )
-from .evidence import Evidence, FailureReason, LeaseFailure, Report, ServiceRecord, seal_report
+from .evidence import (
+    Evidence,
+    FailureReason,
+    LeaseFailure,
+    NonPayment,
+    Report,
+    ServiceRecord,
+    seal_report,
+)
 
 __all__ = ["Minter", "peer"]
 
@@ -100,6 +108,16 @@ class Minter:
         proposal = lease.proposal
         at = proposal.start_at if ended_at is None else ended_at
         return LeaseFailure(lease, host.public_key, reason, float(at))
+
+    def nonpayment(self, host: NodeIdentity, lease: Lease, *, seq: int = 0) -> NonPayment:
+        """The host's claim that ``lease``'s consumer left its first receipt (the first
+        tenth of the lease, receipt ``seq``) uncountersigned."""
+        proposal = lease.proposal
+        end = proposal.start_at + proposal.duration_s / 10
+        receipt = Receipt(proposal.lease_id, proposal.host, seq, proposal.start_at, end,
+                          math.floor((end - proposal.start_at) * proposal.shares), 0,
+                          end + 600.0, self.nonce())
+        return NonPayment(lease, host.public_key, seal_message(host, receipt, now=end))
 
     def offer(self, host: NodeIdentity, *, now: float, perf_units: int,
               offer_id: str = "gpu0", nonce: int = 1) -> Envelope:
