@@ -75,6 +75,16 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 8GiB or 512MiB)") from None
 
 
+def _score(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a score between 0 and 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cumulus-node",
@@ -174,6 +184,30 @@ def build_parser() -> argparse.ArgumentParser:
         default=30,
         metavar="DURATION",
         help="time between usage receipts (default 30s)",
+    )
+    provide.add_argument(
+        "--settle-grace",
+        type=parse_duration,
+        default=None,
+        metavar="DURATION",
+        help="how long a receipt may go uncountersigned before the lease pauses; it ends "
+        "after twice that (default two receipt intervals)",
+    )
+    provide.add_argument(
+        "--min-consumer-score",
+        type=_score,
+        default=0.0,
+        metavar="SCORE",
+        help="refuse consumers whose payment record scores below this, 0..1 (a newcomer "
+        "scores 0.45, one unpaid lease drops it to about 0.2; default 0: lease to anyone)",
+    )
+    provide.add_argument(
+        "--leave-timeout",
+        type=parse_duration,
+        default=30,
+        metavar="DURATION",
+        help="on SIGTERM or Ctrl-C, how long to wait for consumers to settle before "
+        "stopping anyway (default 30s; a second signal stops at once)",
     )
     add_isolation_flags(provide, where="the node's process")
     provide.add_argument(
@@ -458,7 +492,9 @@ async def _provide(args, data: DataDir, mesh_config: MeshConfig, console: Consol
         device=device, perf_units=perf, shares=args.shares or 4, price=args.price,
         min_lease_s=args.min_lease, region=args.region, session_host=args.session_host,
         session_port=args.session_port, advertise_host=args.advertise_host,
-        receipt_interval=args.receipt_interval, workers=args.workers, pool=args.pool,
+        receipt_interval=args.receipt_interval, settle_grace=args.settle_grace,
+        min_consumer_score=args.min_consumer_score, leave_timeout=args.leave_timeout,
+        workers=args.workers, pool=args.pool,
     )  # fmt: skip
     live = _live(console, args.no_live)
 
@@ -477,8 +513,15 @@ async def _provide(args, data: DataDir, mesh_config: MeshConfig, console: Consol
         if live is not None:
             live.update(views.status_table(provider.snapshot()))
 
+    def leaving(text: str) -> None:
+        console.print(text, highlight=False)
+        sys.stdout.flush()
+
     try:
-        await run_provider(data, mesh_config, options, on_ready=ready, on_tick=tick)
+        await run_provider(
+            data, mesh_config, options, on_ready=ready, on_tick=tick, on_leaving=leaving,
+            handle_signals=True,
+        )  # fmt: skip
     finally:
         if live is not None:
             live.stop()

@@ -45,6 +45,12 @@ def test_a_bad_size_or_duration_says_what_form_is_expected(tmp_path):
     assert "try 90s" in duration.stderr
 
 
+def test_a_consumer_score_bar_outside_0_to_1_is_a_usage_error():
+    result = run("--provide", "--min-consumer-score", "45")
+    assert result.returncode == 2
+    assert "'45' is not a score between 0 and 1" in result.stderr
+
+
 def test_consume_refuses_a_command_that_is_not_a_python_script():
     result = run("--consume", "--", "bash", "train.sh")
     assert result.returncode == 2
@@ -66,6 +72,9 @@ def test_help_documents_every_flag():
         "--bootstrap",
         "--mdns",
         "--price",
+        "--settle-grace",
+        "--min-consumer-score",
+        "--leave-timeout",
         "--shares",
         "--gpu",
         "--min-vram",

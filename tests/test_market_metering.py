@@ -12,7 +12,7 @@ from cumulus_p2p.market.messages import (
     Receipt,
     seal_message,
 )
-from cumulus_p2p.market.metering import Meter, check_receipt
+from cumulus_p2p.market.metering import Meter, Standing, check_receipt, payment_standing
 
 NOW = 1_700_000_000.0
 HOST, CONSUMER, MALLORY = (NodeIdentity.generate() for _ in range(3))
@@ -63,3 +63,12 @@ def test_an_expired_receipt_is_rejected():
     with pytest.raises(EnvelopeRejectedError) as info:
         check_receipt(raw, LEASE, now=NOW + 70)
     assert info.value.reason is Rejection.EXPIRED
+
+
+def test_a_late_receipt_pauses_the_session_after_one_grace_period_and_ends_it_after_two():
+    def at(now):
+        return payment_standing(100.0, now=now, grace=10.0)
+
+    assert [at(105.0), at(115.0), at(125.0)] == [
+        Standing.CURRENT, Standing.PAUSED, Standing.DEFAULTED]
+    assert payment_standing(None, now=1e9, grace=10.0) is Standing.CURRENT

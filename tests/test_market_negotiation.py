@@ -1,18 +1,11 @@
 """Specs for cumulus_p2p.market.negotiation: the lease protocol over real libp2p streams."""
 
 import secrets
-from contextlib import AsyncExitStack, asynccontextmanager
 
 import msgpack
-import multiaddr
 import pytest
 import trio
-from libp2p import new_host
-from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.exceptions import BaseLibp2pError
-from libp2p.peer.peerinfo import info_from_p2p_addr
-from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
-from libp2p.security.noise.transport import Transport as NoiseTransport
 
 from cumulus_p2p._errors import LeaseRefusedError, MalformedMessageError
 from cumulus_p2p.identity import NodeIdentity
@@ -24,24 +17,9 @@ from cumulus_p2p.market.negotiation import (
     call_propose_lease,
     serve_leases,
 )
+from cumulus_p2p.testing.hosts import connect, noise_hosts
 
 NOW = 1_700_000_000.0
-
-
-@asynccontextmanager
-async def noise_hosts(identities):
-    """Real py-libp2p hosts on 127.0.0.1, Noise as the only security transport."""
-    async with AsyncExitStack() as stack:
-        hosts = []
-        for identity in identities:
-            noise = NoiseTransport(
-                identity.key_pair, noise_privkey=create_x25519_key_pair().private_key
-            )
-            host = new_host(key_pair=identity.key_pair, sec_opt={NOISE_PROTOCOL_ID: noise})
-            listen = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")
-            await stack.enter_async_context(host.run(listen_addrs=[listen]))
-            hosts.append(host)
-        yield hosts
 
 
 def make_offer(host_identity, shares):
@@ -54,10 +32,6 @@ def make_proposal(consumer, host_identity, *, shares=1, price=1000, nonce=1):
                              host_identity.peer_id.to_base58(), "gpu0", 1, shares, price, NOW,
                              3600, PriorityClass.ON_DEMAND, NOW + 30, nonce)
     return seal_message(consumer, proposal, now=NOW)
-
-
-async def connect(client, server):
-    await client.connect(info_from_p2p_addr(server.get_addrs()[0]))
 
 
 async def test_a_proposal_over_libp2p_returns_a_verified_lease():
@@ -183,3 +157,22 @@ def test_a_grant_with_malformed_endpoints_is_refused(endpoints):
     response = msgpack.packb([True, lease.to_bytes(), endpoints])
     with pytest.raises(MalformedMessageError, match="endpoint"):
         _decode_response(response)
+
+
+async def test_a_screened_out_consumer_is_refused_with_the_hosts_reason_and_nothing_reserved():
+    host_id, consumer_id = NodeIdentity.generate(), NodeIdentity.generate()
+    book = LeaseBook(host_id)
+    book.publish(make_offer(host_id, shares=2))
+    screened = consumer_id.peer_id.to_base58()
+    server = LeaseServer(
+        book, clock=lambda: NOW,
+        screen=lambda peer: "unpaid leases on record" if peer == screened else None,
+    )  # fmt: skip
+    async with noise_hosts([host_id, consumer_id]) as (host, consumer):
+        serve_leases(host, server)
+        await connect(consumer, host)
+        with pytest.raises(LeaseRefusedError) as refused:
+            await call_propose_lease(consumer, host.get_id(), make_proposal(consumer_id, host_id))
+    assert refused.value.reason is RefusalReason.CONSUMER_REFUSED
+    assert refused.value.detail == "unpaid leases on record"
+    assert book.free_shares("gpu0") == 2

@@ -55,6 +55,7 @@ class RefusalReason(enum.Enum):
     BAD_START = "start time too far from now"
     NO_CAPACITY = "not enough free shares"
     OVERLOADED = "host overloaded"
+    CONSUMER_REFUSED = "the host does not lease to this consumer now"
 
     @property
     def is_peer_fault(self) -> bool:

@@ -7,10 +7,16 @@ runs ``check_receipt`` (right host, right lease, inside the lease, never more
 share-seconds than leased, following the previous receipt without gap or overlap)
 and countersigns with ``CountersignedReceipt.countersign``. Both sides then append
 the countersigned receipt to their ``Ledger``.
+
+Nothing runs unpaid: ``payment_standing`` tells the host what a lease's oldest
+unsettled receipt means now. Within one grace period it is merely late; past it the
+session is paused (parked, as at the end of a term); past a second one the lease ends
+and the consumer is reported for not paying.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 
 from .._errors import EnvelopeRejectedError, MalformedMessageError, ReceiptRejectedError
@@ -18,7 +24,32 @@ from ..envelope import Envelope, EnvelopeValidator, Rejected
 from ..identity import NodeIdentity
 from .messages import LeaseProposal, Receipt, open_message, seal_message
 
-__all__ = ["Meter", "check_receipt"]
+__all__ = ["Meter", "Standing", "check_receipt", "payment_standing"]
+
+
+class Standing(enum.Enum):
+    """Where a lease stands with its payments."""
+
+    CURRENT = "current"
+    PAUSED = "paused"
+    DEFAULTED = "defaulted"
+
+
+def payment_standing(oldest_unsettled_at: float | None, *, now: float, grace: float) -> Standing:
+    """A lease's standing, from when its oldest unsettled receipt was issued.
+
+    Args:
+        oldest_unsettled_at: When the oldest receipt still unsettled was issued; ``None``
+            when every receipt is settled.
+        now: The current time, on the same clock.
+        grace: How long a receipt may stay unsettled before the session pauses; the
+            lease ends after twice that.
+    """
+    if oldest_unsettled_at is None or now - oldest_unsettled_at <= grace:
+        return Standing.CURRENT
+    if now - oldest_unsettled_at <= 2 * grace:
+        return Standing.PAUSED
+    return Standing.DEFAULTED
 
 
 class Meter:

@@ -85,6 +85,8 @@ class LeaseServer:
         timeout: Seconds a peer gets to send its request.
         endpoints: Returns the ``"host:port"`` addresses of the session channel sent
             with each granted lease.
+        screen: Given the authenticated consumer, why the host will not lease to it
+            now (shutting down, an unpaid record), or ``None``; asked before the book.
     """
 
     def __init__(
@@ -94,8 +96,10 @@ class LeaseServer:
         clock: Callable[[], float] = time.time,
         timeout: float = 10.0,
         endpoints: Callable[[], list[str]] = list,
+        screen: Callable[[str], str | None] = lambda consumer: None,
     ) -> None:
         self.book = book
+        self._screen = screen
         self._clock = clock
         self.timeout = timeout
         self._endpoints = endpoints
@@ -107,6 +111,9 @@ class LeaseServer:
             request: The proposal envelope's bytes.
             context: The authenticated sender.
         """
+        refusal = self._screen(context.peer)
+        if refusal is not None:
+            return _packb([False, RefusalReason.CONSUMER_REFUSED.name, refusal])
         now = self._clock()
         self.book.expire(now)
         result = self.book.propose(request, now=now, sender=context.peer)

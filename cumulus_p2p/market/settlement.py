@@ -12,6 +12,12 @@ When the consumer is done it settles the lease (``/cumulus/lease-close/1.0.0``):
 request names the lease; the host answers once the session is over and its final
 receipt has been countersigned, so the consumer leaves with complete books. The host
 accepts the request only from the lease's consumer.
+
+A host that must end a lease early says so first (``/cumulus/lease-notice/1.0.0``):
+the request is ``[lease_id, kind, detail]`` with kind ``"leaving"`` (the host is
+shutting down); the answer is ``[ok, reason]``. A consumer told this way moves its
+session at once and files no failure report; it accepts the notice only from the
+lease's host.
 """
 
 from __future__ import annotations
@@ -38,19 +44,31 @@ from .rpc import call_rpc, serve_rpc
 
 __all__ = [
     "CLOSE_PROTOCOL",
+    "NOTICE_LEAVING",
+    "NOTICE_PROTOCOL",
     "RECEIPT_PROTOCOL",
     "ReceiptDesk",
     "call_close_lease",
     "call_countersign",
+    "call_lease_notice",
     "serve_lease_close",
+    "serve_lease_notices",
     "serve_receipts",
 ]
 
 RECEIPT_PROTOCOL = TProtocol("/cumulus/receipt/1.0.0")
 CLOSE_PROTOCOL = TProtocol("/cumulus/lease-close/1.0.0")
+NOTICE_PROTOCOL = TProtocol("/cumulus/lease-notice/1.0.0")
+#: The host is shutting down: the lease ends now, settled, through no fault of either.
+NOTICE_LEAVING = "leaving"
+_NOTICE_KINDS = frozenset({NOTICE_LEAVING})
+_MAX_DETAIL = 500
 
 #: The host's answer to a close request: ``None`` when settled, else why not.
 CloseLease = Callable[[str, str], Awaitable[str | None]]
+#: The consumer's answer to ``(lease_id, kind, detail, sender)``: ``None`` when taken,
+#: else why not.
+TakeNotice = Callable[[str, str, str, str], Awaitable[str | None]]
 
 
 @dataclass
@@ -197,3 +215,49 @@ async def call_close_lease(host: IHost, peer: ID, lease_id: str, *, timeout: flo
         raise MalformedMessageError("close answer must be [ok, reason]")
     if not decoded[0]:
         raise ReceiptRejectedError(f"the host did not settle lease {lease_id}: {decoded[1]}")
+
+
+def serve_lease_notices(host: IHost, take: TakeNotice, *, timeout: float = 10.0) -> None:
+    """Answer a host's lease notices with ``await take(lease_id, kind, detail, sender)``."""
+
+    async def answer(request: bytes, sender: str) -> bytes:
+        notice = _notice(request)
+        refusal = "malformed notice" if notice is None else await take(*notice, sender)
+        return msgpack.packb([refusal is None, refusal or ""])
+
+    serve_rpc(host, NOTICE_PROTOCOL, answer, timeout=timeout)
+
+
+def _notice(request: bytes) -> tuple[str, str, str] | None:
+    try:
+        value = msgpack.unpackb(request, raw=False)
+    except (ValueError, msgpack.UnpackException):
+        return None
+    if not (type(value) is list and len(value) == 3 and all(type(v) is str for v in value)):
+        return None
+    lease_id, kind, detail = value
+    if not 0 < len(lease_id) <= 64 or kind not in _NOTICE_KINDS or len(detail) > _MAX_DETAIL:
+        return None
+    return lease_id, kind, detail
+
+
+async def call_lease_notice(
+    host: IHost, peer: ID, lease_id: str, kind: str, detail: str, *, timeout: float = 5.0
+) -> None:
+    """Tell the consumer ``peer`` that ``lease_id`` ends early, and why.
+
+    Raises:
+        ReceiptRejectedError: The consumer refused the notice (not its lease).
+        MalformedMessageError: The answer is malformed.
+        trio.TooSlowError, libp2p.exceptions.BaseLibp2pError: no answer.
+    """
+    request = msgpack.packb([lease_id, kind, detail[:_MAX_DETAIL]])
+    response = await call_rpc(host, peer, NOTICE_PROTOCOL, request, timeout=timeout)
+    try:
+        decoded = msgpack.unpackb(response, raw=False)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise MalformedMessageError(f"notice answer is not msgpack: {exc}") from exc
+    if not (type(decoded) is list and len(decoded) == 2 and type(decoded[0]) is bool):
+        raise MalformedMessageError("notice answer must be [ok, reason]")
+    if not decoded[0]:
+        raise ReceiptRejectedError(f"the consumer did not take the notice: {decoded[1]}")

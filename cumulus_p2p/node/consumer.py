@@ -10,7 +10,8 @@ One trio program composes:
   and keep waiting (bounded by ``match_timeout``) while nothing fits;
 - the control channel the shim in the script's process asks for its session, and for a
   new host when the current one vanished (``failover``): the vanished host gets a signed
-  ``LeaseFailure`` report gossiped against it and is not matched again;
+  ``LeaseFailure`` report gossiped against it and is not matched again; a host that said
+  it was leaving (``take_notice``) is not matched again either, but is not reported;
 - the script itself, a child process run under ``python -m cumulus_p2p.shim`` that
   lives and dies with this node (``script.py``): a SIGTERM or Ctrl-C stops it first,
   and the leases are settled before the node exits with the script's status.
@@ -32,7 +33,13 @@ from ..dht.host import connect
 from ..market import Bid, Cancel, Lease, LeaseProposal, PriorityClass, Side, rank_offers
 from ..market.messages import encode_message, seal_message
 from ..market.negotiation import call_propose_lease
-from ..market.settlement import ReceiptDesk, call_close_lease, serve_receipts
+from ..market.settlement import (
+    NOTICE_LEAVING,
+    ReceiptDesk,
+    call_close_lease,
+    serve_lease_notices,
+    serve_receipts,
+)
 from ..reputation import FailureReason, LeaseFailure, Report, ServiceRecord, seal_report
 from ..reputation.evidence import MAX_RECEIPTS
 from . import control
@@ -91,7 +98,8 @@ class Held:
     host_key: bytes
     endpoint: str
     #: ``held`` while the session may run under it; ``ended`` once its term is over;
-    #: ``failed`` if the host dropped the session before that.
+    #: ``left`` if the host said it was leaving; ``failed`` if the host dropped the
+    #: session before its term without a word.
     state: str = "held"
 
 
@@ -108,6 +116,8 @@ class Consumer:
     status: str = "starting"
     exit_code: int | None = None
     doors: SessionDoors | None = None
+    #: Why the last host that refused a proposal refused it.
+    last_refusal: str = ""
 
     # --- the bid --------------------------------------------------------------------
 
@@ -171,6 +181,7 @@ class Consumer:
             )
         except LeaseRefusedError as exc:
             log.info("host %s refused the lease: %s", offer.host[:12], exc)
+            self.last_refusal = f"host {offer.host[:12]} refused: {exc.detail}"
             return None
         except (CumulusError, BaseLibp2pError, trio.TooSlowError, OSError) as exc:
             log.info("host %s unreachable for a lease: %s", offer.host[:12], exc)
@@ -206,6 +217,11 @@ class Consumer:
         offers = [r.order for r in self.runtime.book.offers()]
         usable = [o for o in offers if o.host not in self.excluded]
         o = self.options
+        if self.last_refusal:
+            return (
+                f"{len(usable)} offer(s) seen in {timeout:.0f}s; the hosts refused the "
+                f"lease (last: {self.last_refusal})."
+            )
         if not usable:
             return (
                 f"no offers reached this node within {timeout:.0f}s. Check --bootstrap, "
@@ -231,17 +247,30 @@ class Consumer:
             held.proposal.host, held.endpoint, held.host_key, held.lease.to_bytes(), door
         )
 
+    async def take_notice(self, lease_id: str, kind: str, detail: str, sender: str) -> str | None:
+        """A host says it ends one of our leases early (it is leaving): remember it, so
+        that the failover the session is about to ask for files no report."""
+        held = next((h for h in self.held if h.proposal.lease_id == lease_id), None)
+        if held is None or held.proposal.host != sender:
+            return "no such lease with this host"
+        if kind == NOTICE_LEAVING and held.state == "held":
+            log.warning("cumulus: host %s is leaving (%s); moving the session", sender[:12], detail)
+            held.state = "left"
+            self.excluded.add(sender)
+        return None
+
     async def failover(self, reason: str) -> control.SessionTicket:
         """The session lost its host: lease again and return where to resume.
 
         A lease past its term was ended by the host as agreed: its host stays welcome
         (the session waits there, parked, to be resumed under a new lease). A host that
-        dropped the session before the term ended vanished: it is reported and excluded.
+        said it was leaving is not leased from again. A host that dropped the session
+        before the term ended without a word vanished: it is reported and excluded.
         """
         self.status = f"failover: {reason}"
         log.warning("cumulus: failing over: %s", reason)
         live = [h for h in self.held if h.state == "held"]
-        if live:
+        if live and self.held[-1].state != "left":
             gone = live[-1]
             if self.runtime.clock() >= gone.proposal.end_at - LEASE_END_SLACK_S:
                 gone.state = "ended"
@@ -350,6 +379,7 @@ async def run_consumer(
         desk = ReceiptDesk(identity, data.ledger())
         serve_receipts(runtime.mesh.host, desk, clock=runtime.clock)
         consumer = Consumer(runtime, options, desk)
+        serve_lease_notices(runtime.mesh.host, consumer.take_notice)
         async with trio.open_nursery() as nursery:
             consumer.doors = SessionDoors(runtime.mesh.host, nursery)
             nursery.start_soon(_tick, consumer, on_tick)
@@ -395,7 +425,7 @@ async def _settle_leases(consumer: Consumer) -> None:
     # The host sends its last receipt when it sees the session end; closing the lease
     # waits for exactly that, so both ledgers end up with the same receipts.
     for held in consumer.held:
-        if held.state == "failed":
+        if held.state in ("failed", "left"):  # nothing to close: the host is gone
             continue
         try:
             await call_close_lease(

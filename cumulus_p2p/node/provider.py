@@ -13,11 +13,24 @@ One trio program composes:
   with the shares still free (withdrawn while none are);
 - a ``Meter`` per session: receipts every ``receipt_interval`` and at the session's end,
   countersigned by the consumer over ``/cumulus/receipt/1.0.0``, then kept in the ledger.
+
+Nothing runs unpaid (``metering.payment_standing``). A receipt unsettled for
+``settle_grace`` seconds pauses the lease: its session is hung up on (and parked, as at
+the end of a term) and the consumer is refused until it settles. Unsettled for twice
+that, the lease ends, its shares go back on offer and the host gossips signed
+``NonPayment`` evidence against the consumer; with ``min_consumer_score`` set, consumers
+that such evidence scores below it are refused leases.
+
+Leaving is orderly (``leave``, on SIGTERM or Ctrl-C): the offer is cancelled, no lease
+is granted, each consumer is told the host is leaving (it moves its session at once and
+files no failure report), the sessions are hung up on and their last receipts settled.
+A second signal, or ``leave_timeout``, stops the node at once.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 from dataclasses import dataclass, field
 
 import trio
@@ -25,7 +38,9 @@ from libp2p.exceptions import BaseLibp2pError
 
 from .._errors import CumulusError
 from ..dht import MeshConfig
+from ..envelope import Envelope
 from ..market import (
+    Cancel,
     Lease,
     LeaseBook,
     LeaseProposal,
@@ -33,10 +48,17 @@ from ..market import (
     Meter,
     Offer,
     PriorityClass,
+    Side,
     serve_leases,
 )
-from ..market.messages import encode_message, peer_id_of
-from ..market.settlement import call_countersign, serve_lease_close
+from ..market.messages import encode_message, peer_id_of, seal_message
+from ..market.metering import Standing, payment_standing
+from ..market.settlement import (
+    NOTICE_LEAVING,
+    call_countersign,
+    call_lease_notice,
+    serve_lease_close,
+)
 from ..remote.executor import Executor, ExecutorConfig
 from ..remote.executor_main import build_executor
 from ..remote.scheduler import lease_rank
@@ -44,6 +66,7 @@ from ..remote.secure import serve_secure
 from ..remote.secure.libp2p_path import handle_libp2p_sessions
 from ..remote.supervisor import WorkerSupervisor
 from ..remote.transport import CountingChannel
+from ..reputation import NonPayment, Report, seal_report
 from .datadir import DataDir
 from .hardware import DeviceFacts
 from .runtime import Runtime, open_runtime, peer_of
@@ -68,6 +91,11 @@ class ProviderOptions:
         session_port: Its port (0: any free one).
         advertise_host: The address consumers are told to dial (default: session_host).
         receipt_interval: Seconds between receipts.
+        settle_grace: Seconds a receipt may stay unsettled before the lease pauses (it
+            ends after twice that); None: two receipt intervals.
+        min_consumer_score: Refuse leases to consumers whose payment record scores
+            below this (0: lease to anyone).
+        leave_timeout: Seconds an orderly stop may take before it is forced.
         grace_period: Seconds a dropped session may take to resume.
         workers: A worker process per session (None: when the device is a GPU).
         pool: Worker processes kept started for the next lease.
@@ -83,9 +111,17 @@ class ProviderOptions:
     session_port: int = 0
     advertise_host: str | None = None
     receipt_interval: float = 30.0
+    settle_grace: float | None = None
+    min_consumer_score: float = 0.0
+    leave_timeout: float = 30.0
     grace_period: float = 30.0
     workers: bool | None = None
     pool: int = 1
+
+    @property
+    def unpaid_grace(self) -> float:
+        """Seconds a receipt may stay unsettled before the lease pauses."""
+        return 2 * self.receipt_interval if self.settle_grace is None else self.settle_grace
 
     @property
     def uses_workers(self) -> bool:
@@ -93,19 +129,34 @@ class ProviderOptions:
         return self.device.kind == "cuda" if self.workers is None else self.workers
 
 
+@dataclass(frozen=True, slots=True)
+class Issued:
+    """A receipt sent for countersigning, and when (the node's clock)."""
+
+    at: float
+    envelope: Envelope
+
+
 @dataclass
 class ActiveLease:
-    """A lease being served, its meter and what it has earned so far."""
+    """A lease being served, its meter and what it has earned so far.
+
+    ``state``: ``running``; ``paused`` while a receipt is overdue; ``settling`` once the
+    session is over and receipts are outstanding; then ``ended`` (all settled) or
+    ``unpaid`` (the consumer defaulted).
+    """
 
     lease: Lease
     proposal: LeaseProposal
     meter: Meter
     started: float
-    unsettled: list = field(default_factory=list)
+    unsettled: list[Issued] = field(default_factory=list)
     settled: trio.Event = field(default_factory=trio.Event)
+    channels: set = field(default_factory=set)
     receipts: int = 0
     share_seconds: int = 0
-    ended: bool = False
+    state: str = "running"
+    session_over: bool = False
 
     @property
     def earned(self) -> int:
@@ -129,6 +180,7 @@ class Provider:
         self._presented: dict[bytes, LeaseProposal] = {}
         self.endpoint = ""
         self.announced = False
+        self.leaving = False
         # Memory isolation between tenants: a lease gets its shares' part of the device.
         self.share_bytes = options.device.memory_mib * 2**20 // options.shares
 
@@ -155,7 +207,8 @@ class Provider:
         Expire ended leases."""
         while True:
             self.book.expire(self.runtime.clock())
-            free = self.free_shares() if self.executor.health.healthy else 0
+            serving = self.executor.health.healthy and not self.leaving
+            free = self.free_shares() if serving else 0
             if free > 0 and not self.announced:
                 await self.runtime.mesh.announce(OFFER_NAME, Offer.KIND, self.offer_body)
                 self.announced = True
@@ -163,6 +216,23 @@ class Provider:
                 self.runtime.mesh.withdraw(OFFER_NAME)
                 self.announced = False
             await trio.sleep(0.5)
+
+    def screen(self, consumer: str) -> str | None:
+        """Refuse a proposal before the book sees it: while leaving, or from a consumer
+        whose payment record is below ``min_consumer_score``."""
+        if self.leaving:
+            return "this host is shutting down"
+        bar = self.options.min_consumer_score
+        if bar <= 0:
+            return None
+        score = self.runtime.reputation.score(consumer, now=self.runtime.clock())
+        if score.mean >= bar:
+            return None
+        return (
+            f"this host leases only to consumers whose payment record scores at least "
+            f"{bar:g}; yours scores {score.mean:.2f} ({score.failures:.1f} unpaid-lease "
+            "weight on record)"
+        )
 
     # --- sessions -------------------------------------------------------------------
 
@@ -179,6 +249,9 @@ class Provider:
             return "the lease belongs to another consumer"
         if self.book.get(proposal.lease_id) is None:
             return "the lease has ended or was never granted by this host"
+        active = self.active.get(proposal.lease_id)
+        if active is not None and active.state != "running":
+            return f"the lease is {active.state}: {self._arrears(active)}"
         self._presented[consumer_key] = proposal
         return None
 
@@ -191,6 +264,7 @@ class Provider:
             meter = Meter(self.runtime.identity, proposal, interval=self.options.receipt_interval)
             active = ActiveLease(lease, proposal, meter, self.runtime.clock())
             self.active[proposal.lease_id] = active
+        active.channels.add(channel)
         try:
             metered = CountingChannel(channel, active.meter.record_bytes)
             # The session is served for the lease's term, no longer: then the executor
@@ -203,16 +277,35 @@ class Provider:
                 until=trio.current_time() + max(0.0, left),
             )
         finally:
+            active.channels.discard(channel)
             with trio.CancelScope(shield=True):
                 await self._end(active)
 
     async def _end(self, active: ActiveLease) -> None:
-        active.ended = True
-        now = self.runtime.clock()
+        """The lease's last session is over: receipt the rest of its use, try to settle.
+
+        Not when the lease is paused: it lives on, and its consumer may resume the
+        parked session once it has settled."""
+        if active.channels or active.session_over or active.state != "running":
+            return
+        active.session_over = True
+        self.book.release(active.proposal.lease_id)
         if not active.meter.finished:
-            active.unsettled.append(active.meter.issue(now, nonce=self.runtime.mesh.next_nonce()))
+            self._issue(active)
+        if active.unsettled:
+            active.state = "settling"
         with trio.move_on_after(10):
             await self._settle(active)
+        self._update_standing(active)
+
+    async def _hang_up(self, active: ActiveLease, reason: str) -> None:
+        """Close the lease's session channels; the consumer sees ``reason`` and the
+        executor parks the session (no ``bye`` came), to be resumed where it stopped."""
+        for channel in list(active.channels):
+            await channel.aclose(reason)
+
+    def _finish(self, active: ActiveLease, state: str) -> None:
+        active.state = state
         self.book.release(active.proposal.lease_id)
         self.active.pop(active.proposal.lease_id, None)
         self.finished.append(active)
@@ -234,23 +327,29 @@ class Provider:
     # --- receipts -------------------------------------------------------------------
 
     async def metering_loop(self) -> None:
-        """Issue and settle receipts for every running lease."""
+        """Issue and settle receipts for every lease; pause or end the unpaid ones."""
         while True:
-            now = self.runtime.clock()
             for active in list(self.active.values()):
-                if not active.ended and active.meter.due(now):
-                    nonce = self.runtime.mesh.next_nonce()
-                    active.unsettled.append(active.meter.issue(now, nonce=nonce))
+                if not active.session_over and active.meter.due(self.runtime.clock()):
+                    self._issue(active)
                 await self._settle(active)
+                await self._enforce(active)
             await trio.sleep(min(1.0, self.options.receipt_interval))
+
+    def _issue(self, active: ActiveLease) -> None:
+        now = self.runtime.clock()
+        envelope = active.meter.issue(now, nonce=self.runtime.mesh.next_nonce())
+        active.unsettled.append(Issued(now, envelope))
 
     async def _settle(self, active: ActiveLease) -> None:
         # In order: the consumer accepts receipt k+1 only after receipt k.
         consumer = peer_of(active.proposal.consumer)
         while active.unsettled:
-            envelope = active.unsettled[0]
+            envelope = active.unsettled[0].envelope
             try:
-                countersigned = await call_countersign(self.runtime.mesh.host, consumer, envelope)
+                countersigned = await call_countersign(
+                    self.runtime.mesh.host, consumer, envelope, timeout=5.0
+                )
             except (CumulusError, BaseLibp2pError, trio.TooSlowError, OSError) as exc:
                 log.warning(
                     "receipt for lease %s not settled yet: %s", active.proposal.lease_id, exc
@@ -260,6 +359,93 @@ class Provider:
             active.unsettled.pop(0)
             active.receipts += 1
             active.share_seconds += countersigned.receipt.share_seconds
+
+    def _standing(self, active: ActiveLease) -> Standing:
+        oldest = active.unsettled[0].at if active.unsettled else None
+        now = self.runtime.clock()
+        return payment_standing(oldest, now=now, grace=self.options.unpaid_grace)
+
+    def _arrears(self, active: ActiveLease) -> str:
+        if not active.unsettled:
+            return "every receipt is settled"
+        oldest = active.unsettled[0]
+        late = self.runtime.clock() - oldest.at
+        return (
+            f"{len(active.unsettled)} receipt(s) unsettled, the oldest for {late:.0f} s; "
+            f"this host pauses a lease after {self.options.unpaid_grace:g} s and ends it "
+            "after twice that"
+        )
+
+    def _update_standing(self, active: ActiveLease) -> None:
+        """Follow the settlements: resume a paused lease once paid, finish a settled one."""
+        if active.unsettled:
+            return
+        if active.session_over or (active.meter.finished and not active.channels):
+            self._finish(active, "ended")
+        elif active.state == "paused":
+            log.info("lease %s: settled; the consumer may resume", active.proposal.lease_id)
+            active.state = "running"
+
+    async def _enforce(self, active: ActiveLease) -> None:
+        """Pause a lease with an overdue receipt; end it once the second grace is over."""
+        self._update_standing(active)
+        standing = self._standing(active)
+        if standing is Standing.PAUSED and active.state == "running":
+            active.state = "paused"
+            why = self._arrears(active)
+            log.warning("lease %s paused: %s", active.proposal.lease_id, why)
+            await self._hang_up(active, f"unpaid: the lease is paused: {why}")
+        elif standing is Standing.DEFAULTED and active.state not in ("ended", "unpaid"):
+            why = self._arrears(active)
+            log.warning("lease %s ended unpaid: %s", active.proposal.lease_id, why)
+            self._finish(active, "unpaid")
+            await self._hang_up(active, f"unpaid: the lease has ended: {why}")
+            await self._report_nonpayment(active)
+
+    async def _report_nonpayment(self, active: ActiveLease) -> None:
+        """Gossip signed evidence that the consumer left its oldest receipt unsettled."""
+        rt, now = self.runtime, self.runtime.clock()
+        evidence = NonPayment(active.lease, rt.identity.public_key, active.unsettled[0].envelope)
+        consumer = active.proposal.consumer
+        report = Report(rt.peer_id, consumer, evidence, now, now + 600, rt.mesh.next_nonce())
+        try:
+            await rt.publish_report(seal_report(rt.identity, report, now=now))
+        except CumulusError as exc:
+            log.warning("could not report consumer %s: %s", consumer[:12], exc)
+
+    # --- leaving ------------------------------------------------------------------------
+
+    async def leave(self) -> None:
+        """Stop in order: cancel the offer, tell each consumer, hang up, settle."""
+        self.leaving = True
+        await self._cancel_offer()
+        running = [a for a in self.active.values() if not a.session_over]
+        for active in running:
+            await self._tell_leaving(active)
+            await self._hang_up(active, "leaving: the host is shutting down")
+        for active in list(self.active.values()):
+            await active.settled.wait()
+
+    async def _cancel_offer(self) -> None:
+        rt, now = self.runtime, self.runtime.clock()
+        rt.mesh.withdraw(OFFER_NAME)
+        self.announced = False
+        cancel = Cancel(rt.peer_id, Side.OFFER, OFFER_NAME, now + 60, rt.mesh.next_nonce())
+        try:
+            await rt.mesh.publish(seal_message(rt.identity, cancel, now=now))
+        except CumulusError as exc:
+            log.warning("could not cancel the offer: %s", exc)
+
+    async def _tell_leaving(self, active: ActiveLease) -> None:
+        # Told first, so that when the session drops the consumer knows why at once.
+        consumer = peer_of(active.proposal.consumer)
+        try:
+            await call_lease_notice(
+                self.runtime.mesh.host, consumer, active.proposal.lease_id, NOTICE_LEAVING,
+                "the host is shutting down",
+            )  # fmt: skip
+        except (CumulusError, BaseLibp2pError, trio.TooSlowError, OSError) as exc:
+            log.warning("could not tell consumer %s: %s", active.proposal.consumer[:12], exc)
 
     # --- status ---------------------------------------------------------------------
 
@@ -303,7 +489,7 @@ def _lease_row(active: ActiveLease) -> dict:
         "receipts": active.receipts,
         "share_seconds": active.share_seconds,
         "earned": active.earned,
-        "state": "ended" if active.ended else "running",
+        "state": active.state,
     }
 
 
@@ -314,8 +500,11 @@ async def run_provider(
     *,
     on_ready=None,
     on_tick=None,
+    on_leaving=None,
+    handle_signals: bool = False,
 ) -> None:
-    """Run a provider node until cancelled.
+    """Run a provider node until cancelled, or with ``handle_signals`` until SIGTERM or
+    SIGINT, when it leaves in order (``Provider.leave``) and returns.
 
     Args:
         data: The node's data directory.
@@ -323,6 +512,9 @@ async def run_provider(
         options: What to offer and where to serve sessions.
         on_ready: Called once with the ``Provider`` when it serves and announces.
         on_tick: Called every second with the ``Provider`` (status display).
+        on_leaving: Called with a sentence when an orderly stop begins, and again if it
+            is forced.
+        handle_signals: Catch SIGTERM and SIGINT (the main thread only).
     """
     identity = data.identity()
     facts = options.device
@@ -333,18 +525,22 @@ async def run_provider(
     )
     async with open_runtime(identity, data, mesh_config) as runtime:
         provider = Provider(runtime, options, executor)
-        serve_leases(
-            runtime.mesh.host, LeaseServer(provider.book, endpoints=lambda: [provider.endpoint])
+        server = LeaseServer(
+            provider.book, endpoints=lambda: [provider.endpoint], screen=provider.screen
         )
+        serve_leases(runtime.mesh.host, server)
         serve_lease_close(runtime.mesh.host, provider.close_lease)
         async with trio.open_nursery() as nursery:
             if isinstance(executor, WorkerSupervisor):
                 await nursery.start(executor.run)
-            server = await nursery.start(_serve_sessions, identity, provider)
+            sessions = await nursery.start(_serve_sessions, identity, provider)
             # The same sessions over libp2p streams, for consumers that cannot dial the
             # session port (this host behind NAT: the stream may come through a relay).
-            handle_libp2p_sessions(runtime.mesh.host, server)
-            provider.endpoint = f"{options.advertise_host or options.session_host}:{server.port}"
+            handle_libp2p_sessions(runtime.mesh.host, sessions)
+            host = options.advertise_host or options.session_host
+            provider.endpoint = f"{host}:{sessions.port}"
+            if handle_signals:
+                nursery.start_soon(_leave_on_signal, provider, nursery.cancel_scope, on_leaving)
             nursery.start_soon(provider.keep_offer_current)
             nursery.start_soon(provider.metering_loop)
             if on_ready is not None:
@@ -354,6 +550,35 @@ async def run_provider(
                 if on_tick is not None:
                     on_tick(provider)
                 await trio.sleep(1.0)
+
+
+async def _leave_on_signal(provider: Provider, node: trio.CancelScope, on_leaving) -> None:
+    """First SIGTERM or SIGINT: leave in order; a second one, or the timeout, forces it."""
+    say = on_leaving or (lambda text: log.warning("%s", text))
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            break
+        timeout = provider.options.leave_timeout
+        say(
+            f"leaving: offer cancelled, consumers told, settling (up to {timeout:g} s; "
+            "signal again to stop at once)"
+        )
+        async with trio.open_nursery() as leaving:
+            leaving.start_soon(_force_on_signal, signals, leaving.cancel_scope, say)
+            with trio.move_on_after(timeout) as waited:
+                await provider.leave()
+            if waited.cancelled_caught:
+                say(f"leaving took over {timeout:g} s: stopping now")
+            leaving.cancel_scope.cancel()
+    provider.runtime.data.write_state(provider.snapshot())
+    node.cancel()
+
+
+async def _force_on_signal(signals, leaving: trio.CancelScope, say) -> None:
+    async for _ in signals:
+        say("stopping now, without waiting for settlement")
+        leaving.cancel()
+        return
 
 
 async def _serve_sessions(identity, provider: Provider, *, task_status) -> None:

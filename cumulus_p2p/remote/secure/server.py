@@ -113,9 +113,10 @@ class SecureServerChannel:
         """
         return await self._session.receive_frame()
 
-    async def aclose(self) -> None:
-        """End the session (the consumer sees ``SessionClosedError``). Idempotent."""
-        await self._session.finish("session closed by the provider")
+    async def aclose(self, reason: str = "session closed by the provider") -> None:
+        """End the session; the consumer sees ``SessionClosedError`` with ``reason`` at
+        once, not after a resume timeout. Idempotent."""
+        await self._session.finish(reason)
 
 
 class _Signal:

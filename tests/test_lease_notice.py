@@ -1,0 +1,61 @@
+"""Specs for the lease notice protocol: a host tells its consumer it ends a lease early.
+
+Real py-libp2p hosts on loopback (``/cumulus/lease-notice/1.0.0``).
+"""
+
+import msgpack
+import pytest
+
+from cumulus_p2p._errors import ReceiptRejectedError
+from cumulus_p2p.identity import NodeIdentity
+from cumulus_p2p.market.rpc import call_rpc
+from cumulus_p2p.market.settlement import (
+    NOTICE_LEAVING,
+    NOTICE_PROTOCOL,
+    call_lease_notice,
+    serve_lease_notices,
+)
+from cumulus_p2p.testing.hosts import connect, noise_hosts
+
+
+class Notices:
+    """The consumer's side: knows one lease, held from one host."""
+
+    def __init__(self, lease_id: str, host: str) -> None:
+        self.lease_id, self.host, self.taken = lease_id, host, []
+
+    async def take(self, lease_id, kind, detail, sender):
+        if lease_id != self.lease_id or sender != self.host:
+            return "no such lease with this host"
+        self.taken.append((kind, detail))
+        return None
+
+
+async def test_the_leases_host_is_heard_and_anyone_else_is_refused():
+    host_id, consumer_id, other_id = (NodeIdentity.generate() for _ in range(3))
+    async with noise_hosts([host_id, consumer_id, other_id]) as (host, consumer, other):
+        notices = Notices("L1", host.get_id().to_base58())
+        serve_lease_notices(consumer, notices.take)
+        await connect(host, consumer)
+        await connect(other, consumer)
+        await call_lease_notice(host, consumer.get_id(), "L1", NOTICE_LEAVING, "shutting down")
+        with pytest.raises(ReceiptRejectedError, match="no such lease"):
+            await call_lease_notice(other, consumer.get_id(), "L1", NOTICE_LEAVING, "lies")
+    assert notices.taken == [(NOTICE_LEAVING, "shutting down")]
+
+
+@pytest.mark.parametrize(
+    "request_body",
+    [b"\xc1", msgpack.packb(["L1", "evicted", ""]), msgpack.packb(["L1", NOTICE_LEAVING]),
+     msgpack.packb(["", NOTICE_LEAVING, ""]), msgpack.packb(["L1", NOTICE_LEAVING, "x" * 600])],
+    ids=["not-msgpack", "unknown-kind", "short", "empty-lease", "oversized-detail"],
+)
+async def test_a_malformed_notice_is_refused_and_taken_for_nothing(request_body):
+    host_id, consumer_id = NodeIdentity.generate(), NodeIdentity.generate()
+    async with noise_hosts([host_id, consumer_id]) as (host, consumer):
+        notices = Notices("L1", host.get_id().to_base58())
+        serve_lease_notices(consumer, notices.take)
+        await connect(host, consumer)
+        answer = await call_rpc(host, consumer.get_id(), NOTICE_PROTOCOL, request_body)
+    assert msgpack.unpackb(answer) == [False, "malformed notice"]
+    assert notices.taken == []

@@ -1,0 +1,71 @@
+"""A provider stopped with SIGTERM leaves in order (issue 16).
+
+Real ``cumulus-node`` processes on loopback: a bootstrap node, two CPU providers and a
+consumer training on the cheaper one. The cheaper provider is sent SIGTERM mid-job: it
+tells the consumer it is leaving, so the job moves to the other provider at once, with
+no failure report, and finishes with the loss of a local run; the leaving provider
+settles its last receipt and exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+from cumulus_p2p.market.ledger import Ledger
+from cumulus_p2p.testing.nodes import LOOPBACK_LISTEN, start_consumer, start_node, start_provider
+
+SCRIPT = ["-m", "cumulus_p2p.demo_train", "--steps", "30", "--log-every", "5"]
+
+
+def receipt_ids(data_dir) -> set[str]:
+    with Ledger.open(data_dir) as ledger:
+        return {e.receipt_id for e in ledger.entries()}
+
+
+def final_loss(lines: list[str]) -> float:
+    return json.loads(next(x for x in reversed(lines) if x.startswith("{")))["final_loss"]
+
+
+def test_a_provider_stopped_with_sigterm_hands_the_job_over_without_blame(tmp_path):
+    boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
+    cheap, dear = (
+        start_provider(tmp_path / name, boot.addr, "--price", price)
+        for name, price in (("cheap", "0.3"), ("dear", "0.7"))
+    )
+    try:
+        for node in (cheap, dear):
+            node.wait_for("providing")
+        consumer = start_consumer(
+            tmp_path / "consumer", boot.addr, "--checkpoint-interval", "1s", command=SCRIPT
+        )
+        consumer.wait_for("step   10", timeout=120)
+        seen = len(consumer.lines)
+        cheap.proc.send_signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        consumer.wait_for("step   15", timeout=60, start=seen)
+        moved_after = time.monotonic() - stopped
+        assert cheap.proc.wait(timeout=40) == 0, cheap.output()
+        assert consumer.proc.wait(timeout=180) == 0, consumer.output()
+    finally:
+        for node in (cheap, dear, boot):
+            node.stop()
+    assert "leaving" in cheap.output()
+    assert "is leaving" in consumer.output()
+    # At once: well inside the 10 s a silent host gets to resume the channel.
+    assert moved_after < 10, moved_after
+    local = subprocess.run(
+        [sys.executable, *SCRIPT], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert final_loss(consumer.lines) == final_loss(local.stdout.splitlines())
+    state = json.loads((tmp_path / "consumer" / "state.json").read_text())
+    assert [lease["state"] for lease in state["leases"]] == ["left", "held"]
+    assert all(row["failures"] == 0 for row in state["scores"])
+    assert receipt_ids(tmp_path / "cheap") == {
+        r for r in receipt_ids(tmp_path / "consumer") if r in receipt_ids(tmp_path / "cheap")
+    } != set()
+    cheap_state = json.loads((tmp_path / "cheap" / "state.json").read_text())
+    assert [lease["state"] for lease in cheap_state["leases"]] == ["ended"]
