@@ -135,6 +135,22 @@ def _run_attached(
     finally:
         remote.detach()
         session.close()  # in case the script attached a session of its own meanwhile
+        _report_final_counts(os.environ)
+
+
+def _report_final_counts(environ: Mapping[str, str]) -> None:
+    """Give the node the session's last byte counts: the host's final receipt is
+    checked against them after this process has gone."""
+    address, token = environ.get(control.ENV_ADDRESS), environ.get(control.ENV_TOKEN)
+    if not (address and token):
+        return
+    from .node.attach import USAGE
+
+    try:
+        control.report_counts(address, token, USAGE.snapshot())
+    except (OSError, CumulusError) as exc:
+        print(f"cumulus shim: could not give the node its last byte counts: {exc}",
+              file=sys.stderr, flush=True)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -230,12 +246,15 @@ def _stop_when_node_is_gone(environ: Mapping[str, str]) -> bool:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != int(node_pid):
             return False
-    threading.Thread(target=_watch_node, args=(address, token), daemon=True).start()
+    from .node.attach import USAGE
+
+    watch = threading.Thread(target=_watch_node, args=(address, token, USAGE.snapshot), daemon=True)
+    watch.start()
     return True
 
 
-def _watch_node(address: str, token: str) -> None:
-    how = control.wait_until_node_is_gone(address, token)
+def _watch_node(address: str, token: str, usage) -> None:
+    how = control.wait_until_node_is_gone(address, token, usage)
     print(f"cumulus shim: the cumulus-node running this script is gone: {how}; stopping the "
           "script", file=sys.stderr, flush=True)  # fmt: skip
     os.kill(os.getpid(), signal.SIGTERM)

@@ -4,7 +4,7 @@ import pytest
 
 from cumulus_p2p._errors import LedgerCorruptError
 from cumulus_p2p.identity import NodeIdentity
-from cumulus_p2p.market.ledger import LEDGER_FILE_NAME, Ledger
+from cumulus_p2p.market.ledger import DISPUTES_FILE_NAME, LEDGER_FILE_NAME, Dispute, Ledger
 from cumulus_p2p.market.messages import CountersignedReceipt, Receipt, seal_message
 
 NOW = 1_700_000_000.0
@@ -85,3 +85,21 @@ def test_the_payment_rail_hears_each_new_receipt_once(tmp_path):
     with Ledger.open(tmp_path) as reopened:
         reopened.replay_to(catch_up)
     assert catch_up.seen == rail.seen
+
+
+def test_a_dispute_keeps_the_hosts_claim_and_the_reason_across_restarts(tmp_path):
+    claim = receipt(0).envelope
+    with Ledger.open(tmp_path) as ledger:
+        assert ledger.record_dispute(Dispute.of(claim, "bytes inflated", at=NOW))
+        assert not ledger.record_dispute(Dispute.of(claim, "said again", at=NOW + 1))
+    with Ledger.open(tmp_path) as reopened:
+        (dispute,) = reopened.disputes()
+        assert (dispute.receipt_id, dispute.reason, dispute.receipt) == ("L1/0", "bytes inflated",
+                                                                          claim)
+        assert len(reopened) == 0
+
+
+def test_a_damaged_dispute_line_is_refused_untouched(tmp_path):
+    (tmp_path / DISPUTES_FILE_NAME).write_bytes(b'{"id": "L1/0", "receipt": "AAAA"}\n')
+    with pytest.raises(LedgerCorruptError, match="line 1"):
+        Ledger.open(tmp_path)

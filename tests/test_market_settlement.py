@@ -5,7 +5,7 @@ import pytest
 from cumulus_p2p._errors import EnvelopeRejectedError, MalformedMessageError, ReceiptRejectedError
 from cumulus_p2p.identity import NodeIdentity
 from cumulus_p2p.market.ledger import Ledger
-from cumulus_p2p.market.messages import LeaseProposal, PriorityClass
+from cumulus_p2p.market.messages import LeaseProposal, PriorityClass, Receipt, seal_message
 from cumulus_p2p.market.metering import Meter
 from cumulus_p2p.market.settlement import ReceiptDesk
 
@@ -78,12 +78,62 @@ def test_a_receipt_relayed_by_another_peer_is_refused(desk):
         desk.countersign(raw, sender=MALLORY.peer_id.to_base58(), now=NOW + 60)
 
 
-def test_a_replayed_receipt_is_refused_and_recorded_once(desk):
+def test_a_receipt_delivered_again_gets_the_same_countersignature_and_is_recorded_once(desk):
+    # The host asks again when our answer was lost on the way; refusing would leave a
+    # paid receipt unsettled (and the lease paused for it).
     raw = Meter(HOST, LEASE, interval=60).issue(NOW + 60, nonce=1).to_bytes()
-    desk.countersign(raw, sender=HOST_ID, now=NOW + 60)
-    with pytest.raises((EnvelopeRejectedError, ReceiptRejectedError)):
-        desk.countersign(raw, sender=HOST_ID, now=NOW + 61)
+    first = desk.countersign(raw, sender=HOST_ID, now=NOW + 60)
+    assert desk.countersign(raw, sender=HOST_ID, now=NOW + 61) == first
     assert len(desk.ledger) == 1
+
+
+def test_a_replayed_receipt_that_was_never_countersigned_is_refused(desk):
+    meter = Meter(HOST, LEASE, interval=60)
+    raw = meter.issue(NOW + 60, nonce=1).to_bytes()
+    with pytest.raises(ReceiptRejectedError):
+        desk.countersign(raw, sender=HOST_ID, now=NOW + 1)  # charges ahead of our clock
+    with pytest.raises(EnvelopeRejectedError, match="already seen"):
+        desk.countersign(raw, sender=HOST_ID, now=NOW + 60)
+    assert len(desk.ledger) == 0
+
+
+def inflated(share_seconds=120, bytes_moved=0, end=NOW + 60):
+    receipt = Receipt("L1", HOST_ID, 0, NOW, end, share_seconds, bytes_moved, NOW + 600, 7)
+    return seal_message(HOST, receipt, now=end)
+
+
+def test_more_share_seconds_than_the_lease_allows_is_refused_and_disputed(desk):
+    with pytest.raises(ReceiptRejectedError, match="share-seconds"):
+        desk.countersign(inflated(share_seconds=121).to_bytes(), sender=HOST_ID, now=NOW + 60)
+    (dispute,) = desk.ledger.disputes()
+    assert dispute.receipt_id == "L1/0" and "share-seconds" in dispute.reason
+    assert len(desk.ledger) == 0
+
+
+def test_a_receipt_running_past_the_consumers_clock_is_refused_and_disputed(desk):
+    with pytest.raises(ReceiptRejectedError, match="past this consumer's clock"):
+        desk.countersign(inflated().to_bytes(), sender=HOST_ID, now=NOW + 60 - 30)
+    assert [d.receipt_id for d in desk.ledger.disputes()] == ["L1/0"]
+
+
+def test_bytes_beyond_the_consumers_own_count_are_refused_and_disputed(tmp_path):
+    with Ledger.open(tmp_path) as ledger:
+        desk = ReceiptDesk(CONSUMER, ledger, bytes_tolerance=(1000, 0.01))
+        desk.open_account(LEASE, counts_bytes=True)
+        desk.count_bytes("L1", 100_000)
+        with pytest.raises(ReceiptRejectedError, match="counted 100000"):
+            desk.countersign(inflated(bytes_moved=101_001).to_bytes(), sender=HOST_ID,
+                             now=NOW + 60)  # fmt: skip
+        assert [d.receipt_id for d in ledger.disputes()] == ["L1/0"]
+
+
+def test_bytes_within_the_tolerance_of_the_consumers_count_are_countersigned(tmp_path):
+    with Ledger.open(tmp_path) as ledger:
+        desk = ReceiptDesk(CONSUMER, ledger, bytes_tolerance=(1000, 0.01))
+        desk.open_account(LEASE, counts_bytes=True)
+        desk.count_bytes("L1", 100_000)
+        desk.countersign(inflated(bytes_moved=101_000).to_bytes(), sender=HOST_ID, now=NOW + 60)
+        assert len(ledger) == 1 and not list(ledger.disputes())
 
 
 @pytest.mark.parametrize("raw", [b"", b"\x00" * 10, b"\x93\x01\x02\x03"])

@@ -84,6 +84,9 @@ def test_a_cuda_style_script_runs_unchanged_on_the_cheaper_provider_with_matchin
     assert cheap and not dear
     assert receipt_ids(root / "consumer") == cheap
     assert bytes_moved(root / "consumer") == bytes_moved(root / "p0.3") > 0
+    # The consumer countersigned those bytes against its own count of the same frames.
+    (lease,) = json.loads((root / "consumer" / "state.json").read_text())["leases"]
+    assert lease["bytes_counted"] == lease["bytes"] == bytes_moved(root / "consumer")
     assert "total cost" in consumer.output()
 
 

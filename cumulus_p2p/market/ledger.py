@@ -14,6 +14,10 @@ means acknowledged data was lost and a person must look. Receipts are deduplicat
 ``receipt_id`` both on append and on load, so a receipt delivered twice, or a retry
 after a crash, is never counted twice.
 
+Disputes go beside the receipts, in ``disputes.jsonl`` with the same durability: a
+receipt one side refused (an inflated charge, say), with the refusal's reason and the
+host-signed receipt itself, so that either side can show what was claimed.
+
 Payment rails plug in through the ``PaymentRail`` protocol: the ledger calls
 ``rail.on_receipt(entry)`` after each new receipt is durable. A crash between the
 fsync and that call would skip one notification, so rails must be idempotent by
@@ -35,12 +39,23 @@ from pathlib import Path
 from types import TracebackType
 from typing import Protocol
 
-from .._errors import LedgerCorruptError, MalformedMessageError
-from .messages import CountersignedReceipt
+from .._errors import EnvelopeRejectedError, LedgerCorruptError, MalformedMessageError
+from ..envelope import Envelope
+from .messages import CountersignedReceipt, Receipt, open_message
 
-__all__ = ["LEDGER_FILE_NAME", "Ledger", "LedgerEntry", "LedgerTotals", "PaymentRail"]
+__all__ = [
+    "DISPUTES_FILE_NAME",
+    "LEDGER_FILE_NAME",
+    "Dispute",
+    "Ledger",
+    "LedgerEntry",
+    "LedgerTotals",
+    "PaymentRail",
+]
 
 LEDGER_FILE_NAME = "ledger.jsonl"
+DISPUTES_FILE_NAME = "disputes.jsonl"
+_MAX_REASON = 500
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +70,31 @@ class LedgerEntry:
     interval_start: float
     interval_end: float
     countersigned: CountersignedReceipt
+
+
+@dataclass(frozen=True, slots=True)
+class Dispute:
+    """A receipt one side refused: what the host claimed, and why it was refused."""
+
+    receipt_id: str
+    lease_id: str
+    host: str
+    reason: str
+    at: float
+    receipt: Envelope
+
+    @classmethod
+    def of(cls, envelope: Envelope, reason: str, *, at: float) -> Dispute:
+        """The dispute over the host-signed receipt ``envelope``.
+
+        Raises:
+            MalformedMessageError: The envelope does not hold a receipt.
+        """
+        receipt = open_message(envelope)
+        if type(receipt) is not Receipt:
+            raise MalformedMessageError("a dispute is about a receipt")
+        return cls(receipt.receipt_id, receipt.lease_id, receipt.host, reason[:_MAX_REASON],
+                   at, envelope)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,38 +145,22 @@ class Ledger:
         data_dir = Path(data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
         self.path = data_dir / LEDGER_FILE_NAME
+        self.disputes_path = data_dir / DISPUTES_FILE_NAME
         self._rail = rail
         self._entries: dict[str, LedgerEntry] = {}
-        self._load()
+        self._disputes: dict[str, Dispute] = {}
+        for entry in _load(self.path, self._parse):
+            self._entries.setdefault(entry.receipt_id, entry)
+        for dispute in _load(self.disputes_path, _parse_dispute):
+            self._disputes.setdefault(dispute.receipt_id, dispute)
         self._file = open(self.path, "ab")
+        self._disputes_file = open(self.disputes_path, "ab")
         _fsync_dir(data_dir)
 
     @classmethod
     def open(cls, data_dir: Path, *, rail: PaymentRail | None = None) -> Ledger:
         """Open (recovering if needed) the ledger in ``data_dir``."""
         return cls(data_dir, rail=rail)
-
-    def _load(self) -> None:
-        try:
-            data = self.path.read_bytes()
-        except FileNotFoundError:
-            return
-        lines = data.split(b"\n")
-        # Everything after the last newline was never acknowledged: a torn write.
-        complete, tail = lines[:-1], lines[-1]
-        for number, line in enumerate(complete, start=1):
-            try:
-                entry = self._parse(line)
-            except (ValueError, KeyError, TypeError, MalformedMessageError) as exc:
-                raise LedgerCorruptError(
-                    f"{self.path} line {number} is damaged ({exc}); nothing was changed"
-                ) from exc
-            self._entries.setdefault(entry.receipt_id, entry)
-        if tail:
-            with open(self.path, "r+b") as f:
-                f.truncate(len(data) - len(tail))
-                f.flush()
-                os.fsync(f.fileno())
 
     @staticmethod
     def _parse(line: bytes) -> LedgerEntry:
@@ -164,13 +188,37 @@ class Ledger:
             "id": entry.receipt_id,
             "receipt": base64.b64encode(countersigned.to_bytes()).decode("ascii"),
         }
-        self._file.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        _write_line(self._file, record)
         self._entries[entry.receipt_id] = entry
         if self._rail is not None:
             self._rail.on_receipt(entry)
         return True
+
+    def record_dispute(self, dispute: Dispute) -> bool:
+        """Record a refused receipt durably, unless it is already recorded.
+
+        Returns:
+            ``True`` if it was new (and is now on disk).
+
+        Raises:
+            OSError: The write or fsync failed.
+        """
+        if dispute.receipt_id in self._disputes:
+            return False
+        _write_line(self._disputes_file, {
+            "id": dispute.receipt_id, "reason": dispute.reason, "at": dispute.at,
+            "receipt": base64.b64encode(dispute.receipt.to_bytes()).decode("ascii"),
+        })  # fmt: skip
+        self._disputes[dispute.receipt_id] = dispute
+        return True
+
+    def disputes(self) -> Iterator[Dispute]:
+        """Recorded disputes in the order they were first recorded."""
+        return iter(list(self._disputes.values()))
+
+    def get(self, receipt_id: str) -> LedgerEntry | None:
+        """The receipt recorded under ``receipt_id``, if any."""
+        return self._entries.get(receipt_id)
 
     def __contains__(self, receipt_id: object) -> bool:
         return receipt_id in self._entries
@@ -195,8 +243,9 @@ class Ledger:
             rail.on_receipt(entry)
 
     def close(self) -> None:
-        """Close the file. Everything appended is already durable."""
+        """Close the files. Everything appended is already durable."""
         self._file.close()
+        self._disputes_file.close()
 
     def __enter__(self) -> Ledger:
         return self
@@ -208,6 +257,45 @@ class Ledger:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _load(path: Path, parse) -> Iterator:
+    """Parse each complete line of ``path``; cut off a torn last line (never
+    acknowledged); raise on damage anywhere else."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return
+    lines = data.split(b"\n")
+    complete, tail = lines[:-1], lines[-1]
+    for number, line in enumerate(complete, start=1):
+        try:
+            yield parse(line)
+        except (ValueError, KeyError, TypeError, MalformedMessageError,
+                EnvelopeRejectedError) as exc:  # fmt: skip
+            raise LedgerCorruptError(
+                f"{path} line {number} is damaged ({exc}); nothing was changed"
+            ) from exc
+    if tail:
+        with open(path, "r+b") as f:
+            f.truncate(len(data) - len(tail))
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _parse_dispute(line: bytes) -> Dispute:
+    record = json.loads(line)
+    raw = base64.b64decode(record["receipt"], validate=True)
+    dispute = Dispute.of(Envelope.from_bytes(raw), record["reason"], at=float(record["at"]))
+    if dispute.receipt_id != record["id"]:
+        raise ValueError("the id does not match the receipt")
+    return dispute
+
+
+def _write_line(file, record: dict) -> None:
+    file.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
+    file.flush()
+    os.fsync(file.fileno())
 
 
 def _fsync_dir(path: Path) -> None:

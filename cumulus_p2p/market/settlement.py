@@ -5,7 +5,14 @@ host's signed receipt envelope. The response is msgpack ``[True, countersigned_b
 or ``[False, reason]``. The consumer's ``ReceiptDesk`` decides (sans-IO); the host's
 ``call_countersign`` checks the countersignature before it trusts the answer.
 
-Both sides then append the countersigned receipt to their ledgers, so the two ledgers
+The desk countersigns only what it can check: the receipt fits the lease
+(``check_receipt``), does not run past the consumer's own clock by more than
+``clock_tolerance``, and, for a lease whose traffic the consumer counts, the bytes
+receipted so far do not exceed its own count by more than ``bytes_tolerance``. A
+genuine receipt that fails is a dispute: the consumer records it in its ledger and
+refuses with the reason; the host (``settle_receipt``) records it in its own.
+
+Both sides append each countersigned receipt to their ledgers, so the two ledgers
 hold the same receipts.
 
 When the consumer is done it settles the lease (``/cumulus/lease-close/1.0.0``): the
@@ -26,6 +33,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import msgpack
+import trio
 from libp2p.abc import IHost
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
@@ -37,8 +45,8 @@ from .._errors import (
 )
 from ..envelope import Envelope, EnvelopeValidator
 from ..identity import NodeIdentity
-from .ledger import Ledger
-from .messages import CountersignedReceipt, LeaseProposal, Receipt
+from .ledger import Dispute, Ledger
+from .messages import CountersignedReceipt, LeaseProposal, Receipt, open_message
 from .metering import check_receipt
 from .rpc import call_rpc, serve_rpc
 
@@ -54,6 +62,7 @@ __all__ = [
     "serve_lease_close",
     "serve_lease_notices",
     "serve_receipts",
+    "settle_receipt",
 ]
 
 RECEIPT_PROTOCOL = TProtocol("/cumulus/receipt/1.0.0")
@@ -75,6 +84,9 @@ TakeNotice = Callable[[str, str, str, str], Awaitable[str | None]]
 class _Account:
     lease: LeaseProposal
     previous: Receipt | None = None
+    counts_bytes: bool = False
+    counted_bytes: int = 0
+    receipted_bytes: int = 0
 
 
 @dataclass
@@ -83,35 +95,93 @@ class ReceiptDesk:
 
     Args:
         identity: The consumer; it countersigns.
-        ledger: Where countersigned receipts go (durable before the host hears back).
+        ledger: Where countersigned receipts and disputes go (durable before the host
+            hears back).
+        clock_tolerance: Seconds a receipt may run past the consumer's clock.
+        bytes_tolerance: ``(slack, fraction)``: receipted bytes may exceed the
+            consumer's own count by ``max(slack, fraction * count)``; frames in flight
+            when the host issued the receipt are on its count and not yet on ours.
     """
 
     identity: NodeIdentity
     ledger: Ledger
+    clock_tolerance: float = 5.0
+    bytes_tolerance: tuple[int, float] = (16 * 2**20, 0.02)
     _accounts: dict[str, _Account] = field(default_factory=dict)
     _validator: EnvelopeValidator = field(default_factory=lambda: EnvelopeValidator([Receipt.KIND]))
 
-    def open_account(self, lease: LeaseProposal) -> None:
-        """Accept receipts for ``lease`` from now on."""
-        self._accounts.setdefault(lease.lease_id, _Account(lease))
+    def open_account(self, lease: LeaseProposal, *, counts_bytes: bool = False) -> None:
+        """Accept receipts for ``lease`` from now on; with ``counts_bytes``, check their
+        bytes against what ``count_bytes`` reports."""
+        self._accounts.setdefault(lease.lease_id, _Account(lease, counts_bytes=counts_bytes))
+
+    def count_bytes(self, lease_id: str, total: int) -> None:
+        """The consumer's own count of the bytes moved under ``lease_id`` so far."""
+        account = self._accounts.get(lease_id)
+        if account is not None:
+            account.counted_bytes = max(account.counted_bytes, total)
+
+    def counted_bytes(self, lease_id: str) -> int:
+        """The consumer's own count for ``lease_id`` (0 if unknown)."""
+        account = self._accounts.get(lease_id)
+        return 0 if account is None else account.counted_bytes
 
     def countersign(self, raw: bytes, *, sender: str, now: float) -> CountersignedReceipt:
         """Check, countersign and record one receipt.
 
         Raises:
             ReceiptRejectedError: Unknown lease, a sender other than the lease's host, or a
-                receipt that does not fit the lease (see ``check_receipt``).
+                receipt that does not fit the lease (see ``check_receipt``), the
+                consumer's clock or its byte count; a genuine receipt refused so is
+                recorded as a dispute first.
             EnvelopeRejectedError, MalformedMessageError: a bad envelope.
         """
         envelope = Envelope.from_bytes(raw)
         account = self._account_for(envelope, sender)
-        checked, receipt = check_receipt(
-            raw, account.lease, now=now, previous=account.previous, validator=self._validator
-        )
+        again = self._countersigned_before(envelope)
+        if again is not None:  # our answer was lost on the way: the same answer again
+            return again
+        try:
+            checked, receipt = check_receipt(
+                raw, account.lease, now=now, previous=account.previous, validator=self._validator
+            )
+            self._check_usage(account, receipt, now)
+        except ReceiptRejectedError as exc:
+            self.ledger.record_dispute(Dispute.of(envelope, str(exc), at=now))
+            raise
         countersigned = CountersignedReceipt.countersign(self.identity, checked)
         self.ledger.append(countersigned)
         account.previous = receipt
+        account.receipted_bytes += receipt.bytes_moved
         return countersigned
+
+    def _check_usage(self, account: _Account, receipt: Receipt, now: float) -> None:
+        ahead = receipt.interval_end - now
+        if ahead > self.clock_tolerance:
+            raise ReceiptRejectedError(
+                f"the receipt charges up to {ahead:.1f} s past this consumer's clock "
+                f"(tolerance {self.clock_tolerance:g} s)"
+            )
+        if not account.counts_bytes:
+            return
+        slack, fraction = self.bytes_tolerance
+        claimed = account.receipted_bytes + receipt.bytes_moved
+        allowed = account.counted_bytes + max(slack, int(fraction * account.counted_bytes))
+        if claimed > allowed:
+            raise ReceiptRejectedError(
+                f"{claimed} bytes receipted under this lease, but this consumer counted "
+                f"{account.counted_bytes} (tolerance {slack} bytes or {fraction:.0%})"
+            )
+
+    def _countersigned_before(self, envelope: Envelope) -> CountersignedReceipt | None:
+        try:
+            receipt = open_message(envelope)
+        except MalformedMessageError:
+            return None
+        entry = self.ledger.get(receipt.receipt_id) if type(receipt) is Receipt else None
+        if entry is None or entry.countersigned.envelope != envelope:
+            return None
+        return entry.countersigned
 
     def _account_for(self, envelope: Envelope, sender: str) -> _Account:
         try:
@@ -126,12 +196,23 @@ class ReceiptDesk:
         return account
 
 
+async def _nothing_to_wait_for() -> None:
+    return None
+
+
 def serve_receipts(
-    host: IHost, desk: ReceiptDesk, *, clock: Callable[[], float], timeout: float = 10.0
+    host: IHost,
+    desk: ReceiptDesk,
+    *,
+    clock: Callable[[], float],
+    timeout: float = 10.0,
+    fresh_counts: Callable[[], Awaitable[None]] = _nothing_to_wait_for,
 ) -> None:
-    """Answer receipt requests on ``host`` from ``desk``."""
+    """Answer receipt requests on ``host`` from ``desk``; before each, await
+    ``fresh_counts()`` (the consumer's byte counts, newer than the request)."""
 
     async def answer(request: bytes, sender: str) -> bytes:
+        await fresh_counts()
         return _answer(desk, request, sender, clock())
 
     serve_rpc(host, RECEIPT_PROTOCOL, answer, timeout=timeout)
@@ -163,6 +244,24 @@ async def call_countersign(
     if countersigned.envelope != receipt:
         raise MalformedMessageError("the consumer countersigned a different receipt")
     countersigned.verify(key.to_bytes())
+    return countersigned
+
+
+async def settle_receipt(
+    host: IHost, peer: ID, receipt: Envelope, ledger: Ledger, *, now: float, timeout: float = 10.0
+) -> CountersignedReceipt:
+    """The host's side: have ``peer`` countersign ``receipt``, then record the result in
+    ``ledger``: the countersigned receipt, or the consumer's refusal as a dispute.
+
+    Raises:
+        What ``call_countersign`` raises; the receipt stays unsettled.
+    """
+    try:
+        countersigned = await call_countersign(host, peer, receipt, timeout=timeout)
+    except ReceiptRejectedError as exc:
+        await trio.to_thread.run_sync(ledger.record_dispute, Dispute.of(receipt, str(exc), at=now))
+        raise
+    await trio.to_thread.run_sync(ledger.append, countersigned)
     return countersigned
 
 

@@ -15,7 +15,9 @@ import os
 from .. import remote
 from .._errors import HandshakeError, PeerAuthenticationError, PeerUnreachableError
 from ..identity import NodeIdentity
+from ..market.messages import Lease
 from ..remote.secure import connect_secure
+from ..remote.transport import CountingFrameChannel
 from .control import ControlClient, SessionTicket
 from .datadir import DataDir, default_data_dir
 
@@ -55,6 +57,32 @@ def open_channel(ticket: SessionTicket, identity: NodeIdentity, *, resume_timeou
     )
 
 
+class LeaseUsage:
+    """The bytes this process's session channels carried, per lease: what the node
+    checks its hosts' receipts against (the shim reports it over the control channel)."""
+
+    def __init__(self) -> None:
+        self._bytes: dict[str, int] = {}
+
+    def count(self, channel, ticket: SessionTicket) -> CountingFrameChannel:
+        """``channel``, counted under the lease ``ticket`` names."""
+        lease_id = Lease.from_bytes(ticket.lease).proposal.lease_id
+        self._bytes.setdefault(lease_id, 0)
+
+        def add(n: int) -> None:
+            self._bytes[lease_id] += n
+
+        return CountingFrameChannel(channel, add)
+
+    def snapshot(self) -> dict[str, int]:
+        """The counts now (safe from another thread)."""
+        return dict(self._bytes)
+
+
+#: This process's counts (one process, one script, one node).
+USAGE = LeaseUsage()
+
+
 def attach_leased(client: ControlClient):
     """Attach the ``cumulus`` device to the provider the node leased; returns ``attach``'s
     handle. From the environment: ``CUMULUS_CHECKPOINT_INTERVAL`` (seconds between
@@ -68,10 +96,11 @@ def attach_leased(client: ControlClient):
         lost = remote.current_session().lost_because or "provider unreachable past resume"
         log.warning("lost the provider (%s); asking the node for another host", lost)
         ticket = client.failover(lost)
-        return open_channel(ticket, identity, resume_timeout=resume)
+        return USAGE.count(open_channel(ticket, identity, resume_timeout=resume), ticket)
 
+    ticket = client.session()
     return remote.attach(
-        channel=open_channel(client.session(), identity, resume_timeout=resume),
+        channel=USAGE.count(open_channel(ticket, identity, resume_timeout=resume), ticket),
         reconnect=reconnect,
         checkpoint_interval=interval,
     )

@@ -19,6 +19,7 @@ One trio program composes:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
@@ -118,6 +119,8 @@ class Consumer:
     doors: SessionDoors | None = None
     #: Why the last host that refused a proposal refused it.
     last_refusal: str = ""
+    #: Set when the script's shim next reports its byte counts.
+    counts_reported: trio.Event = field(default_factory=trio.Event)
 
     # --- the bid --------------------------------------------------------------------
 
@@ -152,7 +155,7 @@ class Consumer:
                 held = await self._propose(ranked.offer)
                 if held is not None:
                     self.held.append(held)
-                    self.desk.open_account(held.proposal)
+                    self.desk.open_account(held.proposal, counts_bytes=True)
                     return held
             await trio.sleep(0.25)
         raise NoMatchError(self._no_match_reason(timeout))
@@ -236,6 +239,21 @@ class Consumer:
         )
 
     # --- the shim's requests ----------------------------------------------------------
+
+    def take_counts(self, counts: dict[str, int]) -> None:
+        """The shim's byte counts per lease, which receipts are checked against."""
+        for lease_id, total in counts.items():
+            self.desk.count_bytes(lease_id, total)
+        self.counts_reported.set()
+        self.counts_reported = trio.Event()
+
+    async def fresh_counts(self) -> None:
+        """Wait (briefly) for counts newer than a receipt request that just came: the
+        host's count includes frames from after the shim's last report. After the
+        script, its last counts are final."""
+        if self.exit_code is None:
+            with trio.move_on_after(4 * control.USAGE_EVERY_S):
+                await self.counts_reported.wait()
 
     async def current_ticket(self) -> control.SessionTicket:
         live = [h for h in self.held if h.state == "held"]
@@ -339,6 +357,8 @@ def _held_row(held: Held, desk: ReceiptDesk) -> dict:
         "receipts": len(entries),
         "share_seconds": share_seconds,
         "cost": share_seconds * held.proposal.price // 3600,
+        "bytes": sum(e.bytes_moved for e in entries),
+        "bytes_counted": desk.counted_bytes(held.proposal.lease_id),
         "state": held.state,
     }
 
@@ -377,8 +397,10 @@ async def run_consumer(
     argv = script_command(options.command, cuda_compat=options.cuda_compat)
     async with open_runtime(identity, data, mesh_config) as runtime:
         desk = ReceiptDesk(identity, data.ledger())
-        serve_receipts(runtime.mesh.host, desk, clock=runtime.clock)
         consumer = Consumer(runtime, options, desk)
+        serve_receipts(
+            runtime.mesh.host, desk, clock=runtime.clock, fresh_counts=consumer.fresh_counts
+        )
         serve_lease_notices(runtime.mesh.host, consumer.take_notice)
         async with trio.open_nursery() as nursery:
             consumer.doors = SessionDoors(runtime.mesh.host, nursery)
@@ -389,7 +411,10 @@ async def run_consumer(
             consumer.status = "running"
             token = control.new_token()
             address = await nursery.start(
-                control.serve_control, token, consumer.current_ticket, consumer.failover
+                functools.partial(
+                    control.serve_control, token, consumer.current_ticket, consumer.failover,
+                    usage=consumer.take_counts,
+                )
             )
             env = _child_env(data, address, token, options)
             consumer.exit_code = await run_script(argv, env)

@@ -10,9 +10,14 @@ Requests, from the shim::
 
     ["session", token]            -> the lease to use now
     ["failover", token, reason]   -> the host is gone: a lease with another host
+    ["usage", token, {lease: bytes}] -> the session's last byte counts, at its end
+                                     (answered ``["ok", None]``)
     ["watch", token]              -> never answered: the connection stays open while
                                      the node lives (the shim stops the script when it
-                                     closes; ``wait_until_node_is_gone``)
+                                     closes; ``wait_until_node_is_gone``). On it the shim
+                                     then sends, every half second,
+    ["usage", {lease_id: bytes}]     the bytes its session channels carried per lease,
+                                     which the node checks receipts against
 
 Answers: ``["ok", {"endpoint": "host:port", "provider_key": bytes, "lease": bytes,
 "host": peer_id}]`` or ``["error", message]``.
@@ -23,6 +28,7 @@ from __future__ import annotations
 import hmac
 import os
 import secrets
+import select
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -88,6 +94,10 @@ class SessionTicket:
 #: What the node does for each request: ``session()`` and ``failover(reason)``.
 SessionSource = Callable[[], Awaitable[SessionTicket]]
 FailoverSource = Callable[[str], Awaitable[SessionTicket]]
+#: Where the shim's byte counts go: ``{lease_id: bytes}``.
+UsageSink = Callable[[dict[str, int]], None]
+#: How often the shim reports its byte counts.
+USAGE_EVERY_S = 0.5
 
 
 def new_token() -> str:
@@ -100,6 +110,7 @@ async def serve_control(
     session: SessionSource,
     failover: FailoverSource,
     *,
+    usage: UsageSink = lambda counts: None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve control requests on loopback forever; reports ``"127.0.0.1:port"``."""
@@ -112,8 +123,8 @@ async def serve_control(
             while True:
                 request = msgpack.unpackb(await channel.receive_frame(), raw=False)
                 if request == ["watch", token]:
-                    await trio.sleep_forever()  # closed when this node's process ends
-                answer = await _answer(request, token, session, failover)
+                    await _take_usage(channel, usage)  # open until this node's process ends
+                answer = await _answer(request, token, session, failover, usage)
                 await channel.send_frame([msgpack.packb(answer)])
         except (CumulusError, trio.BrokenResourceError, ValueError, msgpack.UnpackException):
             pass  # the child went away or spoke nonsense: this connection only ends
@@ -125,8 +136,24 @@ async def serve_control(
         task_status.started(f"127.0.0.1:{port}")
 
 
+async def _take_usage(channel: TrioFrameChannel, usage: UsageSink) -> None:
+    while True:
+        report = msgpack.unpackb(await channel.receive_frame(), raw=False)
+        if not (isinstance(report, list) and len(report) == 2 and report[0] == "usage"):
+            raise RemoteProtocolError("a watch carries only usage reports")
+        usage(_counts(report[1]))
+
+
+def _counts(value: object) -> dict[str, int]:
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and type(v) is int and v >= 0 for k, v in value.items()
+    ):
+        raise RemoteProtocolError("a usage report maps lease ids to byte counts")
+    return value
+
+
 async def _answer(
-    request: object, token: str, session: SessionSource, failover: FailoverSource
+    request: object, token: str, session: SessionSource, failover: FailoverSource, usage: UsageSink
 ) -> list:
     if not (isinstance(request, list) and len(request) >= 2 and isinstance(request[1], str)):
         return ["error", "malformed control request"]
@@ -137,13 +164,19 @@ async def _answer(
             return ["ok", (await session()).to_wire()]
         if request[0] == "failover" and len(request) == 3 and isinstance(request[2], str):
             return ["ok", (await failover(request[2])).to_wire()]
+        if request[0] == "usage" and len(request) == 3:
+            usage(_counts(request[2]))
+            return ["ok", None]
     except CumulusError as exc:
         return ["error", str(exc)]
     return ["error", f"unknown control request {request[0]!r}"]
 
 
-def wait_until_node_is_gone(address: str, token: str) -> str:
-    """Block until the node serving ``address`` is gone; return how that showed.
+def wait_until_node_is_gone(
+    address: str, token: str, usage: Callable[[], dict[str, int]] = dict
+) -> str:
+    """Block until the node serving ``address`` is gone; return how that showed. Meanwhile
+    report ``usage()`` to it every ``USAGE_EVERY_S``.
 
     Meant for a daemon thread in the script's process: the node holds this connection
     open for as long as it runs, and the kernel closes it when the node dies, however.
@@ -152,10 +185,29 @@ def wait_until_node_is_gone(address: str, token: str) -> str:
     try:
         channel = SocketFrameChannel.connect(host, int(port), max_frame=MAX_FRAME)
         channel.send_frame([msgpack.packb(["watch", token])])
+        while not select.select([channel], [], [], USAGE_EVERY_S)[0]:
+            channel.send_frame([msgpack.packb(["usage", usage()])])
         channel.recv_frame()
     except (OSError, CumulusError) as exc:
         return f"its control channel closed ({exc})"
     return "it answered a watch, which it never does"
+
+
+def report_counts(address: str, token: str, counts: dict[str, int]) -> None:
+    """Give the node serving ``address`` this process's final byte counts.
+
+    Raises:
+        OSError, CumulusError: the node is gone or refused them.
+    """
+    host, _, port = address.rpartition(":")
+    channel = SocketFrameChannel.connect(host, int(port), max_frame=MAX_FRAME)
+    try:
+        channel.send_frame([msgpack.packb(["usage", token, counts])])
+        answer = msgpack.unpackb(channel.recv_frame(), raw=False)
+    finally:
+        channel.close()
+    if answer != ["ok", None]:
+        raise CumulusError(f"the cumulus node refused the byte counts: {answer!r}")
 
 
 class ControlClient:

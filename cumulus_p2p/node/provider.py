@@ -55,9 +55,9 @@ from ..market.messages import encode_message, peer_id_of, seal_message
 from ..market.metering import Standing, payment_standing
 from ..market.settlement import (
     NOTICE_LEAVING,
-    call_countersign,
     call_lease_notice,
     serve_lease_close,
+    settle_receipt,
 )
 from ..remote.executor import Executor, ExecutorConfig
 from ..remote.executor_main import build_executor
@@ -152,6 +152,8 @@ class ActiveLease:
     started: float
     unsettled: list[Issued] = field(default_factory=list)
     settled: trio.Event = field(default_factory=trio.Event)
+    #: One settlement at a time: the session's end and the metering loop both settle.
+    settling: trio.Lock = field(default_factory=trio.Lock)
     channels: set = field(default_factory=set)
     receipts: int = 0
     share_seconds: int = 0
@@ -305,6 +307,8 @@ class Provider:
             await channel.aclose(reason)
 
     def _finish(self, active: ActiveLease, state: str) -> None:
+        if active.settled.is_set():
+            return  # finished already (the session's end and the metering loop race)
         active.state = state
         self.book.release(active.proposal.lease_id)
         self.active.pop(active.proposal.lease_id, None)
@@ -342,20 +346,24 @@ class Provider:
         active.unsettled.append(Issued(now, envelope))
 
     async def _settle(self, active: ActiveLease) -> None:
+        async with active.settling:
+            await self._settle_in_order(active)
+
+    async def _settle_in_order(self, active: ActiveLease) -> None:
         # In order: the consumer accepts receipt k+1 only after receipt k.
         consumer = peer_of(active.proposal.consumer)
         while active.unsettled:
             envelope = active.unsettled[0].envelope
             try:
-                countersigned = await call_countersign(
-                    self.runtime.mesh.host, consumer, envelope, timeout=5.0
-                )
+                countersigned = await settle_receipt(
+                    self.runtime.mesh.host, consumer, envelope, self._ledger,
+                    now=self.runtime.clock(), timeout=5.0,
+                )  # fmt: skip
             except (CumulusError, BaseLibp2pError, trio.TooSlowError, OSError) as exc:
                 log.warning(
                     "receipt for lease %s not settled yet: %s", active.proposal.lease_id, exc
                 )
                 return
-            await trio.to_thread.run_sync(self._ledger.append, countersigned)
             active.unsettled.pop(0)
             active.receipts += 1
             active.share_seconds += countersigned.receipt.share_seconds
@@ -378,7 +386,7 @@ class Provider:
 
     def _update_standing(self, active: ActiveLease) -> None:
         """Follow the settlements: resume a paused lease once paid, finish a settled one."""
-        if active.unsettled:
+        if active.unsettled or active.settled.is_set():
             return
         if active.session_over or (active.meter.finished and not active.channels):
             self._finish(active, "ended")
@@ -389,6 +397,8 @@ class Provider:
     async def _enforce(self, active: ActiveLease) -> None:
         """Pause a lease with an overdue receipt; end it once the second grace is over."""
         self._update_standing(active)
+        if active.settled.is_set():
+            return
         standing = self._standing(active)
         if standing is Standing.PAUSED and active.state == "running":
             active.state = "paused"

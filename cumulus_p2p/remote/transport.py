@@ -143,6 +143,10 @@ class SocketFrameChannel:
         sock.settimeout(None)
         return cls(sock, max_frame=max_frame)
 
+    def fileno(self) -> int:
+        """The socket's descriptor (for ``select``)."""
+        return self._sock.fileno()
+
     def send_frame(self, parts: Sequence[Buffer]) -> None:
         views = [memoryview(frame_header(parts, self.max_frame))]
         views.extend(memoryview(p).cast("B") for p in parts)
@@ -265,6 +269,28 @@ class TrioFrameChannel:
 
     async def aclose(self) -> None:
         await self._stream.aclose()
+
+
+class CountingFrameChannel:
+    """A blocking ``FrameChannel`` that counts its frames' bytes as ``CountingChannel``
+    does on the provider, so the consumer can check the bytes its host receipts."""
+
+    def __init__(self, inner: FrameChannel, on_bytes) -> None:
+        self._inner = inner
+        self._on_bytes = on_bytes
+        self.max_frame = inner.max_frame
+
+    def send_frame(self, parts: Sequence[Buffer]) -> None:
+        self._inner.send_frame(parts)
+        self._on_bytes(_LENGTH.size + nbytes(parts))
+
+    def recv_frame(self) -> bytearray:
+        frame = self._inner.recv_frame()
+        self._on_bytes(_LENGTH.size + len(frame))
+        return frame
+
+    def close(self) -> None:
+        self._inner.close()
 
 
 class CountingChannel:
