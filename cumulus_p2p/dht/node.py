@@ -538,3 +538,16 @@ async def open_mesh_node(
         finally:
             nursery.cancel_scope.cancel()
             node._send.close()
+            await _hang_up_peers(node.host)
+
+
+async def _hang_up_peers(host) -> None:
+    """Close every connection before the services stop: a message arriving while
+    pubsub's service is torn down makes py-libp2p raise "Nursery is closed to new
+    arrivals" out of the host (seen when a provider left on SIGTERM mid-session)."""
+    with trio.CancelScope(shield=True), trio.move_on_after(2.0):
+        for peer in list(host.get_connected_peers()):
+            try:
+                await host.disconnect(peer)
+            except Exception as exc:  # noqa: BLE001 - py-libp2p raises many types here
+                logger.debug("closing the connection to %s: %r", peer, exc)

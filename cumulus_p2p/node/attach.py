@@ -5,6 +5,9 @@ channel in ``control``) for the lease it matched, opens the authenticated, encry
 session channel to that provider, and attaches the ``cumulus`` device with failover:
 when the provider vanishes past the channel's resume grace period, the session asks
 the node for another host and restores itself there from its last checkpoint.
+
+Before the script runs, the device is probed (``probe``): a host that misrepresents it
+is dropped at once, the node leases another, and the session starts there instead.
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ from ..remote.secure import connect_secure
 from ..remote.transport import CountingFrameChannel
 from .control import ControlClient, SessionTicket
 from .datadir import DataDir, default_data_dir
+from .probe import measure
+
+#: Hosts probed before giving up when each one misrepresents its device.
+MAX_PROBED_HOSTS = 4
 
 log = logging.getLogger("cumulus_p2p.node.attach")
 
@@ -98,9 +105,18 @@ def attach_leased(client: ControlClient):
         ticket = client.failover(lost)
         return USAGE.count(open_channel(ticket, identity, resume_timeout=resume), ticket)
 
-    ticket = client.session()
-    return remote.attach(
-        channel=USAGE.count(open_channel(ticket, identity, resume_timeout=resume), ticket),
-        reconnect=reconnect,
-        checkpoint_interval=interval,
+    for _ in range(MAX_PROBED_HOSTS):
+        ticket = client.session()
+        attached = remote.attach(
+            channel=USAGE.count(open_channel(ticket, identity, resume_timeout=resume), ticket),
+            reconnect=reconnect,
+            checkpoint_interval=interval,
+        )
+        why = client.probe(measure(attached.session, ticket.claimed_perf).to_wire())
+        if why is None:
+            return attached
+        log.warning("host %s misrepresents its device (%s); moving on", ticket.host[:12], why)
+        remote.detach()
+    raise PeerUnreachableError(
+        f"{MAX_PROBED_HOSTS} hosts in a row misrepresented their device; the last: {why}"
     )

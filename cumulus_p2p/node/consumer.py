@@ -31,7 +31,7 @@ from libp2p.exceptions import BaseLibp2pError
 
 from .._errors import CumulusError, LeaseRefusedError, NoMatchError, PeerUnreachableError
 from ..dht.host import connect
-from ..market import Bid, Cancel, Lease, LeaseProposal, PriorityClass, Side, rank_offers
+from ..market import Bid, Cancel, Lease, LeaseProposal, Offer, PriorityClass, Side, rank_offers
 from ..market.messages import encode_message, seal_message
 from ..market.negotiation import call_propose_lease
 from ..market.settlement import (
@@ -41,10 +41,18 @@ from ..market.settlement import (
     serve_lease_notices,
     serve_receipts,
 )
-from ..reputation import FailureReason, LeaseFailure, Report, ServiceRecord, seal_report
+from ..reputation import (
+    FailureReason,
+    LeaseFailure,
+    PerformanceObservation,
+    Report,
+    ServiceRecord,
+    seal_report,
+)
 from ..reputation.evidence import MAX_RECEIPTS
 from . import control
 from .datadir import DataDir
+from .probe import ProbeFacts, judge
 from .runtime import Runtime, open_runtime, peer_of
 from .script import run_script
 from .session_proxy import SessionDoors
@@ -96,11 +104,13 @@ class Held:
 
     lease: Lease
     proposal: LeaseProposal
+    offer: Offer
     host_key: bytes
     endpoint: str
     #: ``held`` while the session may run under it; ``ended`` once its term is over;
     #: ``left`` if the host said it was leaving; ``failed`` if the host dropped the
-    #: session before its term without a word.
+    #: session before its term without a word; ``misrepresented`` if the probe found
+    #: the device short of the offer.
     state: str = "held"
 
 
@@ -192,7 +202,8 @@ class Consumer:
         if not grant.endpoints:
             log.info("host %s gave no session endpoint", offer.host[:12])
             return None
-        return Held(grant.lease, proposal, peer.extract_public_key().to_bytes(), grant.endpoints[0])
+        key = peer.extract_public_key().to_bytes()
+        return Held(grant.lease, proposal, offer, key, grant.endpoints[0])
 
     async def _reach(self, peer) -> None:
         """Connect to a host: at its own addresses, else through a relay (it may have
@@ -262,8 +273,50 @@ class Consumer:
     async def _ticket(self, held: Held) -> control.SessionTicket:
         door = "" if self.doors is None else await self.doors.door(held.proposal.host)
         return control.SessionTicket(
-            held.proposal.host, held.endpoint, held.host_key, held.lease.to_bytes(), door
+            held.proposal.host, held.endpoint, held.host_key, held.lease.to_bytes(), door,
+            held.offer.perf_units,
+        )  # fmt: skip
+
+    async def check_probe(self, wire: object) -> str | None:
+        """Judge the shim's probe of the current lease's device against its offer.
+
+        A host that misrepresents is reported (the measured performance against the
+        offer's claim), excluded, and replaced by a new lease before this returns; the
+        shim then ends the session (the host settles the probe's seconds) and opens one
+        under the new lease.
+
+        Raises:
+            CumulusError: the facts are malformed, or no other host could be leased.
+        """
+        try:
+            facts = ProbeFacts.from_wire(wire)
+        except ValueError as exc:
+            raise CumulusError(f"malformed probe facts: {exc}") from exc
+        held = next(h for h in reversed(self.held) if h.state == "held")
+        why = judge(held.offer, facts)
+        if why is None:
+            log.info("host %s's device fits its offer: %s", held.proposal.host[:12], facts)
+            return None
+        log.warning("cumulus: host %s misrepresents its device: %s", held.proposal.host[:12], why)
+        held.state = "misrepresented"
+        self.excluded.add(held.proposal.host)
+        await self._report_measurement(held, facts)
+        self.status = "leasing again: the last host misrepresented its device"
+        await self.lease(FAILOVER_TIMEOUT)
+        self.status = "running"
+        return why
+
+    async def _report_measurement(self, held: Held, facts: ProbeFacts) -> None:
+        o = held.offer
+        offer = self.runtime.offer_envelopes.get((o.host, o.offer_id, o.nonce))
+        if offer is None:
+            log.warning("cannot report host %s: its offer has expired", held.proposal.host[:12])
+            return
+        measured_at = min(self.runtime.clock(), held.proposal.end_at)
+        evidence = PerformanceObservation(
+            held.lease, held.host_key, offer, facts.perf_units, measured_at
         )
+        await self._publish_report(held.proposal.host, evidence)
 
     async def take_notice(self, lease_id: str, kind: str, detail: str, sender: str) -> str | None:
         """A host says it ends one of our leases early (it is leaving): remember it, so
@@ -413,7 +466,7 @@ async def run_consumer(
             address = await nursery.start(
                 functools.partial(
                     control.serve_control, token, consumer.current_ticket, consumer.failover,
-                    usage=consumer.take_counts,
+                    usage=consumer.take_counts, probe=consumer.check_probe,
                 )
             )
             env = _child_env(data, address, token, options)

@@ -12,6 +12,9 @@ Requests, from the shim::
     ["failover", token, reason]   -> the host is gone: a lease with another host
     ["usage", token, {lease: bytes}] -> the session's last byte counts, at its end
                                      (answered ``["ok", None]``)
+    ["probe", token, facts]       -> ``["ok", None]`` if the leased device fits its
+                                     offer, else ``["ok", why]``: the node has then
+                                     leased another host, and ``session`` gives it
     ["watch", token]              -> never answered: the connection stays open while
                                      the node lives (the shim stops the script when it
                                      closes; ``wait_until_node_is_gone``). On it the shim
@@ -56,6 +59,8 @@ class SessionTicket:
     #: Where the consumer node carries the session to the provider over libp2p, for
     #: when ``endpoint`` cannot be dialed (``session_proxy``); empty if none.
     door: str = ""
+    #: The performance units the host's offer claims (what the probe checks).
+    claimed_perf: int = 0
 
     def to_wire(self) -> dict:
         return {
@@ -64,6 +69,7 @@ class SessionTicket:
             "provider_key": self.provider_key,
             "lease": self.lease,
             "door": self.door,
+            "claimed_perf": self.claimed_perf,
         }
 
     @classmethod
@@ -77,6 +83,7 @@ class SessionTicket:
                 value["provider_key"],
                 value["lease"],
                 value["door"],
+                value["claimed_perf"],
             )
         except KeyError as exc:
             raise RemoteProtocolError(f"session ticket lacks {exc}") from exc
@@ -86,6 +93,7 @@ class SessionTicket:
             and isinstance(ticket.lease, bytes)
             and isinstance(ticket.provider_key, bytes)
             and isinstance(ticket.host, str)
+            and type(ticket.claimed_perf) is int
         ):
             raise RemoteProtocolError("session ticket fields have the wrong types")
         return ticket
@@ -94,6 +102,8 @@ class SessionTicket:
 #: What the node does for each request: ``session()`` and ``failover(reason)``.
 SessionSource = Callable[[], Awaitable[SessionTicket]]
 FailoverSource = Callable[[str], Awaitable[SessionTicket]]
+#: The node's verdict on probe facts (a wire map): ``None`` if they fit the offer.
+ProbeJudge = Callable[[object], Awaitable[str | None]]
 #: Where the shim's byte counts go: ``{lease_id: bytes}``.
 UsageSink = Callable[[dict[str, int]], None]
 #: How often the shim reports its byte counts.
@@ -111,6 +121,7 @@ async def serve_control(
     failover: FailoverSource,
     *,
     usage: UsageSink = lambda counts: None,
+    probe: ProbeJudge | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve control requests on loopback forever; reports ``"127.0.0.1:port"``."""
@@ -124,7 +135,7 @@ async def serve_control(
                 request = msgpack.unpackb(await channel.receive_frame(), raw=False)
                 if request == ["watch", token]:
                     await _take_usage(channel, usage)  # open until this node's process ends
-                answer = await _answer(request, token, session, failover, usage)
+                answer = await _answer(request, token, session, failover, usage, probe)
                 await channel.send_frame([msgpack.packb(answer)])
         except (CumulusError, trio.BrokenResourceError, ValueError, msgpack.UnpackException):
             pass  # the child went away or spoke nonsense: this connection only ends
@@ -153,7 +164,12 @@ def _counts(value: object) -> dict[str, int]:
 
 
 async def _answer(
-    request: object, token: str, session: SessionSource, failover: FailoverSource, usage: UsageSink
+    request: object,
+    token: str,
+    session: SessionSource,
+    failover: FailoverSource,
+    usage: UsageSink,
+    probe: ProbeJudge | None,
 ) -> list:
     if not (isinstance(request, list) and len(request) >= 2 and isinstance(request[1], str)):
         return ["error", "malformed control request"]
@@ -167,6 +183,8 @@ async def _answer(
         if request[0] == "usage" and len(request) == 3:
             usage(_counts(request[2]))
             return ["ok", None]
+        if request[0] == "probe" and len(request) == 3 and probe is not None:
+            return ["ok", await probe(request[2])]
     except CumulusError as exc:
         return ["error", str(exc)]
     return ["error", f"unknown control request {request[0]!r}"]
@@ -231,6 +249,18 @@ class ControlClient:
     def failover(self, reason: str) -> SessionTicket:
         """Report the host gone and get a lease with another one (may take a while)."""
         return self._ask(["failover", self._token, reason[:500]])
+
+    def probe(self, facts: dict) -> str | None:
+        """Give the node what the probe measured; return why the host misrepresents its
+        device (the node has then leased another one), or ``None`` if it fits."""
+        self._channel.send_frame([msgpack.packb(["probe", self._token, facts])])
+        answer = msgpack.unpackb(self._channel.recv_frame(), raw=False)
+        if isinstance(answer, list) and len(answer) == 2 and answer[0] == "ok":
+            if answer[1] is None or isinstance(answer[1], str):
+                return answer[1]
+        if isinstance(answer, list) and len(answer) == 2 and answer[0] == "error":
+            raise CumulusError(f"the cumulus node could not judge the probe: {answer[1]}")
+        raise RemoteProtocolError("malformed answer from the cumulus node")
 
     def _ask(self, request: list) -> SessionTicket:
         self._channel.send_frame([msgpack.packb(request)])

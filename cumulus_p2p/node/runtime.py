@@ -21,8 +21,8 @@ from ..dht import REPUTATION_TOPIC, MeshConfig, MeshNode, mesh_validator, open_m
 from ..envelope import Envelope
 from ..identity import NodeIdentity
 from ..market import KINDS as MARKET_KINDS
-from ..market import MarketIntake, OrderBook
-from ..market.intake import ORDER_KINDS
+from ..market import MarketIntake, Offer, OrderBook
+from ..market.intake import ORDER_KINDS, Admitted
 from ..reputation import REPORT_KIND, Reputation
 from .datadir import DataDir
 
@@ -39,6 +39,9 @@ class Runtime:
     reputation: Reputation
     clock: Callable[[], float]
     received: dict[str, int] = field(default_factory=dict)
+    #: The host-signed envelope of each live offer, by ``(host, offer_id, nonce)``: a
+    #: lease names one, and evidence about the lease (a performance report) carries it.
+    offer_envelopes: dict[tuple[str, str, int], Envelope] = field(default_factory=dict)
 
     @property
     def peer_id(self) -> str:
@@ -57,7 +60,11 @@ class Runtime:
             self.received[kind] = self.received.get(kind, 0) + 1
             now = self.clock()
             if kind in ORDER_KINDS:
-                self.intake.admit(msg.envelope, now=now)
+                admitted = self.intake.admit(msg.envelope, now=now)
+                if isinstance(admitted, Admitted) and type(admitted.message) is Offer:
+                    offer = admitted.message
+                    key = (offer.host, offer.offer_id, offer.nonce)
+                    self.offer_envelopes[key] = msg.envelope
             elif kind == REPORT_KIND:
                 self.reputation.receive_envelope(msg.envelope, now=now)
 
@@ -67,6 +74,9 @@ class Runtime:
             now = self.clock()
             self.book.expire(now)
             self.reputation.expire(now)
+            for key, envelope in list(self.offer_envelopes.items()):
+                if envelope.expires_at <= now:
+                    del self.offer_envelopes[key]
             await trio.sleep(interval)
 
     def peers(self) -> list[dict]:

@@ -88,14 +88,22 @@ def start_node(data_dir: Path, *args: str, env: dict | None = None) -> NodeProce
 
     For a node that listens (not ``--consume``), waits for its ``listening on`` line.
     """
+    command = node_command("--data-dir", str(data_dir), *args)
+    return start_process(command, data_dir, listens="--consume" not in args, env=env)
+
+
+def start_process(
+    command: list[str], data_dir: Path, *, listens: bool, env: dict | None = None
+) -> NodeProcess:
+    """Start a node-like ``command`` with its output captured; when it ``listens``, wait
+    for its ``listening on ADDR`` line and keep ``ADDR``."""
     full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
     proc = subprocess.Popen(
-        node_command("--data-dir", str(data_dir), *args),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
-    )  # fmt: skip
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env
+    )
     node = NodeProcess(proc, Path(data_dir))
     threading.Thread(target=_pump, args=(proc, node), daemon=True).start()
-    if "--consume" not in args:
+    if listens:
         node.addr = node.wait_for("listening on").split()[-1]
     return node
 

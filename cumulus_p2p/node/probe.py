@@ -1,0 +1,129 @@
+"""Check a leased host's device against its offer before the script runs on it.
+
+In the first seconds of a lease the shim reads the executor's device facts from the
+session's welcome and measures the device through the session (``measure``); the
+consumer node compares them with the offer the lease names (``judge``, sans-IO). A host
+whose device is not the model it offered, or much slower than the performance units it
+claimed, misrepresents: the consumer ends the lease, paying only for the probe, reports
+the measurement (``PerformanceObservation``) and leases elsewhere.
+
+The measurement is matrix multiplication in float32, the unit of the host's own
+self-benchmark (``hardware.self_benchmark``), on matrices sized from the claim so that
+one product takes about ``TARGET_OP_S`` on the claimed device: large enough that the
+session's cost per op does not count, small enough that a host far slower than it
+claims is found out within a second or two. Constant matrices keep the remote random
+generator untouched, so the script's results do not depend on the probe.
+
+What the probe cannot check: the device memory (it would have to fill the lease's
+share), and a host that lies about its device's name in the session's welcome.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ..market import Offer
+
+#: A measured performance below this fraction of the claim is a misrepresentation. The
+#: margin is wide: tenants share the device, and a busy host (a CPU provider whose
+#: machine runs other work, measured on a 2-core machine) can measure a quarter of its
+#: quiet self-benchmark; a host that claims a GPU and has a CPU falls short a
+#: hundredfold or more.
+MIN_PERF_RATIO = 0.1
+#: Seconds one probe product should take on the claimed device.
+TARGET_OP_S = 0.002
+#: Seconds of measurement (at least one product is always timed).
+BUDGET_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeFacts:
+    """What the probe found on the leased device.
+
+    Attributes:
+        device: The executor's device (``"cuda:0"``, ``"cpu"``).
+        device_name: Its model, as the executor names it.
+        quota_bytes: The device memory the session may use.
+        perf_units: Measured float32 matmul GFLOP/s through the session.
+        seconds: How long the measurement took.
+    """
+
+    device: str
+    device_name: str
+    quota_bytes: int
+    perf_units: int
+    seconds: float
+
+    def to_wire(self) -> dict:
+        return {
+            "device": self.device, "device_name": self.device_name,
+            "quota_bytes": self.quota_bytes, "perf_units": self.perf_units,
+            "seconds": self.seconds,
+        }  # fmt: skip
+
+    @classmethod
+    def from_wire(cls, value: object) -> ProbeFacts:
+        """Raises: ValueError: not probe facts."""
+        if not isinstance(value, dict):
+            raise ValueError("probe facts must be a map")
+        facts = cls(
+            value.get("device"), value.get("device_name"), value.get("quota_bytes"),
+            value.get("perf_units"), value.get("seconds"),
+        )  # fmt: skip
+        if not (
+            isinstance(facts.device, str) and isinstance(facts.device_name, str)
+            and type(facts.quota_bytes) is int and type(facts.perf_units) is int
+            and isinstance(facts.seconds, float) and facts.perf_units >= 0
+        ):  # fmt: skip
+            raise ValueError("probe facts have the wrong types")
+        return facts
+
+
+def probe_size(claimed_perf: int) -> int:
+    """The matrix side whose product takes about ``TARGET_OP_S`` at ``claimed_perf``."""
+    flops = max(1, claimed_perf) * 1e9 * TARGET_OP_S
+    side = round((flops / 2) ** (1 / 3) / 64) * 64
+    return min(8192, max(128, side))
+
+
+def measure(session, claimed_perf: int, *, budget_s: float = BUDGET_S) -> ProbeFacts:
+    """Measure the session's device (the ``cumulus`` device, attached to ``session``).
+
+    Runs batches of products, doubling each time, until ``budget_s`` has passed; one
+    value is read back after each batch, so the time includes the device's work.
+    """
+    import torch
+
+    n = probe_size(claimed_perf)
+    a = torch.full((n, n), 1.0 / n, device="cumulus")
+    b = torch.full((n, n), 1.0 / n, device="cumulus")
+    start = time.perf_counter()
+    torch.mm(a, b)[0, 0].item()  # warm-up: kernels chosen, memory allocated
+    products, elapsed = 1, time.perf_counter() - start
+    if elapsed < budget_s:  # else the warm-up alone shows the device far below the claim
+        batch, products, start = 1, 0, time.perf_counter()
+        while elapsed < budget_s:
+            for _ in range(batch):
+                c = torch.mm(a, b)
+            c[0, 0].item()
+            products += batch
+            elapsed = time.perf_counter() - start
+            batch *= 2
+    info = session.info
+    return ProbeFacts(
+        str(info.get("device", "")), str(info.get("device_name", "")),
+        int(info.get("quota", 0)), int(2 * n**3 * products / elapsed / 1e9), elapsed,
+    )  # fmt: skip
+
+
+def judge(offer: Offer, facts: ProbeFacts, *, min_ratio: float = MIN_PERF_RATIO) -> str | None:
+    """Why ``facts`` show that ``offer`` misrepresents the device, or ``None`` if they fit."""
+    if facts.device_name.strip().lower() != offer.gpu_model.strip().lower():
+        return f"offered {offer.gpu_model!r}, the session runs on {facts.device_name!r}"
+    if facts.perf_units < min_ratio * offer.perf_units:
+        return (
+            f"offered {offer.perf_units} perf units, measured {facts.perf_units} "
+            f"(below {min_ratio:.0%} of the claim)"
+        )
+    return None

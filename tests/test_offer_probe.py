@@ -1,0 +1,67 @@
+"""Offers are checked against the device (issue 16).
+
+Real nodes on loopback: a bootstrap node, ``cumulus_p2p.testing.liar`` (the real
+provider node on this CPU, its offer claiming an H100 with 80 GiB, cheapest on the
+mesh) and an honest CPU provider. A consumer's job must end up on the honest one with
+the loss of a local run, having paid the liar only for the probe, and its node must
+rank the liar down.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from cumulus_p2p.market.ledger import Ledger
+from cumulus_p2p.testing.nodes import (
+    LOOPBACK_LISTEN,
+    start_consumer,
+    start_node,
+    start_process,
+    start_provider,
+)
+
+SCRIPT = ["-m", "cumulus_p2p.demo_train", "--steps", "20", "--log-every", "5"]
+
+
+def final_loss(lines: list[str]) -> float:
+    return json.loads(next(x for x in reversed(lines) if x.startswith("{")))["final_loss"]
+
+
+def test_a_host_claiming_a_gpu_it_lacks_is_dropped_after_the_probe_and_reported(tmp_path):
+    boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
+    liar = start_process(
+        [sys.executable, "-m", "cumulus_p2p.testing.liar", "--bootstrap", boot.addr,
+         "--data", str(tmp_path / "liar"), "--price", "0.1"],
+        tmp_path / "liar", listens=True,
+    )  # fmt: skip
+    honest = start_provider(tmp_path / "honest", boot.addr, "--price", "0.7")
+    try:
+        liar.wait_for("providing")
+        honest.wait_for("providing")
+        consumer = start_consumer(
+            tmp_path / "consumer", boot.addr, "--max-price", "1.0", "--min-vram", "1GiB",
+            command=SCRIPT,
+        )  # fmt: skip
+        assert consumer.proc.wait(timeout=240) == 0, consumer.output()
+    finally:
+        for node in (liar, honest, boot):
+            node.stop()
+    assert "misrepresents its device" in consumer.output()
+    local = subprocess.run(
+        [sys.executable, *SCRIPT], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert final_loss(consumer.lines) == final_loss(local.stdout.splitlines())
+    state = json.loads((tmp_path / "consumer" / "state.json").read_text())
+    leases = state["leases"]
+    assert [lease["state"] for lease in leases] == ["misrepresented", "held"]
+    liar_id = leases[0]["host"]
+    # Paid for the probe's seconds only, in both ledgers.
+    with Ledger.open(tmp_path / "liar") as books:
+        charged = books.totals(leases[0]["lease_id"])
+    assert 0 < charged.share_seconds <= 15 and charged.receipts == leases[0]["receipts"]
+    score = next(row for row in state["scores"] if row["host"] == liar_id)
+    assert score["failures"] > 0.9  # measured about a thousandth of the claim
+    ranked = [row["host"] for row in state["scores"]]
+    assert ranked.index(liar_id) > ranked.index(leases[1]["host"])
