@@ -30,6 +30,7 @@ from rich.live import Live
 
 from ._errors import CumulusError, NodeConfigError, NoMatchError
 from .dht import MeshConfig
+from .dht.nat import NatConfig
 from .market import PriorityClass
 from .node import hardware, logs, views
 from .node.datadir import DataDir, default_data_dir
@@ -120,6 +121,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ADDR",
         help="a node to keep a relay reservation on, so peers reach this one through it "
         "when it cannot be dialed (behind NAT); repeatable",
+    )
+    node.add_argument(
+        "--circuit-duration",
+        type=parse_duration,
+        default=120,
+        metavar="DURATION",
+        help="as a relay: how long one relayed connection may last (default 120s)",
+    )
+    node.add_argument(
+        "--circuit-bytes",
+        type=_size,
+        default=16 * 2**20,
+        metavar="SIZE",
+        help="as a relay: how much one relayed connection may carry (default 16MiB)",
     )
     node.add_argument(
         "--bootstrap",
@@ -393,6 +408,9 @@ def _mesh_config(args, data: DataDir) -> MeshConfig:
         return MeshConfig(
             listen_addrs=listen_addrs,
             bootstrap=bootstrap, relays=tuple(args.relay), enable_mdns=args.mdns,
+            nat=NatConfig(
+                circuit_duration=args.circuit_duration, circuit_bytes=args.circuit_bytes
+            ),
             announce_interval=args.announce_interval,
             offer_ttl=max(30.0, 3 * args.announce_interval),
         )  # fmt: skip

@@ -73,6 +73,8 @@ def test_help_documents_every_flag():
         "--mdns",
         "--price",
         "--settle-grace",
+        "--circuit-duration",
+        "--circuit-bytes",
         "--min-consumer-score",
         "--leave-timeout",
         "--shares",

@@ -205,11 +205,12 @@ class Consumer:
         key = peer.extract_public_key().to_bytes()
         return Held(grant.lease, proposal, offer, key, grant.endpoints[0])
 
-    async def _reach(self, peer) -> None:
+    async def _reach(self, peer, *, afresh: bool = False) -> None:
         """Connect to a host: at its own addresses, else through a relay (it may have
-        none that can be dialed: behind NAT, it is reachable only through its relays)."""
+        none that can be dialed: behind NAT, it is reachable only through its relays).
+        ``afresh``: even if a connection is held (it may be dead: a relay cut it)."""
         mesh = self.runtime.mesh
-        if peer in mesh.host.get_connected_peers():
+        if not afresh and peer in mesh.host.get_connected_peers():
             return
         info = await mesh.dht.find_peer(peer)
         failures = []
@@ -456,7 +457,9 @@ async def run_consumer(
         )
         serve_lease_notices(runtime.mesh.host, consumer.take_notice)
         async with trio.open_nursery() as nursery:
-            consumer.doors = SessionDoors(runtime.mesh.host, nursery)
+            consumer.doors = SessionDoors(
+                runtime.mesh.host, nursery, functools.partial(consumer._reach, afresh=True)
+            )
             nursery.start_soon(_tick, consumer, on_tick)
             await runtime.mesh.announce(BID_NAME, Bid.KIND, consumer.bid_body)
             consumer.status = "matching"
@@ -506,8 +509,16 @@ async def _settle_leases(consumer: Consumer) -> None:
         if held.state in ("failed", "left"):  # nothing to close: the host is gone
             continue
         try:
-            await call_close_lease(
-                consumer.runtime.mesh.host, peer_of(held.proposal.host), held.proposal.lease_id
-            )
+            await _close_lease(consumer, held)
         except (CumulusError, BaseLibp2pError, trio.TooSlowError, OSError) as exc:
             log.warning("lease %s not settled: %s", held.proposal.lease_id, exc)
+
+
+async def _close_lease(consumer: Consumer, held: Held) -> None:
+    host, peer = consumer.runtime.mesh.host, peer_of(held.proposal.host)
+    try:
+        await call_close_lease(host, peer, held.proposal.lease_id)
+    except (BaseLibp2pError, OSError):
+        # The connection may be gone (a relay cut its circuit): once more over a new one.
+        await consumer._reach(peer, afresh=True)
+        await call_close_lease(host, peer, held.proposal.lease_id)

@@ -9,12 +9,15 @@ that provider instead: a loopback port where each connection becomes a libp2p st
 The secure channel's handshake runs end to end between the shim and the provider, so a
 door carries only ciphertext and needs no secret: a local process that connects to it
 cannot pass the handshake without the consumer's key. A resume dials the door again and
-gets a new stream.
+gets a new stream; when the node's connection to the provider is gone (a relay cut the
+circuit at its duration or byte cap), the door reaches the provider again first (a new
+circuit), so the session resumes as after any blip instead of losing its host.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from functools import partial
 
 import trio
@@ -32,11 +35,21 @@ _CHUNK = 65536
 
 
 class SessionDoors:
-    """One loopback door per provider, open for as long as ``nursery`` runs."""
+    """One loopback door per provider, open for as long as ``nursery`` runs.
 
-    def __init__(self, host: IHost, nursery: trio.Nursery) -> None:
+    Args:
+        host: The consumer node's libp2p host.
+        nursery: Where the doors' listeners run.
+        reach: Connects to a provider afresh (directly, else through a relay); called
+            when no stream can be opened over the connection the host holds.
+    """
+
+    def __init__(
+        self, host: IHost, nursery: trio.Nursery, reach: Callable[[ID], Awaitable[None]]
+    ) -> None:
         self._host = host
         self._nursery = nursery
+        self._reach = reach
         self._doors: dict[str, str] = {}
 
     async def door(self, provider: str) -> str:
@@ -52,7 +65,7 @@ class SessionDoors:
     async def _carry(self, peer: ID, local: trio.SocketStream) -> None:
         async with local:
             try:
-                stream = await self._host.new_stream(peer, [SESSION_PROTOCOL])
+                stream = await self._open_stream(peer)
             except Exception as exc:  # noqa: BLE001 - py-libp2p raises many kinds here
                 log.warning("no session stream to %s: %s", peer.to_base58()[:12], exc)
                 return
@@ -60,6 +73,15 @@ class SessionDoors:
             async with remote, trio.open_nursery() as nursery:
                 nursery.start_soon(_copy, local, remote, nursery.cancel_scope)
                 nursery.start_soon(_copy, remote, local, nursery.cancel_scope)
+
+
+    async def _open_stream(self, peer: ID):
+        try:
+            return await self._host.new_stream(peer, [SESSION_PROTOCOL])
+        except Exception as exc:  # noqa: BLE001 - py-libp2p raises many kinds here
+            log.info("no stream to %s (%s): opening a new circuit", peer.to_base58()[:12], exc)
+        await self._reach(peer)
+        return await self._host.new_stream(peer, [SESSION_PROTOCOL])
 
 
 async def _copy(source: trio.abc.Stream, sink: trio.abc.Stream, done: trio.CancelScope) -> None:

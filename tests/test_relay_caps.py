@@ -1,0 +1,59 @@
+"""A relayed session outlives the relay's circuit caps (issue 16).
+
+Real ``cumulus-node`` processes on loopback: a bootstrap node that relays circuits for
+at most 4 s each, and a provider and a consumer that cannot be dialed (each reachable
+only through its relay reservation there). The consumer's training job runs several
+times longer than one circuit may last. Each time the relay cuts the circuit, the
+consumer node opens a new one and the shim resumes its secure channel over it, as after
+any blip: the job finishes with the loss of a local run and no failure report against
+the provider.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from cumulus_p2p.market.ledger import Ledger
+from cumulus_p2p.testing.nodes import LOOPBACK_LISTEN, start_consumer, start_node, start_provider
+
+SCRIPT = ["-m", "cumulus_p2p.demo_train", "--steps", "300", "--log-every", "50"]
+
+
+def final_loss(lines: list[str]) -> float:
+    return json.loads(next(x for x in reversed(lines) if x.startswith("{")))["final_loss"]
+
+
+def test_a_relayed_job_longer_than_the_circuit_cap_finishes_without_blame(tmp_path):
+    boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN, "--circuit-duration", "4s")
+    provider = start_provider(
+        tmp_path / "hidden", boot.addr, "--relay", boot.addr, "--advertise-host", "127.0.0.9",
+        listen="none",
+    )  # fmt: skip
+    try:
+        provider.wait_for("providing")
+        # The consumer cannot be dialed either: every byte between the two goes through
+        # circuits on the relay (else the provider would dial the consumer directly).
+        consumer = start_consumer(
+            tmp_path / "consumer", boot.addr, "--listen", "none", "--relay", boot.addr,
+            command=SCRIPT,
+        )  # fmt: skip
+        assert consumer.proc.wait(timeout=240) == 0, consumer.output()
+    finally:
+        for node in (provider, boot):
+            node.stop()
+    local = subprocess.run(
+        [sys.executable, *SCRIPT], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert final_loss(consumer.lines) == final_loss(local.stdout.splitlines())
+    state = json.loads((tmp_path / "consumer" / "state.json").read_text())
+    assert [lease["state"] for lease in state["leases"]] == ["held"]
+    assert all(row["failures"] == 0 for row in state["scores"])
+    # The relay did cut the session's circuits, and the consumer opened new ones.
+    assert "Circuit duration limit exceeded" in (tmp_path / "boot" / "node.log").read_text()
+    assert "opening a new circuit" in (tmp_path / "consumer" / "node.log").read_text()
+    with Ledger.open(tmp_path / "consumer") as books:
+        held = {e.receipt_id for e in books.entries()}
+    with Ledger.open(tmp_path / "hidden") as books:
+        assert held == {e.receipt_id for e in books.entries()}
