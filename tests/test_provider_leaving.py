@@ -67,5 +67,60 @@ def test_a_provider_stopped_with_sigterm_hands_the_job_over_without_blame(tmp_pa
     assert receipt_ids(tmp_path / "cheap") == {
         r for r in receipt_ids(tmp_path / "consumer") if r in receipt_ids(tmp_path / "cheap")
     } != set()
-    cheap_state = json.loads((tmp_path / "cheap" / "state.json").read_text())
-    assert [lease["state"] for lease in cheap_state["leases"]] == ["ended"]
+    assert lease_states(cheap) == ["ended"]
+
+
+def start_freeloading(tmp_path, *provider_flags: str):
+    """A provider serving a consumer that never settles (``testing.freeloader``), so an
+    orderly stop would wait on it for the whole settle grace."""
+    boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
+    provider = start_provider(tmp_path / "provider", boot.addr, "--settle-grace", "60s",
+                              *provider_flags)  # fmt: skip
+    provider.wait_for("providing")
+    freeloader = subprocess.Popen(
+        [sys.executable, "-m", "cumulus_p2p.testing.freeloader", "--bootstrap", boot.addr,
+         "--data", str(tmp_path / "freeloader"), "--again-after", "60"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert freeloader.stdout.readline().startswith("leased")
+    deadline = time.monotonic() + 30
+    while "running" not in lease_states(provider):
+        assert time.monotonic() < deadline, provider.output()
+        time.sleep(0.2)
+    return boot, provider, freeloader
+
+
+def lease_states(node) -> list[str]:
+    try:
+        state = json.loads((node.data_dir / "state.json").read_text())
+    except (OSError, ValueError):
+        return []  # not written yet, or written as we read it
+    return [lease["state"] for lease in state.get("leases", [])]
+
+
+def test_a_second_sigterm_stops_a_leaving_provider_at_once(tmp_path):
+    boot, provider, freeloader = start_freeloading(tmp_path)
+    try:
+        provider.proc.send_signal(signal.SIGTERM)
+        provider.wait_for("leaving:")
+        provider.proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        assert provider.proc.wait(timeout=20) == 0, provider.output()
+        assert time.monotonic() - started < 10
+        assert "stopping now" in provider.output()
+    finally:
+        freeloader.kill()
+        for node in (provider, boot):
+            node.stop()
+
+
+def test_a_leaving_provider_stops_anyway_after_its_leave_timeout(tmp_path):
+    boot, provider, freeloader = start_freeloading(tmp_path, "--leave-timeout", "3s")
+    try:
+        provider.proc.send_signal(signal.SIGTERM)
+        assert provider.proc.wait(timeout=30) == 0, provider.output()
+        assert "leaving took over 3 s: stopping now" in provider.output(), provider.output()
+    finally:
+        freeloader.kill()
+        for node in (provider, boot):
+            node.stop()
