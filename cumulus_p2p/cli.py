@@ -606,6 +606,9 @@ def show_view(args, console: Console) -> int:
             print(json.dumps([_entry_json(e) for e in entries], indent=1))
         else:
             console.print(views.ledger_table(entries))
+            disputes = list(ledger.disputes())
+            if disputes:
+                console.print(views.disputes_table(disputes))
         return 0
     state = data.read_state()
     if state is None:

@@ -12,6 +12,8 @@ import time
 import pytest
 
 from cumulus_p2p.identity import KEY_FILE_NAME, NodeIdentity
+from cumulus_p2p.market.ledger import Dispute, Ledger
+from cumulus_p2p.market.messages import Receipt, seal_message
 from cumulus_p2p.testing.nodes import LOOPBACK_LISTEN, node_command, start_node, start_provider
 
 
@@ -113,6 +115,16 @@ def test_a_corrupt_ledger_is_reported_and_left_untouched(tmp_path):
     result = run("ledger", "--data-dir", str(tmp_path))
     assert result.returncode == 3
     assert ledger.read_bytes() == b'garbage line\n{"also": 1}\n'
+
+
+def test_the_ledger_view_lists_disputed_receipts_with_their_reasons(tmp_path):
+    host = NodeIdentity.generate()
+    claim = Receipt("L1", host.peer_id.to_base58(), 0, 1e9, 1e9 + 60, 9999, 0, 1e9 + 600, 1)
+    with Ledger.open(tmp_path) as ledger:
+        ledger.record_dispute(Dispute.of(seal_message(host, claim, now=1e9), "too many", at=1e9))
+    result = run("ledger", "--data-dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "disputes (refused receipts)" in result.stdout and "too many" in result.stdout
 
 
 def test_an_unreachable_bootstrap_peer_is_a_clear_error(tmp_path):

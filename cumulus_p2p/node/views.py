@@ -14,7 +14,7 @@ from rich.console import Group
 from rich.filesize import decimal as _bytes
 from rich.table import Table
 
-from ..market.ledger import LedgerEntry
+from ..market.ledger import Dispute, LedgerEntry
 
 
 def credits(micro: int) -> str:
@@ -130,6 +130,16 @@ def ledger_table(entries: Iterable[LedgerEntry]) -> Table:
             e.receipt_id[:12], e.lease_id[:12], short(e.host), _clock(e.interval_start),
             _clock(e.interval_end), str(e.share_seconds), _bytes(e.bytes_moved),
         )  # fmt: skip
+    return table
+
+
+def disputes_table(disputes: Iterable[Dispute]) -> Table:
+    """Receipts one side refused, and why (``disputes.jsonl`` holds the signed claims)."""
+    table = Table(title="disputes (refused receipts)")
+    for column in ("receipt", "lease", "host", "at", "why"):
+        table.add_column(column)
+    for d in disputes:
+        table.add_row(d.receipt_id[:12], d.lease_id[:12], short(d.host), _clock(d.at), d.reason)
     return table
 
 
