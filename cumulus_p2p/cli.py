@@ -37,7 +37,7 @@ from .node.datadir import DataDir, default_data_dir
 from .remote.executor_main import add_isolation_flags, parse_size
 
 EXIT_USAGE, EXIT_CONFIG, EXIT_NO_MATCH = 2, 3, 4
-VIEWS = ("status", "peers", "offers", "reputation", "ledger")
+VIEWS = ("status", "peers", "offers", "reputation", "ledger", "logs")
 DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/4001"
 
 
@@ -302,7 +302,8 @@ def build_view_parser() -> argparse.ArgumentParser:
         prog="cumulus-node VIEW",
         description="Show what the node on a data directory knows: status (summary and "
         "leases), peers, offers (live, with host scores), reputation (every host's "
-        "reliability score and the evidence behind it) or ledger (receipts).",
+        "reliability score and the evidence behind it), ledger (receipts and disputes) or "
+        "logs (the node's log file).",
     )
     parser.add_argument("view", choices=VIEWS)
     parser.add_argument(
@@ -312,6 +313,12 @@ def build_view_parser() -> argparse.ArgumentParser:
         help="the node's data directory (default $CUMULUS_DATA_DIR or ~/.cumulus)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "-f", "--follow", action="store_true", help="logs: keep printing new lines (Ctrl-C ends)"
+    )
+    parser.add_argument(
+        "-n", "--lines", type=int, default=50, help="logs: how many last lines to show (50)"
+    )
     return parser
 
 
@@ -599,6 +606,8 @@ async def _consume(args, data, mesh_config, command: list[str], console: Console
 def show_view(args, console: Console) -> int:
     """``cumulus-node status|peers|offers|reputation|ledger``."""
     data = _data_dir(args)
+    if args.view == "logs":
+        return _show_logs(args, data)
     if args.view == "ledger":
         ledger = data.ledger()
         entries = list(ledger.entries())
@@ -633,6 +642,24 @@ def show_view(args, console: Console) -> int:
         "reputation": lambda s: views.scores_table(s.get("scores", [])),
     }[args.view]
     console.print(render(state))
+    return 0
+
+
+def _show_logs(args, data: DataDir) -> int:
+    if args.json:
+        raise NodeConfigError("logs prints the log file as it is: --json does not apply")
+    path = data.path / logs.LOG_FILE
+    if not path.exists() and not args.follow:
+        raise NodeConfigError(f"no log at {path} yet: a node started on {data.path} writes one")
+    sys.stdout.writelines(logs.last_lines(path, max(0, args.lines)))
+    sys.stdout.flush()
+    if args.follow:
+        try:
+            for line in logs.follow(path):
+                sys.stdout.write(line)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            pass
     return 0
 
 

@@ -17,8 +17,8 @@ from cumulus_p2p.market.ledger import Ledger
 from cumulus_p2p.testing.nodes import (
     LOOPBACK_LISTEN,
     start_consumer,
+    start_liar,
     start_node,
-    start_process,
     start_provider,
 )
 
@@ -31,11 +31,7 @@ def final_loss(lines: list[str]) -> float:
 
 def test_a_host_claiming_a_gpu_it_lacks_is_dropped_after_the_probe_and_reported(tmp_path):
     boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
-    liar = start_process(
-        [sys.executable, "-m", "cumulus_p2p.testing.liar", "--bootstrap", boot.addr,
-         "--data", str(tmp_path / "liar"), "--price", "0.1"],
-        tmp_path / "liar", listens=True,
-    )  # fmt: skip
+    liar = start_liar(tmp_path / "liar", boot.addr, "device")
     honest = start_provider(tmp_path / "honest", boot.addr, "--price", "0.7")
     try:
         liar.wait_for("providing")

@@ -14,6 +14,10 @@ last-resort handler printed its warnings bare on stderr; it gets the file handle
 from __future__ import annotations
 
 import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
 from logging.handlers import RotatingFileHandler
 from pathlib import Path
 
@@ -55,3 +59,52 @@ def configure(data_dir: Path, *, verbose: bool) -> Path:
     if verbose:
         libp2p.addHandler(to_console)
     return path
+
+
+def last_lines(path: Path, count: int) -> list[str]:
+    """The last ``count`` lines of the log file at ``path`` (``[]`` if it has none yet)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return list(deque(f, maxlen=count))
+    except FileNotFoundError:
+        return []
+
+
+def follow(
+    path: Path, *, poll_s: float = 0.5, keep_going: Callable[[], bool] = lambda: True
+) -> Iterator[str]:
+    """Lines appended to the log file at ``path`` from now on, across its rotations,
+    while ``keep_going()``."""
+    f = _open(path, at_end=True)  # what is there already, ``last_lines`` showed
+    try:
+        while keep_going():
+            if f is None:
+                f = _open(path, at_end=False)  # created since: all of it is new
+            line = f.readline() if f is not None else ""
+            if line:
+                yield line
+            elif f is not None and _rotated(path, f):
+                f.close()  # read to its end: the rest is in the new file
+                f = _open(path, at_end=False)
+            else:
+                time.sleep(poll_s)
+    finally:
+        if f is not None:
+            f.close()
+
+
+def _open(path: Path, *, at_end: bool):
+    try:
+        f = open(path, encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return None
+    if at_end:
+        f.seek(0, os.SEEK_END)
+    return f
+
+
+def _rotated(path: Path, f) -> bool:
+    try:
+        return os.stat(path).st_ino != os.fstat(f.fileno()).st_ino
+    except FileNotFoundError:
+        return False

@@ -1,9 +1,15 @@
-"""A provider that claims a GPU it does not have: for tests.
+"""Providers that lie: for tests.
 
-``python -m cumulus_p2p.testing.liar --bootstrap ADDR --data DIR --price 0.1`` runs the
-real provider node (``run_provider``) on this machine's CPU, but its offer claims an
-``NVIDIA H100 80GB HBM3`` with 80 GiB and 60000 performance units. It prints
-``listening on ADDR`` and ``providing`` lines like ``cumulus-node --provide``.
+``python -m cumulus_p2p.testing.liar --bootstrap ADDR --data DIR --price 0.1 --lie WHAT``
+runs the real provider node (``run_provider``) on this machine's CPU, lying about one
+thing:
+
+- ``device`` (the default): its offer claims an ``NVIDIA H100 80GB HBM3`` with 80 GiB
+  and 60000 performance units;
+- ``bytes``: its offer is true, but every receipt claims 64 MiB more than the session
+  moved.
+
+It prints ``listening on ADDR`` and ``providing`` lines like ``cumulus-node --provide``.
 """
 
 from __future__ import annotations
@@ -14,26 +20,44 @@ import trio
 
 from ..cli import parse_price
 from ..dht import MeshConfig
+from ..market.metering import Meter
 from ..node.datadir import DataDir
-from ..node.hardware import DeviceFacts
+from ..node.hardware import DeviceFacts, cpu_facts, self_benchmark
 from ..node.provider import ProviderOptions, run_provider
 
 CLAIM = DeviceFacts("cpu", 0, "NVIDIA H100 80GB HBM3", 80 * 1024, None, "")
 CLAIMED_PERF = 60_000
+EXTRA_BYTES = 64 * 2**20
+
+
+def overcharge_bytes() -> None:
+    """Make every ``Meter`` on this process add ``EXTRA_BYTES`` to each receipt."""
+    issue = Meter.issue
+
+    def inflated(self, now, *, nonce):
+        self.record_bytes(EXTRA_BYTES)
+        return issue(self, now, nonce=nonce)
+
+    Meter.issue = inflated
 
 
 def ready(provider) -> None:
     for addr in provider.runtime.mesh.addrs:
         print(f"listening on {addr}", flush=True)
-    print(f"providing {CLAIM.model} (a lie) on {provider.endpoint}", flush=True)
+    print(f"providing {provider.options.device.model} on {provider.endpoint}", flush=True)
 
 
-async def main(bootstrap: str, data: DataDir, price: int) -> None:
+async def main(bootstrap: str, data: DataDir, price: int, lie: str) -> None:
     config = MeshConfig(
         listen_addrs=("/ip4/127.0.0.1/tcp/0",), bootstrap=(bootstrap,), announce_interval=1.0
     )
+    if lie == "device":
+        device, perf = CLAIM, CLAIMED_PERF
+    else:
+        overcharge_bytes()
+        device, perf = cpu_facts(), self_benchmark("cpu", seconds=0.1)
     options = ProviderOptions(
-        device=CLAIM, perf_units=CLAIMED_PERF, shares=4, price=price, receipt_interval=1.0
+        device=device, perf_units=perf, shares=4, price=price, receipt_interval=1.0
     )
     await run_provider(data, config, options, on_ready=ready, handle_signals=True)
 
@@ -43,5 +67,6 @@ if __name__ == "__main__":
     parser.add_argument("--bootstrap", required=True)
     parser.add_argument("--data", required=True)
     parser.add_argument("--price", type=parse_price, default=parse_price("0.1"))
+    parser.add_argument("--lie", choices=["device", "bytes"], default="device")
     args = parser.parse_args()
-    trio.run(main, args.bootstrap, DataDir(args.data), args.price)
+    trio.run(main, args.bootstrap, DataDir(args.data), args.price, args.lie)

@@ -113,3 +113,13 @@ def _pump(proc: subprocess.Popen, node: NodeProcess) -> None:
     for line in proc.stdout:
         node.lines.append(line)
     node.drained.set()
+
+
+def start_liar(data_dir: Path, bootstrap: str, lie: str, *, price: str = "0.1") -> NodeProcess:
+    """A provider that lies about ``lie`` (``cumulus_p2p.testing.liar``), cheapest on the
+    mesh by default; wait for its ``providing`` line before leasing from it."""
+    command = [
+        sys.executable, "-m", "cumulus_p2p.testing.liar", "--bootstrap", bootstrap,
+        "--data", str(data_dir), "--price", price, "--lie", lie,
+    ]  # fmt: skip
+    return start_process(command, data_dir, listens=True)

@@ -1,0 +1,67 @@
+"""A host that overcharges is refused, and the job moves on (issue 16).
+
+Real nodes on loopback: a bootstrap node, ``cumulus_p2p.testing.liar --lie bytes`` (the
+real provider node, cheapest on the mesh, whose receipts each claim 64 MiB more than the
+session moved) and an honest CPU provider. The consumer refuses the liar's first
+receipt, both ledgers keep the dispute, the liar pauses the unpaid session, and the job
+finishes on the honest provider with the loss of a local run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from cumulus_p2p.market.ledger import Ledger
+from cumulus_p2p.testing.nodes import (
+    LOOPBACK_LISTEN,
+    start_consumer,
+    start_liar,
+    start_node,
+    start_provider,
+)
+
+SCRIPT = ["-m", "cumulus_p2p.demo_train", "--steps", "120", "--log-every", "20"]
+
+
+def final_loss(lines: list[str]) -> float:
+    return json.loads(next(x for x in reversed(lines) if x.startswith("{")))["final_loss"]
+
+
+def disputes(data_dir) -> list:
+    with Ledger.open(data_dir) as books:
+        return list(books.disputes())
+
+
+def test_receipts_claiming_more_bytes_than_moved_are_refused_and_disputed_on_both_sides(
+    tmp_path,
+):
+    boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
+    liar = start_liar(tmp_path / "liar", boot.addr, "bytes")
+    honest = start_provider(tmp_path / "honest", boot.addr, "--price", "0.7")
+    try:
+        liar.wait_for("providing")
+        honest.wait_for("providing")
+        consumer = start_consumer(
+            tmp_path / "consumer", boot.addr, "--max-price", "1.0",
+            "--checkpoint-interval", "1s", command=SCRIPT,
+        )  # fmt: skip
+        assert consumer.proc.wait(timeout=240) == 0, consumer.output()
+    finally:
+        for node in (liar, honest, boot):
+            node.stop()
+    local = subprocess.run(
+        [sys.executable, *SCRIPT], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert final_loss(consumer.lines) == final_loss(local.stdout.splitlines())
+    state = json.loads((tmp_path / "consumer" / "state.json").read_text())
+    leases = state["leases"]
+    assert [lease["state"] for lease in leases][-1] == "held"
+    liar_id = leases[0]["host"]
+    assert leases[-1]["host"] != liar_id
+    (theirs,) = disputes(tmp_path / "liar")
+    ours = disputes(tmp_path / "consumer")
+    assert [d.receipt_id for d in ours] == [theirs.receipt_id]
+    assert "bytes receipted under this lease" in theirs.reason
+    assert ours[0].receipt == theirs.receipt  # the same host-signed claim on both sides
