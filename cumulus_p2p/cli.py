@@ -174,8 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     provide.add_argument(
         "--session-host",
-        default="127.0.0.1",
-        help="address the session channel binds (default 127.0.0.1)",
+        default=None,
+        help="address the session channel binds (default: the --listen address's, so "
+        "0.0.0.0 by default)",
     )
     provide.add_argument(
         "--session-port", type=int, default=0, help="session channel port (default: any free port)"
@@ -183,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     provide.add_argument(
         "--advertise-host",
         default=None,
-        help="address consumers dial for sessions (default --session-host)",
+        help="address consumers dial for sessions (default: every address of the "
+        "interfaces the session channel binds)",
     )
     provide.add_argument("--region", default="", help="free-form region hint, e.g. eu-west")
     provide.add_argument(
@@ -527,7 +529,8 @@ async def _provide(args, data: DataDir, mesh_config: MeshConfig, console: Consol
         _print_addrs(console, provider.runtime.mesh.addrs)
         console.print(
             f"providing {device.model} ({perf} perf units, {options.shares} shares at "
-            f"{views.credits(options.price)}/share-hour); sessions on {provider.endpoint}",
+            f"{views.credits(options.price)}/share-hour); sessions on "
+            f"{', '.join(provider.endpoints)}",
             highlight=False,
         )
         sys.stdout.flush()
@@ -585,8 +588,8 @@ async def _consume(args, data, mesh_config, command: list[str], console: Console
             console.print(
                 f"leased {held.proposal.shares} share(s) from {views.short(held.proposal.host)} "
                 f"at {views.credits(held.proposal.price)}/share-hour; session on "
-                f"{held.endpoint}; running {' '.join(command)}",
-                highlight=False,
+                f"{', '.join(held.endpoints)}; running {' '.join(command)}",
+                highlight=False, soft_wrap=True,
             )
             sys.stdout.flush()
 

@@ -11,10 +11,11 @@ from cumulus_p2p.node.control import SessionTicket
 
 TICKET = SessionTicket(
     "12D3KooWhost",
-    "127.0.0.1:7001",
+    ("127.0.0.1:7001", "127.0.0.2:7001"),
     b"k" * 32,
     b"lease",
     "127.0.0.1:7002",
+    100,
 )
 
 
@@ -26,7 +27,9 @@ def test_a_ticket_round_trips_through_its_wire_form() -> None:
     "field, value",
     [
         ("door", 7),
-        ("endpoint", None),
+        ("endpoints", None),
+        ("endpoints", [7]),
+        ("claimed_perf", "fast"),
         ("provider_key", "not bytes"),
     ],
 )
@@ -44,7 +47,9 @@ def test_a_ticket_missing_a_field_is_refused_naming_it() -> None:
 
 
 def test_a_provider_reachable_on_no_path_is_reported_with_each_path_tried() -> None:
-    ticket = SessionTicket("12D3KooWhost", "127.0.0.9:1", b"k" * 32, b"lease", "127.0.0.9:2")
+    ticket = SessionTicket(
+        "12D3KooWhost", ("127.0.0.9:1", "127.0.0.9:3"), b"k" * 32, b"lease", "127.0.0.9:2"
+    )
     with pytest.raises(PeerUnreachableError) as caught:
         open_channel(ticket, NodeIdentity.generate(), resume_timeout=1.0)
-    assert "127.0.0.9:1" in str(caught.value) and "127.0.0.9:2" in str(caught.value)
+    assert all(f"127.0.0.9:{port}" in str(caught.value) for port in (1, 2, 3))

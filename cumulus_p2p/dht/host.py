@@ -28,6 +28,7 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from .._errors import MeshError, PeerUnreachableError
 
 __all__ = [
+    "interface_ipv4s",
     "LOOPBACK",
     "connect",
     "new_mesh_host",
@@ -111,6 +112,14 @@ async def connect(host: IHost, info: PeerInfo, *, timeout: float = 10.0) -> None
         raise PeerUnreachableError(f"dialing {info.peer_id} timed out") from exc
     except Exception as exc:  # noqa: BLE001 - swarm errors have no common base
         raise PeerUnreachableError(f"cannot connect to {info.peer_id}: {exc}") from exc
+
+
+def interface_ipv4s() -> list[str]:
+    """This machine's IPv4 addresses, other interfaces' first, loopback last."""
+    from multiaddr.utils import get_network_addrs  # what py-libp2p itself enumerates
+
+    found = [ip for ip in get_network_addrs(4) or [] if not ip.startswith("127.")]
+    return [*found, "127.0.0.1"]
 
 
 def is_connected(host: IHost, peer_id: ID) -> bool:

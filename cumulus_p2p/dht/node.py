@@ -38,6 +38,7 @@ from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.peer.id import ID
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.tools.anyio_service import background_trio_service
+from libp2p.utils.address_validation import find_free_port
 
 from .._errors import AnnouncementError, MeshError, PeerUnreachableError
 from ..envelope import Envelope, EnvelopeValidator, Rejected, seal
@@ -45,6 +46,7 @@ from ..identity import NodeIdentity
 from .gossip import MARKET_TOPIC, TOPICS, GossipConfig, TopicGate, new_gossip
 from .host import (
     connect,
+    interface_ipv4s,
     is_connected,
     listen_addrs_with_id,
     new_mesh_host,
@@ -521,7 +523,7 @@ async def open_mesh_node(
     if SHEET_KIND not in validator.kinds:
         raise MeshError(f"the validator must accept {SHEET_KIND!r}; see mesh_validator()")
     node = MeshNode(identity, config, validator, clock)
-    listen = [multiaddr.Multiaddr(a) for a in config.listen_addrs]
+    listen = concrete_listen_addrs(config.listen_addrs)
     async with AsyncExitStack() as stack:
         await stack.enter_async_context(node.host.run(listen_addrs=listen))
         await stack.enter_async_context(background_trio_service(node.pubsub))
@@ -551,3 +553,21 @@ async def _hang_up_peers(host) -> None:
                 await host.disconnect(peer)
             except Exception as exc:  # noqa: BLE001 - py-libp2p raises many types here
                 logger.debug("closing the connection to %s: %r", peer, exc)
+
+
+def concrete_listen_addrs(addrs: Sequence[str]) -> list[multiaddr.Multiaddr]:
+    """``addrs`` with ``/ip4/0.0.0.0`` replaced by each interface's address (one port).
+
+    py-libp2p advertises its listen addresses as they are: peers told ``0.0.0.0`` dial
+    themselves. Listening on each interface's address instead (loopback included)
+    advertises addresses other machines can dial.
+    """
+    result = []
+    for text in addrs:
+        parts = text.split("/")
+        if len(parts) == 5 and parts[1:4] == ["ip4", "0.0.0.0", "tcp"]:
+            port = int(parts[4]) or find_free_port()
+            result.extend(multiaddr.Multiaddr(f"/ip4/{ip}/tcp/{port}") for ip in interface_ipv4s())
+        else:
+            result.append(multiaddr.Multiaddr(text))
+    return result

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 from .. import remote
 from .._errors import HandshakeError, PeerAuthenticationError, PeerUnreachableError
@@ -31,13 +32,23 @@ MAX_PROBED_HOSTS = 4
 log = logging.getLogger("cumulus_p2p.node.attach")
 
 
-def open_channel(ticket: SessionTicket, identity: NodeIdentity, *, resume_timeout: float = 10.0):
+#: Seconds a direct dial may take before the next address is tried.
+DIAL_TIMEOUT = 3.0
+
+
+def open_channel(
+    ticket: SessionTicket, identity: NodeIdentity, *, resume_timeout: float = 10.0
+) -> tuple[Any, str]:
     """Open the secure session channel a ticket describes (blocking).
 
-    Direct TCP to the provider's session endpoint first; when that cannot be dialed (the
-    provider is behind NAT or a firewall), the same channel through the consumer node's
-    door to it (``session_proxy``: a libp2p stream over the node's own connection to
-    the provider, relayed or not). A provider that answers and refuses is not retried.
+    Direct TCP to each of the provider's session endpoints first; when none can be
+    dialed (the provider is behind NAT or a firewall), the same channel through the
+    consumer node's door to it (``session_proxy``: a libp2p stream over the node's own
+    connection to the provider, relayed or not). A provider that answers and refuses is
+    not retried.
+
+    Returns:
+        The channel, and which path it took (for the node's status).
 
     Raises:
         PeerUnreachableError: no path reached the provider; the message names each.
@@ -45,18 +56,23 @@ def open_channel(ticket: SessionTicket, identity: NodeIdentity, *, resume_timeou
     keys = {"identity": identity, "expected_peer_public_key": ticket.provider_key}
     keys |= {"lease": ticket.lease, "resume_timeout": resume_timeout}
     failures = []
-    for endpoint in filter(None, (ticket.endpoint, ticket.door)):
+    for endpoint in filter(None, (*ticket.endpoints, ticket.door)):
         host, _, port = endpoint.rpartition(":")
+        direct = endpoint != ticket.door
         try:
-            channel = connect_secure(host, int(port), **keys)
+            # An address that blackholes the dial must not hold up the next one long.
+            channel = connect_secure(host, int(port), timeout=DIAL_TIMEOUT if direct else 10.0,
+                                     **keys)  # fmt: skip
         except PeerAuthenticationError:
             raise  # someone answered, and is not the provider: no other path will help
         except (OSError, HandshakeError) as exc:
             failures.append(f"{endpoint}: {exc}")
             continue
-        if endpoint == ticket.door:
+        if not direct:
             log.warning("provider's session port unreachable; going through libp2p")
-        return channel
+        if direct:
+            return channel, f"direct to {endpoint}"
+        return channel, "libp2p door (no direct address answered: " + "; ".join(failures) + ")"
     raise PeerUnreachableError(
         "could not reach the provider on any path (" + "; ".join(failures) + "). "
         "The provider may be offline, or unreachable from here: a provider behind NAT "
@@ -102,13 +118,17 @@ def attach_leased(client: ControlClient):
     def reconnect():
         lost = remote.current_session().lost_because or "provider unreachable past resume"
         log.warning("lost the provider (%s); asking the node for another host", lost)
-        ticket = client.failover(lost)
-        return USAGE.count(open_channel(ticket, identity, resume_timeout=resume), ticket)
+        return _open(client.failover(lost))
+
+    def _open(ticket: SessionTicket):
+        channel, path = open_channel(ticket, identity, resume_timeout=resume)
+        client.report_path(ticket, path)
+        return USAGE.count(channel, ticket)
 
     for _ in range(MAX_PROBED_HOSTS):
         ticket = client.session()
         attached = remote.attach(
-            channel=USAGE.count(open_channel(ticket, identity, resume_timeout=resume), ticket),
+            channel=_open(ticket),
             reconnect=reconnect,
             checkpoint_interval=interval,
         )

@@ -106,12 +106,14 @@ class Held:
     proposal: LeaseProposal
     offer: Offer
     host_key: bytes
-    endpoint: str
+    endpoints: tuple[str, ...]
     #: ``held`` while the session may run under it; ``ended`` once its term is over;
     #: ``left`` if the host said it was leaving; ``failed`` if the host dropped the
     #: session before its term without a word; ``misrepresented`` if the probe found
     #: the device short of the offer.
     state: str = "held"
+    #: Which path the session channel took (the shim says): direct, or the door.
+    path: str = ""
 
 
 @dataclass
@@ -203,7 +205,14 @@ class Consumer:
             log.info("host %s gave no session endpoint", offer.host[:12])
             return None
         key = peer.extract_public_key().to_bytes()
-        return Held(grant.lease, proposal, offer, key, grant.endpoints[0])
+        return Held(grant.lease, proposal, offer, key, self._likeliest_first(peer, grant.endpoints))
+
+    def _likeliest_first(self, peer, endpoints: tuple[str, ...]) -> tuple[str, ...]:
+        """The session endpoints on an address this node knows the host's libp2p
+        listener at come first: the network between them is known to work."""
+        store = self.runtime.mesh.host.get_peerstore()
+        known = {str(a).split("/")[2] for a in store.addrs(peer) if str(a).startswith("/ip")}
+        return tuple(sorted(endpoints, key=lambda e: e.rpartition(":")[0] not in known))
 
     async def _reach(self, peer, *, afresh: bool = False) -> None:
         """Connect to a host: at its own addresses, else through a relay (it may have
@@ -252,6 +261,12 @@ class Consumer:
 
     # --- the shim's requests ----------------------------------------------------------
 
+    def take_path(self, lease_id: str, path: str) -> None:
+        """The shim says which path its session channel for ``lease_id`` took."""
+        for held in self.held:
+            if held.proposal.lease_id == lease_id:
+                held.path = path
+
     def take_counts(self, counts: dict[str, int]) -> None:
         """The shim's byte counts per lease, which receipts are checked against."""
         for lease_id, total in counts.items():
@@ -274,7 +289,7 @@ class Consumer:
     async def _ticket(self, held: Held) -> control.SessionTicket:
         door = "" if self.doors is None else await self.doors.door(held.proposal.host)
         return control.SessionTicket(
-            held.proposal.host, held.endpoint, held.host_key, held.lease.to_bytes(), door,
+            held.proposal.host, held.endpoints, held.host_key, held.lease.to_bytes(), door,
             held.offer.perf_units,
         )  # fmt: skip
 
@@ -406,7 +421,8 @@ def _held_row(held: Held, desk: ReceiptDesk) -> dict:
     return {
         "lease_id": held.proposal.lease_id,
         "host": held.proposal.host,
-        "endpoint": held.endpoint,
+        "endpoints": list(held.endpoints),
+        "path": held.path,
         "price": held.proposal.price,
         "receipts": len(entries),
         "share_seconds": share_seconds,
@@ -470,6 +486,7 @@ async def run_consumer(
                 functools.partial(
                     control.serve_control, token, consumer.current_ticket, consumer.failover,
                     usage=consumer.take_counts, probe=consumer.check_probe,
+                    path=consumer.take_path,
                 )
             )
             env = _child_env(data, address, token, options)

@@ -12,6 +12,9 @@ Requests, from the shim::
     ["failover", token, reason]   -> the host is gone: a lease with another host
     ["usage", token, {lease: bytes}] -> the session's last byte counts, at its end
                                      (answered ``["ok", None]``)
+    ["path", token, lease_id, path] -> which path the session channel took (direct, or
+                                     the node's libp2p door, and why), for its status;
+                                     answered ``["ok", None]``
     ["probe", token, facts]       -> ``["ok", None]`` if the leased device fits its
                                      offer, else ``["ok", why]``: the node has then
                                      leased another host, and ``session`` gives it
@@ -22,8 +25,8 @@ Requests, from the shim::
     ["usage", {lease_id: bytes}]     the bytes its session channels carried per lease,
                                      which the node checks receipts against
 
-Answers: ``["ok", {"endpoint": "host:port", "provider_key": bytes, "lease": bytes,
-"host": peer_id}]`` or ``["error", message]``.
+Answers: ``["ok", {"endpoints": ["host:port", ...], "provider_key": bytes, "lease": bytes,
+"host": peer_id, ...}]`` or ``["error", message]``.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import msgpack
 import trio
 
 from .._errors import CumulusError, RemoteProtocolError
+from ..market.messages import Lease
 from ..remote.transport import SocketFrameChannel, TrioFrameChannel
 
 ENV_ADDRESS = "CUMULUS_CONTROL"
@@ -53,7 +57,8 @@ class SessionTicket:
     """Everything the shim needs to open a session with a provider."""
 
     host: str
-    endpoint: str
+    #: The provider's direct session addresses, the likeliest to answer first.
+    endpoints: tuple[str, ...]
     provider_key: bytes
     lease: bytes
     #: Where the consumer node carries the session to the provider over libp2p, for
@@ -65,7 +70,7 @@ class SessionTicket:
     def to_wire(self) -> dict:
         return {
             "host": self.host,
-            "endpoint": self.endpoint,
+            "endpoints": list(self.endpoints),
             "provider_key": self.provider_key,
             "lease": self.lease,
             "door": self.door,
@@ -77,9 +82,10 @@ class SessionTicket:
         if not isinstance(value, dict):
             raise RemoteProtocolError("the node's answer is not a session ticket")
         try:
+            endpoints = value["endpoints"]
             ticket = cls(
                 value["host"],
-                value["endpoint"],
+                tuple(endpoints) if isinstance(endpoints, list) else endpoints,
                 value["provider_key"],
                 value["lease"],
                 value["door"],
@@ -89,7 +95,8 @@ class SessionTicket:
             raise RemoteProtocolError(f"session ticket lacks {exc}") from exc
         if not (
             isinstance(ticket.door, str)
-            and isinstance(ticket.endpoint, str)
+            and isinstance(ticket.endpoints, tuple)
+            and all(isinstance(e, str) for e in ticket.endpoints)
             and isinstance(ticket.lease, bytes)
             and isinstance(ticket.provider_key, bytes)
             and isinstance(ticket.host, str)
@@ -104,6 +111,8 @@ SessionSource = Callable[[], Awaitable[SessionTicket]]
 FailoverSource = Callable[[str], Awaitable[SessionTicket]]
 #: The node's verdict on probe facts (a wire map): ``None`` if they fit the offer.
 ProbeJudge = Callable[[object], Awaitable[str | None]]
+#: Where the shim's session paths go: ``(lease_id, path)``.
+PathSink = Callable[[str, str], None]
 #: Where the shim's byte counts go: ``{lease_id: bytes}``.
 UsageSink = Callable[[dict[str, int]], None]
 #: How often the shim reports its byte counts.
@@ -122,6 +131,7 @@ async def serve_control(
     *,
     usage: UsageSink = lambda counts: None,
     probe: ProbeJudge | None = None,
+    path: PathSink = lambda lease_id, path: None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve control requests on loopback forever; reports ``"127.0.0.1:port"``."""
@@ -135,7 +145,7 @@ async def serve_control(
                 request = msgpack.unpackb(await channel.receive_frame(), raw=False)
                 if request == ["watch", token]:
                     await _take_usage(channel, usage)  # open until this node's process ends
-                answer = await _answer(request, token, session, failover, usage, probe)
+                answer = await _answer(request, token, session, failover, usage, probe, path)
                 await channel.send_frame([msgpack.packb(answer)])
         except (CumulusError, trio.BrokenResourceError, ValueError, msgpack.UnpackException):
             pass  # the child went away or spoke nonsense: this connection only ends
@@ -170,6 +180,7 @@ async def _answer(
     failover: FailoverSource,
     usage: UsageSink,
     probe: ProbeJudge | None,
+    path: PathSink,
 ) -> list:
     if not (isinstance(request, list) and len(request) >= 2 and isinstance(request[1], str)):
         return ["error", "malformed control request"]
@@ -182,6 +193,11 @@ async def _answer(
             return ["ok", (await failover(request[2])).to_wire()]
         if request[0] == "usage" and len(request) == 3:
             usage(_counts(request[2]))
+            return ["ok", None]
+        if request[0] == "path" and len(request) == 4 and all(
+            isinstance(x, str) for x in request[2:]
+        ):
+            path(request[2], request[3][:500])
             return ["ok", None]
         if request[0] == "probe" and len(request) == 3 and probe is not None:
             return ["ok", await probe(request[2])]
@@ -249,6 +265,14 @@ class ControlClient:
     def failover(self, reason: str) -> SessionTicket:
         """Report the host gone and get a lease with another one (may take a while)."""
         return self._ask(["failover", self._token, reason[:500]])
+
+    def report_path(self, ticket: SessionTicket, path: str) -> None:
+        """Tell the node which path the session channel for ``ticket``'s lease took."""
+        lease_id = Lease.from_bytes(ticket.lease).proposal.lease_id
+        self._channel.send_frame([msgpack.packb(["path", self._token, lease_id, path[:500]])])
+        answer = msgpack.unpackb(self._channel.recv_frame(), raw=False)
+        if answer != ["ok", None]:
+            raise CumulusError(f"the cumulus node refused the session path: {answer!r}")
 
     def probe(self, facts: dict) -> str | None:
         """Give the node what the probe measured; return why the host misrepresents its

@@ -38,6 +38,7 @@ from libp2p.exceptions import BaseLibp2pError
 
 from .._errors import CumulusError
 from ..dht import MeshConfig
+from ..dht.host import interface_ipv4s
 from ..envelope import Envelope
 from ..market import (
     Cancel,
@@ -87,9 +88,11 @@ class ProviderOptions:
         price: Micro-credits per share-hour.
         min_lease_s: Shortest lease accepted.
         region: Free-form region hint.
-        session_host: Address the session channel listens on.
+        session_host: Address the session channel listens on (None: the libp2p
+            listener's, so a node reachable on the network serves sessions there too).
         session_port: Its port (0: any free one).
-        advertise_host: The address consumers are told to dial (default: session_host).
+        advertise_host: The address consumers are told to dial (default: each address
+            of the interfaces the session channel listens on).
         receipt_interval: Seconds between receipts.
         settle_grace: Seconds a receipt may stay unsettled before the lease pauses (it
             ends after twice that); None: two receipt intervals.
@@ -107,7 +110,7 @@ class ProviderOptions:
     price: int
     min_lease_s: int = 0
     region: str = ""
-    session_host: str = "127.0.0.1"
+    session_host: str | None = None
     session_port: int = 0
     advertise_host: str | None = None
     receipt_interval: float = 30.0
@@ -180,7 +183,7 @@ class Provider:
         self.finished: list[ActiveLease] = []
         self._ledger = runtime.data.ledger()
         self._presented: dict[bytes, LeaseProposal] = {}
-        self.endpoint = ""
+        self.endpoints: list[str] = []
         self.announced = False
         self.leaving = False
         # Memory isolation between tenants: a lease gets its shares' part of the device.
@@ -464,7 +467,7 @@ class Provider:
         leases = [*self.active.values(), *self.finished[-10:]]
         return self.runtime.snapshot() | {
             "role": "provider",
-            "session_endpoint": self.endpoint,
+            "session_endpoint": ", ".join(self.endpoints),
             "device": self.options.device.model,
             "perf_units": self.options.perf_units,
             "price": self.options.price,
@@ -536,19 +539,19 @@ async def run_provider(
     async with open_runtime(identity, data, mesh_config) as runtime:
         provider = Provider(runtime, options, executor)
         server = LeaseServer(
-            provider.book, endpoints=lambda: [provider.endpoint], screen=provider.screen
+            provider.book, endpoints=lambda: provider.endpoints, screen=provider.screen
         )
         serve_leases(runtime.mesh.host, server)
         serve_lease_close(runtime.mesh.host, provider.close_lease)
         async with trio.open_nursery() as nursery:
             if isinstance(executor, WorkerSupervisor):
                 await nursery.start(executor.run)
-            sessions = await nursery.start(_serve_sessions, identity, provider)
+            bind = options.session_host or listen_host(mesh_config.listen_addrs)
+            sessions = await nursery.start(_serve_sessions, identity, provider, bind)
             # The same sessions over libp2p streams, for consumers that cannot dial the
             # session port (this host behind NAT: the stream may come through a relay).
             handle_libp2p_sessions(runtime.mesh.host, sessions)
-            host = options.advertise_host or options.session_host
-            provider.endpoint = f"{host}:{sessions.port}"
+            provider.endpoints = session_endpoints(bind, sessions.port, options.advertise_host)
             if handle_signals:
                 nursery.start_soon(_leave_on_signal, provider, nursery.cancel_scope, on_leaving)
             nursery.start_soon(provider.keep_offer_current)
@@ -591,9 +594,29 @@ async def _force_on_signal(signals, leaving: trio.CancelScope, say) -> None:
         return
 
 
-async def _serve_sessions(identity, provider: Provider, *, task_status) -> None:
+def listen_host(listen_addrs) -> str:
+    """The IPv4 address the libp2p listener binds (``0.0.0.0``: every interface), for the
+    session channel to bind too; loopback when the node listens on no IPv4 address."""
+    for addr in listen_addrs:
+        parts = str(addr).split("/")
+        if len(parts) > 2 and parts[1] == "ip4":
+            return parts[2]
+    return "127.0.0.1"
+
+
+def session_endpoints(bind: str, port: int, advertise: str | None) -> list[str]:
+    """The ``host:port`` addresses consumers are told to dial, most widely reachable
+    first: ``advertise``, else each interface's address when bound to all of them."""
+    if advertise:
+        return [f"{advertise}:{port}"]
+    if bind != "0.0.0.0":
+        return [f"{bind}:{port}"]
+    return [f"{ip}:{port}" for ip in interface_ipv4s()]
+
+
+async def _serve_sessions(identity, provider: Provider, bind: str, *, task_status) -> None:
     await serve_secure(
         identity, authorize=provider.authorize, handler=provider.serve_session,
-        host=provider.options.session_host, port=provider.options.session_port,
+        host=bind, port=provider.options.session_port,
         grace_period=provider.options.grace_period, task_status=task_status,
     )  # fmt: skip

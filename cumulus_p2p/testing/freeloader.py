@@ -34,7 +34,7 @@ from ..node.runtime import open_runtime
 
 def compute_until_hung_up(ticket: SessionTicket, data: DataDir) -> str:
     """Run ops on the leased device until the host ends the session; return why."""
-    channel = open_channel(ticket, data.identity(), resume_timeout=2.0)
+    channel, _ = open_channel(ticket, data.identity(), resume_timeout=2.0)
     print("computing", flush=True)
     try:
         with remote.attach(channel=channel):
@@ -48,7 +48,7 @@ def compute_until_hung_up(ticket: SessionTicket, data: DataDir) -> str:
 
 def try_to_resume(ticket: SessionTicket, data: DataDir) -> str:
     try:
-        open_channel(ticket, data.identity(), resume_timeout=2.0).close()
+        open_channel(ticket, data.identity(), resume_timeout=2.0)[0].close()
     except CumulusError as exc:
         return f"resume refused: {exc}"
     return "resumed"

@@ -44,7 +44,7 @@ def overcharge_bytes() -> None:
 def ready(provider) -> None:
     for addr in provider.runtime.mesh.addrs:
         print(f"listening on {addr}", flush=True)
-    print(f"providing {provider.options.device.model} on {provider.endpoint}", flush=True)
+    print(f"providing {provider.options.device.model} on {provider.endpoints}", flush=True)
 
 
 async def main(bootstrap: str, data: DataDir, price: int, lie: str) -> None:
