@@ -52,9 +52,9 @@ import heapq
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgpack
-from libp2p.peer.id import ID
 
 from ._errors import EnvelopeRejectedError, InvalidMessageError
 from .identity import (
@@ -64,6 +64,9 @@ from .identity import (
     peer_id_from_public_key,
     verify,
 )
+
+if TYPE_CHECKING:
+    from libp2p.peer.id import ID
 
 __all__ = [
     "DEFAULT_MAX_SIZE",

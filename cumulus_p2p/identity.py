@@ -9,6 +9,7 @@ Public API (stable; the mesh room imports it):
 - ``NodeIdentity.from_seed(seed: bytes) -> NodeIdentity``: a key from its 32-byte seed.
 - ``identity.public_key -> bytes``: the 32 raw public-key bytes (what envelopes carry).
 - ``identity.peer_id -> libp2p.peer.id.ID``: the libp2p peer ID of that key.
+- ``identity.peer_id_text -> str``: the same peer ID in base58, without loading libp2p.
 - ``identity.key_pair -> libp2p.crypto.keys.KeyPair``: pass to ``libp2p.new_host(key_pair=...)``.
 - ``identity.sign(data: bytes) -> bytes``: a 64-byte ed25519 signature.
 - ``verify(public_key: bytes, data: bytes, signature: bytes) -> bool``: never raises on
@@ -16,23 +17,28 @@ Public API (stable; the mesh room imports it):
 - ``peer_id_from_public_key(public_key: bytes) -> ID``: the peer ID of a raw public key, so
   a receiver can check that an envelope's author is the peer it claims to be.
 
-The key is libp2p's own ``Ed25519PrivateKey`` (PyNaCl underneath), so the key that signs
-market messages is the very key behind the Noise handshake and the peer ID.
+The key is a PyNaCl ``SigningKey``, the very key libp2p's ``Ed25519PrivateKey`` wraps, so
+the key that signs market messages is the one behind the Noise handshake and the peer
+ID. libp2p is imported only when a libp2p object is asked for: the executor, the shim and
+the op stream, which need only to sign and verify, start without loading the mesh stack.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from libp2p.crypto.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from libp2p.crypto.keys import KeyPair
-from libp2p.peer.id import ID
+import base58
 from nacl.bindings import crypto_core_ed25519_is_valid_point
 from nacl.exceptions import BadSignatureError, CryptoError
-from nacl.signing import VerifyKey
+from nacl.signing import SigningKey, VerifyKey
 
 from ._errors import IdentityFileError
+
+if TYPE_CHECKING:
+    from libp2p.crypto.keys import KeyPair
+    from libp2p.peer.id import ID
 
 __all__ = [
     "KEY_FILE_NAME",
@@ -49,6 +55,9 @@ SIGNATURE_SIZE = 64
 _SEED_SIZE = 32
 # A self-describing first line lets a future key type or format be told apart from damage.
 _KEY_FILE_MAGIC = "cumulus-ed25519-seed-v1"
+# A libp2p peer ID of an ed25519 key is the identity multihash (code 0, length 36) of the
+# key's protobuf encoding: field 1 KeyType = 1 (Ed25519), field 2 Data = the 32 bytes.
+_PEER_ID_PREFIX = bytes([0x00, 0x24, 0x08, 0x01, 0x12, 0x20])
 
 
 class NodeIdentity:
@@ -57,20 +66,29 @@ class NodeIdentity:
     Build one with ``generate``, ``load_or_create`` or ``from_seed``.
     """
 
-    __slots__ = ("_private", "_public_key", "_key_pair", "_peer_id")
+    __slots__ = ("_signing", "_public_key", "_peer_id_bytes")
 
-    def __init__(self, private_key: Ed25519PrivateKey) -> None:
-        """Wrap a libp2p ed25519 private key. Prefer the named constructors."""
-        self._private = private_key
-        public = private_key.get_public_key()
-        self._public_key = public.to_bytes()
-        self._key_pair = KeyPair(private_key, public)
-        self._peer_id = ID.from_pubkey(public)
+    def __init__(self, signing_key: SigningKey) -> None:
+        """Wrap a PyNaCl signing key. Prefer the named constructors.
+
+        Raises:
+            ValueError: the key's public key is not a valid curve point.
+        """
+        public_key = bytes(signing_key.verify_key)
+        if not crypto_core_ed25519_is_valid_point(public_key):
+            raise ValueError("the key's public key is not a valid ed25519 curve point")
+        self._signing = signing_key
+        self._public_key = public_key
+        self._peer_id_bytes = _PEER_ID_PREFIX + public_key
 
     @classmethod
     def generate(cls) -> NodeIdentity:
         """Return a new identity with a random key."""
-        return cls(Ed25519PrivateKey.new())
+        while True:  # a random key is an invalid point about once in 2**250 draws
+            try:
+                return cls(SigningKey.generate())
+            except ValueError:
+                continue
 
     @classmethod
     def from_seed(cls, seed: bytes) -> NodeIdentity:
@@ -81,7 +99,7 @@ class NodeIdentity:
         """
         if len(seed) != _SEED_SIZE:
             raise ValueError(f"an ed25519 seed is {_SEED_SIZE} bytes, got {len(seed)}")
-        return cls(Ed25519PrivateKey.new(seed))
+        return cls(SigningKey(seed))
 
     @classmethod
     def load_or_create(cls, data_dir: Path) -> NodeIdentity:
@@ -105,7 +123,7 @@ class NodeIdentity:
         path = data_dir / KEY_FILE_NAME
         if not path.exists():
             identity = cls.generate()
-            _create_key_file(path, identity._private.to_bytes())
+            _create_key_file(path, bytes(identity._signing))
             # Another process may have won the race to create the file: read what is there.
         return cls._load(path)
 
@@ -144,20 +162,31 @@ class NodeIdentity:
     @property
     def peer_id(self) -> ID:
         """The libp2p peer ID derived from the public key."""
-        return self._peer_id
+        from libp2p.peer.id import ID
+
+        return ID(self._peer_id_bytes)
+
+    @property
+    def peer_id_text(self) -> str:
+        """The peer ID in base58, as ``peer_id.to_base58()`` gives it."""
+        return base58.b58encode(self._peer_id_bytes).decode("ascii")
 
     @property
     def key_pair(self) -> KeyPair:
         """The libp2p key pair, for ``libp2p.new_host(key_pair=...)``."""
-        return self._key_pair
+        from libp2p.crypto.ed25519 import Ed25519PrivateKey
+        from libp2p.crypto.keys import KeyPair
+
+        private = Ed25519PrivateKey(self._signing)
+        return KeyPair(private, private.get_public_key())
 
     def sign(self, data: bytes) -> bytes:
         """Return the 64-byte ed25519 signature of ``data``."""
-        return self._private.sign(data)
+        return self._signing.sign(data).signature
 
     def __repr__(self) -> str:
         # Never print key material.
-        return f"NodeIdentity(peer_id={self._peer_id.to_base58()})"
+        return f"NodeIdentity(peer_id={self.peer_id_text})"
 
 
 def verify(public_key: bytes, data: bytes, signature: bytes) -> bool:
@@ -194,9 +223,11 @@ def peer_id_from_public_key(public_key: bytes) -> ID:
     Raises:
         ValueError: ``public_key`` is not a valid ed25519 public key.
     """
+    from libp2p.peer.id import ID
+
     if len(public_key) != PUBLIC_KEY_SIZE or not crypto_core_ed25519_is_valid_point(public_key):
         raise ValueError("not a valid 32-byte ed25519 public key")
-    return ID.from_pubkey(Ed25519PublicKey.from_bytes(public_key))
+    return ID(_PEER_ID_PREFIX + public_key)
 
 
 def _create_key_file(path: Path, seed: bytes) -> None:

@@ -1,8 +1,14 @@
 """Specs for cumulus_p2p.identity: the node key and its derived peer ID."""
 
 import stat
+import subprocess
+import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from libp2p.crypto.ed25519 import Ed25519PrivateKey
+from libp2p.peer.id import ID
 
 from cumulus_p2p._errors import IdentityFileError
 from cumulus_p2p.identity import (
@@ -36,6 +42,27 @@ def test_peer_id_and_key_pair_derive_from_the_signing_key():
     assert len(identity.public_key) == 32
     assert peer_id_from_public_key(identity.public_key) == identity.peer_id
     assert identity.key_pair.private_key.sign(b"x") == identity.sign(b"x")
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(min_size=32, max_size=32))
+def test_peer_ids_are_the_ones_libp2p_derives_from_the_same_key(seed):
+    identity = NodeIdentity.from_seed(seed)
+    libp2p_key = Ed25519PrivateKey.new(seed).get_public_key()
+    assert identity.peer_id == ID.from_pubkey(libp2p_key)
+    assert identity.peer_id_text == ID.from_pubkey(libp2p_key).to_base58()
+
+
+def test_the_executor_the_shim_and_the_op_stream_load_no_libp2p():
+    probe = (
+        "import sys, cumulus_p2p.remote, cumulus_p2p.remote.executor_main, cumulus_p2p.shim,"
+        " cumulus_p2p.node.attach; from cumulus_p2p.identity import NodeIdentity;"
+        " NodeIdentity.generate().peer_id_text;"
+        " print(sorted(m for m in sys.modules if 'libp2p' in m or 'multiaddr' in m))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          check=True, timeout=120)  # fmt: skip
+    assert done.stdout.strip() == "[]"
 
 
 def test_peer_id_from_public_key_refuses_invalid_key():

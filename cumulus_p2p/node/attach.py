@@ -19,7 +19,6 @@ from typing import Any
 from .. import remote
 from .._errors import HandshakeError, PeerAuthenticationError, PeerUnreachableError
 from ..identity import NodeIdentity
-from ..market.messages import Lease
 from ..remote.secure import connect_secure
 from ..remote.transport import CountingFrameChannel
 from .control import ControlClient, SessionTicket
@@ -89,7 +88,7 @@ class LeaseUsage:
 
     def count(self, channel, ticket: SessionTicket) -> CountingFrameChannel:
         """``channel``, counted under the lease ``ticket`` names."""
-        lease_id = Lease.from_bytes(ticket.lease).proposal.lease_id
+        lease_id = ticket.lease_id
         self._bytes.setdefault(lease_id, 0)
 
         def add(n: int) -> None:

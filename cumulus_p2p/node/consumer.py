@@ -290,7 +290,7 @@ class Consumer:
         door = "" if self.doors is None else await self.doors.door(held.proposal.host)
         return control.SessionTicket(
             held.proposal.host, held.endpoints, held.host_key, held.lease.to_bytes(), door,
-            held.offer.perf_units,
+            held.offer.perf_units, held.proposal.lease_id,
         )  # fmt: skip
 
     async def check_probe(self, wire: object) -> str | None:

@@ -42,7 +42,6 @@ import msgpack
 import trio
 
 from .._errors import CumulusError, RemoteProtocolError
-from ..market.messages import Lease
 from ..remote.transport import SocketFrameChannel, TrioFrameChannel
 
 ENV_ADDRESS = "CUMULUS_CONTROL"
@@ -66,6 +65,8 @@ class SessionTicket:
     door: str = ""
     #: The performance units the host's offer claims (what the probe checks).
     claimed_perf: int = 0
+    #: The lease's id (what the shim's byte counts and path reports name).
+    lease_id: str = ""
 
     def to_wire(self) -> dict:
         return {
@@ -75,6 +76,7 @@ class SessionTicket:
             "lease": self.lease,
             "door": self.door,
             "claimed_perf": self.claimed_perf,
+            "lease_id": self.lease_id,
         }
 
     @classmethod
@@ -90,6 +92,7 @@ class SessionTicket:
                 value["lease"],
                 value["door"],
                 value["claimed_perf"],
+                value["lease_id"],
             )
         except KeyError as exc:
             raise RemoteProtocolError(f"session ticket lacks {exc}") from exc
@@ -101,6 +104,7 @@ class SessionTicket:
             and isinstance(ticket.provider_key, bytes)
             and isinstance(ticket.host, str)
             and type(ticket.claimed_perf) is int
+            and isinstance(ticket.lease_id, str)
         ):
             raise RemoteProtocolError("session ticket fields have the wrong types")
         return ticket
@@ -268,8 +272,8 @@ class ControlClient:
 
     def report_path(self, ticket: SessionTicket, path: str) -> None:
         """Tell the node which path the session channel for ``ticket``'s lease took."""
-        lease_id = Lease.from_bytes(ticket.lease).proposal.lease_id
-        self._channel.send_frame([msgpack.packb(["path", self._token, lease_id, path[:500]])])
+        report = ["path", self._token, ticket.lease_id, path[:500]]
+        self._channel.send_frame([msgpack.packb(report)])
         answer = msgpack.unpackb(self._channel.recv_frame(), raw=False)
         if answer != ["ok", None]:
             raise CumulusError(f"the cumulus node refused the session path: {answer!r}")

@@ -21,11 +21,13 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._errors import IdentityFileError, LedgerCorruptError, NodeConfigError
 from ..identity import NodeIdentity
-from ..market.ledger import Ledger
+
+if TYPE_CHECKING:
+    from ..market.ledger import Ledger
 
 CONFIG_FILE = "config.json"
 STATE_FILE = "state.json"
@@ -89,6 +91,8 @@ class DataDir:
             NodeConfigError: The ledger is damaged beyond a torn last line.
         """
         try:
+            from ..market.ledger import Ledger  # the shim opens a data dir, never a ledger
+
             return Ledger.open(self.path)
         except LedgerCorruptError as exc:
             raise NodeConfigError(str(exc)) from exc

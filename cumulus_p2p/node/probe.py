@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ..market import Offer
+if TYPE_CHECKING:  # the shim measures; only the node judges, and it has the market loaded
+    from ..market import Offer
 
 #: A measured performance below this fraction of the claim is a misrepresentation. The
 #: margin is wide: tenants share the device, and a busy host (a CPU provider whose

@@ -1,0 +1,81 @@
+"""How fast the hot path starts: imports, the executor, a session's first op (issue 17).
+
+Prints JSON and writes ``benchmarks/results/startup.json``::
+
+    python benchmarks/startup_bench.py [--runs 5]
+
+Each figure is the median of ``--runs`` fresh processes, so nothing is cached in memory
+but the operating system's file cache:
+
+- ``import_<module>_s``: ``python -c "import <module>"``, whole process, for the shim,
+  the executor's entry point and ``cumulus_p2p.remote``; ``import_libp2p_s`` and
+  ``import_torch_s`` for scale (what the hot path no longer loads, and what it must).
+- ``executor_ready_s``: from starting ``cumulus-executor --device cpu`` to its
+  ``listening`` line.
+- ``executor_first_op_s``: from starting it to the answer of a first op from a client
+  process that was already running (attach, one add, ``.item()``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODULES = ("cumulus_p2p.shim", "cumulus_p2p.remote.executor_main", "cumulus_p2p.remote")
+
+
+def import_seconds(module: str) -> float:
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", f"import {module}"], check=True, cwd=ROOT)
+    return time.perf_counter() - started
+
+
+def executor_start() -> tuple[float, float]:
+    """Seconds to the executor's ``listening`` line, and to a first op's answer."""
+    import torch
+
+    from cumulus_p2p import remote
+
+    started = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cumulus_p2p.remote.executor_main", "--device", "cpu"],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        line = proc.stdout.readline()
+        ready = time.perf_counter() - started
+        address = line.split("listening on ")[1].split()[0]
+        with remote.attach(address):
+            (torch.ones(4, device="cumulus") + 1).sum().item()
+        first_op = time.perf_counter() - started
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    return ready, first_op
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args()
+    results: dict[str, float] = {}
+    for module in (*MODULES, "libp2p", "torch"):
+        key = f"import_{module.rsplit('.', 1)[-1]}_s"
+        results[key] = round(statistics.median(import_seconds(module) for _ in range(args.runs)), 3)
+    executor_start()  # warm the file cache and this process's own imports
+    starts = [executor_start() for _ in range(args.runs)]
+    results["executor_ready_s"] = round(statistics.median(s[0] for s in starts), 3)
+    results["executor_first_op_s"] = round(statistics.median(s[1] for s in starts), 3)
+    print(json.dumps(results, indent=1))
+    out = ROOT / "benchmarks" / "results" / "startup.json"
+    out.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
