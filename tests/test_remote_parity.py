@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -37,3 +40,28 @@ def test_other_optimizers_match_local_cpu(cumulus, optimizer):
 
     for local, remote_ in zip(run("cpu"), run("cumulus"), strict=True):
         torch.testing.assert_close(remote_, local, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("task", ["mlp", "cnn", "transformer"])
+def test_bfloat16_autocast_on_cumulus_trains_as_cpu_autocast_does(cumulus, task):
+    # The casting policy is CUDA's, not the CPU's (losses and norms stay in float32
+    # there), so the losses agree to bfloat16's precision, not bit for bit.
+    local_losses, _ = train(task, "cpu", steps=4, autocast=torch.bfloat16)
+    remote_losses, _ = train(task, "cumulus", steps=4, autocast=torch.bfloat16)
+    assert remote_losses == pytest.approx(local_losses, rel=5e-3)
+
+
+def test_autocast_on_cumulus_needs_no_cuda_compatibility_mode(executor_address):
+    script = (
+        "import sys, torch; from cumulus_p2p import remote\n"
+        f"with remote.attach({executor_address!r}):\n"
+        "    x = torch.randn(4, 8, device='cumulus'); w = torch.randn(3, 8, device='cumulus')\n"
+        "    with torch.autocast('cumulus', dtype=torch.bfloat16):\n"
+        "        y = torch.nn.functional.linear(x, w)\n"
+        "        print(y.dtype, torch.softmax(y, -1).dtype, torch.exp(y).dtype)\n"
+        "print('cumulus_p2p.remote.cuda_compat' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["torch.bfloat16", "torch.float32", "torch.float32", "False"]

@@ -141,6 +141,10 @@ def _skip_pinning_for_cumulus(pin_memory):
     return pin
 
 
+#: The autocast kernels' libraries: registrations last as long as these objects.
+_AUTOCAST: list[torch.library.Library] = []
+
+
 def is_registered() -> bool:
     """Whether ``cumulus`` is a torch device in this process yet."""
     return torch._C._get_privateuse1_backend_name() == NAME
@@ -159,6 +163,9 @@ def register() -> None:
     if is_registered():
         return
     _setup_privateuseone_for_python_backend(NAME, backend_module=CumulusModule())
+    from . import autocast  # its kernels name this device, so after registering it
+
+    _AUTOCAST.extend(autocast.register())
     _dataloader_pinning.pin_memory = _skip_pinning_for_cumulus(_dataloader_pinning.pin_memory)
     CumulusModule._pending_seed = torch.initial_seed()
 

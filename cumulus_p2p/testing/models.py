@@ -161,13 +161,17 @@ def train(
     foreach: bool | None = None,
     clip: float = 1.0,
     on_step: Callable[[int], None] = lambda i: None,
+    autocast: torch.dtype | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train ``task`` on ``device`` deterministically; return losses and final CPU params.
 
     Seeds are set after the model moves, so dropout draws the same stream on every device
     whose generator matches the CPU's (a CPU executor does). ``on_step(i)`` runs after
-    step ``i``.
+    step ``i``. With ``autocast``, the forward pass and the loss run in
+    ``torch.autocast(<device type>, dtype=autocast)``.
     """
+    mixed = torch.autocast(torch.device(device).type, dtype=autocast or torch.bfloat16,
+                           enabled=autocast is not None)  # fmt: skip
     spec = TASKS[task]
     torch.manual_seed(0)
     model = spec.make_model().to(device)
@@ -179,7 +183,8 @@ def train(
         x, y = spec.make_batch(gen)
         x, y = x.to(device), y.to(device)
         opt.zero_grad()
-        loss = spec.loss(model(x), y)
+        with mixed:
+            loss = spec.loss(model(x), y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=foreach)
         opt.step()
