@@ -19,7 +19,13 @@ import pytest
 
 from cumulus_p2p.market.ledger import Ledger
 from cumulus_p2p.node import control
-from cumulus_p2p.testing.nodes import LOOPBACK_LISTEN, start_consumer, start_node, start_provider
+from cumulus_p2p.testing.nodes import (
+    LOOPBACK_LISTEN,
+    node_command,
+    start_consumer,
+    start_node,
+    start_provider,
+)
 
 LONG_JOB = ["-m", "cumulus_p2p.demo_train", "--steps", "100000", "--log-every", "5"]
 
@@ -125,3 +131,27 @@ def test_a_shim_whose_node_is_already_gone_does_not_start_the_script(tmp_path):
     assert done.returncode == 2
     assert "the cumulus-node that started this script is gone" in done.stderr
     assert not (tmp_path / "ran").exists()
+
+
+def test_status_shows_each_session_at_work_on_both_sides(mesh):
+    tmp_path, boot, provider = mesh
+    consumer, _ = start_long_job(tmp_path, boot)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            (row,) = json.loads((provider.data_dir / "state.json").read_text())["leases"]
+            if row.get("ops", 0) > 0 and row.get("memory", 0) > 0:
+                break
+            assert time.monotonic() < deadline, row
+            time.sleep(0.5)
+        assert 0 < row["memory"] <= row["quota"] and row["bytes"] > 0
+        wide = {**os.environ, "COLUMNS": "200"}
+        shown = subprocess.run(node_command("status", "--data-dir", str(provider.data_dir)),
+                               capture_output=True, text=True, timeout=60, env=wide)  # fmt: skip
+        assert "ops/s" in shown.stdout, shown.stdout
+        mine = subprocess.run(node_command("status", "--data-dir", str(tmp_path / "consumer")),
+                              capture_output=True, text=True, timeout=60, env=wide)  # fmt: skip
+        assert "session path" in mine.stdout and "direct to 127.0.0.1:" in mine.stdout
+    finally:
+        consumer.proc.kill()
+        consumer.proc.wait()

@@ -69,7 +69,7 @@ from ..remote.supervisor import WorkerSupervisor
 from ..remote.transport import CountingChannel
 from ..reputation import NonPayment, Report, seal_report
 from .datadir import DataDir
-from .hardware import DeviceFacts
+from .hardware import DeviceFacts, utilization
 from .runtime import Runtime, open_runtime, peer_of
 
 log = logging.getLogger("cumulus_p2p.node.provider")
@@ -162,6 +162,15 @@ class ActiveLease:
     share_seconds: int = 0
     state: str = "running"
     session_over: bool = False
+    #: Bytes its sessions moved so far (receipts carry them interval by interval).
+    bytes_moved: int = 0
+    #: The op count and time of the last status, for the op rate.
+    ops_seen: tuple[float, int] = (0.0, 0)
+
+    def count_bytes(self, n: int) -> None:
+        """Meter ``n`` bytes moved for the lease."""
+        self.bytes_moved += n
+        self.meter.record_bytes(n)
 
     @property
     def earned(self) -> int:
@@ -271,7 +280,7 @@ class Provider:
             self.active[proposal.lease_id] = active
         active.channels.add(channel)
         try:
-            metered = CountingChannel(channel, active.meter.record_bytes)
+            metered = CountingChannel(channel, active.count_bytes)
             # The session is served for the lease's term, no longer: then the executor
             # parks it, and the consumer leases again and resumes it.
             left = proposal.end_at - self.runtime.clock()
@@ -477,9 +486,26 @@ class Provider:
             "isolation": "worker per session" if self.options.uses_workers else "shared process",
             "device_health": self.executor.health.reason or "ok",
             "session_workers": _session_workers(self.executor),
+            "gpu_utilization": utilization(self.options.device),
             "earned": sum(a.earned for a in leases),
-            "leases": [_lease_row(a) for a in leases],
+            "leases": [self._lease_row(a) for a in leases],
         }
+
+    def _lease_row(self, active: ActiveLease) -> dict:
+        """One lease as status shows it: terms, receipts, and its session at work."""
+        row = _lease_row(active)
+        stats = None
+        if not active.session_over:
+            stats = self.executor.session_stats(active.lease.envelope.author)
+        if stats is not None:
+            now = trio.current_time()
+            before_t, before_ops = active.ops_seen
+            rate = (stats.ops - before_ops) / (now - before_t) if before_t else 0.0
+            active.ops_seen = (now, stats.ops)
+            quota = self.share_bytes * active.proposal.shares
+            row |= {"ops": stats.ops, "ops_per_s": round(max(0.0, rate), 1),
+                    "memory": stats.bytes_in_use, "quota": quota}  # fmt: skip
+        return row
 
 
 def _session_workers(executor: Executor | WorkerSupervisor) -> list[dict]:
@@ -502,6 +528,7 @@ def _lease_row(active: ActiveLease) -> dict:
         "receipts": active.receipts,
         "share_seconds": active.share_seconds,
         "earned": active.earned,
+        "bytes": active.bytes_moved,
         "state": active.state,
     }
 

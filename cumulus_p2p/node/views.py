@@ -44,6 +44,8 @@ def status_table(state: dict) -> Group:
         for worker in state.get("session_workers", []):
             frames = f"{worker['frames_in']} frames in, {worker['frames_out']} out"
             summary.add_row("session worker", f"pid {worker['pid']}: {frames}")
+        if state.get("gpu_utilization") is not None:
+            summary.add_row("GPU utilization", f"{state['gpu_utilization']}%")
         health = state.get("device_health", "ok")
         summary.add_row("device health", health if health == "ok" else f"[red]{health}[/red]")
         summary.add_row("earned", credits(state["earned"]))
@@ -62,19 +64,28 @@ def status_table(state: dict) -> Group:
 
 
 def leases_table(rows: Iterable[dict], role: str) -> Table:
-    """One row per lease: who, price, receipts, share-seconds, money."""
+    """One row per lease: who, price, receipts, share-seconds, bytes, money, and its
+    session at work (a provider's: op rate and memory; a consumer's: the path)."""
     table = Table(title="leases")
     other = "consumer" if role == "provider" else "host"
     money = "earned" if role == "provider" else "cost"
-    for column in ("lease", other, "price/share-h", "receipts", "share-s", money, "state"):
+    columns = ("lease", other, "price/share-h", "receipts", "share-s", "bytes", money, "state")
+    for column in (*columns, "session"):
         table.add_column(column)
     for row in rows:
         table.add_row(
             row["lease_id"][:12], short(row.get(other, "")), credits(row["price"]),
-            str(row["receipts"]), str(row["share_seconds"]), credits(row.get(money, 0)),
-            row["state"],
+            str(row["receipts"]), str(row["share_seconds"]), _bytes(row.get("bytes", 0)),
+            credits(row.get(money, 0)), row["state"], _session(row),
         )  # fmt: skip
     return table
+
+
+def _session(row: dict) -> str:
+    if "ops" in row:
+        memory = f"{_bytes(row['memory'])} of {_bytes(row['quota'])}"
+        return f"{row['ops_per_s']:.0f} ops/s, {row['ops']} ops, {memory}"
+    return row.get("path", "")
 
 
 def peers_table(rows: Iterable[dict]) -> Table:

@@ -33,7 +33,7 @@ from .health import DeviceHealth
 from .hostcache import HostCache
 from .protocol import PROTOCOL_VERSION, decode_frame, encode_frame
 from .scheduler import DEFAULT_RANK, DeviceScheduler
-from .session import DeviceContext, ExecutorSession, Reply, parse_batch
+from .session import DeviceContext, ExecutorSession, Reply, SessionStats, parse_batch
 from .transport import DEFAULT_MAX_FRAME, AsyncFrameChannel, TrioFrameChannel
 
 log = logging.getLogger(__name__)
@@ -132,6 +132,11 @@ class Executor:
         self._next_id = 1
         #: Always healthy: a shared process has no fresh process to check the device with.
         self.health = DeviceHealth()
+
+    def session_stats(self, owner: bytes) -> SessionStats | None:
+        """The running session of the consumer with key ``owner``: ops, memory in use."""
+        found = [a.session for a in self._attached.values() if a.owner == owner]
+        return found[-1].stats if found else None
 
     @property
     def idle(self) -> bool:

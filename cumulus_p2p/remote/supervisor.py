@@ -373,6 +373,11 @@ class WorkerSupervisor:
 
     # --- sessions ---------------------------------------------------------------------
 
+    def session_stats(self, owner: bytes) -> None:
+        """``None``: a session's ops and memory are counted in its worker, not here
+        (status shows the frames relayed instead)."""
+        return None
+
     async def run_session(
         self,
         channel: AsyncFrameChannel,
