@@ -324,7 +324,11 @@ def test_a_job_whose_worker_is_killed_finishes_elsewhere_and_the_shares_come_bac
         )
         consumer.wait_for("step   10", timeout=120)
         cheap = providers[0]
-        busy = wait_for_state(cheap, lambda s: s["session_workers"] and s["shares_free"] < 4)
+        # Its status shows the session at work, as the worker reports it.
+        busy = wait_for_state(
+            cheap, lambda s: s["session_workers"] and s["leases"][0].get("ops", 0) > 0
+        )
+        assert 0 < busy["leases"][0]["memory"] <= busy["leases"][0]["quota"]
         kill(busy["session_workers"][0]["pid"])
         assert consumer.proc.wait(timeout=180) == 0, consumer.output()
         # The device check after the kill takes a fresh process some seconds.

@@ -19,6 +19,7 @@ from cumulus_p2p.remote.executor import ExecutorConfig
 from cumulus_p2p.remote.scheduler import lease_rank
 from cumulus_p2p.remote.supervisor import (
     MAX_WAITING_TURNS,
+    SessionView,
     SupervisorConfig,
     WorkerSupervisor,
     _Worker,
@@ -165,7 +166,9 @@ async def test_a_dead_holders_turn_passes_on():
 
 
 @pytest.mark.parametrize(
-    "message", [["acquire", "1"], ["acquire"], ["cancel", None], ["release", 1], ["launch", 1]]
+    "message",
+    [["acquire", "1"], ["acquire"], ["cancel", None], ["release", 1], ["launch", 1],
+     ["stats", 5], ["stats", -1, 0], ["stats", 1, "lots"]],
 )
 def test_a_worker_breaking_the_link_protocol_is_cut_off(message):
     sup, (worker,), _ = supervisor_with(ON_DEMAND)
@@ -224,6 +227,15 @@ async def test_a_yield_right_behind_the_grant_waits_for_the_granted_batch():
     turns.release()
     with trio.fail_after(5):  # a lost yield would keep the turn forever
         assert (await supervisor.receive())[0] == ["release"]
+
+
+def test_a_workers_stats_are_what_status_shows_for_its_consumers_session():
+    sup, (worker,), _ = supervisor_with(ON_DEMAND)
+    sup.sessions[1] = SessionView(worker.pid, owner=b"k" * 32)
+    sup._on_message(worker, ["stats", 120, 4096])
+    stats = sup.session_stats(b"k" * 32)
+    assert (stats.ops, stats.bytes_in_use) == (120, 4096)
+    assert sup.session_stats(b"x" * 32) is None
 
 
 def test_a_worker_asking_for_turns_without_end_is_cut_off():

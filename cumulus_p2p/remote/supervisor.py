@@ -54,6 +54,7 @@ from .executor import ExecutorConfig, pick_device, serve_plain_tcp
 from .health import CHECK_TIMEOUT_S, DeviceHealth
 from .protocol import decode_frame, encode_frame
 from .scheduler import DEFAULT_RANK, DeviceQueue
+from .session import SessionStats
 from .transport import AsyncFrameChannel, TrioFrameChannel
 from .worker import EXIT_POISONED, WorkerSpec
 from .workerlink import LinkClosedError, WorkerLink
@@ -102,6 +103,8 @@ class _Worker:
     assigned: bool = False
     tokens: set[str] = field(default_factory=set)
     waiting: set[tuple] = field(default_factory=set)
+    #: Its session's ops and memory in use, as it last reported them.
+    stats: SessionStats | None = None
 
     @property
     def pid(self) -> int:
@@ -126,6 +129,8 @@ class SessionView:
     worker_pid: int
     frames_in: int = 0
     frames_out: int = 0
+    #: The consumer's key: whose session it is.
+    owner: bytes | None = None
 
 
 class WorkerSupervisor:
@@ -253,6 +258,9 @@ class WorkerSupervisor:
             log.debug("worker %d: link closed: %s", worker.pid, exc)
 
     def _on_message(self, worker: _Worker, message: list) -> None:
+        if message[0] == "stats":
+            worker.stats = _stats(message)
+            return
         kind, number = message[0], message[1] if len(message) == 2 else None
         if type(number) is not int and kind != "release":
             raise LinkClosedError(f"it sent a malformed {kind!r} message")
@@ -373,10 +381,12 @@ class WorkerSupervisor:
 
     # --- sessions ---------------------------------------------------------------------
 
-    def session_stats(self, owner: bytes) -> None:
-        """``None``: a session's ops and memory are counted in its worker, not here
-        (status shows the frames relayed instead)."""
-        return None
+    def session_stats(self, owner: bytes) -> SessionStats | None:
+        """The running session of the consumer with key ``owner``: ops and memory in use,
+        as its worker last reported them (every ``STATS_EVERY_S``)."""
+        views = [v for v in self.sessions.values() if v.owner == owner]
+        worker = self._workers.get(views[-1].worker_pid) if views else None
+        return worker.stats if worker is not None else None
 
     async def run_session(
         self,
@@ -416,7 +426,7 @@ class WorkerSupervisor:
             trio.SocketStream(trio.socket.from_stdlib_socket(ours)), max_frame=channel.max_frame
         )
         session_id = next(self._ids)
-        self.sessions[session_id] = SessionView(worker.pid)
+        self.sessions[session_id] = SessionView(worker.pid, owner=key)
         try:
             await inner.send_frame([first])
             await self._relay(channel, inner, worker, self.sessions[session_id])
@@ -565,6 +575,13 @@ async def _side(operation, side: str):
 
 class _Unavailable(Exception):
     """No worker can be had: the device is unhealthy."""
+
+
+def _stats(message: list) -> SessionStats:
+    """A worker's ``["stats", ops, bytes_in_use]``, checked: a worker runs tenant code."""
+    if len(message) != 3 or not all(type(v) is int and v >= 0 for v in message[1:]):
+        raise LinkClosedError("it sent malformed stats")
+    return SessionStats(ops=message[1], bytes_in_use=message[2])
 
 
 def _wake(owner: object, name: str) -> None:

@@ -17,6 +17,8 @@ Messages on the link (``workerlink.py``), worker to supervisor:
 - ``["acquire", n]`` / ``["release"]`` / ``["cancel", n]``: device turns
   (``SupervisorTurns``), granted across all workers by the supervisor's ``DeviceQueue``
   in the rank of each worker's lease.
+- ``["stats", ops, bytes_in_use]``: its session at work, every ``STATS_EVERY_S`` while it
+  serves one (the provider's status shows it).
 
 Supervisor to worker:
 
@@ -58,6 +60,8 @@ EXIT_POISONED = 3
 ALLOCATOR_HEADROOM = 256 * 1024**2
 #: How often an idle worker checks whether its parked session has expired.
 IDLE_CHECK_S = 0.25
+#: Seconds between a serving worker's reports of its session's ops and memory.
+STATS_EVERY_S = 1.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -217,12 +221,24 @@ class Worker:
         until = math.inf if seconds is None else trio.current_time() + seconds
         rank = tuple(options.get("rank") or (0, 0))
         try:
-            await self.executor.run_session(channel, quota_bytes=quota, rank=rank, until=until)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._report_stats, channel.peer_public_key)
+                await self.executor.run_session(
+                    channel, quota_bytes=quota, rank=rank, until=until
+                )
+                nursery.cancel_scope.cancel()
         except Exception:  # closing a session on a broken context can fail too
             log.exception("worker %d: the session's task failed", os.getpid())
         finally:
             self.served += 1
             self._context_lost()
+
+    async def _report_stats(self, owner: bytes | None) -> None:
+        while True:
+            await trio.sleep(STATS_EVERY_S)
+            stats = self.executor.session_stats(owner)
+            if stats is not None:
+                await self.link.send(["stats", stats.ops, stats.bytes_in_use])
 
     def _context_lost(self) -> bool:
         self.poisoned = self.poisoned or _context_poisoned(self.executor.ctx.device)
