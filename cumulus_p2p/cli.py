@@ -586,8 +586,9 @@ async def _consume(args, data, mesh_config, command: list[str], console: Console
             status.stop()
             held = consumer.held[-1]
             console.print(
-                f"leased {held.proposal.shares} share(s) from {views.short(held.proposal.host)} "
-                f"at {views.credits(held.proposal.price)}/share-hour; session on "
+                f"cumulus: leased {held.proposal.shares} share(s) from "
+                f"{views.short(held.proposal.host)} at {views.credits(held.proposal.price)}"
+                "/share-hour; session on "
                 f"{', '.join(held.endpoints)}; running {' '.join(command)}",
                 highlight=False, soft_wrap=True,
             )

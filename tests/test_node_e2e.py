@@ -214,3 +214,7 @@ def test_consoles_show_no_third_party_log_lines_and_the_node_log_keeps_them(mesh
     for node in (consumer, boot, *providers.values()):
         assert third_party_lines(node.output()) == [], node.data_dir
         assert (node.data_dir / "node.log").stat().st_size > 0
+    # What the consumer's console does show of Cumulus: short lines, marked.
+    ours = [x for x in consumer.output().splitlines() if x.startswith("cumulus: ")]
+    assert ours[0].startswith("cumulus: leased 1 share(s)")
+    assert any(x.startswith("cumulus: receipt 0 from ") for x in ours), ours

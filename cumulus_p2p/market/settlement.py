@@ -207,22 +207,31 @@ def serve_receipts(
     clock: Callable[[], float],
     timeout: float = 10.0,
     fresh_counts: Callable[[], Awaitable[None]] = _nothing_to_wait_for,
+    on_receipt: Callable[[CountersignedReceipt], None] = lambda receipt: None,
 ) -> None:
     """Answer receipt requests on ``host`` from ``desk``; before each, await
-    ``fresh_counts()`` (the consumer's byte counts, newer than the request)."""
+    ``fresh_counts()`` (the consumer's byte counts, newer than the request); after each
+    one countersigned, call ``on_receipt`` with it."""
 
     async def answer(request: bytes, sender: str) -> bytes:
         await fresh_counts()
-        return _answer(desk, request, sender, clock())
+        return _answer(desk, request, sender, clock(), on_receipt)
 
     serve_rpc(host, RECEIPT_PROTOCOL, answer, timeout=timeout)
 
 
-def _answer(desk: ReceiptDesk, request: bytes, sender: str, now: float) -> bytes:
+def _answer(
+    desk: ReceiptDesk,
+    request: bytes,
+    sender: str,
+    now: float,
+    on_receipt: Callable[[CountersignedReceipt], None],
+) -> bytes:
     try:
         countersigned = desk.countersign(request, sender=sender, now=now)
     except CumulusError as exc:
         return msgpack.packb([False, f"{type(exc).__name__}: {exc}"[:500]])
+    on_receipt(countersigned)
     return msgpack.packb([True, countersigned.to_bytes()])
 
 

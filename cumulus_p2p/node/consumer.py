@@ -50,7 +50,7 @@ from ..reputation import (
     seal_report,
 )
 from ..reputation.evidence import MAX_RECEIPTS
-from . import control
+from . import control, logs
 from .datadir import DataDir
 from .probe import ProbeFacts, judge
 from .runtime import Runtime, open_runtime, peer_of
@@ -58,6 +58,7 @@ from .script import run_script
 from .session_proxy import SessionDoors
 
 log = logging.getLogger("cumulus_p2p.node.consumer")
+status = logging.getLogger(logs.STATUS)
 
 BID_NAME = "bid0"
 #: How long to wait for a vanished host's successor before giving up.
@@ -261,6 +262,15 @@ class Consumer:
 
     # --- the shim's requests ----------------------------------------------------------
 
+    def note_receipt(self, countersigned) -> None:
+        """A status line for each receipt countersigned: what it charged, and the cost."""
+        receipt = countersigned.receipt
+        status.info(
+            "receipt %d from %s: %d share-s, %s; cost so far %.6f credits",
+            receipt.seq, receipt.host[:12], receipt.share_seconds,
+            _megabytes(receipt.bytes_moved), self.cost() / 1e6,
+        )  # fmt: skip
+
     def take_path(self, lease_id: str, path: str) -> None:
         """The shim says which path its session channel for ``lease_id`` took."""
         for held in self.held:
@@ -313,7 +323,7 @@ class Consumer:
         if why is None:
             log.info("host %s's device fits its offer: %s", held.proposal.host[:12], facts)
             return None
-        log.warning("cumulus: host %s misrepresents its device: %s", held.proposal.host[:12], why)
+        log.warning("host %s misrepresents its device: %s", held.proposal.host[:12], why)
         held.state = "misrepresented"
         self.excluded.add(held.proposal.host)
         await self._report_measurement(held, facts)
@@ -341,7 +351,7 @@ class Consumer:
         if held is None or held.proposal.host != sender:
             return "no such lease with this host"
         if kind == NOTICE_LEAVING and held.state == "held":
-            log.warning("cumulus: host %s is leaving (%s); moving the session", sender[:12], detail)
+            log.warning("host %s is leaving (%s); moving the session", sender[:12], detail)
             held.state = "left"
             self.excluded.add(sender)
         return None
@@ -355,7 +365,7 @@ class Consumer:
         before the term ended without a word vanished: it is reported and excluded.
         """
         self.status = f"failover: {reason}"
-        log.warning("cumulus: failing over: %s", reason)
+        log.warning("failing over: %s", reason)
         live = [h for h in self.held if h.state == "held"]
         if live and self.held[-1].state != "left":
             gone = live[-1]
@@ -415,6 +425,10 @@ class Consumer:
         }
 
 
+def _megabytes(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
 def _held_row(held: Held, desk: ReceiptDesk) -> dict:
     entries = [e for e in desk.ledger.entries() if e.lease_id == held.proposal.lease_id]
     share_seconds = sum(e.share_seconds for e in entries)
@@ -469,8 +483,9 @@ async def run_consumer(
         desk = ReceiptDesk(identity, data.ledger())
         consumer = Consumer(runtime, options, desk)
         serve_receipts(
-            runtime.mesh.host, desk, clock=runtime.clock, fresh_counts=consumer.fresh_counts
-        )
+            runtime.mesh.host, desk, clock=runtime.clock, fresh_counts=consumer.fresh_counts,
+            on_receipt=consumer.note_receipt,
+        )  # fmt: skip
         serve_lease_notices(runtime.mesh.host, consumer.take_notice)
         async with trio.open_nursery() as nursery:
             consumer.doors = SessionDoors(

@@ -1,8 +1,9 @@
 """Where a running node's log records go: its own warnings to the console, all to a file.
 
 A user reads the console of ``cumulus-node --consume`` as the script's output plus
-Cumulus's own short lines. py-libp2p's warnings about streams that failed between other
-peers (``Failed to read DHT message from stream``, by the dozen) are a log file's
+Cumulus's own short lines, each marked ``cumulus:``: its warnings, and the status lines
+logged to ``STATUS`` (receipts). py-libp2p's warnings about streams that failed between
+other peers (``Failed to read DHT message from stream``, by the dozen) are a log file's
 business, not theirs: they go to ``<data dir>/node.log`` (rotated), with everything
 else. ``-v`` brings them back to the console and records debug detail in the file.
 
@@ -22,19 +23,23 @@ from logging.handlers import RotatingFileHandler
 from pathlib import Path
 
 LOG_FILE = "node.log"
+#: The logger of the short status lines a console shows (INFO and up).
+STATUS = "cumulus_p2p.status"
 #: Size at which the log file is rotated, and how many old ones are kept.
 MAX_BYTES = 10 * 1024 * 1024
 BACKUPS = 3
 _CONSOLE_FORMAT = "%(levelname)s %(name)s: %(message)s"
+_SHORT_FORMAT = "cumulus: %(message)s"
 _FILE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def configure(data_dir: Path, *, verbose: bool) -> Path:
     """Send this process's log records to the console and ``data_dir/node.log``.
 
-    Without ``verbose``: the console shows ``cumulus_p2p`` warnings only; the file holds
-    INFO and above from every logger (py-libp2p's DEBUG records on every stream would
-    slow the node). With it: the console shows INFO from every logger, the file DEBUG.
+    Without ``verbose``: the console shows ``cumulus_p2p`` warnings and ``STATUS`` lines,
+    each as ``cumulus: <message>``; the file holds INFO and above from every logger
+    (py-libp2p's DEBUG records on every stream would slow the node). With it: the console
+    shows INFO from every logger, the file DEBUG.
 
     Returns:
         The log file's path.
@@ -43,10 +48,10 @@ def configure(data_dir: Path, *, verbose: bool) -> Path:
     to_file = RotatingFileHandler(path, maxBytes=MAX_BYTES, backupCount=BACKUPS, encoding="utf-8")
     to_file.setFormatter(logging.Formatter(_FILE_FORMAT))
     to_console = logging.StreamHandler()
-    to_console.setFormatter(logging.Formatter(_CONSOLE_FORMAT))
-    to_console.setLevel(logging.INFO if verbose else logging.WARNING)
+    to_console.setFormatter(logging.Formatter(_CONSOLE_FORMAT if verbose else _SHORT_FORMAT))
+    to_console.setLevel(logging.INFO)
     if not verbose:
-        to_console.addFilter(logging.Filter("cumulus_p2p"))
+        to_console.addFilter(_ours_worth_showing)
     root = logging.getLogger()
     root.handlers.clear()
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
@@ -59,6 +64,13 @@ def configure(data_dir: Path, *, verbose: bool) -> Path:
     if verbose:
         libp2p.addHandler(to_console)
     return path
+
+
+def _ours_worth_showing(record: logging.LogRecord) -> bool:
+    """Cumulus's warnings and its status lines; nothing from other libraries."""
+    if record.name == STATUS:
+        return True
+    return record.name.startswith("cumulus_p2p") and record.levelno >= logging.WARNING
 
 
 def last_lines(path: Path, count: int) -> list[str]:

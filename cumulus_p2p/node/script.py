@@ -52,12 +52,12 @@ async def run_script(argv: list[str], env: dict[str, str], *, grace: float = STO
 async def _stop_on_signals(signals, process: subprocess.Popen, grace: float) -> None:
     async for signum in signals:
         name = signal.Signals(signum).name
-        log.warning("cumulus: got %s; stopping the script (up to %g s)", name, grace)
+        log.warning("got %s; stopping the script (up to %g s)", name, grace)
         process.send_signal(signal.SIGTERM)
         break
     with trio.move_on_after(grace):
         async for signum in signals:
-            log.warning("cumulus: got %s again; killing the script", signal.Signals(signum).name)
+            log.warning("got %s again; killing the script", signal.Signals(signum).name)
             break
     if process.poll() is None:
         process.kill()
