@@ -143,6 +143,7 @@ def test_a_job_survives_its_provider_being_killed_and_finishes_on_the_other(tmp_
     )
     state = json.loads((tmp_path / "consumer" / "state.json").read_text())
     assert [lease["state"] for lease in state["leases"]] == ["failed", "held"]
+    assert state["failovers"] == 1
     gone = state["leases"][0]["host"]
     score = next(row for row in state["scores"] if row["host"] == gone)
     assert score["failures"] > 0

@@ -132,6 +132,8 @@ class Consumer:
     doors: SessionDoors | None = None
     #: Why the last host that refused a proposal refused it.
     last_refusal: str = ""
+    #: Times the session moved to another host (or to a renewed lease).
+    failovers: int = 0
     #: Set when the script's shim next reports its byte counts.
     counts_reported: trio.Event = field(default_factory=trio.Event)
 
@@ -365,6 +367,7 @@ class Consumer:
         before the term ended without a word vanished: it is reported and excluded.
         """
         self.status = f"failover: {reason}"
+        self.failovers += 1
         log.warning("failing over: %s", reason)
         live = [h for h in self.held if h.state == "held"]
         if live and self.held[-1].state != "left":
@@ -421,6 +424,7 @@ class Consumer:
             "status": self.status,
             "command": list(self.options.command),
             "leases": [_held_row(h, self.desk) for h in self.held],
+            "failovers": self.failovers,
             "cost": self.cost(),
         }
 
