@@ -280,9 +280,51 @@ async def test_session_idle_past_grace_period_is_cleaned_up():
         stats = server.statistics()
         assert (stats.sessions_active, stats.sessions_expired) == (0, 1)
 
-        # A late resume is refused: the consumer learns its session is gone.
-        with pytest.raises(SessionClosedError, match="unknown or expired"):
+        # A late resume is refused: the consumer learns its session is gone, and why.
+        with pytest.raises(SessionClosedError, match="session ended: .* did not resume within"):
             await in_thread(ch.recv_frame)
+
+
+async def test_a_consumer_that_lost_the_close_learns_why_when_it_resumes():
+    async def close_with_a_reason(channel):
+        await channel.receive_frame()
+        await channel.aclose("leaving: the host is shutting down")
+
+    async with provider(close_with_a_reason, grace_period=60) as server:
+
+        def consumer():
+            ch = connect(server)
+            ch.send_frame([b"work"])
+            ch._link.sock.shutdown(socket.SHUT_RDWR)  # the CLOSE record is lost with it
+            ch.recv_frame()
+
+        with pytest.raises(SessionClosedError, match="leaving: the host is shutting down"):
+            await in_thread(consumer)
+
+
+async def test_why_a_session_ended_is_told_only_to_a_resume_that_proves_it_is_its_own():
+    async def close_at_once(channel):
+        await channel.receive_frame()
+        await channel.aclose("a private reason")
+
+    async with provider(close_at_once, grace_period=60) as server:
+
+        def consumer():
+            ch = connect(server)
+            ch.send_frame([b"work"])
+            with pytest.raises(SessionClosedError, match="a private reason"):
+                ch.recv_frame()
+            return ch.session_id
+
+        session_id = await in_thread(consumer)
+        forged = hs.ClientResume(session_id, os.urandom(32), 0)
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with stream:
+            await stream.send_all(forged.hello())
+            reply = await stream.receive_some()
+        assert b"private" not in reply
+        with pytest.raises(PeerAuthenticationError):
+            forged.on_challenge(reply[2:])
 
 
 async def test_consumer_close_ends_the_handler_session_at_once():

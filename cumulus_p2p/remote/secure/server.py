@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -66,6 +66,8 @@ Handler = Callable[["SecureServerChannel"], Awaitable[None]]
 #: Frames read but not taken by the handler, in bytes, above which a sender waiting for
 #: acknowledgements stops reading (TCP backpressure then reaches the consumer).
 _MAX_INBOUND_BYTES = 64 * 1024 * 1024
+#: Ended sessions whose reason a late resume can still learn (oldest forgotten first).
+ENDED_REMEMBERED = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +232,7 @@ class _Session:
                 await self._watch_connections()
         finally:
             self.server._sessions.pop(self.session_id, None)
+            self.server._remember_end(self.session_id, self.ended or "ended", self.resume_secret)
             # Also when cancelled (the server is closing): no stream is left open.
             if self._conn is not None:
                 self._detach(self._conn)
@@ -533,6 +536,10 @@ class SecureServer:
         self.port: int | None = None
         self._nursery = nursery
         self._sessions: dict[bytes, _Session] = {}
+        #: Sessions that ended lately: why, and the secret a resume must prove. A consumer
+        #: whose connection broke as the provider closed its session (the ``CLOSE`` record
+        #: lost with the connection) learns why when it tries to resume.
+        self._ended: OrderedDict[bytes, tuple[str, bytes]] = OrderedDict()
         self._started = 0
         self._expired = 0
         self._resumes = 0
@@ -632,7 +639,12 @@ class SecureServer:
         if request is None:  # pragma: no cover - on_hello returned None only for resumes
             raise HandshakeError("resume without a request")
         session = self._sessions.get(request.session_id)
-        if session is None or session.ended is not None:
+        ended = self._ended.get(request.session_id)
+        if session is not None and session.ended is not None:
+            ended = (session.ended, session.resume_secret)
+        if ended is not None:
+            return await self._refuse_ended(request, *ended, reader, writer)
+        if session is None:
             await writer.send(hs.error_message("unknown or expired session"))
             return False
         resume = hs.ServerResume(request, session.resume_secret)
@@ -657,6 +669,22 @@ class SecureServer:
         self._resumes += 1
         log.info("session %s resumed (%d records resent)", session.session_id.hex(), len(resend))
         return True
+
+
+    async def _refuse_ended(
+        self, request, reason: str, secret: bytes, reader: StreamReader, writer: StreamWriter
+    ) -> bool:
+        """Tell a consumer that proves the session was its own why the session ended."""
+        resume = hs.ServerResume(request, secret)
+        await writer.send(resume.challenge())
+        resume.on_proof(await reader.read_handshake())
+        await writer.send(hs.error_message(f"session ended: {reason}"))
+        return False
+
+    def _remember_end(self, session_id: bytes, reason: str, secret: bytes) -> None:
+        self._ended[session_id] = (reason, secret)
+        while len(self._ended) > ENDED_REMEMBERED:
+            self._ended.popitem(last=False)
 
 
 async def _send_error(writer: StreamWriter, reason: str) -> None:
