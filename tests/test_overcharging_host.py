@@ -1,10 +1,11 @@
 """A host that overcharges is refused, and the job moves on (issue 16).
 
-Real nodes on loopback: a bootstrap node, ``cumulus_p2p.testing.liar --lie bytes`` (the
-real provider node, cheapest on the mesh, whose receipts each claim 64 MiB more than the
-session moved) and an honest CPU provider. The consumer refuses the liar's first
-receipt, both ledgers keep the dispute, the liar pauses the unpaid session, and the job
-finishes on the honest provider with the loss of a local run.
+Real nodes on loopback: a bootstrap node, ``cumulus_p2p.testing.liar`` (the real provider
+node, cheapest on the mesh, whose receipts each claim 64 MiB more than the session moved,
+or twice the share-seconds their interval holds) and an honest CPU provider. The
+consumer refuses the liar's first receipt, both ledgers keep the dispute, the liar
+pauses the unpaid session, and the job finishes on the honest provider with the loss of
+a local run.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+
+import pytest
 
 from cumulus_p2p.market.ledger import Ledger
 from cumulus_p2p.testing.nodes import (
@@ -34,11 +37,15 @@ def disputes(data_dir) -> list:
         return list(books.disputes())
 
 
-def test_receipts_claiming_more_bytes_than_moved_are_refused_and_disputed_on_both_sides(
-    tmp_path,
+@pytest.mark.parametrize(
+    "lie, why",
+    [("bytes", "bytes receipted under this lease"), ("share-seconds", "share-seconds, at most")],
+)
+def test_an_overcharging_hosts_receipts_are_refused_and_disputed_on_both_sides(
+    tmp_path, lie, why
 ):
     boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
-    liar = start_liar(tmp_path / "liar", boot.addr, "bytes")
+    liar = start_liar(tmp_path / "liar", boot.addr, lie)
     honest = start_provider(tmp_path / "honest", boot.addr, "--price", "0.7")
     try:
         liar.wait_for("providing")
@@ -63,5 +70,5 @@ def test_receipts_claiming_more_bytes_than_moved_are_refused_and_disputed_on_bot
     (theirs,) = disputes(tmp_path / "liar")
     ours = disputes(tmp_path / "consumer")
     assert [d.receipt_id for d in ours] == [theirs.receipt_id]
-    assert "bytes receipted under this lease" in theirs.reason
+    assert why in theirs.reason
     assert ours[0].receipt == theirs.receipt  # the same host-signed claim on both sides

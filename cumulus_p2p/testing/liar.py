@@ -7,7 +7,9 @@ thing:
 - ``device`` (the default): its offer claims an ``NVIDIA H100 80GB HBM3`` with 80 GiB
   and 60000 performance units;
 - ``bytes``: its offer is true, but every receipt claims 64 MiB more than the session
-  moved.
+  moved;
+- ``share-seconds``: its offer is true, but every receipt charges twice the share-seconds
+  its interval holds.
 
 It prints ``listening on ADDR`` and ``providing`` lines like ``cumulus-node --provide``.
 """
@@ -15,11 +17,13 @@ It prints ``listening on ADDR`` and ``providing`` lines like ``cumulus-node --pr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import trio
 
 from ..cli import parse_price
 from ..dht import MeshConfig
+from ..market.messages import open_message, seal_message
 from ..market.metering import Meter
 from ..node.datadir import DataDir
 from ..node.hardware import DeviceFacts, cpu_facts, self_benchmark
@@ -41,6 +45,18 @@ def overcharge_bytes() -> None:
     Meter.issue = inflated
 
 
+def overcharge_share_seconds() -> None:
+    """Make every ``Meter`` on this process charge twice the share-seconds (re-signed)."""
+    issue = Meter.issue
+
+    def inflated(self, now, *, nonce):
+        fair = open_message(issue(self, now, nonce=nonce))
+        doubled = dataclasses.replace(fair, share_seconds=2 * fair.share_seconds + 1)
+        return seal_message(self._host, doubled, now=now)
+
+    Meter.issue = inflated
+
+
 def ready(provider) -> None:
     for addr in provider.runtime.mesh.addrs:
         print(f"listening on {addr}", flush=True)
@@ -54,7 +70,7 @@ async def main(bootstrap: str, data: DataDir, price: int, lie: str) -> None:
     if lie == "device":
         device, perf = CLAIM, CLAIMED_PERF
     else:
-        overcharge_bytes()
+        overcharge_bytes() if lie == "bytes" else overcharge_share_seconds()
         device, perf = cpu_facts(), self_benchmark("cpu", seconds=0.1)
     options = ProviderOptions(
         device=device, perf_units=perf, shares=4, price=price, receipt_interval=1.0
@@ -67,6 +83,6 @@ if __name__ == "__main__":
     parser.add_argument("--bootstrap", required=True)
     parser.add_argument("--data", required=True)
     parser.add_argument("--price", type=parse_price, default=parse_price("0.1"))
-    parser.add_argument("--lie", choices=["device", "bytes"], default="device")
+    parser.add_argument("--lie", choices=["device", "bytes", "share-seconds"], default="device")
     args = parser.parse_args()
     trio.run(main, args.bootstrap, DataDir(args.data), args.price, args.lie)
