@@ -320,7 +320,9 @@ class Consumer:
             facts = ProbeFacts.from_wire(wire)
         except ValueError as exc:
             raise CumulusError(f"malformed probe facts: {exc}") from exc
-        held = next(h for h in reversed(self.held) if h.state == "held")
+        held = next((h for h in reversed(self.held) if h.state == "held"), None)
+        if held is None:
+            raise CumulusError("no lease is held: nothing to judge the probe against")
         why = judge(held.offer, facts)
         if why is None:
             log.info("host %s's device fits its offer: %s", held.proposal.host[:12], facts)
