@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
-import pytest
+import functools
 
-from cumulus_p2p._errors import PeerUnreachableError, RemoteProtocolError
+import msgpack
+import pytest
+import trio
+
+from cumulus_p2p._errors import (
+    CumulusError,
+    PeerUnreachableError,
+    RemoteProtocolError,
+    SessionClosedError,
+)
 from cumulus_p2p.identity import NodeIdentity
+from cumulus_p2p.node import control
 from cumulus_p2p.node.attach import open_channel
 from cumulus_p2p.node.control import SessionTicket
+from cumulus_p2p.remote.transport import SocketFrameChannel
 
 TICKET = SessionTicket(
     "12D3KooWhost",
@@ -53,3 +64,94 @@ def test_a_provider_reachable_on_no_path_is_reported_with_each_path_tried() -> N
     with pytest.raises(PeerUnreachableError) as caught:
         open_channel(ticket, NodeIdentity.generate(), resume_timeout=1.0)
     assert all(f"127.0.0.9:{port}" in str(caught.value) for port in (1, 2, 3))
+
+
+# --- the control server: what the shim reports, and what it may not ------------------------
+
+
+class Node:
+    """The node's side of the control channel, recording what the shim reported."""
+
+    def __init__(self) -> None:
+        self.counts: list[dict] = []
+        self.paths: list[tuple[str, str]] = []
+
+    async def session(self):
+        return TICKET
+
+    async def failover(self, reason):
+        return TICKET
+
+    async def probe(self, facts):
+        if not isinstance(facts, dict):
+            raise CumulusError("malformed probe facts")
+        return None
+
+
+async def serve(node: Node, nursery) -> str:
+    return await nursery.start(
+        functools.partial(control.serve_control, "t" * 32, node.session, node.failover,
+                          usage=node.counts.append, probe=node.probe,
+                          path=lambda *p: node.paths.append(p))
+    )  # fmt: skip
+
+
+def ask(address: str, request: list) -> object:
+    host, _, port = address.rpartition(":")
+    channel = SocketFrameChannel.connect(host, int(port))
+    try:
+        channel.send_frame([msgpack.packb(request)])
+        return msgpack.unpackb(channel.recv_frame(), raw=False)
+    finally:
+        channel.close()
+
+
+async def test_the_shims_final_counts_and_path_reach_the_node():
+    node = Node()
+    async with trio.open_nursery() as nursery:
+        address = await serve(node, nursery)
+        assert await trio.to_thread.run_sync(
+            ask, address, ["usage", "t" * 32, {"L1": 4096}]) == ["ok", None]
+        assert await trio.to_thread.run_sync(
+            ask, address, ["path", "t" * 32, "L1", "direct to 10.0.0.1:7000"]) == ["ok", None]
+        nursery.cancel_scope.cancel()
+    assert node.counts == [{"L1": 4096}]
+    assert node.paths == [("L1", "direct to 10.0.0.1:7000")]
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [["usage", "t" * 32, {"L1": -1}], ["usage", "t" * 32, {"L1": "lots"}], ["usage", "t" * 32, 7],
+     ["path", "t" * 32, "L1", 5], ["probe", "t" * 32, "fast"], ["usage", "x" * 32, {"L1": 1}]],
+    ids=["negative", "not-int", "not-a-map", "path-not-text", "probe-not-facts", "bad-token"],
+)
+async def test_a_malformed_report_is_refused_and_records_nothing(request_):
+    node = Node()
+    async with trio.open_nursery() as nursery:
+        address = await serve(node, nursery)
+        answer = await trio.to_thread.run_sync(ask, address, request_)
+        nursery.cancel_scope.cancel()
+    assert answer[0] == "error"
+    assert node.counts == [] and node.paths == []
+
+
+async def test_a_watch_carrying_anything_but_usage_reports_is_dropped():
+    node = Node()
+    async with trio.open_nursery() as nursery:
+        address = await serve(node, nursery)
+
+        def watch_then_misbehave() -> bool:
+            host, _, port = address.rpartition(":")
+            channel = SocketFrameChannel.connect(host, int(port))
+            channel.send_frame([msgpack.packb(["watch", "t" * 32])])
+            channel.send_frame([msgpack.packb(["usage", {"L1": 10}])])
+            channel.send_frame([msgpack.packb(["session", "t" * 32])])
+            try:
+                channel.recv_frame()
+            except SessionClosedError:
+                return True  # the node hung up on it
+            return False
+
+        assert await trio.to_thread.run_sync(watch_then_misbehave)
+        nursery.cancel_scope.cancel()
+    assert node.counts == [{"L1": 10}]
