@@ -16,6 +16,7 @@ import sys
 from cumulus_p2p.market.ledger import Ledger
 from cumulus_p2p.testing.nodes import (
     LOOPBACK_LISTEN,
+    final_json,
     start_consumer,
     start_liar,
     start_node,
@@ -24,9 +25,6 @@ from cumulus_p2p.testing.nodes import (
 
 SCRIPT = ["-m", "cumulus_p2p.demo_train", "--steps", "20", "--log-every", "5"]
 
-
-def final_loss(lines: list[str]) -> float:
-    return json.loads(next(x for x in reversed(lines) if x.startswith("{")))["final_loss"]
 
 
 def test_a_host_claiming_a_gpu_it_lacks_is_dropped_after_the_probe_and_reported(tmp_path):
@@ -48,7 +46,8 @@ def test_a_host_claiming_a_gpu_it_lacks_is_dropped_after_the_probe_and_reported(
     local = subprocess.run(
         [sys.executable, *SCRIPT], capture_output=True, text=True, check=True, timeout=120
     )
-    assert final_loss(consumer.lines) == final_loss(local.stdout.splitlines())
+    expected = final_json(local.stdout.splitlines())["final_loss"]
+    assert final_json(consumer.lines)["final_loss"] == expected
     state = json.loads((tmp_path / "consumer" / "state.json").read_text())
     leases = state["leases"]
     assert [lease["state"] for lease in leases] == ["misrepresented", "held"]

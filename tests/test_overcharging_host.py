@@ -19,6 +19,7 @@ import pytest
 from cumulus_p2p.market.ledger import Ledger
 from cumulus_p2p.testing.nodes import (
     LOOPBACK_LISTEN,
+    final_json,
     start_consumer,
     start_liar,
     start_node,
@@ -27,9 +28,6 @@ from cumulus_p2p.testing.nodes import (
 
 SCRIPT = ["-m", "cumulus_p2p.demo_train", "--steps", "120", "--log-every", "20"]
 
-
-def final_loss(lines: list[str]) -> float:
-    return json.loads(next(x for x in reversed(lines) if x.startswith("{")))["final_loss"]
 
 
 def disputes(data_dir) -> list:
@@ -61,7 +59,8 @@ def test_an_overcharging_hosts_receipts_are_refused_and_disputed_on_both_sides(
     local = subprocess.run(
         [sys.executable, *SCRIPT], capture_output=True, text=True, check=True, timeout=120
     )
-    assert final_loss(consumer.lines) == final_loss(local.stdout.splitlines())
+    expected = final_json(local.stdout.splitlines())["final_loss"]
+    assert final_json(consumer.lines)["final_loss"] == expected
     state = json.loads((tmp_path / "consumer" / "state.json").read_text())
     leases = state["leases"]
     assert [lease["state"] for lease in leases][-1] == "held"

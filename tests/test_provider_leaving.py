@@ -16,7 +16,13 @@ import sys
 import time
 
 from cumulus_p2p.market.ledger import Ledger
-from cumulus_p2p.testing.nodes import LOOPBACK_LISTEN, start_consumer, start_node, start_provider
+from cumulus_p2p.testing.nodes import (
+    LOOPBACK_LISTEN,
+    final_json,
+    start_consumer,
+    start_node,
+    start_provider,
+)
 
 SCRIPT = ["-m", "cumulus_p2p.demo_train", "--steps", "30", "--log-every", "5"]
 
@@ -25,9 +31,6 @@ def receipt_ids(data_dir) -> set[str]:
     with Ledger.open(data_dir) as ledger:
         return {e.receipt_id for e in ledger.entries()}
 
-
-def final_loss(lines: list[str]) -> float:
-    return json.loads(next(x for x in reversed(lines) if x.startswith("{")))["final_loss"]
 
 
 def test_a_provider_stopped_with_sigterm_hands_the_job_over_without_blame(tmp_path):
@@ -60,7 +63,8 @@ def test_a_provider_stopped_with_sigterm_hands_the_job_over_without_blame(tmp_pa
     local = subprocess.run(
         [sys.executable, *SCRIPT], capture_output=True, text=True, check=True, timeout=120
     )
-    assert final_loss(consumer.lines) == final_loss(local.stdout.splitlines())
+    expected = final_json(local.stdout.splitlines())["final_loss"]
+    assert final_json(consumer.lines)["final_loss"] == expected
     state = json.loads((tmp_path / "consumer" / "state.json").read_text())
     assert [lease["state"] for lease in state["leases"]] == ["left", "held"]
     assert all(row["failures"] == 0 for row in state["scores"])

@@ -19,7 +19,7 @@ import warnings
 from contextlib import contextmanager
 
 from cumulus_p2p.testing.netns import Host, NamespacesUnavailable, two_hosts
-from cumulus_p2p.testing.nodes import node_command, start_process
+from cumulus_p2p.testing.nodes import final_json, node_command, start_process
 
 SCRIPT = ["-m", "cumulus_p2p.demo_train", "--steps", "20", "--log-every", "10"]
 FAST = ["--announce-interval", "1", "--no-live"]
@@ -45,9 +45,6 @@ def two_machines():
     a, b = Loopback("", "127.0.0.2"), Loopback("", "127.0.0.3")
     yield a, b, ["--listen", f"/ip4/{a.address}/tcp/0"], ["--listen", f"/ip4/{b.address}/tcp/0"]
 
-
-def final_loss(lines: list[str]) -> float:
-    return json.loads(next(x for x in reversed(lines) if x.startswith("{")))["final_loss"]
 
 
 def test_a_consumer_on_another_machine_reaches_the_provider_directly(tmp_path):
@@ -80,4 +77,5 @@ def test_a_consumer_on_another_machine_reaches_the_provider_directly(tmp_path):
     assert "going through libp2p" not in consumer.output()
     local = subprocess.run([sys.executable, *SCRIPT], capture_output=True, text=True,
                            check=True, timeout=120)  # fmt: skip
-    assert final_loss(consumer.lines) == final_loss(local.stdout.splitlines())
+    expected = final_json(local.stdout.splitlines())["final_loss"]
+    assert final_json(consumer.lines)["final_loss"] == expected

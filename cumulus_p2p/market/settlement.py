@@ -315,14 +315,24 @@ async def call_close_lease(host: IHost, peer: ID, lease_id: str, *, timeout: flo
         trio.TooSlowError, libp2p.exceptions.BaseLibp2pError: no answer.
     """
     response = await call_rpc(host, peer, CLOSE_PROTOCOL, msgpack.packb(lease_id), timeout=timeout)
+    refusal = _refusal(response, "close")
+    if refusal is not None:
+        raise ReceiptRejectedError(f"the host did not settle lease {lease_id}: {refusal}")
+
+
+def _refusal(response: bytes, what: str) -> object | None:
+    """The reason in an ``[ok, reason]`` answer when not ok, else ``None``.
+
+    Raises:
+        MalformedMessageError: the answer is not ``[ok, reason]``.
+    """
     try:
         decoded = msgpack.unpackb(response, raw=False)
     except (ValueError, msgpack.UnpackException) as exc:
-        raise MalformedMessageError(f"close answer is not msgpack: {exc}") from exc
+        raise MalformedMessageError(f"{what} answer is not msgpack: {exc}") from exc
     if not (type(decoded) is list and len(decoded) == 2 and type(decoded[0]) is bool):
-        raise MalformedMessageError("close answer must be [ok, reason]")
-    if not decoded[0]:
-        raise ReceiptRejectedError(f"the host did not settle lease {lease_id}: {decoded[1]}")
+        raise MalformedMessageError(f"{what} answer must be [ok, reason]")
+    return None if decoded[0] else decoded[1]
 
 
 def serve_lease_notices(host: IHost, take: TakeNotice, *, timeout: float = 10.0) -> None:
@@ -361,11 +371,6 @@ async def call_lease_notice(
     """
     request = msgpack.packb([lease_id, kind, detail[:_MAX_DETAIL]])
     response = await call_rpc(host, peer, NOTICE_PROTOCOL, request, timeout=timeout)
-    try:
-        decoded = msgpack.unpackb(response, raw=False)
-    except (ValueError, msgpack.UnpackException) as exc:
-        raise MalformedMessageError(f"notice answer is not msgpack: {exc}") from exc
-    if not (type(decoded) is list and len(decoded) == 2 and type(decoded[0]) is bool):
-        raise MalformedMessageError("notice answer must be [ok, reason]")
-    if not decoded[0]:
-        raise ReceiptRejectedError(f"the consumer did not take the notice: {decoded[1]}")
+    refusal = _refusal(response, "notice")
+    if refusal is not None:
+        raise ReceiptRejectedError(f"the consumer did not take the notice: {refusal}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -113,6 +114,11 @@ def _pump(proc: subprocess.Popen, node: NodeProcess) -> None:
     for line in proc.stdout:
         node.lines.append(line)
     node.drained.set()
+
+
+def final_json(lines: list[str]) -> dict:
+    """The last JSON line a script printed (``demo_train`` ends with its results)."""
+    return json.loads(next(x for x in reversed(lines) if x.startswith("{")))
 
 
 def start_liar(data_dir: Path, bootstrap: str, lie: str, *, price: str = "0.1") -> NodeProcess:
