@@ -19,6 +19,7 @@ from cumulus_p2p.market.ledger import Ledger
 from cumulus_p2p.testing.nodes import (
     LOOPBACK_LISTEN,
     final_json,
+    local_final_loss,
     start_consumer,
     start_node,
     start_provider,
@@ -60,11 +61,7 @@ def test_a_provider_stopped_with_sigterm_hands_the_job_over_without_blame(tmp_pa
     assert "is leaving" in consumer.output()
     # At once: well inside the 10 s a silent host gets to resume the channel.
     assert moved_after < 10, moved_after
-    local = subprocess.run(
-        [sys.executable, *SCRIPT], capture_output=True, text=True, check=True, timeout=120
-    )
-    expected = final_json(local.stdout.splitlines())["final_loss"]
-    assert final_json(consumer.lines)["final_loss"] == expected
+    assert final_json(consumer.lines)["final_loss"] == local_final_loss(SCRIPT)
     state = json.loads((tmp_path / "consumer" / "state.json").read_text())
     assert [lease["state"] for lease in state["leases"]] == ["left", "held"]
     assert all(row["failures"] == 0 for row in state["scores"])
@@ -95,11 +92,7 @@ def start_freeloading(tmp_path, *provider_flags: str):
 
 
 def lease_states(node) -> list[str]:
-    try:
-        state = json.loads((node.data_dir / "state.json").read_text())
-    except (OSError, ValueError):
-        return []  # not written yet, or written as we read it
-    return [lease["state"] for lease in state.get("leases", [])]
+    return [lease["state"] for lease in node.state().get("leases", [])]
 
 
 def test_a_second_sigterm_stops_a_leaving_provider_at_once(tmp_path):

@@ -13,13 +13,11 @@ loopback addresses, with explicit --listen flags, and says so.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import warnings
 from contextlib import contextmanager
 
 from cumulus_p2p.testing.netns import Host, NamespacesUnavailable, two_hosts
-from cumulus_p2p.testing.nodes import final_json, node_command, start_process
+from cumulus_p2p.testing.nodes import final_json, local_final_loss, node_command, start_process
 
 SCRIPT = ["-m", "cumulus_p2p.demo_train", "--steps", "20", "--log-every", "10"]
 FAST = ["--announce-interval", "1", "--no-live"]
@@ -75,7 +73,4 @@ def test_a_consumer_on_another_machine_reaches_the_provider_directly(tmp_path):
     (lease,) = json.loads((tmp_path / "consumer" / "state.json").read_text())["leases"]
     assert lease["path"].startswith(f"direct to {a.address}:"), lease
     assert "going through libp2p" not in consumer.output()
-    local = subprocess.run([sys.executable, *SCRIPT], capture_output=True, text=True,
-                           check=True, timeout=120)  # fmt: skip
-    expected = final_json(local.stdout.splitlines())["final_loss"]
-    assert final_json(consumer.lines)["final_loss"] == expected
+    assert final_json(consumer.lines)["final_loss"] == local_final_loss(SCRIPT)

@@ -7,7 +7,6 @@ systemd, ``kill`` or a crash would stop it.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -70,19 +69,15 @@ def receipt_ids(data_dir: Path) -> set[str]:
 
 
 def lease_states(node) -> list[str]:
-    state = json.loads((node.data_dir / "state.json").read_text())
-    return [lease["state"] for lease in state["leases"]]
+    return [lease["state"] for lease in node.state().get("leases", [])]
 
 
 def wait_for_leases(node, final: str, timeout: float = 60.0) -> list[str]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            states = lease_states(node)
-            if states and set(states) == {final}:
-                return states
-        except (OSError, ValueError):
-            pass  # written as we read it
+        states = lease_states(node)
+        if states and set(states) == {final}:
+            return states
         time.sleep(0.2)
     return lease_states(node)
 
@@ -139,7 +134,7 @@ def test_status_shows_each_session_at_work_on_both_sides(mesh):
     try:
         deadline = time.monotonic() + 30
         while True:
-            (row,) = json.loads((provider.data_dir / "state.json").read_text())["leases"]
+            (row,) = provider.state()["leases"]
             if row.get("ops", 0) > 0 and row.get("memory", 0) > 0:
                 break
             assert time.monotonic() < deadline, row

@@ -9,10 +9,8 @@ and computes through the real session channel but never countersigns a receipt.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -29,15 +27,6 @@ def mesh(tmp_path):
     finally:
         for node in (provider, boot):
             node.stop()
-
-
-def provider_state(provider) -> dict:
-    for _ in range(20):
-        try:
-            return json.loads((provider.data_dir / "state.json").read_text())
-        except ValueError:
-            time.sleep(0.05)  # written as we read it
-    raise AssertionError("state.json never parsed")
 
 
 def run_freeloader(tmp_path, boot) -> list[str]:
@@ -59,7 +48,7 @@ def test_a_consumer_that_never_countersigns_is_paused_then_ended_reported_and_re
     assert resumed.startswith("resume refused:") and "unsettled" in resumed
     again = lines[-1]
     assert again.startswith("lease again refused:") and "payment record" in again
-    state = provider_state(provider)
+    state = provider.state()
     assert [lease["state"] for lease in state["leases"]] == ["unpaid"]
     consumer = state["leases"][0]["consumer"]
     record = next(row for row in state["scores"] if row["host"] == consumer)

@@ -27,6 +27,18 @@ class NodeProcess:
     def output(self) -> str:
         return "".join(self.lines)
 
+    def state(self) -> dict:
+        """The node's ``state.json``; ``{}`` until it is first written. A read that meets
+        the file half written tries again (the node rewrites it every second)."""
+        for _ in range(20):
+            try:
+                return json.loads((self.data_dir / "state.json").read_text())
+            except FileNotFoundError:
+                return {}
+            except ValueError:
+                time.sleep(0.05)
+        raise ValueError(f"{self.data_dir / 'state.json'} never parsed")
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -119,6 +131,15 @@ def _pump(proc: subprocess.Popen, node: NodeProcess) -> None:
 def final_json(lines: list[str]) -> dict:
     """The last JSON line a script printed (``demo_train`` ends with its results)."""
     return json.loads(next(x for x in reversed(lines) if x.startswith("{")))
+
+
+def local_final_loss(script: list[str]) -> float:
+    """The final loss of ``python *script`` run here, on the CPU (what a job through the
+    mesh must end with)."""
+    done = subprocess.run(
+        [sys.executable, *script], capture_output=True, text=True, check=True, timeout=120
+    )
+    return final_json(done.stdout.splitlines())["final_loss"]
 
 
 def start_liar(data_dir: Path, bootstrap: str, lie: str, *, price: str = "0.1") -> NodeProcess:
