@@ -12,6 +12,9 @@ Per workload:
 - ``<name>_ops_per_step``: ops the executor ran per step (views never leave the client);
 - ``<name>_client_ms``: time to build a step (zero_grad, forward, backward, ``opt.step()``)
   before its final sync; ``<name>_client_us_per_op`` is that over the ops;
+- ``<name>_dispatches_per_step``: aten ops the client's ``__torch_dispatch__`` saw in a
+  step, views included; ``<name>_client_us_per_dispatch`` is ``client_ms`` over them
+  (compare with ``dispatch_floor.py``, what any Python subclass pays per dispatch);
 - ``<name>_executor_us_per_op``: the executor's busy time per op (session stats);
 - ``<name>_plans_per_step``: op plans the client had to build in a steady step (0 is right);
 - ``<name>_step_ratio``: median remote step over median local CPU step (steps alternate,
@@ -34,6 +37,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -84,6 +89,25 @@ def native_cuda_ms(name: str, steps: int) -> float:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@contextmanager
+def counting_dispatches() -> Iterator[list[int]]:
+    """Count the calls to ``RemoteTensor.__torch_dispatch__`` while inside."""
+    from cumulus_p2p.remote.tensor import RemoteTensor
+
+    dispatch = RemoteTensor.__torch_dispatch__.__func__
+    count = [0]
+
+    def counted(cls, func, types, args=(), kwargs=None):
+        count[0] += 1
+        return dispatch(cls, func, types, args, kwargs)
+
+    RemoteTensor.__torch_dispatch__ = classmethod(counted)
+    try:
+        yield count
+    finally:
+        RemoteTensor.__torch_dispatch__ = classmethod(dispatch)
+
+
 def measure(name: str, steps: int, device: str) -> dict:
     """Time ``name`` through the attached session (and locally on CPU, alternating)."""
     from cumulus_p2p.remote import current_session
@@ -96,6 +120,8 @@ def measure(name: str, steps: int, device: str) -> dict:
         far()
         if local is not None:
             local()
+    with counting_dispatches() as dispatches:
+        far()
     before, plans = session.stats(), plan_count()
     builds, remote_steps, local_steps = [], [], []
     for _ in range(steps):
@@ -112,6 +138,8 @@ def measure(name: str, steps: int, device: str) -> dict:
         "ops_per_step": round(ops),
         "client_ms": round(client_ms, 2),
         "client_us_per_op": round(client_ms * 1e3 / ops, 1),
+        "dispatches_per_step": dispatches[0],
+        "client_us_per_dispatch": round(client_ms * 1e3 / dispatches[0], 1),
         "executor_us_per_op": round((after["busy_s"] - before["busy_s"]) / steps / ops * 1e6, 1),
         "plans_per_step": plans / steps,
         "remote_ms": round(statistics.median(remote_steps) * 1e3, 2),

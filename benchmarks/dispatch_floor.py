@@ -1,0 +1,133 @@
+"""What any Python tensor subclass pays per aten op on a real training step (issue 11).
+
+The ``cumulus`` device is a ``__torch_dispatch__`` wrapper subclass, so every aten op a
+step dispatches, views included, crosses from torch's C++ dispatcher into Python and back
+with a new wrapper per output. This script measures that floor without cumulus: the
+same tiny transformer step (forward, backward, foreach Adam) runs once on plain CPU
+tensors and once with every tensor wrapped in the smallest useful wrapper subclass (it
+unwraps the arguments, runs the op, wraps the outputs). Widths are tiny so that compute
+is negligible and what remains is per-op overhead. Prints JSON and writes
+``benchmarks/results/dispatch_floor.json``::
+
+    python benchmarks/dispatch_floor.py [--steps 30]
+
+- ``dispatches_per_step``: aten ops the step dispatches (views and detaches included);
+- ``plain_us_per_dispatch``: the plain CPU step over its dispatches;
+- ``wrapper_us_per_dispatch``: the wrapped step over the same dispatches;
+- ``subclass_overhead_us_per_dispatch``: the difference, which no Python subclass avoids.
+
+Compare with ``step_bench``'s ``<name>_client_us_per_dispatch``: the cumulus client's cost
+per dispatch on real steps, of which this floor is the larger part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
+
+from cumulus_p2p.testing.models import TinyTransformer
+
+VOCAB = 16
+
+
+class Wrapped(torch.Tensor):
+    """The least a wrapper subclass can do: forward each op to the tensor it wraps."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor):  # noqa: D102
+        outer = torch.Tensor._make_wrapper_subclass(
+            cls,
+            inner.shape,
+            strides=inner.stride(),
+            storage_offset=inner.storage_offset(),
+            dtype=inner.dtype,
+            device=inner.device,
+        )
+        outer.inner = inner
+        return outer
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        args, kwargs = tree_map_only(Wrapped, lambda t: t.inner, (args, kwargs or {}))
+        return tree_map_only(torch.Tensor, Wrapped, func(*args, **kwargs))
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _step_fn(wrap: bool):
+    torch.manual_seed(0)
+    model = TinyTransformer(vocab=VOCAB, dim=8, heads=2, layers=4, ctx=4)
+    x = torch.randint(0, VOCAB, (1, 4))
+    y = torch.roll(x, -1, dims=1)
+    if wrap:
+        for module in model.modules():
+            for name, param in list(module._parameters.items()):
+                if param is not None:
+                    module._parameters[name] = torch.nn.Parameter(Wrapped(param.detach()))
+        x, y = Wrapped(x), Wrapped(y)
+    opt = torch.optim.Adam(model.parameters(), foreach=True)
+
+    def step() -> None:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def _median_step_s(step, steps: int) -> float:
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    plain, wrapped = _step_fn(wrap=False), _step_fn(wrap=True)
+    plain()
+    counter = _Count()
+    with counter:
+        plain()
+    ops = counter.ops
+    plain_us = _median_step_s(plain, args.steps) / ops * 1e6
+    wrapped_us = _median_step_s(wrapped, args.steps) / ops * 1e6
+    result = {
+        "dispatches_per_step": ops,
+        "plain_us_per_dispatch": round(plain_us, 1),
+        "wrapper_us_per_dispatch": round(wrapped_us, 1),
+        "subclass_overhead_us_per_dispatch": round(wrapped_us - plain_us, 1),
+    }
+    print(json.dumps(result, indent=2))
+    out = Path(__file__).parent / "results" / "dispatch_floor.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
