@@ -130,7 +130,12 @@ class RemoteTensor(torch.Tensor):
 
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
-        raise NotImplementedError("cumulus tensors cannot be traced or compiled yet")
+        raise NotImplementedError(
+            "torch.compile cannot trace cumulus tensors yet. It runs a compiled module or "
+            "function eagerly when its parameters or arguments are on cumulus; this tensor "
+            "reached the compiled code another way (a closure or a global): pass it as an "
+            "argument, or call the code without torch.compile"
+        )
 
     def __repr__(self, *, tensor_contents=None) -> str:
         body = repr(self.detach().cpu())[:-1]

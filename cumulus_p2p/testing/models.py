@@ -162,13 +162,15 @@ def train(
     clip: float = 1.0,
     on_step: Callable[[int], None] = lambda i: None,
     autocast: torch.dtype | None = None,
+    compiled: bool = False,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train ``task`` on ``device`` deterministically; return losses and final CPU params.
 
     Seeds are set after the model moves, so dropout draws the same stream on every device
     whose generator matches the CPU's (a CPU executor does). ``on_step(i)`` runs after
     step ``i``. With ``autocast``, the forward pass and the loss run in
-    ``torch.autocast(<device type>, dtype=autocast)``.
+    ``torch.autocast(<device type>, dtype=autocast)``; with ``compiled``, the forward pass
+    runs through ``torch.compile(model)``.
     """
     mixed = torch.autocast(torch.device(device).type, dtype=autocast or torch.bfloat16,
                            enabled=autocast is not None)  # fmt: skip
@@ -176,6 +178,7 @@ def train(
     torch.manual_seed(0)
     model = spec.make_model().to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=foreach)
+    forward = torch.compile(model) if compiled else model
     gen = torch.Generator().manual_seed(2)
     torch.manual_seed(1)
     losses = []
@@ -184,7 +187,7 @@ def train(
         x, y = x.to(device), y.to(device)
         opt.zero_grad()
         with mixed:
-            loss = spec.loss(model(x), y)
+            loss = spec.loss(forward(x), y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=foreach)
         opt.step()

@@ -40,6 +40,8 @@ model = Net()
 if use_cuda:
     model.cuda()
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+if use_cuda:
+    model = torch.compile(model)  # as nanoGPT's train.py does by default on CUDA
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
 
 data_gen = torch.Generator().manual_seed(1)
