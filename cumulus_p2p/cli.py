@@ -530,7 +530,7 @@ async def _provide(args, data: DataDir, mesh_config: MeshConfig, console: Consol
         console.print(
             f"providing {device.model} ({perf} perf units, {options.shares} shares at "
             f"{views.credits(options.price)}/share-hour); sessions on "
-            f"{', '.join(provider.endpoints)}",
+            f"{', '.join(provider.current_endpoints())}",
             highlight=False,
         )
         sys.stdout.flush()

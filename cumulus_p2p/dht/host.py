@@ -122,6 +122,25 @@ def interface_ipv4s() -> list[str]:
     return [*found, "127.0.0.1"]
 
 
+def observed_ipv4s(host: IHost) -> list[str]:
+    """Public IPv4 addresses that peers have seen this host at, as confirmed by identify.
+
+    py-libp2p counts an address as observed once several distinct peers report it (its
+    ``ObservedAddrManager``); behind a NAT it is the router's address. Listen addresses
+    and loopback are left out: they are not news.
+    """
+    listening = {str(a) for a in host.get_transport_addrs()}
+    found = []
+    for addr in host.get_addrs():
+        parts = str(addr).split("/")
+        if len(parts) < 3 or parts[1] != "ip4" or parts[2].startswith("127."):
+            continue
+        bare = str(addr).split("/p2p/")[0]
+        if bare not in listening and parts[2] not in found:
+            found.append(parts[2])
+    return found
+
+
 def is_connected(host: IHost, peer_id: ID) -> bool:
     """Return whether ``host`` holds at least one connection to ``peer_id``."""
     return bool(host.get_network().get_connections(peer_id))

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import trio
@@ -38,7 +39,7 @@ from libp2p.exceptions import BaseLibp2pError
 
 from .._errors import CumulusError
 from ..dht import MeshConfig
-from ..dht.host import interface_ipv4s
+from ..dht.host import interface_ipv4s, observed_ipv4s
 from ..envelope import Envelope
 from ..market import (
     Cancel,
@@ -193,6 +194,7 @@ class Provider:
         self._ledger = runtime.data.ledger()
         self._presented: dict[bytes, LeaseProposal] = {}
         self.endpoints: list[str] = []
+        self.session_socket: tuple[str, int] | None = None  # (bound address, port)
         self.announced = False
         self.leaving = False
         # Memory isolation between tenants: a lease gets its shares' part of the device.
@@ -471,12 +473,21 @@ class Provider:
 
     # --- status ---------------------------------------------------------------------
 
+    def current_endpoints(self) -> list[str]:
+        """Where consumers dial the session channel, as of now: peers' observations of
+        this host's address change while it runs (``session_endpoints``)."""
+        if self.session_socket is not None:
+            bind, port = self.session_socket
+            observed = observed_ipv4s(self.runtime.mesh.host)
+            self.endpoints = session_endpoints(bind, port, self.options.advertise_host, observed)
+        return self.endpoints
+
     def snapshot(self) -> dict:
         """What ``cumulus-node status`` shows."""
         leases = [*self.active.values(), *self.finished[-10:]]
         return self.runtime.snapshot() | {
             "role": "provider",
-            "session_endpoint": ", ".join(self.endpoints),
+            "session_endpoint": ", ".join(self.current_endpoints()),
             "device": self.options.device.model,
             "perf_units": self.options.perf_units,
             "price": self.options.price,
@@ -566,7 +577,7 @@ async def run_provider(
     async with open_runtime(identity, data, mesh_config) as runtime:
         provider = Provider(runtime, options, executor)
         server = LeaseServer(
-            provider.book, endpoints=lambda: provider.endpoints, screen=provider.screen
+            provider.book, endpoints=provider.current_endpoints, screen=provider.screen
         )
         serve_leases(runtime.mesh.host, server)
         serve_lease_close(runtime.mesh.host, provider.close_lease)
@@ -578,7 +589,7 @@ async def run_provider(
             # The same sessions over libp2p streams, for consumers that cannot dial the
             # session port (this host behind NAT: the stream may come through a relay).
             handle_libp2p_sessions(runtime.mesh.host, sessions)
-            provider.endpoints = session_endpoints(bind, sessions.port, options.advertise_host)
+            provider.session_socket = (bind, sessions.port)
             if handle_signals:
                 nursery.start_soon(_leave_on_signal, provider, nursery.cancel_scope, on_leaving)
             nursery.start_soon(provider.keep_offer_current)
@@ -631,14 +642,22 @@ def listen_host(listen_addrs) -> str:
     return "127.0.0.1"
 
 
-def session_endpoints(bind: str, port: int, advertise: str | None) -> list[str]:
-    """The ``host:port`` addresses consumers are told to dial, most widely reachable
-    first: ``advertise``, else each interface's address when bound to all of them."""
+def session_endpoints(
+    bind: str, port: int, advertise: str | None, observed: Sequence[str] = ()
+) -> list[str]:
+    """The ``host:port`` addresses consumers are told to dial.
+
+    ``advertise`` alone when given. Otherwise the addresses peers observed this host at
+    (identify; behind a NAT, the router's, which works once the port is forwarded),
+    then the bound address, or each interface's when bound to all of them. A consumer
+    dials the one it already reached this node's libp2p address at first, so the order
+    only matters for consumers that know none of them.
+    """
     if advertise:
         return [f"{advertise}:{port}"]
-    if bind != "0.0.0.0":
-        return [f"{bind}:{port}"]
-    return [f"{ip}:{port}" for ip in interface_ipv4s()]
+    local = interface_ipv4s() if bind == "0.0.0.0" else [bind]
+    ips = [*observed, *(ip for ip in local if ip not in observed)]
+    return [f"{ip}:{port}" for ip in ips]
 
 
 async def _serve_sessions(identity, provider: Provider, bind: str, *, task_status) -> None:
