@@ -147,7 +147,7 @@ def _report_final_counts(environ: Mapping[str, str]) -> None:
     from .node.attach import USAGE
 
     try:
-        control.report_counts(address, token, USAGE.snapshot())
+        control.report_usage(address, token, USAGE.snapshot())
     except (OSError, CumulusError) as exc:
         print(f"cumulus shim: could not give the node its last byte counts: {exc}",
               file=sys.stderr, flush=True)  # fmt: skip

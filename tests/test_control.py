@@ -111,19 +111,25 @@ async def test_the_shims_final_counts_and_path_reach_the_node():
     async with trio.open_nursery() as nursery:
         address = await serve(node, nursery)
         assert await trio.to_thread.run_sync(
-            ask, address, ["usage", "t" * 32, {"L1": 4096}]) == ["ok", None]
+            ask, address, ["usage", "t" * 32, {"bytes": {"L1": 4096}, "ops": 12}]) == ["ok", None]
         assert await trio.to_thread.run_sync(
             ask, address, ["path", "t" * 32, "L1", "direct to 10.0.0.1:7000"]) == ["ok", None]
         nursery.cancel_scope.cancel()
-    assert node.counts == [{"L1": 4096}]
+    assert node.counts == [control.Usage({"L1": 4096}, ops=12)]
     assert node.paths == [("L1", "direct to 10.0.0.1:7000")]
 
 
 @pytest.mark.parametrize(
     "request_",
-    [["usage", "t" * 32, {"L1": -1}], ["usage", "t" * 32, {"L1": "lots"}], ["usage", "t" * 32, 7],
-     ["path", "t" * 32, "L1", 5], ["probe", "t" * 32, "fast"], ["usage", "x" * 32, {"L1": 1}]],
-    ids=["negative", "not-int", "not-a-map", "path-not-text", "probe-not-facts", "bad-token"],
+    [["usage", "t" * 32, {"bytes": {"L1": -1}, "ops": 0}],
+     ["usage", "t" * 32, {"bytes": {"L1": "lots"}, "ops": 0}],
+     ["usage", "t" * 32, {"bytes": {"L1": 1}, "ops": -3}],
+     ["usage", "t" * 32, {"bytes": {"L1": 1}, "ops": 1.5}],
+     ["usage", "t" * 32, {"L1": 1}], ["usage", "t" * 32, 7],
+     ["path", "t" * 32, "L1", 5], ["probe", "t" * 32, "fast"],
+     ["usage", "x" * 32, {"bytes": {"L1": 1}, "ops": 0}]],
+    ids=["negative-bytes", "not-int-bytes", "negative-ops", "fractional-ops", "bare-byte-map",
+         "not-a-map", "path-not-text", "probe-not-facts", "bad-token"],
 )
 async def test_a_malformed_report_is_refused_and_records_nothing(request_):
     node = Node()
@@ -144,7 +150,7 @@ async def test_a_watch_carrying_anything_but_usage_reports_is_dropped():
             host, _, port = address.rpartition(":")
             channel = SocketFrameChannel.connect(host, int(port))
             channel.send_frame([msgpack.packb(["watch", "t" * 32])])
-            channel.send_frame([msgpack.packb(["usage", {"L1": 10}])])
+            channel.send_frame([msgpack.packb(["usage", {"bytes": {"L1": 10}, "ops": 3}])])
             channel.send_frame([msgpack.packb(["session", "t" * 32])])
             try:
                 channel.recv_frame()
@@ -154,4 +160,4 @@ async def test_a_watch_carrying_anything_but_usage_reports_is_dropped():
 
         assert await trio.to_thread.run_sync(watch_then_misbehave)
         nursery.cancel_scope.cancel()
-    assert node.counts == [{"L1": 10}]
+    assert node.counts == [control.Usage({"L1": 10}, ops=3)]

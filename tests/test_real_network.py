@@ -70,7 +70,9 @@ def test_a_consumer_on_another_machine_reaches_the_provider_directly(tmp_path):
         finally:
             for node in (provider, boot):
                 node.stop()
-    (lease,) = json.loads((tmp_path / "consumer" / "state.json").read_text())["leases"]
+    state = json.loads((tmp_path / "consumer" / "state.json").read_text())
+    (lease,) = state["leases"]
     assert lease["path"].startswith(f"direct to {a.address}:"), lease
+    assert state["ops"] > 0  # what the job's session sent, for its status
     assert "going through libp2p" not in consumer.output()
     assert final_json(consumer.lines)["final_loss"] == local_final_loss(SCRIPT)

@@ -21,7 +21,7 @@ from .._errors import HandshakeError, PeerAuthenticationError, PeerUnreachableEr
 from ..identity import NodeIdentity
 from ..remote.secure import connect_secure
 from ..remote.transport import CountingFrameChannel
-from .control import ControlClient, SessionTicket
+from .control import ControlClient, SessionTicket, Usage
 from .datadir import DataDir, default_data_dir
 from .probe import measure
 
@@ -81,10 +81,12 @@ def open_channel(
 
 class LeaseUsage:
     """The bytes this process's session channels carried, per lease: what the node
-    checks its hosts' receipts against (the shim reports it over the control channel)."""
+    checks its hosts' receipts against; and the ops its session sent, for the job's
+    status. The shim reports both over the control channel."""
 
     def __init__(self) -> None:
         self._bytes: dict[str, int] = {}
+        self.session: remote.RemoteSession | None = None
 
     def count(self, channel, ticket: SessionTicket) -> CountingFrameChannel:
         """``channel``, counted under the lease ``ticket`` names."""
@@ -96,9 +98,10 @@ class LeaseUsage:
 
         return CountingFrameChannel(channel, add)
 
-    def snapshot(self) -> dict[str, int]:
+    def snapshot(self) -> Usage:
         """The counts now (safe from another thread)."""
-        return dict(self._bytes)
+        session = self.session
+        return Usage(dict(self._bytes), 0 if session is None else session.ops_sent)
 
 
 #: This process's counts (one process, one script, one node).
@@ -133,6 +136,7 @@ def attach_leased(client: ControlClient):
         )
         why = client.probe(measure(attached.session, ticket.claimed_perf).to_wire())
         if why is None:
+            USAGE.session = attached.session
             return attached
         log.warning("host %s misrepresents its device (%s); moving on", ticket.host[:12], why)
         remote.detach()

@@ -134,6 +134,8 @@ class Consumer:
     last_refusal: str = ""
     #: Times the session moved to another host (or to a renewed lease).
     failovers: int = 0
+    #: Ops the script's session has sent, over every host (the shim's last report).
+    ops: int = 0
     #: Set when the script's shim next reports its byte counts.
     counts_reported: trio.Event = field(default_factory=trio.Event)
 
@@ -279,10 +281,12 @@ class Consumer:
             if held.proposal.lease_id == lease_id:
                 held.path = path
 
-    def take_counts(self, counts: dict[str, int]) -> None:
-        """The shim's byte counts per lease, which receipts are checked against."""
-        for lease_id, total in counts.items():
+    def take_usage(self, usage: control.Usage) -> None:
+        """The shim's byte counts per lease, which receipts are checked against, and
+        the ops its session has sent."""
+        for lease_id, total in usage.bytes_by_lease.items():
             self.desk.count_bytes(lease_id, total)
+        self.ops = max(self.ops, usage.ops)
         self.counts_reported.set()
         self.counts_reported = trio.Event()
 
@@ -427,6 +431,7 @@ class Consumer:
             "command": list(self.options.command),
             "leases": [_held_row(h, self.desk) for h in self.held],
             "failovers": self.failovers,
+            "ops": self.ops,
             "cost": self.cost(),
         }
 
@@ -506,7 +511,7 @@ async def run_consumer(
             address = await nursery.start(
                 functools.partial(
                     control.serve_control, token, consumer.current_ticket, consumer.failover,
-                    usage=consumer.take_counts, probe=consumer.check_probe,
+                    usage=consumer.take_usage, probe=consumer.check_probe,
                     path=consumer.take_path,
                 )
             )

@@ -10,8 +10,9 @@ Requests, from the shim::
 
     ["session", token]            -> the lease to use now
     ["failover", token, reason]   -> the host is gone: a lease with another host
-    ["usage", token, {lease: bytes}] -> the session's last byte counts, at its end
-                                     (answered ``["ok", None]``)
+    ["usage", token, usage]       -> the session's last usage, at its end (answered
+                                     ``["ok", None]``); ``usage`` is
+                                     ``{"bytes": {lease_id: bytes}, "ops": ops}``
     ["path", token, lease_id, path] -> which path the session channel took (direct, or
                                      the node's libp2p door, and why), for its status;
                                      answered ``["ok", None]``
@@ -22,8 +23,9 @@ Requests, from the shim::
                                      the node lives (the shim stops the script when it
                                      closes; ``wait_until_node_is_gone``). On it the shim
                                      then sends, every half second,
-    ["usage", {lease_id: bytes}]     the bytes its session channels carried per lease,
-                                     which the node checks receipts against
+    ["usage", usage]                 the bytes its session channels carried per lease,
+                                     which the node checks receipts against, and the
+                                     ops its session sent (for the job's status)
 
 Answers: ``["ok", {"endpoints": ["host:port", ...], "provider_key": bytes, "lease": bytes,
 "host": peer_id, ...}]`` or ``["error", message]``.
@@ -117,8 +119,38 @@ FailoverSource = Callable[[str], Awaitable[SessionTicket]]
 ProbeJudge = Callable[[object], Awaitable[str | None]]
 #: Where the shim's session paths go: ``(lease_id, path)``.
 PathSink = Callable[[str, str], None]
-#: Where the shim's byte counts go: ``{lease_id: bytes}``.
-UsageSink = Callable[[dict[str, int]], None]
+@dataclass(frozen=True)
+class Usage:
+    """What the script's session has done: bytes its channels carried per lease (what
+    the node checks receipts against) and ops it sent, over every host (for status)."""
+
+    bytes_by_lease: dict[str, int]
+    ops: int = 0
+
+    def to_wire(self) -> dict:
+        return {"bytes": self.bytes_by_lease, "ops": self.ops}
+
+    @classmethod
+    def from_wire(cls, value: object) -> Usage:
+        """Raises RemoteProtocolError: not a usage report of non-negative counts."""
+        if not (isinstance(value, dict) and set(value) == {"bytes", "ops"}):
+            raise RemoteProtocolError('a usage report is {"bytes": {lease: n}, "ops": n}')
+        counts, ops = value["bytes"], value["ops"]
+        if not isinstance(counts, dict) or not all(
+            isinstance(k, str) and _count(v) for k, v in counts.items()
+        ):
+            raise RemoteProtocolError("a usage report maps lease ids to byte counts")
+        if not _count(ops):
+            raise RemoteProtocolError("a usage report's op count is a non-negative integer")
+        return cls(counts, ops)
+
+
+def _count(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+#: Where the shim's usage reports go.
+UsageSink = Callable[[Usage], None]
 #: How often the shim reports its byte counts.
 USAGE_EVERY_S = 0.5
 
@@ -166,15 +198,7 @@ async def _take_usage(channel: TrioFrameChannel, usage: UsageSink) -> None:
         report = msgpack.unpackb(await channel.receive_frame(), raw=False)
         if not (isinstance(report, list) and len(report) == 2 and report[0] == "usage"):
             raise RemoteProtocolError("a watch carries only usage reports")
-        usage(_counts(report[1]))
-
-
-def _counts(value: object) -> dict[str, int]:
-    if not isinstance(value, dict) or not all(
-        isinstance(k, str) and type(v) is int and v >= 0 for k, v in value.items()
-    ):
-        raise RemoteProtocolError("a usage report maps lease ids to byte counts")
-    return value
+        usage(Usage.from_wire(report[1]))
 
 
 async def _answer(
@@ -196,7 +220,7 @@ async def _answer(
         if request[0] == "failover" and len(request) == 3 and isinstance(request[2], str):
             return ["ok", (await failover(request[2])).to_wire()]
         if request[0] == "usage" and len(request) == 3:
-            usage(_counts(request[2]))
+            usage(Usage.from_wire(request[2]))
             return ["ok", None]
         if request[0] == "path" and len(request) == 4 and all(
             isinstance(x, str) for x in request[2:]
@@ -211,7 +235,7 @@ async def _answer(
 
 
 def wait_until_node_is_gone(
-    address: str, token: str, usage: Callable[[], dict[str, int]] = dict
+    address: str, token: str, usage: Callable[[], Usage] = lambda: Usage({})
 ) -> str:
     """Block until the node serving ``address`` is gone; return how that showed. Meanwhile
     report ``usage()`` to it every ``USAGE_EVERY_S``.
@@ -224,15 +248,15 @@ def wait_until_node_is_gone(
         channel = SocketFrameChannel.connect(host, int(port), max_frame=MAX_FRAME)
         channel.send_frame([msgpack.packb(["watch", token])])
         while not select.select([channel], [], [], USAGE_EVERY_S)[0]:
-            channel.send_frame([msgpack.packb(["usage", usage()])])
+            channel.send_frame([msgpack.packb(["usage", usage().to_wire()])])
         channel.recv_frame()
     except (OSError, CumulusError) as exc:
         return f"its control channel closed ({exc})"
     return "it answered a watch, which it never does"
 
 
-def report_counts(address: str, token: str, counts: dict[str, int]) -> None:
-    """Give the node serving ``address`` this process's final byte counts.
+def report_usage(address: str, token: str, usage: Usage) -> None:
+    """Give the node serving ``address`` this process's final usage.
 
     Raises:
         OSError, CumulusError: the node is gone or refused them.
@@ -240,12 +264,12 @@ def report_counts(address: str, token: str, counts: dict[str, int]) -> None:
     host, _, port = address.rpartition(":")
     channel = SocketFrameChannel.connect(host, int(port), max_frame=MAX_FRAME)
     try:
-        channel.send_frame([msgpack.packb(["usage", token, counts])])
+        channel.send_frame([msgpack.packb(["usage", token, usage.to_wire()])])
         answer = msgpack.unpackb(channel.recv_frame(), raw=False)
     finally:
         channel.close()
     if answer != ["ok", None]:
-        raise CumulusError(f"the cumulus node refused the byte counts: {answer!r}")
+        raise CumulusError(f"the cumulus node refused the usage report: {answer!r}")
 
 
 class ControlClient:

@@ -55,6 +55,7 @@ def status_table(state: dict) -> Group:
         live = [row for row in state.get("leases", []) if row.get("state") == "held"]
         if live and live[-1].get("path"):
             summary.add_row("session path", live[-1]["path"])
+        summary.add_row("ops sent", f"{state.get('ops', 0):,}")
         summary.add_row("failovers", str(state.get("failovers", 0)))
         summary.add_row("cost", credits(state.get("cost", 0)))
     summary.add_row("peers", str(len(state.get("peers", []))))

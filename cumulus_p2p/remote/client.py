@@ -121,6 +121,8 @@ class RemoteSession:
         self._dyn_blocks = itertools.count(0)
         self._lock = threading.RLock()
         self.closed = False
+        #: Op records sent to executors so far (replays after a failover not counted).
+        self.ops_sent = 0
         self.bytes_allocated = 0
         self.peak_bytes_allocated = 0
         self._options = {} if quota_bytes is None else {"quota": quota_bytes}
@@ -213,6 +215,7 @@ class RemoteSession:
     def _encode(self, ops: list, frees: list, query: list | None, blobs: list) -> tuple[int, list]:
         """Number a batch and encode it; with failover on, log it too."""
         self._seq += 1
+        self.ops_sent += len(ops)
         seq = self._seq
         parts = encode_frame(["batch", seq, ops, frees, query, [len(b) for b in blobs]], blobs)
         if self._log is not None:
