@@ -1,0 +1,118 @@
+"""Scenario (c): hosts that come and go, with and without failover.
+
+Hosts leave at a rate of 0-30% per hour (exponential times, so some leave within
+minutes and some stay all day) and return after a downtime of 30 minutes on average,
+with all shares on offer again. Long training jobs lease shares of them. *With
+failover* a job checkpoints every ``interval`` and, when its host vanishes, leases
+another host and resumes from its last checkpoint after the measured failover pause;
+*without* it starts again from nothing, as a rented GPU that disappears forces today.
+
+Read: the share of jobs that finish within the run, the GPU-hours computed and then
+lost, and, at 10%/h, how the checkpoint interval trades lost work against the time
+spent writing checkpoints.
+"""
+
+from __future__ import annotations
+
+import random
+
+import simpy
+
+from .market import Market, SimHost
+from .population import add_hosts, job_trace, launch, mean_hold_s, with_fields
+from .world import Workload
+
+#: Long training runs (ASSUMED): hours of device time, a GPU's worth of memory or half.
+LONG_TRAINING = {
+    True: (Workload("long training", 0.7, (4, 8), (2 * 3600.0, 6 * 3600.0), 1.0),),
+    False: (Workload("long training", 0.7, (4, 8), (4 * 3600.0, 12 * 3600.0), 1.0),),
+}
+#: Device seconds per burst: slowdown is not read here, so bursts are long and cheap.
+BURST_S = 60.0
+CHURN_PER_HOUR = (0.0, 0.1, 0.2, 0.3)
+INTERVALS_S = (60.0, 300.0, 900.0, 1800.0, 3600.0)
+DEFAULT_INTERVAL_S = 300.0
+#: Checkpoint size: ASSUMED 2 GB, a ~125M-parameter model with fp32 Adam state.
+STATE_MB = 2000.0
+MEAN_DOWNTIME_S = 1800.0
+
+
+def run(seed: int, *, quick: bool) -> dict:
+    """Completion and waste per churn rate, and the checkpoint interval sweep at 10%/h."""
+    hosts, horizon_h = (32, 36.0) if quick else (128, 96.0)
+    rows = []
+    for churn in CHURN_PER_HOUR:
+        for failover in (True, False):
+            interval = DEFAULT_INTERVAL_S if failover else None
+            row = simulate(seed, churn, interval, hosts=hosts, horizon_h=horizon_h,
+                           quick=quick)  # fmt: skip
+            rows.append({"churn_per_hour": churn, "failover": failover, **row})
+    sweep = [
+        {"interval_s": interval,
+         **simulate(seed, 0.1, interval, hosts=hosts, horizon_h=horizon_h, quick=quick)}
+        for interval in INTERVALS_S
+    ]  # fmt: skip
+    return {
+        "scenario": "churn",
+        "seed": seed,
+        "quick": quick,
+        "hosts": hosts,
+        "horizon_h": horizon_h,
+        "state_mb": STATE_MB,
+        "checkpoint_interval_s": DEFAULT_INTERVAL_S,
+        "rows": rows,
+        "interval_sweep_at_10_percent": sweep,
+    }
+
+
+def simulate(
+    seed: int,
+    churn_per_hour: float,
+    interval_s: float | None,
+    *,
+    hosts: int,
+    horizon_h: float,
+    quick: bool,
+) -> dict:
+    """One run; ``interval_s`` None means no failover: a lost job restarts."""
+    rng = random.Random(seed)
+    env = simpy.Environment()
+    market = Market(env, rng, mesh_nodes=hosts * 4)
+    fleet = add_hosts(market, hosts, rng)
+    horizon_s = horizon_h * 3600
+    # Jobs arrive over the first third, at 0.6 of what the fleet could run whole, so
+    # that without churn every one of them finishes within the run.
+    workloads = LONG_TRAINING[quick]
+    rate = 0.6 * hosts / mean_hold_s(workloads)
+    trace = job_trace(random.Random(seed + 1), workloads, rate_per_s=rate,
+                      horizon_s=horizon_s / 3)  # fmt: skip
+    trace = with_fields(trace, checkpoint_every_s=interval_s, state_mb=STATE_MB,
+                        burst_s=BURST_S)  # fmt: skip
+    if churn_per_hour > 0:
+        churn_rng = random.Random(seed + 2)
+        for host in fleet:
+            env.process(_come_and_go(env, market, host, churn_per_hour, churn_rng))
+    launch(env, market, trace, rng)
+    env.run(until=horizon_s)
+    for granted in list(market.active.values()):
+        market.settle(granted)
+    done = [j for j in trace if j.done_s is not None]
+    return {
+        "jobs": len(trace),
+        "completion_rate": round(len(done) / len(trace), 4) if trace else None,
+        "lost_gpu_hours": round(sum(j.lost_device_s for j in trace) / 3600, 3),
+        "checkpoint_hours": round(sum(j.checkpoint_s for j in trace) / 3600, 3),
+        "useful_gpu_hours": round(sum(j.compute_s for j in done) / 3600, 3),
+        "failovers": sum(j.failovers for j in trace),
+        "restarts": sum(j.restarts for j in trace),
+        "cost": round(sum(j.cost for j in trace), 3),
+    }
+
+
+def _come_and_go(env: simpy.Environment, market: Market, host: SimHost, per_hour: float,
+                 rng: random.Random):  # fmt: skip
+    while True:
+        yield env.timeout(rng.expovariate(per_hour / 3600))
+        market.leave(host)
+        yield env.timeout(rng.expovariate(1 / MEAN_DOWNTIME_S))
+        market.rejoin(host)

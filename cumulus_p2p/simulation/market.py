@@ -1,0 +1,251 @@
+"""Hosts, consumers and the market between them, on the real market cores.
+
+What is real: every offer is an ``Offer`` resting in a real ``OrderBook``; a consumer
+ranks them with the real matcher (``rank_offers``) from its own region's latencies and
+its reputation view; each lease is a ``LeaseProposal`` signed with a real ed25519 key,
+granted or refused by the host's real ``LeaseBook``; at its end the host's real
+``Meter`` signs a receipt that the consumer checks with ``check_receipt`` before it
+pays what the receipt says.
+
+What is simplified: every consumer reads one shared book, the view of a typical node,
+in which an offer appears one gossip delay after its host published it (so consumers
+do see stale offers, and hosts refuse them). Offers and bids in that book are not
+signed: the book takes messages that were already authenticated, and checking 10,000
+signatures would only measure the signature library.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass, field
+
+import simpy
+
+from ..identity import NodeIdentity
+from ..market.book import OrderBook
+from ..market.lease import LeaseBook, Refusal
+from ..market.matcher import RankingPolicy, rank_offers
+from ..market.messages import (
+    Bid,
+    Cancel,
+    Lease,
+    LeaseProposal,
+    Offer,
+    PriorityClass,
+    Side,
+    seal_message,
+)
+from ..market.metering import Meter, check_receipt
+from .gpu import SimGpu
+from .world import REGIONS, SHARES_PER_GPU, GpuModel, gossip_delay_s, rtt_ms
+
+#: Simulated time zero, as Unix time (signatures and books want real timestamps).
+EPOCH = 1_700_000_000.0
+#: How long an offer lives before its host must refresh it.
+OFFER_TTL_S = 3600.0
+#: Longest lease a consumer proposes; it releases the lease when its job ends.
+LEASE_S = 7 * 86_400
+MICRO = 1_000_000
+
+
+@dataclass(eq=False)
+class SimHost:
+    """A host: its key, its GPU and its real ``LeaseBook``."""
+
+    name: str
+    identity: NodeIdentity
+    region: str
+    model: GpuModel
+    price: int  # micro-credits per share-hour
+    lease_book: LeaseBook
+    gpu: SimGpu
+    online: bool = True
+    nonce: int = 0
+    earned: float = 0.0
+    jobs: set = field(default_factory=set)  # the job processes running on it
+
+    @property
+    def peer(self) -> str:
+        return self.lease_book.peer_id
+
+
+@dataclass(frozen=True, slots=True)
+class Granted:
+    """A lease the consumer holds: what it signed, on which host, and its meter."""
+
+    host: SimHost
+    proposal: LeaseProposal
+    meter: Meter
+
+
+class Market:
+    """The hosts, the shared book a consumer reads, and the lease, meter and pay cycle."""
+
+    def __init__(
+        self,
+        env: simpy.Environment,
+        rng: random.Random,
+        *,
+        mesh_nodes: int,
+        policy: RankingPolicy | None = None,
+    ) -> None:
+        self.env = env
+        self.rng = rng
+        self.mesh_nodes = mesh_nodes
+        self.policy = policy or RankingPolicy()
+        self.book = OrderBook()
+        self.hosts: dict[str, SimHost] = {}
+        self.reliability: dict[str, float] = {}
+        self.refusals: dict[str, int] = {}
+        self.active: dict[str, Granted] = {}  # lease id -> the lease, until settled
+        self._latency = {region: {} for region in REGIONS}
+        self._nonces = itertools.count(1)
+        self._lease_ids = itertools.count(1)
+
+    def now(self) -> float:
+        return EPOCH + self.env.now
+
+    def identity(self) -> NodeIdentity:
+        """A real key pair, drawn from the run's seed (so runs repeat exactly)."""
+        return NodeIdentity.from_seed(self.rng.randbytes(32))
+
+    # --- hosts ----------------------------------------------------------------------
+
+    def add_host(self, name: str, model: GpuModel, region: str, price: int) -> SimHost:
+        identity = self.identity()
+        host = SimHost(name, identity, region, model, price, LeaseBook(identity),
+                       SimGpu(self.env, model.perf_units))  # fmt: skip
+        self.hosts[host.peer] = host
+        for other, table in self._latency.items():
+            table[host.peer] = rtt_ms(other, region)
+        self.publish(host, SHARES_PER_GPU)
+        self.env.process(self._refresh(host))
+        return host
+
+    def _refresh(self, host: SimHost):
+        """Re-announce the offer before it lapses, as ``keep_offer_current`` does."""
+        while True:
+            yield self.env.timeout(OFFER_TTL_S / 2)
+            free = host.lease_book.free_shares("gpu0")
+            if host.online and free > 0:
+                self.publish(host, free)
+
+    def publish(self, host: SimHost, free: int) -> None:
+        """Re-announce ``host``'s offer with ``free`` shares (or cancel it at 0): its
+        ``LeaseBook`` knows at once, the book a gossip delay later."""
+        host.nonce += 1
+        now = self.now()
+        if free > 0:
+            message: Offer | Cancel = Offer(
+                host.peer, "gpu0", host.model.name, host.model.vram_mib, host.model.perf_units,
+                free, host.price, 0, host.region, now, now + OFFER_TTL_S, host.nonce,
+            )  # fmt: skip
+            host.lease_book.publish(message)
+        else:  # the LeaseBook keeps the pool, at 0 free, for the shares coming back
+            message = Cancel(host.peer, Side.OFFER, "gpu0", now + OFFER_TTL_S, host.nonce)
+        delay = gossip_delay_s(self.mesh_nodes, self.rng)
+        self.env.process(self._arrive(message, delay))
+
+    def _arrive(self, message: Offer | Cancel, delay: float):
+        yield self.env.timeout(delay)
+        self.book.insert(message, now=self.now())
+
+    def leave(self, host: SimHost) -> None:
+        """``host`` vanishes: its GPU stops, its leases die with it, its offer is cancelled."""
+        host.online = False
+        host.gpu.fail()
+        for job in list(host.jobs):
+            if job.is_alive:
+                job.interrupt("host gone")
+        for reservation in host.lease_book.leases():
+            host.lease_book.release(reservation.proposal.lease_id)
+        host.lease_book.withdraw("gpu0")
+        self.publish(host, 0)
+
+    def rejoin(self, host: SimHost) -> None:
+        """``host`` is back, with a fresh GPU and all its shares on offer."""
+        host.online = True
+        host.gpu = SimGpu(self.env, host.model.perf_units)
+        self.publish(host, SHARES_PER_GPU)
+
+    # --- consumers ------------------------------------------------------------------
+
+    def bid(self, consumer: str, *, shares: int, max_price: int,
+            priority: PriorityClass = PriorityClass.ON_DEMAND) -> Bid:  # fmt: skip
+        now = self.now()
+        return Bid(consumer, f"b{next(self._nonces)}", 0, (), 0, shares, max_price, priority,
+                   LEASE_S, now, now + 600.0, next(self._nonces))  # fmt: skip
+
+    def lease(
+        self,
+        consumer: NodeIdentity,
+        region: str,
+        bid: Bid,
+        *,
+        pay_as_bid: bool = False,
+        avoid: frozenset[str] = frozenset(),
+    ):
+        """Rank the offers meeting ``bid`` and propose to the best, in order, until a
+        host grants (a generator: each proposal costs its round trip). Returns a
+        ``Granted`` or None.
+
+        The price proposed is the offer's, as ``cumulus-node`` proposes; with
+        ``pay_as_bid``, the bid's limit: a lease may pay more than the asking price,
+        and the executor serves dearer leases first.
+        """
+        latency = self._latency[region]
+        ranked = rank_offers(
+            self.book, bid, reliability=self.reliability, latency_ms=latency, limit=8,
+            policy=self.policy,
+        )  # fmt: skip
+        for candidate in ranked:
+            offer = candidate.offer
+            if candidate.remaining < bid.shares or offer.host in avoid:
+                continue
+            host = self.hosts[offer.host]
+            yield self.env.timeout(rtt_ms(region, host.region) / 1000)
+            if not host.online:
+                self._refused("host unreachable")
+                continue
+            price = bid.max_price if pay_as_bid else offer.price
+            granted = self._propose(consumer, host, offer, bid, price)
+            if granted is not None:
+                return granted
+        return None
+
+    def _propose(self, consumer, host, offer, bid, price) -> Granted | None:
+        now = self.now()
+        proposal = LeaseProposal(
+            f"L{next(self._lease_ids)}", bid.consumer, host.peer, offer.offer_id, offer.nonce,
+            bid.shares, price, now, LEASE_S, bid.priority, now + 30.0, next(self._nonces),
+        )  # fmt: skip
+        raw = seal_message(consumer, proposal, now=now).to_bytes()
+        answer = host.lease_book.propose(raw, now=now, sender=bid.consumer)
+        if isinstance(answer, Refusal):
+            self._refused(answer.reason.value)
+            return None
+        assert isinstance(answer, Lease)
+        self.publish(host, host.lease_book.free_shares("gpu0"))
+        granted = Granted(host, proposal, Meter(host.identity, proposal, interval=LEASE_S))
+        self.active[proposal.lease_id] = granted
+        return granted
+
+    def settle(self, granted: Granted) -> float:
+        """End a lease: the host's meter signs a receipt for the time used, the consumer
+        checks it, the host gets paid and its shares go back on offer. Returns the cost
+        in credits (0 for a lease already settled)."""
+        host, proposal = granted.host, granted.proposal
+        if self.active.pop(proposal.lease_id, None) is None:
+            return 0.0
+        now = self.now()
+        envelope = granted.meter.issue(now, nonce=next(self._nonces))
+        _, receipt = check_receipt(envelope.to_bytes(), proposal, now=now)
+        cost = receipt.share_seconds * proposal.price / 3600 / MICRO
+        host.earned += cost
+        if host.online and host.lease_book.release(proposal.lease_id):
+            self.publish(host, host.lease_book.free_shares("gpu0"))
+        return cost
+
+    def _refused(self, reason: str) -> None:
+        self.refusals[reason] = self.refusals.get(reason, 0) + 1
