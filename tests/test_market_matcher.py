@@ -10,12 +10,13 @@ from cumulus_p2p.market.matcher import RankingPolicy, effective_price, rank_offe
 from cumulus_p2p.market.messages import Bid, Offer, PriorityClass
 
 
-def offer(host, price, *, created=0.0, model="A100"):
-    return Offer(host, "o", model, 40, 10, 4, price, 0, "", created, 100.0, 1)
+def offer(host, price, *, created=0.0, model="A100", shares=4):
+    return Offer(host, "o", model, 40, 10, shares, price, 0, "", created, 100.0, 1)
 
 
-def bid(max_price=1000, models=()):
-    return Bid("me", "b", 0, models, 0, 1, max_price, PriorityClass.ON_DEMAND, 60, 0.0, 100.0, 1)
+def bid(max_price=1000, models=(), shares=1):
+    return Bid("me", "b", 0, models, 0, shares, max_price, PriorityClass.ON_DEMAND, 60, 0.0,
+               100.0, 1)  # fmt: skip
 
 
 def book_of(*offers):
@@ -46,6 +47,11 @@ def test_a_distant_host_ranks_below_a_near_one_at_the_same_price():
 def test_offers_over_the_limit_or_of_another_model_are_not_ranked():
     book = book_of(offer("h1", 10, model="H100"), offer("h2", 2000), offer("h3", 50))
     assert [r.offer.host for r in rank_offers(book, bid(models=("A100",)))] == ["h3"]
+
+
+def test_an_offer_with_fewer_free_shares_than_the_bid_wants_is_not_ranked():
+    book = book_of(offer("fragment", 10, shares=2), offer("roomy", 50, shares=4))
+    assert [r.offer.host for r in rank_offers(book, bid(shares=3))] == ["roomy"]
 
 
 def test_effective_price_is_neutral_for_unknown_hosts_and_clamps_scores():

@@ -100,6 +100,9 @@ def rank_offers(
 ) -> list[RankedOffer]:
     """Return the best ``limit`` offers for ``bid``, lowest effective price first.
 
+    Only offers with at least ``bid.shares`` free are ranked: a lease takes all its shares
+    from one offer, so a host with fewer left would refuse it.
+
     Ties break on the book's canonical key (price, created_at, host, offer_id), so the
     ranking is deterministic.
 
@@ -121,6 +124,8 @@ def rank_offers(
         offer = resting.order
         if len(top) == limit and offer.price * best > -top[0][0]:
             break
+        if resting.remaining < bid.shares:
+            continue  # a lease takes its shares from one offer: this one cannot serve it
         score = reliability.get(offer.host, policy.neutral_reliability)
         latency = latency_ms.get(offer.host, policy.default_latency_ms)
         price = effective_price(offer.price, reliability=score, latency_ms=latency, policy=policy)

@@ -83,13 +83,14 @@ def run(env: simpy.Environment, market: Market, job: Job, rng: random.Random):
             job.leased_s = env.now
         job.paid_share_price.append(granted.proposal.price)
         host = granted.host
-        host.jobs.add(env.active_process)
+        host.jobs[env.active_process] = None
         lost = False
         try:
             yield from _work(env, job, host, granted, rng)
         except (simpy.Interrupt, DeviceGone):
             lost = True
-            avoid = avoid | {host.peer}
+            # Its offer may still rest in stale books; once back, the host is fair game.
+            avoid = frozenset({host.peer})
             if job.checkpoint_every_s is None:
                 job.restarts += 1
                 job.saved_s = job.compute_s
@@ -98,7 +99,7 @@ def run(env: simpy.Environment, market: Market, job: Job, rng: random.Random):
             job.lost_device_s += job.saved_s - job.remaining_s
             job.remaining_s = job.saved_s
         finally:
-            host.jobs.discard(env.active_process)
+            host.jobs.pop(env.active_process, None)
             job.cost += market.settle(granted)
         if lost:  # noticing the loss and reattaching (measured; a restart pays it too)
             yield env.timeout(FAILOVER_S)

@@ -63,7 +63,8 @@ class SimHost:
     online: bool = True
     nonce: int = 0
     earned: float = 0.0
-    jobs: set = field(default_factory=set)  # the job processes running on it
+    # The job processes running on it; a dict keeps them in order (runs must repeat).
+    jobs: dict = field(default_factory=dict)
 
     @property
     def peer(self) -> str:

@@ -1,0 +1,35 @@
+"""The command line the scripts in ``simulations/`` share: run one scenario, write files."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.markdown import Markdown
+
+from . import churn, pooling, priority, report, scale
+
+SCENARIOS = {"pooling": pooling, "priority": priority, "churn": churn, "scale": scale}
+RESULTS = Path(__file__).resolve().parents[2] / "simulations" / "results"
+
+
+def main(scenario: str, argv: list[str] | None = None) -> dict:
+    """Run ``scenario`` from the command line; returns its result."""
+    module = SCENARIOS[scenario]
+    parser = argparse.ArgumentParser(description=module.__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=1, help="the run's seed (default 1)")
+    parser.add_argument("--quick", action="store_true", help="the small run the tests use")
+    parser.add_argument("--out", type=Path, default=RESULTS,
+                        help=f"where results go (default {RESULTS})")  # fmt: skip
+    args = parser.parse_args(argv)
+    console = Console()
+    started = time.perf_counter()
+    with console.status(f"simulating {scenario} (seed {args.seed})..."):
+        result = module.run(args.seed, quick=args.quick)
+    result["runtime_s"] = round(time.perf_counter() - started, 1)
+    paths = report.write(result, args.out)
+    console.print(Markdown(paths[-1].read_text().split("\n![")[0]))
+    console.print(f"wrote {', '.join(str(p) for p in paths)} in {result['runtime_s']} s")
+    return result

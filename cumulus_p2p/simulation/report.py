@@ -1,0 +1,184 @@
+"""A scenario's results as files: ``<name>.json``, ``<name>.md`` and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def write(result: dict, out_dir: Path) -> list[Path]:
+    """Write the JSON, the plots and the markdown report; returns the paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = result["scenario"] + ("_quick" if result["quick"] else "")
+    paths = [out_dir / f"{name}.json"]
+    paths[0].write_text(json.dumps(result, indent=2) + "\n")
+    figure, markdown = _RENDERERS[result["scenario"]](result)
+    png = out_dir / f"{name}.png"
+    figure.savefig(png, dpi=110, bbox_inches="tight")
+    plt.close(figure)
+    report = out_dir / f"{name}.md"
+    report.write_text(markdown + f"\n![{result['scenario']}]({png.name})\n")
+    return [*paths, png, report]
+
+
+def _table(header: Iterable[str], rows: Iterable[Iterable]) -> str:
+    header = list(header)
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join("–" if v is None else str(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _heading(result: dict, title: str) -> str:
+    size = "quick" if result["quick"] else "full"
+    source = f"{result['scenario']}{'_quick' if result['quick'] else ''}.json"
+    return f"# {title}\n\nSeed {result['seed']}, {size} run; figures from `{source}`.\n"
+
+
+def _pooling(result: dict):
+    rows = result["rows"]
+    claimed = result["claimed_whole_gpu_utilization"]
+    sat = {(r["mix"], r["policy"]): r for r in rows if r["load"] == "saturated"}
+    mod = [r for r in rows if r["load"] == "moderate"]
+    mixes = list(dict.fromkeys(r["mix"] for r in rows))
+    util = _table(
+        ["mix", "claimed whole-GPU", "whole-GPU", "pooled", "pooled slowdown"],
+        [(m, claimed.get(m), sat[(m, "whole-GPU")]["utilization"],
+          sat[(m, "pooled")]["utilization"], sat[(m, "pooled")]["slowdown_mean"])
+         for m in mixes],
+    )  # fmt: skip
+    money = _table(
+        ["mix", "policy", "queue wait mean s", "p95 s", "slowdown", "cost / compute-h",
+         "host earnings / GPU-h"],
+        [(r["mix"], r["policy"], r["queue_wait_mean_s"], r["queue_wait_p95_s"],
+          r["slowdown_mean"], r["cost_per_compute_hour"], r["host_earnings_per_gpu_hour"])
+         for r in mod],
+    )  # fmt: skip
+    text = (
+        _heading(result, "Fractional pooling against whole-GPU allocation")
+        + f"\n{result['hosts']} hosts, {result['horizon_h']} h.\n\n"
+        + "## GPU utilization, saturated load\n\n" + util
+        + "\n\n## Queueing, cost and earnings, moderate load\n\n" + money + "\n"
+    )
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    xs = range(len(mixes))
+    for offset, policy in ((-0.2, "whole-GPU"), (0.2, "pooled")):
+        ax.bar([x + offset for x in xs], [sat[(m, policy)]["utilization"] for m in mixes],
+               width=0.4, label=policy)  # fmt: skip
+    claimed_x = [x for x, m in zip(xs, mixes, strict=True) if m in claimed]
+    ax.scatter(claimed_x, [claimed[m] for m in mixes if m in claimed], marker="_", s=600,
+               color="black", label="hosted.ai whole-GPU figure", zorder=3)  # fmt: skip
+    ax.set_xticks(list(xs), mixes)
+    ax.set_ylabel("GPU utilization")
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=8)
+    ax.set_title("Utilization under saturated demand")
+    return fig, text
+
+
+def _priority(result: dict):
+    rows = result["rows"]
+    text = (
+        _heading(result, "Price against priority")
+        + f"\n{result['hosts']} hosts, {result['horizon_h']} h. Interruptible saving (1 - "
+        f"interruptible price / on-demand price): {result['interruptible_saving']}; claimed: "
+        f"{result['claimed_interruptible_saving']}.\n\n"
+        + _table(["strategy", "class", "bid / median", "jobs", "leased", "wait mean s",
+                  "slowdown", "paid / median"],
+                 [(r["strategy"], r["class"], r["bid_multiple"], r["jobs"], r["leased_share"],
+                   r["wait_mean_s"], r["slowdown_mean"], r["paid_vs_median"]) for r in rows])
+        + "\n"
+    )  # fmt: skip
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for (strategy, cls), style in _series(rows, ("strategy", "class")):
+        mine = [r for r in rows if (r["strategy"], r["class"]) == (strategy, cls)]
+        xs = [r["bid_multiple"] for r in mine]
+        label = f"{strategy}, {cls}"
+        axes[0].plot(xs, [r["slowdown_mean"] for r in mine], style, label=label)
+        axes[1].plot(xs, [r["leased_share"] for r in mine], style, label=label)
+    axes[0].set_ylabel("slowdown (x alone)")
+    axes[1].set_ylabel("share of jobs that got a lease")
+    for ax in axes:
+        ax.set_xlabel("bid / median share price")
+    axes[0].legend(fontsize=7)
+    return fig, text
+
+
+def _series(rows: list[dict], keys: tuple[str, ...]):
+    seen = list(dict.fromkeys(tuple(r[k] for k in keys) for r in rows))
+    styles = ["o-", "s--", "^-", "d--", "v-", "x--"]
+    return [(key, styles[i % len(styles)]) for i, key in enumerate(seen)]
+
+
+def _churn(result: dict):
+    rows, sweep = result["rows"], result["interval_sweep_at_10_percent"]
+    text = (
+        _heading(result, "Churn with and without failover")
+        + f"\n{result['hosts']} hosts, {result['horizon_h']} h, checkpoints of "
+        f"{result['state_mb']:g} MB every {result['checkpoint_interval_s']:g} s with failover.\n\n"
+        + _table(["churn / h", "failover", "jobs", "completed", "lost GPU-h", "checkpoint h",
+                  "failovers", "restarts", "cost"],
+                 [(r["churn_per_hour"], r["failover"], r["jobs"], r["completion_rate"],
+                   r["lost_gpu_hours"], r["checkpoint_hours"], r["failovers"], r["restarts"],
+                   r["cost"]) for r in rows])
+        + "\n\n## Checkpoint interval at 10% churn per hour\n\n"
+        + _table(["interval s", "completed", "lost GPU-h", "checkpoint h", "lost + checkpoint"],
+                 [(r["interval_s"], r["completion_rate"], r["lost_gpu_hours"],
+                   r["checkpoint_hours"], round(r["lost_gpu_hours"] + r["checkpoint_hours"], 3))
+                  for r in sweep])
+        + "\n"
+    )  # fmt: skip
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for failover, style in ((True, "o-"), (False, "s--")):
+        mine = [r for r in rows if r["failover"] == failover]
+        axes[0].plot([r["churn_per_hour"] * 100 for r in mine],
+                     [r["completion_rate"] for r in mine], style,
+                     label="failover" if failover else "restart")  # fmt: skip
+    axes[0].set_xlabel("hosts leaving per hour (%)")
+    axes[0].set_ylabel("jobs completed")
+    axes[0].legend()
+    xs = [r["interval_s"] for r in sweep]
+    axes[1].plot(xs, [r["lost_gpu_hours"] for r in sweep], "o-", label="lost work")
+    axes[1].plot(xs, [r["checkpoint_hours"] for r in sweep], "s--", label="writing checkpoints")
+    axes[1].set_xscale("log")
+    axes[1].set_xlabel("checkpoint interval (s)")
+    axes[1].set_ylabel("GPU-hours")
+    axes[1].legend()
+    return fig, text
+
+
+def _scale(result: dict):
+    rows = result["rows"]
+    text = (
+        _heading(result, "Market load per node against network size")
+        + f"\nAssumed rates: {result['assumed']}.\n\n"
+        + _table(["nodes", "orders held", "intake µs / msg", "rank ms (p50)", "book MB",
+                  "msgs / s", "CPU share of a core", "gossip kB / s"],
+                 [(r["nodes"], r["orders_in_book"], r["intake_us_per_message"], r["rank_ms_p50"],
+                   r["book_memory_mb"], r["messages_per_s"], r["cpu_share_of_one_core"],
+                   r["gossip_kb_per_s"]) for r in rows])
+        + "\n"
+    )  # fmt: skip
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    xs = [r["nodes"] for r in rows]
+    for key, label in (("book_memory_mb", "book MB"), ("gossip_kb_per_s", "gossip kB/s"),
+                       ("rank_ms_p50", "rank ms per bid")):  # fmt: skip
+        ax.plot(xs, [r[key] for r in rows], "o-", label=label)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("nodes in the network")
+    ax.legend()
+    return fig, text
+
+
+_RENDERERS: dict[str, Callable] = {
+    "pooling": _pooling,
+    "priority": _priority,
+    "churn": _churn,
+    "scale": _scale,
+}

@@ -1,0 +1,74 @@
+"""The network simulations: quick runs of every scenario, on the real market cores."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cumulus_p2p.market import matcher
+from cumulus_p2p.market.lease import RefusalReason
+from cumulus_p2p.simulation import churn, pooling, priority
+from cumulus_p2p.simulation.cli import SCENARIOS, main
+from cumulus_p2p.simulation.world import WORKLOADS
+
+MIX = WORKLOADS
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_each_quick_scenario_writes_its_json_plot_and_report(scenario, tmp_path):
+    main(scenario, ["--quick", "--seed", "3", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / f"{scenario}_quick.json").read_text())
+    assert result["scenario"] == scenario and result["seed"] == 3 and result["rows"]
+    assert (tmp_path / f"{scenario}_quick.png").stat().st_size > 10_000
+    report = (tmp_path / f"{scenario}_quick.md").read_text()
+    assert report.startswith("# ") and f"({scenario}_quick.png)" in report
+
+
+def test_a_quick_scenario_repeats_exactly_from_its_seed():
+    assert churn.run(5, quick=True) == churn.run(5, quick=True)
+
+
+def _pooled_mix(seed: int = 1) -> dict:
+    return pooling.simulate(seed, MIX, "pooled", pooling.LOADS["moderate"], hosts=8, horizon_h=4)
+
+
+def test_changing_the_matchers_ranking_changes_what_consumers_pay(monkeypatch):
+    cheapest_first = _pooled_mix()
+    monkeypatch.setattr(matcher, "effective_price", lambda price, **_: -price)
+    dearest_first = _pooled_mix()
+    assert dearest_first["cost_per_compute_hour"] > cheapest_first["cost_per_compute_hour"]
+
+
+def test_hosts_refuse_stale_offers_through_their_lease_books():
+    saturated = pooling.simulate(1, MIX, "whole-GPU", pooling.LOADS["saturated"], hosts=8,
+                                 horizon_h=3)  # fmt: skip
+    assert saturated["refusals"].get(RefusalReason.NO_CAPACITY.value, 0) > 0
+
+
+def test_pooling_lifts_utilization_over_whole_gpu_allocation():
+    saturated = pooling.LOADS["saturated"]
+    whole = pooling.simulate(1, MIX, "whole-GPU", saturated, hosts=8, horizon_h=4)
+    pooled = pooling.simulate(1, MIX, "pooled", saturated, hosts=8, horizon_h=4)
+    assert pooled["utilization"] > whole["utilization"] + 0.2
+
+
+def test_failover_finishes_more_jobs_and_loses_less_work_than_restarting():
+    with_failover = churn.simulate(1, 0.2, 300.0, hosts=16, horizon_h=24, quick=True)
+    restarting = churn.simulate(1, 0.2, None, hosts=16, horizon_h=24, quick=True)
+    assert with_failover["completion_rate"] > restarting["completion_rate"]
+    assert with_failover["lost_gpu_hours"] < restarting["lost_gpu_hours"] / 10
+    assert with_failover["failovers"] > 0 and restarting["restarts"] > 0
+
+
+def test_interruptible_tenants_wait_behind_on_demand_ones_on_the_device():
+    result = priority.run(1, quick=True)
+    slowdowns = {
+        cls: [r["slowdown_mean"] for r in result["rows"]
+              if r["class"] == cls and r["slowdown_mean"] is not None]
+        for cls in priority.CLASSES
+    }  # fmt: skip
+    assert min(slowdowns["interruptible"]) > 1.0
+    assert sum(slowdowns["interruptible"]) / len(slowdowns["interruptible"]) > sum(
+        slowdowns["on-demand"]
+    ) / len(slowdowns["on-demand"])
