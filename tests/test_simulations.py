@@ -8,7 +8,7 @@ import pytest
 
 from cumulus_p2p.market import matcher
 from cumulus_p2p.market.lease import RefusalReason
-from cumulus_p2p.simulation import churn, pooling, priority
+from cumulus_p2p.simulation import attacks, churn, pooling, priority
 from cumulus_p2p.simulation.cli import SCENARIOS, main
 from cumulus_p2p.simulation.world import WORKLOADS
 
@@ -72,3 +72,18 @@ def test_interruptible_tenants_wait_behind_on_demand_ones_on_the_device():
     assert sum(slowdowns["interruptible"]) / len(slowdowns["interruptible"]) > sum(
         slowdowns["on-demand"]
     ) / len(slowdowns["on-demand"])
+
+
+def test_no_attack_lifts_an_attacker_above_an_honest_host_or_costs_them_earnings():
+    rows = {r["attack"]: r for r in attacks.run(2, quick=True)["rows"]}
+    for attack in ("sybil ring", "hardware liars"):
+        assert rows[attack]["best_bad_host_rank"] > rows[attack]["worst_honest_rank"]
+        assert rows[attack]["bad_host_earnings_share"] == 0.0
+    assert rows["smear crowd"]["victim_rank"] == rows["none"]["victim_rank"]
+    assert all(r["honest_earnings_lost"] == 0.0 for r in rows.values())
+
+
+def test_non_payers_fall_below_a_hosts_bar_and_honest_consumers_do_not():
+    row = attacks.simulate(2, "non-payers", honest=8, flaky=3, consumers=16, leases=200,
+                           sybils=10)  # fmt: skip
+    assert row["non_payers_refused"] == 1.0 and row["honest_consumers_refused"] == 0.0

@@ -18,7 +18,7 @@ Parts, lowest first (each imports only those above it):
   ``scores_for_matcher(hosts, now=...)`` for ``market.rank_offers(reliability=...)``.
 
 Nothing here reads a clock or does I/O: times are passed in. The gossip shell that
-carries reports lives with the mesh; ``simulations/reputation_sybil.py`` drives these
+carries reports lives with the mesh; ``simulations/attacks.py`` drives these
 same cores with a simulated population.
 """
 

@@ -9,9 +9,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.markdown import Markdown
 
-from . import churn, pooling, priority, report, scale
+from . import attacks, churn, pooling, priority, report, scale
 
-SCENARIOS = {"pooling": pooling, "priority": priority, "churn": churn, "scale": scale}
+SCENARIOS = {
+    "pooling": pooling,
+    "priority": priority,
+    "churn": churn,
+    "attacks": attacks,
+    "scale": scale,
+}
 RESULTS = Path(__file__).resolve().parents[2] / "simulations" / "results"
 
 

@@ -176,7 +176,40 @@ def _scale(result: dict):
     return fig, text
 
 
+def _attacks(result: dict):
+    rows = result["rows"]
+    text = (
+        _heading(result, "Attacks on reputation")
+        + f"\nPopulation: {result['size']}. Ranks among all hosts, 1 best; earnings from an "
+        "hour of demand for as many shares as the honest hosts have, matched by the node's "
+        "scores, against the same history without attack.\n\n"
+        + _table(["attack", "reports accepted", "worst honest rank", "best attacker rank",
+                  "victim rank", "honest earnings lost", "attackers' share of earnings"],
+                 [(r["attack"], r["reports_accepted"], r["worst_honest_rank"],
+                   r["best_bad_host_rank"], r["victim_rank"], r["honest_earnings_lost"],
+                   r["bad_host_earnings_share"]) for r in rows])
+        + "\n"
+    )  # fmt: skip
+    payers = next((r for r in rows if "non_payer_score_mean" in r), None)
+    if payers is not None:
+        text += (
+            f"\nNon-payers: payment score {payers['non_payer_score_mean']} against "
+            f"{payers['honest_consumer_score_mean']} for honest consumers; a host with "
+            f"`--min-consumer-score 0.3` refuses {payers['non_payers_refused']:.0%} of the "
+            f"non-payers and {payers['honest_consumers_refused']:.0%} of the honest.\n"
+        )
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    names = [r["attack"] for r in rows]
+    ax.bar(names, [r["worst_honest_rank"] for r in rows], label="worst honest rank")
+    ax.scatter(names, [r["best_bad_host_rank"] or float("nan") for r in rows], color="red",
+               zorder=3, label="best attacker rank")  # fmt: skip
+    ax.set_ylabel("rank (1 = best)")
+    ax.legend(fontsize=8)
+    return fig, text
+
+
 _RENDERERS: dict[str, Callable] = {
+    "attacks": _attacks,
     "pooling": _pooling,
     "priority": _priority,
     "churn": _churn,
