@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
+import functools
 import json
 import logging
 import sys
@@ -28,9 +28,11 @@ import trio
 from rich.console import Console
 from rich.live import Live
 
+from . import explorer
 from ._errors import CumulusError, NodeConfigError, NoMatchError
 from .dht import MeshConfig
 from .dht.nat import NatConfig
+from .explorer import model
 from .market import PriorityClass
 from .node import hardware, logs, views
 from .node.datadir import DataDir, default_data_dir
@@ -38,6 +40,7 @@ from .remote.executor_main import add_isolation_flags, parse_size
 
 EXIT_USAGE, EXIT_CONFIG, EXIT_NO_MATCH = 2, 3, 4
 VIEWS = ("status", "peers", "offers", "reputation", "ledger", "logs")
+DEFAULT_EXPLORE_HOST, DEFAULT_EXPLORE_PORT = explorer.DEFAULT_HOST, explorer.DEFAULT_PORT
 DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/4001"
 
 
@@ -93,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         "consume a remote one for a PyTorch script, or (with neither flag) run a "
         "bootstrap node that routes and relays.",
         epilog="Also: cumulus-node status|peers|offers|reputation|ledger [--data-dir DIR] "
-        "[--json]. "
+        "[--json]; cumulus-node explore [--data-dir DIR] serves the web explorer. "
         "With --consume, everything after -- is the script: -- python train.py [args].",
     )
     role = parser.add_mutually_exclusive_group()
@@ -102,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--consume", action="store_true", help="rent a device and run the script given after --"
     )
     node = parser.add_argument_group("node")
+    node.add_argument(
+        "--explore",
+        action="store_true",
+        help="also serve the read-only web explorer of what this node knows "
+        "(--explore-host, --explore-port)",
+    )
+    _add_explore_address(node)
     node.add_argument(
         "--data-dir",
         type=Path,
@@ -299,6 +309,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_explore_address(group) -> None:
+    group.add_argument(
+        "--explore-host",
+        default=DEFAULT_EXPLORE_HOST,
+        help=f"address the explorer binds (default {DEFAULT_EXPLORE_HOST}: this machine only)",
+    )
+    group.add_argument(
+        "--explore-port",
+        type=_port,
+        default=DEFAULT_EXPLORE_PORT,
+        help=f"the explorer's port (default {DEFAULT_EXPLORE_PORT}; 0 picks a free one)",
+    )
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0-65535)")
+    return value
+
+
+def build_explore_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cumulus-node explore",
+        description="Serve a read-only web explorer of what the node on a data directory "
+        "knows: hosts and their scores, evidence, the order book, leases, the mesh. It "
+        "follows a running node live, or shows the last state of a stopped one.",
+    )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="the node's data directory (default $CUMULUS_DATA_DIR or ~/.cumulus)",
+    )
+    _add_explore_address(parser)
+    return parser
+
+
 def build_view_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cumulus-node VIEW",
@@ -330,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if argv and argv[0] in VIEWS:
             return show_view(build_view_parser().parse_args(argv), console)
+        if argv and argv[0] == "explore":
+            return explore(build_explore_parser().parse_args(argv[1:]), console)
         command: list[str] = []
         if "--" in argv:
             split = argv.index("--")
@@ -435,10 +488,55 @@ def run_node(args, command: list[str], console: Console) -> int:
     with data.locked(), _plain_errors():
         logs.configure(data.path, verbose=args.verbose)
         if args.provide:
-            return trio.run(_provide, args, data, mesh_config, console)
-        if args.consume:
-            return trio.run(_consume, args, data, mesh_config, command, console)
-        return trio.run(_route, data, mesh_config, console)
+            role = functools.partial(_provide, args, data, mesh_config, console)
+        elif args.consume:
+            role = functools.partial(_consume, args, data, mesh_config, command, console)
+        else:
+            role = functools.partial(_route, data, mesh_config, console)
+        return trio.run(_beside_explorer, args, data, console, role)
+
+
+async def _beside_explorer(args, data: DataDir, console: Console, role) -> int:
+    """Run ``role``; with ``--explore``, serve the explorer beside it until it ends."""
+    if not args.explore:
+        return await role()
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(_explorer, data, args)
+        console.print(f"explorer on {url}", highlight=False)
+        code = await role()
+        nursery.cancel_scope.cancel()
+    return code
+
+
+async def _explorer(data: DataDir, args, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    from .explorer.serve import serve_explorer  # the web stack loads only when asked for
+
+    try:
+        await serve_explorer(data, host=args.explore_host, port=args.explore_port,
+                             task_status=task_status)  # fmt: skip
+    except OSError as exc:
+        raise NodeConfigError(
+            f"the explorer cannot listen on {args.explore_host}:{args.explore_port} ({exc}); "
+            "pick another --explore-port (0 takes any free one)"
+        ) from exc
+
+
+def explore(args, console: Console) -> int:
+    """``cumulus-node explore``: serve the explorer alone, against a data directory."""
+    data = _data_dir(args)
+    if data.read_state() is None:
+        console.print(f"[yellow]no node has run on {data.path} yet; the explorer shows what "
+                      "one writes there once it starts[/yellow]", highlight=False)  # fmt: skip
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(_explorer, data, args)
+            console.print(f"explorer on {url} (Ctrl-C stops it)", highlight=False)
+
+    with _plain_errors():
+        trio.run(run)
+    return 0
 
 
 @contextlib.contextmanager
@@ -616,7 +714,7 @@ def show_view(args, console: Console) -> int:
         ledger = data.ledger()
         entries = list(ledger.entries())
         if args.json:
-            print(json.dumps([_entry_json(e) for e in entries], indent=1))
+            print(json.dumps([model.entry_json(e) for e in entries], indent=1))
         else:
             console.print(views.ledger_table(entries))
             disputes = list(ledger.disputes())
@@ -629,23 +727,28 @@ def show_view(args, console: Console) -> int:
             f"no node has run on {data.path} yet: start one with cumulus-node --provide, "
             "--consume or plain cumulus-node"
         )
-    if not data.is_locked():
-        console.print(
+    if not data.is_locked():  # on stderr with --json: stdout stays one JSON document
+        (Console(stderr=True) if args.json else console).print(
             f"[yellow]the node on {data.path} is not running; this is what it "
             "knew when it stopped[/yellow]",
             highlight=False,
         )
-    key = {"reputation": "scores"}.get(args.view, args.view)
-    if args.json:
-        print(json.dumps(state if args.view == "status" else state.get(key, []), indent=1))
+    shown = {
+        "status": lambda s: s,
+        "peers": model.peers,
+        "offers": lambda s: model.book(s)["offers"],
+        "reputation": lambda s: s.get("scores", []),
+    }[args.view](state)
+    if args.json:  # the explorer's API serves the same (explorer/model.py)
+        print(json.dumps(shown, indent=1))
         return 0
     render = {
         "status": views.status_table,
-        "peers": lambda s: views.peers_table(s["peers"]),
-        "offers": lambda s: views.offers_table(s["offers"]),
-        "reputation": lambda s: views.scores_table(s.get("scores", [])),
+        "peers": views.peers_table,
+        "offers": views.offers_table,
+        "reputation": views.scores_table,
     }[args.view]
-    console.print(render(state))
+    console.print(render(shown))
     return 0
 
 
@@ -665,12 +768,6 @@ def _show_logs(args, data: DataDir) -> int:
         except KeyboardInterrupt:
             pass
     return 0
-
-
-def _entry_json(entry) -> dict:
-    fields = dataclasses.asdict(entry)
-    fields.pop("countersigned")
-    return fields
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from libp2p.peer.id import ID
 
 from .._errors import NodeConfigError
 from ..dht import REPUTATION_TOPIC, MeshConfig, MeshNode, mesh_validator, open_mesh_node
+from ..dht.gossip import TOPICS
 from ..envelope import Envelope
 from ..identity import NodeIdentity
 from ..market import KINDS as MARKET_KINDS
@@ -98,8 +99,11 @@ class Runtime:
             "peer_id": self.peer_id,
             "addrs": [str(a) for a in self.mesh.addrs],
             "peers": self.peers(),
+            "topics": list(TOPICS),
             "offers": _offer_rows(offers, scores, now),
+            "bids": _bid_rows(self.book.bids(), now),
             "scores": _score_rows(scores.values()),
+            "evidence": _evidence_rows(self.reputation, now),
             "updated": time.time(),
         }
 
@@ -121,6 +125,47 @@ def _offer_rows(offers: list, scores: dict, now: float) -> list[dict]:
         for r in offers
     ]
     return sorted(rows, key=lambda row: (row["price"], row["host"]))
+
+
+def _bid_rows(bids, now: float) -> list[dict]:
+    """Every resting bid, highest limit first (the book's order)."""
+    return [
+        {
+            "consumer": r.order.consumer,
+            "bid_id": r.order.bid_id,
+            "gpu_models": list(r.order.gpu_models),
+            "min_vram_mib": r.order.min_vram_mib,
+            "shares": r.remaining,
+            "max_price": r.order.max_price,
+            "priority": r.order.priority.name.lower().replace("_", "-"),
+            "expires_in": round(r.order.expires_at - now, 1),
+        }
+        for r in bids
+    ]
+
+
+#: How many evidence records ``state.json`` carries, newest first.
+EVIDENCE_ROWS = 2000
+
+
+def _evidence_rows(reputation: Reputation, now: float) -> list[dict]:
+    """The evidence held, newest first: what it says about whom, who reported it and how
+    much that reporter's word weighs."""
+    weight = reputation.credibility(now=now)
+    findings = sorted(reputation.store.findings(), key=lambda f: -f.at)[:EVIDENCE_ROWS]
+    return [
+        {
+            "kind": f.kind.name.lower(),
+            "about": f.host,
+            "reporter": f.credited,
+            "weight": round(weight.get(f.credited, 0.0), 4),
+            "at": f.at,
+            "served_share_s": f.served,
+            "shares": f.lease_shares,
+            "ratio": round(f.ratio, 4),
+        }
+        for f in findings
+    ]
 
 
 def _score_rows(scores) -> list[dict]:

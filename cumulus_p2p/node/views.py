@@ -91,12 +91,13 @@ def _session(row: dict) -> str:
 
 
 def peers_table(rows: Iterable[dict]) -> Table:
-    """Connected peers and their addresses."""
+    """Connected peers, their addresses and whether they are reached directly."""
     table = Table(title="peers")
     table.add_column("peer id")
+    table.add_column("connection")
     table.add_column("addresses")
     for row in rows:
-        table.add_row(row["peer"], "\n".join(row["addrs"]))
+        table.add_row(row["peer"], row.get("connection", ""), "\n".join(row["addrs"]))
     return table
 
 
