@@ -99,6 +99,12 @@ function chart(samples, key, label, format) {
   const line = document.createElementNS(SVG, "polyline");
   line.setAttribute("points", points.map((p) => `${x(p.t)},${y(p[key])}`).join(" "));
   svg.append(line);
+  const last = points[points.length - 1];
+  const dot = document.createElementNS(SVG, "circle");  // a lone sample shows too
+  dot.setAttribute("cx", x(last.t));
+  dot.setAttribute("cy", y(last[key]));
+  dot.setAttribute("r", 2.5);
+  svg.append(dot);
   for (const [value, at] of [[v1, y(v1)], [v0, y(v0)]]) {
     const tick = document.createElementNS(SVG, "text");
     tick.setAttribute("x", 2);
