@@ -79,14 +79,23 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 8GiB or 512MiB)") from None
 
 
-def _score(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a score between 0 and 1")
-    return value
+def _number_in(kind, low, high, what: str):
+    """An argparse type: a ``kind`` (int, float) between ``low`` and ``high``."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+
+    return parse
+
+
+_score = _number_in(float, 0.0, 1.0, "a score between 0 and 1")
+_port = _number_in(int, 0, 65535, "a port number (0-65535)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -323,16 +332,6 @@ def _add_explore_address(group) -> None:
     )
 
 
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0-65535)")
-    return value
-
-
 def build_explore_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cumulus-node explore",
@@ -514,11 +513,11 @@ async def _explorer(data: DataDir, args, *, task_status=trio.TASK_STATUS_IGNORED
     try:
         await serve_explorer(data, host=args.explore_host, port=args.explore_port,
                              task_status=task_status)  # fmt: skip
-    except OSError as exc:
+    except* OSError as group:  # hypercorn raises from inside its nursery
         raise NodeConfigError(
-            f"the explorer cannot listen on {args.explore_host}:{args.explore_port} ({exc}); "
-            "pick another --explore-port (0 takes any free one)"
-        ) from exc
+            f"the explorer cannot listen on {args.explore_host}:{args.explore_port} "
+            f"({group.exceptions[0]}); pick another --explore-port (0 takes any free one)"
+        ) from None
 
 
 def explore(args, console: Console) -> int:

@@ -6,6 +6,7 @@ Every test runs the real command in a subprocess, as a user would.
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import time
 
@@ -51,6 +52,24 @@ def test_a_consumer_score_bar_outside_0_to_1_is_a_usage_error():
     result = run("--provide", "--min-consumer-score", "45")
     assert result.returncode == 2
     assert "'45' is not a score between 0 and 1" in result.stderr
+
+
+def test_an_explorer_port_outside_0_to_65535_is_a_usage_error(tmp_path):
+    for args in (("explore", "--data-dir", str(tmp_path)), ("--data-dir", str(tmp_path))):
+        result = run(*args, "--explore-port", "99999")
+        assert result.returncode == 2
+        assert "'99999' is not a port number (0-65535)" in result.stderr
+
+
+def test_an_explorer_port_in_use_is_a_clear_error(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        result = run("explore", "--data-dir", str(tmp_path), "--explore-port", port)
+    assert result.returncode == 3
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stdout
+    assert "--explore-port" in result.stdout
 
 
 def test_consume_refuses_a_command_that_is_not_a_python_script():
