@@ -270,21 +270,50 @@ class _Terminated(SystemExit):
 def _sigterm_exits() -> Iterator[None]:
     """Turn SIGTERM into ``_Terminated`` so the session is detached, not just dropped.
 
-    A script may install its own handler (say, to checkpoint before a preemption); it
-    replaces this one as usual.
+    A SIGTERM that lands while torch is calling back into Python (an op's dispatch, a
+    tensor's ``__del__``) is delivered again 10 ms later, so the exception never unwinds
+    through torch's C++. A script may install its own handler (say, to checkpoint before
+    a preemption); it replaces this one as usual.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    retrying = threading.Event()
 
     def exit_(signum, frame):
-        raise _Terminated(128 + signum)
+        if not _inside_a_callback_from_torch(frame):
+            raise _Terminated(128 + signum)
+        if not retrying.is_set():  # raising here would unwind through torch's C++
+            retrying.set()
+            threading.Timer(_RETRY_SIGNAL_S, _signal_again, (signum, retrying)).start()
 
     previous = signal.signal(signal.SIGTERM, exit_)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+#: Python functions torch's C++ calls back into: an exception raised by a signal handler
+#: while one of them runs unwinds through C++ frames that do not expect it, and the
+#: process aborts ("terminate called without an active exception", seen in 1 of 10
+#: SIGTERMs during training). ``__del__`` also swallows exceptions.
+_CALLBACKS = frozenset({"__torch_dispatch__", "__torch_function__", "__del__"})
+_RETRY_SIGNAL_S = 0.01
+
+
+def _inside_a_callback_from_torch(frame) -> bool:
+    while frame is not None:
+        if frame.f_code.co_name in _CALLBACKS:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _signal_again(signum: int, retrying: threading.Event) -> None:
+    """Deliver ``signum`` again shortly: the script is then most likely between ops."""
+    retrying.clear()
+    os.kill(os.getpid(), signum)
 
 
 def _exit_at_once(status: int) -> None:

@@ -84,6 +84,12 @@ def test_sigterm_ends_the_script_through_a_clean_exit(executor_address, tmp_path
         proc.stdout.close()
 
 
+def test_sigterm_inside_an_op_waits_for_the_op_then_exits_cleanly(executor_address, tmp_path):
+    proc = run_shim(str(SCRIPTS / "sigterm_mid_op.py"), executor=executor_address, cwd=tmp_path)
+    assert proc.stdout.strip() == "op done"
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+
+
 def test_cuda_training_script_under_the_shim_matches_the_cpu(executor_address, tmp_path):
     train = SCRIPTS / "cuda_train.py"
     under_shim = run_shim(str(train), "1", executor=executor_address, cwd=tmp_path)
