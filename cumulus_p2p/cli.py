@@ -332,6 +332,15 @@ def _add_explore_address(group) -> None:
     )
 
 
+def _add_data_dir(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="the node's data directory (default $CUMULUS_DATA_DIR or ~/.cumulus)",
+    )
+
+
 def build_explore_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cumulus-node explore",
@@ -339,12 +348,7 @@ def build_explore_parser() -> argparse.ArgumentParser:
         "knows: hosts and their scores, evidence, the order book, leases, the mesh. It "
         "follows a running node live, or shows the last state of a stopped one.",
     )
-    parser.add_argument(
-        "--data-dir",
-        type=Path,
-        default=None,
-        help="the node's data directory (default $CUMULUS_DATA_DIR or ~/.cumulus)",
-    )
+    _add_data_dir(parser)
     _add_explore_address(parser)
     return parser
 
@@ -358,12 +362,7 @@ def build_view_parser() -> argparse.ArgumentParser:
         "logs (the node's log file).",
     )
     parser.add_argument("view", choices=VIEWS)
-    parser.add_argument(
-        "--data-dir",
-        type=Path,
-        default=None,
-        help="the node's data directory (default $CUMULUS_DATA_DIR or ~/.cumulus)",
-    )
+    _add_data_dir(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument(
         "-f", "--follow", action="store_true", help="logs: keep printing new lines (Ctrl-C ends)"
