@@ -756,11 +756,12 @@ def _show_logs(args, data: DataDir) -> int:
     path = data.path / logs.LOG_FILE
     if not path.exists() and not args.follow:
         raise NodeConfigError(f"no log at {path} yet: a node started on {data.path} writes one")
-    sys.stdout.writelines(logs.last_lines(path, max(0, args.lines)))
+    lines, end = logs.tail(path, max(0, args.lines))
+    sys.stdout.writelines(lines)
     sys.stdout.flush()
     if args.follow:
         try:
-            for line in logs.follow(path):
+            for line in logs.follow(path, start=end if path.exists() else None):
                 sys.stdout.write(line)
                 sys.stdout.flush()
         except KeyboardInterrupt:

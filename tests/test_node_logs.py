@@ -6,7 +6,7 @@ import subprocess
 import threading
 import time
 
-from cumulus_p2p.node.logs import LOG_FILE, follow, last_lines
+from cumulus_p2p.node.logs import LOG_FILE, follow, last_lines, tail
 from cumulus_p2p.testing.nodes import node_command
 
 
@@ -30,12 +30,15 @@ def test_follow_prints_lines_as_they_are_written_until_interrupted(tmp_path):
     log.write_text("old\n")
     proc = subprocess.Popen(node_command("logs", "--data-dir", str(tmp_path), "--follow"),
                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    watchdog = threading.Timer(60, proc.kill)  # a missed line fails the test, not hangs it
+    watchdog.start()
     try:
         assert proc.stdout.readline() == "old\n"
         with open(log, "a") as f:
             f.write("new\n")
         assert proc.stdout.readline() == "new\n"
     finally:
+        watchdog.cancel()
         proc.terminate()
         proc.wait(timeout=10)
 
@@ -66,3 +69,15 @@ def test_no_more_lines_than_the_file_holds(tmp_path):
     (tmp_path / LOG_FILE).write_text("only\n")
     assert last_lines(tmp_path / LOG_FILE, 50) == ["only\n"]
     assert last_lines(tmp_path / "absent.log", 50) == []
+
+
+def test_follow_goes_on_from_where_the_last_lines_ended(tmp_path):
+    log = tmp_path / LOG_FILE
+    log.write_text("shown\n")
+    lines, end = tail(log, 50)
+    with open(log, "a") as f:
+        f.write("written in between\n")
+    followed = follow(log, start=end, poll_s=0.01)
+    assert lines == ["shown\n"]
+    assert next(followed) == "written in between\n"
+    followed.close()

@@ -75,29 +75,41 @@ def _ours_worth_showing(record: logging.LogRecord) -> bool:
 
 def last_lines(path: Path, count: int) -> list[str]:
     """The last ``count`` lines of the log file at ``path`` (``[]`` if it has none yet)."""
+    return tail(path, count)[0]
+
+
+def tail(path: Path, count: int) -> tuple[list[str], int]:
+    """The last ``count`` lines, and the byte offset they end at (where ``follow`` goes
+    on from, so that a line written in between is neither lost nor shown twice)."""
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return list(deque(f, maxlen=count))
+        with open(path, "rb") as f:
+            lines = deque(f, maxlen=count)
+            end = f.tell()
     except FileNotFoundError:
-        return []
+        return [], 0
+    return [line.decode("utf-8", errors="replace") for line in lines], end
 
 
 def follow(
-    path: Path, *, poll_s: float = 0.5, keep_going: Callable[[], bool] = lambda: True
+    path: Path,
+    *,
+    start: int | None = None,
+    poll_s: float = 0.5,
+    keep_going: Callable[[], bool] = lambda: True,
 ) -> Iterator[str]:
-    """Lines appended to the log file at ``path`` from now on, across its rotations,
-    while ``keep_going()``."""
-    f = _open(path, at_end=True)  # what is there already, ``last_lines`` showed
+    """Lines appended to the log file at ``path`` after byte ``start`` (default: its end
+    now), across its rotations, while ``keep_going()``."""
+    f = _open(path, at=start)
     try:
         while keep_going():
             if f is None:
-                f = _open(path, at_end=False)  # created since: all of it is new
+                f = _open(path, at=0)  # created since: all of it is new
             line = f.readline() if f is not None else ""
             if line:
                 yield line
             elif f is not None and _rotated(path, f):
                 f.close()  # read to its end: the rest is in the new file
-                f = _open(path, at_end=False)
+                f = _open(path, at=0)
             else:
                 time.sleep(poll_s)
     finally:
@@ -105,13 +117,16 @@ def follow(
             f.close()
 
 
-def _open(path: Path, *, at_end: bool):
+def _open(path: Path, *, at: int | None):
+    """The file opened at byte ``at`` (None: at its end), or None if it is not there."""
     try:
         f = open(path, encoding="utf-8", errors="replace")
     except FileNotFoundError:
         return None
-    if at_end:
+    if at is None:
         f.seek(0, os.SEEK_END)
+    else:
+        f.seek(min(at, os.fstat(f.fileno()).st_size))
     return f
 
 
