@@ -94,7 +94,9 @@ class Runtime:
         and its host scores (computed once for both)."""
         now = self.clock()
         offers = list(self.book.offers())
-        scores = self.reputation.scores(now=now, hosts={r.order.host for r in offers})
+        scores, weight = self.reputation.scores_and_credibility(
+            now=now, hosts={r.order.host for r in offers}
+        )
         return {
             "peer_id": self.peer_id,
             "addrs": [str(a) for a in self.mesh.addrs],
@@ -103,7 +105,7 @@ class Runtime:
             "offers": _offer_rows(offers, scores, now),
             "bids": _bid_rows(self.book.bids(), now),
             "scores": _score_rows(scores.values()),
-            "evidence": _evidence_rows(self.reputation, now),
+            "evidence": _evidence_rows(self.reputation.store.findings(), weight),
             "updated": time.time(),
         }
 
@@ -148,11 +150,10 @@ def _bid_rows(bids, now: float) -> list[dict]:
 EVIDENCE_ROWS = 2000
 
 
-def _evidence_rows(reputation: Reputation, now: float) -> list[dict]:
+def _evidence_rows(findings, weight: dict[str, float]) -> list[dict]:
     """The evidence held, newest first: what it says about whom, who reported it and how
     much that reporter's word weighs."""
-    weight = reputation.credibility(now=now)
-    findings = sorted(reputation.store.findings(), key=lambda f: -f.at)[:EVIDENCE_ROWS]
+    findings = sorted(findings, key=lambda f: -f.at)[:EVIDENCE_ROWS]
     return [
         {
             "kind": f.kind.name.lower(),

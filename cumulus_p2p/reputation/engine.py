@@ -176,9 +176,15 @@ class Reputation:
 
     def scores(self, *, now: float, hosts: Iterable[str] = ()) -> dict[str, HostScore]:
         """Score every host with evidence, plus ``hosts`` (which get at least the prior)."""
+        return self.scores_and_credibility(now=now, hosts=hosts)[0]
+
+    def scores_and_credibility(
+        self, *, now: float, hosts: Iterable[str] = ()
+    ) -> tuple[dict[str, HostScore], dict[str, float]]:
+        """``scores`` and ``credibility`` from one pass over the evidence."""
         items = outcomes(self._store.findings(), now=now, policy=self._scoring)
         cred = self._credibility(trust_edges(items))
-        return score_hosts(items, cred, policy=self._scoring, hosts=hosts)
+        return score_hosts(items, cred, policy=self._scoring, hosts=hosts), cred
 
     def score(self, host: str, *, now: float) -> HostScore:
         """Return one host's score (the prior if nothing is known)."""
