@@ -10,6 +10,7 @@ starts again from nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -56,6 +57,11 @@ class Job:
     restarts: int = 0
     lost_device_s: float = 0.0  # reference device seconds computed, then lost
     checkpoint_s: float = 0.0
+
+    def fresh(self, **fields) -> Job:
+        """A copy with no outcomes (``dataclasses.replace`` would share the price list)
+        and ``fields`` changed: the same job, run under another policy."""
+        return dataclasses.replace(self, paid_share_price=[], **fields)
 
     @property
     def slowdown(self) -> float | None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import statistics
 from collections.abc import Sequence
@@ -71,6 +70,5 @@ def launch(env: simpy.Environment, market: Market, trace: Sequence[jobs.Job],
 
 
 def with_fields(trace: Sequence[jobs.Job], **fields) -> list[jobs.Job]:
-    """Fresh copies of ``trace`` (no outcomes yet) with ``fields`` changed: the same
-    arrivals, run under another policy."""
-    return [dataclasses.replace(job, paid_share_price=[], **fields) for job in trace]
+    """``Job.fresh`` of every job of ``trace``: the same arrivals, another policy."""
+    return [job.fresh(**fields) for job in trace]

@@ -13,7 +13,6 @@ how much slower than alone they ran, and what they paid against the median.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import statistics
 
@@ -69,10 +68,8 @@ def simulate(seed: int, strategy: str, *, hosts: int, horizon_h: float):
     for job in trace:
         m = bids.choice(MULTIPLIERS)
         priority = bids.choice(list(CLASSES.values()))
-        jobs.append((dataclasses.replace(
-            job, max_price=round(m * median), priority=priority,
-            pay_as_bid=strategy == "pay-as-bid", paid_share_price=[],
-        ), m))  # fmt: skip
+        jobs.append((job.fresh(max_price=round(m * median), priority=priority,
+                               pay_as_bid=strategy == "pay-as-bid"), m))  # fmt: skip
     launch(env, market, [j for j, _ in jobs], rng)
     env.run(until=horizon_h * 3600)
     for granted in list(market.active.values()):
