@@ -18,8 +18,6 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -28,6 +26,7 @@ from pathlib import Path
 from playwright.sync_api import sync_playwright
 
 from cumulus_p2p.node.datadir import DataDir
+from cumulus_p2p.testing.explorer import explorer_process
 
 RESULTS = Path(__file__).parent / "results" / "explorer.json"
 
@@ -57,16 +56,8 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         DataDir(Path(scratch)).write_state(state(args.hosts))
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "cumulus_p2p.cli", "explore", "--data-dir", scratch,
-             "--explore-port", "0"], stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        try:
-            url = next(line.split()[2] for line in proc.stdout if line.startswith("explorer on"))
-            result = measure(url, args.hosts, args.loads)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=10)
+        with explorer_process(Path(scratch)) as explorer:
+            result = measure(explorer.url, args.hosts, args.loads)
     result = {"hosts": args.hosts, **result}
     print(json.dumps(result, indent=2))
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")

@@ -8,18 +8,19 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 import time
+import urllib.error
 import urllib.request
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 from playwright.sync_api import Page, expect, sync_playwright
 
 from cumulus_p2p.node.datadir import DataDir
+from cumulus_p2p.testing.explorer import explorer_process
 from cumulus_p2p.testing.nodes import (
     LOOPBACK_LISTEN,
-    node_command,
     start_consumer,
     start_node,
     start_provider,
@@ -27,7 +28,6 @@ from cumulus_p2p.testing.nodes import (
 
 ARTEFACTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "explorer"
 SCRIPT = Path(__file__).parent / "scripts" / "cuda_train.py"
-_URL = re.compile(r"explorer on (http://\S+/)")
 
 
 @pytest.fixture(scope="module")
@@ -50,30 +50,6 @@ def page(browser):
     context.close()
 
 
-class Explorer:
-    """``cumulus-node explore`` on a data directory, in its own process."""
-
-    def __init__(self, data_dir: Path) -> None:
-        self.proc = subprocess.Popen(
-            node_command("explore", "--data-dir", str(data_dir), "--explore-port", "0"),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        for line in self.proc.stdout:
-            match = _URL.search(line)
-            if match:
-                self.url = match.group(1)
-                return
-        raise AssertionError(f"the explorer did not start (exit {self.proc.wait()})")
-
-    def api(self, path: str):
-        with urllib.request.urlopen(self.url + path, timeout=10) as response:
-            return json.loads(response.read())
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=10)
-
-
 def shoot(page: Page, name: str) -> None:
     ARTEFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTEFACTS / f"{name}.png"), full_page=True)
@@ -89,7 +65,7 @@ def row_of(page: Page, table: str, peer: str):
 def test_a_live_mesh_seen_through_the_explorer(tmp_path, page):
     boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
     nodes = [boot]
-    explorers = []
+    explorers = ExitStack()
     try:
         providers = [start_provider(tmp_path / f"p{i}", boot.addr, "--price", price)
                      for i, price in enumerate(("0.3", "0.7"))]  # fmt: skip
@@ -97,8 +73,7 @@ def test_a_live_mesh_seen_through_the_explorer(tmp_path, page):
         for provider in providers:
             provider.wait_for("providing")
         hosts = [provider.state()["peer_id"] for provider in providers]
-        mesh_view = Explorer(tmp_path / "boot")
-        explorers.append(mesh_view)
+        mesh_view = explorers.enter_context(explorer_process(tmp_path / "boot"))
 
         # The order book, open in the browser while the job runs.
         page.goto(mesh_view.url + "book")
@@ -109,8 +84,7 @@ def test_a_live_mesh_seen_through_the_explorer(tmp_path, page):
         leased = json.loads((tmp_path / "consumer" / "state.json").read_text())["leases"][0]
 
         # The consumer has stopped: its explorer shows the last state it wrote.
-        job_view = Explorer(tmp_path / "consumer")
-        explorers.append(job_view)
+        job_view = explorers.enter_context(explorer_process(tmp_path / "consumer"))
         hosts_page = job_view.url
         page.goto(hosts_page)
         for host in hosts:
@@ -144,8 +118,7 @@ def test_a_live_mesh_seen_through_the_explorer(tmp_path, page):
         assert page.evaluate("window.__still_this_page") is True
         shoot(page, "book")
     finally:
-        for explorer in explorers:
-            explorer.stop()
+        explorers.close()
         for node in reversed(nodes):
             node.stop()
 
@@ -173,9 +146,8 @@ def _hostile_state() -> dict:
 @pytest.fixture
 def hostile(tmp_path):
     DataDir(tmp_path).write_state(_hostile_state())
-    explorer = Explorer(tmp_path)
-    yield explorer
-    explorer.stop()
+    with explorer_process(tmp_path) as explorer:
+        yield explorer
 
 
 def assert_inert(page: Page) -> None:
