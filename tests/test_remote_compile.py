@@ -1,4 +1,4 @@
-"""``torch.compile`` of code on cumulus tensors runs that code eagerly, never crashes."""
+"""``torch.compile`` on cumulus: graphs sent once, steps run as graphs, eager where it must."""
 
 from __future__ import annotations
 
@@ -6,9 +6,11 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from cumulus_p2p.remote import compile_fallback
-from cumulus_p2p.testing.models import train
+from cumulus_p2p._errors import RemoteExecutionError
+from cumulus_p2p.remote import compiled
+from cumulus_p2p.testing.models import TinyTransformer, train
 
 
 class _CountingBackend:
@@ -23,25 +25,126 @@ class _CountingBackend:
 
 
 @pytest.fixture
-def fresh_warning(monkeypatch):
-    monkeypatch.setattr(compile_fallback, "_warned", [False])
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(compiled, "_warned", set())
 
 
-def test_compiled_model_on_cumulus_trains_as_the_local_eager_model(cumulus):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        remote, remote_params = train("transformer", "cumulus", steps=3, compiled=True)
-    local, local_params = train("transformer", "cpu", steps=3)
+def _gpt_losses(device: str, *, layers: int = 2, steps: int = 4, on_step=lambda: None):
+    """nanoGPT's training loop in miniature: tied weights, causal sdpa, fused AdamW, clipping."""
+    torch.manual_seed(0)
+    model = TinyTransformer(dropout=0.0, layers=layers).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    forward = torch.compile(model)
+    gen = torch.Generator().manual_seed(2)
+    losses = []
+    for _ in range(steps):
+        idx = torch.randint(0, 64, (8, 16), generator=gen)
+        idx, target = idx.to(device), torch.roll(idx, -1, dims=1).to(device)
+        logits = forward(idx)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        on_step()
+    return losses
+
+
+def test_compiled_gpt_trains_as_the_same_compiled_code_on_a_local_cpu(cumulus):
+    remote = _gpt_losses("cumulus")
+    local = _gpt_losses("cpu")
+    assert remote == pytest.approx(local, abs=1e-5)
+    assert remote[-1] < remote[0]
+
+
+def test_a_compiled_step_sends_its_graphs_once_per_session(cumulus):
+    _gpt_losses("cumulus", steps=3)
+    assert cumulus.graphs_defined == 2  # forward and backward, whatever the step count
+
+
+def test_a_steady_compiled_step_sends_as_many_records_at_any_depth(cumulus):
+    def records_per_step(layers: int) -> list[int]:
+        sent = []
+        _gpt_losses("cumulus", layers=layers, steps=4, on_step=lambda: sent.append(cumulus.ops_sent))
+        return [b - a for a, b in zip(sent[1:], sent[2:])]  # steps 3 and 4: steady
+
+    shallow, deep = records_per_step(1), records_per_step(4)
+    assert shallow[0] == shallow[1] == deep[0] == deep[1]
+
+
+def test_a_new_input_shape_captures_again_and_stays_correct(cumulus):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    inputs = [torch.randn(3, 4), torch.randn(5, 4), torch.randn(3, 4)]
+    expected = [model(x).detach() for x in inputs]
+    fast = torch.compile(model.to("cumulus"))
+    got = [fast(x.to("cumulus")).cpu() for x in inputs]
+    assert all(torch.allclose(g, e, atol=1e-6) for g, e in zip(got, expected, strict=True))
+    assert cumulus.graphs_defined == 2  # a forward graph per shape; no backward ran
+
+
+def test_inference_under_no_grad_sends_the_forward_graph_only(cumulus):
+    model = torch.nn.Linear(4, 2).to("cumulus")
+    fast = torch.compile(model)
+    with torch.no_grad():
+        out = fast(torch.ones(3, 4, device="cumulus"))
+    assert not out.requires_grad
+    assert torch.allclose(out.cpu(), model(torch.ones(3, 4, device="cumulus")).detach().cpu())
+    assert cumulus.graphs_defined == 1
+
+
+def test_gradients_flow_to_compiled_function_arguments(cumulus):
+    def loss_of(w, x):
+        return (torch.tanh(x @ w) ** 2).sum()
+
+    w = torch.randn(4, 3, requires_grad=True)
+    x = torch.randn(5, 4)
+    loss_of(w, x).backward()
+    remote_w = w.detach().to("cumulus").requires_grad_()
+    torch.compile(loss_of)(remote_w, x.to("cumulus")).backward()
+    assert torch.allclose(remote_w.grad.cpu(), w.grad, atol=1e-6)
+
+
+def test_an_error_inside_a_compiled_graph_names_the_failing_op(cumulus):
+    embed = torch.nn.Embedding(10, 4).to("cumulus")
+    fast = torch.compile(embed)
+    with pytest.raises(RemoteExecutionError, match=r"aten\.embedding\.default \(node \d+ of"):
+        fast(torch.tensor([3, 12], device="cumulus")).sum().item()
+    assert fast(torch.tensor([3], device="cumulus")).shape == (1, 4)  # the session carries on
+
+
+def test_data_dependent_code_runs_eagerly_with_one_warning(cumulus, fresh_warnings):
+    def clipped(x):
+        return x * 2 if x.sum() > 0 else x
+
+    fast = torch.compile(clipped)
+    x = torch.arange(4.0, device="cumulus")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert fast(x).tolist() == [0.0, 2.0, 4.0, 6.0]
+        assert fast(x).tolist() == [0.0, 2.0, 4.0, 6.0]
+    messages = [str(w.message) for w in caught if "torch.compile on cumulus" in str(w.message)]
+    assert len(messages) == 1
+    assert "runs eagerly" in messages[0]
+
+
+def test_batchnorm_statistics_make_the_model_run_eagerly_with_the_same_results(
+    cumulus, fresh_warnings
+):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        remote, remote_params = train("cnn", "cumulus", steps=2, compiled=True)
+    local, local_params = train("cnn", "cpu", steps=2)
     assert remote == local
     assert all(torch.equal(remote_params[k], local_params[k]) for k in local_params)
+    assert any("mutates its inputs" in str(w.message) for w in caught)
 
 
 def test_compiled_model_on_cumulus_never_reaches_dynamo(cumulus):
     backend = _CountingBackend()
     model = torch.nn.Linear(4, 2).to("cumulus")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = torch.compile(model, backend=backend)(torch.ones(3, 4, device="cumulus"))
+    out = torch.compile(model, backend=backend)(torch.ones(3, 4, device="cumulus"))
     assert out.shape == (3, 2)
     assert backend.graphs == 0
 
@@ -54,40 +157,24 @@ def test_compiled_cpu_model_is_still_compiled(cumulus):
     assert backend.graphs == 1
 
 
-def test_compiled_function_with_cumulus_arguments_runs_eagerly(cumulus):
+def test_one_compiled_function_serves_cpu_and_cumulus_arguments(cumulus):
     backend = _CountingBackend()
 
     def scaled_sum(a, b):
         return (a * 2 + b).sum()
 
-    compiled = torch.compile(scaled_sum, backend=backend)
+    fast = torch.compile(scaled_sum, backend=backend)
     a, b = torch.arange(4.0), torch.ones(4)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        assert compiled(a.to("cumulus"), b.to("cumulus")).item() == 16.0
+    assert fast(a.to("cumulus"), b.to("cumulus")).item() == 16.0
     assert backend.graphs == 0
-    assert compiled(a, b).item() == 16.0
+    assert fast(a, b).item() == 16.0
     assert backend.graphs == 1
 
 
-def test_decorator_form_falls_back_too(cumulus):
+def test_decorator_form_reaches_cumulus_too(cumulus):
     @torch.compile(dynamic=False)
     def double(x):
         return x * 2
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        assert double(torch.ones(2, device="cumulus")).tolist() == [2.0, 2.0]
-
-
-def test_fallback_warns_once_per_process(cumulus, fresh_warning):
-    model = torch.nn.Linear(4, 2).to("cumulus")
-    first = torch.compile(model, backend=_CountingBackend())
-    second = torch.compile(lambda x: x + 1, backend=_CountingBackend())
-    x = torch.ones(1, 4, device="cumulus")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        first(x)
-        first(x)
-        second(x)
-    assert [str(w.message) for w in caught] == [compile_fallback.EAGER_WARNING]
+    assert double(torch.ones(2, device="cumulus")).tolist() == [2.0, 2.0]
+    assert cumulus.graphs_defined == 1

@@ -115,6 +115,8 @@ class RemoteSession:
         self._blob_bytes = 0
         self._keepalive: list[torch.Tensor] = []
         self._frees: list[int] = []
+        #: ``@graph`` records by graph id: a failover defines them again on the new host.
+        self._graphs: dict[int, list] = {}
         self._seq = 0
         # next() on a count is atomic under the GIL: no lock on the hot path.
         self._handles = itertools.count(1)
@@ -193,6 +195,20 @@ class RemoteSession:
             self._ops.append(record)
             if len(self._ops) >= self._batch_ops or self._blob_bytes >= DEFAULT_BATCH_BYTES:
                 self.flush()
+
+    def define_graph(self, definition: list) -> int:
+        """Queue a compiled graph's definition (``graphs.py``); return its id here."""
+        with self._lock:
+            graph_id = len(self._graphs) + 1
+            record = ["@graph", [graph_id, definition], {}, None]
+            self._graphs[graph_id] = record
+            self.submit(record)
+            return graph_id
+
+    @property
+    def graphs_defined(self) -> int:
+        """Compiled graphs this session has sent (each once)."""
+        return len(self._graphs)
 
     def flush(self, query: list | None = None) -> tuple[Any, list[memoryview]]:
         """Send everything queued; with a ``query``, wait for and return its answer."""
@@ -442,7 +458,9 @@ class RemoteSession:
         for ops, blobs in restore_batches(checkpoint, with_rng=same_rng, budget=budget):
             header = ["batch", seq, ops, [], None, [len(b) for b in blobs]]
             channel.send_frame(encode_frame(header, blobs))
-        channel.send_frame(encode_frame(["batch", seq, [], [], ["sync"], []]))
+        # Graphs live outside the checkpoint: the replay's @run records need them again.
+        graphs = list(self._graphs.values())
+        channel.send_frame(encode_frame(["batch", seq, graphs, [], ["sync"], []]))
         self._read_reply(channel.recv_frame(), seq)
 
     def _replay(

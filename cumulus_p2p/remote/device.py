@@ -9,8 +9,8 @@ autograd then fails on every local CUDA backward. There registration waits for f
 tensors reach ``RemoteTensor.__torch_dispatch__``; ops that *create* tensors from nothing
 (``torch.empty(..., device="cumulus")`` and everything built on it: ``zeros``, ``randn``,
 ``arange``, ``tensor(...)``) have no tensor to dispatch on; their PrivateUse1 kernels sit
-beside ``RemoteTensor`` in ``tensor.py``. ``torch.compile`` of code on cumulus tensors runs
-that code eagerly (``compile_fallback.py``) until compiled steps exist.
+beside ``RemoteTensor`` in ``tensor.py``. ``torch.compile`` of code on cumulus tensors
+captures it into graphs the executor runs (``compiled.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import torch.utils.data._utils.pin_memory as _dataloader_pinning
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
-from . import compile_fallback
+from . import compiled
 from .client import CURRENT, current_session
 
 NAME = "cumulus"
@@ -168,7 +168,7 @@ def register() -> None:
     from . import autocast  # its kernels name this device, so after registering it
 
     _AUTOCAST.extend(autocast.register())
-    compile_fallback.patch_torch_compile(NAME)
+    compiled.patch_torch_compile(NAME)
     _dataloader_pinning.pin_memory = _skip_pinning_for_cumulus(_dataloader_pinning.pin_memory)
     CumulusModule._pending_seed = torch.initial_seed()
 

@@ -37,7 +37,10 @@ outputs of the last ``dyn`` op), ``["stats"]``, ``["checkpoint"]`` (every storag
 length], ...]]`` (storage bytes, as blobs). Besides aten ops, a batch may carry the records
 ``@seed [seed]``, ``@restore [handle, dtype, nbytes, start, bytes]`` (one piece of a
 storage from a checkpoint) and ``@rng [bytes]`` (the generator state), ``bytes`` being an
-inline uint8 tensor; failover (``failover.py``) is built from these.
+inline uint8 tensor; failover (``failover.py``) is built from these. Compiled steps add
+``@graph [graph_id, definition]`` (an aten graph as data, defined once per session) and
+``@run [graph_id, inputs]`` (one call of it; the record's ``outs`` name its outputs'
+handles), described in ``graphs.py``.
 
 An *op* is ``[name, args, kwargs, outs]``: ``name`` an aten overload such as
 ``"aten.add.Tensor"``; ``args``/``kwargs`` plain msgpack values in which tensors, dtypes
@@ -76,6 +79,7 @@ EXT_LAYOUT = 4
 EXT_MEMORY_FORMAT = 5
 EXT_COMPLEX = 6
 EXT_CPU_TENSOR = 7  # a consumer-side tensor shipped by value: dtype, sizes, blob index
+EXT_GRAPH_VALUE = 8  # inside a compiled graph: a graph input or a node's result (graphs.py)
 
 DTYPES: tuple[torch.dtype, ...] = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -92,6 +96,7 @@ MEMORY_FORMATS: tuple[torch.memory_format, ...] = (
 _TENSOR_HEAD = struct.Struct("<qBBq")  # handle, dtype code, ndim, storage offset
 _CPU_HEAD = struct.Struct("<BBI")  # dtype code, ndim, blob index
 _COMPLEX = struct.Struct("<dd")
+_GRAPH_VALUE = struct.Struct("<Bqq")  # kind, index, item
 _U32 = struct.Struct("<I")
 MAX_NDIM = 64
 BLOB_ALIGN = 16
@@ -121,6 +126,18 @@ class CpuTensorRef:
     dtype: torch.dtype
     sizes: tuple[int, ...]
     blob: int
+
+
+class GraphValue(NamedTuple):
+    """A value inside a compiled graph: graph input ``index`` (``kind`` INPUT) or the
+    result of node ``index`` (``kind`` NODE), its element ``item`` when ``item >= 0``."""
+
+    kind: int
+    index: int
+    item: int
+
+    INPUT = 0
+    NODE = 1
 
 
 class DeviceToken:
@@ -179,7 +196,7 @@ def encode_value(obj: Any) -> msgpack.ExtType:
     """msgpack ``default`` hook: the non-msgpack values an aten call can take."""
     if isinstance(obj, torch.dtype):
         return msgpack.ExtType(EXT_DTYPE, bytes((DTYPE_CODE[obj],)))
-    if isinstance(obj, torch.device):
+    if isinstance(obj, (torch.device, DeviceToken)):
         return msgpack.ExtType(EXT_DEVICE, b"")
     if isinstance(obj, torch.layout):
         return msgpack.ExtType(EXT_LAYOUT, bytes((LAYOUTS.index(obj),)))
@@ -193,6 +210,8 @@ def encode_value(obj: Any) -> msgpack.ExtType:
         return msgpack.ExtType(EXT_CPU_TENSOR, head + dims)
     if type(obj) is TensorRef:
         return obj.to_ext()
+    if type(obj) is GraphValue:
+        return msgpack.ExtType(EXT_GRAPH_VALUE, _GRAPH_VALUE.pack(*obj))
     if isinstance(obj, tuple):  # strict packing sends every tuple here: torch.Size, ...
         return list(obj)
     wire = getattr(obj, "_wire", None)  # a RemoteTensor builds its own reference
@@ -225,6 +244,10 @@ def decode_ext(code: int, data: bytes) -> Any:
             raise RemoteProtocolError("inline tensor length does not match its rank")
         sizes = struct.unpack_from(f"<{ndim}q", data, _CPU_HEAD.size)
         return CpuTensorRef(_dtype(dcode), sizes, blob)
+    if code == EXT_GRAPH_VALUE:
+        if len(data) != _GRAPH_VALUE.size:
+            raise RemoteProtocolError("malformed graph value")
+        return GraphValue(*_GRAPH_VALUE.unpack(data))
     raise RemoteProtocolError(f"unknown ext type {code}")
 
 

@@ -35,6 +35,14 @@ from typing import Any
 import torch
 
 from .._errors import RemoteProtocolError
+from .graphs import (
+    MAX_SESSION_GRAPHS,
+    PROGRAMS,
+    GraphError,
+    GraphProgram,
+    NodeFailed,
+    definition_key,
+)
 from .ops import UnknownOpError, resolve_op
 from .protocol import (
     CpuTensorRef,
@@ -60,11 +68,13 @@ _EMPTY_OPS = {"empty.memory_format", "empty_strided.default", "new_empty.default
 
 
 class OpFailed(Exception):  # noqa: N818 - internal carrier, never escapes this module
-    """An op could not run; carries the error to report (type name, message)."""
+    """An op could not run; carries the error to report (type name, message), and the op
+    to name when it is not the record's own (a node inside a compiled graph)."""
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: str, message: str, op: str | None = None) -> None:
         super().__init__(message)
         self.kind = kind
+        self.op = op
 
 
 @dataclass
@@ -159,6 +169,7 @@ class ExecutorSession:
         self._poisoned: dict[int, str] = {}  # handle -> why it has no value
         self._error: tuple[str, str, str] | None = None
         self._dyn_result: Any = None
+        self._graphs: dict[int, tuple[bytes, GraphProgram]] = {}  # graph id -> (key, program)
         self._last_answer: tuple[int, list, Any, Any] | None = None  # seq, query, error, result
         self.last_seq = 0
 
@@ -188,10 +199,13 @@ class ExecutorSession:
             if name in _RECORDS:
                 _RECORDS[name](self, args, blobs)
                 return
+            if name == "@run":
+                self._run_graph(args, outs)
+                return
             self._run_op(name, args, kwargs, outs, blobs)
             self.stats.ops += 1
         except OpFailed as exc:
-            self._fail(record, name, exc.kind, str(exc))
+            self._fail(record, exc.op or name, exc.kind, str(exc))
         except Exception as exc:  # a bug here must cost one op, never the executor
             self._fail(record, name, "InternalError", f"{type(exc).__name__}: {exc}")
 
@@ -219,6 +233,112 @@ class ExecutorSession:
         if not (isinstance(args, list) and len(args) == 1 and type(args[0]) is int):
             raise OpFailed("RemoteProtocolError", "@seed takes one integer")
         self.ctx.generator().manual_seed(args[0] & (2**64 - 1))
+
+    # --- compiled graphs ----------------------------------------------------------------
+
+    def _define_graph(self, args: Any, blobs: list[memoryview]) -> None:
+        """``@graph [graph_id, definition]``: validate a graph (``graphs.py``) and keep it.
+
+        Defining an id again with the same graph is allowed (a failover re-sends them).
+        """
+        if not (isinstance(args, list) and len(args) == 2 and type(args[0]) is int):
+            raise OpFailed("RemoteProtocolError", "@graph takes [graph_id, definition]")
+        graph_id, definition = args
+        known = self._graphs.get(graph_id)
+        if known is None and len(self._graphs) >= MAX_SESSION_GRAPHS:
+            raise OpFailed(
+                "InvalidGraphError", f"a session may define at most {MAX_SESSION_GRAPHS} graphs"
+            )
+        try:
+            program = PROGRAMS.get(definition, self.device)
+        except GraphError as exc:
+            raise OpFailed("InvalidGraphError", f"graph {graph_id}: {exc}") from None
+        key = definition_key(definition, self.device)
+        if known is not None and known[0] != key:
+            raise OpFailed("InvalidGraphError", f"graph {graph_id} is already defined otherwise")
+        self._graphs[graph_id] = (key, program)
+
+    def _run_graph(self, args: Any, outs: Any) -> None:
+        """``@run [graph_id, inputs]``: one call of a defined graph; ``outs`` gives each
+        output's ``[handle, sizes, strides, offset]``, or nil where the client needs no
+        handle (the output is an input, or shares a storage named by another output)."""
+        if not (isinstance(args, list) and len(args) == 2 and isinstance(args[1], list)):
+            raise OpFailed("RemoteProtocolError", "@run takes [graph_id, inputs]")
+        graph_id, refs = args
+        known = self._graphs.get(graph_id) if type(graph_id) is int else None
+        if known is None:
+            raise OpFailed(
+                "InvalidGraphError", f"no graph {graph_id!r} in this session (send @graph first)"
+            )
+        program = known[1]
+        if not isinstance(outs, list) or len(outs) != len(program.outputs):
+            raise OpFailed(
+                "RemoteProtocolError",
+                f"graph {graph_id} has {len(program.outputs)} outputs; the call declared "
+                f"{len(outs) if isinstance(outs, list) else 'none'}",
+            )
+        if not all(type(r) is TensorRef for r in refs):
+            raise OpFailed("RemoteProtocolError", "graph inputs must be tensor references")
+        inputs = [self.tensor(r) for r in refs]
+        self._check_quota(program.factory_bytes)
+        try:
+            results = program.run(inputs)
+        except GraphError as exc:
+            raise OpFailed("InvalidGraphError", f"graph {graph_id}: {exc}") from None
+        except NodeFailed as exc:
+            kind = type(exc.error).__name__
+            if isinstance(exc.error, torch.OutOfMemoryError):
+                kind = "OutOfMemoryError"
+            where = f"{exc.op} (node {exc.index} of compiled graph {graph_id})"
+            raise OpFailed(kind, str(exc.error), op=where) from None
+        self.stats.ops += len(program.nodes)
+        self._register_graph_outputs(results, outs, inputs)
+
+    def _register_graph_outputs(self, results: list, outs: list, inputs: list) -> None:
+        """Register each declared output; outputs sharing a storage share one handle."""
+        counts: dict[Any, int] = {}
+        for spec in outs:
+            if isinstance(spec, list) and spec:
+                counts[spec[0]] = counts.get(spec[0], 0) + 1
+        added: list[int] = []
+        storages: dict[int, int] = {}  # handle -> the storage registered under it
+        try:
+            for index, (value, spec) in enumerate(zip(results, outs, strict=True)):
+                if spec is None:
+                    continue
+                if not isinstance(value, torch.Tensor):
+                    raise OpFailed(
+                        "RemoteProtocolError", f"graph output {index} is not a tensor here"
+                    )
+                handle = spec[0] if isinstance(spec, list) and spec else None
+                if handle in storages:
+                    self._check_shared(index, value, spec, storages[handle])
+                elif counts.get(handle) == 1:
+                    added.append(self._register_declared(value, spec, inputs))
+                else:
+                    self._check_shared(index, value, spec, value.untyped_storage()._cdata)
+                    if _aliases(value, inputs):
+                        raise OpFailed("RuntimeError", f"graph output {index} aliases an input")
+                    self._add(handle, value)
+                    added.append(handle)
+                    storages[handle] = value.untyped_storage()._cdata
+            self._check_quota(0)
+        except OpFailed:
+            for handle in added:
+                self._free(handle)
+            raise
+
+    @staticmethod
+    def _check_shared(index: int, value: torch.Tensor, spec: Any, storage: int) -> None:
+        """An output that shares its storage must be laid out exactly as captured."""
+        expected = list(spec[1:]) if isinstance(spec, list) and len(spec) == 4 else None
+        actual = [list(value.shape), list(value.stride()), value.storage_offset()]
+        if expected != actual or value.untyped_storage()._cdata != storage:
+            raise OpFailed(
+                "RuntimeError",
+                f"graph output {index} came out as {actual} where the capture expected "
+                f"{expected}; run this code without torch.compile",
+            )
 
     # --- restoring from a checkpoint ----------------------------------------------------
 
@@ -617,6 +737,7 @@ class ExecutorSession:
         self._views.clear()
         self._capacity.clear()
         self._poisoned.clear()
+        self._graphs.clear()
         self.stats.bytes_in_use = 0
         self.stats.storages = 0
         self.ctx.forget(self)
@@ -626,6 +747,7 @@ _RECORDS = {
     "@seed": ExecutorSession._seed,
     "@restore": ExecutorSession._restore,
     "@rng": ExecutorSession._set_rng,
+    "@graph": ExecutorSession._define_graph,
 }
 
 

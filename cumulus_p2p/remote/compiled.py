@@ -1,0 +1,379 @@
+"""Compiled steps: ``torch.compile`` of code on cumulus tensors sends each graph once.
+
+Theory of operation
+-------------------
+``device.register()`` routes ``torch.compile`` through ``patch_torch_compile``. A compiled
+module or function whose parameters or arguments are on cumulus is run by a
+``CompiledCode`` instead of dynamo; everything else compiles exactly as before.
+
+On each call, ``CompiledCode`` builds a *guard key* from what decides the graphs: grad
+mode, the module's training flag, every input tensor's dtype, shape, strides, offset and
+``requires_grad``, and the non-tensor arguments. The first call with a key captures the
+code (``capture.py``: AOTAutograd over meta stand-ins) into a forward and a backward aten
+graph. Each graph becomes a ``CompiledGraph``: its wire definition, sent once per session
+as ``@graph``, and an output plan, read from the captured tensors' metadata. A call of
+the graph is then one ``@run`` record: inputs by reference, and a handle for each output
+that needs memory. Outputs that view an input are built on the input's storage; outputs
+sharing a storage share a handle. The executor runs the graph (``graphs.py``).
+
+``_CompiledStep`` is the autograd function between the two: forward runs the forward
+graph and keeps its saved values; backward runs the backward graph on them. A steady
+training step therefore costs two records, whatever the depth of the model.
+
+Code that cannot be captured (data-dependent control flow, ``.item()`` in the forward,
+BatchNorm's in-place statistics, autocast on cumulus, more than ``MAX_CAPTURES``
+signatures) runs eagerly with a one-line warning, and gives the same results.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import operator
+import warnings
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+from .capture import Captured, CaptureError, capture
+from .client import RemoteSession, current_session
+from .ops import op_name
+from .protocol import GraphValue
+from .tensor import RemoteStorage, RemoteTensor
+
+#: Signatures one compiled callable captures before it runs eagerly (dynamo's default).
+MAX_CAPTURES = 8
+
+_warned: set[str] = set()
+
+
+def warn_eager(reason: str) -> None:
+    """Say once per reason why code on cumulus runs eagerly under ``torch.compile``."""
+    if reason not in _warned:
+        _warned.add(reason)
+        message = f"torch.compile on cumulus: {reason}; this code runs eagerly (same results)"
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+# --- graphs on the wire ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Output:
+    """How the client builds one graph output: on an input's storage or a new one."""
+
+    on_input: bool
+    where: int  # the input's index, or the new storage's group
+    dtype: torch.dtype
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int
+    nbytes: int
+    spec_tail: tuple  # sizes, strides, offset as the wire spec lists them
+
+
+class CompiledGraph:
+    """One captured aten graph: its wire definition and how to build its outputs."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        self.definition, inputs, outputs = encode_graph(gm)
+        self.outputs = _output_plan(inputs, outputs)
+        self.groups = len({o.where for o in self.outputs if o is not None and not o.on_input})
+        self.size = len(self.definition[1])
+        self._ids: weakref.WeakKeyDictionary[RemoteSession, int] = weakref.WeakKeyDictionary()
+
+    def call(self, inputs: list[RemoteTensor]) -> list[RemoteTensor | None]:
+        """Queue one run of the graph on the current session; return its outputs."""
+        session = current_session()
+        graph_id = self._ids.get(session)
+        if graph_id is None:
+            graph_id = self._ids[session] = session.define_graph(self.definition)
+        storages: list[RemoteStorage | None] = [None] * self.groups
+        results: list[RemoteTensor | None] = []
+        specs: list[list | None] = []
+        for out in self.outputs:
+            if out is None:
+                results.append(None)
+                specs.append(None)
+                continue
+            if out.on_input:
+                storage, spec = inputs[out.where]._rs, None
+            else:
+                storage = storages[out.where]
+                if storage is None:
+                    handle = session.new_handle()
+                    storage = storages[out.where] = RemoteStorage(session, handle, out.nbytes)
+                spec = [storage.handle, *out.spec_tail]
+            results.append(RemoteTensor(storage, out.dtype, out.sizes, out.strides, out.offset))
+            specs.append(spec)
+        session.submit(["@run", [graph_id, [t._wire() for t in inputs]], {}, specs])
+        return results
+
+
+def encode_graph(gm: torch.fx.GraphModule) -> tuple[list, list, list]:
+    """``gm`` as a wire definition ``[n_inputs, nodes, outputs]`` (see ``graphs.py``), with
+    the captured values of its inputs and outputs.
+
+    Raises:
+        CaptureError: a node is not an aten op, or holds a value a graph cannot carry.
+    """
+    values: dict[torch.fx.Node, GraphValue] = {}
+    nodes: list[list] = []
+    inputs: list = []
+    outputs: list = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            values[node] = GraphValue(GraphValue.INPUT, len(inputs), -1)
+            inputs.append(node.meta.get("val"))
+        elif node.op == "call_function" and node.target is operator.getitem:
+            base = values[node.args[0]]
+            values[node] = GraphValue(base.kind, base.index, node.args[1])
+        elif node.op == "call_function" and _is_aten(node.target):
+            values[node] = GraphValue(GraphValue.NODE, len(nodes), -1)
+            args, kwargs = _encode_value(node.args, values), _encode_value(node.kwargs, values)
+            nodes.append([op_name(node.target), args, kwargs])
+        elif node.op == "output":
+            outputs = list(node.args[0])
+        else:
+            raise CaptureError(f"the graph holds {node.op} {node.target}, not an aten op")
+    wire_outputs = [None if v is None else values[v] for v in outputs]
+    vals = [None if v is None else v.meta.get("val") for v in outputs]
+    return [len(inputs), nodes, wire_outputs], inputs, vals
+
+
+def _is_aten(target: Any) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and target.namespace == "aten"
+
+
+def _encode_value(value: Any, values: dict) -> Any:
+    if isinstance(value, torch.fx.Node):
+        return values[value]
+    if isinstance(value, (list, tuple)):
+        return [_encode_value(v, values) for v in value]
+    if isinstance(value, dict):
+        return {k: _encode_value(v, values) for k, v in value.items()}
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, torch.Tensor)):
+        raise CaptureError(f"the graph holds a {type(value).__name__} constant")
+    return value
+
+
+def _output_plan(inputs: list, outputs: list) -> list[_Output | None]:
+    """Where each output's storage comes from: an input's, or a new one per group."""
+    by_storage = {_storage(v): i for i, v in enumerate(inputs) if isinstance(v, torch.Tensor)}
+    groups: dict[Any, int] = {}
+    plan: list[_Output | None] = []
+    for value in outputs:
+        if value is None:
+            plan.append(None)
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise CaptureError(f"the graph returns a {type(value).__name__}, not a tensor")
+        key = _storage(value)
+        on_input = key in by_storage
+        where = by_storage[key] if on_input else groups.setdefault(key, len(groups))
+        sizes, strides = tuple(value.shape), tuple(value.stride())
+        offset = value.storage_offset()
+        nbytes = value.untyped_storage().nbytes()
+        tail = (list(sizes), list(strides), offset)
+        plan.append(_Output(on_input, where, value.dtype, sizes, strides, offset, nbytes, tail))
+    return plan
+
+
+def _storage(value: torch.Tensor) -> StorageWeakRef:
+    return StorageWeakRef(value.untyped_storage())
+
+
+# --- the step -------------------------------------------------------------------------
+
+
+class _Step:
+    """A captured signature: its graphs and what the function's outputs look like."""
+
+    def __init__(self, captured: Captured, out_spec: Any, constants: dict) -> None:
+        self.forward = CompiledGraph(captured.forward)
+        self.backward = None if captured.backward is None else CompiledGraph(captured.backward)
+        self.n_outputs = captured.n_outputs
+        self.differentiable = captured.differentiable
+        self.out_spec = out_spec
+        self.constants = constants  # output leaves that are not tensors, by position
+
+    def run(self, inputs: list[RemoteTensor]) -> tuple:
+        if self.backward is None:
+            return tuple(self.forward.call(inputs)[: self.n_outputs])
+        return _CompiledStep.apply(self, *inputs)
+
+
+class _CompiledStep(torch.autograd.Function):
+    """Forward graph on the way in, backward graph on the way back."""
+
+    @staticmethod
+    def forward(ctx, step: _Step, *inputs: RemoteTensor):  # noqa: D102
+        outputs = step.forward.call(list(inputs))
+        n = step.n_outputs
+        ctx.step = step
+        # The saved values are the graph's own outputs, kept here rather than through
+        # save_for_backward (which takes inputs and outputs only); freed after backward.
+        ctx.saved = outputs[n:]
+        fixed = [o for o, d in zip(outputs[:n], step.differentiable, strict=True) if not d]
+        ctx.mark_non_differentiable(*fixed)
+        return tuple(outputs[:n])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):  # noqa: D102
+        step, saved = ctx.step, ctx.saved
+        if saved is None:
+            raise RuntimeError(
+                "a compiled step on cumulus was differentiated twice (retain_graph): its "
+                "saved values are gone; call this code without torch.compile"
+            )
+        ctx.saved = None
+        tangents = [g for g, d in zip(grads, step.differentiable, strict=True) if d]
+        return (None, *step.backward.call([*saved, *tangents]))
+
+
+class CompiledCode:
+    """What ``torch.compile`` returns for code on cumulus: captures per guard key, runs
+    the step's graphs, or the eager code when capture is not possible."""
+
+    def __init__(self, fn: Callable, module: torch.nn.Module | None, device_type: str) -> None:
+        self.fn = fn
+        self.module = module
+        self.device_type = device_type
+        self._steps: dict[tuple, _Step | str] = {}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_autocast_enabled(self.device_type):
+            warn_eager("autocast regions are not captured yet")
+            return self.fn(*args, **kwargs)
+        names, state = self._state()
+        leaves, in_spec = tree_flatten((args, kwargs))
+        tensors = [*state, *(x for x in leaves if isinstance(x, torch.Tensor))]
+        if not all(type(t) is RemoteTensor for t in tensors):
+            return self.fn(*args, **kwargs)  # mixed devices: the eager code raises as usual
+        try:
+            key = self._key(leaves, tensors)
+        except TypeError:
+            warn_eager("an argument is neither a tensor nor hashable")
+            return self.fn(*args, **kwargs)
+        step = self._steps.get(key)
+        if step is None:
+            step = self._capture(key, names, leaves, in_spec, tensors)
+        if isinstance(step, str):
+            warn_eager(step)
+            return self.fn(*args, **kwargs)
+        return _assemble(step, step.run(tensors))
+
+    def _state(self) -> tuple[list[str], list[torch.Tensor]]:
+        if self.module is None:
+            return [], []
+        named = [*self.module.named_parameters(), *self.module.named_buffers()]
+        return [n for n, _ in named], [t for _, t in named]
+
+    def _key(self, leaves: list, tensors: list) -> tuple:
+        training = self.module.training if self.module is not None else None
+        statics = tuple(x for x in leaves if not isinstance(x, torch.Tensor))
+        hash(statics)
+        layout = tuple((t._sig, t.requires_grad) for t in tensors)
+        return (torch.is_grad_enabled(), training, statics, layout)
+
+    def _capture(self, key: tuple, names: list[str], leaves: list, in_spec, tensors) -> _Step | str:
+        if len(self._steps) >= MAX_CAPTURES:
+            return f"more than {MAX_CAPTURES} input signatures (shapes, dtypes, modes)"
+        outputs: dict[str, Any] = {}
+        functional = self._functional(names, leaves, in_spec, outputs)
+        try:
+            captured = capture(functional, tensors)
+            step: _Step | str = _Step(captured, outputs["spec"], outputs["constants"])
+        except CaptureError as exc:
+            step = str(exc)
+        self._steps[key] = step
+        return step
+
+    def _functional(self, names: list[str], leaves: list, in_spec, outputs: dict) -> Callable:
+        """The code as a function of its input tensors alone, returning a tuple of tensors."""
+        n_state = len(names)
+        positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+
+        def functional(*tensors: torch.Tensor) -> tuple:
+            filled = list(leaves)
+            for i, t in zip(positions, tensors[n_state:], strict=True):
+                filled[i] = t
+            args, kwargs = tree_unflatten(filled, in_spec)
+            if self.module is None:
+                result = self.fn(*args, **kwargs)
+            else:
+                state = dict(zip(names, tensors[:n_state], strict=True))
+                result = torch.func.functional_call(self.module, state, args, kwargs)
+            out_leaves, outputs["spec"] = tree_flatten(result)
+            outputs["constants"] = {
+                i: x for i, x in enumerate(out_leaves) if not isinstance(x, torch.Tensor)
+            }
+            return tuple(x for x in out_leaves if isinstance(x, torch.Tensor))
+
+        return functional
+
+
+def _assemble(step: _Step, tensors: tuple) -> Any:
+    it = iter(tensors)
+    count = len(tensors) + len(step.constants)
+    leaves = [step.constants[i] if i in step.constants else next(it) for i in range(count)]
+    return tree_unflatten(leaves, step.out_spec)
+
+
+# --- routing torch.compile ------------------------------------------------------------
+
+
+def patch_torch_compile(device_type: str) -> None:
+    """Route ``torch.compile`` calls whose code runs on ``device_type`` to ``CompiledCode``."""
+    original = torch.compile
+    if getattr(original, "_cumulus_patched", False):
+        return
+
+    @functools.wraps(original)
+    def compile_for_cumulus(model: Any = None, **options: Any) -> Any:
+        if model is None:  # the decorator form: @torch.compile(mode=...)
+            return lambda fn: compile_for_cumulus(fn, **options)
+        compiled = original(model, **options)
+        if isinstance(model, torch.nn.Module):
+            # OptimizedModule calls its ``forward`` attribute, the dynamo-wrapped
+            # ``model.__call__``; on cumulus the module is called through CompiledCode.
+            remote = CompiledCode(model, model, device_type)
+            compiled.forward = _route(device_type, compiled.forward, remote, model)
+            return compiled
+        return _route(device_type, compiled, CompiledCode(model, None, device_type), None)
+
+    compile_for_cumulus._cumulus_patched = True  # type: ignore[attr-defined]
+    torch.compile = compile_for_cumulus
+
+
+def _route(
+    device_type: str, compiled: Callable, remote: CompiledCode, module: torch.nn.Module | None
+) -> Callable:
+    @functools.wraps(remote.fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if _module_on(device_type, module) or _arguments_on(device_type, args, kwargs):
+            return remote(*args, **kwargs)
+        return compiled(*args, **kwargs)
+
+    return call
+
+
+def _module_on(device_type: str, module: torch.nn.Module | None) -> bool:
+    if module is None:
+        return False
+    # A model lives on one device; its first parameter (or buffer) says which.
+    first = next(itertools.chain(module.parameters(), module.buffers()), None)
+    return first is not None and first.device.type == device_type
+
+
+def _arguments_on(device_type: str, args: tuple, kwargs: dict) -> bool:
+    return any(
+        isinstance(leaf, torch.Tensor) and leaf.device.type == device_type
+        for leaf in tree_leaves((args, kwargs))
+    )

@@ -1,0 +1,270 @@
+"""Compiled graphs on the executor: an aten graph sent once as data, then run by id.
+
+Theory of operation
+-------------------
+A compiled step (``compiled.py``) sends each graph it captured once per session, as the
+record ``@graph [graph_id, definition]``, and then calls it with one record per call,
+``@run [graph_id, inputs]``, whose ``outs`` name the handles of its outputs. A definition
+is plain data, never code::
+
+    [n_inputs, nodes, outputs]
+    node    = [op_name, args, kwargs]
+    outputs = [value or nil, ...]
+
+Node arguments are the values a single op's arguments may be (numbers, strings, lists,
+dtypes, devices...) plus ``GraphValue`` references to a graph input or to an *earlier*
+node's result. A node can only look back, so a graph cannot be cyclic; a stored tensor
+(a handle) cannot appear inside a graph at all, only among a call's inputs, where the
+session checks it like any other reference.
+
+``build_program`` validates a definition with the rules single ops follow (``resolve_op``:
+aten only, the blocklist) plus what graphs need: no op that writes to its arguments, a
+bounded size, references in range. The result, a ``GraphProgram``, runs the nodes in a
+tight loop: ops resolved and argument templates built once, nothing decoded per call.
+Programs are pure functions of their definition, so executors share them between
+sessions through a bounded cache keyed by content hash (``ProgramCache``).
+
+This module does no I/O and keeps no session state: ``session.py`` owns the handles.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+
+from .ops import UnknownOpError, resolve_op
+from .protocol import DeviceToken, GraphValue, encode_value
+
+#: Most nodes one graph may have: a 12-layer GPT's backward has a few thousand.
+MAX_GRAPH_NODES = 50_000
+#: Most graphs one session may define, and programs an executor keeps built.
+MAX_SESSION_GRAPHS = 256
+MAX_CACHED_PROGRAMS = 512
+#: Factory ops whose constant sizes a program adds up, to check against the quota first.
+_FACTORIES = {
+    "aten::empty", "aten::empty_strided", "aten::zeros", "aten::ones", "aten::full",
+    "aten::new_empty", "aten::new_zeros", "aten::new_ones", "aten::new_full",
+    "aten::new_empty_strided",
+}  # fmt: skip
+_PLAIN = (bool, int, float, str, complex, type(None), torch.dtype, torch.layout,
+          torch.memory_format)  # fmt: skip
+
+
+class GraphError(Exception):
+    """A definition or a call that breaks the rules; the message says which rule."""
+
+
+class NodeFailed(Exception):
+    """A node raised while running; carries its op name and position for the error."""
+
+    def __init__(self, op: str, index: int, error: Exception) -> None:
+        super().__init__(str(error))
+        self.op = op
+        self.index = index
+        self.error = error
+
+
+@dataclass(frozen=True, slots=True)
+class _Node:
+    op: torch._ops.OpOverload
+    name: str
+    args: tuple
+    kwargs: dict
+    #: Whether any argument is a reference (otherwise the templates are passed as is).
+    fills: bool
+
+
+@dataclass(frozen=True, slots=True)
+class GraphProgram:
+    """A validated graph, ready to run on the device it was built for."""
+
+    n_inputs: int
+    nodes: tuple[_Node, ...]
+    outputs: tuple[GraphValue | None, ...]
+    #: Bytes the graph's constant-size factory ops allocate (checked against the quota).
+    factory_bytes: int
+
+    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """Run every node in order; return the graph's outputs.
+
+        Raises:
+            GraphError: the call passed the wrong number of inputs.
+            NodeFailed: a node raised (its op name and index say which).
+        """
+        if len(inputs) != self.n_inputs:
+            raise GraphError(f"the graph takes {self.n_inputs} inputs, the call passed {len(inputs)}")
+        results: list[Any] = []
+        for index, node in enumerate(self.nodes):
+            try:
+                if node.fills:
+                    args = _fill(node.args, inputs, results)
+                    kwargs = {k: _fill(v, inputs, results) for k, v in node.kwargs.items()}
+                    results.append(node.op(*args, **kwargs))
+                else:
+                    results.append(node.op(*node.args, **node.kwargs))
+            except Exception as exc:  # any torch failure is this node's, reported as such
+                raise NodeFailed(node.name, index, exc) from None
+        return [None if v is None else _lookup(v, inputs, results) for v in self.outputs]
+
+
+def _lookup(ref: GraphValue, inputs: list, results: list) -> Any:
+    value = inputs[ref.index] if ref.kind == GraphValue.INPUT else results[ref.index]
+    return value if ref.item < 0 else value[ref.item]
+
+
+def _fill(value: Any, inputs: list, results: list) -> Any:
+    if type(value) is GraphValue:
+        return _lookup(value, inputs, results)
+    if type(value) is tuple:  # templates hold lists as tuples: only those need a walk
+        return [_fill(v, inputs, results) for v in value]
+    return value
+
+
+def definition_key(definition: Any, device: torch.device) -> bytes:
+    """The content hash a program is cached under (the device is part of it)."""
+    packed = msgpack.packb(definition, default=encode_value, use_bin_type=True, strict_types=True)
+    return hashlib.sha256(str(device).encode() + b"\0" + packed).digest()
+
+
+def build_program(definition: Any, device: torch.device) -> GraphProgram:
+    """Validate ``definition`` and prepare it to run on ``device``.
+
+    Raises:
+        GraphError: the definition is malformed, too big, names an op that is unknown,
+            blocked or writes to its arguments, or references a value out of range.
+    """
+    if not (isinstance(definition, list) and len(definition) == 3):
+        raise GraphError("a graph definition is [n_inputs, nodes, outputs]")
+    n_inputs, nodes, outputs = definition
+    if type(n_inputs) is not int or not 0 <= n_inputs <= MAX_GRAPH_NODES:
+        raise GraphError("n_inputs must be a small non-negative integer")
+    if not isinstance(nodes, list) or not isinstance(outputs, list):
+        raise GraphError("nodes and outputs must be arrays")
+    if len(nodes) > MAX_GRAPH_NODES:
+        raise GraphError(f"a graph may have at most {MAX_GRAPH_NODES} nodes, not {len(nodes)}")
+    checker = _Checker(n_inputs, device)
+    built = tuple(checker.node(i, node) for i, node in enumerate(nodes))
+    checker.available = len(built)
+    outs = tuple(None if v is None else checker.reference(v, "output") for v in outputs)
+    return GraphProgram(n_inputs, built, outs, checker.factory_bytes)
+
+
+class _Checker:
+    """Validates nodes in order; ``available`` is how many node results exist so far."""
+
+    def __init__(self, n_inputs: int, device: torch.device) -> None:
+        self.n_inputs = n_inputs
+        self.device = device
+        self.available = 0
+        self.factory_bytes = 0
+
+    def node(self, index: int, node: Any) -> _Node:
+        if not (isinstance(node, list) and len(node) == 3):
+            raise GraphError(f"node {index} is not [op_name, args, kwargs]")
+        name, args, kwargs = node
+        try:
+            op = resolve_op(name)
+        except UnknownOpError as exc:
+            raise GraphError(f"node {index}: {exc}") from None
+        if op._schema.is_mutable:
+            raise GraphError(f"node {index}: {name} writes to its arguments; graphs are functional")
+        if not isinstance(args, list) or not isinstance(kwargs, dict):
+            raise GraphError(f"node {index}: arguments must be an array and a map")
+        self.available = index
+        where = f"node {index} ({name})"
+        template = tuple(self.value(a, where) for a in args)
+        kw_template = {str(k): self.value(v, where) for k, v in kwargs.items()}
+        if op._schema.name in _FACTORIES:
+            self.factory_bytes += _factory_bytes(op, template, kw_template)
+        fills = _has_reference(template) or _has_reference(tuple(kw_template.values()))
+        return _Node(op, name, template, kw_template, fills)
+
+    def value(self, value: Any, where: str) -> Any:
+        if type(value) is GraphValue:
+            return self.reference(value, where)
+        if type(value) is list:
+            return tuple(self.value(v, where) for v in value)
+        if isinstance(value, DeviceToken):
+            return self.device
+        if isinstance(value, _PLAIN):
+            return value
+        raise GraphError(
+            f"{where}: a graph may not hold a {type(value).__name__}; stored tensors are "
+            "passed to a graph as its inputs"
+        )
+
+    def reference(self, ref: Any, where: str) -> GraphValue:
+        if type(ref) is not GraphValue:
+            raise GraphError(f"{where}: outputs must be graph values")
+        if ref.kind == GraphValue.INPUT:
+            limit, what = self.n_inputs, "input"
+        elif ref.kind == GraphValue.NODE:
+            limit, what = self.available, "earlier node"
+        else:
+            raise GraphError(f"{where}: unknown graph value kind {ref.kind}")
+        if not 0 <= ref.index < limit:
+            raise GraphError(
+                f"{where}: references {what} {ref.index}, but only {limit} exist there "
+                "(a graph can only use its inputs and earlier nodes)"
+            )
+        if ref.item < -1:
+            raise GraphError(f"{where}: negative item index")
+        return ref
+
+
+def _has_reference(template: tuple) -> bool:
+    return any(type(v) is GraphValue or (type(v) is tuple and _has_reference(v)) for v in template)
+
+
+def _factory_bytes(op, args: tuple, kwargs: dict) -> int:
+    """Bytes a factory node allocates when its size is constant (0 when it is not)."""
+    sizes = args[1] if op._schema.name.startswith("aten::new_") else args[0] if args else None
+    if not (type(sizes) is tuple and all(type(s) is int for s in sizes)):
+        return 0
+    if any(s < 0 for s in sizes):
+        raise GraphError(f"{op._schema.name}: negative dimension in a size")
+    dtype = kwargs.get("dtype")
+    itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else 8
+    count = 1
+    for s in sizes:
+        count *= s
+    return count * itemsize
+
+
+class ProgramCache:
+    """Built programs by content hash, least recently used first out."""
+
+    def __init__(self, capacity: int = MAX_CACHED_PROGRAMS) -> None:
+        self.capacity = capacity
+        self._programs: OrderedDict[bytes, GraphProgram] = OrderedDict()
+        self.builds = 0
+
+    def get(self, definition: Any, device: torch.device) -> GraphProgram:
+        """The program for ``definition``, built (and validated) only on first sight.
+
+        Raises:
+            GraphError: as ``build_program``.
+        """
+        try:
+            key = definition_key(definition, device)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise GraphError(f"a graph definition holds an unencodable value: {exc}") from None
+        program = self._programs.get(key)
+        if program is None:
+            program = build_program(definition, device)
+            self.builds += 1
+            self._programs[key] = program
+            if len(self._programs) > self.capacity:
+                self._programs.popitem(last=False)
+        else:
+            self._programs.move_to_end(key)
+        return program
+
+
+#: One cache per executor process: programs are shared by its sessions (and workers).
+PROGRAMS = ProgramCache()
