@@ -65,9 +65,11 @@ def test_a_compiled_step_sends_its_graphs_once_per_session(cumulus):
 
 def test_a_steady_compiled_step_sends_as_many_records_at_any_depth(cumulus):
     def records_per_step(layers: int) -> list[int]:
-        sent = []
-        _gpt_losses("cumulus", layers=layers, steps=4, on_step=lambda: sent.append(cumulus.ops_sent))
-        return [b - a for a, b in zip(sent[1:], sent[2:])]  # steps 3 and 4: steady
+        sent: list[int] = []
+        _gpt_losses(
+            "cumulus", layers=layers, steps=4, on_step=lambda: sent.append(cumulus.ops_sent)
+        )
+        return [sent[2] - sent[1], sent[3] - sent[2]]  # steps 3 and 4: steady
 
     shallow, deep = records_per_step(1), records_per_step(4)
     assert shallow[0] == shallow[1] == deep[0] == deep[1]

@@ -97,7 +97,7 @@ class GraphProgram:
             NodeFailed: a node raised (its op name and index say which).
         """
         if len(inputs) != self.n_inputs:
-            raise GraphError(f"the graph takes {self.n_inputs} inputs, the call passed {len(inputs)}")
+            raise GraphError(f"the graph takes {self.n_inputs} inputs, not {len(inputs)}")
         results: list[Any] = []
         for index, node in enumerate(self.nodes):
             try:
