@@ -17,7 +17,13 @@ import torch
 import cumulus_p2p.remote as remote
 from cumulus_p2p._errors import RemoteExecutionError
 from cumulus_p2p.remote.client import RemoteSession
-from cumulus_p2p.remote.protocol import PROTOCOL_VERSION, TensorRef, decode_frame, encode_frame
+from cumulus_p2p.remote.protocol import (
+    PROTOCOL_VERSION,
+    GraphValue,
+    TensorRef,
+    decode_frame,
+    encode_frame,
+)
 from cumulus_p2p.remote.transport import SocketFrameChannel
 
 
@@ -294,4 +300,118 @@ def test_msgpack_bombs_are_rejected_cheaply(executor_address, honest):
     sock.sendall(struct.pack(">I", len(body)) + body)
     assert "blob lengths" in read_fatal(sock)
     sock.close()
+    assert honest_ok(honest)
+
+
+# --- compiled graphs (``@graph`` / ``@run``, graphs.py) --------------------------------
+
+
+def _input(i: int) -> GraphValue:
+    return GraphValue(GraphValue.INPUT, i, -1)
+
+
+def _node(i: int) -> GraphValue:
+    return GraphValue(GraphValue.NODE, i, -1)
+
+
+#: ``neg(x) * 2``: one input, two nodes, one output.
+_GOOD_GRAPH = [
+    1,
+    [["aten.neg.default", [_input(0)], {}], ["aten.mul.Tensor", [_node(0), 2], {}]],
+    [_node(1)],
+]
+
+
+def _with_tensor(session: RemoteSession) -> TensorRef:
+    session.submit(["aten.empty_strided.default", [[4], [1]], {}, [[1, [4], [1], 0]]])
+    return TensorRef(1, torch.float32, 0, (4,), (1,))
+
+
+def test_a_good_graph_runs_after_a_bad_one_in_the_same_session(executor_address, honest):
+    attacker = second_session(executor_address)
+    bad = [1, [["aten.neg.default", [_node(0)], {}]], [_node(0)]]  # refers to itself
+    _fails_with(attacker, ["@graph", [1, bad], {}, None], "InvalidGraphError")
+    x = _with_tensor(attacker)
+    attacker.submit(["@graph", [2, _GOOD_GRAPH], {}, None])
+    attacker.submit(["@run", [2, [x]], {}, [[2, [4], [1], 0]]])
+    attacker.synchronize()
+    assert honest_ok(honest)
+
+
+@pytest.mark.parametrize(
+    ("nodes", "why"),
+    [
+        ([["aten.from_file.default", ["/etc/passwd"], {}]], "not allowed"),
+        ([["os.system.default", ["true"], {}]], "not an aten op"),
+        ([["aten.add_.Tensor", [_input(0), 1], {}]], "writes to its arguments"),
+        ([["aten.neg.default", [_node(1)], {}], ["aten.neg.default", [_node(0)], {}]], "earlier"),
+        ([["aten.neg.default", [_input(3)], {}]], "input 3"),
+        ([["aten.neg.default"]], "not [op_name, args, kwargs]"),
+        ([["aten.neg.default", [GraphValue(7, 0, -1)], {}]], "kind 7"),
+    ],
+    ids=["blocked", "outside-aten", "in-place", "cyclic", "input-range", "short-node", "kind"],
+)
+def test_a_bad_graph_is_refused_for_that_session_only(executor_address, honest, nodes, why):
+    attacker = second_session(executor_address)
+    err = _fails_with(
+        attacker, ["@graph", [1, [1, nodes, [_node(0)]]], {}, None], "InvalidGraphError"
+    )
+    assert why in str(err)
+    assert honest_ok(honest)
+
+
+def test_a_graph_may_not_name_a_stored_tensor_of_any_session(executor_address, honest):
+    attacker = second_session(executor_address)
+    honest_handle = TensorRef(1, torch.float32, 0, (10,), (1,))
+    graph = [0, [["aten.neg.default", [honest_handle], {}]], [_node(0)]]
+    err = _fails_with(attacker, ["@graph", [1, graph], {}, None], "InvalidGraphError")
+    assert "passed to a graph as its inputs" in str(err)
+    assert honest_ok(honest)
+
+
+def test_a_graph_call_cannot_take_another_sessions_tensor(executor_address, honest):
+    attacker = second_session(executor_address)
+    attacker.submit(["@graph", [1, _GOOD_GRAPH], {}, None])
+    honest_handle = TensorRef(1, torch.float32, 0, (10,), (1,))
+    record = ["@run", [1, [honest_handle]], {}, [[5, [10], [1], 0]]]
+    err = _fails_with(attacker, record, "InvalidHandleError")
+    assert "no tensor with handle 1" in str(err)
+    assert honest_ok(honest)
+
+
+def test_a_huge_graph_is_refused_before_it_is_built(executor_address, honest):
+    attacker = second_session(executor_address)
+    nodes = [["aten.neg.default", [_input(0)], {}]] * 50_001
+    err = _fails_with(
+        attacker, ["@graph", [1, [1, nodes, [_node(0)]]], {}, None], "InvalidGraphError"
+    )
+    assert "at most 50000 nodes" in str(err)
+    assert honest_ok(honest)
+
+
+def test_a_graph_id_never_sent_is_an_error(executor_address, honest):
+    attacker = second_session(executor_address)
+    x = _with_tensor(attacker)
+    err = _fails_with(attacker, ["@run", [9, [x]], {}, [[2, [4], [1], 0]]], "InvalidGraphError")
+    assert "no graph 9" in str(err)
+    assert honest_ok(honest)
+
+
+def test_redefining_a_graph_id_with_another_graph_is_refused(executor_address, honest):
+    attacker = second_session(executor_address)
+    attacker.submit(["@graph", [1, _GOOD_GRAPH], {}, None])
+    attacker.submit(["@graph", [1, _GOOD_GRAPH], {}, None])  # the same again: a failover does
+    attacker.synchronize()
+    other = [1, [["aten.neg.default", [_input(0)], {}]], [_node(0)]]
+    err = _fails_with(attacker, ["@graph", [1, other], {}, None], "InvalidGraphError")
+    assert "already defined" in str(err)
+    assert honest_ok(honest)
+
+
+def test_a_graph_run_with_the_wrong_output_count_is_refused(executor_address, honest):
+    attacker = second_session(executor_address)
+    x = _with_tensor(attacker)
+    attacker.submit(["@graph", [1, _GOOD_GRAPH], {}, None])
+    err = _fails_with(attacker, ["@run", [1, [x]], {}, []], "RemoteProtocolError")
+    assert "1 outputs" in str(err)
     assert honest_ok(honest)

@@ -8,8 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import cumulus_p2p.remote as remote_device
 from cumulus_p2p._errors import RemoteExecutionError
 from cumulus_p2p.remote import compiled
+from cumulus_p2p.remote.transport import SocketFrameChannel
+from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.testing.models import TinyTransformer, train
 
 
@@ -56,6 +59,30 @@ def test_compiled_gpt_trains_as_the_same_compiled_code_on_a_local_cpu(cumulus):
     local = _gpt_losses("cpu")
     assert remote == pytest.approx(local, abs=1e-5)
     assert remote[-1] < remote[0]
+
+
+def _dial(address: str):
+    host, port = address.split(":")
+    return lambda: SocketFrameChannel.connect(host, int(port))
+
+
+@pytest.mark.parametrize(
+    "interval", [None, 0.0], ids=["replay_from_start", "checkpoint_every_sync"]
+)
+def test_a_compiled_run_whose_host_is_killed_finishes_on_another_host(executor_address, interval):
+    with remote_device.attach(executor_address):
+        uninterrupted = _gpt_losses("cumulus", steps=5)
+    with (
+        executor_process(quota="2GiB") as (doomed, proc),
+        executor_process(quota="2GiB") as (standby, _),
+        remote_device.attach(
+            channel=_dial(doomed)(), reconnect=_dial(standby), checkpoint_interval=interval
+        ) as session,
+    ):
+        steps = iter(range(5))
+        losses = _gpt_losses("cumulus", steps=5, on_step=lambda: next(steps) == 2 and proc.kill())
+        assert session.failovers == 1
+    assert losses == uninterrupted
 
 
 def test_a_compiled_step_sends_its_graphs_once_per_session(cumulus):
