@@ -5,11 +5,12 @@ Each workload (``cumulus_p2p.testing.models.WORKLOADS``) trains with a plain
 process over loopback. Prints one JSON object and writes ``benchmarks/results/step.json``::
 
     python benchmarks/step_bench.py [--quick] [--device cpu|cuda] [--workloads a,b]
-                                    [--isolation shared|worker]
+                                    [--isolation shared|worker] [--compile]
 
 Per workload:
 
 - ``<name>_ops_per_step``: ops the executor ran per step (views never leave the client);
+- ``<name>_records_per_step``: records the client sent per step (an op, or a graph call);
 - ``<name>_client_ms``: time to build a step (zero_grad, forward, backward, ``opt.step()``)
   before its final sync; ``<name>_client_us_per_op`` is that over the ops;
 - ``<name>_dispatches_per_step``: aten ops the client's ``__torch_dispatch__`` saw in a
@@ -23,6 +24,10 @@ Per workload:
 With ``--device cuda`` the executor runs on CUDA and native CUDA is timed in a separate
 process that never imports ``cumulus_p2p.remote``: ``<name>_native_cuda_ms``,
 ``<name>_remote_ms`` and ``<name>_cuda_ratio``.
+
+``--compile`` also trains each workload with ``torch.compile(model)`` (issue 13), locally
+too, and adds the same keys with ``compiled_`` after the name: ``<name>_compiled_client_ms``,
+``<name>_compiled_step_ratio`` (remote compiled over local compiled, inductor on the CPU)...
 
 ``--isolation worker`` runs the session in a worker process of its own behind the
 executor's supervisor (issue 12), to compare with ``shared`` (every session in the
@@ -49,12 +54,13 @@ CPU_WORKLOADS = ["mlp_tiny", "transformer_tiny", "transformer_bench", "gpt"]
 CUDA_WORKLOADS = [*CPU_WORKLOADS, "gpt_large"]
 
 
-def trainer(name: str, device: str):
+def trainer(name: str, device: str, compiled: bool = False):
     """One step of workload ``name`` on ``device`` per call: returns (build_s, step_s)."""
     spec = WORKLOADS[name]
     torch.manual_seed(0)
     model = spec.make_model().to(device)
     opt = torch.optim.Adam(model.parameters())
+    forward = torch.compile(model) if compiled else model
     gen = torch.Generator().manual_seed(0)
     batches = [tuple(t.to(device) for t in spec.make_batch(gen)) for _ in range(2)]
     count = iter(range(1 << 62))
@@ -63,7 +69,7 @@ def trainer(name: str, device: str):
         x, y = batches[next(count) % len(batches)]
         t0 = time.perf_counter()
         opt.zero_grad()
-        loss = spec.loss(model(x), y)
+        loss = spec.loss(forward(x), y)
         loss.backward()
         opt.step()
         t1 = time.perf_counter()
@@ -108,21 +114,21 @@ def counting_dispatches() -> Iterator[list[int]]:
         RemoteTensor.__torch_dispatch__ = classmethod(dispatch)
 
 
-def measure(name: str, steps: int, device: str) -> dict:
+def measure(name: str, steps: int, device: str, compiled: bool = False) -> dict:
     """Time ``name`` through the attached session (and locally on CPU, alternating)."""
     from cumulus_p2p.remote import current_session
     from cumulus_p2p.remote.tensor import plan_count
 
     session = current_session()
-    far = trainer(name, "cumulus")
-    local = trainer(name, "cpu") if device == "cpu" else None
+    far = trainer(name, "cumulus", compiled)
+    local = trainer(name, "cpu", compiled) if device == "cpu" else None
     for _ in range(3):  # the first steps build plans and optimizer state
         far()
         if local is not None:
             local()
     with counting_dispatches() as dispatches:
         far()
-    before, plans = session.stats(), plan_count()
+    before, plans, records = session.stats(), plan_count(), session.ops_sent
     builds, remote_steps, local_steps = [], [], []
     for _ in range(steps):
         build, total = far()
@@ -131,11 +137,13 @@ def measure(name: str, steps: int, device: str) -> dict:
         if local is not None:
             local_steps.append(local()[1])
     plans = plan_count() - plans
+    records = (session.ops_sent - records) / steps
     after = session.stats()
     ops = (after["ops"] - before["ops"]) / steps
     client_ms = statistics.median(builds) * 1e3
     out = {
         "ops_per_step": round(ops),
+        "records_per_step": round(records),
         "client_ms": round(client_ms, 2),
         "client_us_per_op": round(client_ms * 1e3 / ops, 1),
         "dispatches_per_step": dispatches[0],
@@ -147,7 +155,8 @@ def measure(name: str, steps: int, device: str) -> dict:
     if local_steps:
         out["local_ms"] = round(statistics.median(local_steps) * 1e3, 2)
         out["step_ratio"] = round(out["remote_ms"] / out["local_ms"], 3)
-    return {f"{name}_{key}": value for key, value in out.items()}
+    prefix = f"{name}_compiled_" if compiled else f"{name}_"
+    return {prefix + key: value for key, value in out.items()}
 
 
 def main() -> None:
@@ -160,6 +169,9 @@ def main() -> None:
         choices=["shared", "worker"],
         default="shared",
         help="sessions in the executor's process, or each in a worker process",
+    )
+    parser.add_argument(
+        "--compile", action="store_true", help="also time torch.compile(model) steps"
     )
     args = parser.parse_args()
     names = args.workloads.split(",") if args.workloads else None
@@ -178,6 +190,8 @@ def main() -> None:
             for name in names:
                 steps = 5 if args.quick or name.startswith("gpt") else 20
                 result.update(measure(name, steps, args.device))
+                if args.compile:
+                    result.update(measure(name, steps, args.device, compiled=True))
                 print(f"step_bench: {name} done", file=sys.stderr, flush=True)
     if args.device == "cuda":
         for name in names:
