@@ -21,8 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch._functorch.aot_autograd import aot_function, make_boxed_func
-from torch._functorch.partitioners import default_partition
 
 from .protocol import storage_extent
 
@@ -69,6 +67,11 @@ def capture(fn: Callable[..., tuple[torch.Tensor, ...]], inputs: list[torch.Tens
     Raises:
         CaptureError: the function cannot be captured (with the reason).
     """
+    # Imported here: AOTAutograd takes about a second to import (sympy and more), which
+    # every consumer process would pay at start whether it compiles anything or not.
+    from torch._functorch.aot_autograd import aot_function, make_boxed_func
+    from torch._functorch.partitioners import default_partition
+
     graphs: dict[str, torch.fx.GraphModule] = {}
     partition: dict[str, int] = {}
 

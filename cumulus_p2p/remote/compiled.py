@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from .capture import Captured, CaptureError, capture
 from .client import RemoteSession, current_session
 from .ops import op_name
-from .protocol import GraphValue
+from .protocol import GraphValue, tensor_ext, tensor_layout
 from .tensor import RemoteStorage, RemoteTensor
 
 #: Signatures one compiled callable captures before it runs eagerly (dynamo's default).
@@ -57,7 +57,7 @@ def warn_eager(reason: str) -> None:
     if reason not in _warned:
         _warned.add(reason)
         message = f"torch.compile on cumulus: {reason}; this code runs eagerly (same results)"
-        warnings.warn(message, UserWarning, stacklevel=3)
+        warnings.warn(message, UserWarning, stacklevel=4)
 
 
 # --- graphs on the wire ---------------------------------------------------------------
@@ -75,6 +75,21 @@ class _Output:
     offset: int
     nbytes: int
     spec_tail: tuple  # sizes, strides, offset as the wire spec lists them
+    layout: bytes  # the wire reference after its handle (``protocol.tensor_ext``)
+
+
+class Saved:
+    """A graph output only a later graph reads (a value saved for backward): its wire
+    reference and its storage, kept alive while it is, without a tensor around it."""
+
+    __slots__ = ("_rs", "ext")
+
+    def __init__(self, storage: RemoteStorage, ext) -> None:
+        self._rs = storage
+        self.ext = ext
+
+    def _wire(self):
+        return self.ext
 
 
 class CompiledGraph:
@@ -87,16 +102,21 @@ class CompiledGraph:
         self.size = len(self.definition[1])
         self._ids: weakref.WeakKeyDictionary[RemoteSession, int] = weakref.WeakKeyDictionary()
 
-    def call(self, inputs: list[RemoteTensor]) -> list[RemoteTensor | None]:
-        """Queue one run of the graph on the current session; return its outputs."""
+    def call(self, inputs: list, tensors: int | None = None) -> list:
+        """Queue one run of the graph on the current session; return its outputs.
+
+        ``inputs`` are ``RemoteTensor`` or ``Saved``. The first ``tensors`` outputs (all
+        by default) come back as ``RemoteTensor``; the rest as ``Saved``.
+        """
         session = current_session()
         graph_id = self._ids.get(session)
         if graph_id is None:
             graph_id = self._ids[session] = session.define_graph(self.definition)
+        tensors = len(self.outputs) if tensors is None else tensors
         storages: list[RemoteStorage | None] = [None] * self.groups
-        results: list[RemoteTensor | None] = []
+        results: list = []
         specs: list[list | None] = []
-        for out in self.outputs:
+        for index, out in enumerate(self.outputs):
             if out is None:
                 results.append(None)
                 specs.append(None)
@@ -109,7 +129,10 @@ class CompiledGraph:
                     handle = session.new_handle()
                     storage = storages[out.where] = RemoteStorage(session, handle, out.nbytes)
                 spec = [storage.handle, *out.spec_tail]
-            results.append(RemoteTensor(storage, out.dtype, out.sizes, out.strides, out.offset))
+            if index < tensors:
+                results.append(RemoteTensor(storage, out.dtype, out.sizes, out.strides, out.offset))
+            else:
+                results.append(Saved(storage, tensor_ext(storage.handle, out.layout)))
             specs.append(spec)
         session.submit(["@run", [graph_id, [t._wire() for t in inputs]], {}, specs])
         return results
@@ -180,7 +203,10 @@ def _output_plan(inputs: list, outputs: list) -> list[_Output | None]:
         offset = value.storage_offset()
         nbytes = value.untyped_storage().nbytes()
         tail = (list(sizes), list(strides), offset)
-        plan.append(_Output(on_input, where, value.dtype, sizes, strides, offset, nbytes, tail))
+        layout = tensor_layout(value.dtype, offset, sizes, strides)
+        plan.append(
+            _Output(on_input, where, value.dtype, sizes, strides, offset, nbytes, tail, layout)
+        )
     return plan
 
 
@@ -213,11 +239,11 @@ class _CompiledStep(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, step: _Step, *inputs: RemoteTensor):  # noqa: D102
-        outputs = step.forward.call(list(inputs))
         n = step.n_outputs
+        outputs = step.forward.call(list(inputs), n)
         ctx.step = step
-        # The saved values are the graph's own outputs, kept here rather than through
-        # save_for_backward (which takes inputs and outputs only); freed after backward.
+        # The saved values are outputs of the graph that only the backward graph reads:
+        # kept as wire references, not tensors, and dropped after backward.
         ctx.saved = outputs[n:]
         fixed = [o for o, d in zip(outputs[:n], step.differentiable, strict=True) if not d]
         ctx.mark_non_differentiable(*fixed)
@@ -246,6 +272,7 @@ class CompiledCode:
         self.module = module
         self.device_type = device_type
         self._steps: dict[tuple, _Step | str] = {}
+        self._known_state: tuple[list[str], list, list] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_autocast_enabled(self.device_type):
@@ -270,10 +297,29 @@ class CompiledCode:
         return _assemble(step, step.run(tensors))
 
     def _state(self) -> tuple[list[str], list[torch.Tensor]]:
+        """The module's parameters and buffers, by name (as ``named_parameters`` then
+        ``named_buffers`` list them). Walking the module tree every call would cost more
+        than the rest of the call; the last walk is reused while every entry it read is
+        still in place."""
         if self.module is None:
             return [], []
-        named = [*self.module.named_parameters(), *self.module.named_buffers()]
-        return [n for n, _ in named], [t for _, t in named]
+        known = self._known_state
+        if known is not None and all(slots.get(key) is t for slots, key, t in known[2]):
+            return known[0], known[1]
+        names: list[str] = []
+        entries: list[tuple[dict, str, torch.Tensor]] = []
+        seen: set[int] = set()
+        for kind in ("_parameters", "_buffers"):
+            for prefix, module in self.module.named_modules():
+                slots = getattr(module, kind)
+                for key, tensor in slots.items():
+                    if tensor is None or id(tensor) in seen:
+                        continue
+                    seen.add(id(tensor))
+                    names.append(f"{prefix}.{key}" if prefix else key)
+                    entries.append((slots, key, tensor))
+        self._known_state = (names, [t for _, _, t in entries], entries)
+        return self._known_state[0], self._known_state[1]
 
     def _key(self, leaves: list, tensors: list) -> tuple:
         training = self.module.training if self.module is not None else None

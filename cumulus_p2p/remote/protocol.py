@@ -167,6 +167,20 @@ def pack_tensor_ref(ref: TensorRef) -> bytes:
 
 
 _DIMS = [struct.Struct(f"<{2 * n}q") for n in range(9)]
+_HANDLE = struct.Struct("<q")
+
+
+def tensor_layout(dtype: torch.dtype, offset: int, sizes, strides) -> bytes:
+    """The bytes of a tensor reference after its handle: packed once for a layout that
+    recurs every step, then joined to each step's handle by ``tensor_ext``."""
+    return pack_tensor_ref(TensorRef(0, dtype, offset, tuple(sizes), tuple(strides)))[
+        _HANDLE.size :
+    ]
+
+
+def tensor_ext(handle: int, layout: bytes) -> msgpack.ExtType:
+    """The wire reference to ``handle`` with a ``tensor_layout``."""
+    return msgpack.ExtType(EXT_TENSOR, _HANDLE.pack(handle) + layout)
 
 
 @functools.lru_cache(maxsize=16384)  # a training loop names the same views step after step
