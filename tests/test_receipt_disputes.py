@@ -72,3 +72,23 @@ async def test_a_fair_receipt_is_settled_into_both_ledgers(tmp_path):
             await settle_receipt(host, consumer.get_id(), receipt, host_books, now=time.time())
         assert [e.receipt_id for e in host_books.entries()] == ["L1/0"]
         assert [e.receipt_id for e in consumer_books.entries()] == ["L1/0"]
+
+
+async def test_the_consumer_hears_which_host_sent_a_refused_receipt(tmp_path):
+    host_id, consumer_id = NodeIdentity.generate(), NodeIdentity.generate()
+    terms = lease(consumer_id, host_id, time.time() - 20)
+    refused: list[tuple[str, str]] = []
+    with Ledger.open(tmp_path / "host") as host_books, \
+            Ledger.open(tmp_path / "consumer") as consumer_books:  # fmt: skip
+        desk = ReceiptDesk(consumer_id, consumer_books)
+        desk.open_account(terms)
+        async with noise_hosts([host_id, consumer_id]) as (host, consumer):
+            serve_receipts(consumer, desk, clock=time.time,
+                           on_refused=lambda who, why: refused.append((who, why)))  # fmt: skip
+            await connect(host, consumer)
+            with pytest.raises(ReceiptRejectedError):
+                await settle_receipt(host, consumer.get_id(),
+                                     overcharge(host_id, terms, share_seconds=10_000),
+                                     host_books, now=time.time())  # fmt: skip
+    assert [who for who, _ in refused] == [host_id.peer_id.to_base58()]
+    assert "share-seconds" in refused[0][1]

@@ -208,14 +208,17 @@ def serve_receipts(
     timeout: float = 10.0,
     fresh_counts: Callable[[], Awaitable[None]] = _nothing_to_wait_for,
     on_receipt: Callable[[CountersignedReceipt], None] = lambda receipt: None,
+    on_refused: Callable[[str, str], None] = lambda host, why: None,
 ) -> None:
     """Answer receipt requests on ``host`` from ``desk``; before each, await
     ``fresh_counts()`` (the consumer's byte counts, newer than the request); after each
-    one countersigned, call ``on_receipt`` with it."""
+    one countersigned, call ``on_receipt`` with it; after each one refused
+    (``ReceiptRejectedError``: an overcharge, or a receipt not the sender's to send), call
+    ``on_refused`` with the sender and why."""
 
     async def answer(request: bytes, sender: str) -> bytes:
         await fresh_counts()
-        return _answer(desk, request, sender, clock(), on_receipt)
+        return _answer(desk, request, sender, clock(), on_receipt, on_refused)
 
     serve_rpc(host, RECEIPT_PROTOCOL, answer, timeout=timeout)
 
@@ -226,9 +229,13 @@ def _answer(
     sender: str,
     now: float,
     on_receipt: Callable[[CountersignedReceipt], None],
+    on_refused: Callable[[str, str], None],
 ) -> bytes:
     try:
         countersigned = desk.countersign(request, sender=sender, now=now)
+    except ReceiptRejectedError as exc:
+        on_refused(sender, str(exc))
+        return msgpack.packb([False, f"{type(exc).__name__}: {exc}"[:500]])
     except CumulusError as exc:
         return msgpack.packb([False, f"{type(exc).__name__}: {exc}"[:500]])
     on_receipt(countersigned)

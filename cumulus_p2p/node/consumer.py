@@ -275,6 +275,13 @@ class Consumer:
             _megabytes(receipt.bytes_moved), self.cost() / 1e6,
         )  # fmt: skip
 
+    def note_refused(self, host: str, why: str) -> None:
+        """A receipt from ``host`` was refused (an overcharge): never lease from it again.
+        Its session goes on until the host pauses it; the failover that follows then
+        leases elsewhere, even when the pause falls at the end of the lease's term."""
+        log.warning("refused a receipt from host %s: %s", host[:12], why)
+        self.excluded.add(host)
+
     def take_path(self, lease_id: str, path: str) -> None:
         """The shim says which path its session channel for ``lease_id`` took."""
         for held in self.held:
@@ -495,7 +502,7 @@ async def run_consumer(
         consumer = Consumer(runtime, options, desk)
         serve_receipts(
             runtime.mesh.host, desk, clock=runtime.clock, fresh_counts=consumer.fresh_counts,
-            on_receipt=consumer.note_receipt,
+            on_receipt=consumer.note_receipt, on_refused=consumer.note_refused,
         )  # fmt: skip
         serve_lease_notices(runtime.mesh.host, consumer.take_notice)
         async with trio.open_nursery() as nursery:

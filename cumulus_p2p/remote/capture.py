@@ -16,13 +16,19 @@ What the capture refuses, and why (each becomes an eager run with a warning):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from .protocol import storage_extent
+
+#: ``sdp::SDPBackend::flash_attention``, as ``_fused_sdp_choice`` reports it.
+_FLASH = 1
 
 
 class CaptureError(Exception):
@@ -61,8 +67,46 @@ def stand_in(tensor: torch.Tensor) -> torch.Tensor:
     return base.as_strided(size, stride, offset).detach().requires_grad_(tensor.requires_grad)
 
 
-def capture(fn: Callable[..., tuple[torch.Tensor, ...]], inputs: list[torch.Tensor]) -> Captured:
+class _CpuAttention(TorchFunctionMode):
+    """Capture ``scaled_dot_product_attention`` as the fused CPU kernel wherever torch on
+    a CPU would pick it (as eager cumulus does, ``kernels._sdpa``), not as the dozen math
+    ops meta tensors decompose it into: one node, and the numbers of a local run."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            fused = _flash_on_cpu(*args, **kwargs)
+            if fused is not None:
+                return fused
+        return func(*args, **kwargs)
+
+
+def _flash_on_cpu(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                  scale=None, enable_gqa=False) -> torch.Tensor | None:  # fmt: skip
+    def on_cpu(t):  # empty_strided does not touch the pages
+        return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+
+    choice = torch.ops.aten._fused_sdp_choice(
+        on_cpu(query), on_cpu(key), on_cpu(value), on_cpu(attn_mask), dropout_p, is_causal,
+        scale=scale, enable_gqa=enable_gqa,
+    )  # fmt: skip
+    if choice != _FLASH:
+        return None
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )[0]
+
+
+def capture(
+    fn: Callable[..., tuple[torch.Tensor, ...]],
+    inputs: list[torch.Tensor],
+    *,
+    cpu_attention: bool = False,
+) -> Captured:
     """Trace ``fn(*inputs)``, which returns a tuple of tensors, into aten graphs.
+
+    With ``cpu_attention`` (the executor runs on a CPU), attention is captured as the
+    fused kernel a CPU picks.
 
     Raises:
         CaptureError: the function cannot be captured (with the reason).
@@ -76,6 +120,10 @@ def capture(fn: Callable[..., tuple[torch.Tensor, ...]], inputs: list[torch.Tens
     partition: dict[str, int] = {}
 
     def record(kind: str, gm: torch.fx.GraphModule, example_inputs) -> Callable:
+        # The partitioner can leave a forward node in the backward graph with its result
+        # unused; run as is, the executor would compute it again for nothing.
+        gm.graph.eliminate_dead_code(is_impure_node=_kept)
+        gm.recompile()
         graphs[kind] = gm
         return make_boxed_func(gm.forward)
 
@@ -92,7 +140,8 @@ def capture(fn: Callable[..., tuple[torch.Tensor, ...]], inputs: list[torch.Tens
     )
     stand_ins = [stand_in(t) for t in inputs]
     try:
-        outputs = traced(*stand_ins)
+        with _CpuAttention() if cpu_attention else contextlib.nullcontext():
+            outputs = traced(*stand_ins)
         differentiable = tuple(o.requires_grad for o in outputs)
         if any(differentiable):
             needed = [o for o in outputs if o.requires_grad]
@@ -120,6 +169,13 @@ def _checked(graphs: dict, partition: dict, n_outputs: int, differentiable: tupl
         if taken[: len(saved)] != saved or len(tangents) != sum(differentiable):
             raise CaptureError("the backward graph's inputs do not match the forward's outputs")
     return Captured(forward, backward, n_outputs, differentiable)
+
+
+def _kept(node: torch.fx.Node) -> bool:
+    """Graph nodes dead-code elimination keeps: inputs and the output. Every other node is
+    a functional aten op whose result is all it contributes (random ops included: an
+    unused draw is not worth its time)."""
+    return node.op in ("placeholder", "output")
 
 
 def _outputs(gm: torch.fx.GraphModule) -> list:

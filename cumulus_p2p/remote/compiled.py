@@ -334,7 +334,8 @@ class CompiledCode:
         outputs: dict[str, Any] = {}
         functional = self._functional(names, leaves, in_spec, outputs)
         try:
-            captured = capture(functional, tensors)
+            on_cpu = current_session().info.get("device") == "cpu"
+            captured = capture(functional, tensors, cpu_attention=on_cpu)
             step: _Step | str = _Step(captured, outputs["spec"], outputs["constants"])
         except CaptureError as exc:
             step = str(exc)
