@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .protocol import storage_extent
 
@@ -86,10 +87,11 @@ def _flash_on_cpu(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
     def on_cpu(t):  # empty_strided does not touch the pages
         return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
 
-    choice = torch.ops.aten._fused_sdp_choice(
-        on_cpu(query), on_cpu(key), on_cpu(value), on_cpu(attn_mask), dropout_p, is_causal,
-        scale=scale, enable_gqa=enable_gqa,
-    )  # fmt: skip
+    with _disable_current_modes():  # the tracer's modes would record the choice as a node
+        choice = torch.ops.aten._fused_sdp_choice(
+            on_cpu(query), on_cpu(key), on_cpu(value), on_cpu(attn_mask), dropout_p, is_causal,
+            scale=scale, enable_gqa=enable_gqa,
+        )  # fmt: skip
     if choice != _FLASH:
         return None
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
