@@ -393,6 +393,8 @@ def patch_torch_compile(device_type: str) -> None:
             remote = CompiledCode(model, model, device_type)
             compiled.forward = _route(device_type, compiled.forward, remote, model)
             return compiled
+        if isinstance(getattr(model, "__self__", None), torch.optim.Optimizer):
+            return _eager_for_optimizer(device_type, compiled, model)
         return _route(device_type, compiled, CompiledCode(model, None, device_type), None)
 
     compile_for_cumulus._cumulus_patched = True  # type: ignore[attr-defined]
@@ -406,6 +408,24 @@ def _route(
     def call(*args: Any, **kwargs: Any) -> Any:
         if _module_on(device_type, module) or _arguments_on(device_type, args, kwargs):
             return remote(*args, **kwargs)
+        return compiled(*args, **kwargs)
+
+    return call
+
+
+def _eager_for_optimizer(device_type: str, compiled: Callable, step: Callable) -> Callable:
+    """``torch.compile(opt.step)``: eager on cumulus. The step writes its parameters in
+    place, which a compiled step does not capture, and dynamo would meet the parameters
+    through the optimizer rather than as arguments, where it cannot trace them."""
+    optimizer = step.__self__  # type: ignore[attr-defined]
+
+    @functools.wraps(step)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        params = (p for group in optimizer.param_groups for p in group["params"])
+        first = next(params, None)
+        if first is not None and first.device.type == device_type:
+            warn_eager("an optimizer step updates its parameters in place")
+            return step(*args, **kwargs)
         return compiled(*args, **kwargs)
 
     return call
