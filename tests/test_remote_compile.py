@@ -223,3 +223,27 @@ def test_a_compiled_optimizer_step_runs_eagerly_on_cumulus(cumulus, fresh_warnin
             torch.compile(opt.step)()
     assert torch.allclose(remote.weight.cpu(), local.weight, atol=1e-6)
     assert any("updates its parameters in place" in str(w.message) for w in caught)
+
+
+def test_an_autocast_region_is_captured_with_the_devices_casts(cumulus):
+    def losses(compile_model: bool) -> list[float]:
+        torch.manual_seed(0)
+        model = TinyTransformer(dropout=0.0).to("cumulus")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        forward = torch.compile(model) if compile_model else model
+        idx = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(2))
+        idx, target = idx.to("cumulus"), torch.roll(idx, -1, dims=1).to("cumulus")
+        out = []
+        for _ in range(3):
+            with torch.autocast("cumulus", dtype=torch.bfloat16):
+                logits = forward(idx)
+                loss = F.cross_entropy(logits.reshape(-1, 64).float(), target.reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out.append(loss.item())
+        return out
+
+    eager = losses(compile_model=False)
+    assert losses(compile_model=True) == eager  # the same casts, the same kernels
+    assert cumulus.graphs_defined == 2

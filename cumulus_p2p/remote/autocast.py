@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from .device import NAME
-from .tensor import RemoteTensor
 
 #: Run in the autocast dtype (float16 unless the region says bfloat16).
 _LOWER_PRECISION = (
@@ -59,7 +58,15 @@ _NO_AUTOCAST = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)
 
 
 def _eligible(x: Any) -> bool:
-    return isinstance(x, RemoteTensor) and x.is_floating_point() and x.dtype != torch.float64
+    """Cast as CUDA's autocast casts: floating tensors of this device, never float64. By
+    device, not type: a compiled step's capture traces tensors that stand in for remote
+    ones (``capture.py``)."""
+    return (
+        isinstance(x, torch.Tensor)
+        and x.device.type == NAME
+        and x.is_floating_point()
+        and x.dtype != torch.float64
+    )
 
 
 def _cast(x: Any, dtype: torch.dtype) -> Any:
@@ -126,5 +133,3 @@ def register() -> list[torch.library.Library]:
             op = getattr(getattr(torch.ops.aten, base), overload or "default")
             kernels.impl(name, _autocast_kernel(op, policy), _AUTOCAST_KEY)
     return [fallthrough, kernels]
-
-

@@ -1,35 +1,32 @@
-"""Capture a function of tensors as aten graphs, on meta stand-ins, with AOTAutograd.
+"""Capture a function of tensors as aten graphs, on fake stand-ins, with AOTAutograd.
 
 A compiled step on cumulus never traces the remote tensors themselves: each input gets a
-*stand-in* on the ``meta`` device with the same dtype, shape, strides, storage offset and
-``requires_grad``, and AOTAutograd (``aot_function``) traces the function over the
-stand-ins. Its forward graph, and in training its backward graph, are recorded instead of
-compiled; a meta backward pass is run at once so the backward graph exists before the
-first real call. ``compiled.py`` turns the recorded graphs into wire definitions.
+*stand-in*, a fake tensor (``FakeTensorMode``: metadata, no data) on the same cumulus
+device with the same dtype, shape, strides, storage offset and ``requires_grad``, and
+AOTAutograd (``aot_function``) traces the function over the stand-ins. Being on the
+device, they pass through its own kernels as remote tensors do: autocast's casts and the
+attention kernel the executor picks end up in the graph. The forward graph, and in
+training the backward graph, are recorded instead of compiled; a fake backward pass is run
+at once so the backward graph exists before the first real call. ``compiled.py`` turns the
+recorded graphs into wire definitions.
 
 What the capture refuses, and why (each becomes an eager run with a warning):
 
 - a graph that mutates its inputs or returns extra outputs (BatchNorm's running
   statistics): the partition would not be a plain (user outputs + saved) forward;
-- anything that needs data (``.item()``, data-dependent shapes) fails on meta by nature.
+- anything that needs data (``.item()``, data-dependent shapes): fakes have none.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import _disable_current_modes
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .protocol import storage_extent
-
-#: ``sdp::SDPBackend::flash_attention``, as ``_fused_sdp_choice`` reports it.
-_FLASH = 1
 
 
 class CaptureError(Exception):
@@ -56,59 +53,26 @@ class Captured:
     differentiable: tuple[bool, ...]
 
 
-def stand_in(tensor: torch.Tensor) -> torch.Tensor:
-    """A meta tensor laid out like ``tensor`` (storage offset too), same ``requires_grad``.
+def stand_in(tensor: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
+    """A fake tensor of ``mode`` on ``tensor``'s device, laid out like it (storage offset
+    too), with the same ``requires_grad``.
 
+    Its device is the real one, so the device's own kernels trace as they run: autocast's
+    casts (``autocast.py``) and the attention kernel the executor picks (``kernels.py``).
     The offset matters: an output that views an input is described by its offset into
     the input's storage, and the client builds it on the real input's storage.
     """
     size, stride, offset = tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()
-    extent = storage_extent(size, stride, offset)
-    base = torch.empty(extent, dtype=tensor.dtype, device="meta")
-    return base.as_strided(size, stride, offset).detach().requires_grad_(tensor.requires_grad)
+    with mode:
+        base = torch.empty(
+            storage_extent(size, stride, offset), dtype=tensor.dtype, device=tensor.device
+        )
+        fake = base.as_strided(size, stride, offset).detach()
+    return fake.requires_grad_(tensor.requires_grad)
 
 
-class _CpuAttention(TorchFunctionMode):
-    """Capture ``scaled_dot_product_attention`` as the fused CPU kernel wherever torch on
-    a CPU would pick it (as eager cumulus does, ``kernels._sdpa``), not as the dozen math
-    ops meta tensors decompose it into: one node, and the numbers of a local run."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            fused = _flash_on_cpu(*args, **kwargs)
-            if fused is not None:
-                return fused
-        return func(*args, **kwargs)
-
-
-def _flash_on_cpu(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                  scale=None, enable_gqa=False) -> torch.Tensor | None:  # fmt: skip
-    def on_cpu(t):  # empty_strided does not touch the pages
-        return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
-
-    with _disable_current_modes():  # the tracer's modes would record the choice as a node
-        choice = torch.ops.aten._fused_sdp_choice(
-            on_cpu(query), on_cpu(key), on_cpu(value), on_cpu(attn_mask), dropout_p, is_causal,
-            scale=scale, enable_gqa=enable_gqa,
-        )  # fmt: skip
-    if choice != _FLASH:
-        return None
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
-    )[0]
-
-
-def capture(
-    fn: Callable[..., tuple[torch.Tensor, ...]],
-    inputs: list[torch.Tensor],
-    *,
-    cpu_attention: bool = False,
-) -> Captured:
+def capture(fn: Callable[..., tuple[torch.Tensor, ...]], inputs: list[torch.Tensor]) -> Captured:
     """Trace ``fn(*inputs)``, which returns a tuple of tensors, into aten graphs.
-
-    With ``cpu_attention`` (the executor runs on a CPU), attention is captured as the
-    fused kernel a CPU picks.
 
     Raises:
         CaptureError: the function cannot be captured (with the reason).
@@ -140,9 +104,12 @@ def capture(
         inference_compiler=functools.partial(record, "forward"),
         partition_fn=partition_fn,
     )
-    stand_ins = [stand_in(t) for t in inputs]
+    mode = FakeTensorMode()
+    stand_ins = [stand_in(t, mode) for t in inputs]
     try:
-        with _CpuAttention() if cpu_attention else contextlib.nullcontext():
+        # Factories inside the code (``torch.arange(n, device=x.device)``) name the real
+        # device: with the fake mode active they make fake tensors, not remote ones.
+        with mode:
             outputs = traced(*stand_ins)
         differentiable = tuple(o.requires_grad for o in outputs)
         if any(differentiable):

@@ -7,9 +7,9 @@ module or function whose parameters or arguments are on cumulus is run by a
 ``CompiledCode`` instead of dynamo; everything else compiles exactly as before.
 
 On each call, ``CompiledCode`` builds a *guard key* from what decides the graphs: grad
-mode, the module's training flag, every input tensor's dtype, shape, strides, offset and
-``requires_grad``, and the non-tensor arguments. The first call with a key captures the
-code (``capture.py``: AOTAutograd over meta stand-ins) into a forward and a backward aten
+mode, the module's training flag, the autocast dtype, every input tensor's dtype, shape,
+strides, offset and ``requires_grad``, and the non-tensor arguments. The first call with a key captures the
+code (``capture.py``: AOTAutograd over fake stand-ins) into a forward and a backward aten
 graph. Each graph becomes a ``CompiledGraph``: its wire definition, sent once per session
 as ``@graph``, and an output plan, read from the captured tensors' metadata. A call of
 the graph is then one ``@run`` record: inputs by reference, and a handle for each output
@@ -21,8 +21,8 @@ graph and keeps its saved values; backward runs the backward graph on them. A st
 training step therefore costs two records, whatever the depth of the model.
 
 Code that cannot be captured (data-dependent control flow, ``.item()`` in the forward,
-BatchNorm's in-place statistics, autocast on cumulus, more than ``MAX_CAPTURES``
-signatures) runs eagerly with a one-line warning, and gives the same results.
+BatchNorm's in-place statistics, more than ``MAX_CAPTURES`` signatures) runs eagerly with
+a one-line warning, and gives the same results.
 """
 
 from __future__ import annotations
@@ -275,9 +275,6 @@ class CompiledCode:
         self._known_state: tuple[list[str], list, list] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.is_autocast_enabled(self.device_type):
-            warn_eager("autocast regions are not captured yet")
-            return self.fn(*args, **kwargs)
         names, state = self._state()
         leaves, in_spec = tree_flatten((args, kwargs))
         tensors = [*state, *(x for x in leaves if isinstance(x, torch.Tensor))]
@@ -326,7 +323,10 @@ class CompiledCode:
         statics = tuple(x for x in leaves if not isinstance(x, torch.Tensor))
         hash(statics)
         layout = tuple((t._sig, t.requires_grad) for t in tensors)
-        return (torch.is_grad_enabled(), training, statics, layout)
+        autocast = torch.is_autocast_enabled(self.device_type) and torch.get_autocast_dtype(
+            self.device_type
+        )
+        return (torch.is_grad_enabled(), training, autocast, statics, layout)
 
     def _capture(self, key: tuple, names: list[str], leaves: list, in_spec, tensors) -> _Step | str:
         if len(self._steps) >= MAX_CAPTURES:
@@ -334,8 +334,7 @@ class CompiledCode:
         outputs: dict[str, Any] = {}
         functional = self._functional(names, leaves, in_spec, outputs)
         try:
-            on_cpu = current_session().info.get("device") == "cpu"
-            captured = capture(functional, tensors, cpu_attention=on_cpu)
+            captured = capture(functional, tensors)
             step: _Step | str = _Step(captured, outputs["spec"], outputs["constants"])
         except CaptureError as exc:
             step = str(exc)

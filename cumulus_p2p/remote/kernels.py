@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .client import current_session
 from .ops import op_name
@@ -70,27 +71,37 @@ def _sdp_choice(on_cpu: bool, query, key, value, attn_mask, dropout_p, is_causal
     """The kernel the executor's device would choose for these arguments (cached).
 
     A CPU's choice is made here on CPU tensors of the same layout (``empty_strided`` does
-    not touch the pages). Any other device is asked: ``_fused_sdp_choice`` on the remote
+    not touch the pages). Any other device is asked: ``_fused_sdp_choice`` on remote
     tensors is an op with a non-tensor result, so it runs there as a sync point, once per
-    signature.
+    signature. While a compiled step is captured (``capture.py``) the arguments are the
+    tracer's tensors: the question is asked outside the tracer, on tensors of their layout.
     """
     sig = (
-        query._sig, key._sig, value._sig,
+        _layout(query), _layout(key), _layout(value),
         None if attn_mask is None else (attn_mask.dtype, tuple(attn_mask.shape)),
         dropout_p, is_causal, scale, enable_gqa, query.requires_grad,
     )  # fmt: skip
     choice = _sdp_choices.get(sig)
     if choice is None:
-
-        def cpu(t):
-            return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
-
-        here = cpu if on_cpu else (lambda t: t)
-        choice = _sdp_choices[sig] = torch.ops.aten._fused_sdp_choice(
-            here(query), here(key), here(value), here(attn_mask), dropout_p, is_causal,
-            scale=scale, enable_gqa=enable_gqa,
-        )  # fmt: skip
+        with _disable_current_modes():
+            choice = _sdp_choices[sig] = torch.ops.aten._fused_sdp_choice(
+                *(_asked_on(on_cpu, t) for t in (query, key, value, attn_mask)),
+                dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa,
+            )  # fmt: skip
     return choice
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return (t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+
+
+def _asked_on(on_cpu: bool, t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t``, or a tensor of its layout where the choice is made (CPU or the executor)."""
+    if t is None or (type(t) is RemoteTensor and not on_cpu):
+        return t
+    return torch.empty_strided(
+        t.shape, t.stride(), dtype=t.dtype, device="cpu" if on_cpu else DEVICE
+    )
 
 
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
