@@ -8,10 +8,11 @@ module or function whose parameters or arguments are on cumulus is run by a
 
 On each call, ``CompiledCode`` builds a *guard key* from what decides the graphs: grad
 mode, the module's training flag, the autocast dtype, every input tensor's dtype, shape,
-strides, offset and ``requires_grad``, and the non-tensor arguments. The first call with a key captures the
-code (``capture.py``: AOTAutograd over fake stand-ins) into a forward and a backward aten
-graph. Each graph becomes a ``CompiledGraph``: its wire definition, sent once per session
-as ``@graph``, and an output plan, read from the captured tensors' metadata. A call of
+strides, offset and ``requires_grad``, and the non-tensor arguments. The first call with
+a key captures the code (``capture.py``: AOTAutograd over fake stand-ins) into a forward
+and a backward aten graph. Each graph becomes a ``CompiledGraph``: its wire definition,
+sent once per session as ``@graph``, and an output plan, read from the captured tensors'
+metadata. A call of
 the graph is then one ``@run`` record: inputs by reference, and a handle for each output
 that needs memory. Outputs that view an input are built on the input's storage; outputs
 sharing a storage share a handle. The executor runs the graph (``graphs.py``).
