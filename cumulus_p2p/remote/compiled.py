@@ -12,10 +12,11 @@ strides, offset and ``requires_grad``, and the non-tensor arguments. The first c
 a key captures the code (``capture.py``: AOTAutograd over fake stand-ins) into a forward
 and a backward aten graph. Each graph becomes a ``CompiledGraph``: its wire definition,
 sent once per session as ``@graph``, and an output plan, read from the captured tensors'
-metadata. A call of
-the graph is then one ``@run`` record: inputs by reference, and a handle for each output
-that needs memory. Outputs that view an input are built on the input's storage; outputs
-sharing a storage share a handle. The executor runs the graph (``graphs.py``).
+metadata. A call of the graph is then one ``@run`` record: inputs by reference, and a
+handle for each output that needs memory. Outputs that view an input are built on the
+input's storage; outputs sharing a storage share a handle; values only the backward graph
+reads stay wire references (``Saved``), not tensors. The executor runs the graph
+(``graphs.py``).
 
 ``_CompiledStep`` is the autograd function between the two: forward runs the forward
 graph and keeps its saved values; backward runs the backward graph on them. A steady
