@@ -415,3 +415,22 @@ def test_a_graph_run_with_the_wrong_output_count_is_refused(executor_address, ho
     err = _fails_with(attacker, ["@run", [1, [x]], {}, []], "RemoteProtocolError")
     assert "1 outputs" in str(err)
     assert honest_ok(honest)
+
+
+def test_a_graph_holding_more_than_the_quota_at_once_runs_out_of_memory(
+    executor_address, honest
+):
+    host, port = executor_address.split(":")
+    attacker = RemoteSession(SocketFrameChannel.connect(host, int(port)), quota_bytes=1 << 20)
+    x = _with_tensor(attacker)
+    half_quota = [
+        ["aten.expand.default", [_input(0), [2**15, 4]], {}],  # a view: no memory
+        ["aten.clone.default", [_node(0)], {}],  # 512 KiB
+        ["aten.mul.Tensor", [_node(1), 2], {}],  # 512 KiB more while node 1 is still held
+        ["aten.sum.default", [_node(2)], {}],
+    ]
+    attacker.submit(["@graph", [1, [1, half_quota, [_node(3)]]], {}, None])
+    err = _fails_with(attacker, ["@run", [1, [x]], {}, [[2, [], [], 0]]], "OutOfMemoryError")
+    assert "aten.mul.Tensor (node 2 of compiled graph 1)" in str(err)
+    assert "exceed the free quota" in str(err)
+    assert honest_ok(honest)

@@ -101,7 +101,6 @@ class CompiledGraph:
         self.definition, inputs, outputs = encode_graph(gm)
         self.outputs = _output_plan(inputs, outputs)
         self.groups = len({o.where for o in self.outputs if o is not None and not o.on_input})
-        self.size = len(self.definition[1])
         self._ids: weakref.WeakKeyDictionary[RemoteSession, int] = weakref.WeakKeyDictionary()
 
     def call(self, inputs: list, tensors: int | None = None) -> list:

@@ -29,6 +29,7 @@ This module does no I/O and keeps no session state: ``session.py`` owns the hand
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -77,6 +78,10 @@ class _Node:
     kwargs: dict
     #: Whether any argument is a reference (otherwise the templates are passed as is).
     fills: bool
+    #: Whether its results are new memory (no result aliases an argument, by its schema).
+    fresh: bool
+    #: Earlier results no node reads after this one: dropped here, as generated code would.
+    release: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,16 +94,23 @@ class GraphProgram:
     #: Bytes the graph's constant-size factory ops allocate (checked against the quota).
     factory_bytes: int
 
-    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    def run(self, inputs: list[torch.Tensor], budget: int) -> list[torch.Tensor | None]:
         """Run every node in order; return the graph's outputs.
+
+        Intermediate values are dropped after their last use, and those held at once may
+        take at most ``budget`` bytes (the session's free quota): a graph can hold many
+        values alive, where eager ops are counted one by one.
 
         Raises:
             GraphError: the call passed the wrong number of inputs.
-            NodeFailed: a node raised (its op name and index say which).
+            NodeFailed: a node raised, or went over the budget (its op name and index
+                say which).
         """
         if len(inputs) != self.n_inputs:
             raise GraphError(f"the graph takes {self.n_inputs} inputs, not {len(inputs)}")
         results: list[Any] = []
+        held = [0] * len(self.nodes)
+        live = 0
         for index, node in enumerate(self.nodes):
             try:
                 if node.fills:
@@ -109,7 +121,24 @@ class GraphProgram:
                     results.append(node.op(*node.args, **node.kwargs))
             except Exception as exc:  # any torch failure is this node's, reported as such
                 raise NodeFailed(node.name, index, exc) from None
+            if node.fresh:
+                held[index] = _nbytes(results[index])
+                live += held[index]
+                if live > budget:
+                    why = f"intermediate values of {live} bytes exceed the free quota ({budget})"
+                    raise NodeFailed(node.name, index, torch.OutOfMemoryError(why))
+            for done in node.release:
+                results[done] = None
+                live -= held[done]
         return [None if v is None else _lookup(v, inputs, results) for v in self.outputs]
+
+
+def _nbytes(result: Any) -> int:
+    if isinstance(result, torch.Tensor):
+        return result.numel() * result.element_size()
+    if isinstance(result, (tuple, list)):
+        return sum(_nbytes(r) for r in result)
+    return 0
 
 
 def _lookup(ref: GraphValue, inputs: list, results: list) -> Any:
@@ -148,10 +177,37 @@ def build_program(definition: Any, device: torch.device) -> GraphProgram:
     if len(nodes) > MAX_GRAPH_NODES:
         raise GraphError(f"a graph may have at most {MAX_GRAPH_NODES} nodes, not {len(nodes)}")
     checker = _Checker(n_inputs, device)
-    built = tuple(checker.node(i, node) for i, node in enumerate(nodes))
+    built = [checker.node(i, node) for i, node in enumerate(nodes)]
     checker.available = len(built)
     outs = tuple(None if v is None else checker.reference(v, "output") for v in outputs)
-    return GraphProgram(n_inputs, built, outs, checker.factory_bytes)
+    return GraphProgram(n_inputs, _with_releases(built, outs), outs, checker.factory_bytes)
+
+
+def _with_releases(nodes: list[_Node], outputs: tuple) -> tuple[_Node, ...]:
+    """Each node, told which earlier results it reads last (outputs are never dropped)."""
+    last: dict[int, int] = {}
+    for index, node in enumerate(nodes):
+        for ref in _references((node.args, tuple(node.kwargs.values()))):
+            if ref.kind == GraphValue.NODE:
+                last[ref.index] = index
+    for ref in outputs:
+        if ref is not None and ref.kind == GraphValue.NODE:
+            last[ref.index] = len(nodes)
+    releases: dict[int, list[int]] = {}
+    for value, reader in last.items():
+        releases.setdefault(reader, []).append(value)
+    return tuple(
+        dataclasses.replace(node, release=tuple(releases.get(i, ())))
+        for i, node in enumerate(nodes)
+    )
+
+
+def _references(template: tuple):
+    for value in template:
+        if type(value) is GraphValue:
+            yield value
+        elif type(value) is tuple:
+            yield from _references(value)
 
 
 class _Checker:
@@ -182,7 +238,8 @@ class _Checker:
         if op._schema.name in _FACTORIES:
             self.factory_bytes += _factory_bytes(op, template, kw_template)
         fills = _has_reference(template) or _has_reference(tuple(kw_template.values()))
-        return _Node(op, name, template, kw_template, fills)
+        fresh = all(r.alias_info is None for r in op._schema.returns)
+        return _Node(op, name, template, kw_template, fills, fresh)
 
     def value(self, value: Any, where: str) -> Any:
         if type(value) is GraphValue:

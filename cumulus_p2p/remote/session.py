@@ -282,7 +282,7 @@ class ExecutorSession:
         inputs = [self.tensor(r) for r in refs]
         self._check_quota(program.factory_bytes)
         try:
-            results = program.run(inputs)
+            results = program.run(inputs, self.quota_bytes - self.stats.bytes_in_use)
         except GraphError as exc:
             raise OpFailed("InvalidGraphError", f"graph {graph_id}: {exc}") from None
         except NodeFailed as exc:

@@ -1,0 +1,77 @@
+"""The executor's graph programs (``graphs.py``), sans-IO: built from data, run on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cumulus_p2p.remote.graphs import GraphError, NodeFailed, ProgramCache, build_program
+from cumulus_p2p.remote.protocol import GraphValue
+
+CPU = torch.device("cpu")
+INPUT = GraphValue(GraphValue.INPUT, 0, -1)
+
+
+def node(i: int, item: int = -1) -> GraphValue:
+    return GraphValue(GraphValue.NODE, i, item)
+
+
+def chain(length: int) -> list:
+    """``x * 2 * 2 ...``: each value is read by the next node only."""
+    nodes = [["aten.mul.Tensor", [INPUT if i == 0 else node(i - 1), 2], {}] for i in range(length)]
+    return [1, nodes, [node(length - 1)]]
+
+
+def test_a_program_computes_what_its_nodes_compute():
+    program = build_program(
+        [
+            1,
+            [
+                ["aten.var_mean.correction", [INPUT], {}],
+                ["aten.add.Tensor", [node(0, 0), node(0, 1)], {}],
+            ],
+            [node(1)],
+        ],  # fmt: skip
+        CPU,
+    )
+    x = torch.arange(4.0)
+    (out,) = program.run([x], budget=1 << 20)
+    var, mean = torch.var_mean(x)
+    assert torch.equal(out, var + mean)
+
+
+def test_a_chain_holds_two_values_at_a_time_not_all_of_them():
+    x = torch.ones(2**16)  # 256 KiB a value
+    program = build_program(chain(8), CPU)
+    (out,) = program.run([x], budget=2 * x.nbytes)
+    assert torch.equal(out, x * 256)
+    with pytest.raises(NodeFailed) as info:
+        program.run([x], budget=x.nbytes)
+    assert isinstance(info.value.error, torch.OutOfMemoryError)
+
+
+def test_an_output_is_kept_however_early_it_was_computed():
+    program = build_program([1, chain(3)[1], [node(0), node(2)]], CPU)
+    first, last = program.run([torch.ones(3)], budget=1 << 20)
+    assert first.tolist() == [2.0] * 3 and last.tolist() == [8.0] * 3
+
+
+def test_a_call_with_the_wrong_number_of_inputs_is_refused():
+    with pytest.raises(GraphError, match="takes 1 inputs, not 2"):
+        build_program(chain(2), CPU).run([torch.ones(1), torch.ones(1)], budget=1 << 20)
+
+
+def test_programs_are_built_once_per_content_and_device():
+    cache = ProgramCache(capacity=2)
+    first = cache.get(chain(2), CPU)
+    assert cache.get(chain(2), CPU) is first
+    assert cache.builds == 1
+    cache.get(chain(3), CPU)
+    cache.get(chain(4), CPU)  # evicts chain(2), the least recently used
+    assert cache.get(chain(2), CPU) is not first
+    assert cache.builds == 4
+
+
+def test_a_constant_size_factory_counts_its_bytes_before_it_runs():
+    graph = [0, [["aten.zeros.default", [[1000, 1000]], {"dtype": torch.float32}]], [node(0)]]
+    assert build_program(graph, CPU).factory_bytes == 4_000_000
