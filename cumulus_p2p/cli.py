@@ -187,9 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     provide.add_argument(
         "--device",
-        choices=["auto", "cpu", "cuda"],
+        type=_device_choice,
         default="auto",
-        help="auto: the first GPU NVML sees, else the CPU (default auto)",
+        help="auto: the first GPU NVML sees, else the CPU; cpu; cuda (GPU 0); cuda:N, to "
+        "offer GPU N of a rig (one node per GPU) (default auto)",
     )
     provide.add_argument(
         "--session-host",
@@ -423,8 +424,18 @@ def _check_args(parser: argparse.ArgumentParser, args, command: list[str]) -> No
         parser.error("--shares must be between 1 and 65536")
     if args.pool < 0:
         parser.error("--pool must not be negative (0 starts each worker when its lease comes)")
-    if args.provide and args.device == "cuda" and not hardware.detect().devices[0].kind == "cuda":
-        parser.error("--device cuda, but no NVIDIA GPU is usable here (try --device auto)")
+    if args.provide and args.device.startswith("cuda"):
+        try:
+            hardware.offered_gpu(args.device, hardware.detect())
+        except ValueError as exc:
+            parser.error(str(exc))
+
+
+def _device_choice(text: str) -> str:
+    kind, colon, index = text.partition(":")
+    if text in ("auto", "cpu", "cuda") or (kind == "cuda" and colon and index.isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: use auto, cpu, cuda or cuda:N")
 
 
 def _data_dir(args) -> DataDir:
@@ -606,6 +617,8 @@ async def _provide(args, data: DataDir, mesh_config: MeshConfig, console: Consol
     device = found.devices[0]
     if args.device == "cpu":
         device = hardware.cpu_facts()
+    elif args.device.startswith("cuda"):
+        device = hardware.offered_gpu(args.device, found)
     with console.status("self benchmark..."):
         target = f"cuda:{device.index}" if device.kind == "cuda" else "cpu"
         perf = await trio.to_thread.run_sync(

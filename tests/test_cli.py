@@ -15,6 +15,7 @@ import pytest
 from cumulus_p2p.identity import KEY_FILE_NAME, NodeIdentity
 from cumulus_p2p.market.ledger import Dispute, Ledger
 from cumulus_p2p.market.messages import Receipt, seal_message
+from cumulus_p2p.node.hardware import Detection, DeviceFacts, offered_gpu
 from cumulus_p2p.testing.nodes import LOOPBACK_LISTEN, node_command, start_node, start_provider
 
 
@@ -32,6 +33,19 @@ def test_an_unknown_flag_is_a_usage_error_naming_it(tmp_path):
     result = run("--data-dir", str(tmp_path), "--provide", "--gpus", "2")
     assert result.returncode == 2
     assert "unrecognized arguments: --gpus" in result.stderr
+
+
+def test_a_device_that_is_not_a_device_is_a_usage_error(tmp_path):
+    result = run("--data-dir", str(tmp_path), "--provide", "--device", "gpu1")
+    assert result.returncode == 2
+    assert "'gpu1': use auto, cpu, cuda or cuda:N" in result.stderr
+
+
+def test_a_gpu_this_machine_lacks_is_a_usage_error(tmp_path):
+    result = run("--data-dir", str(tmp_path), "--provide", "--device", "cuda:1")
+    assert result.returncode == 2
+    assert "--device cuda:1" in result.stderr
+    assert "try --device auto" in result.stderr or "this machine has cuda:0" in result.stderr
 
 
 def test_consume_without_a_script_says_how_to_give_one(tmp_path):
@@ -257,3 +271,11 @@ def test_two_nodes_with_mdns_find_each_other_without_bootstrap(tmp_path):
     finally:
         first.stop()
         second.stop()
+
+
+def test_a_rig_offers_the_gpu_its_device_flag_names():
+    rig = Detection(tuple(DeviceFacts("cuda", i, f"GPU {i}", 24576, 0, "550") for i in range(2)))
+    assert offered_gpu("cuda:1", rig).model == "GPU 1"
+    assert offered_gpu("cuda", rig).index == 0
+    with pytest.raises(ValueError, match=r"has cuda:0 \(GPU 0\), cuda:1 \(GPU 1\)"):
+        offered_gpu("cuda:2", rig)

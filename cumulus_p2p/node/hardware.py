@@ -59,6 +59,23 @@ def detect() -> Detection:
     return Detection(tuple(gpus))
 
 
+def offered_gpu(choice: str, found: Detection) -> DeviceFacts:
+    """The GPU ``--device cuda[:N]`` names, from what NVML found.
+
+    Raises:
+        ValueError: no GPU is usable, or none has that index (the message lists them).
+    """
+    index = int(choice.partition(":")[2] or 0)
+    gpus = [d for d in found.devices if d.kind == "cuda"]
+    if not gpus:
+        raise ValueError(f"--device {choice}, but no NVIDIA GPU is usable here (try --device auto)")
+    for gpu in gpus:
+        if gpu.index == index:
+            return gpu
+    listed = ", ".join(f"cuda:{g.index} ({g.model})" for g in gpus)
+    raise ValueError(f"--device {choice}: this machine has {listed}")
+
+
 def _nvml_devices() -> list[DeviceFacts]:
     import pynvml
 
