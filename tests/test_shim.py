@@ -105,6 +105,22 @@ def test_cuda_training_script_under_the_shim_matches_the_cpu(executor_address, t
     assert remote_report["peak"] > 0
 
 
+def test_a_nanogpt_style_compiled_script_under_the_shim_matches_it_compiled_on_a_cpu(
+    executor_address, tmp_path
+):
+    train = str(SCRIPTS / "nanogpt_train.py")
+    under_shim = run_shim(train, "4", executor=executor_address, cwd=tmp_path)
+    assert under_shim.returncode == 0, under_shim.stderr
+    assert "runs eagerly" not in under_shim.stderr  # the model was captured, not run eagerly
+    local = subprocess.run(  # a process that never imports cumulus: inductor on this CPU
+        [sys.executable, train, "4"], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert local.returncode == 0, local.stderr
+    remote_report, local_report = report(under_shim), report(local)
+    assert (local_report["device"], remote_report["device"]) == ("cpu", "cumulus:0")
+    assert remote_report["losses"] == pytest.approx(local_report["losses"], abs=1e-5)
+
+
 def test_missing_executor_environment_says_what_to_set(tmp_path):
     proc = run_shim(str(PROBE), executor=None, cwd=tmp_path)
     assert proc.returncode == shim.EXIT_CANNOT_START
