@@ -188,6 +188,20 @@ async def test_forged_offer_is_dropped_by_every_node() -> None:
         await _assert_dropped_everywhere(mesh, forged.to_bytes(), "BAD_SIGNATURE")
 
 
+async def test_gossip_drained_before_a_node_stops_still_arrives() -> None:
+    async with open_mesh(3) as mesh:
+        envs = [mesh.nodes[2].seal("market/bid", f"last words {i}".encode()) for i in range(5)]
+        for env in envs:
+            await mesh.nodes[2].publish(env)
+        await mesh.nodes[2].drain()
+        await mesh.stop_node(2)  # what a consumer does once its reports are out
+        await wait_for(
+            lambda: all(env.digest in mesh.books[0] for env in envs),
+            timeout=3.0,
+            what="every message published before the stop",
+        )
+
+
 async def test_replayed_offer_is_dropped_by_every_node() -> None:
     async with open_mesh(N) as mesh:
         # A long TTL, so the copy is still live (a replay, not merely expired) when resent.

@@ -272,6 +272,18 @@ class MeshNode:
         raw = envelope.to_bytes() if isinstance(envelope, Envelope) else envelope
         await self.pubsub.publish(topic, raw)
 
+    async def drain(self, timeout: float = 2.0) -> None:
+        """Wait, at most ``timeout`` seconds, for the gossip queued for peers to leave.
+
+        ``publish`` only queues a message per peer (py-libp2p's ``RpcQueue``); a node that
+        stops right after publishing (a consumer's last service reports) would drop it.
+        """
+        queues = getattr(self.pubsub, "peer_queues", {})
+        with trio.move_on_after(timeout):
+            while any(len(queue) for queue in queues.values()):
+                await trio.sleep(0.05)
+            await trio.sleep(0.2)  # the last message taken off a queue may still be in flight
+
     async def announce(self, name: str, kind: str, body: AnnouncedBody) -> Envelope:
         """Keep an offer alive: gossip it now and re-announce it every heartbeat.
 

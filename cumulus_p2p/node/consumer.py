@@ -528,6 +528,7 @@ async def run_consumer(
             await _settle_leases(consumer)
             await consumer.withdraw_bid()
             await consumer.report_service()
+            await consumer.runtime.mesh.drain()
             consumer.status = "done"
             data.write_state(consumer.snapshot())
             nursery.cancel_scope.cancel()
