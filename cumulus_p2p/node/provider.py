@@ -449,6 +449,7 @@ class Provider:
             await self._hang_up(active, "leaving: the host is shutting down")
         for active in list(self.active.values()):
             await active.settled.wait()
+        await self.runtime.mesh.drain()  # the cancel must leave before the node stops
 
     async def _cancel_offer(self) -> None:
         rt, now = self.runtime, self.runtime.clock()
