@@ -107,16 +107,14 @@ def capture(fn: Callable[..., tuple[torch.Tensor, ...]], inputs: list[torch.Tens
     mode = FakeTensorMode()
     stand_ins = [stand_in(t, mode) for t in inputs]
     try:
-        # Factories inside the code (``torch.arange(n, device=x.device)``) name the real
-        # device: with the fake mode active they make fake tensors, not remote ones.
+        # Factories in the code or its backward (``torch.arange(n, device=x.device)``)
+        # name the real device: with the fake mode active they make fakes, not remote ops.
         with mode:
             outputs = traced(*stand_ins)
-        differentiable = tuple(o.requires_grad for o in outputs)
-        if any(differentiable):
-            needed = [o for o in outputs if o.requires_grad]
-            torch.autograd.backward(needed, [torch.ones_like(o) for o in needed])
-    except CaptureError:
-        raise
+            differentiable = tuple(o.requires_grad for o in outputs)
+            if any(differentiable):
+                needed = [o for o in outputs if o.requires_grad]
+                torch.autograd.backward(needed, [torch.ones_like(o) for o in needed])
     except Exception as exc:  # torch raises many types while tracing; all mean "cannot"
         raise CaptureError(f"{type(exc).__name__}: {_first_line(exc)}") from exc
     return _checked(graphs, partition, len(outputs), differentiable)
