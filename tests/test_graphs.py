@@ -75,3 +75,11 @@ def test_programs_are_built_once_per_content_and_device():
 def test_a_constant_size_factory_counts_its_bytes_before_it_runs():
     graph = [0, [["aten.zeros.default", [[1000, 1000]], {"dtype": torch.float32}]], [node(0)]]
     assert build_program(graph, CPU).factory_bytes == 4_000_000
+
+
+def test_an_element_of_a_value_that_has_none_is_an_error_naming_the_node():
+    graph = [1, [["aten.neg.default", [GraphValue(GraphValue.INPUT, 0, 2)], {}]], [node(0)]]
+    with pytest.raises(NodeFailed) as info:
+        build_program(graph, CPU).run([torch.ones(3)], budget=1 << 20)
+    assert (info.value.op, info.value.index) == ("aten.neg.default", 0)
+    assert "has no element 2" in str(info.value)

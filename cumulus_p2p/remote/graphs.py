@@ -143,7 +143,11 @@ def _nbytes(result: Any) -> int:
 
 def _lookup(ref: GraphValue, inputs: list, results: list) -> Any:
     value = inputs[ref.index] if ref.kind == GraphValue.INPUT else results[ref.index]
-    return value if ref.item < 0 else value[ref.item]
+    if ref.item < 0:
+        return value
+    if type(value) not in (tuple, list) or ref.item >= len(value):
+        raise GraphError(f"value {ref.index} has no element {ref.item}")
+    return value[ref.item]
 
 
 def _fill(value: Any, inputs: list, results: list) -> Any:
