@@ -92,6 +92,8 @@ def _sdp_choice(on_cpu: bool, query, key, value, attn_mask, dropout_p, is_causal
 
 
 def _layout(t: torch.Tensor) -> tuple:
+    if type(t) is RemoteTensor:  # the eager path, every attention call: already at hand
+        return t._sig
     return (t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
 
 
