@@ -83,3 +83,23 @@ def test_an_element_of_a_value_that_has_none_is_an_error_naming_the_node():
         build_program(graph, CPU).run([torch.ones(3)], budget=1 << 20)
     assert (info.value.op, info.value.index) == ("aten.neg.default", 0)
     assert "has no element 2" in str(info.value)
+
+
+def test_a_write_copies_an_output_into_its_input_after_the_run():
+    graph = [1, [["aten.add.Tensor", [INPUT, 1], {}]], [node(0)], [[0, 0]]]
+    x = torch.zeros(3)
+    build_program(graph, CPU).run([x], budget=1 << 20)
+    assert x.tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("writes", [[[1, 0]], [[0, 1]], [[0, 0], [0, 0]], [[0]], "all"], ids=str)
+def test_a_write_naming_no_output_or_no_input_or_twice_is_refused(writes):
+    graph = [1, [["aten.add.Tensor", [INPUT, 1], {}]], [node(0)], writes]
+    with pytest.raises(GraphError):
+        build_program(graph, CPU)
+
+
+def test_a_write_of_another_shape_is_refused_when_it_runs():
+    graph = [1, [["aten.sum.default", [INPUT], {}]], [node(0)], [[0, 0]]]
+    with pytest.raises(GraphError, match="shapes differ"):
+        build_program(graph, CPU).run([torch.ones(3)], budget=1 << 20)

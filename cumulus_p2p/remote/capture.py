@@ -12,8 +12,11 @@ recorded graphs into wire definitions.
 
 What the capture refuses, and why (each becomes an eager run with a warning):
 
-- a graph that mutates its inputs or returns extra outputs (BatchNorm's running
-  statistics): the partition would not be a plain (user outputs + saved) forward;
+- a graph that changes an input's metadata, mutates an input that requires grad, or
+  returns outputs AOTAutograd adds for aliasing: the forward would not be a plain
+  (new values of mutated inputs + user outputs + saved values) graph. Data mutations of
+  other inputs (BatchNorm's running statistics) are captured: their new values are the
+  forward's first outputs, and the executor writes them back;
 - anything that needs data (``.item()``, data-dependent shapes): fakes have none.
 """
 
@@ -43,14 +46,18 @@ class Captured:
         backward: The backward graph, or None for inference. Its inputs are the saved
             values, then one gradient per differentiable output; its outputs are one
             gradient (or None) per forward input.
-        n_outputs: How many of the forward graph's outputs the function returns.
+        n_outputs: How many of the forward graph's outputs the function returns (after
+            the mutated inputs' new values).
         differentiable: Per function output, whether a gradient flows back through it.
+        mutated: The inputs the function writes to, in order: the forward graph's first
+            outputs are their new values.
     """
 
     forward: torch.fx.GraphModule
     backward: torch.fx.GraphModule | None
     n_outputs: int
     differentiable: tuple[bool, ...]
+    mutated: tuple[int, ...] = ()
 
 
 def stand_in(tensor: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
@@ -106,36 +113,43 @@ def capture(fn: Callable[..., tuple[torch.Tensor, ...]], inputs: list[torch.Tens
     )
     mode = FakeTensorMode()
     stand_ins = [stand_in(t, mode) for t in inputs]
+    versions = [t._version for t in stand_ins]
     try:
         # Factories in the code or its backward (``torch.arange(n, device=x.device)``)
         # name the real device: with the fake mode active they make fakes, not remote ops.
         with mode:
             outputs = traced(*stand_ins)
+            # AOTAutograd writes a mutated input's new value back into the stand-in.
+            mutated = tuple(i for i, t in enumerate(stand_ins) if t._version != versions[i])
             differentiable = tuple(o.requires_grad for o in outputs)
             if any(differentiable):
                 needed = [o for o in outputs if o.requires_grad]
                 torch.autograd.backward(needed, [torch.ones_like(o) for o in needed])
     except Exception as exc:  # torch raises many types while tracing; all mean "cannot"
         raise CaptureError(f"{type(exc).__name__}: {_first_line(exc)}") from exc
-    return _checked(graphs, partition, len(outputs), differentiable)
+    if any(stand_ins[i].requires_grad for i in mutated):
+        raise CaptureError("the code writes in place to a tensor that requires grad")
+    return _checked(graphs, partition, len(outputs), differentiable, mutated)
 
 
-def _checked(graphs: dict, partition: dict, n_outputs: int, differentiable: tuple) -> Captured:
+def _checked(
+    graphs: dict, partition: dict, n_outputs: int, differentiable: tuple, mutated: tuple
+) -> Captured:
     forward, backward = graphs.get("forward"), graphs.get("backward")
     if forward is None:
         raise CaptureError("AOTAutograd produced no forward graph")
     if any(differentiable) and backward is None:
         raise CaptureError("AOTAutograd produced no backward graph")
     returned = partition.get("num_fwd_outputs", len(_outputs(forward)))
-    if returned != n_outputs:
-        raise CaptureError("the code mutates its inputs (e.g. BatchNorm statistics)")
+    if returned != len(mutated) + n_outputs:
+        raise CaptureError("the code changes its inputs in a way not captured yet")
     if backward is not None:
-        saved = [_name(v) for v in _outputs(forward)[n_outputs:]]
+        saved = [_name(v) for v in _outputs(forward)[returned:]]
         taken = [n.name for n in backward.graph.nodes if n.op == "placeholder"]
         tangents = [name for name in taken if name.startswith("tangents")]
         if taken[: len(saved)] != saved or len(tangents) != sum(differentiable):
             raise CaptureError("the backward graph's inputs do not match the forward's outputs")
-    return Captured(forward, backward, n_outputs, differentiable)
+    return Captured(forward, backward, n_outputs, differentiable, mutated)
 
 
 def _kept(node: torch.fx.Node) -> bool:

@@ -22,9 +22,11 @@ reads stay wire references (``Saved``), not tensors. The executor runs the graph
 graph and keeps its saved values; backward runs the backward graph on them. A steady
 training step therefore costs two records, whatever the depth of the model.
 
-Code that cannot be captured (data-dependent control flow, ``.item()`` in the forward,
-BatchNorm's in-place statistics, more than ``MAX_CAPTURES`` signatures) runs eagerly with
-a one-line warning, and gives the same results.
+Inputs the code writes to (BatchNorm's running statistics) are written back on the
+executor: the graph's first outputs are their new values, and its definition says which
+input each one replaces. Code that cannot be captured (data-dependent control flow,
+``.item()`` in the forward, more than ``MAX_CAPTURES`` signatures) runs eagerly with a
+one-line warning, and gives the same results.
 """
 
 from __future__ import annotations
@@ -97,9 +99,13 @@ class Saved:
 class CompiledGraph:
     """One captured aten graph: its wire definition and how to build its outputs."""
 
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
-        self.definition, inputs, outputs = encode_graph(gm)
-        self.outputs = _output_plan(inputs, outputs)
+    def __init__(self, gm: torch.fx.GraphModule, mutated: tuple[int, ...] = ()) -> None:
+        definition, inputs, outputs = encode_graph(gm)
+        # The first outputs are the new values of the inputs the graph mutates: the
+        # executor writes them back, and the client needs nothing of them.
+        writes = [[k, i] for k, i in enumerate(mutated)]
+        self.definition = [*definition, writes] if writes else definition
+        self.outputs = [None] * len(writes) + _output_plan(inputs, outputs[len(writes) :])
         self.groups = len({o.where for o in self.outputs if o is not None and not o.on_input})
         self._ids: weakref.WeakKeyDictionary[RemoteSession, int] = weakref.WeakKeyDictionary()
 
@@ -222,8 +228,9 @@ class _Step:
     """A captured signature: its graphs and what the function's outputs look like."""
 
     def __init__(self, captured: Captured, out_spec: Any, constants: dict) -> None:
-        self.forward = CompiledGraph(captured.forward)
+        self.forward = CompiledGraph(captured.forward, captured.mutated)
         self.backward = None if captured.backward is None else CompiledGraph(captured.backward)
+        self.first = len(captured.mutated)  # the function's outputs follow the write-backs
         self.n_outputs = captured.n_outputs
         self.differentiable = captured.differentiable
         self.out_spec = out_spec
@@ -231,7 +238,7 @@ class _Step:
 
     def run(self, inputs: list[RemoteTensor]) -> tuple:
         if self.backward is None:
-            return tuple(self.forward.call(inputs)[: self.n_outputs])
+            return tuple(self.forward.call(inputs)[self.first : self.first + self.n_outputs])
         return _CompiledStep.apply(self, *inputs)
 
 
@@ -240,15 +247,16 @@ class _CompiledStep(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, step: _Step, *inputs: RemoteTensor):  # noqa: D102
-        n = step.n_outputs
-        outputs = step.forward.call(list(inputs), n)
+        first, end = step.first, step.first + step.n_outputs
+        outputs = step.forward.call(list(inputs), end)
         ctx.step = step
         # The saved values are outputs of the graph that only the backward graph reads:
         # kept as wire references, not tensors, and dropped after backward.
-        ctx.saved = outputs[n:]
-        fixed = [o for o, d in zip(outputs[:n], step.differentiable, strict=True) if not d]
+        ctx.saved = outputs[end:]
+        returned = outputs[first:end]
+        fixed = [o for o, d in zip(returned, step.differentiable, strict=True) if not d]
         ctx.mark_non_differentiable(*fixed)
-        return tuple(outputs[:n])
+        return tuple(returned)
 
     @staticmethod
     @torch.autograd.function.once_differentiable

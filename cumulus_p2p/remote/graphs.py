@@ -7,9 +7,10 @@ record ``@graph [graph_id, definition]``, and then calls it with one record per 
 ``@run [graph_id, inputs]``, whose ``outs`` name the handles of its outputs. A definition
 is plain data, never code::
 
-    [n_inputs, nodes, outputs]
+    [n_inputs, nodes, outputs(, writes)]
     node    = [op_name, args, kwargs]
     outputs = [value or nil, ...]
+    writes  = [[output, input], ...]   (copy an output into an input after the run)
 
 Node arguments are the values a single op's arguments may be (numbers, strings, lists,
 dtypes, devices...) plus ``GraphValue`` references to a graph input or to an *earlier*
@@ -93,6 +94,9 @@ class GraphProgram:
     outputs: tuple[GraphValue | None, ...]
     #: Bytes the graph's constant-size factory ops allocate (checked against the quota).
     factory_bytes: int
+    #: ``(output, input)`` pairs: after a run, the output's value is copied into the input
+    #: (the graph mutates that input, as BatchNorm does its running statistics).
+    writes: tuple[tuple[int, int], ...] = ()
 
     def run(self, inputs: list[torch.Tensor], budget: int) -> list[torch.Tensor | None]:
         """Run every node in order; return the graph's outputs.
@@ -130,7 +134,13 @@ class GraphProgram:
             for done in node.release:
                 results[done] = None
                 live -= held[done]
-        return [None if v is None else _lookup(v, inputs, results) for v in self.outputs]
+        outputs = [None if v is None else _lookup(v, inputs, results) for v in self.outputs]
+        for output, target in self.writes:
+            value, into = outputs[output], inputs[target]
+            if not (isinstance(value, torch.Tensor) and value.shape == into.shape):
+                raise GraphError(f"output {output} cannot replace input {target}: shapes differ")
+            into.copy_(value)
+        return outputs
 
 
 def _nbytes(result: Any) -> int:
@@ -171,9 +181,9 @@ def build_program(definition: Any, device: torch.device) -> GraphProgram:
         GraphError: the definition is malformed, too big, names an op that is unknown,
             blocked or writes to its arguments, or references a value out of range.
     """
-    if not (isinstance(definition, list) and len(definition) == 3):
-        raise GraphError("a graph definition is [n_inputs, nodes, outputs]")
-    n_inputs, nodes, outputs = definition
+    if not (isinstance(definition, list) and len(definition) in (3, 4)):
+        raise GraphError("a graph definition is [n_inputs, nodes, outputs(, writes)]")
+    n_inputs, nodes, outputs = definition[:3]
     if type(n_inputs) is not int or not 0 <= n_inputs <= MAX_GRAPH_NODES:
         raise GraphError("n_inputs must be a small non-negative integer")
     if not isinstance(nodes, list) or not isinstance(outputs, list):
@@ -184,7 +194,23 @@ def build_program(definition: Any, device: torch.device) -> GraphProgram:
     built = [checker.node(i, node) for i, node in enumerate(nodes)]
     checker.available = len(built)
     outs = tuple(None if v is None else checker.reference(v, "output") for v in outputs)
-    return GraphProgram(n_inputs, _with_releases(built, outs), outs, checker.factory_bytes)
+    writes = _writes(definition[3] if len(definition) == 4 else [], len(outs), n_inputs)
+    return GraphProgram(n_inputs, _with_releases(built, outs), outs, checker.factory_bytes, writes)
+
+
+def _writes(pairs: Any, n_outputs: int, n_inputs: int) -> tuple[tuple[int, int], ...]:
+    """Validated ``[output, input]`` write-backs: in range, each input written once."""
+    if not isinstance(pairs, list):
+        raise GraphError("writes must be an array of [output, input] pairs")
+    checked: list[tuple[int, int]] = []
+    for pair in pairs:
+        ok = isinstance(pair, list) and len(pair) == 2 and all(type(v) is int for v in pair)
+        if not ok or not (0 <= pair[0] < n_outputs and 0 <= pair[1] < n_inputs):
+            raise GraphError(f"write {pair!r} names no output or no input of the graph")
+        checked.append((pair[0], pair[1]))
+    if len({target for _, target in checked}) != len(checked):
+        raise GraphError("a graph may write each input once")
+    return tuple(checked)
 
 
 def _with_releases(nodes: list[_Node], outputs: tuple) -> tuple[_Node, ...]:
