@@ -267,7 +267,7 @@ class _Checker:
         kw_template = {str(k): self.value(v, where) for k, v in kwargs.items()}
         if op._schema.name in _FACTORIES:
             self.factory_bytes += _factory_bytes(op, template, kw_template)
-        fills = _has_reference(template) or _has_reference(tuple(kw_template.values()))
+        fills = any(True for _ in _references((template, tuple(kw_template.values()))))
         fresh = all(r.alias_info is None for r in op._schema.returns)
         return _Node(op, name, template, kw_template, fills, fresh)
 
@@ -304,10 +304,6 @@ class _Checker:
         return ref
 
 
-def _has_reference(template: tuple) -> bool:
-    return any(type(v) is GraphValue or (type(v) is tuple and _has_reference(v)) for v in template)
-
-
 def _factory_bytes(op, args: tuple, kwargs: dict) -> int:
     """Bytes a factory node allocates when its size is constant (0 when it is not)."""
     sizes = args[1] if op._schema.name.startswith("aten::new_") else args[0] if args else None
@@ -331,8 +327,9 @@ class ProgramCache:
         self._programs: OrderedDict[bytes, GraphProgram] = OrderedDict()
         self.builds = 0
 
-    def get(self, definition: Any, device: torch.device) -> GraphProgram:
-        """The program for ``definition``, built (and validated) only on first sight.
+    def get(self, definition: Any, device: torch.device) -> tuple[bytes, GraphProgram]:
+        """The content hash of ``definition`` and its program, built (and validated) only
+        on first sight.
 
         Raises:
             GraphError: as ``build_program``.
@@ -350,7 +347,7 @@ class ProgramCache:
                 self._programs.popitem(last=False)
         else:
             self._programs.move_to_end(key)
-        return program
+        return key, program
 
 
 #: One cache per executor process: programs are shared by its sessions (and workers).

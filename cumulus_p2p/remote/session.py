@@ -41,7 +41,6 @@ from .graphs import (
     GraphError,
     GraphProgram,
     NodeFailed,
-    definition_key,
 )
 from .ops import UnknownOpError, resolve_op
 from .protocol import (
@@ -250,10 +249,9 @@ class ExecutorSession:
                 "InvalidGraphError", f"a session may define at most {MAX_SESSION_GRAPHS} graphs"
             )
         try:
-            program = PROGRAMS.get(definition, self.device)
+            key, program = PROGRAMS.get(definition, self.device)
         except GraphError as exc:
             raise OpFailed("InvalidGraphError", f"graph {graph_id}: {exc}") from None
-        key = definition_key(definition, self.device)
         if known is not None and known[0] != key:
             raise OpFailed("InvalidGraphError", f"graph {graph_id} is already defined otherwise")
         self._graphs[graph_id] = (key, program)
