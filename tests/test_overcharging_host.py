@@ -25,7 +25,10 @@ from cumulus_p2p.testing.nodes import (
     start_provider,
 )
 
-SCRIPT = ["-m", "cumulus_p2p.demo_train", "--steps", "120", "--log-every", "20"]
+#: Long enough to outlast the liar: its first receipt comes after 1 s, the unpaid session
+#: pauses 2 s later, and only then does the job move. At 120 steps a clean-clone CI run
+#: once ended with the last lease on the liar, most likely a job done before the pause.
+SCRIPT = ["-m", "cumulus_p2p.demo_train", "--steps", "400", "--log-every", "50"]
 
 
 
