@@ -343,13 +343,13 @@ def test_a_good_graph_runs_after_a_bad_one_in_the_same_session(executor_address,
     [
         ([["aten.from_file.default", ["/etc/passwd"], {}]], "not allowed"),
         ([["os.system.default", ["true"], {}]], "not an aten op"),
-        ([["aten.add_.Tensor", [_input(0), 1], {}]], "writes to its arguments"),
+        ([["aten.neg.out", [_input(0)], {"out": _input(0)}]], "writes to its out= argument"),
         ([["aten.neg.default", [_node(1)], {}], ["aten.neg.default", [_node(0)], {}]], "earlier"),
         ([["aten.neg.default", [_input(3)], {}]], "input 3"),
         ([["aten.neg.default"]], "not [op_name, args, kwargs]"),
         ([["aten.neg.default", [GraphValue(7, 0, -1)], {}]], "kind 7"),
     ],
-    ids=["blocked", "outside-aten", "in-place", "cyclic", "input-range", "short-node", "kind"],
+    ids=["blocked", "outside-aten", "out-argument", "cyclic", "input-range", "short-node", "kind"],
 )
 def test_a_bad_graph_is_refused_for_that_session_only(executor_address, honest, nodes, why):
     attacker = second_session(executor_address)

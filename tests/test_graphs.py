@@ -103,3 +103,33 @@ def test_a_write_of_another_shape_is_refused_when_it_runs():
     graph = [1, [["aten.sum.default", [INPUT], {}]], [node(0)], [[0, 0]]]
     with pytest.raises(GraphError, match="shapes differ"):
         build_program(graph, CPU).run([torch.ones(3)], budget=1 << 20)
+
+
+def test_in_place_ops_update_inputs_and_earlier_results_as_eager_code_would():
+    second = GraphValue(GraphValue.INPUT, 1, -1)
+    graph = [
+        2,
+        [
+            ["aten._foreach_mul_.Scalar", [[INPUT, second], 2.0], {}],
+            ["aten.sqrt.default", [INPUT], {}],
+            ["aten.add_.Tensor", [node(1), 1.0], {}],
+            ["aten.copy_.default", [second, node(1)], {}],
+        ],
+        [],
+    ]  # fmt: skip
+    x, y = torch.full((3,), 8.0), torch.ones(3)
+    assert build_program(graph, CPU).run([x, y], budget=1 << 20) == []
+    assert x.tolist() == [16.0] * 3
+    assert y.tolist() == [5.0] * 3
+
+
+def test_a_write_to_an_out_argument_is_refused():
+    graph = [1, [["aten.neg.out", [INPUT], {"out": INPUT}]], []]
+    with pytest.raises(GraphError, match="writes to its out= argument"):
+        build_program(graph, CPU)
+
+
+def test_an_in_place_write_to_a_constant_is_refused():
+    graph = [1, [["aten._foreach_add_.Scalar", [[INPUT, 3.0], 1.0], {}]], []]
+    with pytest.raises(GraphError, match="not a graph value"):
+        build_program(graph, CPU)

@@ -210,21 +210,6 @@ def test_decorator_form_reaches_cumulus_too(cumulus):
     assert cumulus.graphs_defined == 1
 
 
-def test_a_compiled_optimizer_step_runs_eagerly_on_cumulus(cumulus, fresh_warnings):
-    torch.manual_seed(0)
-    local = torch.nn.Linear(4, 2)
-    remote = torch.nn.Linear(4, 2).to("cumulus")
-    remote.load_state_dict(local.state_dict())
-    for model in (local, remote):
-        opt = torch.optim.Adam(model.parameters(), lr=0.1)
-        model(torch.ones(3, 4, device=model.weight.device)).sum().backward()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.compile(opt.step)()
-    assert torch.allclose(remote.weight.cpu(), local.weight, atol=1e-6)
-    assert any("updates its parameters in place" in str(w.message) for w in caught)
-
-
 def test_an_autocast_region_is_captured_with_the_devices_casts(cumulus):
     def losses(compile_model: bool) -> list[float]:
         torch.manual_seed(0)

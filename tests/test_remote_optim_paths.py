@@ -77,3 +77,14 @@ def test_a_steady_step_builds_no_plan_even_as_the_learning_rate_changes(cumulus)
     before = plan_count()
     step()
     assert plan_count() == before
+
+
+def test_a_foreach_step_bumps_the_versions_of_the_tensors_it_writes(cumulus):
+    weight = torch.ones(2, 2, device="cumulus", requires_grad=True)
+    x = torch.ones(2, 2, device="cumulus", requires_grad=True)
+    loss = (x @ weight).sum()  # saves weight for x's gradient
+    with torch.no_grad():
+        torch._foreach_add_([weight], [torch.ones(2, 2, device="cumulus")], alpha=-0.1)
+    assert weight._version == 1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

@@ -18,6 +18,11 @@ What the capture refuses, and why (each becomes an eager run with a warning):
   other inputs (BatchNorm's running statistics) are captured: their new values are the
   forward's first outputs, and the executor writes them back;
 - anything that needs data (``.item()``, data-dependent shapes): fakes have none.
+
+``capture_in_place`` is the second way, for code that only updates its inputs (an
+optimizer step): the aten ops are recorded as they run, in-place ops included, with no
+functionalization and no autograd. The graph then writes the inputs' memory as the eager
+code would, with no copies of them and no write-backs.
 """
 
 from __future__ import annotations
@@ -58,6 +63,14 @@ class Captured:
     n_outputs: int
     differentiable: tuple[bool, ...]
     mutated: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class InPlaceGraph:
+    """A graph that updates its inputs: ``written`` are the ones it writes to."""
+
+    graph: torch.fx.GraphModule
+    written: tuple[int, ...]
 
 
 def stand_in(tensor: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
@@ -130,6 +143,44 @@ def capture(fn: Callable[..., tuple[torch.Tensor, ...]], inputs: list[torch.Tens
     if any(stand_ins[i].requires_grad for i in mutated):
         raise CaptureError("the code writes in place to a tensor that requires grad")
     return _checked(graphs, partition, len(outputs), differentiable, mutated)
+
+
+def capture_in_place(fn: Callable[..., object], inputs: list[torch.Tensor]) -> InPlaceGraph:
+    """Trace ``fn(*inputs)``, which updates its inputs in place, into one aten graph.
+
+    Raises:
+        CaptureError: the function cannot be captured (with the reason).
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    mode = FakeTensorMode()
+    stand_ins = [stand_in(t, mode).requires_grad_(False) for t in inputs]
+    try:
+        with mode, torch.no_grad():
+            gm = make_fx(fn)(*stand_ins)
+    except Exception as exc:  # torch raises many types while tracing; all mean "cannot"
+        raise CaptureError(f"{type(exc).__name__}: {_first_line(exc)}") from exc
+    if _outputs(gm):
+        raise CaptureError("the code returns tensors; only in-place updates are captured")
+    return InPlaceGraph(gm, _written_inputs(gm))
+
+
+def _written_inputs(gm: torch.fx.GraphModule) -> tuple[int, ...]:
+    """The inputs an op of ``gm`` writes to directly, by position. (Fake tensors' version
+    counters cannot say: foreach ops on them run meta kernels, which bump nothing.)"""
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    position = {node: i for i, node in enumerate(inputs)}
+    written: set[int] = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        for i, argument in enumerate(node.target._schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+            values = value if isinstance(value, (list, tuple)) else [value]
+            written.update(position[v] for v in values if v in position)
+    return tuple(sorted(written))
 
 
 def _checked(

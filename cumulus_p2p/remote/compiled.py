@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-``device.register()`` routes ``torch.compile`` through ``patch_torch_compile``. A compiled
+``device.register()`` routes ``torch.compile`` through ``compile_routing``. A compiled
 module or function whose parameters or arguments are on cumulus is run by a
 ``CompiledCode`` instead of dynamo; everything else compiles exactly as before.
 
@@ -31,8 +31,6 @@ one-line warning, and gives the same results.
 
 from __future__ import annotations
 
-import functools
-import itertools
 import operator
 import warnings
 import weakref
@@ -42,7 +40,7 @@ from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .capture import Captured, CaptureError, capture
 from .client import RemoteSession, current_session
@@ -379,76 +377,3 @@ def _assemble(step: _Step, tensors: tuple) -> Any:
     count = len(tensors) + len(step.constants)
     leaves = [step.constants[i] if i in step.constants else next(it) for i in range(count)]
     return tree_unflatten(leaves, step.out_spec)
-
-
-# --- routing torch.compile ------------------------------------------------------------
-
-
-def patch_torch_compile(device_type: str) -> None:
-    """Route ``torch.compile`` calls whose code runs on ``device_type`` to ``CompiledCode``."""
-    original = torch.compile
-    if getattr(original, "_cumulus_patched", False):
-        return
-
-    @functools.wraps(original)
-    def compile_for_cumulus(model: Any = None, **options: Any) -> Any:
-        if model is None:  # the decorator form: @torch.compile(mode=...)
-            return lambda fn: compile_for_cumulus(fn, **options)
-        compiled = original(model, **options)
-        if isinstance(model, torch.nn.Module):
-            # OptimizedModule calls its ``forward`` attribute, the dynamo-wrapped
-            # ``model.__call__``; on cumulus the module is called through CompiledCode.
-            remote = CompiledCode(model, model, device_type)
-            compiled.forward = _route(device_type, compiled.forward, remote, model)
-            return compiled
-        if isinstance(getattr(model, "__self__", None), torch.optim.Optimizer):
-            return _eager_for_optimizer(device_type, compiled, model)
-        return _route(device_type, compiled, CompiledCode(model, None, device_type), None)
-
-    compile_for_cumulus._cumulus_patched = True  # type: ignore[attr-defined]
-    torch.compile = compile_for_cumulus
-
-
-def _route(
-    device_type: str, compiled: Callable, remote: CompiledCode, module: torch.nn.Module | None
-) -> Callable:
-    @functools.wraps(remote.fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if _module_on(device_type, module) or _arguments_on(device_type, args, kwargs):
-            return remote(*args, **kwargs)
-        return compiled(*args, **kwargs)
-
-    return call
-
-
-def _eager_for_optimizer(device_type: str, compiled: Callable, step: Callable) -> Callable:
-    """``torch.compile(opt.step)``: eager on cumulus. The step writes its parameters in
-    place, which a compiled step does not capture, and dynamo would meet the parameters
-    through the optimizer rather than as arguments, where it cannot trace them."""
-    optimizer = step.__self__  # type: ignore[attr-defined]
-
-    @functools.wraps(step)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        params = (p for group in optimizer.param_groups for p in group["params"])
-        first = next(params, None)
-        if first is not None and first.device.type == device_type:
-            warn_eager("an optimizer step updates its parameters in place")
-            return step(*args, **kwargs)
-        return compiled(*args, **kwargs)
-
-    return call
-
-
-def _module_on(device_type: str, module: torch.nn.Module | None) -> bool:
-    if module is None:
-        return False
-    # A model lives on one device; its first parameter (or buffer) says which.
-    first = next(itertools.chain(module.parameters(), module.buffers()), None)
-    return first is not None and first.device.type == device_type
-
-
-def _arguments_on(device_type: str, args: tuple, kwargs: dict) -> bool:
-    return any(
-        isinstance(leaf, torch.Tensor) and leaf.device.type == device_type
-        for leaf in tree_leaves((args, kwargs))
-    )

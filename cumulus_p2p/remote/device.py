@@ -21,7 +21,7 @@ import torch
 import torch.utils.data._utils.pin_memory as _dataloader_pinning
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
-from . import compiled
+from . import compile_routing
 from .client import CURRENT, current_session
 
 NAME = "cumulus"
@@ -168,7 +168,7 @@ def register() -> None:
     from . import autocast  # its kernels name this device, so after registering it
 
     _AUTOCAST.extend(autocast.register())
-    compiled.patch_torch_compile(NAME)
+    compile_routing.patch_torch_compile(NAME)
     _dataloader_pinning.pin_memory = _skip_pinning_for_cumulus(_dataloader_pinning.pin_memory)
     CumulusModule._pending_seed = torch.initial_seed()
 

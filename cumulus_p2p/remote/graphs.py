@@ -19,9 +19,12 @@ node's result. A node can only look back, so a graph cannot be cyclic; a stored 
 session checks it like any other reference.
 
 ``build_program`` validates a definition with the rules single ops follow (``resolve_op``:
-aten only, the blocklist) plus what graphs need: no op that writes to its arguments, a
-bounded size, references in range. The result, a ``GraphProgram``, runs the nodes in a
-tight loop: ops resolved and argument templates built once, nothing decoded per call.
+aten only, the blocklist) plus what graphs need: a bounded size, references in range, and
+writes only in place. An in-place op (a compiled optimizer step is made of them) may write
+to a graph input or an earlier node's result, as it would eagerly; an ``out=`` argument,
+which can be resized and so hold memory the quota never saw, is refused. The result, a
+``GraphProgram``, runs the nodes in a tight loop: ops resolved and argument templates
+built once, nothing decoded per call.
 Programs are pure functions of their definition, so executors share them between
 sessions through a bounded cache keyed by content hash (``ProgramCache``).
 
@@ -257,14 +260,14 @@ class _Checker:
             op = resolve_op(name)
         except UnknownOpError as exc:
             raise GraphError(f"node {index}: {exc}") from None
-        if op._schema.is_mutable:
-            raise GraphError(f"node {index}: {name} writes to its arguments; graphs are functional")
         if not isinstance(args, list) or not isinstance(kwargs, dict):
             raise GraphError(f"node {index}: arguments must be an array and a map")
         self.available = index
         where = f"node {index} ({name})"
         template = tuple(self.value(a, where) for a in args)
         kw_template = {str(k): self.value(v, where) for k, v in kwargs.items()}
+        if op._schema.is_mutable:
+            _check_in_place(op, template, where)
         if op._schema.name in _FACTORIES:
             self.factory_bytes += _factory_bytes(op, template, kw_template)
         fills = any(True for _ in _references((template, tuple(kw_template.values()))))
@@ -302,6 +305,22 @@ class _Checker:
         if ref.item < -1:
             raise GraphError(f"{where}: negative item index")
         return ref
+
+
+def _check_in_place(op: torch._ops.OpOverload, args: tuple, where: str) -> None:
+    """An op that writes may write only positional arguments that are graph values."""
+    for position, argument in enumerate(op._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        if argument.kwarg_only:
+            raise GraphError(
+                f"{where}: writes to its {argument.name}= argument; a graph writes only in "
+                "place, to its inputs and earlier results"
+            )
+        value = args[position] if position < len(args) else None
+        values = value if type(value) is tuple else (value,)  # a tensor list may be empty
+        if not all(type(v) is GraphValue for v in values):
+            raise GraphError(f"{where}: writes to {argument.name}, which is not a graph value")
 
 
 def _factory_bytes(op, args: tuple, kwargs: dict) -> int:

@@ -251,6 +251,43 @@ _META_SIZED_INTS = {
 
 
 def _make_plan(func, args, kwargs) -> Callable:
+    plan = _plan_outputs(func, args, kwargs)
+    written = _written_lists(func._schema)
+    return _bumping_versions(plan, written) if written else plan
+
+
+def _written_lists(schema) -> list[tuple[int, str]]:
+    """Position and name of each tensor list the op writes (``_foreach_add_``'s self)."""
+    return [
+        (i, a.name)
+        for i, a in enumerate(schema.arguments)
+        if a.alias_info is not None
+        and a.alias_info.is_write
+        and isinstance(a.type, torch.ListType)
+    ]
+
+
+def _bumping_versions(plan: Callable, written: list[tuple[int, str]]) -> Callable:
+    """``plan``, then a version bump of every tensor in the lists the op writes.
+
+    A single in-place op bumps its tensor's version below autograd, but torch leaves that
+    to each backend's kernel for ops writing tensor lists (CUDA's foreach kernels do it):
+    without it, autograd would not notice an optimizer step that changed a tensor saved
+    for a backward still to run.
+    """
+
+    def run(args, kwargs):
+        result = plan(args, kwargs)
+        for position, name in written:
+            tensors = args[position] if position < len(args) else kwargs.get(name)
+            if tensors:
+                torch.autograd.graph.increment_version(tensors)
+        return result
+
+    return run
+
+
+def _plan_outputs(func, args, kwargs) -> Callable:
     schema = func._schema
     sized = schema.name in _META_SIZED_INTS
     if not sized and any(_non_tensor_return(r) for r in schema.returns):
