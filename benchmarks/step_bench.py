@@ -28,6 +28,8 @@ process that never imports ``cumulus_p2p.remote``: ``<name>_native_cuda_ms``,
 ``--compile`` also trains each workload with ``torch.compile(model)`` (issue 13), locally
 too, and adds the same keys with ``compiled_`` after the name: ``<name>_compiled_client_ms``,
 ``<name>_compiled_step_ratio`` (remote compiled over local compiled, inductor on the CPU)...
+and then with the optimizer step compiled as well (``torch.compile(opt.step)``), as
+``<name>_compiled_opt_...``.
 
 ``--isolation worker`` runs the session in a worker process of its own behind the
 executor's supervisor (issue 12), to compare with ``shared`` (every session in the
@@ -54,13 +56,21 @@ CPU_WORKLOADS = ["mlp_tiny", "transformer_tiny", "transformer_bench", "gpt"]
 CUDA_WORKLOADS = [*CPU_WORKLOADS, "gpt_large"]
 
 
-def trainer(name: str, device: str, compiled: bool = False):
-    """One step of workload ``name`` on ``device`` per call: returns (build_s, step_s)."""
+#: What ``--compile`` compiles: the model, then the model and the optimizer step.
+COMPILED = {"": "", "model": "compiled_", "step": "compiled_opt_"}
+
+
+def trainer(name: str, device: str, compiled: str = ""):
+    """One step of workload ``name`` on ``device`` per call: returns (build_s, step_s).
+
+    ``compiled`` is a key of ``COMPILED``: nothing, the model, or the model and the step.
+    """
     spec = WORKLOADS[name]
     torch.manual_seed(0)
     model = spec.make_model().to(device)
     opt = torch.optim.Adam(model.parameters())
     forward = torch.compile(model) if compiled else model
+    opt_step = torch.compile(opt.step) if compiled == "step" else opt.step
     gen = torch.Generator().manual_seed(0)
     batches = [tuple(t.to(device) for t in spec.make_batch(gen)) for _ in range(2)]
     count = iter(range(1 << 62))
@@ -71,7 +81,7 @@ def trainer(name: str, device: str, compiled: bool = False):
         opt.zero_grad()
         loss = spec.loss(forward(x), y)
         loss.backward()
-        opt.step()
+        opt_step()
         t1 = time.perf_counter()
         loss.item()  # a sync point every step, as real loops log the loss
         return t1 - t0, time.perf_counter() - t0
@@ -114,7 +124,7 @@ def counting_dispatches() -> Iterator[list[int]]:
         RemoteTensor.__torch_dispatch__ = classmethod(dispatch)
 
 
-def measure(name: str, steps: int, device: str, compiled: bool = False) -> dict:
+def measure(name: str, steps: int, device: str, compiled: str = "") -> dict:
     """Time ``name`` through the attached session (and locally on CPU, alternating)."""
     from cumulus_p2p.remote import current_session
     from cumulus_p2p.remote.tensor import plan_count
@@ -155,7 +165,7 @@ def measure(name: str, steps: int, device: str, compiled: bool = False) -> dict:
     if local_steps:
         out["local_ms"] = round(statistics.median(local_steps) * 1e3, 2)
         out["step_ratio"] = round(out["remote_ms"] / out["local_ms"], 3)
-    prefix = f"{name}_compiled_" if compiled else f"{name}_"
+    prefix = f"{name}_{COMPILED[compiled]}"
     return {prefix + key: value for key, value in out.items()}
 
 
@@ -171,7 +181,9 @@ def main() -> None:
         help="sessions in the executor's process, or each in a worker process",
     )
     parser.add_argument(
-        "--compile", action="store_true", help="also time torch.compile(model) steps"
+        "--compile",
+        action="store_true",
+        help="also time torch.compile(model) steps, then with torch.compile(opt.step) too",
     )
     args = parser.parse_args()
     names = args.workloads.split(",") if args.workloads else None
@@ -190,8 +202,8 @@ def main() -> None:
             for name in names:
                 steps = 5 if args.quick or name.startswith("gpt") else 20
                 result.update(measure(name, steps, args.device))
-                if args.compile:
-                    result.update(measure(name, steps, args.device, compiled=True))
+                for compiled in ("model", "step") if args.compile else ():
+                    result.update(measure(name, steps, args.device, compiled))
                 print(f"step_bench: {name} done", file=sys.stderr, flush=True)
     if args.device == "cuda":
         for name in names:
