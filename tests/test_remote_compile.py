@@ -32,12 +32,16 @@ def fresh_warnings(monkeypatch):
     monkeypatch.setattr(compiled, "_warned", set())
 
 
-def _gpt_losses(device: str, *, layers: int = 2, steps: int = 4, on_step=lambda: None):
-    """nanoGPT's training loop in miniature: tied weights, causal sdpa, fused AdamW, clipping."""
+def _gpt_losses(
+    device: str, *, layers: int = 2, steps: int = 4, on_step=lambda: None, compile_step=False
+):
+    """nanoGPT's training loop in miniature: tied weights, causal sdpa, fused AdamW, clipping
+    (and with ``compile_step``, the optimizer step compiled too)."""
     torch.manual_seed(0)
     model = TinyTransformer(dropout=0.0, layers=layers).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     forward = torch.compile(model)
+    opt_step = torch.compile(opt.step) if compile_step else opt.step
     gen = torch.Generator().manual_seed(2)
     losses = []
     for _ in range(steps):
@@ -47,7 +51,7 @@ def _gpt_losses(device: str, *, layers: int = 2, steps: int = 4, on_step=lambda:
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        opt_step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
         on_step()
@@ -68,11 +72,15 @@ def _dial(address: str):
 
 
 @pytest.mark.parametrize(
-    "interval", [None, 0.0], ids=["replay_from_start", "checkpoint_every_sync"]
+    ("interval", "compile_step"),
+    [(None, False), (0.0, False), (0.0, True)],
+    ids=["replay_from_start", "checkpoint_every_sync", "optimizer_compiled_too"],
 )
-def test_a_compiled_run_whose_host_is_killed_finishes_on_another_host(executor_address, interval):
+def test_a_compiled_run_whose_host_is_killed_finishes_on_another_host(
+    executor_address, interval, compile_step
+):
     with remote_device.attach(executor_address):
-        uninterrupted = _gpt_losses("cumulus", steps=5)
+        uninterrupted = _gpt_losses("cumulus", steps=5, compile_step=compile_step)
     with (
         executor_process(quota="2GiB") as (doomed, proc),
         executor_process(quota="2GiB") as (standby, _),
@@ -81,8 +89,10 @@ def test_a_compiled_run_whose_host_is_killed_finishes_on_another_host(executor_a
         ) as session,
     ):
         steps = iter(range(5))
-        losses = _gpt_losses("cumulus", steps=5, on_step=lambda: next(steps) == 2 and proc.kill())
+        kill = lambda: next(steps) == 2 and proc.kill()  # noqa: E731
+        losses = _gpt_losses("cumulus", steps=5, on_step=kill, compile_step=compile_step)
         assert session.failovers == 1
+        assert session.graphs_defined == (3 if compile_step else 2)
     assert losses == uninterrupted
 
 

@@ -43,7 +43,7 @@ from .tensor import RemoteTensor
 #: that step runs eagerly, without a warning, and the next one has a key of its own.
 _CREATES_STATE = "the step creates optimizer state"
 
-_Entry = tuple["CompiledGraph", tuple[int, ...]] | str
+_Entry = tuple[CompiledGraph, tuple[int, ...]] | str
 
 
 class CompiledOptimizerStep:
