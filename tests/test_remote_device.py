@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import threading
 
 import pytest
 import torch
@@ -25,6 +26,17 @@ def test_device_is_unavailable_without_a_session():
     assert not torch.cumulus.is_available()
     with pytest.raises(SessionClosedError, match="attach"):
         torch.zeros(2, device="cumulus")
+
+
+def test_backward_runs_on_the_attaching_thread_while_attached(executor_address):
+    threads = []
+    with remote.attach(executor_address):
+        x = torch.ones(3, device="cumulus", requires_grad=True)
+        x.register_hook(lambda grad: threads.append(threading.get_ident()))
+        (x * 2).sum().backward()
+        assert x.grad.tolist() == [2.0, 2.0, 2.0]
+    assert threads == [threading.get_ident()]
+    assert torch._C._is_multithreading_enabled()  # detach gave torch its default back
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from .._errors import CheckpointCorruptError, FailoverError
 from . import device as _device
 from . import kernels as _kernels  # noqa: F401 - PrivateUse1 kernels: factories, copies, sdpa
@@ -124,6 +126,7 @@ def attach(
         checkpoint_store=checkpoint_store,
     )
     CURRENT.session = session
+    _run_backward_on_this_thread()
     pending = _device.CumulusModule._pending_seed
     if pending is not None:
         session.seed(pending)
@@ -135,3 +138,16 @@ def detach() -> None:
     session, CURRENT.session = CURRENT.session, None
     if session is not None:
         session.close()
+        torch.autograd.set_multithreading_enabled(True)
+
+
+def _run_backward_on_this_thread() -> None:
+    """Make backward passes started on this thread run on it, not on autograd's thread
+    for the device.
+
+    Backward on cumulus only queues records, so a thread of its own overlaps nothing; the
+    hand-over to it and back cost about 0.3 ms per backward pass here, a tenth of a
+    compiled training step. The setting is torch's own, per thread, and ``detach``
+    restores the default.
+    """
+    torch.autograd.set_multithreading_enabled(False)
