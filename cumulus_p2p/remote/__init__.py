@@ -91,6 +91,10 @@ def attach(
 ) -> _Attached:
     """Open a session with an executor and make it the ``cumulus`` device.
 
+    Backward passes started on the calling thread then run on it rather than on autograd's
+    thread for the device (``torch.autograd.set_multithreading_enabled(False)`` until
+    ``detach``): on cumulus that thread overlaps nothing and only costs hand-offs.
+
     Args:
         address: ``"host:port"`` of an executor reachable over plain TCP.
         channel: an already connected ``FrameChannel`` (e.g. the secure channel) instead.

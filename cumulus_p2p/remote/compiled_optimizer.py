@@ -18,15 +18,19 @@ reading ``step.item()`` into Python, so nothing in the graph changes from step t
 group that leaves ``foreach`` to torch gets torch's choice for the real parameters while
 the fakes stand in (for the fakes alone torch would pick the per-parameter loop).
 
-The guard key is each group's hyperparameters (a new learning rate captures again, as it
-recompiles in torch), which parameters have gradients, and the layouts of parameters,
-gradients and state tensors. The step of a fresh optimizer runs eagerly: it creates the
+The guard key is each group's hyperparameters, which parameters have gradients, and the
+layouts of parameters, gradients and state tensors. Adam and AdamW take the learning rate
+as a graph input instead, a one-element tensor on the device per group, refilled when the
+group's ``lr`` changes: a schedule that sets it every step (nanoGPT's) costs one small op
+per step, not a capture. Other optimizers capture again for a new learning rate, as torch
+recompiles for one. The step of a fresh optimizer runs eagerly: it creates the
 state. A step with a closure, step hooks (Python that would run only at capture), a tensor
 hyperparameter, or more than ``MAX_CAPTURES`` keys runs eagerly with a one-line warning.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -45,6 +49,9 @@ _CREATES_STATE = "the step creates optimizer state"
 
 _Entry = tuple[CompiledGraph, tuple[int, ...]] | str
 
+#: Optimizers whose capturable step accepts a learning rate held in a tensor.
+_TENSOR_LR = (torch.optim.Adam, torch.optim.AdamW)
+
 
 class CompiledOptimizerStep:
     """What ``torch.compile(opt.step)`` returns when ``opt`` may hold cumulus parameters."""
@@ -55,6 +62,8 @@ class CompiledOptimizerStep:
         self.optimizer: torch.optim.Optimizer = step.__self__  # type: ignore[attr-defined]
         self.device_type = device_type
         self._graphs: dict[tuple, _Entry] = {}
+        self._lr_input = type(self.optimizer) in _TENSOR_LR
+        self._lrs: list[tuple[float, torch.Tensor]] = []  # per group: value, device tensor
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         first = next((p for g in self.optimizer.param_groups for p in g["params"]), None)
@@ -79,15 +88,28 @@ class CompiledOptimizerStep:
     def _entry(self) -> tuple[list, _Entry]:
         """The step's inputs now, and the graph (or the reason for eager) for their key."""
         try:
-            tensors, key = _inputs_and_key(self.optimizer)
+            tensors, key = _inputs_and_key(self.optimizer, self._lr_input)
             entry = self._graphs.get(key)
             if entry is None:
                 _make_capturable(self.optimizer)
-                tensors, key = _inputs_and_key(self.optimizer)
+                tensors, key = _inputs_and_key(self.optimizer, self._lr_input)
                 entry = self._graphs.get(key) or self._capture(key, tensors)
         except TypeError:  # a hyperparameter that cannot be part of a key
             return [], "a hyperparameter is not hashable"
-        return tensors, entry
+        return (tensors + self._lr_tensors() if self._lr_input else tensors), entry
+
+    def _lr_tensors(self) -> list[torch.Tensor]:
+        """Each group's learning rate on the device, refilled where it changed."""
+        groups = self.optimizer.param_groups
+        if len(self._lrs) != len(groups):
+            device = groups[0]["params"][0].device
+            self._lrs = [(math.nan, torch.empty((), device=device)) for _ in groups]
+        for i, group in enumerate(groups):
+            value, tensor = self._lrs[i]
+            if group["lr"] != value:
+                tensor.fill_(group["lr"])
+                self._lrs[i] = (group["lr"], tensor)
+        return [tensor for _, tensor in self._lrs]
 
     def _capture(self, key: tuple, tensors: list) -> _Entry:
         entry: _Entry
@@ -97,10 +119,13 @@ class CompiledOptimizerStep:
             entry = "optimizer state or gradients on another device"
         else:
             try:
-                captured = capture_in_place(_functional(self.optimizer), tensors)
+                inputs = tensors + self._lr_tensors() if self._lr_input else tensors
+                captured = capture_in_place(_functional(self.optimizer, self._lr_input), inputs)
                 entry = (CompiledGraph(captured.graph), captured.written)
             except CaptureError as exc:
-                created = isinstance(exc.__cause__, _StateCreated)
+                # Creating state may take ops the tracer cannot run: whatever failed, a
+                # step that has state to create runs for real first.
+                created = isinstance(exc.__cause__, _StateCreated) or _stateless(self.optimizer)
                 entry = _CREATES_STATE if created else f"the step cannot be captured ({exc})"
         self._graphs[key] = entry
         return entry
@@ -140,9 +165,9 @@ def _make_capturable(optimizer: torch.optim.Optimizer) -> None:
             state["step"] = step.to(param.device)
 
 
-def _inputs_and_key(optimizer: torch.optim.Optimizer) -> tuple[list, tuple]:
+def _inputs_and_key(optimizer: torch.optim.Optimizer, lr_input: bool) -> tuple[list, tuple]:
     """The step's input tensors (per parameter with a gradient: it, its gradient, its state
-    tensors) and the guard key."""
+    tensors) and the guard key (without the learning rate where it is an input)."""
     tensors: list[torch.Tensor] = []
     layout: list[Any] = []
     for group in optimizer.param_groups:
@@ -160,8 +185,9 @@ def _inputs_and_key(optimizer: torch.optim.Optimizer) -> tuple[list, tuple]:
                 else:  # a number, or a tensor elsewhere: a constant of the graph
                     entries.append((name, _constant(value)))
             layout.append((_sig(param), _sig(grad), tuple(entries)))
+    fixed = ("params", "lr") if lr_input else ("params",)
     hyper = tuple(
-        tuple((k, v) for k, v in g.items() if k != "params") for g in optimizer.param_groups
+        tuple((k, v) for k, v in g.items() if k not in fixed) for g in optimizer.param_groups
     )
     return tensors, (hyper, tuple(layout))
 
@@ -176,6 +202,15 @@ def _constant(value: Any) -> Any:
     return value
 
 
+def _stateless(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a parameter with a gradient has no optimizer state yet."""
+    return any(
+        p.grad is not None and not optimizer.state.get(p)
+        for group in optimizer.param_groups
+        for p in group["params"]
+    )
+
+
 def _foreign_state(optimizer: torch.optim.Optimizer) -> bool:
     """Whether a state tensor is not on cumulus: tracing would update the real one."""
     return any(
@@ -185,8 +220,9 @@ def _foreign_state(optimizer: torch.optim.Optimizer) -> bool:
     )
 
 
-def _functional(optimizer: torch.optim.Optimizer) -> Callable[..., tuple]:
-    """The step as a function of ``_inputs_and_key``'s tensors, for the tracer."""
+def _functional(optimizer: torch.optim.Optimizer, lr_input: bool) -> Callable[..., tuple]:
+    """The step as a function of ``_inputs_and_key``'s tensors (then, with ``lr_input``,
+    each group's learning rate), for the tracer."""
     step = type(optimizer).step
     # ``Optimizer`` wraps each subclass's step in its profiling hook: recorded, it would
     # leave profiler ops in the graph. The hook's wrapper keeps the step it wraps.
@@ -209,8 +245,9 @@ def _functional(optimizer: torch.optim.Optimizer) -> Callable[..., tuple]:
                     k: next(it) if type(v) is RemoteTensor else v for k, v in real.items()
                 }
                 params[-1].append(fake)
+        lrs = list(it) if lr_input else None
         before = {fake: dict(entries) for fake, entries in state.items()}
-        with _standing_in(optimizer, params, state):
+        with _standing_in(optimizer, params, state, lrs):
             step(optimizer)
         for fake, entries in before.items():
             if state[fake].keys() != entries.keys() and not entries:
@@ -225,23 +262,27 @@ def _functional(optimizer: torch.optim.Optimizer) -> Callable[..., tuple]:
 
 
 @contextmanager
-def _standing_in(optimizer: torch.optim.Optimizer, params: list, state: defaultdict):
-    """The optimizer with stand-in parameters and state while inside."""
-    saved = [(g["params"], g.get("foreach")) for g in optimizer.param_groups]
+def _standing_in(
+    optimizer: torch.optim.Optimizer, params: list, state: defaultdict, lrs: list | None
+):
+    """The optimizer with stand-in parameters, state (and learning rates) while inside."""
+    saved = [(g["params"], g.get("foreach"), g["lr"]) for g in optimizer.param_groups]
     saved_state = optimizer.state
     try:
-        for group, stand_ins in zip(optimizer.param_groups, params, strict=True):
+        for i, (group, stand_ins) in enumerate(zip(optimizer.param_groups, params, strict=True)):
             if group.get("foreach") is None and not group.get("fused"):
                 real = [p for p in group["params"] if p.grad is not None]
                 group["foreach"] = torch_optimizer._default_to_fused_or_foreach(
                     real, differentiable=False, use_fused=False
                 )[1]
             group["params"] = stand_ins
+            if lrs is not None:
+                group["lr"] = lrs[i]
         optimizer.state = state
         yield
     finally:
         optimizer.state = saved_state
-        for group, (group_params, foreach) in zip(optimizer.param_groups, saved, strict=True):
-            group["params"] = group_params
+        for group, (group_params, foreach, lr) in zip(optimizer.param_groups, saved, strict=True):
+            group["params"], group["lr"] = group_params, lr
             if "foreach" in group:
                 group["foreach"] = foreach

@@ -175,3 +175,16 @@ for _name in (
     _op = getattr(getattr(torch.ops.aten, _base), _overload or "default")
     _factory_kernels.impl(_name, _factory_kernel(_op), "PrivateUse1")
 _factory_kernels.impl("scaled_dot_product_attention", _sdpa, "AutogradPrivateUse1")
+
+
+def _updates_in_place(*args, **kwargs) -> None:
+    """The meta kernel of an op that only updates its arguments: nothing to compute."""
+
+
+# torch has no meta kernel for the fused optimizers' tensor-learning-rate overloads. Without
+# one the client cannot plan them (every step would wait for the executor to describe the
+# outputs) and a compiled optimizer step cannot trace them.
+_meta_kernels = torch.library.Library("aten", "IMPL")
+for _name in ("_fused_adam_.tensor_lr", "_fused_adamw_.tensor_lr", "_fused_sgd_.tensor_lr"):
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{_name}", "Meta"):
+        _meta_kernels.impl(_name, _updates_in_place, "Meta")
