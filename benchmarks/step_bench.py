@@ -18,6 +18,7 @@ Per workload:
   (compare with ``dispatch_floor.py``, what any Python subclass pays per dispatch);
 - ``<name>_executor_us_per_op``: the executor's busy time per op (session stats);
 - ``<name>_plans_per_step``: op plans the client had to build in a steady step (0 is right);
+- ``<name>_phase_ms``: ``client_ms`` by part (``PHASES``), each the median over the steps;
 - ``<name>_step_ratio``: median remote step over median local CPU step (steps alternate,
   so load on this small machine falls on both alike). CPU executor only.
 
@@ -39,6 +40,7 @@ executor's process); results then go to ``step[_cuda]_worker.json``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import subprocess
@@ -60,8 +62,13 @@ CUDA_WORKLOADS = [*CPU_WORKLOADS, "gpt_large"]
 COMPILED = {"": "", "model": "compiled_", "step": "compiled_opt_"}
 
 
+#: The parts of building a step, timed one by one into ``step.phases``.
+PHASES = ("zero_grad", "forward", "loss", "backward", "optimizer")
+
+
 def trainer(name: str, device: str, compiled: str = ""):
-    """One step of workload ``name`` on ``device`` per call: returns (build_s, step_s).
+    """One step of workload ``name`` on ``device`` per call: returns (build_s, step_s),
+    and leaves the seconds each of ``PHASES`` took in ``step.phases``.
 
     ``compiled`` is a key of ``COMPILED``: nothing, the model, or the model and the step.
     """
@@ -79,10 +86,17 @@ def trainer(name: str, device: str, compiled: str = ""):
         x, y = batches[next(count) % len(batches)]
         t0 = time.perf_counter()
         opt.zero_grad()
-        loss = spec.loss(forward(x), y)
+        t_zero = time.perf_counter()
+        out = forward(x)
+        t_forward = time.perf_counter()
+        loss = spec.loss(out, y)
+        t_loss = time.perf_counter()
         loss.backward()
+        t_backward = time.perf_counter()
         opt_step()
         t1 = time.perf_counter()
+        marks = (t0, t_zero, t_forward, t_loss, t_backward, t1)
+        step.phases = [b - a for a, b in itertools.pairwise(marks)]
         loss.item()  # a sync point every step, as real loops log the loss
         return t1 - t0, time.perf_counter() - t0
 
@@ -139,10 +153,11 @@ def measure(name: str, steps: int, device: str, compiled: str = "") -> dict:
     with counting_dispatches() as dispatches:
         far()
     before, plans, records = session.stats(), plan_count(), session.ops_sent
-    builds, remote_steps, local_steps = [], [], []
+    builds, remote_steps, local_steps, phases = [], [], [], []
     for _ in range(steps):
         build, total = far()
         builds.append(build)
+        phases.append(far.phases)
         remote_steps.append(total)
         if local is not None:
             local_steps.append(local()[1])
@@ -161,6 +176,10 @@ def measure(name: str, steps: int, device: str, compiled: str = "") -> dict:
         "executor_us_per_op": round((after["busy_s"] - before["busy_s"]) / steps / ops * 1e6, 1),
         "plans_per_step": plans / steps,
         "remote_ms": round(statistics.median(remote_steps) * 1e3, 2),
+        "phase_ms": {
+            phase: round(statistics.median(times) * 1e3, 3)
+            for phase, times in zip(PHASES, zip(*phases, strict=True), strict=True)
+        },
     }
     if local_steps:
         out["local_ms"] = round(statistics.median(local_steps) * 1e3, 2)
