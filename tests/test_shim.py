@@ -121,6 +121,20 @@ def test_a_nanogpt_style_compiled_script_under_the_shim_matches_it_compiled_on_a
     assert remote_report["losses"] == pytest.approx(local_report["losses"], abs=1e-5)
 
 
+def test_nanogpt_with_its_optimizer_step_compiled_too_runs_captured_under_the_shim(
+    executor_address, tmp_path
+):
+    train = str(SCRIPTS / "nanogpt_train.py")
+    compiled = run_shim(train, "4", "float32", "compile-step", executor=executor_address,
+                        cwd=tmp_path)  # fmt: skip
+    assert compiled.returncode == 0, compiled.stderr
+    assert "runs eagerly" not in compiled.stderr  # model and optimizer step captured
+    eager_step = run_shim(train, "4", executor=executor_address, cwd=tmp_path)
+    assert eager_step.returncode == 0, eager_step.stderr
+    # The compiled step is capturable AdamW; eagerly it is not: rounding differs.
+    assert report(compiled)["losses"] == pytest.approx(report(eager_step)["losses"], abs=1e-5)
+
+
 def test_missing_executor_environment_says_what_to_set(tmp_path):
     proc = run_shim(str(PROBE), executor=None, cwd=tmp_path)
     assert proc.returncode == shim.EXIT_CANNOT_START

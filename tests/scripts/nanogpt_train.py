@@ -1,12 +1,16 @@
 """nanoGPT's training loop in miniature, written for CUDA the way its train.py is.
 
 Nothing here knows about cumulus: a GPT with tied embeddings and causal
-``scaled_dot_product_attention``, fused AdamW, gradient clipping, ``torch.compile(model)``
-and, for a lower-precision dtype on CUDA, an autocast context, as train.py sets them up.
-Usage: ``python nanogpt_train.py [steps] [float32|bfloat16]``; prints one JSON line.
+``scaled_dot_product_attention``, fused AdamW, a learning rate set every step (warm-up,
+then cosine decay), gradient clipping, ``torch.compile(model)`` and, for a lower-precision
+dtype on CUDA, an autocast context, as train.py sets them up. With ``compile-step`` the
+optimizer step is compiled too (PyTorch's compiled-optimizer recipe).
+Usage: ``python nanogpt_train.py [steps] [float32|bfloat16] [compile-step]``; prints one
+JSON line.
 """
 
 import json
+import math
 import sys
 from contextlib import nullcontext
 
@@ -18,6 +22,7 @@ steps = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 dtype = sys.argv[2] if len(sys.argv) > 2 else "float32"
 device = "cuda" if torch.cuda.is_available() else "cpu"
 ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+compile_step = sys.argv[3:] == ["compile-step"]
 ctx = (
     nullcontext()
     if device == "cpu" or dtype == "float32"
@@ -67,9 +72,21 @@ torch.manual_seed(1337)
 model = GPT().to(device)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
 model = torch.compile(model)
+optimizer_step = torch.compile(optimizer.step) if compile_step else optimizer.step
+
+
+def get_lr(it, warmup=2, max_lr=1e-3, min_lr=1e-4, decay=20):
+    if it < warmup:
+        return max_lr * (it + 1) / warmup
+    ratio = (it - warmup) / (decay - warmup)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (max_lr - min_lr)
+
+
 data = torch.randint(0, vocab, (2000,), generator=torch.Generator().manual_seed(0))
 losses = []
 for step in range(steps):
+    for param_group in optimizer.param_groups:
+        param_group["lr"] = get_lr(step)
     ix = torch.randint(len(data) - block, (8,), generator=torch.Generator().manual_seed(step))
     x = torch.stack([data[i : i + block] for i in ix]).to(device)
     y = torch.stack([data[i + 1 : i + 1 + block] for i in ix]).to(device)
@@ -77,7 +94,7 @@ for step in range(steps):
         logits, loss = model(x, y)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
+    optimizer_step()
     optimizer.zero_grad(set_to_none=True)
     losses.append(loss.item())
 print(json.dumps({"device": str(next(model.parameters()).device), "losses": losses}))
