@@ -88,3 +88,16 @@ def test_a_foreach_step_bumps_the_versions_of_the_tensors_it_writes(cumulus):
     assert weight._version == 1
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_fused_adamw_with_a_tensor_learning_rate_is_queued_not_waited_for(cumulus):
+    model = torch.nn.Linear(4, 2).to("cumulus")
+    lr = torch.tensor(0.01, device="cumulus")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+    for _ in range(2):
+        model(torch.ones(3, 4, device="cumulus")).sum().backward()
+        cumulus.flush()
+        sent = cumulus.ops_sent
+        opt.step()
+    assert cumulus.ops_sent == sent  # planned from its meta kernel: no round trip
+    cumulus.synchronize()
