@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from .ops import written_arguments
 from .protocol import storage_extent
 
 
@@ -174,9 +175,7 @@ def _written_inputs(gm: torch.fx.GraphModule) -> tuple[int, ...]:
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
-        for i, argument in enumerate(node.target._schema.arguments):
-            if argument.alias_info is None or not argument.alias_info.is_write:
-                continue
+        for i, argument in written_arguments(node.target):
             value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
             values = value if isinstance(value, (list, tuple)) else [value]
             written.update(position[v] for v in values if v in position)

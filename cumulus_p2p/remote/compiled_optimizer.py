@@ -23,8 +23,8 @@ layouts of parameters, gradients and state tensors. Adam and AdamW take the lear
 as a graph input instead, a one-element tensor on the device per group, refilled when the
 group's ``lr`` changes: a schedule that sets it every step (nanoGPT's) costs one small op
 per step, not a capture. Other optimizers capture again for a new learning rate, as torch
-recompiles for one. The step of a fresh optimizer runs eagerly: it creates the
-state. A step with a closure, step hooks (Python that would run only at capture), a tensor
+recompiles for one. The step of a fresh optimizer runs eagerly: it creates the state. A
+step with a closure, step hooks (Python that would run only at capture), a tensor
 hyperparameter, or more than ``MAX_CAPTURES`` keys runs eagerly with a one-line warning.
 """
 
@@ -76,7 +76,7 @@ class CompiledOptimizerStep:
                 return self.step()
             if not isinstance(entry, str):
                 graph, written = entry
-                graph.call(tensors)
+                graph.call(tensors + self._lr_tensors() if self._lr_input else tensors)
                 # As an eager in-place op would: autograd then refuses a backward that
                 # needs the old values.
                 torch.autograd.graph.increment_version([tensors[i] for i in written])
@@ -96,7 +96,7 @@ class CompiledOptimizerStep:
                 entry = self._graphs.get(key) or self._capture(key, tensors)
         except TypeError:  # a hyperparameter that cannot be part of a key
             return [], "a hyperparameter is not hashable"
-        return (tensors + self._lr_tensors() if self._lr_input else tensors), entry
+        return tensors, entry
 
     def _lr_tensors(self) -> list[torch.Tensor]:
         """Each group's learning rate on the device, refilled where it changed."""

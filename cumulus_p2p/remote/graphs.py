@@ -24,9 +24,9 @@ writes only in place. An in-place op (a compiled optimizer step is made of them)
 to a graph input or an earlier node's result, as it would eagerly; an ``out=`` argument,
 which can be resized and so hold memory the quota never saw, is refused. The result, a
 ``GraphProgram``, runs the nodes in a tight loop: ops resolved and argument templates
-built once, nothing decoded per call.
-Programs are pure functions of their definition, so executors share them between
-sessions through a bounded cache keyed by content hash (``ProgramCache``).
+built once, nothing decoded per call. Programs are pure functions of their definition, so
+executors share them between sessions through a bounded cache keyed by content hash
+(``ProgramCache``).
 
 This module does no I/O and keeps no session state: ``session.py`` owns the handles.
 """
@@ -42,7 +42,7 @@ from typing import Any
 import msgpack
 import torch
 
-from .ops import UnknownOpError, resolve_op
+from .ops import UnknownOpError, resolve_op, written_arguments
 from .protocol import DeviceToken, GraphValue, encode_value
 
 #: Most nodes one graph may have: a 12-layer GPT's backward has a few thousand.
@@ -309,9 +309,7 @@ class _Checker:
 
 def _check_in_place(op: torch._ops.OpOverload, args: tuple, where: str) -> None:
     """An op that writes may write only positional arguments that are graph values."""
-    for position, argument in enumerate(op._schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
+    for position, argument in written_arguments(op):
         if argument.kwarg_only:
             raise GraphError(
                 f"{where}: writes to its {argument.name}= argument; a graph writes only in "

@@ -73,6 +73,16 @@ def resolve_op(name: str) -> torch._ops.OpOverload:
     return op
 
 
+def written_arguments(op: torch._ops.OpOverload) -> list[tuple[int, torch.Argument]]:
+    """Position and schema of each argument ``op`` writes to: an in-place op's ``self``, a
+    foreach op's tensor list, an ``out=`` argument."""
+    return [
+        (i, argument)
+        for i, argument in enumerate(op._schema.arguments)
+        if argument.alias_info is not None and argument.alias_info.is_write
+    ]
+
+
 def op_name(op: torch._ops.OpOverload) -> str:
     """The wire name of an overload: ``aten.add.Tensor``."""
     return f"aten.{op._schema.name.split('::', 1)[1]}.{op._overloadname}"

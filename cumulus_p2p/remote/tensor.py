@@ -31,7 +31,7 @@ from torch.optim import optimizer as _torch_optimizer
 from torch.utils import _foreach_utils
 
 from .client import RemoteSession, current_session
-from .ops import op_name
+from .ops import op_name, written_arguments
 from .protocol import EXT_TENSOR, TensorRef, aligned_bytes, pack_tensor_ref, storage_extent
 
 #: Named by PrivateUse1's own name so it exists before ``device.register()``; torch calls
@@ -252,19 +252,11 @@ _META_SIZED_INTS = {
 
 def _make_plan(func, args, kwargs) -> Callable:
     plan = _plan_outputs(func, args, kwargs)
-    written = _written_lists(func._schema)
-    return _bumping_versions(plan, written) if written else plan
-
-
-def _written_lists(schema) -> list[tuple[int, str]]:
-    """Position and name of each tensor list the op writes (``_foreach_add_``'s self)."""
-    return [
-        (i, a.name)
-        for i, a in enumerate(schema.arguments)
-        if a.alias_info is not None
-        and a.alias_info.is_write
-        and isinstance(a.type, torch.ListType)
+    # The tensor lists it writes (``_foreach_add_``'s self), by position and name.
+    written = [
+        (i, a.name) for i, a in written_arguments(func) if isinstance(a.type, torch.ListType)
     ]
+    return _bumping_versions(plan, written) if written else plan
 
 
 def _bumping_versions(plan: Callable, written: list[tuple[int, str]]) -> Callable:
