@@ -221,3 +221,45 @@ def test_autograd_refuses_a_backward_through_parameters_a_compiled_step_changed(
     step()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_a_step_an_lr_scheduler_wrapped_is_captured_and_counted_for_the_scheduler(cumulus):
+    model = torch.nn.Linear(4, 2).to("cumulus")
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+    step = torch.compile(opt.step)  # opt.step is now the scheduler's wrapper
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            model(torch.ones(3, 4, device="cumulus")).sum().backward()
+            step()
+            sched.step()
+    assert cumulus.graphs_defined == 1
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
+    assert not any("lr_scheduler.step()" in str(w.message) for w in caught)
+
+
+def test_a_compiled_function_reaching_the_optimizer_through_its_closure_runs_eagerly(
+    cumulus, fresh_warnings
+):
+    def train(compiled: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2).to("cumulus")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+
+        def step():  # the PyTorch recipe for a compiled optimizer with a scheduler
+            opt.step()
+            sched.step()
+
+        fn = torch.compile(step) if compiled else step
+        for _ in range(3):
+            model(torch.ones(3, 4, device="cumulus")).sum().backward()
+            fn()
+        return model.weight.detach().cpu()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled_weight = train(compiled=True)
+    assert torch.equal(compiled_weight, train(compiled=False))
+    assert any("through its closure or globals" in str(w.message) for w in caught)

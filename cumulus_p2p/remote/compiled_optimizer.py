@@ -56,11 +56,19 @@ _TENSOR_LR = (torch.optim.Adam, torch.optim.AdamW)
 class CompiledOptimizerStep:
     """What ``torch.compile(opt.step)`` returns when ``opt`` may hold cumulus parameters."""
 
-    def __init__(self, step: Callable, compiled: Callable, device_type: str) -> None:
-        self.step = step  # the bound method, run as is whenever the step runs eagerly
+    def __init__(
+        self,
+        step: Callable,
+        optimizer: torch.optim.Optimizer,
+        compiled: Callable,
+        device_type: str,
+    ) -> None:
+        self.step = step  # what was compiled, run as is whenever the step runs eagerly
+        self.optimizer = optimizer
         self.compiled = compiled  # dynamo's version, for parameters on other devices
-        self.optimizer: torch.optim.Optimizer = step.__self__  # type: ignore[attr-defined]
         self.device_type = device_type
+        # An LR scheduler's wrapper of ``step`` notes each call for the scheduler's check.
+        self._noted = getattr(step, "_wrapped_by_lr_sched", False)
         self._graphs: dict[tuple, _Entry] = {}
         self._lr_input = type(self.optimizer) in _TENSOR_LR
         self._lrs: list[tuple[float, torch.Tensor]] = []  # per group: value, device tensor
@@ -80,6 +88,8 @@ class CompiledOptimizerStep:
                 # As an eager in-place op would: autograd then refuses a backward that
                 # needs the old values.
                 torch.autograd.graph.increment_version([tensors[i] for i in written])
+                if self._noted:
+                    self.optimizer._opt_called = True  # type: ignore[attr-defined]
                 return None
             reason = entry
         warn_eager(reason)
