@@ -434,3 +434,18 @@ def test_a_graph_holding_more_than_the_quota_at_once_runs_out_of_memory(
     assert "aten.mul.Tensor (node 2 of compiled graph 1)" in str(err)
     assert "exceed the free quota" in str(err)
     assert honest_ok(honest)
+
+
+def test_an_in_place_graph_writing_an_overlapping_view_fails_naming_its_node(
+    executor_address, honest
+):
+    attacker = second_session(executor_address)
+    x = _with_tensor(attacker)
+    writes = [
+        ["aten.expand.default", [_input(0), [3, 4]], {}],  # every row is the same memory
+        ["aten.add_.Tensor", [_node(0), 1], {}],
+    ]
+    attacker.submit(["@graph", [1, [1, writes, []]], {}, None])
+    err = _fails_with(attacker, ["@run", [1, [x]], {}, []], "RuntimeError")
+    assert "aten.add_.Tensor (node 1 of compiled graph 1)" in str(err)
+    assert honest_ok(honest)
