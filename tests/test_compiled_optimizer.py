@@ -263,3 +263,14 @@ def test_a_compiled_function_reaching_the_optimizer_through_its_closure_runs_eag
         compiled_weight = train(compiled=True)
     assert torch.equal(compiled_weight, train(compiled=False))
     assert any("through its closure or globals" in str(w.message) for w in caught)
+
+
+def test_a_fullgraph_optimizer_step_with_hooks_raises(cumulus):
+    from torch._dynamo.exc import Unsupported
+
+    model = torch.nn.Linear(4, 2).to("cumulus")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.register_step_pre_hook(lambda *_: None)
+    model(torch.ones(3, 4, device="cumulus")).sum().backward()
+    with pytest.raises(Unsupported, match="step hooks"):
+        torch.compile(opt.step, fullgraph=True)()

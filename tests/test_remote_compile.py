@@ -242,3 +242,15 @@ def test_an_autocast_region_is_captured_with_the_devices_casts(cumulus):
     eager = losses(compile_model=False)
     assert losses(compile_model=True) == eager  # the same casts, the same kernels
     assert cumulus.graphs_defined == 2
+
+
+def test_fullgraph_code_that_cannot_be_captured_raises_instead_of_running_eagerly(cumulus):
+    from torch._dynamo.exc import Unsupported
+
+    def halve_if_large(x):
+        return x / 2 if x.sum().item() > 10 else x  # data-dependent: no single graph
+
+    x = torch.full((4,), 5.0, device="cumulus")
+    with pytest.raises(Unsupported, match="fullgraph=True"):
+        torch.compile(halve_if_large, fullgraph=True)(x)
+    assert torch.compile(halve_if_large)(x).tolist() == [2.5] * 4  # without: eager, warned

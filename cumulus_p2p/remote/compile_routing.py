@@ -37,16 +37,18 @@ def patch_torch_compile(device_type: str) -> None:
         if model is None:  # the decorator form: @torch.compile(mode=...)
             return lambda fn: compile_for_cumulus(fn, **options)
         compiled = original(model, **options)
+        fullgraph = bool(options.get("fullgraph", False))
         if isinstance(model, torch.nn.Module):
             # OptimizedModule calls its ``forward`` attribute, the dynamo-wrapped
             # ``model.__call__``; on cumulus the module is called through CompiledCode.
-            remote = CompiledCode(model, model, device_type)
+            remote = CompiledCode(model, model, device_type, fullgraph)
             compiled.forward = _route(device_type, compiled.forward, remote, model)
             return compiled
         optimizer = _optimizer_of(model)
         if optimizer is not None:
-            return CompiledOptimizerStep(model, optimizer, compiled, device_type)
-        return _route(device_type, compiled, CompiledCode(model, None, device_type), None)
+            return CompiledOptimizerStep(model, optimizer, compiled, device_type, fullgraph)
+        remote = CompiledCode(model, None, device_type, fullgraph)
+        return _route(device_type, compiled, remote, None)
 
     compile_for_cumulus._cumulus_patched = True  # type: ignore[attr-defined]
     torch.compile = compile_for_cumulus
@@ -62,7 +64,8 @@ def _route(
         if module is None and _reaches(device_type, remote.fn):
             warn_eager(
                 "the compiled function reaches cumulus tensors through its closure or "
-                "globals (compile the model or opt.step itself to capture them)"
+                "globals (compile the model or opt.step itself to capture them)",
+                remote.fullgraph,
             )
             return remote.fn(*args, **kwargs)
         return compiled(*args, **kwargs)

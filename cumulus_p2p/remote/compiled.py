@@ -54,8 +54,17 @@ MAX_CAPTURES = 8
 _warned: set[str] = set()
 
 
-def warn_eager(reason: str) -> None:
-    """Say once per reason why code on cumulus runs eagerly under ``torch.compile``."""
+def warn_eager(reason: str, fullgraph: bool = False) -> None:
+    """Say once per reason why code on cumulus runs eagerly under ``torch.compile``.
+
+    Raises:
+        torch._dynamo.exc.Unsupported: with ``fullgraph``, as torch raises for code
+            compiled with ``fullgraph=True`` that cannot be one graph.
+    """
+    if fullgraph:
+        from torch._dynamo.exc import Unsupported  # loaded by torch.compile already
+
+        raise Unsupported(f"torch.compile(fullgraph=True) on cumulus: {reason}")
     if reason not in _warned:
         _warned.add(reason)
         message = f"torch.compile on cumulus: {reason}; this code runs eagerly (same results)"
@@ -274,10 +283,17 @@ class CompiledCode:
     """What ``torch.compile`` returns for code on cumulus: captures per guard key, runs
     the step's graphs, or the eager code when capture is not possible."""
 
-    def __init__(self, fn: Callable, module: torch.nn.Module | None, device_type: str) -> None:
+    def __init__(
+        self,
+        fn: Callable,
+        module: torch.nn.Module | None,
+        device_type: str,
+        fullgraph: bool = False,
+    ) -> None:
         self.fn = fn
         self.module = module
         self.device_type = device_type
+        self.fullgraph = fullgraph  # code that cannot be captured raises instead of warning
         self._steps: dict[tuple, _Step | str] = {}
         self._known_state: tuple[list[str], list, list] | None = None
 
@@ -290,13 +306,13 @@ class CompiledCode:
         try:
             key = self._key(leaves, tensors)
         except TypeError:
-            warn_eager("an argument is neither a tensor nor hashable")
+            warn_eager("an argument is neither a tensor nor hashable", self.fullgraph)
             return self.fn(*args, **kwargs)
         step = self._steps.get(key)
         if step is None:
             step = self._capture(key, names, leaves, in_spec, tensors)
         if isinstance(step, str):
-            warn_eager(step)
+            warn_eager(step, self.fullgraph)
             return self.fn(*args, **kwargs)
         return _assemble(step, step.run(tensors))
 

@@ -62,11 +62,13 @@ class CompiledOptimizerStep:
         optimizer: torch.optim.Optimizer,
         compiled: Callable,
         device_type: str,
+        fullgraph: bool = False,
     ) -> None:
         self.step = step  # what was compiled, run as is whenever the step runs eagerly
         self.optimizer = optimizer
         self.compiled = compiled  # dynamo's version, for parameters on other devices
         self.device_type = device_type
+        self.fullgraph = fullgraph  # a step that cannot be captured raises instead of warning
         # An LR scheduler's wrapper of ``step`` notes each call for the scheduler's check.
         self._noted = getattr(step, "_wrapped_by_lr_sched", False)
         self._graphs: dict[tuple, _Entry] = {}
@@ -92,7 +94,7 @@ class CompiledOptimizerStep:
                     self.optimizer._opt_called = True  # type: ignore[attr-defined]
                 return None
             reason = entry
-        warn_eager(reason)
+        warn_eager(reason, self.fullgraph)
         return self.step(*args, **kwargs)
 
     def _entry(self) -> tuple[list, _Entry]:
