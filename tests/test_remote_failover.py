@@ -340,6 +340,35 @@ def test_cut_connection_resumes_from_the_host_cache_without_upload(executor_addr
         assert (stats.cache_resumes, stats.cold_restores) == (1, 0)
 
 
+def test_a_compiled_run_resumes_from_the_host_cache_with_its_graphs(executor_address):
+    def train(cut_at: int | None = None):
+        channel, sock = cuttable(executor_address)
+        with remote.attach(channel=channel, reconnect=dial(executor_address)) as session:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(
+                torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+            ).to("cumulus")
+            opt = torch.optim.Adam(model.parameters())
+            forward, step = torch.compile(model), torch.compile(opt.step)
+            gen = torch.Generator().manual_seed(0)
+            losses = []
+            for k in range(5):
+                if k == cut_at:
+                    sock.shutdown(socket.SHUT_RDWR)
+                loss = forward(torch.randn(4, 8, generator=gen).to("cumulus")).square().mean()
+                loss.backward()
+                step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            return losses, session.failover_statistics(), session.graphs_defined
+
+    uncut, _, _ = train()
+    cut, stats, graphs = train(cut_at=3)
+    assert cut == uncut
+    assert (stats.cache_resumes, stats.cold_restores) == (1, 0)
+    assert graphs == 3  # forward, backward, optimizer step: each defined once
+
+
 def test_cut_while_waiting_for_a_reply_still_gets_that_reply(executor_address):
     channel, sock = cuttable(executor_address)
 
