@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import cumulus_p2p.remote as remote
 from cumulus_p2p._errors import RemoteExecutionError, SessionClosedError
@@ -37,6 +38,20 @@ def test_backward_runs_on_the_attaching_thread_while_attached(executor_address):
         assert x.grad.tolist() == [2.0, 2.0, 2.0]
     assert threads == [threading.get_ident()]
     assert torch._C._is_multithreading_enabled()  # detach gave torch its default back
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_activation_checkpointing_gives_the_gradients_of_a_local_run(cumulus, reentrant):
+    grads = []
+    for device in ("cpu", "cumulus"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+        ).to(device)
+        x = torch.randn(3, 4).to(device).requires_grad_()
+        checkpoint(model, x, use_reentrant=reentrant).sum().backward()
+        grads.append([x.grad.cpu(), model[0].weight.grad.cpu()])
+    assert all(torch.allclose(a, b) for a, b in zip(*grads, strict=True))
 
 
 @pytest.mark.parametrize(
