@@ -29,6 +29,7 @@ import torch
 import trio
 
 from .._errors import FrameTooLargeError, RemoteProtocolError, SessionClosedError
+from .graph_compiler import GraphCompiler, GraphRunner
 from .health import DeviceHealth
 from .hostcache import HostCache
 from .protocol import PROTOCOL_VERSION, decode_frame, encode_frame
@@ -78,15 +79,17 @@ def pick_device(choice: str = "auto") -> torch.device:
 
 @dataclass
 class ExecutorConfig:
-    """How an executor runs: device, per-session memory quota, largest frame accepted, and
-    how long (``cache_grace``, seconds; 0 turns the cache off) and in how much host memory
-    (``cache_bytes``) sessions whose consumer vanished are kept for it to resume."""
+    """How an executor runs: device, per-session memory quota, largest frame accepted, how
+    long (``cache_grace``, seconds; 0 turns the cache off) and in how much host memory
+    (``cache_bytes``) sessions whose consumer vanished are kept for it to resume, and how
+    it runs compiled graphs (``graph_compiler.py``)."""
 
     device: str = "auto"
     quota_bytes: int = DEFAULT_QUOTA
     max_frame: int = DEFAULT_MAX_FRAME
     cache_grace: float = DEFAULT_CACHE_GRACE
     cache_bytes: int = DEFAULT_CACHE_BYTES
+    graph_compiler: GraphCompiler = GraphCompiler.LOOP
 
 
 @dataclass
@@ -120,7 +123,9 @@ class Executor:
         ``context_lost`` is asked after an op failed whether the device context is now
         unusable (a CUDA device-side assert): then the session ends after that reply."""
         self.config = config or ExecutorConfig()
-        self.ctx = DeviceContext(pick_device(self.config.device))
+        self.ctx = DeviceContext(
+            pick_device(self.config.device), graphs=GraphRunner(self.config.graph_compiler)
+        )
         self.sessions: dict[int, ExecutorSession] = {}
         self.cache: HostCache[ExecutorSession] = HostCache(
             max_bytes=self.config.cache_bytes, grace=self.config.cache_grace

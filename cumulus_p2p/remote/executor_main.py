@@ -21,6 +21,7 @@ import trio
 
 from ..identity import NodeIdentity
 from .executor import Executor, ExecutorConfig
+from .graph_compiler import GraphCompiler
 from .secure import serve_secure
 from .supervisor import SupervisorConfig, WorkerSupervisor
 
@@ -95,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="4GiB",
         metavar="SIZE",
         help="host memory all kept sessions may hold together, oldest dropped first (default 4GiB)",
+    )
+    parser.add_argument(
+        "--graph-compiler",
+        choices=[c.value for c in GraphCompiler],
+        default=GraphCompiler.LOOP.value,
+        help="run compiled graphs node by node (loop, the default) or compile each for "
+        "the device with inductor after its first run (inductor)",
     )
     parser.add_argument(
         "--secure",
@@ -189,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         quota_bytes=args.quota,
         cache_grace=args.cache_grace,
         cache_bytes=args.cache_bytes,
+        graph_compiler=GraphCompiler(args.graph_compiler),
     )
     workers = torch.cuda.is_available() if args.workers is None else args.workers
     hidden = [args.data_dir] if args.secure else []

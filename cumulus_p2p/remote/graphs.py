@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import operator
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -100,13 +101,19 @@ class GraphProgram:
     #: ``(output, input)`` pairs: after a run, the output's value is copied into the input
     #: (the graph mutates that input, as BatchNorm does its running statistics).
     writes: tuple[tuple[int, int], ...] = ()
+    #: Whether a node writes in place (an optimizer step): such a program is never
+    #: handed to a compiler, whose functionalized copy would hold a second set of values.
+    in_place: bool = False
 
-    def run(self, inputs: list[torch.Tensor], budget: int) -> list[torch.Tensor | None]:
+    def run(
+        self, inputs: list[torch.Tensor], budget: int, peak: list[int] | None = None
+    ) -> list[torch.Tensor | None]:
         """Run every node in order; return the graph's outputs.
 
         Intermediate values are dropped after their last use, and those held at once may
         take at most ``budget`` bytes (the session's free quota): a graph can hold many
-        values alive, where eager ops are counted one by one.
+        values alive, where eager ops are counted one by one. With ``peak``, the most
+        bytes held at once is appended to it.
 
         Raises:
             GraphError: the call passed the wrong number of inputs.
@@ -117,7 +124,7 @@ class GraphProgram:
             raise GraphError(f"the graph takes {self.n_inputs} inputs, not {len(inputs)}")
         results: list[Any] = []
         held = [0] * len(self.nodes)
-        live = 0
+        live = most = 0
         for index, node in enumerate(self.nodes):
             try:
                 if node.fills:
@@ -134,16 +141,51 @@ class GraphProgram:
                 if live > budget:
                     why = f"intermediate values of {live} bytes exceed the free quota ({budget})"
                     raise NodeFailed(node.name, index, torch.OutOfMemoryError(why))
+                most = max(most, live)
             for done in node.release:
                 results[done] = None
                 live -= held[done]
         outputs = [None if v is None else _lookup(v, inputs, results) for v in self.outputs]
+        if peak is not None:
+            peak.append(most)
+        self.write_back(inputs, outputs)
+        return outputs
+
+    def write_back(self, inputs: list[torch.Tensor], outputs: list) -> None:
+        """Copy each written output into the input it replaces.
+
+        Raises:
+            GraphError: an output's shape differs from its input's.
+        """
         for output, target in self.writes:
             value, into = outputs[output], inputs[target]
             if not (isinstance(value, torch.Tensor) and value.shape == into.shape):
                 raise GraphError(f"output {output} cannot replace input {target}: shapes differ")
             into.copy_(value)
-        return outputs
+
+    def graph_module(self) -> torch.fx.GraphModule:
+        """The program as an FX graph of the same aten calls, for a compiler: inputs, then
+        the nodes in order, then the outputs (write-backs are left to ``write_back``)."""
+        graph = torch.fx.Graph()
+        inputs = [graph.placeholder(f"input_{i}") for i in range(self.n_inputs)]
+        values: list[torch.fx.Node] = []
+
+        def value(ref: GraphValue) -> torch.fx.Node:
+            base = inputs[ref.index] if ref.kind == GraphValue.INPUT else values[ref.index]
+            return base if ref.item < 0 else graph.call_function(operator.getitem, (base, ref.item))
+
+        def fill(template: Any) -> Any:
+            if type(template) is GraphValue:
+                return value(template)
+            if type(template) is tuple:
+                return [fill(v) for v in template]
+            return template
+
+        for node in self.nodes:
+            kwargs = {k: fill(v) for k, v in node.kwargs.items()}
+            values.append(graph.call_function(node.op, tuple(fill(a) for a in node.args), kwargs))
+        graph.output([None if ref is None else value(ref) for ref in self.outputs])
+        return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 
 def _nbytes(result: Any) -> int:
@@ -198,7 +240,10 @@ def build_program(definition: Any, device: torch.device) -> GraphProgram:
     checker.available = len(built)
     outs = tuple(None if v is None else checker.reference(v, "output") for v in outputs)
     writes = _writes(definition[3] if len(definition) == 4 else [], len(outs), n_inputs)
-    return GraphProgram(n_inputs, _with_releases(built, outs), outs, checker.factory_bytes, writes)
+    in_place = any(node.op._schema.is_mutable for node in built)
+    return GraphProgram(
+        n_inputs, _with_releases(built, outs), outs, checker.factory_bytes, writes, in_place
+    )
 
 
 def _writes(pairs: Any, n_outputs: int, n_inputs: int) -> tuple[tuple[int, int], ...]:

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from .._errors import RemoteProtocolError
+from .graph_compiler import GraphRunner
 from .graphs import (
     MAX_SESSION_GRAPHS,
     PROGRAMS,
@@ -78,7 +79,8 @@ class OpFailed(Exception):  # noqa: N818 - internal carrier, never escapes this 
 
 @dataclass
 class DeviceContext:
-    """What all sessions on one executor share: the device and its RNG.
+    """What all sessions on one executor share: the device, its RNG, and the runner of
+    graph programs (with the code it compiled for them).
 
     Sessions take turns on the device (the executor runs one batch at a time), so each
     swaps its own generator state in when its batch starts. The swap happens only when
@@ -87,6 +89,7 @@ class DeviceContext:
 
     device: torch.device
     rng_owner: ExecutorSession | None = None
+    graphs: GraphRunner = field(default_factory=GraphRunner)
 
     def generator(self) -> torch.Generator:
         if self.device.type == "cuda":
@@ -147,6 +150,8 @@ class SessionStats:
     failed_ops: int = 0
     bytes_in_use: int = 0
     peak_bytes: int = 0
+    #: Graph calls that ran code compiled for the device (``graph_compiler.py``).
+    compiled_graph_runs: int = 0
     storages: int = 0
 
 
@@ -268,7 +273,7 @@ class ExecutorSession:
             raise OpFailed(
                 "InvalidGraphError", f"no graph {graph_id!r} in this session (send @graph first)"
             )
-        program = known[1]
+        key, program = known
         if not isinstance(outs, list) or len(outs) != len(program.outputs):
             raise OpFailed(
                 "RemoteProtocolError",
@@ -280,7 +285,8 @@ class ExecutorSession:
         inputs = [self.tensor(r) for r in refs]
         self._check_quota(program.factory_bytes)
         try:
-            results = program.run(inputs, self.quota_bytes - self.stats.bytes_in_use)
+            budget = self.quota_bytes - self.stats.bytes_in_use
+            results, compiled = self.ctx.graphs.run(key, program, inputs, budget)
         except GraphError as exc:
             raise OpFailed("InvalidGraphError", f"graph {graph_id}: {exc}") from None
         except NodeFailed as exc:
@@ -290,6 +296,7 @@ class ExecutorSession:
             where = f"{exc.op} (node {exc.index} of compiled graph {graph_id})"
             raise OpFailed(kind, str(exc.error), op=where) from None
         self.stats.ops += len(program.nodes)
+        self.stats.compiled_graph_runs += compiled
         self._register_graph_outputs(results, outs, inputs)
 
     def _register_graph_outputs(self, results: list, outs: list, inputs: list) -> None:
@@ -722,6 +729,7 @@ class ExecutorSession:
             "bytes_in_use": s.bytes_in_use,
             "peak_bytes": s.peak_bytes,
             "storages": s.storages,
+            "compiled_graph_runs": s.compiled_graph_runs,
             "quota": self.quota_bytes,
         }
 

@@ -161,6 +161,7 @@ class WorkerSupervisor:
             device=str(self.device), quota_bytes=self.config.executor.quota_bytes,
             max_frame=self.config.executor.max_frame, cache_grace=self.config.executor.cache_grace,
             cache_bytes=self.config.executor.cache_bytes,
+            graph_compiler=self.config.executor.graph_compiler.value,
         )  # fmt: skip
 
     @property

@@ -48,6 +48,7 @@ import torch
 import trio
 
 from .executor import Executor, ExecutorConfig
+from .graph_compiler import GraphCompiler
 from .scheduler import DeviceScheduler
 from .transport import TrioFrameChannel
 from .workerlink import LinkClosedError, WorkerLink
@@ -74,6 +75,7 @@ class WorkerSpec:
     max_frame: int
     cache_grace: float
     cache_bytes: int
+    graph_compiler: str = GraphCompiler.LOOP.value
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -89,6 +91,7 @@ class WorkerSpec:
             max_frame=self.max_frame,
             cache_grace=self.cache_grace,
             cache_bytes=self.cache_bytes,
+            graph_compiler=GraphCompiler(self.graph_compiler),
         )
 
 
