@@ -6,6 +6,7 @@ process over loopback. Prints one JSON object and writes ``benchmarks/results/st
 
     python benchmarks/step_bench.py [--quick] [--device cpu|cuda] [--workloads a,b]
                                     [--isolation shared|worker] [--compile]
+                                    [--graph-compiler loop|inductor]
 
 Per workload:
 
@@ -35,6 +36,8 @@ and then with the optimizer step compiled as well (``torch.compile(opt.step)``),
 ``--isolation worker`` runs the session in a worker process of its own behind the
 executor's supervisor (issue 12), to compare with ``shared`` (every session in the
 executor's process); results then go to ``step[_cuda]_worker.json``.
+``--graph-compiler inductor`` has the executor compile the graphs of compiled steps for
+its device (``graph_compiler.py``); results then go to ``step[_cuda]_inductor.json``.
 """
 
 from __future__ import annotations
@@ -200,6 +203,12 @@ def main() -> None:
         help="sessions in the executor's process, or each in a worker process",
     )
     parser.add_argument(
+        "--graph-compiler",
+        choices=["loop", "inductor"],
+        default="loop",
+        help="how the executor runs compiled graphs (default loop: node by node)",
+    )
+    parser.add_argument(
         "--compile",
         action="store_true",
         help="also time torch.compile(model) steps, then with torch.compile(opt.step) too",
@@ -214,9 +223,14 @@ def main() -> None:
     import cumulus_p2p.remote as remote
     from cumulus_p2p.testing.executor import executor_process
 
-    result: dict = {"executor_device": args.device, "isolation": args.isolation}
+    result: dict = {
+        "executor_device": args.device,
+        "isolation": args.isolation,
+        "graph_compiler": args.graph_compiler,
+    }
     mode = "--worker-per-session" if args.isolation == "worker" else "--shared-process"
-    with executor_process(device=args.device, quota="64GiB", extra=[mode]) as (address, _):
+    extra = [mode, "--graph-compiler", args.graph_compiler]
+    with executor_process(device=args.device, quota="64GiB", extra=extra) as (address, _):
         with remote.attach(address):
             for name in names:
                 steps = 5 if args.quick or name.startswith("gpt") else 20
@@ -232,6 +246,7 @@ def main() -> None:
     print(json.dumps(result, indent=2))
     suffix = "" if args.device == "cpu" else f"_{args.device}"
     suffix += "_worker" if args.isolation == "worker" else ""
+    suffix += "_inductor" if args.graph_compiler == "inductor" else ""
     out = Path(__file__).parent / "results" / f"step{suffix}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
 
