@@ -19,9 +19,10 @@ every session that sends the same graph.
   runs node by node.
 - **Random ops** keep torch's own random streams (inductor's ``fallback_random``), so a
   replay on another host draws what the first host drew.
-- **Failures.** A compile or a compiled run that raises makes the program run node by
-  node from then on, starting with that same call: the node-by-node run names the op
-  that fails, or succeeds. A compiled program writes no input, so running it again is
+- **Failures.** A compile or a compiled run that raises, or whose outputs are laid out
+  otherwise than the node-by-node run's (the session builds views and shared handles
+  from that layout), makes the program run node by node from then on, starting with that
+  same call: the node-by-node run names the op that fails, or succeeds. A compiled program writes no input, so running it again is
   safe.
 
 Results agree with the node-by-node run to rounding (inductor reorders float sums), not
@@ -59,8 +60,9 @@ class GraphRunner:
 
     def __init__(self, compiler: GraphCompiler = GraphCompiler.LOOP) -> None:
         self.compiler = compiler
-        # (program key, input layouts) -> (compiled code or None, node-by-node peak bytes)
-        self._compiled: OrderedDict[tuple, tuple[Callable | None, int]] = OrderedDict()
+        # (program key, input layouts) -> the compiled code (None: node by node from now
+        # on), the node-by-node run's peak bytes and its outputs' shape (``_shape``)
+        self._compiled: OrderedDict[tuple, tuple[Callable | None, int, tuple]] = OrderedDict()
         if compiler is GraphCompiler.INDUCTOR:
             import torch._inductor.config as inductor_config
 
@@ -85,18 +87,20 @@ class GraphRunner:
             compiled = torch.compile(
                 program.graph_module(), backend="inductor", dynamic=False, fullgraph=True
             )  # compiled on its first call
-            self._compiled[layout] = (compiled, peak[0])
+            self._compiled[layout] = (compiled, peak[0], _shape(outputs, inputs))
             if len(self._compiled) > MAX_COMPILED:
                 self._compiled.popitem(last=False)
             return outputs, False
-        compiled, peak_bytes = entry
+        compiled, peak_bytes, shape = entry
         if compiled is None or peak_bytes > budget:
             return program.run(inputs, budget), False
         try:
             outputs = list(compiled(*inputs))
+            if _shape(outputs, inputs) != shape:
+                raise RuntimeError("compiled outputs are laid out otherwise than captured")
         except Exception:  # the node-by-node run says which op failed, or succeeds
             log.warning("a compiled graph failed; it runs node by node now", exc_info=True)
-            self._compiled[layout] = (None, peak_bytes)
+            self._compiled[layout] = (None, peak_bytes, shape)
             return program.run(inputs, budget), False
         program.write_back(inputs, outputs)
         return outputs, True
@@ -111,3 +115,20 @@ class GraphRunner:
 
 def _layout(t: torch.Tensor) -> tuple:
     return (t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), t.requires_grad)
+
+
+def _shape(outputs: list, inputs: list[torch.Tensor]) -> tuple:
+    """What the session relies on in a graph's outputs: each one's layout, and which
+    earlier output or which input it shares its storage with (the client builds views
+    of inputs, and shared handles, from the captured graph)."""
+    first: dict[int, tuple[str, int]] = {}
+    for i, t in enumerate(inputs):
+        first.setdefault(t.untyped_storage()._cdata, ("input", i))
+    described = []
+    for i, t in enumerate(outputs):
+        if not isinstance(t, torch.Tensor):
+            described.append(None)
+            continue
+        owner = first.setdefault(t.untyped_storage()._cdata, ("output", i))
+        described.append((_layout(t), owner))
+    return tuple(described)
