@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import cumulus_p2p.remote as remote
+from cumulus_p2p.remote import graph_compiler
 from cumulus_p2p.remote.graph_compiler import GraphCompiler, GraphRunner
 from cumulus_p2p.remote.graphs import NodeFailed, build_program
 from cumulus_p2p.remote.protocol import GraphValue
@@ -114,3 +115,17 @@ def test_an_executor_compiling_its_graphs_trains_as_one_running_them_node_by_nod
     node_by_node, no_runs = _losses(executor_address)
     assert compiled == pytest.approx(node_by_node, rel=1e-5)  # dropout draws the same masks
     assert (compiled_runs, no_runs) == (6, 0)  # forward and backward, from the second step
+
+
+def test_compiled_outputs_laid_out_otherwise_fall_back_to_node_by_node(monkeypatch):
+    # A stand-in compiler that returns a copy where the graph returns a view of its input.
+    def copying_compiler(gm, **options):
+        return lambda *inputs: [out.clone() for out in gm(*inputs)]
+
+    monkeypatch.setattr(graph_compiler.torch, "compile", copying_compiler)
+    program = build_program([1, [["aten.t.default", [_input(0)], {}]], [_node(0)]], CPU)
+    runner = GraphRunner(GraphCompiler.INDUCTOR)
+    x = torch.randn(2, 3)
+    results = [runner.run(b"t", program, [x], budget=1 << 20) for _ in range(3)]
+    assert [compiled for _, compiled in results] == [False, False, False]
+    assert all(out.untyped_storage()._cdata == x.untyped_storage()._cdata for (out,), _ in results)
