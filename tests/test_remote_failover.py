@@ -369,6 +369,49 @@ def test_a_compiled_run_resumes_from_the_host_cache_with_its_graphs(executor_add
     assert graphs == 3  # forward, backward, optimizer step: each defined once
 
 
+class LostOnFirstRead:
+    """Answers the first checkpoint read as a provider's supervisor does when the worker
+    running the session dies meanwhile: a ``lost`` message, and the connection gone."""
+
+    def __init__(self, inner: SocketFrameChannel) -> None:
+        self.inner = inner
+        self.max_frame = inner.max_frame
+        self.reply: bytes | None = None
+        self.reads = 0
+
+    def send_frame(self, parts) -> None:
+        header, _ = decode_frame(bytearray(b"".join(bytes(p) for p in parts)))
+        query = header[4] if header[0] == "batch" else None
+        if self.reads == 0 and isinstance(query, list) and query[:1] == ["read"]:
+            self.reads += 1
+            self.inner.close()
+            lost = ["lost", "the worker process running it was killed", "host"]
+            self.reply = b"".join(bytes(p) for p in encode_frame(lost))
+            return
+        self.inner.send_frame(parts)
+
+    def recv_frame(self) -> bytearray:
+        if self.reply is not None:
+            reply, self.reply = self.reply, None
+            return bytearray(reply)
+        return self.inner.recv_frame()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_a_host_lost_while_a_checkpoint_is_read_fails_over(executor_address):
+    channel = LostOnFirstRead(dial(executor_address)())
+    with remote.attach(
+        channel=channel, reconnect=dial(executor_address), checkpoint_interval=0.0
+    ) as session:
+        x = torch.arange(10.0, device="cumulus")
+        assert x.sum().item() == 45.0  # a sync point: the checkpoint's read meets "lost"
+        assert (x * 2).sum().item() == 90.0
+        assert channel.reads == 1
+        assert session.failovers == 1
+
+
 def test_cut_while_waiting_for_a_reply_still_gets_that_reply(executor_address):
     channel, sock = cuttable(executor_address)
 

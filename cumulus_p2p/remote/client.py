@@ -247,15 +247,23 @@ class RemoteSession:
             frame = self._channel.recv_frame()
         except SessionClosedError as exc:
             return self._fail_over(exc, awaiting)
+        lost_here = self._lost(frame)
+        return frame if lost_here is None else self._fail_over(lost_here, awaiting)
+
+    def _lost(self, frame: bytearray) -> SessionClosedError | None:
+        """What a host's ``lost`` message means for this session (None for any other frame).
+
+        Raises:
+            SessionClosedError: the session's own op ended it; failing over would not help.
+        """
         lost = lost_reason(frame)
         if lost is None:
-            return frame
+            return None
         reason, fault = lost
         if fault == "session":
             self.closed = True
             raise SessionClosedError(f"the host ended this session: {reason}")
-        lost_here = SessionClosedError(f"the host lost this session: {reason}")
-        return self._fail_over(lost_here, awaiting)
+        return SessionClosedError(f"the host lost this session: {reason}")
 
     def _read_reply(self, frame: bytearray, seq: int) -> tuple[Any, list[memoryview]]:
         header, area = decode_frame(frame)
@@ -371,6 +379,9 @@ class RemoteSession:
             frame = self._channel.recv_frame()
         except SessionClosedError as exc:
             raise _ChannelLost(exc) from exc
+        lost_here = self._lost(frame)  # a worker that died while its storages were read
+        if lost_here is not None:
+            raise _ChannelLost(lost_here)
         return seq, self._read_reply(frame, seq)
 
     # --- failover -----------------------------------------------------------------------

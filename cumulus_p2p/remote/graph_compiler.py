@@ -22,8 +22,8 @@ every session that sends the same graph.
 - **Failures.** A compile or a compiled run that raises, or whose outputs are laid out
   otherwise than the node-by-node run's (the session builds views and shared handles
   from that layout), makes the program run node by node from then on, starting with that
-  same call: the node-by-node run names the op that fails, or succeeds. A compiled program writes no input, so running it again is
-  safe.
+  same call: the node-by-node run names the op that fails, or succeeds. A compiled
+  program writes no input, so running it again is safe.
 
 Results agree with the node-by-node run to rounding (inductor reorders float sums), not
 bit for bit.
