@@ -4,8 +4,9 @@ Captures the tiny transformer's forward and backward graphs (``capture.py``, on 
 tensors), sends them through the wire codec, builds the executor's ``GraphProgram`` and
 times it against the same graph run as FX-generated Python code (the fastest way to run
 those nodes from Python). The difference per node is the program's own cost: argument
-filling, intermediate release and quota accounting. Prints JSON and writes
-``benchmarks/results/graph.json``::
+filling, intermediate release and quota accounting. It also times the program as
+``cumulus-executor --graph-compiler inductor`` runs it (``graph_compiler.py``: compiled
+with inductor for this CPU). Prints JSON and writes ``benchmarks/results/graph.json``::
 
     python benchmarks/graph_bench.py [--runs N]
 """
@@ -23,6 +24,7 @@ import torch
 
 from cumulus_p2p.remote.capture import capture
 from cumulus_p2p.remote.compiled import encode_graph
+from cumulus_p2p.remote.graph_compiler import GraphCompiler, GraphRunner
 from cumulus_p2p.remote.graphs import build_program
 from cumulus_p2p.remote.protocol import decode_ext, encode_value
 from cumulus_p2p.testing.models import TinyTransformer
@@ -72,8 +74,16 @@ def _compare(name: str, gm: torch.fx.GraphModule, runs: int) -> dict:
     inputs = _inputs(values)
     ours = _median_us(lambda: program.run(inputs, budget=1 << 40), runs)
     fx = _median_us(lambda: gm(*inputs), runs)
+    runner = GraphRunner(GraphCompiler.INDUCTOR)
+    started = time.perf_counter()
+    for _ in range(2):  # node by node first, then the compile and the first compiled run
+        runner.run(name.encode(), program, inputs, budget=1 << 40)
+    compile_s = time.perf_counter() - started
+    inductor = _median_us(lambda: runner.run(name.encode(), program, inputs, 1 << 40), runs)
     nodes = len(program.nodes)
     return {
+        f"{name}_inductor_us": round(inductor, 1),
+        f"{name}_inductor_first_runs_s": round(compile_s, 2),
         f"{name}_nodes": nodes,
         f"{name}_program_us": round(ours, 1),
         f"{name}_fx_code_us": round(fx, 1),
