@@ -254,3 +254,64 @@ def test_fullgraph_code_that_cannot_be_captured_raises_instead_of_running_eagerl
     with pytest.raises(Unsupported, match="fullgraph=True"):
         torch.compile(halve_if_large, fullgraph=True)(x)
     assert torch.compile(halve_if_large)(x).tolist() == [2.5] * 4  # without: eager, warned
+
+
+class _Gated(torch.nn.Module):
+    """A GPT whose own forward breaks the graph: it reads a value back mid-way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = TinyTransformer(dropout=0.0, layers=2)
+
+    def forward(self, idx):
+        logits = self.body(idx)
+        if logits.abs().max().item() > 1e6:  # data-dependent: no single graph
+            logits = logits.clamp(-1e6, 1e6)
+        return logits
+
+
+class _Reads(torch.nn.Module):
+    """A layer that reads a value back around an inner layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        scale = 2.0 if x.sum().item() > 0 else 1.0
+        return self.inner(x) * scale
+
+
+def _train(make_model, batch, compile_model: bool, steps: int = 3) -> list[float]:
+    torch.manual_seed(0)
+    model = make_model().to("cumulus")
+    forward = torch.compile(model) if compile_model else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        loss = forward(batch.to("cumulus")).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_around_a_graph_break_the_submodules_are_captured_one_by_one(cumulus, fresh_warnings):
+    idx = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled_losses = _train(_Gated, idx, compile_model=True)
+    assert compiled_losses == _train(_Gated, idx, compile_model=False)
+    assert cumulus.graphs_defined == 2  # the GPT body's forward and backward
+    assert any("captured one by one" in str(w.message) for w in caught)
+
+
+def test_a_submodule_that_breaks_the_graph_splits_again(cumulus, fresh_warnings):
+    def make():
+        return torch.nn.Sequential(torch.nn.Linear(8, 8), _Reads(), torch.nn.Linear(8, 1))
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    compiled_losses = _train(make, x, compile_model=True)
+    assert compiled_losses == _train(make, x, compile_model=False)
+    assert cumulus.graphs_defined == 6  # three Linear layers, forward and backward

@@ -35,6 +35,7 @@ import operator
 import warnings
 import weakref
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -296,25 +297,44 @@ class CompiledCode:
         self.fullgraph = fullgraph  # code that cannot be captured raises instead of warning
         self._steps: dict[tuple, _Step | str] = {}
         self._known_state: tuple[list[str], list, list] | None = None
+        self._regions: list[_Region] | None = None  # the submodules, when this one splits
+        self.inside = False  # capturing the code, or running it eagerly
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         names, state = self._state()
         leaves, in_spec = tree_flatten((args, kwargs))
         tensors = [*state, *(x for x in leaves if isinstance(x, torch.Tensor))]
         if not all(type(t) is RemoteTensor for t in tensors):
-            return self.fn(*args, **kwargs)  # mixed devices: the eager code raises as usual
+            return self._eager(None, args, kwargs)  # mixed devices: it raises as usual
         try:
             key = self._key(leaves, tensors)
         except TypeError:
-            warn_eager("an argument is neither a tensor nor hashable", self.fullgraph)
-            return self.fn(*args, **kwargs)
+            return self._eager("an argument is neither a tensor nor hashable", args, kwargs)
         step = self._steps.get(key)
         if step is None:
             step = self._capture(key, names, leaves, in_spec, tensors)
         if isinstance(step, str):
-            warn_eager(step, self.fullgraph)
-            return self.fn(*args, **kwargs)
+            return self._eager(step, args, kwargs)
         return _assemble(step, step.run(tensors))
+
+    def _eager(self, reason: str | None, args: tuple, kwargs: dict) -> Any:
+        """Run the code eagerly (saying why, once). A module's submodules then run as
+        regions of their own: each captured where it can be, as dynamo keeps compiling
+        around a graph break."""
+        regions: list[_Region] = []
+        if reason is not None:
+            if self.module is not None and not self.fullgraph:
+                if self._regions is None:
+                    self._regions = _regions(self.module, self.device_type)
+                regions = self._regions
+            split = "; its submodules are captured one by one" if regions else ""
+            warn_eager(reason + split, self.fullgraph)
+        self.inside = True
+        try:
+            with _installed(regions):
+                return self.fn(*args, **kwargs)
+        finally:
+            self.inside = False
 
     def _state(self) -> tuple[list[str], list[torch.Tensor]]:
         """The module's parameters and buffers, by name (as ``named_parameters`` then
@@ -356,11 +376,14 @@ class CompiledCode:
             return f"more than {MAX_CAPTURES} input signatures (shapes, dtypes, modes)"
         outputs: dict[str, Any] = {}
         functional = self._functional(names, leaves, in_spec, outputs)
+        self.inside = True
         try:
             captured = capture(functional, tensors)
             step: _Step | str = _Step(captured, outputs["spec"], outputs["constants"])
         except CaptureError as exc:
             step = str(exc)
+        finally:
+            self.inside = False
         self._steps[key] = step
         return step
 
@@ -386,6 +409,49 @@ class CompiledCode:
             return tuple(x for x in out_leaves if isinstance(x, torch.Tensor))
 
         return functional
+
+
+class _Region:
+    """A submodule's ``forward`` while its parent runs eagerly: the submodule's own
+    ``CompiledCode``, except while that code is capturing it or running it eagerly."""
+
+    def __init__(self, module: torch.nn.Module, device_type: str) -> None:
+        self.module = module
+        self.original = module.forward
+        self.code = CompiledCode(module, module, device_type)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.code.inside:
+            return self.original(*args, **kwargs)
+        return self.code(*args, **kwargs)
+
+
+def _regions(module: torch.nn.Module, device_type: str) -> list[_Region]:
+    """A region per submodule the module calls: its children, and the children of the
+    containers (``ModuleList``, ``ModuleDict``) it only iterates."""
+    regions = []
+    for child in module.children():
+        if type(child).forward is torch.nn.Module.forward:  # a container: never called
+            regions += _regions(child, device_type)
+        else:
+            regions.append(_Region(child, device_type))
+    return regions
+
+
+@contextmanager
+def _installed(regions: list[_Region]):
+    """Each region in place of its submodule's ``forward`` while inside."""
+    saved = [region.module.__dict__.get("forward") for region in regions]
+    for region in regions:
+        region.module.forward = region
+    try:
+        yield
+    finally:
+        for region, before in zip(regions, saved, strict=True):
+            if before is None:
+                del region.module.forward  # back to the class's
+            else:
+                region.module.forward = before
 
 
 def _assemble(step: _Step, tensors: tuple) -> Any:
