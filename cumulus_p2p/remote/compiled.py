@@ -26,7 +26,9 @@ Inputs the code writes to (BatchNorm's running statistics) are written back on t
 executor: the graph's first outputs are their new values, and its definition says which
 input each one replaces. Code that cannot be captured (data-dependent control flow,
 ``.item()`` in the forward, more than ``MAX_CAPTURES`` signatures) runs eagerly with a
-one-line warning, and gives the same results.
+one-line warning, and gives the same results. A module's submodules then run as regions
+of their own (``_Region``), each captured where it can be: the module's own code is the
+graph break, and the rest stays compiled.
 """
 
 from __future__ import annotations
