@@ -36,7 +36,8 @@ from .explorer import model
 from .market import PriorityClass
 from .node import hardware, logs, views
 from .node.datadir import DataDir, default_data_dir
-from .remote.executor_main import add_isolation_flags, parse_size
+from .remote.executor_main import add_graph_compiler_flag, add_isolation_flags, parse_size
+from .remote.graph_compiler import GraphCompiler
 
 EXIT_USAGE, EXIT_CONFIG, EXIT_NO_MATCH = 2, 3, 4
 VIEWS = ("status", "peers", "offers", "reputation", "ledger", "logs")
@@ -247,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
         "stopping anyway (default 30s; a second signal stops at once)",
     )
     add_isolation_flags(provide, where="the node's process")
+    add_graph_compiler_flag(provide)
     provide.add_argument(
         "--bench-seconds",
         type=float,
@@ -631,6 +633,7 @@ async def _provide(args, data: DataDir, mesh_config: MeshConfig, console: Consol
         receipt_interval=args.receipt_interval, settle_grace=args.settle_grace,
         min_consumer_score=args.min_consumer_score, leave_timeout=args.leave_timeout,
         workers=args.workers, pool=args.pool,
+        graph_compiler=GraphCompiler(args.graph_compiler),
     )  # fmt: skip
     live = _live(console, args.no_live)
 

@@ -41,6 +41,12 @@ def test_a_device_that_is_not_a_device_is_a_usage_error(tmp_path):
     assert "'gpu1': use auto, cpu, cuda or cuda:N" in result.stderr
 
 
+def test_an_unknown_graph_compiler_is_a_usage_error_listing_the_choices(tmp_path):
+    result = run("--data-dir", str(tmp_path), "--provide", "--graph-compiler", "tvm")
+    assert result.returncode == 2
+    assert "invalid choice: 'tvm' (choose from 'loop', 'inductor')" in result.stderr
+
+
 def test_a_gpu_this_machine_lacks_is_a_usage_error(tmp_path):
     result = run("--data-dir", str(tmp_path), "--provide", "--device", "cuda:1")
     assert result.returncode == 2
@@ -118,6 +124,7 @@ def test_help_documents_every_flag():
         "--max-price",
         "--priority",
         "--match-timeout",
+        "--graph-compiler",
         "--data-dir",
         "status|peers|offers|reputation|ledger",
     ):

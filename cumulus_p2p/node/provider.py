@@ -63,6 +63,7 @@ from ..market.settlement import (
 )
 from ..remote.executor import Executor, ExecutorConfig
 from ..remote.executor_main import build_executor
+from ..remote.graph_compiler import GraphCompiler
 from ..remote.scheduler import lease_rank
 from ..remote.secure import serve_secure
 from ..remote.secure.libp2p_path import handle_libp2p_sessions
@@ -103,6 +104,7 @@ class ProviderOptions:
         grace_period: Seconds a dropped session may take to resume.
         workers: A worker process per session (None: when the device is a GPU).
         pool: Worker processes kept started for the next lease.
+        graph_compiler: How the executor runs compiled graphs (``graph_compiler.py``).
     """
 
     device: DeviceFacts
@@ -121,6 +123,7 @@ class ProviderOptions:
     grace_period: float = 30.0
     workers: bool | None = None
     pool: int = 1
+    graph_compiler: GraphCompiler = GraphCompiler.LOOP
 
     @property
     def unpaid_grace(self) -> float:
@@ -571,7 +574,11 @@ async def run_provider(
     identity = data.identity()
     facts = options.device
     device = f"cuda:{facts.index}" if facts.kind == "cuda" else "cpu"
-    config = ExecutorConfig(device=device, quota_bytes=facts.memory_mib * 2**20)
+    config = ExecutorConfig(
+        device=device,
+        quota_bytes=facts.memory_mib * 2**20,
+        graph_compiler=options.graph_compiler,
+    )
     executor = build_executor(
         config, workers=options.uses_workers, pool=options.pool, hidden=[data.path]
     )

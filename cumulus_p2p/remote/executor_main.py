@@ -62,6 +62,17 @@ def add_isolation_flags(parser, *, where: str) -> None:
     )
 
 
+def add_graph_compiler_flag(parser) -> None:
+    """``--graph-compiler`` on ``parser``: how an executor runs compiled graphs."""
+    parser.add_argument(
+        "--graph-compiler",
+        choices=[c.value for c in GraphCompiler],
+        default=GraphCompiler.LOOP.value,
+        help="run compiled graphs node by node (loop, the default) or compile each for "
+        "the device with inductor after its first run (inductor)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cumulus-executor",
@@ -97,13 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="host memory all kept sessions may hold together, oldest dropped first (default 4GiB)",
     )
-    parser.add_argument(
-        "--graph-compiler",
-        choices=[c.value for c in GraphCompiler],
-        default=GraphCompiler.LOOP.value,
-        help="run compiled graphs node by node (loop, the default) or compile each for "
-        "the device with inductor after its first run (inductor)",
-    )
+    add_graph_compiler_flag(parser)
     parser.add_argument(
         "--secure",
         action="store_true",
