@@ -23,7 +23,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from .compiled import CompiledCode, warn_eager
-from .compiled_optimizer import CompiledOptimizerStep
+from .compiled_optimizer import CompiledOptimizerStep, optimizer_on
 
 
 def patch_torch_compile(device_type: str) -> None:
@@ -113,8 +113,7 @@ def _on(device_type: str, value: Any) -> bool:
     if isinstance(value, torch.nn.Module):
         return _module_on(device_type, value)
     if isinstance(value, torch.optim.Optimizer):
-        first = next((p for g in value.param_groups for p in g["params"]), None)
-        return first is not None and first.device.type == device_type
+        return optimizer_on(device_type, value)
     return False
 
 

@@ -76,8 +76,7 @@ class CompiledOptimizerStep:
         self._lrs: list[tuple[float, torch.Tensor]] = []  # per group: value, device tensor
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        first = next((p for g in self.optimizer.param_groups for p in g["params"]), None)
-        if first is None or first.device.type != self.device_type:
+        if not optimizer_on(self.device_type, self.optimizer):
             return self.compiled(*args, **kwargs)
         reason = "an optimizer step with a closure" if args or kwargs else _refusal(self.optimizer)
         if reason is None:
@@ -141,6 +140,12 @@ class CompiledOptimizerStep:
                 entry = _CREATES_STATE if created else f"the step cannot be captured ({exc})"
         self._graphs[key] = entry
         return entry
+
+
+def optimizer_on(device_type: str, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s parameters live on ``device_type`` (its first one says)."""
+    first = next((p for g in optimizer.param_groups for p in g["params"]), None)
+    return first is not None and first.device.type == device_type
 
 
 class _StateCreated(Exception):
