@@ -5,10 +5,12 @@ from __future__ import annotations
 import array
 import os
 
+import msgpack
 import pytest
 
 from cumulus_p2p._errors import (
     FrameTooLargeError,
+    LocalProtocolError,
     RecordAuthenticationError,
     RemoteProtocolError,
 )
@@ -166,3 +168,49 @@ def test_resume_point_outside_the_buffer_is_a_protocol_error():
 def test_close_record_reports_the_reason():
     a, b = core_pair()
     assert deliver(b, a.seal_close("bye")) == Closed("bye")
+
+
+# --- handing a session to another process ----------------------------------------------
+
+
+def continued(core: SessionCore, **kw) -> SessionCore:
+    """``core`` as another process continues it, from its exported state alone."""
+    state = msgpack.unpackb(msgpack.packb(core.export()))  # what crosses the link
+    return SessionCore.continued(state, **kw)
+
+
+def test_a_continued_core_carries_on_both_directions_across_rekeys():
+    limits = {"max_frame": 1 << 24, "max_record": 1024, "rekey_bytes": 4096}
+    a, b = core_pair(**limits)
+    send_frame(a, b, [os.urandom(20_000)])  # past several rekeys in a -> b
+    send_frame(b, a, [b"welcome"])
+    moved = continued(b, **limits)
+    blob = os.urandom(20_000)
+    assert send_frame(a, moved, [blob]) == blob
+    assert send_frame(moved, a, [b"reply"]) == b"reply"
+    assert moved._opener.rekeys == a._sealer.rekeys > 0
+
+
+def test_a_continued_core_resends_what_the_peer_had_not_acknowledged():
+    a, b = core_pair(max_record=1000)
+    records = list(b.seal_frame([b"lost on the way"]))  # sealed, never delivered
+    moved = continued(b, max_frame=1 << 24, max_record=1000)
+    (resent,) = moved.resend_from(a.received)
+    assert resent == records[0]
+    assert deliver(a, resent) == b"lost on the way"
+
+
+def test_a_core_cannot_be_handed_over_mid_frame():
+    a, b = core_pair(max_record=1000)
+    first = next(a.seal_frame([os.urandom(3000)]))
+    deliver(b, first)
+    with pytest.raises(LocalProtocolError, match="between frames"):
+        b.export()
+
+
+@pytest.mark.parametrize(
+    "state", [[], [1, 2, 3, 4, 5, 6, 7], None, "core", [[b"k", 0, 0, 0]] * 2 + [0, 0, 0, 0, []]]
+)
+def test_a_state_that_is_not_an_exported_core_is_refused(state):
+    with pytest.raises(ValueError):
+        SessionCore.continued(state, max_frame=1024)

@@ -108,11 +108,31 @@ def test_a_killed_worker_ends_only_its_session(isolated, reference):
         x = torch.ones(4, device="cumulus")
         assert x.sum().item() == 4
         kill(session.info["worker_pid"])
-        lost = "the worker process running it was killed by SIGKILL \\(a host failure\\)"
-        with pytest.raises(SessionClosedError, match=lost):
+        # The worker held the connection: it closed with the worker.
+        with pytest.raises(SessionClosedError, match="connection"):
             (x * 2).sum().item()
     bystander.go_on()
     assert bystander.finish() == {"losses": reference}
+
+
+def test_a_secure_consumer_whose_worker_was_killed_learns_why_when_it_resumes(tmp_path):
+    consumer = NodeIdentity.generate()
+    extra = [*WORKERS, "--secure", "--data-dir", str(tmp_path / "provider")]
+    with executor_process(extra=[*extra, "--allow-key", consumer.public_key.hex()]) as (
+        address,
+        proc,
+    ):
+        host, port = address.split(":")
+        channel = connect_secure(
+            host, int(port), identity=consumer, expected_peer_public_key=proc.provider_key
+        )
+        with remote.attach(channel=channel) as session:
+            x = torch.ones(4, device="cumulus")
+            assert x.sum().item() == 4
+            kill(session.info["worker_pid"])
+            lost = "the worker process running it was killed by SIGKILL \\(a host failure\\)"
+            with pytest.raises(SessionClosedError, match=lost):
+                (x * 2).sum().item()
 
 
 def test_the_killed_sessions_job_fails_over_and_ends_with_the_same_losses(isolated, reference):
@@ -149,7 +169,7 @@ def test_a_warm_pool_serves_a_lease_with_a_worker_started_before_it(isolated):
     assert first_op_s < 1.0
 
 
-def test_a_worker_cannot_read_the_node_key_and_does_not_hold_it(tmp_path):
+def test_a_worker_holds_its_consumers_connection_but_not_the_node_key(tmp_path):
     consumer = NodeIdentity.generate()
     data_dir = tmp_path / "provider"
     extra = [*WORKERS, "--secure", "--data-dir", str(data_dir)]
@@ -171,7 +191,9 @@ def test_a_worker_cannot_read_the_node_key_and_does_not_hold_it(tmp_path):
             assert torch.ones(2, device="cumulus").sum().item() == 2
             assert not _memory_holds(pid, secrets)
             assert _open_files(pid, under=data_dir) == []
-            assert _sockets_other_than_unix(pid) == []
+            # Its one network socket is its own consumer's connection, accepted here.
+            (connection,) = _sockets_other_than_unix(pid)
+            assert _tcp_socket(connection) == (int(port), "ESTABLISHED")
 
 
 def test_bad_isolation_flags_are_refused_with_a_clear_error():
@@ -207,6 +229,17 @@ def _sockets_other_than_unix(pid: int) -> list[str]:
     targets = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
     sockets = [t[len("socket:[") : -1] for t in targets if t.startswith("socket:[")]
     return [inode for inode in sockets if inode not in unix]
+
+
+def _tcp_socket(inode: str) -> tuple[int, str] | None:
+    """The local port and state of the TCP socket with ``inode``, from /proc/net/tcp."""
+    states = {"01": "ESTABLISHED", "0A": "LISTEN"}
+    with open("/proc/net/tcp") as table:
+        for line in table.readlines()[1:]:
+            fields = line.split()
+            if fields[9] == inode:
+                return int(fields[1].split(":")[1], 16), states.get(fields[3], fields[3])
+    return None
 
 
 def _memory_holds(pid: int, needles: list[bytes]) -> bool:

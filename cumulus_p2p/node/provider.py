@@ -524,11 +524,11 @@ class Provider:
 
 
 def _session_workers(executor: Executor | WorkerSupervisor) -> list[dict]:
-    """Each session's worker process and the frames it relayed (worker mode only)."""
+    """Each session's worker process and the bytes it carried (worker mode only)."""
     if not isinstance(executor, WorkerSupervisor):
         return []
     return [
-        {"pid": view.worker_pid, "frames_in": view.frames_in, "frames_out": view.frames_out}
+        {"pid": view.worker_pid, "bytes": view.bytes_carried}
         for view in executor.sessions.values()
     ]
 

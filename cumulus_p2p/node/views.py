@@ -42,8 +42,8 @@ def status_table(state: dict) -> Group:
         summary.add_row("shares free", f"{state['shares_free']} of {state['shares_total']}")
         summary.add_row("sessions", f"{state['sessions']} ({state.get('isolation', '?')})")
         for worker in state.get("session_workers", []):
-            frames = f"{worker['frames_in']} frames in, {worker['frames_out']} out"
-            summary.add_row("session worker", f"pid {worker['pid']}: {frames}")
+            carried = f"{worker['bytes'] / 1e6:.1f} MB carried"
+            summary.add_row("session worker", f"pid {worker['pid']}: {carried}")
         if state.get("gpu_utilization") is not None:
             summary.add_row("GPU utilization", f"{state['gpu_utilization']}%")
         health = state.get("device_health", "ok")

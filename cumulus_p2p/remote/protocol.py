@@ -26,10 +26,10 @@ Executor → client::
     ["refused", reason]           (no session under that token; hello may follow)
     ["reply", seq, error_or_nil, result, blob_lengths]
     ["fatal", message]            (protocol violation; the executor closes the session)
-    ["lost", message, fault]      (the process running the session died and its state on
-                                   this host is gone; fault "host": the client fails over
-                                   if it can; "session": its own op caused it, so
-                                   replaying elsewhere would fail the same way)
+    ["lost", message, fault]      (the session's state on this host is gone; fault
+                                   "host": the client fails over if it can; "session":
+                                   its own op caused it (it poisoned the device context),
+                                   so replaying elsewhere would fail the same way)
 
 A batch's ``query`` is ``["sync"]``, ``["fetch", tensor]``, ``["call"]`` (describe the
 outputs of the last ``dyn`` op), ``["stats"]``, ``["checkpoint"]`` (every storage's

@@ -55,7 +55,7 @@ from .health import CHECK_TIMEOUT_S, DeviceHealth
 from .protocol import decode_frame, encode_frame
 from .scheduler import DEFAULT_RANK, DeviceQueue
 from .session import SessionStats
-from .transport import AsyncFrameChannel, TrioFrameChannel
+from .transport import AsyncFrameChannel, Handover, HandoverError, frame_header
 from .worker import EXIT_POISONED, WorkerSpec
 from .workerlink import LinkClosedError, WorkerLink
 
@@ -65,14 +65,19 @@ log = logging.getLogger(__name__)
 DEFAULT_POOL = 1
 #: How long a worker may take from exec to ``ready`` (importing torch, a CUDA context).
 START_TIMEOUT_S = 120.0
-#: After a session's socket closes, how long to wait to learn whether its worker died.
-EXIT_WAIT_S = 0.5
-#: How long a consumer told its session was lost has to hang up before it is hung up on.
-LOST_LINGER_S = 10.0
+#: How long a resume for a dying worker's session waits to learn how the worker ended.
+EXIT_WAIT_S = 5.0
 #: Turns one worker may wait for at once (a session and a resume taking it over need 2).
 MAX_WAITING_TURNS = 4
 #: How often an unhealthy device is checked again.
 RECHECK_S = 30.0
+#: Largest first frame of a session (a hello or a resume); it crosses to the worker.
+MAX_FIRST_FRAME = 16 * 1024
+#: Longest session token and end reason a worker may report.
+MAX_TOKEN = 256
+MAX_REASON = 1024
+#: Bytes per read when bridging a stream that has no socket to hand over.
+BRIDGE_CHUNK = 65536
 
 _SANDBOX_SCRIPT = (
     'set -e; u=$1; g=$2; shift 2; while [ "$1" != -- ]; do '
@@ -103,6 +108,8 @@ class _Worker:
     assigned: bool = False
     tokens: set[str] = field(default_factory=set)
     waiting: set[tuple] = field(default_factory=set)
+    #: Sessions handed to it that have not ended, by number.
+    handed: dict[int, _Handed] = field(default_factory=dict)
     #: Its session's ops and memory in use, as it last reported them.
     stats: SessionStats | None = None
 
@@ -124,13 +131,112 @@ class _Worker:
 
 @dataclass
 class SessionView:
-    """A relayed session as status shows it."""
+    """A session handed to a worker, as status shows it."""
 
     worker_pid: int
-    frames_in: int = 0
-    frames_out: int = 0
     #: The consumer's key: whose session it is.
     owner: bytes | None = None
+    #: Frame bytes the worker reports it carried, both ways.
+    bytes_carried: int = 0
+
+
+class _Handed:
+    """A session handed over to a worker, as the supervisor still answers for it.
+
+    It is the secure channel's ``Successor``: resumes that reach the supervisor's secure
+    server are passed to the worker with their connection, and a provider's close is
+    passed on as a message. ``done`` is set when the session ended in the worker, or the
+    worker died (``ended`` then says how, and a resume is refused with that reason).
+    """
+
+    def __init__(
+        self, supervisor: WorkerSupervisor, worker: _Worker, number: int, view: SessionView
+    ) -> None:
+        self.supervisor = supervisor
+        self.worker = worker
+        self.number = number
+        self.view = view
+        self.ended: str | None = None
+        self.done = trio.Event()
+        self._on_bytes = None
+
+    async def start(self, handover: Handover, first: bytearray, options: dict) -> None:
+        """Send the worker the session: its connection, and everything read from it."""
+        self._on_bytes = handover.on_bytes
+        self.worker.handed[self.number] = self
+        buffered = handover.buffered
+        if handover.secure is None:
+            buffered = frame_header([first], MAX_FIRST_FRAME) + first + buffered
+        else:
+            handover.secure["inbox"].insert(0, bytes(first))  # the worker takes it again
+        message = ["session", self.number, options, handover.secure, buffered]
+        try:
+            passed = await self._pass(handover.stream, message)
+        except ValueError as exc:
+            passed = False
+            self.finish(f"the consumer sent more before its welcome than a session may: {exc}")
+        if not passed:
+            await trio.aclose_forcefully(handover.stream)
+            self.finish(self.ended or "the worker picked for it died at once (a host failure)")
+
+    async def resume(self, stream: trio.abc.Stream, hello: bytes, buffered: bytes) -> str | None:
+        if self.ended is None and await self._pass(
+            stream, ["resume", self.number, hello, buffered]
+        ):
+            return None
+        with trio.move_on_after(EXIT_WAIT_S):
+            await self.done.wait()  # the worker is dying: learn how
+        return self.ended or "the worker running it is gone (a host failure)"
+
+    async def close(self, reason: str) -> None:
+        try:
+            await self.worker.link.send(["close", self.number, reason])
+        except LinkClosedError:
+            pass  # it died: its consumer learns why when it resumes
+
+    def carried(self, nbytes: int) -> None:
+        """The worker carried ``nbytes`` more of the session's frames."""
+        self.view.bytes_carried += nbytes
+        if self._on_bytes is not None:
+            self._on_bytes(nbytes)
+
+    def finish(self, reason: str) -> None:
+        if self.ended is None:
+            self.ended = reason
+        self.worker.handed.pop(self.number, None)
+        self.done.set()
+
+    async def _pass(self, stream: trio.abc.Stream, message: list) -> bool:
+        """Send ``message`` and ``stream``'s connection to the worker: True once the worker
+        holds it (this process's copy is closed), False if the worker is gone.
+
+        A stream without a socket (a libp2p stream) is bridged: the worker gets one end
+        of a socket pair, and a task here copies bytes between the other end and it.
+
+        Raises:
+            ValueError: the message is too large for the link.
+        """
+        sock = getattr(stream, "socket", None)
+        if sock is not None:
+            try:
+                await self.worker.link.send(message, sock.fileno())
+            except LinkClosedError:
+                return False
+            await trio.aclose_forcefully(stream)  # the kernel closes it when the worker does
+            return True
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            await self.worker.link.send(message, theirs.fileno())
+        except LinkClosedError:
+            ours.close()
+            return False
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.supervisor._nursery.start_soon(_bridge, stream, ours)
+        return True
 
 
 class WorkerSupervisor:
@@ -262,6 +368,9 @@ class WorkerSupervisor:
         if message[0] == "stats":
             worker.stats = _stats(message)
             return
+        if message[0] in ("traffic", "ended", "token"):
+            self._on_session_message(worker, message)
+            return
         kind, number = message[0], message[1] if len(message) == 2 else None
         if type(number) is not int and kind != "release":
             raise LinkClosedError(f"it sent a malformed {kind!r} message")
@@ -285,6 +394,27 @@ class WorkerSupervisor:
                 self.queue.withdraw(ticket)
         else:
             raise LinkClosedError(f"it sent an unknown message {kind!r}")
+
+    def _on_session_message(self, worker: _Worker, message: list) -> None:
+        kind, *args = message
+        if kind == "token" and len(args) == 1 and isinstance(args[0], str):
+            if len(args[0]) > MAX_TOKEN:
+                raise LinkClosedError("it named an oversized session token")
+            worker.tokens.add(args[0])
+            self._tokens[args[0]] = worker
+            return
+        if len(args) != 2 or type(args[0]) is not int:
+            raise LinkClosedError(f"it sent a malformed {kind!r} message")
+        number, value = args
+        handed = worker.handed.get(number)
+        if kind == "traffic" and type(value) is int and value >= 0:
+            if handed is not None:
+                handed.carried(value)
+        elif kind == "ended" and isinstance(value, str):
+            if handed is not None:
+                handed.finish(value[:MAX_REASON])
+        else:
+            raise LinkClosedError(f"it sent a malformed {kind!r} message")
 
     def _grant(self, ticket: tuple) -> None:
         worker = self._workers.get(ticket[0])
@@ -327,6 +457,12 @@ class WorkerSupervisor:
             self._idle.remove(worker)
         for token in worker.tokens:
             self._tokens.pop(token, None)
+        if worker.handed:
+            own = worker.process.returncode == EXIT_POISONED
+            blame = "caused by this session" if own else "a host failure"
+            why = f"the worker process running it {worker.describe_exit()} ({blame})"
+            for handed in list(worker.handed.values()):
+                handed.finish(why)
         for ticket in worker.waiting:
             self.queue.withdraw(ticket)
         if self.queue.holder is not None and self.queue.holder[0] == worker.pid:
@@ -397,9 +533,16 @@ class WorkerSupervisor:
         rank: tuple = DEFAULT_RANK,
         until: float = math.inf,
     ) -> None:
-        """Serve one session in a worker process; the arguments are ``Executor.run_session``'s."""
+        """Hand one session to a worker process and return when it ended there; the
+        arguments are ``Executor.run_session``'s. ``channel`` must support ``hand_over``
+        (plain TCP, a secure channel, a ``CountingChannel`` around either)."""
         try:
             first = await channel.receive_frame()
+            if len(first) > MAX_FIRST_FRAME:
+                raise RemoteProtocolError(
+                    f"a session opens with a hello or a resume of at most {MAX_FIRST_FRAME} "
+                    f"bytes, not {len(first)}"
+                )
             worker = await self._route(first, rank)
         except (RemoteProtocolError, FrameTooLargeError, _Unavailable) as exc:
             await _send(channel, ["fatal", str(exc)])
@@ -413,29 +556,19 @@ class WorkerSupervisor:
             "quota": quota_bytes, "rank": list(rank), "owner": key.hex() if key else None,
             "seconds": None if until == math.inf else max(0.0, until - trio.current_time()),
         }  # fmt: skip
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        handed = _Handed(self, worker, next(self._ids), SessionView(worker.pid, owner=key))
         try:
-            await worker.link.send(["session", options], theirs.fileno())
-        except LinkClosedError:
-            ours.close()
-            await _send(channel, ["lost", "the worker picked for it died at once", "host"])
+            handover = channel.hand_over(handed)  # type: ignore[attr-defined]
+        except HandoverError as exc:
+            await _send(channel, ["fatal", f"the session could not reach its worker: {exc}"])
             await channel.aclose()
             return
-        finally:
-            theirs.close()
-        inner = TrioFrameChannel(
-            trio.SocketStream(trio.socket.from_stdlib_socket(ours)), max_frame=channel.max_frame
-        )
-        session_id = next(self._ids)
-        self.sessions[session_id] = SessionView(worker.pid, owner=key)
+        self.sessions[handed.number] = handed.view
         try:
-            await inner.send_frame([first])
-            await self._relay(channel, inner, worker, self.sessions[session_id])
+            await handed.start(handover, first, options)
+            await handed.done.wait()
         finally:
-            del self.sessions[session_id]
-            with trio.CancelScope(shield=True):
-                await inner.aclose()
-                await channel.aclose()
+            del self.sessions[handed.number]
 
     async def _route(self, first: bytearray, rank: tuple) -> _Worker:
         header, _ = decode_frame(first)
@@ -463,75 +596,6 @@ class WorkerSupervisor:
         _wake(self, "_pool_wanted")  # start its replacement
         return worker
 
-    async def _relay(
-        self, client: AsyncFrameChannel, inner: TrioFrameChannel, worker: _Worker, view: SessionView
-    ) -> None:
-        """Carry frames both ways until one side ends; tell the consumer if the worker died."""
-        ended: list[str] = []
-
-        async def upstream() -> None:
-            while True:
-                frame = await _side(client.receive_frame(), "client")
-                view.frames_in += 1
-                await _side(inner.send_frame([frame]), "worker")
-
-        async def downstream() -> None:
-            welcomed = False
-            while True:
-                frame = await _side(inner.receive_frame(), "worker")
-                if not welcomed:
-                    welcomed = self._learn_token(frame, worker)
-                view.frames_out += 1
-                await _side(client.send_frame([frame]), "client")
-
-        async def until_one_ends(pump, nursery: trio.Nursery) -> None:
-            try:
-                await pump()
-            except _SideClosed as exc:
-                ended.append(exc.side)
-            except (FrameTooLargeError, RemoteProtocolError) as exc:
-                await _send(client, ["fatal", str(exc)])
-            nursery.cancel_scope.cancel()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(until_one_ends, upstream, nursery)
-            nursery.start_soon(until_one_ends, downstream, nursery)
-        if ended[:1] == ["worker"]:
-            await self._report_loss(client, worker)
-
-    def _learn_token(self, frame: bytearray, worker: _Worker) -> bool:
-        header, _ = decode_frame(frame)
-        info = header[2] if header[0] == "welcome" and len(header) == 3 else None
-        token = info.get("token") if isinstance(info, dict) else None
-        if not isinstance(token, str):
-            return False
-        worker.tokens.add(token)
-        self._tokens[token] = worker
-        return True
-
-    async def _report_loss(self, client: AsyncFrameChannel, worker: _Worker) -> None:
-        """The worker's end closed: if it died, say so and let the consumer hang up first.
-
-        Closing at once could reach the consumer before the ``lost`` frame is read (a
-        consumer sending a batch sees the closed channel first); so the channel stays
-        open, its frames dropped, until the consumer closes it or ``LOST_LINGER_S``.
-        """
-        with trio.move_on_after(EXIT_WAIT_S):
-            await worker.exited.wait()
-        code = worker.process.returncode
-        if code is None or code == 0:
-            return  # the worker closed the session itself (bye, fatal, lease term)
-        own = code == EXIT_POISONED
-        blame = "caused by this session" if own else "a host failure"
-        why = f"the worker process running it {worker.describe_exit()} ({blame})"
-        await _send(client, ["lost", why, "session" if own else "host"])
-        with trio.move_on_after(LOST_LINGER_S):
-            try:
-                while True:
-                    await client.receive_frame()
-            except (SessionClosedError, FrameTooLargeError):
-                pass
-
     async def serve_tcp(
         self,
         host: str = "127.0.0.1",
@@ -558,22 +622,6 @@ def _worker_environment() -> dict[str, str]:
     return {"OMP_WAIT_POLICY": "PASSIVE"} | dict(os.environ)
 
 
-class _SideClosed(Exception):
-    """One side of a relayed session (``"client"`` or ``"worker"``) closed or broke."""
-
-    def __init__(self, side: str) -> None:
-        super().__init__(side)
-        self.side = side
-
-
-async def _side(operation, side: str):
-    """Await one relay step, naming the side whose connection ended if it did."""
-    try:
-        return await operation
-    except SessionClosedError as exc:
-        raise _SideClosed(side) from exc
-
-
 class _Unavailable(Exception):
     """No worker can be had: the device is unhealthy."""
 
@@ -598,6 +646,30 @@ async def _receive(link: WorkerLink) -> list:
         os.close(fd)  # workers never send sockets
         raise LinkClosedError("it sent a file descriptor")
     return message
+
+
+async def _bridge(stream: trio.abc.Stream, sock: socket.socket) -> None:
+    """Copy bytes both ways between ``stream`` and ``sock`` until either side ends."""
+    bridged = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
+
+    async def copy(source: trio.abc.ReceiveStream, sink: trio.abc.SendStream) -> None:
+        while data := await source.receive_some(BRIDGE_CHUNK):
+            await sink.send_all(data)
+
+    async def one_way(source, sink, nursery: trio.Nursery) -> None:
+        try:
+            await copy(source, sink)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+        nursery.cancel_scope.cancel()
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one_way, stream, bridged, nursery)
+            nursery.start_soon(one_way, bridged, stream, nursery)
+    finally:
+        await trio.aclose_forcefully(bridged)
+        await trio.aclose_forcefully(stream)
 
 
 async def _reap(process: subprocess.Popen) -> None:

@@ -21,7 +21,8 @@ import select
 import socket
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import trio
@@ -89,6 +90,29 @@ def parse_length(prefix: Buffer, max_frame: int) -> int:
     if length > max_frame:
         raise FrameTooLargeError(f"peer announced a {length}-byte frame; limit is {max_frame}")
     return length
+
+
+class HandoverError(Exception):
+    """A channel cannot be handed over now (it is mid-frame, or already gone)."""
+
+
+@dataclass
+class Handover:
+    """A channel this process stops using, for another process to continue.
+
+    The provider's supervisor hands each session to its worker process this way
+    (``supervisor.py``), so the worker reads and writes the consumer's connection itself.
+    """
+
+    #: The connection. Nothing in this process reads or writes it any more.
+    stream: trio.abc.Stream
+    #: Bytes read from ``stream`` and not taken yet, in stream order.
+    buffered: bytes
+    #: A secure session's keys, counters and settings (``SecureServerChannel.hand_over``);
+    #: None for a plain channel, whose frames are ``buffered`` as they came.
+    secure: dict | None = None
+    #: Called with the frame bytes the successor reports it carried (metering).
+    on_bytes: Callable[[int], None] | None = None
 
 
 class ReadySpinner:
@@ -216,9 +240,11 @@ def drop_sent(views: list[memoryview], sent: int) -> None:
 class TrioFrameChannel:
     """An ``AsyncFrameChannel`` over any ``trio.abc.Stream`` (a TCP stream here)."""
 
-    def __init__(self, stream: trio.abc.Stream, *, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+    def __init__(
+        self, stream: trio.abc.Stream, *, max_frame: int = DEFAULT_MAX_FRAME, buffered: bytes = b""
+    ) -> None:
         self._stream = stream
-        self._buffer = bytearray()
+        self._buffer = bytearray(buffered)  # read from the stream, not yet taken
         self.max_frame = max_frame
 
     async def send_frame(self, parts: Sequence[Buffer]) -> None:
@@ -270,6 +296,12 @@ class TrioFrameChannel:
     async def aclose(self) -> None:
         await self._stream.aclose()
 
+    def hand_over(self, successor: object = None) -> Handover:
+        """Stop using this channel; the returned ``Handover`` continues it elsewhere.
+        (``successor`` is for secure channels, which keep answering for the session.)"""
+        buffered, self._buffer = bytes(self._buffer), bytearray()
+        return Handover(self._stream, buffered)
+
 
 class CountingFrameChannel:
     """A blocking ``FrameChannel`` that counts its frames' bytes as ``CountingChannel``
@@ -319,3 +351,9 @@ class CountingChannel:
 
     async def aclose(self) -> None:
         await self._inner.aclose()
+
+    def hand_over(self, successor: object = None) -> Handover:
+        """The inner channel's ``Handover``, still metered: the successor reports bytes."""
+        handover = self._inner.hand_over(successor)  # type: ignore[attr-defined]
+        handover.on_bytes = self._on_bytes
+        return handover

@@ -43,14 +43,17 @@ import signal
 import socket
 import sys
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 import trio
 
 from .executor import Executor, ExecutorConfig
 from .graph_compiler import GraphCompiler
+from .protocol import decode_frame
 from .scheduler import DeviceScheduler
-from .transport import TrioFrameChannel
+from .secure.server import SecureServer, SecureServerChannel
+from .transport import AsyncFrameChannel, Handover, TrioFrameChannel, nbytes
 from .workerlink import LinkClosedError, WorkerLink
 
 log = logging.getLogger(__name__)
@@ -64,6 +67,9 @@ IDLE_CHECK_S = 0.25
 #: Seconds between a serving worker's reports of its session's ops and memory.
 STATS_EVERY_S = 1.0
 _PR_SET_PDEATHSIG = 1
+#: A frame's length prefix, counted with its bytes as the provider meters them.
+FRAME_PREFIX = 4
+_WELCOME_START = b"\x93\xa7welcome"  # msgpack: a 3-element array whose first element is "welcome"
 
 
 @dataclass(frozen=True)
@@ -170,6 +176,44 @@ class SupervisorTurns:
         self._link.send_nowait(["release"])
 
 
+class _Carried:
+    """A session's channel as the worker carries it: it counts the frame bytes (the
+    supervisor meters the lease with them) and tells the supervisor the session token
+    its welcome names (a resume on a new connection is then routed here)."""
+
+    def __init__(self, inner: AsyncFrameChannel, number: int, link: WorkerLink) -> None:
+        self._inner = inner
+        self._link = link
+        self.number = number
+        self.max_frame = inner.max_frame
+        self.peer_public_key = getattr(inner, "peer_public_key", None)
+        self.unreported = 0
+        self._welcomed = False
+
+    async def send_frame(self, parts) -> None:
+        await self._inner.send_frame(parts)
+        self.unreported += FRAME_PREFIX + nbytes(parts)
+        if not self._welcomed:
+            token = _welcome_token(parts)
+            if token is not None:
+                self._welcomed = True
+                await self._link.send(["token", token])
+
+    async def receive_frame(self) -> bytearray:
+        frame = await self._inner.receive_frame()
+        self.unreported += FRAME_PREFIX + len(frame)
+        return frame
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+    def report(self) -> None:
+        """Tell the supervisor the bytes carried since the last report."""
+        if self.unreported:
+            self._link.send_nowait(["traffic", self.number, self.unreported])
+            self.unreported = 0
+
+
 class Worker:
     """Serves the sessions the supervisor hands over, until it holds none."""
 
@@ -184,6 +228,10 @@ class Worker:
             welcome_extra={"worker_pid": os.getpid()},
             context_lost=self._context_lost,
         )
+        self._carried: dict[int, _Carried] = {}
+        self._secure: SecureServer | None = None
+        self._channels: dict[int, SecureServerChannel] = {}  # secure sessions, by number
+        self._numbers: dict[bytes, int] = {}  # by session id
 
     async def run(self) -> int:
         """Serve until done; return the process's exit status."""
@@ -191,6 +239,7 @@ class Worker:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.executor.expire_parked_forever)
             nursery.start_soon(self._exit_when_done, nursery.cancel_scope)
+            nursery.start_soon(self._report_forever)
             try:
                 await self._read_link(nursery)
             except LinkClosedError:
@@ -201,23 +250,65 @@ class Worker:
     async def _read_link(self, nursery: trio.Nursery) -> None:
         while True:
             message, fd = await self.link.receive()
-            if message[0] == "grant" and len(message) == 2:
+            kind, n = message[0], len(message)
+            if kind == "grant" and n == 2:
                 self.turns.granted(message[1])
-            elif message[0] == "yield" and len(message) == 1:
+            elif kind == "yield" and n == 1:
                 self.turns.yield_asked()
-            elif message[0] == "session" and fd is not None and len(message) == 2:
-                nursery.start_soon(self._serve, fd, message[1])
+            elif kind == "session" and fd is not None and n == 5:
+                self._start(nursery, _stream(fd), *message[1:])
+            elif kind == "resume" and fd is not None and n == 4 and message[1] in self._channels:
+                nursery.start_soon(self._secure.take_resume, _stream(fd), *message[2:])
+            elif kind == "close" and n == 3:
+                if message[1] in self._channels:
+                    nursery.start_soon(self._channels[message[1]].aclose, message[2])
             else:
                 if fd is not None:
                     os.close(fd)
-                raise LinkClosedError(f"unexpected message from the supervisor: {message[0]!r}")
+                raise LinkClosedError(f"unexpected message from the supervisor: {kind!r}")
 
-    async def _serve(self, fd: int, options: dict) -> None:
-        sock = trio.socket.from_stdlib_socket(socket.socket(fileno=fd))
-        max_frame = self.executor.config.max_frame
-        channel = TrioFrameChannel(trio.SocketStream(sock), max_frame=max_frame)
-        owner = options.get("owner")
-        channel.peer_public_key = bytes.fromhex(owner) if owner else None  # type: ignore[attr-defined]
+    def _start(
+        self, nursery: trio.Nursery, stream, number: int, options: dict, secure, buffered: bytes
+    ) -> None:
+        """Serve a session the supervisor handed over: plain frames, or a secure session
+        continued from its keys and counters."""
+        if secure is None:
+            max_frame = self.executor.config.max_frame
+            channel = TrioFrameChannel(stream, max_frame=max_frame, buffered=buffered)
+            owner = options.get("owner")
+            channel.peer_public_key = bytes.fromhex(owner) if owner else None  # type: ignore[attr-defined]
+            nursery.start_soon(self._serve_plain, number, channel, options)
+            return
+        if self._secure is None:
+            self._secure = SecureServer.for_adopted(nursery, secure["settings"], self._ended)
+        handler = partial(self._serve, number, options=options)
+        self._channels[number] = self._secure.adopt(Handover(stream, buffered, secure), handler)
+        self._numbers[secure["session_id"]] = number
+
+    async def _serve_plain(self, number: int, channel: TrioFrameChannel, options: dict) -> None:
+        try:
+            await self._serve(number, channel, options=options)
+        finally:
+            self._report_end(number, "the connection closed")
+
+    def _ended(self, session_id: bytes, reason: str) -> None:
+        """A secure session ended here (the ``SecureServer``'s ``on_end``)."""
+        number = self._numbers.pop(session_id, None)
+        if number is not None:
+            self._channels.pop(number, None)
+            self._report_end(number, reason)
+
+    def _report_end(self, number: int, reason: str) -> None:
+        carried = self._carried.pop(number, None)
+        try:
+            if carried is not None:
+                carried.report()
+            self.link.send_nowait(["ended", number, reason])
+        except LinkClosedError:
+            pass  # the supervisor is gone; this worker is about to exit
+
+    async def _serve(self, number: int, channel: AsyncFrameChannel, *, options: dict) -> None:
+        carried = self._carried[number] = _Carried(channel, number, self.link)
         quota = options.get("quota")
         _cap_device_memory(self.executor.ctx.device, quota or self.executor.config.quota_bytes)
         seconds = options.get("seconds")
@@ -225,9 +316,9 @@ class Worker:
         rank = tuple(options.get("rank") or (0, 0))
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._report_stats, channel.peer_public_key)
+                nursery.start_soon(self._report_stats, carried.peer_public_key)
                 await self.executor.run_session(
-                    channel, quota_bytes=quota, rank=rank, until=until
+                    carried, quota_bytes=quota, rank=rank, until=until
                 )
                 nursery.cancel_scope.cancel()
         except Exception:  # closing a session on a broken context can fail too
@@ -243,6 +334,13 @@ class Worker:
             if stats is not None:
                 await self.link.send(["stats", stats.ops, stats.bytes_in_use])
 
+    async def _report_forever(self) -> None:
+        """Report each session's traffic every ``STATS_EVERY_S``."""
+        while True:
+            await trio.sleep(STATS_EVERY_S)
+            for carried in list(self._carried.values()):
+                carried.report()
+
     def _context_lost(self) -> bool:
         self.poisoned = self.poisoned or _context_poisoned(self.executor.ctx.device)
         return self.poisoned
@@ -251,6 +349,22 @@ class Worker:
         while not (self.served and (self.executor.idle or self.poisoned)):
             await trio.sleep(IDLE_CHECK_S)
         scope.cancel()
+
+
+def _stream(fd: int) -> trio.SocketStream:
+    """The connection the supervisor passed as ``fd``."""
+    return trio.SocketStream(trio.socket.from_stdlib_socket(socket.socket(fileno=fd)))
+
+
+def _welcome_token(parts) -> str | None:
+    """The session token of a ``welcome`` frame; None for any other frame."""
+    head = bytes(parts[0][FRAME_PREFIX : FRAME_PREFIX + len(_WELCOME_START)]) if parts else b""
+    if head != _WELCOME_START:
+        return None
+    header, _ = decode_frame(bytearray(b"".join(parts)))
+    info = header[2] if len(header) == 3 else None
+    token = info.get("token") if isinstance(info, dict) else None
+    return token if isinstance(token, str) else None
 
 
 def _cap_device_memory(device: torch.device, quota: int) -> None:

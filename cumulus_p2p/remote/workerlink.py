@@ -52,8 +52,11 @@ class WorkerLink:
 
         Raises:
             LinkClosedError: the other end is gone, or has stopped reading.
+            ValueError: the message is larger than ``MAX_MESSAGE``.
         """
         data = msgpack.packb(message, use_bin_type=True)
+        if len(data) > MAX_MESSAGE:
+            raise ValueError(f"a {len(data)}-byte message; the link carries {MAX_MESSAGE} at most")
         try:
             if fd is None:
                 self._sock.send(data)

@@ -25,13 +25,19 @@ class StreamReader:
     peeks a whole record, then consumes and opens it without awaiting in between.
     """
 
-    def __init__(self, stream: trio.abc.Stream, max_record: int = DEFAULT_MAX_RECORD) -> None:
+    def __init__(
+        self, stream: trio.abc.Stream, max_record: int = DEFAULT_MAX_RECORD, buffered: bytes = b""
+    ) -> None:
         self.stream = stream
         size = 2 * (RECORD_LIMIT + HEADER_SIZE + TAG_SIZE) + 65536
+        if len(buffered) > size:
+            raise ValueError(f"{len(buffered)} buffered bytes; a reader holds at most {size}")
         self._buf = bytearray(size)
         self._view = memoryview(self._buf)
+        # ``buffered``: bytes another reader took from the stream (a handed-over session).
+        self._view[: len(buffered)] = buffered
         self._start = 0
-        self._end = 0
+        self._end = len(buffered)
         #: Reads from the stream so far. Each one was a trio checkpoint, so a caller can
         #: tell whether it still owes one.
         self.reads = 0
@@ -52,6 +58,10 @@ class StreamReader:
         if self._end - self._start < n or self._interrupted:
             await self._fill(n)
         return self._view[self._start : self._start + n]
+
+    def buffered(self) -> bytes:
+        """The bytes read from the stream and not consumed yet."""
+        return bytes(self._view[self._start : self._end])
 
     def consume(self, n: int) -> None:
         """Drop the first ``n`` buffered bytes (after ``peek(n)`` or more)."""

@@ -89,6 +89,25 @@ class _Direction:
         self._bytes = 0
         self.rekeys += 1
 
+    def export(self) -> list:
+        """Where this direction stands (its current key, counters), to continue it in
+        another process; ``resume`` takes it."""
+        return [self._key, self._counter, self._bytes, self.rekeys]
+
+    def resume(self, state: list) -> None:
+        """Continue from ``export``'s values (those of a fresh direction are replaced).
+
+        Raises:
+            ValueError: ``state`` is not what ``export`` returns.
+        """
+        key, counter, nbytes, rekeys = state
+        if not (isinstance(key, bytes) and len(key) == 32):
+            raise ValueError("record keys are 32 bytes")
+        if not all(type(v) is int and v >= 0 for v in (counter, nbytes, rekeys)):
+            raise ValueError("record counters are non-negative integers")
+        self._key, self._aead = key, AESGCM(key)
+        self._counter, self._bytes, self.rekeys = counter, nbytes, rekeys
+
 
 class RecordSealer(_Direction):
     """Seals outgoing records for one direction.

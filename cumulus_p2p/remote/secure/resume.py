@@ -251,6 +251,48 @@ class SessionCore:
         self._unacked_in_bytes = 0
         self._unacked_in_records = 0
 
+    # --- handing over -----------------------------------------------------------------
+
+    def export(self) -> list:
+        """The session between frames as plain values, for another process to continue
+        it (``SessionCore.continued``): both directions' keys and counters, the counts,
+        the records the peer has not acknowledged.
+
+        Raises:
+            LocalProtocolError: a frame is half received.
+        """
+        if self._frame is not None or self._pending is not None:
+            raise LocalProtocolError("a session can be handed over only between frames")
+        records = [list(record) for record in self.buffer.since(self.buffer.base)]
+        return [
+            self._sealer.export(), self._opener.export(), self.received,
+            self._unacked_in_bytes, self._unacked_in_records, self.buffer.base, records,
+        ]  # fmt: skip
+
+    @classmethod
+    def continued(cls, state: list, **limits) -> SessionCore:
+        """The core ``export`` described, continuing where it stood; ``limits`` are the
+        constructor's keyword arguments (they must be the exporting core's).
+
+        Raises:
+            ValueError: ``state`` is not what ``export`` returns.
+        """
+        try:
+            sealer, opener, received, in_bytes, in_records, base, records = state
+            core = cls(sealer[0], opener[0], **limits)
+            core._sealer.resume(sealer)
+            core._opener.resume(opener)
+            counts = (received, in_bytes, in_records, base)
+            if not all(type(v) is int and v >= 0 for v in counts):
+                raise ValueError("counts are non-negative integers")
+            core.received, core._unacked_in_bytes, core._unacked_in_records = counts[:3]
+            core.buffer.base = base
+            for header, ciphertext in records:
+                core.buffer.append((bytes(header), bytes(ciphertext)))
+        except (TypeError, IndexError) as exc:
+            raise ValueError(f"not an exported session core: {exc}") from exc
+        return core
+
     # --- receiving --------------------------------------------------------------------
 
     def receive_header(self, header: Buffer) -> int:

@@ -44,15 +44,17 @@ from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 
 from ..._errors import (
     HandshakeError,
+    LocalProtocolError,
     RemoteProtocolError,
     SessionClosedError,
 )
-from ..transport import DEFAULT_MAX_FRAME, Buffer
+from ..transport import DEFAULT_MAX_FRAME, Buffer, Handover, HandoverError
 from . import handshake as hs
 from ._io import CONNECTION_LOST, StreamReader, StreamWriter
 from .record import DEFAULT_MAX_RECORD, DEFAULT_REKEY_BYTES, HEADER_SIZE
@@ -62,6 +64,27 @@ log = logging.getLogger("cumulus_p2p.remote.secure")
 
 Authorize = Callable[[bytes, bytes | None], str | None]
 Handler = Callable[["SecureServerChannel"], Awaitable[None]]
+#: Told when a session ends, and why (``SecureServer``'s ``on_end``).
+OnEnd = Callable[[bytes, str], None]
+
+
+class Successor(Protocol):
+    """Whoever continues a session this server handed over (``SecureServerChannel.hand_over``).
+
+    The server still answers for the session: consumers resume it here, and the provider
+    closes it here. It passes both on.
+    """
+
+    #: Why the session ended where it went, once it has.
+    ended: str | None
+
+    async def resume(self, stream: trio.abc.Stream, hello: bytes, buffered: bytes) -> str | None:
+        """Take a connection that asks to resume the session (its ``RESUME_HELLO`` read,
+        ``buffered`` the bytes read after it). None: the stream is the successor's now.
+        A reason: the session is gone there, and the stream is still the caller's."""
+
+    async def close(self, reason: str) -> None:
+        """End the session where it went; its consumer sees ``reason``."""
 
 #: Frames read but not taken by the handler, in bytes, above which a sender waiting for
 #: acknowledgements stops reading (TCP backpressure then reaches the consumer).
@@ -114,6 +137,17 @@ class SecureServerChannel:
                 the grace period.
         """
         return await self._session.receive_frame()
+
+    def hand_over(self, successor: Successor) -> Handover:
+        """Stop serving the session in this process: the returned ``Handover`` carries its
+        connection, the bytes read from it and the session's keys and counters, for
+        another process to continue it (``SecureServer.adopt``). Resumes and closes that
+        reach this server afterwards go to ``successor``.
+
+        Raises:
+            HandoverError: the session is mid-frame, busy or not connected.
+        """
+        return self._session.hand_over(successor)
 
     async def aclose(self, reason: str = "session closed by the provider") -> None:
         """End the session; the consumer sees ``SessionClosedError`` with ``reason`` at
@@ -191,20 +225,25 @@ class _Connection:
 
 
 class _Session:
-    def __init__(self, server: SecureServer, keys: hs.SessionKeys) -> None:
+    def __init__(
+        self,
+        server: SecureServer,
+        *,
+        session_id: bytes,
+        peer_public_key: bytes,
+        resume_secret: bytes,
+        core: SessionCore,
+        handler: Handler,
+    ) -> None:
         self.server = server
-        self.max_frame = server.max_frame
-        self.session_id = keys.session_id
-        self.peer_public_key = keys.peer_public_key
-        self.resume_secret = keys.resume_secret
-        self.core = SessionCore(
-            keys.send_key,
-            keys.recv_key,
-            max_frame=server.max_frame,
-            max_record=server.max_record,
-            rekey_bytes=server.rekey_bytes,
-            max_unacked=server.max_unacked,
-        )
+        self.handler = handler
+        self.max_frame = core.max_frame
+        self.session_id = session_id
+        self.peer_public_key = peer_public_key
+        self.resume_secret = resume_secret
+        self.core = core
+        #: Where the session went, once handed over (then this is its placeholder).
+        self.successor: Successor | None = None
         self.channel = SecureServerChannel(self)
         self.ended: str | None = None
         self.resume_lock = trio.Lock()
@@ -221,6 +260,69 @@ class _Session:
         self._inbox: deque[bytearray] = deque()
         self._inbox_bytes = 0
 
+    @classmethod
+    def new(cls, server: SecureServer, keys: hs.SessionKeys) -> _Session:
+        """A session a handshake here just opened."""
+        core = SessionCore(
+            keys.send_key, keys.recv_key, max_frame=server.max_frame,
+            max_record=server.max_record, rekey_bytes=server.rekey_bytes,
+            max_unacked=server.max_unacked,
+        )  # fmt: skip
+        return cls(
+            server, session_id=keys.session_id, peer_public_key=keys.peer_public_key,
+            resume_secret=keys.resume_secret, core=core, handler=server.handler,
+        )  # fmt: skip
+
+    @classmethod
+    def continued(cls, server: SecureServer, state: dict, handler: Handler) -> _Session:
+        """A session another process handed over (``hand_over``'s ``state``).
+
+        Raises:
+            ValueError: ``state`` is not a handed-over session's.
+        """
+        settings = state["settings"]
+        limits = {k: settings[k] for k in ("max_frame", "max_record", "rekey_bytes", "max_unacked")}
+        core = SessionCore.continued(state["core"], **limits)
+        session = cls(
+            server, session_id=state["session_id"], peer_public_key=state["peer"],
+            resume_secret=state["resume_secret"], core=core, handler=handler,
+        )  # fmt: skip
+        for frame in state["inbox"]:
+            session._queue(bytearray(frame))
+        return session
+
+    def hand_over(self, successor: Successor) -> Handover:
+        """See ``SecureServerChannel.hand_over``."""
+        conn = self._conn
+        if conn is None or self.ended is not None or self.successor is not None:
+            raise HandoverError("the session has no connection to hand over")
+        if self._reading or self._wire.locked or self._frames.locked:
+            raise HandoverError("the session is reading or sending")
+        try:
+            core = self.core.export()
+        except LocalProtocolError as exc:
+            raise HandoverError(str(exc)) from exc
+        server = self.server
+        state = {
+            "session_id": self.session_id, "peer": self.peer_public_key,
+            "resume_secret": self.resume_secret, "core": core,
+            "inbox": [bytes(frame) for frame in self._inbox],
+            "settings": {
+                "max_frame": server.max_frame, "max_record": server.max_record,
+                "rekey_bytes": server.rekey_bytes, "max_unacked": server.max_unacked,
+                "grace_period": server.grace_period,
+                "handshake_timeout": server.handshake_timeout,
+            },
+        }  # fmt: skip
+        self._inbox.clear()
+        self._inbox_bytes = 0
+        self.successor = successor
+        conn.retired = True  # not ours to close any more
+        self._conn = None
+        self._conn_changed.fire()
+        self._progress.fire()
+        return Handover(conn.reader.stream, conn.reader.buffered(), secure=state)
+
     # --- lifecycle --------------------------------------------------------------------
 
     async def run(self, conn: _Connection) -> None:
@@ -233,6 +335,8 @@ class _Session:
         finally:
             self.server._sessions.pop(self.session_id, None)
             self.server._remember_end(self.session_id, self.ended or "ended", self.resume_secret)
+            if self.server.on_end is not None:
+                self.server.on_end(self.session_id, self.ended or "ended")
             # Also when cancelled (the server is closing): no stream is left open.
             if self._conn is not None:
                 self._detach(self._conn)
@@ -241,7 +345,7 @@ class _Session:
 
     async def _run_handler(self) -> None:
         try:
-            await self.server.handler(self.channel)
+            await self.handler(self.channel)
         except SessionClosedError:
             pass
         except Exception:
@@ -258,8 +362,8 @@ class _Session:
             await self._close_retired()
             if self.ended is not None:
                 return
-            if self._conn is not None:
-                await self._conn_changed.wait()
+            if self._conn is not None or self.successor is not None:
+                await self._conn_changed.wait()  # (a handed-over session waits for its end)
                 continue
             with trio.move_on_after(grace) as timer:
                 await self._conn_changed.wait()  # only an attach or the end fires it now
@@ -278,6 +382,11 @@ class _Session:
     async def finish(self, reason: str) -> None:
         """End the session in order: a ``CLOSE`` record (best effort), then teardown."""
         if self.ended is not None:
+            return
+        if self.successor is not None:
+            if self.successor.ended is None:
+                await self.successor.close(reason)
+            self._end(self.successor.ended or reason)
             return
         with trio.move_on_after(1.0):
             async with self._wire:
@@ -412,6 +521,8 @@ class _Session:
                 raise SessionClosedError(self.ended)
             conn = self._conn
             if self._reading or conn is None:
+                if self.successor is not None:
+                    raise SessionClosedError("the session continues in another process")
                 await self._progress.wait()  # another task reads, or no connection yet
                 checkpointed = True
                 continue
@@ -436,8 +547,8 @@ class _Session:
         self._inbox_bytes += len(frame)
 
     async def send_frame(self, parts: Sequence[Buffer]) -> None:
-        if self.ended is not None:
-            raise SessionClosedError(self.ended)
+        if self.ended is not None or self.successor is not None:
+            raise SessionClosedError(self.ended or "the session continues in another process")
         if not (self._frames.locked or self._wire.locked or self.core.must_wait):
             # Nobody else is sending: a frame that fits in one record is sealed and
             # written in one go. Sealing and taking the wire happen without an await in
@@ -523,10 +634,12 @@ class SecureServer:
         max_record: int = DEFAULT_MAX_RECORD,
         rekey_bytes: int = DEFAULT_REKEY_BYTES,
         max_unacked: int = DEFAULT_MAX_UNACKED,
+        on_end: OnEnd | None = None,
     ) -> None:
         self.identity = identity
         self.authorize = authorize
         self.handler = handler
+        self.on_end = on_end
         self.grace_period = grace_period
         self.handshake_timeout = handshake_timeout
         self.max_frame = max_frame
@@ -545,6 +658,43 @@ class SecureServer:
         self._resumes = 0
         self._handshake_failures = 0
         self._refusals = 0
+
+    @classmethod
+    def for_adopted(
+        cls, nursery: trio.Nursery, settings: dict, on_end: OnEnd | None = None
+    ) -> SecureServer:
+        """A server that only continues sessions handed over to this process (``adopt``,
+        ``take_resume``), with the handing server's ``settings``. It holds no identity,
+        so it runs no new-session handshake."""
+        return cls(
+            None, authorize=_no_new_sessions, handler=_no_handler, nursery=nursery,
+            on_end=on_end, **settings,
+        )  # fmt: skip
+
+    def adopt(self, handover: Handover, handler: Handler) -> SecureServerChannel:
+        """Continue a session another process handed over, running ``handler`` on it.
+
+        Raises:
+            ValueError: the handover is not a secure session's.
+        """
+        if handover.secure is None:
+            raise ValueError("a plain channel's handover has no session to adopt")
+        session = _Session.continued(self, handover.secure, handler)
+        reader = StreamReader(handover.stream, self.max_record, buffered=handover.buffered)
+        self._sessions[session.session_id] = session
+        self._started += 1
+        self._nursery.start_soon(session.run, _Connection(reader, StreamWriter(handover.stream)))
+        return session.channel
+
+    async def take_resume(self, stream: trio.abc.Stream, hello: bytes, buffered: bytes) -> None:
+        """Finish a resume that another process began on ``stream``: it read the
+        ``RESUME_HELLO`` ``hello`` (and ``buffered`` after it) for a session it handed
+        here. Never raises for peer misbehaviour (see ``handle_stream``)."""
+
+        async def finish(reader: StreamReader, writer: StreamWriter) -> bool:
+            return await self._resume(hs.ResumeHello.parse(hello), reader, writer)
+
+        await self._guarded(stream, buffered, finish)
 
     def statistics(self) -> ServerStatistics:
         """Current counters."""
@@ -586,12 +736,17 @@ class SecureServer:
         Never raises for peer misbehaviour: the error is logged, sent to the peer where
         possible, and the stream is closed.
         """
-        reader = StreamReader(stream, self.max_record)
+        await self._guarded(stream, b"", self._handshake)
+
+    async def _guarded(self, stream: trio.abc.Stream, buffered: bytes, step) -> None:
+        """Run ``await step(reader, writer)`` on ``stream`` under the handshake timeout;
+        close the stream unless it returned True (the stream went to a session)."""
+        reader = StreamReader(stream, self.max_record, buffered=buffered)
         writer = StreamWriter(stream)
         handed_over = False
         try:
             with trio.fail_after(self.handshake_timeout):
-                handed_over = await self._handshake(reader, writer)
+                handed_over = await step(reader, writer)
         except trio.TooSlowError:
             self._handshake_failures += 1
             log.warning("handshake timed out after %.1f s", self.handshake_timeout)
@@ -608,10 +763,14 @@ class SecureServer:
                 await trio.aclose_forcefully(stream)
 
     async def _handshake(self, reader: StreamReader, writer: StreamWriter) -> bool:
+        if self.identity is None:
+            raise HandshakeError("this process only continues sessions handed over to it")
         shake = hs.ServerHandshake(self.identity.public_key, self.identity.sign)
         reply = shake.on_hello(await reader.read_handshake())
         if reply is None:
-            return await self._resume(shake, reader, writer)
+            if shake.resume_request is None:  # pragma: no cover - None means a resume
+                raise HandshakeError("resume without a request")
+            return await self._resume(shake.resume_request, reader, writer)
         await writer.send(reply)
         consumer, lease = shake.on_client_auth(await reader.read_handshake())
         try:
@@ -626,21 +785,23 @@ class SecureServer:
             return False
         message, keys = shake.accept(os.urandom(hs.SESSION_ID_SIZE))
         await writer.send(message)
-        session = _Session(self, keys)
+        session = _Session.new(self, keys)
         self._sessions[keys.session_id] = session
         self._started += 1
         self._nursery.start_soon(session.run, _Connection(reader, writer))
         return True
 
     async def _resume(
-        self, shake: hs.ServerHandshake, reader: StreamReader, writer: StreamWriter
+        self, request: hs.ResumeHello, reader: StreamReader, writer: StreamWriter
     ) -> bool:
-        request = shake.resume_request
-        if request is None:  # pragma: no cover - on_hello returned None only for resumes
-            raise HandshakeError("resume without a request")
         session = self._sessions.get(request.session_id)
         ended = self._ended.get(request.session_id)
-        if session is not None and session.ended is not None:
+        if session is not None and session.ended is None and session.successor is not None:
+            why = await session.successor.resume(reader.stream, request.raw, reader.buffered())
+            if why is None:
+                return True  # the connection went where the session is
+            ended = (why, session.resume_secret)
+        elif session is not None and session.ended is not None:
             ended = (session.ended, session.resume_secret)
         if ended is not None:
             return await self._refuse_ended(request, *ended, reader, writer)
@@ -685,6 +846,14 @@ class SecureServer:
         self._ended[session_id] = (reason, secret)
         while len(self._ended) > ENDED_REMEMBERED:
             self._ended.popitem(last=False)
+
+
+def _no_new_sessions(consumer: bytes, lease: bytes | None) -> str:
+    return "this process only continues sessions handed over to it"
+
+
+async def _no_handler(channel: SecureServerChannel) -> None:
+    raise LocalProtocolError("a handed-over session runs the handler it was adopted with")
 
 
 async def _send_error(writer: StreamWriter, reason: str) -> None:
