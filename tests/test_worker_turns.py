@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import trio
+import trio.testing
 
 from cumulus_p2p.remote.executor import ExecutorConfig
 from cumulus_p2p.remote.scheduler import lease_rank
@@ -22,10 +23,12 @@ from cumulus_p2p.remote.supervisor import (
     SessionView,
     SupervisorConfig,
     WorkerSupervisor,
+    _Handed,
     _Worker,
 )
+from cumulus_p2p.remote.transport import Handover
 from cumulus_p2p.remote.worker import SupervisorTurns
-from cumulus_p2p.remote.workerlink import LinkClosedError, WorkerLink
+from cumulus_p2p.remote.workerlink import MAX_MESSAGE, LinkClosedError, WorkerLink
 
 ON_DEMAND = lease_rank(True, 900)
 INTERRUPTIBLE = lease_rank(False, 100)
@@ -168,7 +171,8 @@ async def test_a_dead_holders_turn_passes_on():
 @pytest.mark.parametrize(
     "message",
     [["acquire", "1"], ["acquire"], ["cancel", None], ["release", 1], ["launch", 1],
-     ["stats", 5], ["stats", -1, 0], ["stats", 1, "lots"]],
+     ["stats", 5], ["stats", -1, 0], ["stats", 1, "lots"], ["traffic", 1, -5],
+     ["traffic", "1", 5], ["ended", 1], ["ended", 1, None], ["token", 7], ["token", "t" * 300]],
 )
 def test_a_worker_breaking_the_link_protocol_is_cut_off(message):
     sup, (worker,), _ = supervisor_with(ON_DEMAND)
@@ -257,3 +261,51 @@ async def test_workers_that_cannot_start_in_their_namespace_start_without_it(tmp
         assert not sup.sandboxed
         assert sup.health.healthy
         nursery.cancel_scope.cancel()
+
+
+# --- handing sessions over ---------------------------------------------------------------
+
+
+def handed_to(worker: _Worker, sup: WorkerSupervisor) -> _Handed:
+    return _Handed(sup, worker, 1, SessionView(worker.pid))
+
+
+async def test_a_session_with_more_pipelined_than_the_link_carries_is_cut_off():
+    sup, (worker,), (far,) = supervisor_with(ON_DEMAND)
+    ours, theirs = trio.testing.memory_stream_pair()
+    handed = handed_to(worker, sup)
+    too_much = Handover(ours, b"x" * MAX_MESSAGE)
+    await handed.start(too_much, bytearray(b"hello"), {})
+    assert handed.done.is_set()
+    assert "more before its welcome than a session may" in handed.ended
+    assert await theirs.receive_some() == b""  # the consumer's connection is closed
+    assert await nothing_arrives(far)
+
+
+async def test_the_bytes_a_worker_reports_are_metered_and_shown():
+    sup, (worker,), _ = supervisor_with(ON_DEMAND)
+    counted = []
+    handed = handed_to(worker, sup)
+    worker.handed[1] = handed
+    handed._on_bytes = counted.append
+    sup._on_message(worker, ["traffic", 1, 4096])
+    sup._on_message(worker, ["traffic", 2, 999])  # no such session: ignored
+    assert counted == [4096]
+    assert handed.view.bytes_carried == 4096
+    sup._on_message(worker, ["ended", 1, "consumer closed the session"])
+    assert handed.done.is_set()
+    assert handed.ended == "consumer closed the session"
+
+
+async def test_a_resume_for_a_session_whose_worker_died_is_answered_with_how_it_died():
+    sup, (worker,), (far,) = supervisor_with(ON_DEMAND)
+    handed = handed_to(worker, sup)
+    worker.handed[1] = handed
+    far.close()  # the worker is gone
+    worker.process = SimpleNamespace(pid=100, returncode=-signal.SIGKILL)
+    worker.ready.set()
+    sup._checking = True  # a device check is under way (none is run in this test)
+    sup._forget(worker)
+    ours, _ = trio.testing.memory_stream_pair()
+    why = await handed.resume(ours, b"hello", b"")
+    assert why == "the worker process running it was killed by SIGKILL (a host failure)"

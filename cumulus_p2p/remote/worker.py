@@ -235,7 +235,10 @@ class Worker:
 
     async def run(self) -> int:
         """Serve until done; return the process's exit status."""
-        await self.link.send(["ready", os.getpid()])
+        try:
+            await self.link.send(["ready", os.getpid()])
+        except LinkClosedError:
+            return 0  # the supervisor stopped while this worker started
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.executor.expire_parked_forever)
             nursery.start_soon(self._exit_when_done, nursery.cancel_scope)
@@ -358,7 +361,8 @@ def _stream(fd: int) -> trio.SocketStream:
 
 def _welcome_token(parts) -> str | None:
     """The session token of a ``welcome`` frame; None for any other frame."""
-    head = bytes(parts[0][FRAME_PREFIX : FRAME_PREFIX + len(_WELCOME_START)]) if parts else b""
+    # A frame opens with its header's u32 length, then the msgpack header.
+    head = bytes(parts[0][4 : 4 + len(_WELCOME_START)]) if parts else b""
     if head != _WELCOME_START:
         return None
     header, _ = decode_frame(bytearray(b"".join(parts)))
