@@ -2,34 +2,49 @@
 
 Theory of operation
 -------------------
-The provider's node ends every consumer's secure channel itself, so the node key and the
-session keys stay in this process. For each session it takes a pre-started worker
-(``worker.py``) from a small pool, hands it one end of a fresh socket pair, and relays
-the op stream's frames between the consumer's channel and that socket unchanged. The
-worker runs the session in a device context of its own: its faults, a poisoned CUDA
-context included, end its own process and nothing else.
+The provider's node runs every consumer's secure-channel handshake itself, so the node
+key stays in this process. For each session it takes a pre-started worker
+(``worker.py``) from a small pool and *hands the session over*: it sends the worker the
+consumer's connection itself (``SCM_RIGHTS``), the bytes already read from it, and for a
+secure session the session's derived keys and record counters
+(``SecureServerChannel.hand_over``). From then on the worker reads and writes the
+consumer's connection: no frame passes through this process, so a round trip costs what
+it costs with an in-process executor. The worker runs the session in a device context of
+its own: its faults, a poisoned CUDA context included, end its own process and nothing
+else.
 
 - **Routing.** A ``hello`` goes to a pooled worker. A ``resume`` goes to the worker that
-  welcomed that session token (the supervisor reads each session's ``welcome`` on its way
-  out); an unknown token goes to a pooled worker, which refuses it as an executor would,
-  and the consumer says ``hello`` on the same connection.
+  welcomed that session token (the worker reports each token it welcomes); an unknown
+  token goes to a pooled worker, which refuses it as an executor would, and the consumer
+  says ``hello`` on the same connection.
+- **What the supervisor still answers for** (``_Handed``). A secure-channel resume that
+  reaches the node is passed to the session's worker with its new connection, and a
+  provider's close (a paused lease) is passed on as a message. The worker reports the
+  bytes it carried every second (the provider meters the lease with them) and when the
+  session ends. A stream that has no socket to pass (a libp2p stream, for consumers
+  behind NAT) is bridged: the worker gets one end of a socket pair, and this process
+  copies bytes between the other end and the stream.
 - **Device turns.** Workers ask for the device before a batch; the supervisor grants
   turns with the same sans-IO ``DeviceQueue`` an in-process executor uses, ranked by each
   worker's lease, so price and priority order tenants across processes. A worker keeps
   its turn until another one asks (then the supervisor sends ``yield`` and the turn
   passes after the running batch): a tenant alone pays nothing per batch, and tenants in
   contention take turns batch by batch, as inside one executor.
-- **A worker dies.** Its consumer's channel gets ``["lost", why, fault]``. A host fault
-  (the worker was killed, crashed): with failover on, the client moves the session from
-  its checkpoint as if the host had vanished; without, it raises with that reason at its
-  sync point. The session's own fault (its op poisoned the device context): it raises,
-  as replaying the same ops elsewhere would poison the next host too. Any exit but a
-  clean one or a tenant's poisoned context then runs a device check (``health.py``) in a
-  fresh process; sessions wait for its verdict, and while the device is unhealthy no
-  worker starts and ``health`` says why, so the provider withdraws its offer.
+- **A worker dies.** Its consumer's connection closes with it (only the worker held
+  it). A secure consumer resumes, and the node refuses the resume with what happened:
+  "the worker process running it was killed by SIGKILL (a host failure)". With failover
+  on, the client then moves the session from its checkpoint as if the host had vanished;
+  without, it raises with that reason. A plain-TCP consumer sees the connection close.
+  When the session's own op poisoned the device context, the worker tells its consumer
+  first (``["lost", why, "session"]``): the client raises instead of failing over, as
+  replaying the same ops elsewhere would poison the next host too. Any exit but a clean
+  one or a tenant's poisoned context then runs a device check (``health.py``) in a fresh
+  process; sessions wait for its verdict, and while the device is unhealthy no worker
+  starts and ``health`` says why, so the provider withdraws its offer.
 - **Secrets.** A worker is exec'd fresh (nothing of this process's memory), inherits only
-  its link, and where the kernel allows unprivileged user namespaces it runs in a mount
-  namespace where the node's data directory is an empty, unmountable tmpfs.
+  its link, and gets only its own sessions' connections and keys. Where the kernel allows
+  unprivileged user namespaces it runs in a mount namespace where the node's data
+  directory is an empty, unmountable tmpfs.
 """
 
 from __future__ import annotations
@@ -613,11 +628,14 @@ class WorkerSupervisor:
 def _worker_environment() -> dict[str, str]:
     """This process's environment, with OpenMP's idle threads sleeping instead of spinning.
 
-    A worker shares the machine's cores with the supervisor relaying its frames. With
-    OpenMP's default spin-wait after each parallel op, the worker's threads starved the
-    relay: small CPU steps on a 2-core machine took twice as long (step_bench, mlp_tiny:
-    8.7 ms against 3.0). Fewer threads would avoid that too, but a CPU worker then no
-    longer computes bit for bit what a local CPU run does. A variable the user set wins.
+    Each worker has a thread pool of its own, and tenants share the machine's cores. With
+    OpenMP's default spin-wait after each parallel op, one worker's idle threads starve
+    the others: on 2 cores, four busy tenants made 47 steps/s together against 128, and
+    an on-demand tenant's step beside three of them took 12.6 ms against 5.5
+    (isolation_bench). What a tenant alone pays for it on the tiniest CPU steps is within
+    this machine's noise (mlp_tiny, in-process executor: 2.14 ms spinning, 2.20 passive). Fewer
+    threads would avoid that too, but a CPU worker then no longer computes bit for bit
+    what a local CPU run does. A variable the user set wins.
     """
     return {"OMP_WAIT_POLICY": "PASSIVE"} | dict(os.environ)
 

@@ -1,11 +1,12 @@
 """A worker process: one tenant's session, in a device context of its own.
 
 The supervisor (``supervisor.py``) starts workers before they are needed and hands each
-one a single session: the connected socket of its consumer's op stream (plain frames;
-the supervisor ends the secure channel, so no key of any kind reaches a worker) and the
-lease's terms. The worker serves it with an ordinary ``Executor``, so the op rules,
-quotas, parking and resumes are the ones a shared executor has. Later connections that
-resume the same session come to the same worker.
+one a single session: the consumer's connection itself, the bytes already read from it,
+and, for a secure session, its derived keys and record counters (never the node key).
+The worker serves it with an ordinary ``Executor``, so the op rules, quotas, parking and
+resumes are the ones a shared executor has; a secure session continues in a
+``SecureServer`` of its own (``SecureServer.adopt``). Later connections that resume the
+same session come to the same worker.
 
 Why a process per session: a CUDA context belongs to a process, and a device-side assert
 poisons it for good. In its own process, one tenant's bug ends one session; the
@@ -19,11 +20,20 @@ Messages on the link (``workerlink.py``), worker to supervisor:
   in the rank of each worker's lease.
 - ``["stats", ops, bytes_in_use]``: its session at work, every ``STATS_EVERY_S`` while it
   serves one (the provider's status shows it).
+- ``["token", token]``: a session it welcomed (resumes naming it are routed here).
+- ``["traffic", n, bytes]``: frame bytes session ``n`` carried since the last report,
+  every ``STATS_EVERY_S`` and at its end (the provider meters the lease with them).
+- ``["ended", n, reason]``: session ``n`` ended here.
 
 Supervisor to worker:
 
-- ``["session", options]`` with a socket: serve it (``options``: ``quota``, ``rank``,
-  ``seconds`` left in the lease, ``owner``: who may resume it, hex or None).
+- ``["session", n, options, secure, buffered]`` with the consumer's connection: serve it
+  as session ``n`` (``options``: ``quota``, ``rank``, ``seconds`` left in the lease,
+  ``owner``: who may resume it, hex or None; ``secure``: the secure session's state, or
+  None for plain frames; ``buffered``: bytes read from the connection, in order).
+- ``["resume", n, hello, buffered]`` with a new connection: the consumer of secure session
+  ``n`` resumes on it (its ``RESUME_HELLO`` was read by the supervisor).
+- ``["close", n, reason]``: end secure session ``n`` (the provider paused its lease).
 - ``["grant", n]``: turn ``n`` is yours, until you are asked to ``["yield"]`` it.
 
 The worker exits 0 once it served a session and holds none (ended, or parked and
@@ -260,8 +270,11 @@ class Worker:
                 self.turns.yield_asked()
             elif kind == "session" and fd is not None and n == 5:
                 self._start(nursery, _stream(fd), *message[1:])
-            elif kind == "resume" and fd is not None and n == 4 and message[1] in self._channels:
-                nursery.start_soon(self._secure.take_resume, _stream(fd), *message[2:])
+            elif kind == "resume" and fd is not None and n == 4:
+                if message[1] in self._channels:
+                    nursery.start_soon(self._secure.take_resume, _stream(fd), *message[2:])
+                else:  # it ended here as the resume came: the consumer will retry, and learn why
+                    os.close(fd)
             elif kind == "close" and n == 3:
                 if message[1] in self._channels:
                     nursery.start_soon(self._channels[message[1]].aclose, message[2])
