@@ -13,7 +13,9 @@ cost only with the same OpenMP policy, and skips the on-demand latency.
   ``lease_to_first_op_cold_s`` the same with no worker pool (``--pool 0``: the worker
   starts when the session comes); ``lease_to_first_op_shared_s`` with every session in
   the executor's process, for reference. ``sync_round_trip_us_worker`` / ``_shared``:
-  the median ``.item()`` of a 4-element tensor after it, over plain TCP on loopback.
+  the median ``.item()`` of a 4-element tensor after it, over plain TCP on loopback;
+  ``sync_round_trip_us_secure_worker`` / ``_secure_shared`` the same over the secure
+  channel (the worker decrypts its session's records itself).
 - ``<workload>_step_ms_shared`` / ``_step_ms_worker`` and ``_worker_overhead``: median
   training step (step_bench's loop) against an executor running sessions in its own
   process and against one running each in a worker, in alternating rounds from one
@@ -73,13 +75,45 @@ def first_op_seconds(flags: list[str], sessions: int, settle_s: float) -> tuple[
     return statistics.median(times), statistics.median(trips)
 
 
+def secure_round_trip_us(flags: list[str]) -> float:
+    """The median ``.item()`` round trip over the secure channel, on loopback."""
+    import tempfile
+
+    import torch
+
+    import cumulus_p2p.remote as remote
+    from cumulus_p2p.identity import NodeIdentity
+    from cumulus_p2p.remote.secure import connect_secure
+    from cumulus_p2p.testing.executor import executor_process
+
+    consumer = NodeIdentity.generate()
+    trips = []
+    with tempfile.TemporaryDirectory() as data_dir:
+        extra = [*flags, "--secure", "--data-dir", data_dir]
+        with executor_process(extra=[*extra, "--allow-key", consumer.public_key.hex()]) as (
+            address,
+            proc,
+        ):
+            host, port = address.split(":")
+            channel = connect_secure(
+                host, int(port), identity=consumer, expected_peer_public_key=proc.provider_key
+            )
+            with remote.attach(channel=channel):
+                x = torch.ones(4, device="cumulus")
+                for i in range(ROUND_TRIPS + 20):
+                    t0 = time.perf_counter()
+                    x.sum().item()
+                    if i >= 20:
+                        trips.append((time.perf_counter() - t0) * 1e6)
+    return round(statistics.median(trips), 1)
+
+
 def step_overhead(rounds: int, steps: int, *, passive: bool) -> dict:
     """Median step per workload through each kind of executor, in alternating rounds.
 
-    Workers run with half the cores and OpenMP's passive wait policy
-    (``supervisor._worker_environment``); ``passive`` gives the in-process executor that
-    wait policy too, to separate what the relay costs from what spinning OpenMP threads
-    gain on an otherwise idle machine.
+    Workers run with OpenMP's passive wait policy (``supervisor._worker_environment``);
+    ``passive`` gives the in-process executor that wait policy too, to separate what the
+    worker process costs from what spinning OpenMP threads gain on an idle machine.
     """
     import cumulus_p2p.remote as remote
     from cumulus_p2p.testing.executor import executor_process
@@ -133,6 +167,9 @@ def main() -> None:
         result["lease_to_first_op_shared_s"] = shared
         result["sync_round_trip_us_shared"] = round(trip_shared, 1)
     result["sync_round_trip_us_worker"] = round(trip_worker, 1)
+    if not quick:
+        result["sync_round_trip_us_secure_shared"] = secure_round_trip_us(["--shared-process"])
+        result["sync_round_trip_us_secure_worker"] = secure_round_trip_us(workers)
     print("isolation_bench: first ops timed", file=sys.stderr, flush=True)
     rounds, steps = (1, 10) if quick else (4, 30)
     if not quick:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--log-every", type=int, default=5)
     args = parser.parse_args()
+    train(args.steps, args.log_every)
+
+
+def train(steps: int, log_every: int, after_step: Callable[[int], None] | None = None) -> None:
+    """Train for ``steps`` steps, printing progress and the final JSON line;
+    ``after_step(step)`` runs after each step's log line (tests use it to hold a run)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     model = TinyGPT().to(device)
@@ -57,7 +64,7 @@ def main() -> None:
     torch.manual_seed(1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     started = time.perf_counter()
-    for step, data in enumerate(batches(args.steps), start=1):
+    for step, data in enumerate(batches(steps), start=1):
         data = data.to(device)
         logits = model(data[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), data[:, 1:].reshape(-1))
@@ -65,12 +72,14 @@ def main() -> None:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        if step % args.log_every == 0 or step == args.steps:
+        if step % log_every == 0 or step == steps:
             print(
                 f"step {step:4d}  loss {loss.item():.4f}  "
                 f"{time.perf_counter() - started:.1f}s on {device}",
                 flush=True,
             )
+        if after_step is not None:
+            after_step(step)
     checksum = sum(float(p.detach().double().sum().cpu()) for p in model.parameters())
     print(
         json.dumps({"final_loss": loss.item(), "checksum": checksum, "device": device}), flush=True

@@ -35,6 +35,8 @@ from cumulus_p2p.testing.nodes import LOOPBACK_LISTEN, start_consumer, start_nod
 
 WORKERS = ["--worker-per-session", "--pool", "2"]
 
+SCRIPTS = Path(__file__).parent / "scripts"
+
 
 class Tenant:
     """A tenant process: ``cumulus_p2p.testing.tenant``, read line by line."""
@@ -276,7 +278,8 @@ async def test_an_op_that_breaks_the_device_context_ends_its_session_after_its_e
                 index = torch.tensor([10]).to("cumulus")
                 with pytest.raises(RemoteExecutionError, match="embedding"):
                     torch.nn.functional.embedding(index, weight).sum().item()
-                with pytest.raises(SessionClosedError):
+                # Told whose fault it was: the client raises instead of failing over.
+                with pytest.raises(SessionClosedError, match=r"embedding.*caused by this session"):
                     (weight * 2).sum().item()
 
         await trio.to_thread.run_sync(hostile_tenant)
@@ -348,21 +351,30 @@ def test_a_job_whose_worker_is_killed_finishes_elsewhere_and_the_shares_come_bac
         start_provider(tmp_path / f"p{i}", boot.addr, "--price", price, "--worker-per-session")
         for i, price in enumerate(("0.3", "0.7"))
     ]
-    script = ["-m", "cumulus_p2p.demo_train", "--steps", "30", "--log-every", "5"]
+    # The job holds after step 10 until the worker is killed, so it cannot finish first.
+    gate = tmp_path / "gate"
+    script = [str(SCRIPTS / "gated_train.py"), "30", "10", str(gate)]
     try:
         for node in providers:
             node.wait_for("providing")
         consumer = start_consumer(
             tmp_path / "consumer", boot.addr, "--checkpoint-interval", "1s", command=script
         )
-        consumer.wait_for("step   10", timeout=120)
+        consumer.wait_for("holding at step 10", timeout=120)
         cheap = providers[0]
-        # Its status shows the session at work, as the worker reports it.
+        # Its status shows the session at work, as the worker reports it: ops, memory, and
+        # the bytes it carried on the consumer's connection, which it holds itself.
         busy = wait_for_state(
-            cheap, lambda s: s["session_workers"] and s["leases"][0].get("ops", 0) > 0
+            cheap,
+            lambda s: (
+                s["session_workers"]
+                and s["leases"][0].get("ops", 0) > 0
+                and s["session_workers"][0]["bytes"] > 0
+            ),
         )
         assert 0 < busy["leases"][0]["memory"] <= busy["leases"][0]["quota"]
         kill(busy["session_workers"][0]["pid"])
+        gate.touch()
         assert consumer.proc.wait(timeout=180) == 0, consumer.output()
         # The device check after the kill takes a fresh process some seconds.
         after = wait_for_state(
@@ -374,8 +386,9 @@ def test_a_job_whose_worker_is_killed_finishes_elsewhere_and_the_shares_come_bac
         for node in [*providers, boot]:
             node.stop()
     local = subprocess.run(
-        [sys.executable, *script], capture_output=True, text=True, check=True, timeout=120
-    )
+        [sys.executable, "-m", "cumulus_p2p.demo_train", "--steps", "30"],
+        capture_output=True, text=True, check=True, timeout=120,
+    )  # fmt: skip
     expected = json.loads(local.stdout.splitlines()[-1])["final_loss"]
     assert last_json(consumer)["final_loss"] == expected
     assert "worker process running it was killed by SIGKILL" in consumer.output()
