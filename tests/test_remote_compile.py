@@ -146,6 +146,66 @@ def test_gradients_flow_to_compiled_function_arguments(cumulus):
     assert torch.allclose(remote_w.grad.cpu(), w.grad, atol=1e-6)
 
 
+def _mlp_and_batch():
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+    return model, torch.randn(5, 6)
+
+
+def _remote_copy(model: torch.nn.Module) -> torch.nn.Module:
+    remote = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+    remote.load_state_dict(model.state_dict())
+    return remote.to("cumulus")
+
+
+def test_a_compiled_backward_gives_each_parameter_what_eager_autograd_gives(cumulus):
+    local, x = _mlp_and_batch()
+    remote = _remote_copy(local)
+    compiled_remote = torch.compile(remote)
+    for _ in range(2):  # the second pass accumulates into the first's gradients
+        local(x).square().sum().backward()
+        compiled_remote(x.to("cumulus")).square().sum().backward()
+    for mine, theirs in zip(remote.parameters(), local.parameters(), strict=True):
+        assert mine.grad.stride() == mine.stride()
+        assert mine.grad.grad_fn is None and not mine.grad.requires_grad
+        assert torch.allclose(mine.grad.cpu(), theirs.grad, atol=1e-5)
+
+
+def test_hooks_on_parameters_of_a_compiled_module_still_run(cumulus):
+    local, x = _mlp_and_batch()
+    remote = _remote_copy(local)
+    seen, accumulated = [], []
+    weight = remote[0].weight
+    weight.register_hook(lambda grad: seen.append(grad.cpu()))
+    weight.register_post_accumulate_grad_hook(lambda p: accumulated.append(p.grad.cpu()))
+    torch.compile(remote)(x.to("cumulus")).square().sum().backward()
+    local(x).square().sum().backward()
+    assert len(seen) == 1 and len(accumulated) == 1
+    assert torch.allclose(seen[0], local[0].weight.grad, atol=1e-5)
+    assert torch.allclose(accumulated[0], local[0].weight.grad, atol=1e-5)
+
+
+def test_autograd_grad_through_a_compiled_module_leaves_dot_grad_alone(cumulus):
+    local, x = _mlp_and_batch()
+    remote = _remote_copy(local)
+    loss = torch.compile(remote)(x.to("cumulus")).square().sum()
+    grads = torch.autograd.grad(loss, list(remote.parameters()))
+    expected = torch.autograd.grad(local(x).square().sum(), list(local.parameters()))
+    assert all(p.grad is None for p in remote.parameters())
+    for mine, theirs in zip(grads, expected, strict=True):
+        assert torch.allclose(mine.cpu(), theirs, atol=1e-5)
+
+
+def test_backward_with_inputs_fills_only_the_gradients_asked_for(cumulus):
+    local, x = _mlp_and_batch()
+    remote = _remote_copy(local)
+    first, *others = remote.parameters()
+    torch.compile(remote)(x.to("cumulus")).square().sum().backward(inputs=[first])
+    local(x).square().sum().backward()
+    assert torch.allclose(first.grad.cpu(), local[0].weight.grad, atol=1e-5)
+    assert all(p.grad is None for p in others)
+
+
 def test_an_error_inside_a_compiled_graph_names_the_failing_op(cumulus):
     embed = torch.nn.Embedding(10, 4).to("cumulus")
     fast = torch.compile(embed)
