@@ -82,22 +82,11 @@ def secure_round_trip_us(flags: list[str]) -> float:
     import torch
 
     import cumulus_p2p.remote as remote
-    from cumulus_p2p.identity import NodeIdentity
-    from cumulus_p2p.remote.secure import connect_secure
-    from cumulus_p2p.testing.executor import executor_process
+    from cumulus_p2p.testing.executor import secure_executor_channel
 
-    consumer = NodeIdentity.generate()
     trips = []
     with tempfile.TemporaryDirectory() as data_dir:
-        extra = [*flags, "--secure", "--data-dir", data_dir]
-        with executor_process(extra=[*extra, "--allow-key", consumer.public_key.hex()]) as (
-            address,
-            proc,
-        ):
-            host, port = address.split(":")
-            channel = connect_secure(
-                host, int(port), identity=consumer, expected_peer_public_key=proc.provider_key
-            )
+        with secure_executor_channel(data_dir, extra=flags) as (channel, _):
             with remote.attach(channel=channel):
                 x = torch.ones(4, device="cumulus")
                 for i in range(ROUND_TRIPS + 20):

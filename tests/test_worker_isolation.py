@@ -29,7 +29,7 @@ from cumulus_p2p.remote.executor import Executor, ExecutorConfig
 from cumulus_p2p.remote.protocol import PROTOCOL_VERSION, encode_frame
 from cumulus_p2p.remote.secure import connect_secure
 from cumulus_p2p.remote.transport import SocketFrameChannel
-from cumulus_p2p.testing.executor import executor_process
+from cumulus_p2p.testing.executor import executor_process, secure_executor_channel
 from cumulus_p2p.testing.models import train
 from cumulus_p2p.testing.nodes import LOOPBACK_LISTEN, start_consumer, start_node, start_provider
 
@@ -118,16 +118,7 @@ def test_a_killed_worker_ends_only_its_session(isolated, reference):
 
 
 def test_a_secure_consumer_whose_worker_was_killed_learns_why_when_it_resumes(tmp_path):
-    consumer = NodeIdentity.generate()
-    extra = [*WORKERS, "--secure", "--data-dir", str(tmp_path / "provider")]
-    with executor_process(extra=[*extra, "--allow-key", consumer.public_key.hex()]) as (
-        address,
-        proc,
-    ):
-        host, port = address.split(":")
-        channel = connect_secure(
-            host, int(port), identity=consumer, expected_peer_public_key=proc.provider_key
-        )
+    with secure_executor_channel(tmp_path / "provider", extra=WORKERS) as (channel, _):
         with remote.attach(channel=channel) as session:
             x = torch.ones(4, device="cumulus")
             assert x.sum().item() == 4

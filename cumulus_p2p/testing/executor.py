@@ -7,6 +7,11 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..remote.secure import SecureClientChannel
 
 _LISTENING = re.compile(r"listening on ([0-9.]+):(\d+)")
 _KEY = re.compile(r"key=([0-9a-f]{64})")
@@ -39,3 +44,23 @@ def executor_process(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@contextmanager
+def secure_executor_channel(
+    data_dir: str | Path, *, extra: list[str] | None = None
+) -> Iterator[tuple[SecureClientChannel, subprocess.Popen]]:
+    """Run ``cumulus-executor --secure`` on 127.0.0.1 (its key in ``data_dir``) for one new
+    consumer key; yield a secure channel open to it as that consumer, and the process."""
+    from ..identity import NodeIdentity
+    from ..remote.secure import connect_secure  # the device registers on import: not before
+
+    consumer = NodeIdentity.generate()
+    flags = [*(extra or []), "--secure", "--data-dir", str(data_dir)]
+    flags += ["--allow-key", consumer.public_key.hex()]
+    with executor_process(extra=flags) as (address, proc):
+        host, port = address.split(":")
+        channel = connect_secure(
+            host, int(port), identity=consumer, expected_peer_public_key=proc.provider_key
+        )
+        yield channel, proc
