@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from cumulus_p2p.market.ledger import Ledger
 from cumulus_p2p.testing.nodes import (
@@ -26,6 +27,7 @@ from cumulus_p2p.testing.nodes import (
 )
 
 SCRIPT = ["-m", "cumulus_p2p.demo_train", "--steps", "30", "--log-every", "5"]
+SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def receipt_ids(data_dir) -> set[str]:
@@ -43,13 +45,18 @@ def test_a_provider_stopped_with_sigterm_hands_the_job_over_without_blame(tmp_pa
     try:
         for node in (cheap, dear):
             node.wait_for("providing")
+        # The job holds after step 10 until the notice came, so it cannot finish first.
+        gate = tmp_path / "gate"
+        held = [str(SCRIPTS / "gated_train.py"), "30", "10", str(gate)]
         consumer = start_consumer(
-            tmp_path / "consumer", boot.addr, "--checkpoint-interval", "1s", command=SCRIPT
+            tmp_path / "consumer", boot.addr, "--checkpoint-interval", "1s", command=held
         )
-        consumer.wait_for("step   10", timeout=120)
+        consumer.wait_for("holding at step 10", timeout=120)
         seen = len(consumer.lines)
         cheap.proc.send_signal(signal.SIGTERM)
         stopped = time.monotonic()
+        consumer.wait_for("is leaving", timeout=30, start=seen)
+        gate.touch()
         consumer.wait_for("step   15", timeout=60, start=seen)
         moved_after = time.monotonic() - stopped
         assert cheap.proc.wait(timeout=40) == 0, cheap.output()
