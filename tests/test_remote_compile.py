@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import cumulus_p2p.remote as remote_device
 from cumulus_p2p._errors import RemoteExecutionError
 from cumulus_p2p.remote import compiled
+from cumulus_p2p.remote.tensor import RemoteTensor
 from cumulus_p2p.remote.transport import SocketFrameChannel
 from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.testing.models import TinyTransformer, train
@@ -169,6 +170,25 @@ def test_a_compiled_backward_gives_each_parameter_what_eager_autograd_gives(cumu
         assert mine.grad.stride() == mine.stride()
         assert mine.grad.grad_fn is None and not mine.grad.requires_grad
         assert torch.allclose(mine.grad.cpu(), theirs.grad, atol=1e-5)
+
+
+def test_a_compiled_backward_stores_gradients_without_a_dispatch_per_parameter(
+    cumulus, monkeypatch
+):
+    local, x = _mlp_and_batch()
+    remote = _remote_copy(local)
+    loss = torch.compile(remote)(x.to("cumulus")).square().sum()
+    dispatched = []
+    dispatch = RemoteTensor.__torch_dispatch__.__func__
+
+    def counting(cls, func, types, args=(), kwargs=None):
+        dispatched.append(func)
+        return dispatch(cls, func, types, args, kwargs)
+
+    monkeypatch.setattr(RemoteTensor, "__torch_dispatch__", classmethod(counting))
+    loss.backward()
+    assert torch.ops.aten.detach.default not in dispatched
+    assert all(p.grad is not None for p in remote.parameters())
 
 
 def test_hooks_on_parameters_of_a_compiled_module_still_run(cumulus):
