@@ -31,7 +31,13 @@ from cumulus_p2p.remote.secure import connect_secure
 from cumulus_p2p.remote.transport import SocketFrameChannel
 from cumulus_p2p.testing.executor import executor_process, secure_executor_channel
 from cumulus_p2p.testing.models import train
-from cumulus_p2p.testing.nodes import LOOPBACK_LISTEN, start_consumer, start_node, start_provider
+from cumulus_p2p.testing.nodes import (
+    LOOPBACK_LISTEN,
+    local_final_loss,
+    start_consumer,
+    start_node,
+    start_provider,
+)
 
 WORKERS = ["--worker-per-session", "--pool", "2"]
 
@@ -376,10 +382,6 @@ def test_a_job_whose_worker_is_killed_finishes_elsewhere_and_the_shares_come_bac
     finally:
         for node in [*providers, boot]:
             node.stop()
-    local = subprocess.run(
-        [sys.executable, "-m", "cumulus_p2p.demo_train", "--steps", "30"],
-        capture_output=True, text=True, check=True, timeout=120,
-    )  # fmt: skip
-    expected = json.loads(local.stdout.splitlines()[-1])["final_loss"]
+    expected = local_final_loss(["-m", "cumulus_p2p.demo_train", "--steps", "30"])
     assert last_json(consumer)["final_loss"] == expected
     assert "worker process running it was killed by SIGKILL" in consumer.output()
