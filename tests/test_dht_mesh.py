@@ -15,6 +15,7 @@ import pytest
 import trio
 from libp2p import new_host
 from libp2p.custom_types import TProtocol
+from libp2p.host.exceptions import StreamFailure
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.records.validator import BlankValidator, NamespacedValidator
 from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
@@ -23,7 +24,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from cumulus_p2p._errors import PeerUnreachableError
 from cumulus_p2p.dht.gossip import MARKET_TOPIC, GossipConfig
 from cumulus_p2p.dht.host import LOOPBACK, connect, new_mesh_host, parse_peer_addr, yamux_only
-from cumulus_p2p.dht.node import mesh_validator, open_mesh_node
+from cumulus_p2p.dht.node import _leave_quietly, mesh_validator, open_mesh_node
 from cumulus_p2p.dht.records import SHEET_KIND, encode_sheet_body, offers_key
 from cumulus_p2p.envelope import Envelope, seal
 from cumulus_p2p.identity import NodeIdentity
@@ -200,6 +201,19 @@ async def test_gossip_drained_before_a_node_stops_still_arrives() -> None:
             timeout=3.0,
             what="every message published before the stop",
         )
+
+
+async def test_a_leaving_node_hangs_up_and_negotiates_no_new_gossip_stream() -> None:
+    # The last step before pubsub stops: a peer that redials then could deliver a
+    # message into pubsub's closing nursery, which py-libp2p raises out of the host.
+    async with open_mesh(2) as mesh:
+        leaving, peer = mesh.nodes
+        await _leave_quietly(leaving)
+        assert leaving.host.get_connected_peers() == []
+        await peer.connect(leaving.addrs[0])
+        with pytest.raises(StreamFailure) as refused:
+            await peer.host.new_stream(leaving.peer_id, list(peer.pubsub.protocols))
+        assert "protocols not supported" in str(refused.value.__cause__)
 
 
 async def test_replayed_offer_is_dropped_by_every_node() -> None:

@@ -539,6 +539,9 @@ async def open_mesh_node(
     async with AsyncExitStack() as stack:
         await stack.enter_async_context(node.host.run(listen_addrs=listen))
         await stack.enter_async_context(background_trio_service(node.pubsub))
+        # Runs on exit right before pubsub's service stops, once the DHT and the
+        # router have stopped (so nothing of ours dials out any more).
+        stack.push_async_callback(_leave_quietly, node)
         await stack.enter_async_context(background_trio_service(node.router))
         await node.pubsub.wait_until_ready()
         await stack.enter_async_context(background_trio_service(node.dht))
@@ -552,17 +555,24 @@ async def open_mesh_node(
         finally:
             nursery.cancel_scope.cancel()
             node._send.close()
-            await _hang_up_peers(node.host)
 
 
-async def _hang_up_peers(host) -> None:
-    """Close every connection before the services stop: a message arriving while
-    pubsub's service is torn down makes py-libp2p raise "Nursery is closed to new
-    arrivals" out of the host (seen when a provider left on SIGTERM mid-session)."""
+async def _leave_quietly(node: MeshNode) -> None:
+    """Refuse new pubsub streams, then close every connection, before pubsub stops.
+
+    py-libp2p hands each received gossip message to pubsub's task nursery. One that
+    arrives while that nursery is closing raises "Nursery is closed to new arrivals"
+    out of the host, and the node exits with an error after its work is done (seen
+    on a provider leaving on SIGTERM, and on a consumer whose job had finished while
+    a peer redialed it). With no pubsub protocol to negotiate, a peer that dials
+    again cannot start another stream that would deliver one.
+    """
+    for protocol in node.pubsub.protocols:
+        node.host.remove_stream_handler(protocol)
     with trio.CancelScope(shield=True), trio.move_on_after(2.0):
-        for peer in list(host.get_connected_peers()):
+        for peer in list(node.host.get_connected_peers()):
             try:
-                await host.disconnect(peer)
+                await node.host.disconnect(peer)
             except Exception as exc:  # noqa: BLE001 - py-libp2p raises many types here
                 logger.debug("closing the connection to %s: %r", peer, exc)
 
