@@ -190,8 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--device",
         type=_device_choice,
         default="auto",
-        help="auto: the first GPU NVML sees, else the CPU; cpu; cuda (GPU 0); cuda:N, to "
-        "offer GPU N of a rig (one node per GPU) (default auto)",
+        help="auto: every GPU NVML sees, an offer each, else the CPU; cpu; cuda (GPU 0); "
+        "cuda:N; or a list such as cuda:0,cuda:2 (default auto)",
     )
     provide.add_argument(
         "--session-host",
@@ -428,16 +428,22 @@ def _check_args(parser: argparse.ArgumentParser, args, command: list[str]) -> No
         parser.error("--pool must not be negative (0 starts each worker when its lease comes)")
     if args.provide and args.device.startswith("cuda"):
         try:
-            hardware.offered_gpu(args.device, hardware.detect())
+            hardware.offered_devices(args.device, hardware.detect())
         except ValueError as exc:
             parser.error(str(exc))
 
 
 def _device_choice(text: str) -> str:
-    kind, colon, index = text.partition(":")
-    if text in ("auto", "cpu", "cuda") or (kind == "cuda" and colon and index.isdigit()):
+    if text in ("auto", "cpu") or all(_is_gpu_name(part) for part in text.split(",")):
         return text
-    raise argparse.ArgumentTypeError(f"{text!r}: use auto, cpu, cuda or cuda:N")
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: use auto, cpu, cuda, cuda:N or a list such as cuda:0,cuda:1"
+    )
+
+
+def _is_gpu_name(text: str) -> bool:
+    kind, colon, index = text.partition(":")
+    return text == "cuda" or (kind == "cuda" and bool(colon) and index.isdigit())
 
 
 def _data_dir(args) -> DataDir:
@@ -616,18 +622,9 @@ async def _provide(args, data: DataDir, mesh_config: MeshConfig, console: Consol
     found = hardware.detect()
     if found.notice:
         console.print(f"[yellow]notice:[/yellow] {found.notice}", highlight=False)
-    device = found.devices[0]
-    if args.device == "cpu":
-        device = hardware.cpu_facts()
-    elif args.device.startswith("cuda"):
-        device = hardware.offered_gpu(args.device, found)
-    with console.status("self benchmark..."):
-        target = f"cuda:{device.index}" if device.kind == "cuda" else "cpu"
-        perf = await trio.to_thread.run_sync(
-            lambda: hardware.self_benchmark(target, seconds=args.bench_seconds)
-        )
+    devices = await _benchmarked(hardware.offered_devices(args.device, found), args, console)
     options = ProviderOptions(
-        device=device, perf_units=perf, shares=args.shares or 4, price=args.price,
+        devices=devices, shares=args.shares or 4, price=args.price,
         min_lease_s=args.min_lease, region=args.region, session_host=args.session_host,
         session_port=args.session_port, advertise_host=args.advertise_host,
         receipt_interval=args.receipt_interval, settle_grace=args.settle_grace,
@@ -639,9 +636,11 @@ async def _provide(args, data: DataDir, mesh_config: MeshConfig, console: Consol
 
     def ready(provider) -> None:
         _print_addrs(console, provider.runtime.mesh.addrs)
+        offered = ", ".join(f"{d.facts.model} ({d.perf_units} perf units)" for d in devices)
+        each = " each" if len(devices) > 1 else ""
         console.print(
-            f"providing {device.model} ({perf} perf units, {options.shares} shares at "
-            f"{views.credits(options.price)}/share-hour); sessions on "
+            f"providing {offered}: {options.shares} shares{each} at "
+            f"{views.credits(options.price)}/share-hour; sessions on "
             f"{', '.join(provider.current_endpoints())}",
             highlight=False,
         )
@@ -666,6 +665,21 @@ async def _provide(args, data: DataDir, mesh_config: MeshConfig, console: Consol
         if live is not None:
             live.stop()
     return 0
+
+
+async def _benchmarked(found, args, console: Console):
+    """Each device to offer with its self-benchmark, one device at a time."""
+    from .node.provider import OfferedDevice
+
+    devices = []
+    with console.status("self benchmark...") as status:
+        for facts in found:
+            target = OfferedDevice(facts, 0).target
+            status.update(f"self benchmark of {target} ({facts.model})...")
+            bench = functools.partial(hardware.self_benchmark, target, seconds=args.bench_seconds)
+            perf = await trio.to_thread.run_sync(bench)
+            devices.append(OfferedDevice(facts, perf))
+    return tuple(devices)
 
 
 def _live(console: Console, disabled: bool) -> Live | None:

@@ -15,7 +15,7 @@ import pytest
 from cumulus_p2p.identity import KEY_FILE_NAME, NodeIdentity
 from cumulus_p2p.market.ledger import Dispute, Ledger
 from cumulus_p2p.market.messages import Receipt, seal_message
-from cumulus_p2p.node.hardware import Detection, DeviceFacts, offered_gpu
+from cumulus_p2p.node.hardware import Detection, DeviceFacts, offered_devices, offered_gpu
 from cumulus_p2p.testing.nodes import LOOPBACK_LISTEN, node_command, start_node, start_provider
 
 
@@ -38,7 +38,7 @@ def test_an_unknown_flag_is_a_usage_error_naming_it(tmp_path):
 def test_a_device_that_is_not_a_device_is_a_usage_error(tmp_path):
     result = run("--data-dir", str(tmp_path), "--provide", "--device", "gpu1")
     assert result.returncode == 2
-    assert "'gpu1': use auto, cpu, cuda or cuda:N" in result.stderr
+    assert "'gpu1': use auto, cpu, cuda, cuda:N or a list such as cuda:0,cuda:1" in result.stderr
 
 
 def test_an_unknown_graph_compiler_is_a_usage_error_listing_the_choices(tmp_path):
@@ -280,8 +280,30 @@ def test_two_nodes_with_mdns_find_each_other_without_bootstrap(tmp_path):
         second.stop()
 
 
+RIG = Detection(tuple(DeviceFacts("cuda", i, f"GPU {i}", 24576, 0, "550") for i in range(3)))
+
+
+def test_a_rig_offers_every_gpu_by_default():
+    assert offered_devices("auto", RIG) == RIG.devices
+
+
+def test_a_rig_offers_the_gpus_a_device_list_names_in_its_order():
+    assert [d.index for d in offered_devices("cuda:2,cuda", RIG)] == [2, 0]
+
+
+def test_a_gpu_named_twice_is_refused():
+    with pytest.raises(ValueError, match="a GPU is named twice"):
+        offered_devices("cuda:0,cuda", RIG)
+
+
+def test_a_device_list_with_a_bad_entry_is_a_usage_error(tmp_path):
+    result = run("--data-dir", str(tmp_path), "--provide", "--device", "cuda:0,gpu1")
+    assert result.returncode == 2
+    assert "'cuda:0,gpu1': use auto, cpu, cuda, cuda:N" in result.stderr
+
+
 def test_a_rig_offers_the_gpu_its_device_flag_names():
-    rig = Detection(tuple(DeviceFacts("cuda", i, f"GPU {i}", 24576, 0, "550") for i in range(2)))
+    rig = Detection(RIG.devices[:2])
     assert offered_gpu("cuda:1", rig).model == "GPU 1"
     assert offered_gpu("cuda", rig).index == 0
     with pytest.raises(ValueError, match=r"has cuda:0 \(GPU 0\), cuda:1 \(GPU 1\)"):

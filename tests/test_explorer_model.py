@@ -10,8 +10,10 @@ from cumulus_p2p.explorer.history import History
 from cumulus_p2p.node.datadir import DataDir
 
 
-def offer(host: str, price: int, *, gpu: str = "RTX 4090", shares: int = 8) -> dict:
-    return {"host": host, "offer_id": "gpu0", "gpu": gpu, "vram_mib": 24576, "perf": 100,
+def offer(
+    host: str, price: int, *, gpu: str = "RTX 4090", shares: int = 8, offer_id: str = "device0"
+) -> dict:
+    return {"host": host, "offer_id": offer_id, "gpu": gpu, "vram_mib": 24576, "perf": 100,
             "shares": shares, "price": price, "score": 0.5, "expires_in": 60.0}  # fmt: skip
 
 
@@ -41,6 +43,21 @@ def test_hosts_join_offers_scores_and_evidence_best_lower_bound_first():
     assert (a["online"], a["price"], a["score"], a["uncertainty"]) == (True, 100, 0.6, 0.3)
     assert a["evidence"]["service"] == 1 and a["evidence"]["failure"] == 1
     assert rows[2]["online"] is False and rows[2]["price"] is None
+
+
+def test_a_rig_offering_each_gpu_is_one_host_with_all_its_gpus_and_shares():
+    rig = [offer("R", 200, shares=4), offer("R", 150, shares=2, offer_id="device1"),
+           offer("R", 300, gpu="A100", shares=1, offer_id="device2")]  # fmt: skip
+    (row,) = model.hosts({"offers": rig})
+    assert (row["devices"], row["gpu"]) == (3, "2× RTX 4090, A100")
+    assert (row["price"], row["shares_free"]) == (150, 7)
+
+
+def test_history_samples_a_rig_once_with_the_shares_free_on_all_its_gpus():
+    history = History()
+    rig = [offer("R", 200, shares=4), offer("R", 150, shares=2, offer_id="device1")]
+    history.record({"offers": rig}, 1.0)
+    assert history.series("R") == [{"t": 1.0, "score": None, "price": 150, "shares_free": 6}]
 
 
 def test_a_hosts_page_holds_only_the_evidence_about_it():

@@ -11,6 +11,8 @@ a local run.
 from __future__ import annotations
 
 import json
+import time
+from pathlib import Path
 
 import pytest
 
@@ -25,11 +27,18 @@ from cumulus_p2p.testing.nodes import (
     start_provider,
 )
 
-#: Long enough to outlast the liar: its first receipt comes after 1 s, the unpaid session
-#: pauses 2 s later, and only then does the job move. At 120 steps a clean-clone CI run
-#: once ended with the last lease on the liar, most likely a job done before the pause.
-SCRIPT = ["-m", "cumulus_p2p.demo_train", "--steps", "400", "--log-every", "50"]
+SCRIPTS = Path(__file__).parent / "scripts"
+STEPS = "30"
 
+
+def wait_until_paused(liar, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        leases = liar.state().get("leases", [])
+        if leases and leases[0]["state"] in ("paused", "unpaid"):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"the liar never paused the unpaid lease: {liar.state()}")
 
 
 def disputes(data_dir) -> list:
@@ -47,18 +56,27 @@ def test_an_overcharging_hosts_receipts_are_refused_and_disputed_on_both_sides(
     boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
     liar = start_liar(tmp_path / "liar", boot.addr, lie)
     honest = start_provider(tmp_path / "honest", boot.addr, "--price", "0.7")
+    # The job holds after step 10 until the liar has paused the unpaid session, so it
+    # cannot finish on the liar however fast the machine.
+    gate = tmp_path / "gate"
+    script = [str(SCRIPTS / "gated_train.py"), STEPS, "10", str(gate)]
     try:
         liar.wait_for("providing")
         honest.wait_for("providing")
         consumer = start_consumer(
             tmp_path / "consumer", boot.addr, "--max-price", "1.0",
-            "--checkpoint-interval", "1s", command=SCRIPT,
+            "--checkpoint-interval", "1s", command=script,
         )  # fmt: skip
+        consumer.wait_for("holding at step 10", timeout=120)
+        consumer.wait_for("refused a receipt", timeout=60)
+        wait_until_paused(liar)
+        gate.touch()
         assert consumer.proc.wait(timeout=240) == 0, consumer.output()
     finally:
         for node in (liar, honest, boot):
             node.stop()
-    assert final_json(consumer.lines)["final_loss"] == local_final_loss(SCRIPT)
+    expected = local_final_loss(["-m", "cumulus_p2p.demo_train", "--steps", STEPS])
+    assert final_json(consumer.lines)["final_loss"] == expected
     state = json.loads((tmp_path / "consumer" / "state.json").read_text())
     leases = state["leases"]
     assert [lease["state"] for lease in leases][-1] == "held"

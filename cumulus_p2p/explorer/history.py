@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from .hostoffers import by_host
+
 #: Samples kept per host: an hour of the node's state, rewritten once a second.
 MAX_SAMPLES = 3600
 #: Hosts followed at most; the ones seen least recently are dropped first.
@@ -21,7 +23,7 @@ class History:
 
     def record(self, state: dict, now: float) -> None:
         """Add one sample for every host in ``state`` (its offers and its scores)."""
-        offers = {row["host"]: row for row in state.get("offers", [])}
+        offers = by_host(state.get("offers", []))
         scores = {row["host"]: row["mean"] for row in state.get("scores", [])}
         for peer in offers.keys() | scores.keys():
             offer = offers.get(peer)

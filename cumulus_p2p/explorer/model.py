@@ -16,6 +16,7 @@ from collections.abc import Iterable
 
 from ..market.ledger import LedgerEntry
 from .history import History
+from .hostoffers import by_host
 
 #: Evidence kinds a host's page counts, in the order it shows them.
 EVIDENCE_KINDS = ("service", "failure", "heartbeat", "performance", "nonpayment")
@@ -23,7 +24,7 @@ EVIDENCE_KINDS = ("service", "failure", "heartbeat", "performance", "nonpayment"
 
 def hosts(state: dict, history: History | None = None) -> list[dict]:
     """Every host the node knows of (an offer or a score), best lower bound first."""
-    offers = {row["host"]: row for row in state.get("offers", [])}
+    offers = by_host(state.get("offers", []))
     scores = {row["host"]: row for row in state.get("scores", [])}
     counts = _evidence_counts(state.get("evidence", []))
     rows = []
@@ -33,6 +34,7 @@ def hosts(state: dict, history: History | None = None) -> list[dict]:
         rows.append({
             "host": peer,
             "online": peer in offers,
+            "devices": offer.get("devices", 0),
             "gpu": offer.get("gpu"),
             "vram_mib": offer.get("vram_mib"),
             "perf": offer.get("perf"),

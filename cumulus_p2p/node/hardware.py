@@ -59,8 +59,26 @@ def detect() -> Detection:
     return Detection(tuple(gpus))
 
 
+def offered_devices(choice: str, found: Detection) -> tuple[DeviceFacts, ...]:
+    """The devices ``--device`` names: ``auto`` every GPU NVML found (else the CPU),
+    ``cpu``, or a comma-separated list of ``cuda`` (GPU 0) and ``cuda:N``.
+
+    Raises:
+        ValueError: a GPU named is not usable here (the message lists those that are),
+            or one is named twice.
+    """
+    if choice == "auto":
+        return found.devices
+    if choice == "cpu":
+        return (cpu_facts(),)
+    gpus = tuple(offered_gpu(part, found) for part in choice.split(","))
+    if len({g.index for g in gpus}) != len(gpus):
+        raise ValueError(f"--device {choice}: a GPU is named twice")
+    return gpus
+
+
 def offered_gpu(choice: str, found: Detection) -> DeviceFacts:
-    """The GPU ``--device cuda[:N]`` names, from what NVML found.
+    """The GPU ``cuda[:N]`` names, from what NVML found.
 
     Raises:
         ValueError: no GPU is usable, or none has that index (the message lists them).

@@ -3,14 +3,15 @@
 One trio program composes:
 
 - the ``Runtime`` (mesh, book, reputation);
-- the device ``hardware.detect`` found (CUDA, else the CPU), served by a
-  ``WorkerSupervisor`` (a worker process per session: the default with CUDA) or an
-  in-process ``Executor``; while the supervisor finds the device unhealthy, the offer
-  is withdrawn;
+- each device offered (every GPU ``hardware.detect`` found, else the CPU), an offer of
+  its own, served by a ``WorkerSupervisor`` of its own (a worker process per session:
+  the default with CUDA) or an in-process ``Executor``; while a supervisor finds its
+  device unhealthy, that device's offer is withdrawn;
 - the secure session channel on TCP, admitting only consumers that present a lease this
   host countersigned and that is still held (``_Leases.authorize``);
-- a ``LeaseBook`` behind the lease protocol, whose offer is re-announced on the mesh
-  with the shares still free (withdrawn while none are);
+- a ``LeaseBook`` behind the lease protocol, whose offers are re-announced on the mesh
+  with the shares still free (each withdrawn while none are); a lease names its offer,
+  so its session runs on that offer's device;
 - a ``Meter`` per session: receipts every ``receipt_interval`` and at the session's end,
   countersigned by the consumer over ``/cumulus/receipt/1.0.0``, then kept in the ledger.
 
@@ -33,6 +34,7 @@ import logging
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import trio
 from libp2p.exceptions import BaseLibp2pError
@@ -76,7 +78,23 @@ from .runtime import Runtime, open_runtime, peer_of
 
 log = logging.getLogger("cumulus_p2p.node.provider")
 
-OFFER_NAME = "device0"
+
+@dataclass(frozen=True, slots=True)
+class OfferedDevice:
+    """One device on offer: what ``hardware.detect`` found and its self-benchmark."""
+
+    facts: DeviceFacts
+    perf_units: int
+
+    @property
+    def offer_id(self) -> str:
+        """The offer's name on the mesh, one per device of the node."""
+        return f"device{self.facts.index}"
+
+    @property
+    def target(self) -> str:
+        """The torch device its executor runs sessions on."""
+        return f"cuda:{self.facts.index}" if self.facts.kind == "cuda" else "cpu"
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,9 +102,8 @@ class ProviderOptions:
     """What ``--provide`` was asked to offer.
 
     Attributes:
-        device: The device offered (from ``hardware.detect``).
-        perf_units: Self-benchmark result.
-        shares: Share units the device is split into.
+        devices: The devices offered, an offer each (distinct indices).
+        shares: Share units each device is split into.
         price: Micro-credits per share-hour.
         min_lease_s: Shortest lease accepted.
         region: Free-form region hint.
@@ -102,13 +119,12 @@ class ProviderOptions:
             below this (0: lease to anyone).
         leave_timeout: Seconds an orderly stop may take before it is forced.
         grace_period: Seconds a dropped session may take to resume.
-        workers: A worker process per session (None: when the device is a GPU).
-        pool: Worker processes kept started for the next lease.
+        workers: A worker process per session (None: when a device is a GPU).
+        pool: Worker processes kept started for the next lease, per device.
         graph_compiler: How the executor runs compiled graphs (``graph_compiler.py``).
     """
 
-    device: DeviceFacts
-    perf_units: int
+    devices: tuple[OfferedDevice, ...]
     shares: int
     price: int
     min_lease_s: int = 0
@@ -133,7 +149,14 @@ class ProviderOptions:
     @property
     def uses_workers(self) -> bool:
         """Whether sessions run in worker processes of their own."""
-        return self.device.kind == "cuda" if self.workers is None else self.workers
+        if self.workers is not None:
+            return self.workers
+        return any(d.facts.kind == "cuda" for d in self.devices)
+
+    def __post_init__(self) -> None:
+        ids = [d.offer_id for d in self.devices]
+        if not ids or len(set(ids)) != len(ids):
+            raise ValueError(f"offer one or more distinct devices, not {ids}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,15 +205,34 @@ class ActiveLease:
         return self.share_seconds * self.proposal.price // 3600
 
 
+@dataclass
+class Served:
+    """A device on offer and the executor running its sessions."""
+
+    device: OfferedDevice
+    executor: Executor | WorkerSupervisor
+    #: Memory isolation between tenants: a lease gets its shares' part of the device.
+    share_bytes: int
+    announced: bool = False
+
+
 class Provider:
     """The provider's state: leases granted, sessions served, receipts settled."""
 
     def __init__(
-        self, runtime: Runtime, options: ProviderOptions, executor: Executor | WorkerSupervisor
+        self,
+        runtime: Runtime,
+        options: ProviderOptions,
+        executors: Sequence[Executor | WorkerSupervisor],
     ) -> None:
         self.runtime = runtime
         self.options = options
-        self.executor = executor
+        self.served = {
+            device.offer_id: Served(
+                device, executor, device.facts.memory_mib * 2**20 // options.shares
+            )
+            for device, executor in zip(options.devices, executors, strict=True)
+        }
         self.book = LeaseBook(runtime.identity)
         self.active: dict[str, ActiveLease] = {}
         self.finished: list[ActiveLease] = []
@@ -198,43 +240,47 @@ class Provider:
         self._presented: dict[bytes, LeaseProposal] = {}
         self.endpoints: list[str] = []
         self.session_socket: tuple[str, int] | None = None  # (bound address, port)
-        self.announced = False
         self.leaving = False
-        # Memory isolation between tenants: a lease gets its shares' part of the device.
-        self.share_bytes = options.device.memory_mib * 2**20 // options.shares
 
     # --- offers ---------------------------------------------------------------------
 
-    def free_shares(self) -> int:
-        """Shares not held by any lease."""
-        held = sum(r.proposal.shares for r in self.book.leases())
-        return self.options.shares - held
+    def free_shares(self, offer_id: str | None = None) -> int:
+        """Shares not held by any lease: of one offer, or of every device's (None)."""
+        ids = set(self.served) if offer_id is None else {offer_id}
+        held = sum(r.proposal.shares for r in self.book.leases() if r.proposal.offer_id in ids)
+        return self.options.shares * len(ids) - held
 
-    def offer_body(self, nonce: int, expires_at: float) -> bytes:
-        """The offer as it stands, sealed afresh each announce round."""
-        facts, now = self.options.device, self.runtime.clock()
+    def offer_body(self, served: Served, nonce: int, expires_at: float) -> bytes:
+        """A device's offer as it stands, sealed afresh each announce round."""
+        device, now = served.device, self.runtime.clock()
         offer = Offer(
-            self.runtime.peer_id, OFFER_NAME, facts.model, facts.memory_mib,
-            self.options.perf_units, max(1, self.free_shares()), self.options.price,
+            self.runtime.peer_id, device.offer_id, device.facts.model, device.facts.memory_mib,
+            device.perf_units, max(1, self.free_shares(device.offer_id)), self.options.price,
             self.options.min_lease_s, self.options.region, now, expires_at, nonce,
         )  # fmt: skip
         self.book.publish(offer)
         return encode_message(offer)
 
     async def keep_offer_current(self) -> None:
-        """Announce while shares are free and the device is healthy; withdraw otherwise.
-        Expire ended leases."""
+        """Announce each device while it has shares free and is healthy; withdraw it
+        otherwise. Expire ended leases."""
         while True:
             self.book.expire(self.runtime.clock())
-            serving = self.executor.health.healthy and not self.leaving
-            free = self.free_shares() if serving else 0
-            if free > 0 and not self.announced:
-                await self.runtime.mesh.announce(OFFER_NAME, Offer.KIND, self.offer_body)
-                self.announced = True
-            elif free <= 0 and self.announced:
-                self.runtime.mesh.withdraw(OFFER_NAME)
-                self.announced = False
+            for served in self.served.values():
+                await self._keep_current(served)
             await trio.sleep(0.5)
+
+    async def _keep_current(self, served: Served) -> None:
+        offer_id = served.device.offer_id
+        serving = served.executor.health.healthy and not self.leaving
+        free = self.free_shares(offer_id) if serving else 0
+        if free > 0 and not served.announced:
+            body = partial(self.offer_body, served)
+            await self.runtime.mesh.announce(offer_id, Offer.KIND, body)
+            served.announced = True
+        elif free <= 0 and served.announced:
+            self.runtime.mesh.withdraw(offer_id)
+            served.announced = False
 
     def screen(self, consumer: str) -> str | None:
         """Refuse a proposal before the book sees it: while leaving, or from a consumer
@@ -275,8 +321,9 @@ class Provider:
         return None
 
     async def serve_session(self, channel) -> None:
-        """Run one consumer's session on the executor, metered under its lease."""
+        """Run one consumer's session on its offer's device, metered under its lease."""
         proposal = self._presented.pop(channel.peer_public_key)
+        served = self.served[proposal.offer_id]
         active = self.active.get(proposal.lease_id)
         if active is None:
             lease = self.book.get(proposal.lease_id).lease
@@ -289,9 +336,9 @@ class Provider:
             # The session is served for the lease's term, no longer: then the executor
             # parks it, and the consumer leases again and resumes it.
             left = proposal.end_at - self.runtime.clock()
-            await self.executor.run_session(
+            await served.executor.run_session(
                 metered,
-                quota_bytes=self.share_bytes * proposal.shares,
+                quota_bytes=served.share_bytes * proposal.shares,
                 rank=lease_rank(proposal.priority is PriorityClass.ON_DEMAND, proposal.price),
                 until=trio.current_time() + max(0.0, left),
             )
@@ -456,13 +503,14 @@ class Provider:
 
     async def _cancel_offer(self) -> None:
         rt, now = self.runtime, self.runtime.clock()
-        rt.mesh.withdraw(OFFER_NAME)
-        self.announced = False
-        cancel = Cancel(rt.peer_id, Side.OFFER, OFFER_NAME, now + 60, rt.mesh.next_nonce())
-        try:
-            await rt.mesh.publish(seal_message(rt.identity, cancel, now=now))
-        except CumulusError as exc:
-            log.warning("could not cancel the offer: %s", exc)
+        for offer_id, served in self.served.items():
+            rt.mesh.withdraw(offer_id)
+            served.announced = False
+            cancel = Cancel(rt.peer_id, Side.OFFER, offer_id, now + 60, rt.mesh.next_nonce())
+            try:
+                await rt.mesh.publish(seal_message(rt.identity, cancel, now=now))
+            except CumulusError as exc:
+                log.warning("could not cancel offer %s: %s", offer_id, exc)
 
     async def _tell_leaving(self, active: ActiveLease) -> None:
         # Told first, so that when the session drops the consumer knows why at once.
@@ -487,40 +535,59 @@ class Provider:
         return self.endpoints
 
     def snapshot(self) -> dict:
-        """What ``cumulus-node status`` shows."""
+        """What ``cumulus-node status`` shows: totals, then a row per device."""
         leases = [*self.active.values(), *self.finished[-10:]]
+        executors = [s.executor for s in self.served.values()]
         return self.runtime.snapshot() | {
             "role": "provider",
             "session_endpoint": ", ".join(self.current_endpoints()),
-            "device": self.options.device.model,
-            "perf_units": self.options.perf_units,
             "price": self.options.price,
-            "shares_total": self.options.shares,
+            "shares_total": self.options.shares * len(self.served),
             "shares_free": self.free_shares(),
-            "sessions": len(self.executor.sessions),
+            "sessions": sum(len(e.sessions) for e in executors),
             "isolation": "worker per session" if self.options.uses_workers else "shared process",
-            "device_health": self.executor.health.reason or "ok",
-            "session_workers": _session_workers(self.executor),
-            "gpu_utilization": utilization(self.options.device),
+            "device_health": _health(executors),
+            "session_workers": [w for e in executors for w in _session_workers(e)],
+            "devices": [self._device_row(s) for s in self.served.values()],
             "earned": sum(a.earned for a in leases),
             "leases": [self._lease_row(a) for a in leases],
+        }
+
+    def _device_row(self, served: Served) -> dict:
+        device = served.device
+        return {
+            "offer_id": device.offer_id,
+            "device": device.target,
+            "model": device.facts.model,
+            "perf_units": device.perf_units,
+            "shares_free": self.free_shares(device.offer_id),
+            "sessions": len(served.executor.sessions),
+            "health": served.executor.health.reason or "ok",
+            "gpu_utilization": utilization(device.facts),
         }
 
     def _lease_row(self, active: ActiveLease) -> dict:
         """One lease as status shows it: terms, receipts, and its session at work."""
         row = _lease_row(active)
+        served = self.served[active.proposal.offer_id]
         stats = None
         if not active.session_over:
-            stats = self.executor.session_stats(active.lease.envelope.author)
+            stats = served.executor.session_stats(active.lease.envelope.author)
         if stats is not None:
             now = trio.current_time()
             before_t, before_ops = active.ops_seen
             rate = (stats.ops - before_ops) / (now - before_t) if before_t else 0.0
             active.ops_seen = (now, stats.ops)
-            quota = self.share_bytes * active.proposal.shares
+            quota = served.share_bytes * active.proposal.shares
             row |= {"ops": stats.ops, "ops_per_s": round(max(0.0, rate), 1),
                     "memory": stats.bytes_in_use, "quota": quota}  # fmt: skip
         return row
+
+
+def _health(executors: Sequence[Executor | WorkerSupervisor]) -> str:
+    """The word ok while every device is healthy, else why each unhealthy one is not."""
+    reasons = [e.health.reason for e in executors if e.health.reason]
+    return "; ".join(reasons) or "ok"
 
 
 def _session_workers(executor: Executor | WorkerSupervisor) -> list[dict]:
@@ -528,8 +595,7 @@ def _session_workers(executor: Executor | WorkerSupervisor) -> list[dict]:
     if not isinstance(executor, WorkerSupervisor):
         return []
     return [
-        {"pid": view.worker_pid, "bytes": view.bytes_carried}
-        for view in executor.sessions.values()
+        {"pid": view.worker_pid, "bytes": view.bytes_carried} for view in executor.sessions.values()
     ]
 
 
@@ -537,6 +603,7 @@ def _lease_row(active: ActiveLease) -> dict:
     p = active.proposal
     return {
         "lease_id": p.lease_id,
+        "offer_id": p.offer_id,
         "consumer": p.consumer,
         "shares": p.shares,
         "price": p.price,
@@ -572,26 +639,18 @@ async def run_provider(
         handle_signals: Catch SIGTERM and SIGINT (the main thread only).
     """
     identity = data.identity()
-    facts = options.device
-    device = f"cuda:{facts.index}" if facts.kind == "cuda" else "cpu"
-    config = ExecutorConfig(
-        device=device,
-        quota_bytes=facts.memory_mib * 2**20,
-        graph_compiler=options.graph_compiler,
-    )
-    executor = build_executor(
-        config, workers=options.uses_workers, pool=options.pool, hidden=[data.path]
-    )
+    executors = [_executor_for(device, options, data) for device in options.devices]
     async with open_runtime(identity, data, mesh_config) as runtime:
-        provider = Provider(runtime, options, executor)
+        provider = Provider(runtime, options, executors)
         server = LeaseServer(
             provider.book, endpoints=provider.current_endpoints, screen=provider.screen
         )
         serve_leases(runtime.mesh.host, server)
         serve_lease_close(runtime.mesh.host, provider.close_lease)
         async with trio.open_nursery() as nursery:
-            if isinstance(executor, WorkerSupervisor):
-                await nursery.start(executor.run)
+            for executor in executors:
+                if isinstance(executor, WorkerSupervisor):
+                    await nursery.start(executor.run)
             bind = options.session_host or listen_host(mesh_config.listen_addrs)
             sessions = await nursery.start(_serve_sessions, identity, provider, bind)
             # The same sessions over libp2p streams, for consumers that cannot dial the
@@ -609,6 +668,19 @@ async def run_provider(
                 if on_tick is not None:
                     on_tick(provider)
                 await trio.sleep(1.0)
+
+
+def _executor_for(
+    device: OfferedDevice, options: ProviderOptions, data: DataDir
+) -> Executor | WorkerSupervisor:
+    config = ExecutorConfig(
+        device=device.target,
+        quota_bytes=device.facts.memory_mib * 2**20,
+        graph_compiler=options.graph_compiler,
+    )
+    return build_executor(
+        config, workers=options.uses_workers, pool=options.pool, hidden=[data.path]
+    )
 
 
 async def _leave_on_signal(provider: Provider, node: trio.CancelScope, on_leaving) -> None:

@@ -27,6 +27,19 @@ def short(peer_id: str) -> str:
     return peer_id if len(peer_id) <= 16 else f"{peer_id[:6]}…{peer_id[-6:]}"
 
 
+def _device_text(device: dict) -> str:
+    """One offered device: model, speed, shares free, load and health."""
+    text = (
+        f"{device['model']} ({device['perf_units']} perf units): "
+        f"{device['shares_free']} shares free, {device['sessions']} session(s)"
+    )
+    if device.get("gpu_utilization") is not None:
+        text += f", {device['gpu_utilization']}% busy"
+    if device.get("health", "ok") != "ok":
+        text += f", [red]unhealthy: {device['health']}[/red]"
+    return text
+
+
 def status_table(state: dict) -> Group:
     """The node's summary and its leases."""
     summary = Table(title=f"cumulus node ({state.get('role', '?')})", show_header=False)
@@ -36,7 +49,8 @@ def status_table(state: dict) -> Group:
     for addr in state.get("addrs", [])[:2]:
         summary.add_row("listening", addr)
     if state.get("role") == "provider":
-        summary.add_row("device", f"{state['device']} ({state['perf_units']} perf units)")
+        for device in state.get("devices", []):
+            summary.add_row(f"device {device['device']}", _device_text(device))
         summary.add_row("session channel", state.get("session_endpoint", ""))
         summary.add_row("price", f"{credits(state['price'])} per share-hour")
         summary.add_row("shares free", f"{state['shares_free']} of {state['shares_total']}")
@@ -44,8 +58,6 @@ def status_table(state: dict) -> Group:
         for worker in state.get("session_workers", []):
             carried = f"{worker['bytes'] / 1e6:.1f} MB carried"
             summary.add_row("session worker", f"pid {worker['pid']}: {carried}")
-        if state.get("gpu_utilization") is not None:
-            summary.add_row("GPU utilization", f"{state['gpu_utilization']}%")
         health = state.get("device_health", "ok")
         summary.add_row("device health", health if health == "ok" else f"[red]{health}[/red]")
         summary.add_row("earned", credits(state["earned"]))
@@ -84,10 +96,12 @@ def leases_table(rows: Iterable[dict], role: str) -> Table:
 
 
 def _session(row: dict) -> str:
+    # A provider's lease names the offer (its device) the session runs on.
+    on = f"{row['offer_id']}: " if "offer_id" in row else ""
     if "ops" in row:
         memory = f"{_bytes(row['memory'])} of {_bytes(row['quota'])}"
-        return f"{row['ops_per_s']:.0f} ops/s, {row['ops']} ops, {memory}"
-    return row.get("path", "")
+        return f"{on}{row['ops_per_s']:.0f} ops/s, {row['ops']} ops, {memory}"
+    return on + row.get("path", "")
 
 
 def peers_table(rows: Iterable[dict]) -> Table:

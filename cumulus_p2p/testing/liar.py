@@ -27,7 +27,7 @@ from ..market.messages import open_message, seal_message
 from ..market.metering import Meter
 from ..node.datadir import DataDir
 from ..node.hardware import DeviceFacts, cpu_facts, self_benchmark
-from ..node.provider import ProviderOptions, run_provider
+from ..node.provider import OfferedDevice, ProviderOptions, run_provider
 
 CLAIM = DeviceFacts("cpu", 0, "NVIDIA H100 80GB HBM3", 80 * 1024, None, "")
 CLAIMED_PERF = 60_000
@@ -60,7 +60,8 @@ def overcharge_share_seconds() -> None:
 def ready(provider) -> None:
     for addr in provider.runtime.mesh.addrs:
         print(f"listening on {addr}", flush=True)
-    print(f"providing {provider.options.device.model} on {provider.endpoints}", flush=True)
+    models = ", ".join(d.facts.model for d in provider.options.devices)
+    print(f"providing {models} on {provider.endpoints}", flush=True)
 
 
 async def main(bootstrap: str, data: DataDir, price: int, lie: str) -> None:
@@ -73,7 +74,7 @@ async def main(bootstrap: str, data: DataDir, price: int, lie: str) -> None:
         overcharge_bytes() if lie == "bytes" else overcharge_share_seconds()
         device, perf = cpu_facts(), self_benchmark("cpu", seconds=0.1)
     options = ProviderOptions(
-        device=device, perf_units=perf, shares=4, price=price, receipt_interval=1.0
+        devices=(OfferedDevice(device, perf),), shares=4, price=price, receipt_interval=1.0
     )
     await run_provider(data, config, options, on_ready=ready, handle_signals=True)
 

@@ -150,3 +150,13 @@ def start_liar(data_dir: Path, bootstrap: str, lie: str, *, price: str = "0.1") 
         "--data", str(data_dir), "--price", price, "--lie", lie,
     ]  # fmt: skip
     return start_process(command, data_dir, listens=True)
+
+
+def start_rig(data_dir: Path, bootstrap: str, *, devices: int, shares: int) -> NodeProcess:
+    """A provider offering ``devices`` devices of ``shares`` shares each
+    (``cumulus_p2p.testing.rig``); wait for its ``providing`` line before leasing."""
+    command = [
+        sys.executable, "-m", "cumulus_p2p.testing.rig", "--bootstrap", bootstrap,
+        "--data", str(data_dir), "--devices", str(devices), "--shares", str(shares),
+    ]  # fmt: skip
+    return start_process(command, data_dir, listens=True)

@@ -1,0 +1,59 @@
+"""What ``cumulus-node status`` shows a provider's operator, from its ``state.json``."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from cumulus_p2p.node.views import status_table
+
+
+def device(index: int, **overrides) -> dict:
+    row = {"offer_id": f"device{index}", "device": f"cuda:{index}", "model": "RTX 4090",
+           "perf_units": 900, "shares_free": 4, "sessions": 0, "health": "ok",
+           "gpu_utilization": 0}  # fmt: skip
+    return row | overrides
+
+
+def lease(offer_id: str) -> dict:
+    return {"lease_id": "ab" * 8, "offer_id": offer_id, "consumer": "12D3KooWconsumer",
+            "shares": 1, "price": 500_000, "receipts": 2, "share_seconds": 2, "earned": 1,
+            "bytes": 2048, "state": "running", "ops": 120, "ops_per_s": 60.0,
+            "memory": 1024, "quota": 4096}  # fmt: skip
+
+
+def shown(state: dict) -> str:
+    console = Console(width=200, record=True)
+    console.print(status_table(state))
+    return console.export_text()
+
+
+def row(text: str, field: str) -> str:
+    """The status line whose first cell is ``field``."""
+    return next(line for line in text.splitlines() if line.startswith(f"│ {field} "))
+
+
+def provider_state(devices: list[dict], leases: list[dict]) -> dict:
+    return {"role": "provider", "peer_id": "12D3KooWhost", "session_endpoint": "10.0.0.2:4100",
+            "price": 500_000, "shares_free": 7, "shares_total": 8, "sessions": 1,
+            "isolation": "worker per session", "device_health": "ok", "earned": 1,
+            "devices": devices, "leases": leases}  # fmt: skip
+
+
+def test_a_rig_shows_a_row_per_device_and_the_device_each_lease_runs_on():
+    text = shown(
+        provider_state(
+            [device(0), device(1, shares_free=3, sessions=1, gpu_utilization=87)],
+            [lease("device1")],
+        )
+    )
+    first, second = row(text, "device cuda:0"), row(text, "device cuda:1")
+    assert "RTX 4090 (900 perf units): 4 shares free, 0 session(s), 0% busy" in first
+    assert "RTX 4090 (900 perf units): 3 shares free, 1 session(s), 87% busy" in second
+    assert "device1: 60 ops/s, 120 ops" in text
+
+
+def test_an_unhealthy_device_says_why_on_its_own_row():
+    sick = device(1, health="the device check failed: CUDA error")
+    text = shown(provider_state([device(0), sick], []))
+    assert "unhealthy: the device check failed: CUDA error" in row(text, "device cuda:1")
+    assert "unhealthy" not in row(text, "device cuda:0")
