@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -546,7 +546,7 @@ class Provider:
             "shares_free": self.free_shares(),
             "sessions": sum(len(e.sessions) for e in executors),
             "isolation": "worker per session" if self.options.uses_workers else "shared process",
-            "device_health": _health(executors),
+            "device_health": _health(self.served.values()),
             "session_workers": [w for e in executors for w in _session_workers(e)],
             "devices": [self._device_row(s) for s in self.served.values()],
             "earned": sum(a.earned for a in leases),
@@ -584,9 +584,11 @@ class Provider:
         return row
 
 
-def _health(executors: Sequence[Executor | WorkerSupervisor]) -> str:
+def _health(served: Iterable[Served]) -> str:
     """The word ok while every device is healthy, else why each unhealthy one is not."""
-    reasons = [e.health.reason for e in executors if e.health.reason]
+    reasons = [
+        f"{s.device.target}: {s.executor.health.reason}" for s in served if s.executor.health.reason
+    ]
     return "; ".join(reasons) or "ok"
 
 
