@@ -11,7 +11,6 @@ a local run.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -29,16 +28,6 @@ from cumulus_p2p.testing.nodes import (
 
 SCRIPTS = Path(__file__).parent / "scripts"
 STEPS = "30"
-
-
-def wait_until_paused(liar, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        leases = liar.state().get("leases", [])
-        if leases and leases[0]["state"] in ("paused", "unpaid"):
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"the liar never paused the unpaid lease: {liar.state()}")
 
 
 def disputes(data_dir) -> list:
@@ -69,7 +58,9 @@ def test_an_overcharging_hosts_receipts_are_refused_and_disputed_on_both_sides(
         )  # fmt: skip
         consumer.wait_for("holding at step 10", timeout=120)
         consumer.wait_for("refused a receipt", timeout=60)
-        wait_until_paused(liar)
+        liar.wait_for_state(
+            lambda s: bool(s.get("leases")) and s["leases"][0]["state"] in ("paused", "unpaid")
+        )
         gate.touch()
         assert consumer.proc.wait(timeout=240) == 0, consumer.output()
     finally:

@@ -6,7 +6,6 @@ this machine's CPU under its own index with an executor of its own (no GPU here)
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from cumulus_p2p.testing.nodes import (
@@ -19,16 +18,6 @@ from cumulus_p2p.testing.nodes import (
 )
 
 SCRIPTS = Path(__file__).parent / "scripts"
-
-
-def wait_for_state(node, check, timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        state = node.state()
-        if state and check(state):
-            return state
-        time.sleep(0.2)
-    raise TimeoutError(f"the provider's state never got there: {node.state()}")
 
 
 def test_a_two_device_provider_serves_one_lease_on_each_device_at_once(tmp_path):
@@ -44,7 +33,7 @@ def test_a_two_device_provider_serves_one_lease_on_each_device_at_once(tmp_path)
             consumer = start_consumer(tmp_path / name, boot.addr, command=script)
             consumers.append(consumer)
             consumer.wait_for("holding at step 5", timeout=120)
-        both = wait_for_state(rig, lambda s: sum(d["sessions"] for d in s["devices"]) == 2)
+        both = rig.wait_for_state(lambda s: sum(d["sessions"] for d in s["devices"]) == 2)
         assert [d["sessions"] for d in both["devices"]] == [1, 1]
         assert both["shares_free"] == 0
         running = [row for row in both["leases"] if row["state"] == "running"]
@@ -52,7 +41,7 @@ def test_a_two_device_provider_serves_one_lease_on_each_device_at_once(tmp_path)
         gate.touch()
         for consumer in consumers:
             assert consumer.proc.wait(timeout=120) == 0, consumer.output()
-        after = wait_for_state(rig, lambda s: s["shares_free"] == s["shares_total"] == 2)
+        after = rig.wait_for_state(lambda s: s["shares_free"] == s["shares_total"] == 2)
         assert [d["sessions"] for d in after["devices"]] == [0, 0]
     finally:
         for node in [*consumers, rig, boot]:

@@ -39,6 +39,16 @@ class NodeProcess:
                 time.sleep(0.05)
         raise ValueError(f"{self.data_dir / 'state.json'} never parsed")
 
+    def wait_for_state(self, check, timeout: float = 60.0) -> dict:
+        """Wait until ``check(state)`` holds for the node's ``state.json``; return it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = self.state()
+            if state and check(state):
+                return state
+            time.sleep(0.2)
+        raise TimeoutError(f"the node's state never got there within {timeout}s: {self.state()}")
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
