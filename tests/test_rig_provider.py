@@ -1,13 +1,24 @@
 """A provider with several devices offers each one, and a lease runs on its offer's device.
 
-The rig is ``cumulus_p2p.testing.rig``: the real provider node offering two devices, each
-this machine's CPU under its own index with an executor of its own (no GPU here).
+The rig is ``cumulus_p2p.testing.rig``, or the same ``Provider`` in this process: the
+real provider node offering two devices, each this machine's CPU under its own index
+with an executor of its own (no GPU here).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
+import trio
+
+from cumulus_p2p.dht import MeshConfig
+from cumulus_p2p.node.datadir import DataDir
+from cumulus_p2p.node.hardware import cpu_facts
+from cumulus_p2p.node.provider import OfferedDevice, Provider, ProviderOptions
+from cumulus_p2p.node.runtime import open_runtime
+from cumulus_p2p.remote.executor import Executor, ExecutorConfig
+from cumulus_p2p.remote.health import DeviceHealth
 from cumulus_p2p.testing.nodes import (
     LOOPBACK_LISTEN,
     final_json,
@@ -50,3 +61,28 @@ def test_a_two_device_provider_serves_one_lease_on_each_device_at_once(tmp_path)
     assert [final_json(c.lines)["final_loss"] for c in consumers] == [expected, expected], [
         c.output() for c in consumers
     ]
+
+
+async def test_an_unhealthy_device_withdraws_only_its_own_offer(tmp_path):
+    devices = tuple(OfferedDevice(dataclasses.replace(cpu_facts(), index=i), 100) for i in (0, 1))
+    options = ProviderOptions(devices=devices, shares=2, price=1000)
+    executors = [Executor(ExecutorConfig(device="cpu")) for _ in devices]
+    data = DataDir(tmp_path)
+    config = MeshConfig(listen_addrs=("/ip4/127.0.0.1/tcp/0",))
+    async with open_runtime(data.identity(), data, config) as runtime:
+        provider = Provider(runtime, options, executors)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(provider.keep_offer_current)
+            await wait_for_offers(provider, {"device0": True, "device1": True})
+            executors[1].health = DeviceHealth(False, "the device check failed")
+            await wait_for_offers(provider, {"device0": True, "device1": False})
+            assert provider.snapshot()["device_health"] == "cpu: the device check failed"
+            executors[1].health = DeviceHealth()
+            await wait_for_offers(provider, {"device0": True, "device1": True})
+            nursery.cancel_scope.cancel()
+
+
+async def wait_for_offers(provider: Provider, announced: dict[str, bool]) -> None:
+    with trio.fail_after(10):
+        while {k: s.announced for k, s in provider.served.items()} != announced:
+            await trio.sleep(0.05)
