@@ -434,16 +434,12 @@ def _check_args(parser: argparse.ArgumentParser, args, command: list[str]) -> No
 
 
 def _device_choice(text: str) -> str:
-    if text in ("auto", "cpu") or all(_is_gpu_name(part) for part in text.split(",")):
+    parts = text.split(",")
+    if text in ("auto", "cpu") or all(hardware.gpu_index(part) is not None for part in parts):
         return text
     raise argparse.ArgumentTypeError(
         f"{text!r}: use auto, cpu, cuda, cuda:N or a list such as cuda:0,cuda:1"
     )
-
-
-def _is_gpu_name(text: str) -> bool:
-    kind, colon, index = text.partition(":")
-    return text == "cuda" or (kind == "cuda" and bool(colon) and index.isdigit())
 
 
 def _data_dir(args) -> DataDir:
@@ -674,9 +670,10 @@ async def _benchmarked(found, args, console: Console):
     devices = []
     with console.status("self benchmark...") as status:
         for facts in found:
-            target = OfferedDevice(facts, 0).target
-            status.update(f"self benchmark of {target} ({facts.model})...")
-            bench = functools.partial(hardware.self_benchmark, target, seconds=args.bench_seconds)
+            status.update(f"self benchmark of {facts.target} ({facts.model})...")
+            bench = functools.partial(
+                hardware.self_benchmark, facts.target, seconds=args.bench_seconds
+            )
             perf = await trio.to_thread.run_sync(bench)
             devices.append(OfferedDevice(facts, perf))
     return tuple(devices)

@@ -37,6 +37,11 @@ class DeviceFacts:
     utilization: int | None
     driver: str
 
+    @property
+    def target(self) -> str:
+        """The torch device an executor runs this device's sessions on."""
+        return f"cuda:{self.index}" if self.kind == "cuda" else "cpu"
+
 
 @dataclass(frozen=True, slots=True)
 class Detection:
@@ -77,13 +82,24 @@ def offered_devices(choice: str, found: Detection) -> tuple[DeviceFacts, ...]:
     return gpus
 
 
+def gpu_index(name: str) -> int | None:
+    """The ordinal ``cuda`` (0) or ``cuda:N`` names; None when ``name`` is neither."""
+    kind, colon, index = name.partition(":")
+    if name == "cuda":
+        return 0
+    return int(index) if kind == "cuda" and colon and index.isdigit() else None
+
+
 def offered_gpu(choice: str, found: Detection) -> DeviceFacts:
     """The GPU ``cuda[:N]`` names, from what NVML found.
 
     Raises:
-        ValueError: no GPU is usable, or none has that index (the message lists them).
+        ValueError: ``choice`` names no GPU, no GPU is usable, or none has that index (the
+            message lists them).
     """
-    index = int(choice.partition(":")[2] or 0)
+    index = gpu_index(choice)
+    if index is None:
+        raise ValueError(f"--device {choice}: use cuda or cuda:N")
     gpus = [d for d in found.devices if d.kind == "cuda"]
     if not gpus:
         raise ValueError(f"--device {choice}, but no NVIDIA GPU is usable here (try --device auto)")

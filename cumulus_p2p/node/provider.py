@@ -91,11 +91,6 @@ class OfferedDevice:
         """The offer's name on the mesh, one per device of the node."""
         return f"device{self.facts.index}"
 
-    @property
-    def target(self) -> str:
-        """The torch device its executor runs sessions on."""
-        return f"cuda:{self.facts.index}" if self.facts.kind == "cuda" else "cpu"
-
 
 @dataclass(frozen=True, slots=True)
 class ProviderOptions:
@@ -557,7 +552,7 @@ class Provider:
         device = served.device
         return {
             "offer_id": device.offer_id,
-            "device": device.target,
+            "device": device.facts.target,
             "model": device.facts.model,
             "perf_units": device.perf_units,
             "shares_free": self.free_shares(device.offer_id),
@@ -587,7 +582,9 @@ class Provider:
 def _health(served: Iterable[Served]) -> str:
     """The word ok while every device is healthy, else why each unhealthy one is not."""
     reasons = [
-        f"{s.device.target}: {s.executor.health.reason}" for s in served if s.executor.health.reason
+        f"{s.device.facts.target}: {s.executor.health.reason}"
+        for s in served
+        if s.executor.health.reason
     ]
     return "; ".join(reasons) or "ok"
 
@@ -676,7 +673,7 @@ def _executor_for(
     device: OfferedDevice, options: ProviderOptions, data: DataDir
 ) -> Executor | WorkerSupervisor:
     config = ExecutorConfig(
-        device=device.target,
+        device=device.facts.target,
         quota_bytes=device.facts.memory_mib * 2**20,
         graph_compiler=options.graph_compiler,
     )

@@ -3,7 +3,7 @@
 ``python -m cumulus_p2p.testing.rig --bootstrap ADDR --data DIR --devices 2 --shares 1``
 runs the real provider node (``run_provider``) offering ``--devices`` devices, an offer
 each, as ``cumulus-node --provide`` offers every GPU of a rig. Each device is this
-machine's CPU under its own index (offers ``device0``, ``device1``...), served by an
+machine's CPU under its own index (offers ``device0``, ``device1``...), served by a
 supervisor of its own: a rig of GPUs is the one thing a test here cannot have. Sessions
 run in worker processes, as they do on GPUs by default; two in-process CPU executors
 would share one process's CPU generator, where each GPU has its own.
@@ -38,8 +38,7 @@ async def main(args: argparse.Namespace) -> None:
     )
     cpu, perf = cpu_facts(), self_benchmark("cpu", seconds=0.1)
     devices = tuple(
-        OfferedDevice(dataclasses.replace(cpu, index=i), perf)
-        for i in range(args.devices)
+        OfferedDevice(dataclasses.replace(cpu, index=i), perf) for i in range(args.devices)
     )
     options = ProviderOptions(
         devices=devices, shares=args.shares, price=args.price, receipt_interval=1.0,
