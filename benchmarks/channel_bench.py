@@ -129,7 +129,7 @@ class _PlainSocketChannel:
     def __init__(self, sock) -> None:
         import socket
 
-        from cumulus_p2p.remote.transport import ReadySpinner
+        from cumulus_p2p.channel.transport import ReadySpinner
 
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
@@ -222,7 +222,7 @@ def _serve(kind: str) -> None:
                 listeners = await nursery.start(trio.serve_tcp, plain, 0)
                 print(listeners[0].socket.getsockname()[1], flush=True)
             elif kind == "direct":
-                from cumulus_p2p.remote.secure.server import serve_secure
+                from cumulus_p2p.channel.secure.server import serve_secure
 
                 server = await nursery.start(
                     lambda task_status: serve_secure(
@@ -234,7 +234,7 @@ def _serve(kind: str) -> None:
                 )
                 print(server.port, flush=True)
             else:
-                from cumulus_p2p.remote.secure.libp2p_path import serve_secure_libp2p
+                from cumulus_p2p.channel.secure.libp2p_path import serve_secure_libp2p
 
                 addr = await nursery.start(
                     lambda task_status: serve_secure_libp2p(
@@ -311,13 +311,13 @@ def _open_path(kind: str):
     if kind == "plain":
         channel = _PlainSocketChannel.connect("127.0.0.1", int(where))
     elif kind == "direct":
-        from cumulus_p2p.remote.secure.client import connect_secure
+        from cumulus_p2p.channel.secure.client import connect_secure
 
         channel = connect_secure(
             "127.0.0.1", int(where), identity=client, expected_peer_public_key=server_key
         )
     else:
-        from cumulus_p2p.remote.secure.libp2p_path import connect_secure_libp2p
+        from cumulus_p2p.channel.secure.libp2p_path import connect_secure_libp2p
 
         channel = connect_secure_libp2p(where, identity=client, expected_peer_public_key=server_key)
     return proc, channel

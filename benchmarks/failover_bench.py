@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 
 import cumulus_p2p.remote as remote
+from cumulus_p2p.channel.transport import SocketFrameChannel
 from cumulus_p2p.remote.client import CURRENT, RemoteSession
-from cumulus_p2p.remote.transport import SocketFrameChannel
 from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.testing.models import MLP
 

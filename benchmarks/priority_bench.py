@@ -50,10 +50,10 @@ def serve(ranked: bool, isolation: str = "shared", pool: int = 4) -> None:
     """The executor: port 1 serves the foreground rank, port 2 the background rank."""
     import trio
 
+    from cumulus_p2p.channel.transport import TrioFrameChannel
     from cumulus_p2p.remote.executor import ExecutorConfig
     from cumulus_p2p.remote.executor_main import build_executor
     from cumulus_p2p.remote.supervisor import WorkerSupervisor
-    from cumulus_p2p.remote.transport import TrioFrameChannel
 
     config = ExecutorConfig(device="cpu")
     executor = build_executor(config, workers=isolation == "worker", pool=pool)

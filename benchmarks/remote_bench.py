@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import cumulus_p2p.remote as remote
-from cumulus_p2p.remote.transport import DEFAULT_SPIN_S, ReadySpinner
+from cumulus_p2p.channel.transport import DEFAULT_SPIN_S, ReadySpinner
 from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.testing.models import TASKS, WORKLOADS, Task
 

@@ -32,12 +32,16 @@ from . import explorer
 from ._errors import CumulusError, NodeConfigError, NoMatchError
 from .dht import MeshConfig
 from .dht.nat import NatConfig
+from .executor_options import (
+    GraphCompiler,
+    add_graph_compiler_flag,
+    add_isolation_flags,
+    parse_size,
+)
 from .explorer import model
 from .market import PriorityClass
 from .node import hardware, logs, views
 from .node.datadir import DataDir, default_data_dir
-from .remote.executor_main import add_graph_compiler_flag, add_isolation_flags, parse_size
-from .remote.graph_compiler import GraphCompiler
 
 EXIT_USAGE, EXIT_CONFIG, EXIT_NO_MATCH = 2, 3, 4
 VIEWS = ("status", "peers", "offers", "reputation", "ledger", "logs")

@@ -9,6 +9,7 @@ import json
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +17,14 @@ from cumulus_p2p.identity import KEY_FILE_NAME, NodeIdentity
 from cumulus_p2p.market.ledger import Dispute, Ledger
 from cumulus_p2p.market.messages import Receipt, seal_message
 from cumulus_p2p.node.hardware import Detection, DeviceFacts, offered_devices, offered_gpu
-from cumulus_p2p.testing.nodes import LOOPBACK_LISTEN, node_command, start_node, start_provider
+from cumulus_p2p.testing.nodes import (
+    LOOPBACK_LISTEN,
+    NodeProcess,
+    node_command,
+    start_consumer,
+    start_node,
+    start_provider,
+)
 
 
 def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -201,6 +209,26 @@ def test_a_second_node_on_the_same_data_dir_is_refused(tmp_path):
         first.stop()
     assert second.returncode == 3
     assert "another cumulus-node is running" in second.stdout
+
+
+def _has_torch_loaded(node: NodeProcess) -> bool:
+    return "libtorch" in Path(f"/proc/{node.proc.pid}/maps").read_text()
+
+
+def test_a_boot_node_and_a_consumers_node_run_without_loading_torch(tmp_path):
+    # Only a provider runs tensors (and the consumer's script, in its own process):
+    # loading torch would cost every other node about 2 s of CPU at each start.
+    boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
+    consumer = start_consumer(
+        tmp_path / "c", boot.addr, "--min-vram", "100000GiB", command=["train.py"]
+    )
+    try:
+        consumer.wait_for_state(lambda state: state.get("role") == "consumer")
+        assert not _has_torch_loaded(boot)
+        assert not _has_torch_loaded(consumer)
+    finally:
+        consumer.stop()
+        boot.stop()
 
 
 def test_impossible_requirements_end_after_the_match_timeout_with_what_the_book_held(tmp_path):

@@ -14,11 +14,11 @@ from cumulus_p2p._errors import (
     RemoteProtocolError,
     SessionClosedError,
 )
+from cumulus_p2p.channel.transport import SocketFrameChannel
 from cumulus_p2p.identity import NodeIdentity
 from cumulus_p2p.node import control
 from cumulus_p2p.node.attach import open_channel
 from cumulus_p2p.node.control import SessionTicket
-from cumulus_p2p.remote.transport import SocketFrameChannel
 
 TICKET = SessionTicket(
     "12D3KooWhost",

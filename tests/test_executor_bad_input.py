@@ -16,6 +16,7 @@ import torch
 
 import cumulus_p2p.remote as remote
 from cumulus_p2p._errors import RemoteExecutionError
+from cumulus_p2p.channel.transport import SocketFrameChannel
 from cumulus_p2p.remote.client import RemoteSession
 from cumulus_p2p.remote.protocol import (
     PROTOCOL_VERSION,
@@ -24,7 +25,6 @@ from cumulus_p2p.remote.protocol import (
     decode_frame,
     encode_frame,
 )
-from cumulus_p2p.remote.transport import SocketFrameChannel
 
 
 @pytest.fixture

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 import cumulus_p2p.remote as remote_device
 from cumulus_p2p._errors import RemoteExecutionError
+from cumulus_p2p.channel.transport import SocketFrameChannel
 from cumulus_p2p.remote import compiled
 from cumulus_p2p.remote.tensor import RemoteTensor
-from cumulus_p2p.remote.transport import SocketFrameChannel
 from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.testing.models import TinyTransformer, train
 

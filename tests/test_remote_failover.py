@@ -19,6 +19,8 @@ from cumulus_p2p._errors import (
     RemoteProtocolError,
     SessionClosedError,
 )
+from cumulus_p2p.channel.secure import connect_secure
+from cumulus_p2p.channel.transport import SocketFrameChannel
 from cumulus_p2p.identity import NodeIdentity
 from cumulus_p2p.remote.checkpoint import (
     Checkpoint,
@@ -40,9 +42,7 @@ from cumulus_p2p.remote.protocol import (
     decode_frame,
     encode_frame,
 )
-from cumulus_p2p.remote.secure import connect_secure
 from cumulus_p2p.remote.session import Batch, DeviceContext, ExecutorSession
-from cumulus_p2p.remote.transport import SocketFrameChannel
 from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.testing.models import TASKS
 

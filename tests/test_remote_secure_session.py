@@ -10,8 +10,8 @@ import torch
 
 import cumulus_p2p.remote as remote
 from cumulus_p2p._errors import SessionRefusedError
+from cumulus_p2p.channel.secure import connect_secure
 from cumulus_p2p.identity import NodeIdentity
-from cumulus_p2p.remote.secure import connect_secure
 from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.testing.models import train
 

@@ -7,10 +7,10 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cumulus_p2p.channel.transport import TrioFrameChannel
 from cumulus_p2p.remote.executor import Executor, ExecutorConfig
 from cumulus_p2p.remote.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
 from cumulus_p2p.remote.scheduler import DeviceQueue, DeviceScheduler, lease_rank
-from cumulus_p2p.remote.transport import TrioFrameChannel
 
 CHEAP_INTERRUPTIBLE = lease_rank(False, 100)
 DEAR_ON_DEMAND = lease_rank(True, 900)

@@ -20,9 +20,9 @@ from cumulus_p2p._errors import (
     SessionClosedError,
     SessionRefusedError,
 )
+from cumulus_p2p.channel.secure import connect_secure, serve_secure
+from cumulus_p2p.channel.secure import handshake as hs
 from cumulus_p2p.identity import NodeIdentity
-from cumulus_p2p.remote.secure import connect_secure, serve_secure
-from cumulus_p2p.remote.secure import handshake as hs
 
 PROVIDER = NodeIdentity.generate()
 CONSUMER = NodeIdentity.generate()
@@ -563,4 +563,4 @@ async def test_forged_resume_for_a_live_session_is_refused_and_session_continues
 
 @pytest.fixture(autouse=True)
 def _log_level(caplog):
-    caplog.set_level(logging.INFO, logger="cumulus_p2p.remote.secure")
+    caplog.set_level(logging.INFO, logger="cumulus_p2p.channel.secure")

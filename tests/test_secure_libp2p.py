@@ -9,8 +9,8 @@ import pytest
 import trio
 
 from cumulus_p2p._errors import SessionClosedError, SessionRefusedError
+from cumulus_p2p.channel.secure.libp2p_path import connect_secure_libp2p, serve_secure_libp2p
 from cumulus_p2p.identity import NodeIdentity
-from cumulus_p2p.remote.secure.libp2p_path import connect_secure_libp2p, serve_secure_libp2p
 
 PROVIDER = NodeIdentity.generate()
 CONSUMER = NodeIdentity.generate()

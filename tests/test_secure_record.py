@@ -14,8 +14,8 @@ from cumulus_p2p._errors import (
     RecordAuthenticationError,
     RemoteProtocolError,
 )
-from cumulus_p2p.remote.secure.record import HEADER, RecordOpener, RecordSealer
-from cumulus_p2p.remote.secure.resume import Closed, SessionCore
+from cumulus_p2p.channel.secure.record import HEADER, RecordOpener, RecordSealer
+from cumulus_p2p.channel.secure.resume import Closed, SessionCore
 
 
 def core_pair(**kw) -> tuple[SessionCore, SessionCore]:

@@ -8,7 +8,7 @@ import time
 import trio
 import trio.testing
 
-from cumulus_p2p.remote.transport import (
+from cumulus_p2p.channel.transport import (
     CountingChannel,
     ReadySpinner,
     SocketFrameChannel,

@@ -16,13 +16,13 @@ import trio
 
 import cumulus_p2p.remote as remote
 from cumulus_p2p._errors import SessionClosedError
+from cumulus_p2p.channel.secure import connect_secure
+from cumulus_p2p.channel.secure.server import open_secure_server
+from cumulus_p2p.channel.transport import CountingChannel, SocketFrameChannel
 from cumulus_p2p.identity import NodeIdentity
 from cumulus_p2p.remote.executor import ExecutorConfig
 from cumulus_p2p.remote.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
-from cumulus_p2p.remote.secure import connect_secure
-from cumulus_p2p.remote.secure.server import open_secure_server
 from cumulus_p2p.remote.supervisor import MAX_FIRST_FRAME, SupervisorConfig, WorkerSupervisor
-from cumulus_p2p.remote.transport import CountingChannel, SocketFrameChannel
 
 PROVIDER = NodeIdentity.generate()
 CONSUMER = NodeIdentity.generate()

@@ -24,11 +24,11 @@ import trio
 
 import cumulus_p2p.remote as remote
 from cumulus_p2p._errors import RemoteExecutionError, RemoteProtocolError, SessionClosedError
+from cumulus_p2p.channel.secure import connect_secure
+from cumulus_p2p.channel.transport import SocketFrameChannel
 from cumulus_p2p.identity import KEY_FILE_NAME, NodeIdentity
 from cumulus_p2p.remote.executor import Executor, ExecutorConfig
 from cumulus_p2p.remote.protocol import PROTOCOL_VERSION, encode_frame
-from cumulus_p2p.remote.secure import connect_secure
-from cumulus_p2p.remote.transport import SocketFrameChannel
 from cumulus_p2p.testing.executor import executor_process, secure_executor_channel
 from cumulus_p2p.testing.models import train
 from cumulus_p2p.testing.nodes import (

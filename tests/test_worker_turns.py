@@ -16,6 +16,7 @@ import torch
 import trio
 import trio.testing
 
+from cumulus_p2p.channel.transport import Handover
 from cumulus_p2p.remote.executor import ExecutorConfig
 from cumulus_p2p.remote.scheduler import lease_rank
 from cumulus_p2p.remote.supervisor import (
@@ -26,7 +27,6 @@ from cumulus_p2p.remote.supervisor import (
     _Handed,
     _Worker,
 )
-from cumulus_p2p.remote.transport import Handover
 from cumulus_p2p.remote.worker import SupervisorTurns
 from cumulus_p2p.remote.workerlink import MAX_MESSAGE, LinkClosedError, WorkerLink
 

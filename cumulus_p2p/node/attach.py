@@ -18,9 +18,9 @@ from typing import Any
 
 from .. import remote
 from .._errors import HandshakeError, PeerAuthenticationError, PeerUnreachableError
+from ..channel.secure import connect_secure
+from ..channel.transport import CountingFrameChannel
 from ..identity import NodeIdentity
-from ..remote.secure import connect_secure
-from ..remote.transport import CountingFrameChannel
 from .control import ControlClient, SessionTicket, Usage
 from .datadir import DataDir, default_data_dir
 from .probe import measure

@@ -44,7 +44,7 @@ import msgpack
 import trio
 
 from .._errors import CumulusError, RemoteProtocolError
-from ..remote.transport import SocketFrameChannel, TrioFrameChannel
+from ..channel.transport import SocketFrameChannel, TrioFrameChannel
 
 ENV_ADDRESS = "CUMULUS_CONTROL"
 ENV_TOKEN = "CUMULUS_CONTROL_TOKEN"

@@ -14,8 +14,6 @@ import os
 import time
 from dataclasses import dataclass
 
-import torch
-
 
 @dataclass(frozen=True, slots=True)
 class DeviceFacts:
@@ -159,22 +157,24 @@ def self_benchmark(device: str, *, seconds: float = 0.5, size: int = 512) -> int
 
     Multiplies ``size``-square float32 matrices for about ``seconds`` after a warm-up.
     """
+    import torch  # only a provider benchmarks: boot and consumer nodes never load torch
+
     dev = torch.device(device)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
     a = torch.randn(size, size, device=dev)
     b = torch.randn(size, size, device=dev)
     torch.mm(a, b)
-    _sync(dev)
+    sync()
     runs, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds or runs < 3:
         torch.mm(a, b)
         runs += 1
         if runs % 8 == 0:
-            _sync(dev)
-    _sync(dev)
+            sync()
+    sync()
     elapsed = time.perf_counter() - start
     return int(2 * size**3 * runs / elapsed / 1e9)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -40,6 +40,9 @@ import trio
 from libp2p.exceptions import BaseLibp2pError
 
 from .._errors import CumulusError
+from ..channel.secure import serve_secure
+from ..channel.secure.libp2p_path import handle_libp2p_sessions
+from ..channel.transport import CountingChannel
 from ..dht import MeshConfig
 from ..dht.host import interface_ipv4s, observed_ipv4s
 from ..envelope import Envelope
@@ -67,10 +70,7 @@ from ..remote.executor import Executor, ExecutorConfig
 from ..remote.executor_main import build_executor
 from ..remote.graph_compiler import GraphCompiler
 from ..remote.scheduler import lease_rank
-from ..remote.secure import serve_secure
-from ..remote.secure.libp2p_path import handle_libp2p_sessions
 from ..remote.supervisor import WorkerSupervisor
-from ..remote.transport import CountingChannel
 from ..reputation import NonPayment, Report, seal_report
 from .datadir import DataDir
 from .hardware import DeviceFacts, utilization

@@ -24,7 +24,7 @@ import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
-from ..remote.secure.libp2p_path import SESSION_PROTOCOL, Libp2pByteStream
+from ..channel.secure.libp2p_path import SESSION_PROTOCOL, Libp2pByteStream
 from .runtime import peer_of
 
 __all__ = ["SessionDoors"]

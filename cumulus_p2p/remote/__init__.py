@@ -1,8 +1,7 @@
 """Remote execution: the ``cumulus`` torch device and the executor that serves it.
 
-Parts:
+Parts (the channels the op stream travels on are ``cumulus_p2p.channel``):
 
-- ``transport``: frame channels (plain TCP here; ``secure`` adds the encrypted one).
 - ``protocol``: the op-stream codec (sans-IO).
 - ``session``: the executor's per-session state machine (handles, quota, op execution).
 - ``executor``: the trio service that runs sessions; ``executor_main`` is its command.
@@ -32,6 +31,7 @@ from collections.abc import Callable
 import torch
 
 from .._errors import CheckpointCorruptError, FailoverError
+from ..channel.transport import FrameChannel, SocketFrameChannel
 from . import device as _device
 from . import kernels as _kernels  # noqa: F401 - PrivateUse1 kernels: factories, copies, sdpa
 from .checkpoint import (
@@ -44,7 +44,6 @@ from .client import CURRENT, RemoteSession, current_session
 from .errors import RemoteOutOfMemoryError
 from .failover import FailoverStatistics
 from .tensor import RemoteTensor
-from .transport import FrameChannel, SocketFrameChannel
 
 __all__ = [
     "Checkpoint",

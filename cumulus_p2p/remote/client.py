@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from .._errors import CumulusError, FailoverError, RemoteProtocolError, SessionClosedError
+from ..channel.transport import FrameChannel
 from .checkpoint import Checkpoint, CheckpointStore, MemoryCheckpointStore
 from .errors import remote_error
 from .failover import (
@@ -49,7 +50,6 @@ from .protocol import (
     lost_reason,
     split_blobs,
 )
-from .transport import FrameChannel
 
 log = logging.getLogger(__name__)
 

@@ -29,13 +29,13 @@ import torch
 import trio
 
 from .._errors import FrameTooLargeError, RemoteProtocolError, SessionClosedError
+from ..channel.transport import DEFAULT_MAX_FRAME, AsyncFrameChannel, TrioFrameChannel
 from .graph_compiler import GraphCompiler, GraphRunner
 from .health import DeviceHealth
 from .hostcache import HostCache
 from .protocol import PROTOCOL_VERSION, decode_frame, encode_frame
 from .scheduler import DEFAULT_RANK, DeviceScheduler
 from .session import DeviceContext, ExecutorSession, Reply, SessionStats, parse_batch
-from .transport import DEFAULT_MAX_FRAME, AsyncFrameChannel, TrioFrameChannel
 
 log = logging.getLogger(__name__)
 

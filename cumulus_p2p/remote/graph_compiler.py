@@ -34,10 +34,10 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
-from enum import StrEnum
 
 import torch
 
+from ..executor_options import GraphCompiler
 from .graphs import GraphProgram
 
 log = logging.getLogger(__name__)
@@ -46,13 +46,6 @@ log = logging.getLogger(__name__)
 MAX_COMPILED_NODES = 10_000
 #: Compiled programs kept, per program and input layout; the oldest goes first.
 MAX_COMPILED = 256
-
-
-class GraphCompiler(StrEnum):
-    """How an executor runs graph programs."""
-
-    LOOP = "loop"  # node by node (``GraphProgram.run``)
-    INDUCTOR = "inductor"  # compiled for the device, after a first run node by node
 
 
 class GraphRunner:

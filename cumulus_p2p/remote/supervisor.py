@@ -65,12 +65,12 @@ from pathlib import Path
 import trio
 
 from .._errors import FrameTooLargeError, RemoteProtocolError, SessionClosedError
+from ..channel.transport import AsyncFrameChannel, Handover, HandoverError, frame_header
 from .executor import ExecutorConfig, pick_device, serve_plain_tcp
 from .health import CHECK_TIMEOUT_S, DeviceHealth
 from .protocol import decode_frame, encode_frame
 from .scheduler import DEFAULT_RANK, DeviceQueue
 from .session import SessionStats
-from .transport import AsyncFrameChannel, Handover, HandoverError, frame_header
 from .worker import EXIT_POISONED, WorkerSpec
 from .workerlink import LinkClosedError, WorkerLink
 

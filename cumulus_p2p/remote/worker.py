@@ -58,12 +58,12 @@ from functools import partial
 import torch
 import trio
 
+from ..channel.secure.server import SecureServer, SecureServerChannel
+from ..channel.transport import AsyncFrameChannel, Handover, TrioFrameChannel, nbytes
 from .executor import Executor, ExecutorConfig
 from .graph_compiler import GraphCompiler
 from .protocol import decode_frame
 from .scheduler import DeviceScheduler
-from .secure.server import SecureServer, SecureServerChannel
-from .transport import AsyncFrameChannel, Handover, TrioFrameChannel, nbytes
 from .workerlink import LinkClosedError, WorkerLink
 
 log = logging.getLogger(__name__)

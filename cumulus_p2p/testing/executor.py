@@ -8,10 +8,9 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from ..remote.secure import SecureClientChannel
+from ..channel.secure import SecureClientChannel, connect_secure
+from ..identity import NodeIdentity
 
 _LISTENING = re.compile(r"listening on ([0-9.]+):(\d+)")
 _KEY = re.compile(r"key=([0-9a-f]{64})")
@@ -52,9 +51,6 @@ def secure_executor_channel(
 ) -> Iterator[tuple[SecureClientChannel, subprocess.Popen]]:
     """Run ``cumulus-executor --secure`` on 127.0.0.1 (its key in ``data_dir``) for one new
     consumer key; yield a secure channel open to it as that consumer, and the process."""
-    from ..identity import NodeIdentity
-    from ..remote.secure import connect_secure  # the device registers on import: not before
-
     consumer = NodeIdentity.generate()
     flags = [*(extra or []), "--secure", "--data-dir", str(data_dir)]
     flags += ["--allow-key", consumer.public_key.hex()]

@@ -51,7 +51,7 @@ from .record import (
 )
 from .resume import DEFAULT_MAX_UNACKED, Closed, Record, SessionCore
 
-log = logging.getLogger("cumulus_p2p.remote.secure")
+log = logging.getLogger("cumulus_p2p.channel.secure")
 
 
 class Link(Protocol):

@@ -60,7 +60,7 @@ from ._io import CONNECTION_LOST, StreamReader, StreamWriter
 from .record import DEFAULT_MAX_RECORD, DEFAULT_REKEY_BYTES, HEADER_SIZE
 from .resume import DEFAULT_MAX_UNACKED, Closed, Record, SessionCore
 
-log = logging.getLogger("cumulus_p2p.remote.secure")
+log = logging.getLogger("cumulus_p2p.channel.secure")
 
 Authorize = Callable[[bytes, bytes | None], str | None]
 Handler = Callable[["SecureServerChannel"], Awaitable[None]]

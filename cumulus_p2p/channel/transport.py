@@ -1,8 +1,8 @@
 """Frame transports for the op stream: one small interface, several channels.
 
 A *frame* is one length-prefixed message: a 4-byte big-endian length, then that many
-bytes. The op-stream codec (``protocol.py``) decides what the bytes mean; a transport
-only moves whole frames and enforces the size limit before allocating.
+bytes. The op-stream codec (``cumulus_p2p.remote.protocol``) decides what the bytes mean;
+a transport only moves whole frames and enforces the size limit before allocating.
 
 Two sides, two styles:
 

@@ -1,6 +1,6 @@
 """The secure session channel: authenticated, encrypted, resumable frame transport.
 
-It implements the two interfaces of ``cumulus_p2p.remote.transport``: the consumer holds a
+It implements the two interfaces of ``transport``: the consumer holds a
 blocking ``FrameChannel`` (``connect_secure`` over direct TCP, or
 ``connect_secure_libp2p`` over a libp2p stream when the provider is not directly
 reachable); the provider runs ``serve_secure`` (or ``serve_secure_libp2p``), which calls

@@ -1,0 +1,63 @@
+"""The options every executor takes, on ``cumulus-executor`` and ``cumulus-node --provide``.
+
+Kept apart from the executor itself, and free of torch, so that ``cumulus-node`` parses
+its command line (and a boot or consumer node runs) without loading torch.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class GraphCompiler(StrEnum):
+    """How an executor runs graph programs."""
+
+    LOOP = "loop"  # node by node (``GraphProgram.run``)
+    INDUCTOR = "inductor"  # compiled for the device, after a first run node by node
+
+
+def parse_size(text: str) -> int:
+    """Parse ``"512MiB"``, ``"8GiB"``, ``"1000000"`` into bytes."""
+    units = {"kib": 1024, "mib": 1024**2, "gib": 1024**3, "kb": 1000, "mb": 1000**2, "gb": 1000**3}
+    lowered = text.strip().lower()
+    for unit, factor in units.items():
+        if lowered.endswith(unit):
+            return int(float(lowered[: -len(unit)]) * factor)
+    return int(lowered)
+
+
+def add_isolation_flags(parser, *, where: str) -> None:
+    """``--worker-per-session`` / ``--shared-process`` and ``--pool``, on ``parser`` (or
+    an argument group); ``where`` names the process shared sessions run in."""
+    isolation = parser.add_mutually_exclusive_group()
+    isolation.add_argument(
+        "--worker-per-session",
+        dest="workers",
+        action="store_true",
+        default=None,
+        help="run each session in a worker process of its own (default when CUDA is present)",
+    )
+    isolation.add_argument(
+        "--shared-process",
+        dest="workers",
+        action="store_false",
+        help=f"run every session in {where} (default on a CPU)",
+    )
+    parser.add_argument(
+        "--pool",
+        type=int,
+        default=1,
+        metavar="N",
+        help="worker processes kept started for the next session (default 1)",
+    )
+
+
+def add_graph_compiler_flag(parser) -> None:
+    """``--graph-compiler`` on ``parser``: how an executor runs compiled graphs."""
+    parser.add_argument(
+        "--graph-compiler",
+        choices=[c.value for c in GraphCompiler],
+        default=GraphCompiler.LOOP.value,
+        help="run compiled graphs node by node (loop, the default) or compile each for "
+        "the device with inductor after its first run (inductor)",
+    )
