@@ -135,21 +135,41 @@ def cpu_facts() -> DeviceFacts:
     return DeviceFacts("cpu", 0, "cpu", pages * page_size // 2**20 // 2, None, "")
 
 
-def utilization(device: DeviceFacts) -> int | None:
-    """The device's utilization percent now (``None`` for a CPU or if NVML fails)."""
-    if device.kind != "cuda":
-        return None
-    try:
-        import pynvml
+class GpuMeter:
+    """Reads GPUs' utilization through one NVML session, open while the meter is entered.
 
-        pynvml.nvmlInit()
+    A provider's status reads every GPU every second on the node's event loop; opening
+    and closing NVML for each read would make the driver set up its state for every GPU
+    each time. Outside ``with`` (or without a usable NVML) every read is ``None``.
+    """
+
+    def __init__(self) -> None:
+        self._nvml = None
+
+    def __enter__(self) -> GpuMeter:
         try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(device.index)
-            return int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # noqa: BLE001 - a status column must never stop the node
-        return None
+            import pynvml
+
+            pynvml.nvmlInit()
+        except Exception:  # noqa: BLE001 - no NVML: a status column shows nothing
+            return self
+        self._nvml = pynvml
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        nvml, self._nvml = self._nvml, None
+        if nvml is not None:
+            nvml.nvmlShutdown()
+
+    def utilization(self, device: DeviceFacts) -> int | None:
+        """The device's utilization percent now (``None`` for a CPU or if NVML fails)."""
+        if device.kind != "cuda" or self._nvml is None:
+            return None
+        try:
+            handle = self._nvml.nvmlDeviceGetHandleByIndex(device.index)
+            return int(self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+        except Exception:  # noqa: BLE001 - a status column must never stop the node
+            return None
 
 
 def self_benchmark(device: str, *, seconds: float = 0.5, size: int = 512) -> int:

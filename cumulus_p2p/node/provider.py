@@ -73,7 +73,7 @@ from ..remote.scheduler import lease_rank
 from ..remote.supervisor import WorkerSupervisor
 from ..reputation import NonPayment, Report, seal_report
 from .datadir import DataDir
-from .hardware import DeviceFacts, utilization
+from .hardware import DeviceFacts, GpuMeter
 from .runtime import Runtime, open_runtime, peer_of
 
 log = logging.getLogger("cumulus_p2p.node.provider")
@@ -236,6 +236,7 @@ class Provider:
         self.endpoints: list[str] = []
         self.session_socket: tuple[str, int] | None = None  # (bound address, port)
         self.leaving = False
+        self.meter = GpuMeter()  # GPU utilization for status; ``run_provider`` opens it
 
     # --- offers ---------------------------------------------------------------------
 
@@ -558,7 +559,7 @@ class Provider:
             "shares_free": self.free_shares(device.offer_id),
             "sessions": len(served.executor.sessions),
             "health": served.executor.health.reason or "ok",
-            "gpu_utilization": utilization(device.facts),
+            "gpu_utilization": self.meter.utilization(device.facts),
         }
 
     def _lease_row(self, active: ActiveLease) -> dict:
@@ -646,27 +647,28 @@ async def run_provider(
         )
         serve_leases(runtime.mesh.host, server)
         serve_lease_close(runtime.mesh.host, provider.close_lease)
-        async with trio.open_nursery() as nursery:
-            for executor in executors:
-                if isinstance(executor, WorkerSupervisor):
-                    await nursery.start(executor.run)
-            bind = options.session_host or listen_host(mesh_config.listen_addrs)
-            sessions = await nursery.start(_serve_sessions, identity, provider, bind)
-            # The same sessions over libp2p streams, for consumers that cannot dial the
-            # session port (this host behind NAT: the stream may come through a relay).
-            handle_libp2p_sessions(runtime.mesh.host, sessions)
-            provider.session_socket = (bind, sessions.port)
-            if handle_signals:
-                nursery.start_soon(_leave_on_signal, provider, nursery.cancel_scope, on_leaving)
-            nursery.start_soon(provider.keep_offer_current)
-            nursery.start_soon(provider.metering_loop)
-            if on_ready is not None:
-                on_ready(provider)
-            while True:
-                data.write_state(provider.snapshot())
-                if on_tick is not None:
-                    on_tick(provider)
-                await trio.sleep(1.0)
+        with provider.meter:  # one NVML session for the status of every tick
+            async with trio.open_nursery() as nursery:
+                for executor in executors:
+                    if isinstance(executor, WorkerSupervisor):
+                        await nursery.start(executor.run)
+                bind = options.session_host or listen_host(mesh_config.listen_addrs)
+                sessions = await nursery.start(_serve_sessions, identity, provider, bind)
+                # The same sessions over libp2p streams, for consumers that cannot dial the
+                # session port (this host behind NAT: the stream may come through a relay).
+                handle_libp2p_sessions(runtime.mesh.host, sessions)
+                provider.session_socket = (bind, sessions.port)
+                if handle_signals:
+                    nursery.start_soon(_leave_on_signal, provider, nursery.cancel_scope, on_leaving)
+                nursery.start_soon(provider.keep_offer_current)
+                nursery.start_soon(provider.metering_loop)
+                if on_ready is not None:
+                    on_ready(provider)
+                while True:
+                    data.write_state(provider.snapshot())
+                    if on_tick is not None:
+                        on_tick(provider)
+                    await trio.sleep(1.0)
 
 
 def _executor_for(
