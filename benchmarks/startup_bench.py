@@ -8,8 +8,11 @@ Each figure is the median of ``--runs`` fresh processes, so nothing is cached in
 but the operating system's file cache:
 
 - ``import_<module>_s``: ``python -c "import <module>"``, whole process, for the shim,
-  the executor's entry point and ``cumulus_p2p.remote``; ``import_libp2p_s`` and
-  ``import_torch_s`` for scale (what the hot path no longer loads, and what it must).
+  the executor's entry point, ``cumulus_p2p.remote`` and the ``cumulus-node`` command
+  (``import_cli_s``); ``import_libp2p_s`` and ``import_torch_s`` for scale (what the hot
+  path no longer loads, and what it must).
+- ``node_ready_s``: from starting a plain ``cumulus-node`` (a boot node: no
+  ``--provide``) to its ``listening on`` line.
 - ``executor_ready_s``: from starting ``cumulus-executor --device cpu`` to its
   ``listening`` line.
 - ``executor_first_op_s``: from starting it to the answer of a first op from a client
@@ -23,11 +26,17 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = ("cumulus_p2p.shim", "cumulus_p2p.remote.executor_main", "cumulus_p2p.remote")
+MODULES = (
+    "cumulus_p2p.shim",
+    "cumulus_p2p.remote.executor_main",
+    "cumulus_p2p.remote",
+    "cumulus_p2p.cli",
+)
 
 
 def import_seconds(module: str) -> float:
@@ -60,6 +69,25 @@ def executor_start() -> tuple[float, float]:
     return ready, first_op
 
 
+def node_ready() -> float:
+    """Seconds from starting a boot node to its ``listening on`` line."""
+    with tempfile.TemporaryDirectory() as data_dir:
+        started = time.perf_counter()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cumulus_p2p.cli", "--data-dir", data_dir,
+             "--listen", "/ip4/127.0.0.1/tcp/0"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+        )  # fmt: skip
+        try:
+            for line in proc.stdout:
+                if "listening on" in line:
+                    return time.perf_counter() - started
+            raise RuntimeError(f"cumulus-node exited ({proc.wait()}) before listening")
+        finally:
+            proc.terminate()
+            proc.wait(10)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
@@ -72,6 +100,7 @@ def main() -> None:
     starts = [executor_start() for _ in range(args.runs)]
     results["executor_ready_s"] = round(statistics.median(s[0] for s in starts), 3)
     results["executor_first_op_s"] = round(statistics.median(s[1] for s in starts), 3)
+    results["node_ready_s"] = round(statistics.median(node_ready() for _ in range(args.runs)), 3)
     print(json.dumps(results, indent=1))
     out = ROOT / "benchmarks" / "results" / "startup.json"
     out.write_text(json.dumps(results, indent=1) + "\n")
