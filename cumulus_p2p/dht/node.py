@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import multiaddr
 import trio
+from libp2p.abc import INetStream
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.peer.id import ID
 from libp2p.pubsub.pubsub import Pubsub
@@ -564,17 +565,23 @@ async def _leave_quietly(node: MeshNode) -> None:
     arrives while that nursery is closing raises "Nursery is closed to new arrivals"
     out of the host, and the node exits with an error after its work is done (seen
     on a provider leaving on SIGTERM, and on a consumer whose job had finished while
-    a peer redialed it). With no pubsub protocol to negotiate, a peer that dials
-    again cannot start another stream that would deliver one.
+    a peer redialed it). A pubsub stream a peer opens from now on is reset at once,
+    so none can deliver a message. The handlers are replaced, not removed: multiselect
+    looks its handler up again after an await, and a protocol removed in between
+    raises KeyError out of the host instead.
     """
     for protocol in node.pubsub.protocols:
-        node.host.remove_stream_handler(protocol)
+        node.host.set_stream_handler(protocol, _reset_stream)
     with trio.CancelScope(shield=True), trio.move_on_after(2.0):
         for peer in list(node.host.get_connected_peers()):
             try:
                 await node.host.disconnect(peer)
             except Exception as exc:  # noqa: BLE001 - py-libp2p raises many types here
                 logger.debug("closing the connection to %s: %r", peer, exc)
+
+
+async def _reset_stream(stream: INetStream) -> None:
+    await stream.reset()
 
 
 def concrete_listen_addrs(addrs: Sequence[str]) -> list[multiaddr.Multiaddr]:

@@ -442,7 +442,14 @@ class RemoteSession:
         if not isinstance(token, str):
             return None
         channel.send_frame(encode_frame(["resume", PROTOCOL_VERSION, {"token": token}]))
-        header, _ = decode_frame(channel.recv_frame())
+        try:
+            header, _ = decode_frame(channel.recv_frame())
+        except SessionClosedError:
+            # Closed on the resume: whatever held the session is gone (a supervisor that
+            # has not yet reaped a killed worker closes the resumes that reach it). The
+            # next attempt says hello and restores from the checkpoint.
+            self.info = {**self.info, "token": None}
+            raise
         if header[0] == "refused":
             return None
         info = _welcome_info(header)
