@@ -22,9 +22,10 @@ from pathlib import Path
 import msgpack
 import torch
 
+from cumulus_p2p.executor_options import GraphCompiler
 from cumulus_p2p.remote.capture import capture
 from cumulus_p2p.remote.compiled import encode_graph
-from cumulus_p2p.remote.graph_compiler import GraphCompiler, GraphRunner
+from cumulus_p2p.remote.graph_compiler import GraphRunner
 from cumulus_p2p.remote.graphs import build_program
 from cumulus_p2p.remote.protocol import decode_ext, encode_value
 from cumulus_p2p.testing.models import TinyTransformer

@@ -46,6 +46,7 @@ from ..channel.transport import CountingChannel
 from ..dht import MeshConfig
 from ..dht.host import interface_ipv4s, observed_ipv4s
 from ..envelope import Envelope
+from ..executor_options import GraphCompiler
 from ..market import (
     Cancel,
     Lease,
@@ -68,7 +69,6 @@ from ..market.settlement import (
 )
 from ..remote.executor import Executor, ExecutorConfig
 from ..remote.executor_main import build_executor
-from ..remote.graph_compiler import GraphCompiler
 from ..remote.scheduler import lease_rank
 from ..remote.supervisor import WorkerSupervisor
 from ..reputation import NonPayment, Report, seal_report

@@ -30,7 +30,8 @@ import trio
 
 from .._errors import FrameTooLargeError, RemoteProtocolError, SessionClosedError
 from ..channel.transport import DEFAULT_MAX_FRAME, AsyncFrameChannel, TrioFrameChannel
-from .graph_compiler import GraphCompiler, GraphRunner
+from ..executor_options import GraphCompiler
+from .graph_compiler import GraphRunner
 from .health import DeviceHealth
 from .hostcache import HostCache
 from .protocol import PROTOCOL_VERSION, decode_frame, encode_frame

@@ -20,10 +20,14 @@ import torch
 import trio
 
 from ..channel.secure import serve_secure
-from ..executor_options import add_graph_compiler_flag, add_isolation_flags, parse_size
+from ..executor_options import (
+    GraphCompiler,
+    add_graph_compiler_flag,
+    add_isolation_flags,
+    parse_size,
+)
 from ..identity import NodeIdentity
 from .executor import Executor, ExecutorConfig
-from .graph_compiler import GraphCompiler
 from .supervisor import SupervisorConfig, WorkerSupervisor
 
 

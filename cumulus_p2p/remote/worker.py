@@ -60,8 +60,8 @@ import trio
 
 from ..channel.secure.server import SecureServer, SecureServerChannel
 from ..channel.transport import AsyncFrameChannel, Handover, TrioFrameChannel, nbytes
+from ..executor_options import GraphCompiler
 from .executor import Executor, ExecutorConfig
-from .graph_compiler import GraphCompiler
 from .protocol import decode_frame
 from .scheduler import DeviceScheduler
 from .workerlink import LinkClosedError, WorkerLink
