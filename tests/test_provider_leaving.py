@@ -91,15 +91,16 @@ def start_freeloading(tmp_path, *provider_flags: str):
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert freeloader.stdout.readline().startswith("leased")
-    deadline = time.monotonic() + 30
-    while "running" not in lease_states(provider):
-        assert time.monotonic() < deadline, provider.output()
-        time.sleep(0.2)
+    provider.wait_for_state(lambda state: "running" in _states(state), timeout=30)
     return boot, provider, freeloader
 
 
+def _states(state: dict) -> list[str]:
+    return [lease["state"] for lease in state.get("leases", [])]
+
+
 def lease_states(node) -> list[str]:
-    return [lease["state"] for lease in node.state().get("leases", [])]
+    return _states(node.state())
 
 
 def test_a_second_sigterm_stops_a_leaving_provider_at_once(tmp_path):

@@ -7,6 +7,7 @@ systemd, ``kill`` or a crash would stop it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -68,17 +69,18 @@ def receipt_ids(data_dir: Path) -> set[str]:
         return {e.receipt_id for e in ledger.entries()}
 
 
+def _states(state: dict) -> list[str]:
+    return [lease["state"] for lease in state.get("leases", [])]
+
+
 def lease_states(node) -> list[str]:
-    return [lease["state"] for lease in node.state().get("leases", [])]
+    return _states(node.state())
 
 
 def wait_for_leases(node, final: str, timeout: float = 60.0) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        states = lease_states(node)
-        if states and set(states) == {final}:
-            return states
-        time.sleep(0.2)
+    """The node's lease states once all are ``final``, or as they are at the timeout."""
+    with contextlib.suppress(TimeoutError):
+        node.wait_for_state(lambda state: set(_states(state)) == {final}, timeout)
     return lease_states(node)
 
 
