@@ -325,23 +325,6 @@ def test_a_malformed_lost_message_is_a_protocol_error():
 # --- on the market: a provider node running a worker per session ----------------------------
 
 
-def provider_state(node) -> dict:
-    return json.loads((node.data_dir / "state.json").read_text())
-
-
-def wait_for_state(node, check, timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            state = provider_state(node)
-            if check(state):
-                return state
-        except (OSError, ValueError):
-            pass  # written as we read it
-        time.sleep(0.2)
-    raise TimeoutError(f"the provider's state never got there: {provider_state(node)}")
-
-
 def test_a_job_whose_worker_is_killed_finishes_elsewhere_and_the_shares_come_back(tmp_path):
     boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
     providers = [
@@ -361,8 +344,7 @@ def test_a_job_whose_worker_is_killed_finishes_elsewhere_and_the_shares_come_bac
         cheap = providers[0]
         # Its status shows the session at work, as the worker reports it: ops, memory, and
         # the bytes it carried on the consumer's connection, which it holds itself.
-        busy = wait_for_state(
-            cheap,
+        busy = cheap.wait_for_state(
             lambda s: (
                 s["session_workers"]
                 and s["leases"][0].get("ops", 0) > 0
@@ -374,8 +356,8 @@ def test_a_job_whose_worker_is_killed_finishes_elsewhere_and_the_shares_come_bac
         gate.touch()
         assert consumer.proc.wait(timeout=180) == 0, consumer.output()
         # The device check after the kill takes a fresh process some seconds.
-        after = wait_for_state(
-            cheap, lambda s: not s["session_workers"] and s["device_health"] == "ok"
+        after = cheap.wait_for_state(
+            lambda s: not s["session_workers"] and s["device_health"] == "ok"
         )
         assert after["shares_free"] == after["shares_total"]
         assert after["leases"][0]["state"] == "ended"
