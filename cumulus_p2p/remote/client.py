@@ -448,17 +448,21 @@ class RemoteSession:
             # Closed on the resume: whatever held the session is gone (a supervisor that
             # has not yet reaped a killed worker closes the resumes that reach it). The
             # next attempt says hello and restores from the checkpoint.
-            self.info = {**self.info, "token": None}
+            self._forget_token()
             raise
         if header[0] == "refused":
             return None
         info = _welcome_info(header)
         if type(info.get("last_seq")) is not int or info["last_seq"] < self._log.after_seq:
             # Not the state this log continues: never reuse it (a bye releases it there).
-            self.info = {**self.info, "token": None}
+            self._forget_token()
             channel.send_frame(encode_frame(["bye"]))
             raise RemoteProtocolError("the host resumed the session from before its checkpoint")
         return info
+
+    def _forget_token(self) -> None:
+        """Never present this session's token again: the next failover says hello."""
+        self.info = {**self.info, "token": None}
 
     def _restore(self, channel: FrameChannel, info: dict) -> None:
         """Upload the latest checkpoint into the fresh session on ``channel``."""
