@@ -36,12 +36,16 @@ import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from sortedcontainers import SortedList
 
 from .messages import Bid, Cancel, Offer, PriorityClass, Side, encode_message
 
 __all__ = ["BookStatistics", "Fill", "InsertStatus", "OrderBook", "RestingOrder"]
+
+#: An offer or a bid: what a ``RestingOrder`` holds says which side it rests on.
+OrderT = TypeVar("OrderT", Offer, Bid)
 
 
 class InsertStatus(enum.Enum):
@@ -76,10 +80,10 @@ class Fill:
 
 
 @dataclass(frozen=True, slots=True)
-class RestingOrder:
-    """A live order and the shares it has left."""
+class RestingOrder(Generic[OrderT]):
+    """A live order and the shares it has left (``RestingOrder[Offer]`` for an offer)."""
 
-    order: Offer | Bid
+    order: OrderT
     remaining: int
 
 
@@ -102,8 +106,8 @@ class _Version:
 
 
 @dataclass(slots=True)
-class _Live:
-    order: Offer | Bid
+class _Live(Generic[OrderT]):
+    order: OrderT
     key: tuple
     remaining: int
 
@@ -133,8 +137,8 @@ class OrderBook:
 
     def __init__(self) -> None:
         self._classes: dict[tuple[str, int], _ClassIndex] = {}
-        self._offers: dict[tuple[str, str], _Live] = {}
-        self._bids: dict[tuple[str, str], _Live] = {}
+        self._offers: dict[tuple[str, str], _Live[Offer]] = {}
+        self._bids: dict[tuple[str, str], _Live[Bid]] = {}
         self._bid_keys = SortedList()
         self._versions: dict[tuple[Side, str, str], _Version] = {}
         # (time, tie, side, author, order_id, nonce): nonce -1 marks a version deadline.
@@ -156,10 +160,9 @@ class OrderBook:
         """
         if message.expires_at <= now:
             return InsertStatus.EXPIRED
-        kind = type(message)
-        if kind is Offer:
+        if isinstance(message, Offer):
             side, author, order_id = Side.OFFER, message.host, message.offer_id
-        elif kind is Bid:
+        elif isinstance(message, Bid):
             side, author, order_id = Side.BID, message.consumer, message.bid_id
         else:
             side, author, order_id = message.side, message.author, message.order_id
@@ -183,16 +186,16 @@ class OrderBook:
             self._versions[vkey] = _Version(message.nonce, message.expires_at, message)
             self._push_deadline(message.expires_at, side, author, order_id, -1)
             replaced = False
-        if kind is Cancel:
+        if isinstance(message, Cancel):
             return InsertStatus.CANCELLED
-        self._add_live(side, message, author, order_id)
+        self._add_live(message, author, order_id)
         if message.expires_at < self._versions[vkey].retain_until:
             # Otherwise the version's own deadline drops the order, with one heap entry.
             self._push_deadline(message.expires_at, side, author, order_id, message.nonce)
         return InsertStatus.REPLACED if replaced else InsertStatus.ADDED
 
-    def _add_live(self, side: Side, order: Offer | Bid, author: str, order_id: str) -> None:
-        if side is Side.OFFER:
+    def _add_live(self, order: Offer | Bid, author: str, order_id: str) -> None:
+        if isinstance(order, Offer):
             key = _offer_key(order)
             resource_class = (order.gpu_model, order.vram_mib)
             index = self._classes.get(resource_class)
@@ -207,18 +210,18 @@ class OrderBook:
 
     def _remove_live(self, side: Side, author: str, order_id: str) -> bool:
         if side is Side.OFFER:
-            live = self._offers.pop((author, order_id), None)
-            if live is None:
+            offer = self._offers.pop((author, order_id), None)
+            if offer is None:
                 return False
-            index = self._classes[live.order.resource_class]
-            index.keys.remove(live.key)
+            index = self._classes[offer.order.resource_class]
+            index.keys.remove(offer.key)
             if not index.keys:
-                del self._classes[live.order.resource_class]
+                del self._classes[offer.order.resource_class]
         else:
-            live = self._bids.pop((author, order_id), None)
-            if live is None:
+            bid = self._bids.pop((author, order_id), None)
+            if bid is None:
                 return False
-            self._bid_keys.remove(live.key)
+            self._bid_keys.remove(bid.key)
         return True
 
     def _push_deadline(
@@ -251,7 +254,7 @@ class OrderBook:
 
     # -- matching -----------------------------------------------------------------------
 
-    def candidates(self, bid: Bid) -> Iterator[RestingOrder]:
+    def candidates(self, bid: Bid) -> Iterator[RestingOrder[Offer]]:
         """Offers that meet ``bid``'s requirements and limit, best first.
 
         Best means price-time priority: lowest price, then earliest ``created_at``,
@@ -346,16 +349,21 @@ class OrderBook:
 
     # -- inspection ---------------------------------------------------------------------
 
-    def get(self, side: Side, author: str, order_id: str) -> RestingOrder | None:
+    def get(
+        self, side: Side, author: str, order_id: str
+    ) -> RestingOrder[Offer] | RestingOrder[Bid] | None:
         """The live order ``(side, author, order_id)``, or ``None``."""
-        live = (self._offers if side is Side.OFFER else self._bids).get((author, order_id))
-        return None if live is None else RestingOrder(live.order, live.remaining)
+        if side is Side.OFFER:
+            offer = self._offers.get((author, order_id))
+            return None if offer is None else RestingOrder(offer.order, offer.remaining)
+        bid = self._bids.get((author, order_id))
+        return None if bid is None else RestingOrder(bid.order, bid.remaining)
 
-    def offers(self) -> Iterator[RestingOrder]:
+    def offers(self) -> Iterator[RestingOrder[Offer]]:
         """Every live offer, in no particular order."""
         return (RestingOrder(live.order, live.remaining) for live in self._offers.values())
 
-    def bids(self) -> Iterator[RestingOrder]:
+    def bids(self) -> Iterator[RestingOrder[Bid]]:
         """Every live bid, in priority order (highest limit, then oldest, then key)."""
         return (
             RestingOrder(live.order, live.remaining)

@@ -69,6 +69,6 @@ class MarketIntake:
             message = open_message(envelope)
         except MalformedMessageError as exc:
             return Rejected(Rejection.MALFORMED, str(exc))
-        if type(message) not in (Offer, Bid, Cancel):
+        if not isinstance(message, (Offer, Bid, Cancel)):
             return Rejected(Rejection.UNKNOWN_KIND, f"{envelope.kind} is not an order message")
         return Admitted(envelope, message, self.book.insert(message, now=now))
