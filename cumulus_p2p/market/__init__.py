@@ -11,6 +11,9 @@ Parts, lowest first (each imports only those above it):
 - ``intake``: received bytes -> envelope validator -> ``open_message`` -> book.
 - ``matcher``: the consumer's ranking of offers by effective price (reliability and
   latency are inputs).
+- ``hostchoice``: the consumer's choice of host after failures (sans-IO): failure is
+  evidence with a half-life, a failed host is set aside for a backoff and tried again
+  once it announces afresh; a job with no usable host waits, within its patience.
 - ``lease``: the host's reservation core (sans-IO): reserve atomically and
   countersign, or refuse with a ``RefusalReason``.
 - ``rpc``: one request, one response per direct libp2p stream, the shell the
@@ -33,6 +36,14 @@ from .book import Fill as Fill
 from .book import InsertStatus as InsertStatus
 from .book import OrderBook as OrderBook
 from .book import RestingOrder as RestingOrder
+from .hostchoice import EXCLUDE_FOR_THE_JOB as EXCLUDE_FOR_THE_JOB
+from .hostchoice import BackoffPolicy as BackoffPolicy
+from .hostchoice import GiveUp as GiveUp
+from .hostchoice import HostChoice as HostChoice
+from .hostchoice import HostStanding as HostStanding
+from .hostchoice import JobState as JobState
+from .hostchoice import Propose as Propose
+from .hostchoice import Wait as Wait
 from .intake import ORDER_KINDS as ORDER_KINDS
 from .intake import Admitted as Admitted
 from .intake import MarketIntake as MarketIntake
