@@ -22,6 +22,9 @@ Parts, lowest first (each imports only those above it):
   (``call_propose_lease`` / ``rpc_propose_lease``), returning a ``LeaseGrant``.
 - ``metering``: the host's ``Meter`` issuing signed receipts, the consumer's
   ``check_receipt``.
+- ``lease_state``: a served lease's lifecycle on the host as a transition table
+  (``LeaseState``, ``LeaseEvent``, ``LeaseLifecycle``) and ``payment_event``, the move
+  its unsettled receipts call for (sans-IO).
 - ``ledger``: the durable, deduplicated receipt store, and the ``PaymentRail``
   protocol a payment system plugs into.
 - ``settlement``: receipts countersigned over ``/cumulus/receipt/1.0.0`` (the
@@ -51,6 +54,9 @@ from .lease import LeaseBook as LeaseBook
 from .lease import Refusal as Refusal
 from .lease import RefusalReason as RefusalReason
 from .lease import Reservation as Reservation
+from .lease_state import LeaseEvent as LeaseEvent
+from .lease_state import LeaseLifecycle as LeaseLifecycle
+from .lease_state import LeaseState as LeaseState
 from .ledger import Ledger as Ledger
 from .ledger import LedgerEntry as LedgerEntry
 from .ledger import LedgerTotals as LedgerTotals
