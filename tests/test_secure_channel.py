@@ -20,7 +20,7 @@ from cumulus_p2p._errors import (
     SessionClosedError,
     SessionRefusedError,
 )
-from cumulus_p2p.channel.secure import connect_secure, serve_secure
+from cumulus_p2p.channel.secure import SessionSettings, connect_secure, serve_secure
 from cumulus_p2p.channel.secure import handshake as hs
 from cumulus_p2p.identity import NodeIdentity
 
@@ -56,11 +56,16 @@ class Recorder:
 
 
 @asynccontextmanager
-async def provider(handler, *, authorize=allow_all, identity=PROVIDER, **kw):
+async def provider(handler, *, authorize=allow_all, identity=PROVIDER, **settings):
+    """A provider on 127.0.0.1; ``settings`` are ``SessionSettings`` fields."""
     async with trio.open_nursery() as nursery:
         server = await nursery.start(
             lambda task_status: serve_secure(
-                identity, authorize=authorize, handler=handler, task_status=task_status, **kw
+                identity,
+                authorize=authorize,
+                handler=handler,
+                settings=SessionSettings(**settings),
+                task_status=task_status,
             )
         )
         yield server

@@ -13,9 +13,13 @@ Parts (sans-IO cores first, then the shells):
 - ``record``: AES-256-GCM records with implicit counter nonces and implicit rekeying;
   tampered, replayed and reordered records fail authentication.
 - ``resume``: frames over records, acknowledgements, the retransmit buffer.
+- ``settings``: ``SessionSettings``, the provider's tuning (limits, timeouts), in one
+  frozen dataclass passed down to every session.
 - ``client``: the blocking consumer shell; resumes dropped connections by itself.
-- ``server``: the trio provider shell; one session task per logical session, a grace
-  period for resumption, then ``SessionClosedError`` for the handler.
+- ``server``: the trio provider shell: handshakes, resumes, and the sessions' nursery.
+- ``session``: one logical session on the provider (``ServerSession``) and the channel its
+  handler holds; a grace period for resumption, then ``SessionClosedError`` for the
+  handler. ``_sync`` holds the cheap trio primitives its tasks share.
 - ``libp2p_path``: the same channel over a Noise-secured libp2p stream.
 """
 
@@ -28,12 +32,14 @@ from .server import SecureServerChannel as SecureServerChannel
 from .server import ServerStatistics as ServerStatistics
 from .server import open_secure_server as open_secure_server
 from .server import serve_secure as serve_secure
+from .settings import SessionSettings as SessionSettings
 
 __all__ = [
     "SecureClientChannel",
     "SecureServer",
     "SecureServerChannel",
     "ServerStatistics",
+    "SessionSettings",
     "connect_secure",
     "open_secure_server",
     "serve_secure",

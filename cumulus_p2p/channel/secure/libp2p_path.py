@@ -36,6 +36,7 @@ from .client import Link, SecureClientChannel, handshake_new
 from .record import DEFAULT_MAX_RECORD, DEFAULT_REKEY_BYTES
 from .resume import DEFAULT_MAX_UNACKED
 from .server import Authorize, Handler, SecureServer, open_secure_server
+from .settings import DEFAULT_SETTINGS, SessionSettings
 
 SESSION_PROTOCOL = TProtocol("/cumulus/session/1.0.0")
 _LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -102,10 +103,10 @@ async def serve_secure_libp2p(
     authorize: Authorize,
     handler: Handler,
     listen_addr: str = _LOOPBACK,
-    grace_period: float = 30.0,
-    handshake_timeout: float = 10.0,
-    max_frame: int = DEFAULT_MAX_FRAME,
-    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+    settings: SessionSettings = DEFAULT_SETTINGS,
+    # trio-stubs (from trio-typing, which libp2p and multiaddr require) shadow trio's own
+    # annotations for mypy and predate trio.TaskStatus.
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,  # type: ignore[name-defined]
 ) -> None:
     """Serve the secure channel over libp2p (own Noise+yamux host) until cancelled.
 
@@ -115,12 +116,7 @@ async def serve_secure_libp2p(
     """
     host = new_mesh_host(identity.key_pair)
     async with open_secure_server(
-        identity,
-        authorize=authorize,
-        handler=handler,
-        grace_period=grace_period,
-        handshake_timeout=handshake_timeout,
-        max_frame=max_frame,
+        identity, authorize=authorize, handler=handler, settings=settings
     ) as server:
         async with host.run(listen_addrs=[multiaddr.Multiaddr(listen_addr)]):
             handle_libp2p_sessions(host, server)
