@@ -17,11 +17,13 @@ caller sees a pause, nothing else.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -50,6 +52,7 @@ from .protocol import (
     lost_reason,
     split_blobs,
 )
+from .transfer import PROGRESS_INTERVAL, STREAM_CHUNK, TransferProgress
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +145,12 @@ class RemoteSession:
         self._checkpoints = 0
         self._checkpoint_bytes = 0
         self._last_checkpoint_s: float | None = None
+        self._streaming = 0
+        #: Called with a ``TransferProgress`` every few seconds of a long transfer (upload,
+        #: read, checkpoint, restore); None prints a status line (``print_progress``).
+        self.on_progress: Callable[[TransferProgress], None] | None = None
+        #: Seconds between two progress reports of one transfer.
+        self.progress_interval = PROGRESS_INTERVAL
         self.info = self._handshake(channel, self._options)
 
     def _handshake(self, channel: FrameChannel, options: dict) -> dict:
@@ -278,6 +287,33 @@ class RemoteSession:
             raise remote_error(kind, message, op)
         return result, split_blobs(area, lengths)
 
+    # --- long transfers -----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def streaming(self) -> Iterator[None]:
+        """Hold the session (and its checkpoints) for the pieces of one streamed transfer.
+
+        A checkpoint taken between two pieces would read back a half-written storage, and
+        one per piece would read the whole session back per piece; the checkpoint policy
+        is asked again at the first batch after the transfer.
+        """
+        with self._lock:
+            self._streaming += 1
+            try:
+                yield
+            finally:
+                self._streaming -= 1
+
+    def progress(self, what: str, total: int) -> TransferProgress:
+        """Start counting a transfer of ``total`` bytes for ``advance``."""
+        return TransferProgress(what, total, time.monotonic(), self.progress_interval)
+
+    def advance(self, progress: TransferProgress, nbytes: int) -> None:
+        """Count ``nbytes`` of ``progress`` moved; report it when a line is due."""
+        now = time.monotonic()
+        if progress.advance(nbytes, now=now):
+            (self.on_progress or print_progress)(progress)
+
     # --- sync points --------------------------------------------------------------------
 
     def call(self, record: list) -> Any:
@@ -335,6 +371,8 @@ class RemoteSession:
             return checkpoint
 
     def _maybe_checkpoint(self, *, at_sync_point: bool) -> None:
+        if self._streaming:
+            return
         now = time.monotonic()
         if self._policy.due(now=now, log_bytes=self._log.nbytes, at_sync_point=at_sync_point):
             try:
@@ -355,9 +393,11 @@ class RemoteSession:
         seq, parts = self._encode([], frees, ["checkpoint"], [])
         manifest = parse_manifest(*self._read_reply(self._exchange(parts, seq), seq))
         images = ImageAssembler(manifest)
+        progress = self.progress("checkpoint", sum(n for _, _, n in manifest.storages))
         try:
             for reads in plan_reads(manifest, budget=_chunk(self._channel)):
                 images.add(reads, self._ask(["read", reads])[1][1])
+                self.advance(progress, sum(length for _, _, length in reads))
         except _ChannelLost as lost:
             self._fail_over(lost.cause, None)
             return None
@@ -477,9 +517,11 @@ class RemoteSession:
             log.warning(why, info.get("device"), checkpoint.device)
         seq = checkpoint.seq
         budget = _chunk(channel)
+        progress = self.progress("restore", checkpoint.nbytes)
         for ops, blobs in restore_batches(checkpoint, with_rng=same_rng, budget=budget):
             header = ["batch", seq, ops, [], None, [len(b) for b in blobs]]
             channel.send_frame(encode_frame(header, blobs))
+            self.advance(progress, sum(len(b) for b in blobs))
         # Graphs live outside the checkpoint: the replay's @run records need them again.
         graphs = list(self._graphs.values())
         channel.send_frame(encode_frame(["batch", seq, graphs, [], ["sync"], []]))
@@ -546,6 +588,20 @@ class _ChannelLost(Exception):
     def __init__(self, cause: SessionClosedError) -> None:
         super().__init__(str(cause))
         self.cause = cause
+
+
+def print_progress(progress: TransferProgress) -> None:
+    """The default progress report: an INFO log line, also on stderr when nothing
+    configured logging (a plain script, or one run under the shim)."""
+    line = progress.line(now=time.monotonic())
+    log.info("%s", line)
+    if not log.hasHandlers():
+        print(line, file=sys.stderr, flush=True)
+
+
+def stream_chunk(channel: FrameChannel) -> int:
+    """Bytes per piece of a streamed upload or read over ``channel``."""
+    return max(1, min(STREAM_CHUNK, channel.max_frame // 4))
 
 
 def _chunk(channel: FrameChannel) -> int:

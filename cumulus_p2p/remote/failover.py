@@ -190,28 +190,40 @@ def plan_reads(manifest: Manifest, *, budget: int = TRANSFER_CHUNK) -> list[list
 
 
 class ImageAssembler:
-    """Collects ``read`` replies into the storages' images, copying only split storages."""
+    """Collects ``read`` replies into the storages' images.
+
+    A storage read in one piece keeps that piece (a view of its reply frame); one read in
+    several is copied, piece by piece, into a buffer of its size made at its first piece,
+    so taking a checkpoint holds the checkpoint plus one reply, never a storage twice.
+    """
 
     def __init__(self, manifest: Manifest) -> None:
         self._manifest = manifest
-        self._pieces: dict[int, list[memoryview]] = {h: [] for h, _, _ in manifest.storages}
+        self._sizes = {h: n for h, _, n in manifest.storages}
+        self._images: dict[int, memoryview] = {}
+        self._filled: dict[int, int] = dict.fromkeys(self._sizes, 0)
 
     def add(self, query: list[list[int]], blobs: list[memoryview]) -> None:
         """Take one ``read`` reply. Raises ``RemoteProtocolError`` if it does not match."""
         if len(blobs) != len(query):
             raise RemoteProtocolError("read reply has the wrong number of blobs")
-        for (handle, _start, length), blob in zip(query, blobs, strict=True):
-            if len(blob) != length:
+        for (handle, start, length), blob in zip(query, blobs, strict=True):
+            if len(blob) != length or start != self._filled[handle]:
                 raise RemoteProtocolError(f"read of storage {handle} returned the wrong size")
-            self._pieces[handle].append(blob)
+            if start == 0 and length == self._sizes[handle]:
+                self._images[handle] = blob
+            else:
+                if start == 0:
+                    self._images[handle] = memoryview(bytearray(self._sizes[handle]))
+                self._images[handle][start : start + length] = blob
+            self._filled[handle] = start + length
 
     def checkpoint(self, seq: int) -> Checkpoint:
         images = []
         for handle, dtype, nbytes in self._manifest.storages:
-            pieces = self._pieces[handle]
-            data = pieces[0] if len(pieces) == 1 else memoryview(b"".join(pieces))
-            if len(data) != nbytes:
+            if self._filled[handle] != nbytes:
                 raise RemoteProtocolError(f"storage {handle} was not read in full")
+            data = self._images.get(handle, memoryview(b""))
             images.append(StorageImage(handle, dtype, data))
         return Checkpoint(seq, self._manifest.device, self._manifest.rng_state, tuple(images))
 

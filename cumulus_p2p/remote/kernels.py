@@ -29,6 +29,8 @@ from .tensor import (
     download,
     fresh_tensor,
     new_empty,
+    streams_upload,
+    upload_into,
     wire_arguments,
 )
 
@@ -55,6 +57,9 @@ def _empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_me
 
 def _copy_from(src, dst, non_blocking=False):
     """``copy_`` reached below the Python key (``torch.tensor(..., device="cumulus")``)."""
+    if streams_upload(dst, src):
+        upload_into(dst, src)
+        return dst
     if type(dst) is RemoteTensor:
         session = current_session()
         session.submit(["aten.copy_.default", *wire_arguments(session, [dst, src], {}), [None]])

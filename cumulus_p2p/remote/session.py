@@ -60,7 +60,8 @@ MAX_HANDLE = 2**62
 #: references can make it hold).
 MAX_VIEWS_PER_STORAGE = 64
 DYN_BLOCK = 1 << 10  # handles a client reserves per data-dependent op (client.DYN_BLOCK)
-#: Most bytes one ``read`` query may ask for; the client asks for 32 MiB at a time.
+#: Most bytes one ``read`` or ``fetch`` reply may carry, well inside the frame limit; the
+#: client reads larger tensors in pieces of 16 MiB and checkpoints in 32 MiB (``transfer.py``).
 MAX_READ_BYTES = 64 * 1024 * 1024
 #: Queries whose reply blobs are recomputed, not kept, for ``resend``.
 _BLOB_QUERIES = {"fetch", "checkpoint", "read", "rng"}
@@ -171,6 +172,7 @@ class ExecutorSession:
         self._views: dict[int, dict[TensorRef, torch.Tensor]] = {}
         self._capacity: dict[int, int] = {}  # handle -> storage bytes
         self._poisoned: dict[int, str] = {}  # handle -> why it has no value
+        self._restoring: dict[int, int] = {}  # handle -> where its next @restore piece starts
         self._error: tuple[str, str, str] | None = None
         self._dyn_result: Any = None
         self._graphs: dict[int, tuple[bytes, GraphProgram]] = {}  # graph id -> (key, program)
@@ -375,8 +377,13 @@ class ExecutorSession:
             )
         if start == 0:
             self._create_storage(handle, dtype, nbytes)
-        self._check_restoring(handle, dtype, nbytes)
+        self._check_restoring(handle, dtype, nbytes, start)
         _raw_bytes(self._anchors[handle], start, piece.numel()).copy_(piece)
+        end = start + piece.numel()
+        if end < nbytes:
+            self._restoring[handle] = end
+        else:
+            self._restoring.pop(handle, None)
 
     def _create_storage(self, handle: int, dtype: torch.dtype, nbytes: int) -> None:
         if handle in self._anchors:
@@ -385,7 +392,9 @@ class ExecutorSession:
         raw = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self._add(handle, _anchor_over(raw.untyped_storage(), dtype, self.device))
 
-    def _check_restoring(self, handle: int, dtype: torch.dtype, nbytes: int) -> None:
+    def _check_restoring(self, handle: int, dtype: torch.dtype, nbytes: int, start: int) -> None:
+        """A piece must fit the storage its first piece made, right after the last piece:
+        pieces come in order, with no gap or overlap, and only while a restore is open."""
         anchor = self._anchors.get(handle)
         if anchor is None:
             raise OpFailed("InvalidHandleError", f"@restore: storage {handle} must start at byte 0")
@@ -394,6 +403,19 @@ class ExecutorSession:
                 "ValueError",
                 f"@restore: storage {handle} holds {self._capacity[handle]} bytes of "
                 f"{anchor.dtype}, not {nbytes} bytes of {dtype}",
+            )
+        if start == 0:
+            return
+        expected = self._restoring.get(handle)
+        if expected is None:
+            raise OpFailed(
+                "RemoteProtocolError", f"@restore: storage {handle} is not being restored"
+            )
+        if start != expected:
+            raise OpFailed(
+                "RemoteProtocolError",
+                f"@restore: the next piece of storage {handle} starts at byte {expected}, "
+                f"not {start} (pieces come in order, without gaps or overlaps)",
             )
 
     def _set_rng(self, args: Any, blobs: list[memoryview]) -> None:
@@ -586,6 +608,7 @@ class ExecutorSession:
     def _free(self, handle: Any) -> None:
         if type(handle) is not int:
             return
+        self._restoring.pop(handle, None)
         self._poisoned.pop(handle, None)
         self._views.pop(handle, None)
         if self._anchors.pop(handle, None) is not None:
@@ -639,7 +662,7 @@ class ExecutorSession:
     def _respond(self, query: Any) -> tuple[Any, list]:
         kind = query[0] if isinstance(query, list) and query else None
         if kind == "fetch" and len(query) == 2 and type(query[1]) is TensorRef:
-            return None, [_tensor_bytes(self.tensor(query[1]))]
+            return None, [_tensor_bytes(self._fetched(query[1]))]
         if kind == "call":
             return self._dyn_result, []
         if kind == "stats":
@@ -653,6 +676,17 @@ class ExecutorSession:
         if kind == "read" and len(query) == 2:
             return None, self._read(query[1])
         raise OpFailed("RemoteProtocolError", f"unknown query {query!r}")
+
+    def _fetched(self, ref: TensorRef) -> torch.Tensor:
+        tensor = self.tensor(ref)
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes > MAX_READ_BYTES:
+            raise OpFailed(
+                "ValueError",
+                f"a fetch of {nbytes} bytes is over the {MAX_READ_BYTES} bytes one reply may "
+                "carry; fetch it in pieces (views of at most that size)",
+            )
+        return tensor
 
     def _manifest(self) -> dict:
         storages = [[h, a.dtype, self._capacity[h]] for h, a in self._anchors.items()]
@@ -743,6 +777,7 @@ class ExecutorSession:
         self._views.clear()
         self._capacity.clear()
         self._poisoned.clear()
+        self._restoring.clear()
         self._graphs.clear()
         self.stats.bytes_in_use = 0
         self.stats.storages = 0

@@ -21,6 +21,7 @@ output wrappers, which is what keeps the per-op client cost low. Plans come in t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,9 +31,10 @@ import torch
 from torch.optim import optimizer as _torch_optimizer
 from torch.utils import _foreach_utils
 
-from .client import RemoteSession, current_session
+from .client import RemoteSession, current_session, stream_chunk
 from .ops import op_name, written_arguments
 from .protocol import EXT_TENSOR, TensorRef, aligned_bytes, pack_tensor_ref, storage_extent
+from .transfer import STREAM_CHUNK, pieces
 
 #: Named by PrivateUse1's own name so it exists before ``device.register()``; torch calls
 #: it ``cumulus:0`` from then on.
@@ -564,13 +566,70 @@ def _from_description(value: Any, session: RemoteSession, storages: dict) -> Any
 
 
 def download(tensor: RemoteTensor) -> torch.Tensor:
-    """Copy a remote tensor's data to a new contiguous CPU tensor (a sync point)."""
+    """Copy a remote tensor's data to a new contiguous CPU tensor (a sync point).
+
+    A tensor larger than one piece (``transfer.py``) is read piece by piece straight into
+    the result, so the client holds the result and one piece, never the tensor twice.
+    """
     session = tensor._rs.session
+    if tensor.numel() * tensor.element_size() > STREAM_CHUNK:
+        return _download_in_pieces(session, tensor)
     data = session.fetch(tensor._ref())
     if len(data) == 0:
         return torch.empty(tensor.shape, dtype=tensor.dtype)
     flat = aligned_bytes(data).view(tensor.dtype)
     return flat.reshape(tensor.shape)
+
+
+def _download_in_pieces(session: RemoteSession, tensor: RemoteTensor) -> torch.Tensor:
+    dtype, sizes, strides, offset = tensor._sig
+    out = torch.empty(sizes, dtype=dtype)
+    budget = stream_chunk(session._channel)
+    progress = session.progress("read", out.numel() * out.element_size())
+    with session.streaming():
+        for piece in pieces(sizes, strides, offset, dtype.itemsize, budget):
+            ref = TensorRef(tensor._rs.handle, dtype, piece.offset, piece.sizes, piece.strides)
+            data = session.fetch(ref)
+            out[piece.index].copy_(aligned_bytes(data).view(dtype).reshape(piece.sizes))
+            session.advance(progress, len(data))
+            del data
+    return out
+
+
+def upload_into(dst: RemoteTensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for a CPU ``src`` of any size: one ``copy_`` per piece, each its
+    own frame, from the piece's own memory (``transfer.py``).
+
+    The first piece is a sync point, so a destination the executor could not allocate (over
+    quota) fails before the rest is sent. Returns once every piece has left, so the caller
+    may reuse ``src``.
+    """
+    session = dst._rs.session
+    src = src.detach().expand(dst.shape)
+    dtype, sizes, strides, offset = dst._sig
+    itemsize = max(dtype.itemsize, src.element_size())
+    budget = stream_chunk(session._channel)
+    progress = session.progress("upload", dst.numel() * dst.element_size())
+    with session.streaming():
+        for number, piece in enumerate(pieces(sizes, strides, offset, itemsize, budget)):
+            target = RemoteTensor(dst._rs, dtype, piece.sizes, piece.strides, piece.offset)
+            args = wire_arguments(session, [target, src[piece.index]], {})
+            session.submit(["aten.copy_.default", *args, [None]])
+            if number == 0:
+                session.synchronize()
+            else:
+                session.flush()
+            session.advance(progress, math.prod(piece.sizes) * dtype.itemsize)
+
+
+def streams_upload(dst: Any, src: Any) -> bool:
+    """Whether ``dst.copy_(src)`` uploads more than one piece's worth from the CPU."""
+    return (
+        type(dst) is RemoteTensor
+        and type(src) is torch.Tensor
+        and src.device.type == "cpu"
+        and src.numel() * src.element_size() > STREAM_CHUNK
+    )
 
 
 def _to_copy(func, args, kwargs):
@@ -585,6 +644,9 @@ def _to_copy(func, args, kwargs):
 def _copy_(func, args, kwargs):
     dst, src = args[0], args[1]
     if type(dst) is RemoteTensor:
+        if streams_upload(dst, src):
+            upload_into(dst, src)
+            return dst
         return NotImplemented
     dst.copy_(download(src), *args[2:], **kwargs)
     return dst
