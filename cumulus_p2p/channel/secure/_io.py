@@ -145,22 +145,27 @@ class StreamWriter:
 
     async def send(self, *chunks: bytes | memoryview) -> None:
         """Send ``chunks`` back to back (one system call when the socket takes them all)."""
-        if self._sock is None:
+        sock = self._sock
+        if sock is None:
             if len(chunks) == 1 or sum(len(c) for c in chunks) < 65536:
                 await self.stream.send_all(b"".join(chunks))
             else:
                 for c in chunks:
                     await self.stream.send_all(c)
             return
-        sent = await self._sock.sendmsg(chunks)
+        sent = await sock.sendmsg(chunks)
         total = 0
         for chunk in chunks:
             total += len(chunk)
         if sent < total:
-            await self._send_rest(chunks, sent)
+            await _send_rest(sock, chunks, sent)
 
-    async def _send_rest(self, chunks: tuple[bytes | memoryview, ...], sent: int) -> None:
-        views = [memoryview(c).cast("B") for c in chunks]
-        drop_sent(views, sent)
-        while views:
-            drop_sent(views, await self._sock.sendmsg(views))
+
+async def _send_rest(
+    sock: trio.socket.SocketType, chunks: tuple[bytes | memoryview, ...], sent: int
+) -> None:
+    """Send what a partial ``sendmsg`` of ``chunks`` left, ``sent`` bytes in."""
+    views = [memoryview(c).cast("B") for c in chunks]
+    drop_sent(views, sent)
+    while views:
+        drop_sent(views, await sock.sendmsg(views))

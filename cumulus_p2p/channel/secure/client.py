@@ -129,9 +129,14 @@ class _Reader:
         self._end = 0
         # A TCP link is read straight from its socket (one call less per read), after a
         # short poll that keeps the thread awake for a quick reply.
-        is_tcp = type(link) is SocketLink
-        self._recv_into = link.sock.recv_into if is_tcp else link.recv_into
-        self._spinner = ReadySpinner(link.sock) if is_tcp else None
+        self._recv_into: Callable[[memoryview], int]
+        self._spinner: ReadySpinner | None
+        if type(link) is SocketLink:
+            self._recv_into = link.sock.recv_into
+            self._spinner = ReadySpinner(link.sock)
+        else:
+            self._recv_into = link.recv_into
+            self._spinner = None
 
     def peek(self, n: int) -> memoryview:
         """The next ``n`` bytes, not consumed (a view, valid until the next read)."""
@@ -517,7 +522,7 @@ def connect_secure(
         OSError: the provider could not be reached.
     """
 
-    def dial() -> Link:
+    def dial() -> SocketLink:
         link = SocketLink.dial(host, port, timeout)
         return link
 

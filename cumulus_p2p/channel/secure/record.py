@@ -118,7 +118,7 @@ class RecordSealer(_Direction):
     """
 
     def seal(
-        self, kind: int, ack: int, arg: int, payload: bytes | memoryview
+        self, kind: int, ack: int, arg: int, payload: bytes | bytearray | memoryview
     ) -> tuple[bytes, bytes]:
         """Encrypt one record. Returns ``(header, ciphertext)``, to be sent in that order."""
         header = HEADER.pack(len(payload) + TAG_SIZE, kind, ack, arg)

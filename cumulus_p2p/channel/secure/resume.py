@@ -265,9 +265,14 @@ class SessionCore:
             raise LocalProtocolError("a session can be handed over only between frames")
         records = [list(record) for record in self.buffer.since(self.buffer.base)]
         return [
-            self._sealer.export(), self._opener.export(), self.received,
-            self._unacked_in_bytes, self._unacked_in_records, self.buffer.base, records,
-        ]  # fmt: skip
+            self._sealer.export(),
+            self._opener.export(),
+            self.received,
+            self._unacked_in_bytes,
+            self._unacked_in_records,
+            self.buffer.base,
+            records,
+        ]
 
     @classmethod
     def continued(cls, state: list, **limits) -> SessionCore:
@@ -351,8 +356,8 @@ class SessionCore:
             self._opener.open_into(header, ciphertext, frame if n == arg else memoryview(frame)[:n])
             self._frame, self._filled = frame, 0
         elif kind == MORE:
+            assert self._frame is not None  # checked in receive_header (our own state)
             frame = self._frame
-            assert frame is not None  # checked in receive_header (our own state)
             self._opener.open_into(
                 header, ciphertext, memoryview(frame)[self._filled : self._filled + n]
             )
