@@ -508,7 +508,8 @@ def connect_secure(
         resume_timeout: How long a dropped connection is retried before the session is
             declared lost (keep it at or below the provider's grace period).
         max_frame: Largest frame accepted from the provider.
-        max_record: Largest record plaintext (must match the provider's).
+        max_record: Largest record plaintext this side sends (the provider accepts any
+            size up to ``RECORD_LIMIT``, so it need not match the provider's).
         rekey_bytes: Ciphertext per key before the implicit rekey (must match).
         max_unacked: Retransmit buffer bound.
 
