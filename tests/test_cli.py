@@ -139,6 +139,31 @@ def test_help_documents_every_flag():
         assert flag in result.stdout
 
 
+def test_each_command_has_its_own_help():
+    result = run("logs", "--help")
+    assert result.returncode == 0
+    assert "usage: cumulus-node logs" in result.stdout and "--follow" in result.stdout
+
+
+def test_a_word_that_is_no_command_is_named_as_an_unrecognized_argument():
+    result = run("--consume", "python", "train.py")
+    assert result.returncode == 2
+    assert "unrecognized arguments: python train.py" in result.stderr
+
+
+def test_a_node_flag_before_a_command_is_a_usage_error(tmp_path):
+    result = run("--price", "2", "status", "--data-dir", str(tmp_path))
+    assert result.returncode == 2
+    assert "--price does not apply to status" in result.stderr
+
+
+def test_a_view_takes_the_data_dir_before_or_after_its_name(tmp_path):
+    for args in (("status", "--data-dir", str(tmp_path)), ("--data-dir", str(tmp_path), "status")):
+        result = run(*args)
+        assert result.returncode == 3
+        assert f"no node has run on {tmp_path}" in result.stdout.replace("\n", "")
+
+
 def test_a_corrupt_key_file_stops_the_node_and_is_left_untouched(tmp_path):
     key = tmp_path / KEY_FILE_NAME
     key.write_bytes(b"not a key\n")
@@ -264,12 +289,12 @@ def test_impossible_requirements_end_after_the_match_timeout_with_what_the_book_
 
 def test_our_error_wins_over_errors_raised_while_the_node_stops():
     from cumulus_p2p._errors import NoMatchError
-    from cumulus_p2p.cli import _plain_errors
+    from cumulus_p2p.cli._exits import plain_errors
 
     group = BaseExceptionGroup("nursery", [RuntimeError("teardown"), NoMatchError("no offer")])
-    with pytest.raises(NoMatchError, match="no offer"), _plain_errors():
+    with pytest.raises(NoMatchError, match="no offer"), plain_errors():
         raise group
-    with pytest.raises(BaseExceptionGroup), _plain_errors():
+    with pytest.raises(BaseExceptionGroup), plain_errors():
         raise BaseExceptionGroup("nursery", [RuntimeError("a bug")])
 
 

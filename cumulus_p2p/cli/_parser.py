@@ -1,0 +1,366 @@
+"""The command line: the node's flags by role, its commands, and the checks argparse
+cannot make (a script after ``--``, ``config.json`` defaults, a GPU this machine has)."""
+
+from __future__ import annotations
+
+import argparse
+
+from .._errors import CumulusError, NodeConfigError
+from ..executor_options import add_graph_compiler_flag, add_isolation_flags
+from ..node import hardware
+from ..node.datadir import DataDir
+from . import _explore, _views
+from ._flags import (
+    add_data_dir,
+    add_duration,
+    add_explore_address,
+    data_dir,
+    device_choice,
+    parse_price,
+    score,
+    size,
+)
+
+DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/4001"
+USAGE = """\
+cumulus-node [--provide | --consume] [FLAGS] [-- python SCRIPT [ARGS]]
+       cumulus-node status|peers|offers|reputation|ledger [--data-dir DIR] [--json]
+       cumulus-node logs [--data-dir DIR] [-n LINES] [--follow]
+       cumulus-node explore [--data-dir DIR] [--explore-host HOST] [--explore-port PORT]"""
+#: Flags a config.json may not set: they choose what to run and where the config lives.
+_NOT_CONFIGURABLE = {"help", "provide", "consume", "data_dir", "command"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``cumulus-node``'s parser: the node's flags, and the commands that read a node."""
+    parser = argparse.ArgumentParser(
+        prog="cumulus-node",
+        usage=USAGE,
+        description="A Cumulus peer-to-peer GPU mesh node. Provide this machine's GPU, "
+        "consume a remote one for a PyTorch script, or (with neither flag) run a "
+        "bootstrap node that routes and relays. The commands below read what the node "
+        "on a data directory knows instead.",
+        epilog="With --consume, everything after -- is the script: -- python train.py [args]. "
+        "cumulus-node COMMAND --help describes a command.",
+    )
+    _add_role_flags(parser)
+    _add_node_flags(parser.add_argument_group("node"))
+    _add_provide_flags(parser.add_argument_group("--provide"))
+    _add_consume_flags(parser.add_argument_group("--consume"))
+    both = parser.add_argument_group("--provide and --consume")
+    both.add_argument(
+        "--shares",
+        type=int,
+        default=None,
+        help="share units to offer (default 4) or to lease (default 1)",
+    )
+    commands = parser.add_subparsers(
+        title="commands (instead of running a node)",
+        dest="command",
+        metavar="COMMAND",
+        prog="cumulus-node",  # argparse would build it from the usage above
+        action=_Commands,
+    )
+    _views.add_commands(commands)
+    _explore.add_command(commands)
+    return parser
+
+
+class _Commands(argparse._SubParsersAction):
+    """The commands, where a word that names none is an unrecognized argument, as it was
+    before there were commands: ``--provide --gpus 2`` names ``--gpus``, and
+    ``--consume python x.py`` (without its ``--``) names the script."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.choices = None  # argparse checks choices before __call__ could pass them on
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if values[0] in self._name_parser_map:
+            super().__call__(parser, namespace, values, option_string)
+        else:  # as the base class passes on what the command's parser left over
+            vars(namespace).setdefault(argparse._UNRECOGNIZED_ARGS_ATTR, []).extend(values)
+
+    def parser_of(self, command: str) -> argparse.ArgumentParser:
+        return self._name_parser_map[command]
+
+
+def _add_role_flags(parser: argparse.ArgumentParser) -> None:
+    role = parser.add_mutually_exclusive_group()
+    role.add_argument("--provide", action="store_true", help="offer this machine's device")
+    role.add_argument(
+        "--consume", action="store_true", help="rent a device and run the script given after --"
+    )
+
+
+def _add_node_flags(node) -> None:
+    node.add_argument(
+        "--explore",
+        action="store_true",
+        help="also serve the read-only web explorer of what this node knows "
+        "(--explore-host, --explore-port)",
+    )
+    add_explore_address(node)
+    add_data_dir(node, help="identity, config and ledger (default $CUMULUS_DATA_DIR or ~/.cumulus)")
+    node.add_argument(
+        "--listen",
+        default=DEFAULT_LISTEN,
+        help=f"libp2p listen multiaddr (default {DEFAULT_LISTEN}), or 'none' for a node "
+        "that cannot be dialed and is reached through its --relay nodes",
+    )
+    _add_relay_flags(node)
+    _add_discovery_flags(node)
+    node.add_argument(
+        "--no-live", action="store_true", help="plain log lines instead of the live status table"
+    )
+    node.add_argument("-v", "--verbose", action="store_true", help="log more")
+
+
+def _add_relay_flags(node) -> None:
+    node.add_argument(
+        "--relay",
+        action="append",
+        default=[],
+        metavar="ADDR",
+        help="a node to keep a relay reservation on, so peers reach this one through it "
+        "when it cannot be dialed (behind NAT); repeatable",
+    )
+    add_duration(
+        node,
+        "--circuit-duration",
+        120,
+        "as a relay: how long one relayed connection may last (default 120s)",
+    )
+    node.add_argument(
+        "--circuit-bytes",
+        type=size,
+        default=16 * 2**20,
+        metavar="SIZE",
+        help="as a relay: how much one relayed connection may carry (default 16MiB)",
+    )
+
+
+def _add_discovery_flags(node) -> None:
+    node.add_argument(
+        "--bootstrap",
+        action="append",
+        default=[],
+        metavar="ADDR",
+        help="a known node's /ip4/.../tcp/.../p2p/<id> address; repeatable",
+    )
+    node.add_argument(
+        "--mdns",
+        action="store_true",
+        help="find other nodes on the local network by mDNS (no --bootstrap needed on a LAN)",
+    )
+    node.add_argument(
+        "--announce-interval",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="seconds between re-announcements of offers and bids (default 10)",
+    )
+
+
+def _add_provide_flags(provide) -> None:
+    provide.add_argument(
+        "--price",
+        type=parse_price,
+        default=parse_price("1.0"),
+        help="asking price in credits per share-hour (default 1.0)",
+    )
+    provide.add_argument(
+        "--device",
+        type=device_choice,
+        default="auto",
+        help="auto: every GPU NVML sees, an offer each, else the CPU; cpu; cuda (GPU 0); "
+        "cuda:N; or a list such as cuda:0,cuda:2 (default auto)",
+    )
+    _add_session_flags(provide)
+    provide.add_argument("--region", default="", help="free-form region hint, e.g. eu-west")
+    _add_lease_terms(provide)
+    add_isolation_flags(provide, where="the node's process")
+    add_graph_compiler_flag(provide)
+    provide.add_argument(
+        "--bench-seconds",
+        type=float,
+        default=0.5,
+        help="length of the start-up self benchmark (default 0.5)",
+    )
+
+
+def _add_session_flags(provide) -> None:
+    provide.add_argument(
+        "--session-host",
+        default=None,
+        help="address the session channel binds (default: the --listen address's, so "
+        "0.0.0.0 by default)",
+    )
+    provide.add_argument(
+        "--session-port", type=int, default=0, help="session channel port (default: any free port)"
+    )
+    provide.add_argument(
+        "--advertise-host",
+        default=None,
+        help="address consumers dial for sessions (default: every address of the "
+        "interfaces the session channel binds)",
+    )
+
+
+def _add_lease_terms(provide) -> None:
+    add_duration(provide, "--min-lease", 0, "shortest lease accepted (default none)")
+    add_duration(provide, "--receipt-interval", 30, "time between usage receipts (default 30s)")
+    add_duration(
+        provide,
+        "--settle-grace",
+        None,
+        "how long a receipt may go uncountersigned before the lease pauses; it ends "
+        "after twice that (default two receipt intervals)",
+    )
+    provide.add_argument(
+        "--min-consumer-score",
+        type=score,
+        default=0.0,
+        metavar="SCORE",
+        help="refuse consumers whose payment record scores below this, 0..1 (a newcomer "
+        "scores 0.45, one unpaid lease drops it to about 0.2; default 0: lease to anyone)",
+    )
+    add_duration(
+        provide,
+        "--leave-timeout",
+        30,
+        "on SIGTERM or Ctrl-C, how long to wait for consumers to settle before "
+        "stopping anyway (default 30s; a second signal stops at once)",
+    )
+
+
+def _add_consume_flags(consume) -> None:
+    consume.add_argument(
+        "--gpu",
+        action="append",
+        default=[],
+        metavar="MODEL",
+        help="acceptable device model; repeatable (default any)",
+    )
+    consume.add_argument(
+        "--min-vram",
+        type=size,
+        default=0,
+        metavar="SIZE",
+        help="least device memory, e.g. 16GiB (default 0)",
+    )
+    consume.add_argument(
+        "--min-perf", type=int, default=0, help="least performance units (GFLOP/s; default 0)"
+    )
+    consume.add_argument(
+        "--max-price",
+        type=parse_price,
+        default=parse_price("10"),
+        help="most credits per share-hour (default 10)",
+    )
+    _add_lease_wishes(consume)
+
+
+def _add_lease_wishes(consume) -> None:
+    consume.add_argument(
+        "--priority",
+        choices=["on-demand", "interruptible"],
+        default="on-demand",
+        help="lease class (default on-demand)",
+    )
+    add_duration(consume, "--duration", 3600, "lease length (default 1h)")
+    add_duration(consume, "--match-timeout", 60, "how long to wait for a match (default 60s)")
+    add_duration(
+        consume,
+        "--checkpoint-interval",
+        30,
+        "time between session checkpoints for failover (default 30s)",
+    )
+    consume.add_argument(
+        "--no-cuda-compat",
+        action="store_true",
+        help="do not map torch.cuda and device='cuda' to the remote device",
+    )
+
+
+def parse_command_line(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The parsed flags (``command`` None for a node), and the script after ``--``.
+
+    Raises:
+        SystemExit: A usage error (status 2), or after ``--help``.
+        NodeConfigError: ``config.json`` is not JSON, or names a flag that does not exist.
+    """
+    script: list[str] = []
+    if "--" in argv:
+        split = argv.index("--")
+        argv, script = argv[:split], argv[split + 1 :]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is not None:
+        _check_command_args(parser, args, script)
+        return args, script
+    _apply_config_defaults(parser, data_dir(args))
+    args = parser.parse_args(argv)
+    _check_node_args(parser, args, script)
+    return args, script
+
+
+def _check_command_args(parser: argparse.ArgumentParser, args, script: list[str]) -> None:
+    """A command takes no script, and none of the node's flags but those it has too."""
+    if script:
+        parser.error(f"a command after -- is only run with --consume, not with {args.command}")
+    commands = next(a for a in parser._actions if isinstance(a, _Commands))
+    own = {a.dest for a in commands.parser_of(args.command)._actions} | {"command"}
+    defaults = parser.parse_args([])
+    for action in parser._actions:
+        if action.dest in own or not action.option_strings:
+            continue
+        if getattr(args, action.dest, None) != getattr(defaults, action.dest, None):
+            parser.error(f"{action.option_strings[-1]} does not apply to {args.command}")
+
+
+def _check_node_args(parser: argparse.ArgumentParser, args, script: list[str]) -> None:
+    if args.consume and not script:
+        parser.error("--consume needs the script after --, e.g. -- python train.py")
+    if script and not args.consume:
+        parser.error("a command after -- is only run with --consume")
+    if script:
+        from ..node.consumer import script_command
+
+        try:
+            script_command(tuple(script), cuda_compat=True)
+        except CumulusError as exc:
+            parser.error(str(exc))
+    if args.shares is not None and not 1 <= args.shares <= 2**16:
+        parser.error("--shares must be between 1 and 65536")
+    if args.pool < 0:
+        parser.error("--pool must not be negative (0 starts each worker when its lease comes)")
+    if args.provide and args.device.startswith("cuda"):
+        try:
+            hardware.offered_devices(args.device, hardware.detect())
+        except ValueError as exc:
+            parser.error(str(exc))
+
+
+def _apply_config_defaults(parser: argparse.ArgumentParser, data: DataDir) -> None:
+    """Take flag defaults from the data directory's ``config.json``.
+
+    Raises:
+        NodeConfigError: The file is not JSON, or names a flag that does not exist.
+    """
+    config = data.config()
+    known = {a.dest for a in parser._actions} - _NOT_CONFIGURABLE
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise NodeConfigError(
+            f"config.json in {data.path} sets unknown flags {unknown}; valid keys "
+            f"are the long flag names with underscores: {sorted(known)}"
+        )
+    # argparse runs its type conversion on string defaults only: numbers become strings,
+    # so "price": 0.5 means what --price 0.5 means.
+    parser.set_defaults(
+        **{
+            key: value if isinstance(value, list | bool) else str(value)
+            for key, value in config.items()
+        }
+    )

@@ -1,0 +1,274 @@
+"""Run a node in the role its flags give: provide, consume, or route (a bootstrap node).
+
+torch loads only for ``--provide`` (its benchmark and executor): a boot node and a
+consumer's node import nothing that imports it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+
+import trio
+from rich.console import Console
+from rich.live import Live
+
+from .._errors import CumulusError, NodeConfigError
+from ..dht import MeshConfig
+from ..dht.nat import NatConfig
+from ..executor_options import GraphCompiler
+from ..market import PriorityClass
+from ..node import hardware, logs, views
+from ..node.datadir import DataDir
+from ._exits import plain_errors
+from ._explore import serve_explorer
+from ._flags import data_dir
+
+
+def run_node(args, script: list[str], console: Console) -> int:
+    """Start the node the flags describe and run it until it ends (or Ctrl-C)."""
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    data = data_dir(args)
+    data.identity()  # a corrupt key file stops us here, before anything starts
+    mesh_config = _mesh_config(args)
+    with data.locked(), plain_errors():
+        logs.configure(data.path, verbose=args.verbose)
+        if args.provide:
+            role = functools.partial(_provide, args, data, mesh_config, console)
+        elif args.consume:
+            role = functools.partial(_consume, args, data, mesh_config, script, console)
+        else:
+            role = functools.partial(_route, data, mesh_config, console)
+        return trio.run(_beside_explorer, args, data, console, role)
+
+
+async def _beside_explorer(args, data: DataDir, console: Console, role) -> int:
+    """Run ``role``; with ``--explore``, serve the explorer beside it until it ends."""
+    if not args.explore:
+        return await role()
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(serve_explorer, data, args)
+        console.print(f"explorer on {url}", highlight=False)
+        code = await role()
+        nursery.cancel_scope.cancel()
+    return code
+
+
+def _mesh_config(args) -> MeshConfig:
+    listen_addrs = _listen_addrs(args.listen)
+    try:
+        nat = NatConfig(circuit_duration=args.circuit_duration, circuit_bytes=args.circuit_bytes)
+        return MeshConfig(
+            listen_addrs=listen_addrs,
+            bootstrap=tuple(args.bootstrap),
+            relays=tuple(args.relay),
+            enable_mdns=args.mdns,
+            nat=nat,
+            announce_interval=args.announce_interval,
+            offer_ttl=max(30.0, 3 * args.announce_interval),
+        )
+    except CumulusError as exc:
+        raise NodeConfigError(f"bad mesh settings: {exc}") from exc
+
+
+def _listen_addrs(listen: str) -> tuple[str, ...]:
+    """``--listen`` as the node's listen addresses: none, or one valid multiaddr."""
+    import multiaddr
+
+    if listen == "none":
+        return ()
+    try:
+        multiaddr.Multiaddr(listen)
+    except Exception as exc:  # noqa: BLE001 - multiaddr raises several unrelated types
+        raise NodeConfigError(
+            f"--listen {listen!r} is not a multiaddr (e.g. /ip4/0.0.0.0/tcp/4001)"
+        ) from exc
+    return (listen,)
+
+
+def _print_addrs(console: Console, addrs) -> None:
+    for addr in addrs:
+        console.print(f"listening on {addr}", highlight=False, soft_wrap=True)
+    if not addrs:
+        console.print("listening on no address: reached through its --relay nodes only")
+    sys.stdout.flush()
+
+
+async def _route(data: DataDir, mesh_config: MeshConfig, console: Console) -> int:
+    from ..node.runtime import open_runtime
+
+    async with open_runtime(data.identity(), data, mesh_config) as runtime:
+        _print_addrs(console, runtime.mesh.addrs)
+        while True:
+            data.write_state(runtime.snapshot() | {"role": "bootstrap", "leases": []})
+            await trio.sleep(1.0)
+
+
+async def _provide(args, data: DataDir, mesh_config: MeshConfig, console: Console) -> int:
+    from ..node.provider import run_provider
+
+    found = hardware.detect()
+    if found.notice:
+        console.print(f"[yellow]notice:[/yellow] {found.notice}", highlight=False)
+    devices = await _benchmarked(hardware.offered_devices(args.device, found), args, console)
+    options = _provider_options(args, devices)
+    screen = _ProviderScreen(console, options, live=_live(console, args.no_live))
+    try:
+        await run_provider(
+            data,
+            mesh_config,
+            options,
+            on_ready=screen.ready,
+            on_tick=screen.tick,
+            on_leaving=screen.leaving,
+            handle_signals=True,
+        )
+    finally:
+        if screen.live is not None:
+            screen.live.stop()
+    return 0
+
+
+def _provider_options(args, devices):
+    from ..node.provider import ProviderOptions
+
+    return ProviderOptions(
+        devices=devices,
+        shares=args.shares or 4,
+        price=args.price,
+        min_lease_s=args.min_lease,
+        region=args.region,
+        session_host=args.session_host,
+        session_port=args.session_port,
+        advertise_host=args.advertise_host,
+        receipt_interval=args.receipt_interval,
+        settle_grace=args.settle_grace,
+        min_consumer_score=args.min_consumer_score,
+        leave_timeout=args.leave_timeout,
+        workers=args.workers,
+        pool=args.pool,
+        graph_compiler=GraphCompiler(args.graph_compiler),
+    )
+
+
+class _ProviderScreen:
+    """What a provider shows: its addresses and offer once ready, then a live table."""
+
+    def __init__(self, console: Console, options, live: Live | None) -> None:
+        self.console, self.options, self.live = console, options, live
+
+    def ready(self, provider) -> None:
+        _print_addrs(self.console, provider.runtime.mesh.addrs)
+        devices = self.options.devices
+        offered = ", ".join(f"{d.facts.model} ({d.perf_units} perf units)" for d in devices)
+        each = " each" if len(devices) > 1 else ""
+        self.console.print(
+            f"providing {offered}: {self.options.shares} shares{each} at "
+            f"{views.credits(self.options.price)}/share-hour; sessions on "
+            f"{', '.join(provider.current_endpoints())}",
+            highlight=False,
+        )
+        sys.stdout.flush()
+        if self.live is not None:
+            self.live.start()
+
+    def tick(self, provider) -> None:
+        if self.live is not None:
+            self.live.update(views.status_table(provider.snapshot()))
+
+    def leaving(self, text: str) -> None:
+        self.console.print(text, highlight=False)
+        sys.stdout.flush()
+
+
+async def _benchmarked(found, args, console: Console):
+    """Each device to offer with its self-benchmark, one device at a time."""
+    from ..node.provider import OfferedDevice
+
+    devices = []
+    with console.status("self benchmark...") as status:
+        for facts in found:
+            status.update(f"self benchmark of {facts.target} ({facts.model})...")
+            bench = functools.partial(
+                hardware.self_benchmark, facts.target, seconds=args.bench_seconds
+            )
+            perf = await trio.to_thread.run_sync(bench)
+            devices.append(OfferedDevice(facts, perf))
+    return tuple(devices)
+
+
+def _live(console: Console, disabled: bool) -> Live | None:
+    if disabled or not console.is_terminal:
+        return None
+    return Live(console=console, refresh_per_second=2, transient=False)
+
+
+async def _consume(args, data, mesh_config, script: list[str], console: Console) -> int:
+    from ..node.consumer import run_consumer
+
+    options = _consumer_options(args, script)
+    screen = _ConsumerScreen(console, script)
+    try:
+        consumer = await run_consumer(data, mesh_config, options, on_tick=screen.tick)
+    finally:
+        screen.status.stop()
+    console.print(views.leases_table(list(consumer.snapshot()["leases"]), "consumer"))
+    console.print(
+        f"total cost: {views.credits(consumer.cost())} credits "
+        f"({len(list(consumer.desk.ledger.entries()))} receipts in the ledger)",
+        highlight=False,
+    )
+    return consumer.exit_code if consumer.exit_code is not None else 1
+
+
+def _consumer_options(args, script: list[str]):
+    from ..node.consumer import ConsumerOptions
+
+    interruptible = args.priority == "interruptible"
+    return ConsumerOptions(
+        command=tuple(script),
+        gpu_models=tuple(args.gpu),
+        min_vram_mib=args.min_vram // 2**20,
+        min_perf=args.min_perf,
+        max_price=args.max_price,
+        priority=PriorityClass.INTERRUPTIBLE if interruptible else PriorityClass.ON_DEMAND,
+        shares=args.shares or 1,
+        duration_s=args.duration,
+        match_timeout=args.match_timeout,
+        cuda_compat=not args.no_cuda_compat,
+        checkpoint_interval=args.checkpoint_interval,
+    )
+
+
+class _ConsumerScreen:
+    """What a consumer shows: a spinner while it matches, then the lease it holds."""
+
+    def __init__(self, console: Console, script: list[str]) -> None:
+        self.console, self.script = console, script
+        self.announced = False
+        self.status = console.status("joining the mesh...")
+        self.status.start()
+
+    def tick(self, consumer) -> None:
+        if consumer.status == "matching":
+            offers = sum(1 for _ in consumer.runtime.book.offers())
+            self.status.update(f"waiting for a match: {offers} offer(s) on the book")
+        elif consumer.held and not self.announced:
+            self.announced = True
+            self.status.stop()
+            self._announce(consumer.held[-1])
+
+    def _announce(self, held) -> None:
+        self.console.print(
+            f"cumulus: leased {held.proposal.shares} share(s) from "
+            f"{views.short(held.proposal.host)} at {views.credits(held.proposal.price)}"
+            "/share-hour; session on "
+            f"{', '.join(held.endpoints)}; running {' '.join(self.script)}",
+            highlight=False,
+            soft_wrap=True,
+        )
+        sys.stdout.flush()
