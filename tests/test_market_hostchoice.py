@@ -120,9 +120,9 @@ def test_a_host_that_left_is_tried_again_when_it_announces_without_a_backoff():
 def test_a_banned_host_stays_out_whatever_it_announces():
     choice = searching()
     choice.ban(A, "misrepresented its device")
-    choice.see_offer(A, 99, now=10_000.0)
-    assert choice.standing(A, now=10_000.0) is HostStanding.BANNED
-    assert choice.next_step([A, B], now=10_000.0) == Propose((B,))
+    choice.see_offer(A, 99, now=1000.0)
+    assert choice.standing(A, now=1000.0) is HostStanding.BANNED
+    assert choice.next_step([A, B], now=1000.0) == Propose((B,))
 
 
 def test_an_empty_pool_holds_the_job_until_a_host_returns():
@@ -155,8 +155,21 @@ def test_a_job_gives_up_when_its_patience_runs_out():
     choice.failed(A, now=100.0)
     assert isinstance(choice.next_step([A], now=159.0), Wait)
     gave_up = choice.next_step([A], now=160.0)
-    assert isinstance(gave_up, GiveUp) and "within 60s" in gave_up.reason
+    assert isinstance(gave_up, GiveUp) and "no lease within 60s" in gave_up.reason
     assert choice.state is JobState.GAVE_UP
+
+
+def test_a_job_whose_hosts_keep_refusing_gives_up_at_its_deadline_too():
+    choice = searching(patience_s=60.0)
+    assert choice.next_step([A], now=30.0) == Propose((A,))
+    gave_up = choice.next_step([A], now=60.0)
+    assert isinstance(gave_up, GiveUp) and "none of 1 usable host(s)" in gave_up.reason
+
+
+def test_a_search_may_have_a_patience_of_its_own():
+    choice = HostChoice(POLICY, patience_s=1800.0)
+    choice.search(now=0.0, patience_s=60.0)
+    assert choice.deadline == 60.0
 
 
 def test_each_search_gets_its_own_patience():

@@ -227,6 +227,7 @@ class HostChoice:
     patience_s: float = 1800.0
     state: JobState = JobState.STARTING
     deadline: float = math.inf
+    _searched_for: float = 0.0
     _hosts: dict[str, _Host] = field(default_factory=dict)
 
     # --- events -------------------------------------------------------------------------
@@ -268,10 +269,12 @@ class HostChoice:
         record.reason = reason
         self._move(record, HostEvent.BANNED)
 
-    def search(self, *, now: float) -> None:
-        """The job needs a host from ``now`` on; it gives up ``patience_s`` after."""
+    def search(self, *, now: float, patience_s: float | None = None) -> None:
+        """The job needs a host from ``now`` on; it gives up ``patience_s`` after (the
+        job's own patience by default; the first match may have its own)."""
         self.state = self._job_move(JobEvent.SEARCH)
-        self.deadline = now + self.patience_s
+        self.deadline = now + (self.patience_s if patience_s is None else patience_s)
+        self._searched_for = self.deadline - now
 
     def leased(self, host: str, *, now: float) -> None:
         """``host`` granted a lease: the search is over."""
@@ -293,13 +296,17 @@ class HostChoice:
         for host in ranked:
             self._advance(host, now)
         usable = tuple(h for h in ranked if self.usable(h, now=now))
+        if now >= self.deadline:
+            self.state = self._job_move(JobEvent.DEADLINE)
+            if usable:
+                why = f"none of {len(usable)} usable host(s) granted a lease"
+            else:
+                why = self._waiting_for(ranked, now)
+            return GiveUp(f"no lease within {self._searched_for:.0f}s: {why}")
         if usable:
             self.state = self._job_move(JobEvent.CANDIDATES)
             return Propose(usable)
         reason = self._waiting_for(ranked, now)
-        if now >= self.deadline:
-            self.state = self._job_move(JobEvent.DEADLINE)
-            return GiveUp(f"no host usable within {self.patience_s:.0f}s: {reason}")
         self.state = self._job_move(JobEvent.NONE_USABLE)
         ends = [self._hosts[h].until for h in ranked if self._cooling(h, now)]
         return Wait(min(ends) if ends else None, self.deadline, reason)

@@ -5,13 +5,17 @@ One trio program composes:
 - the ``Runtime`` (mesh, book, reputation) and a ``ReceiptDesk`` answering the hosts'
   receipts (checked against the lease, countersigned, kept in the ledger);
 - the bid, re-announced on the mesh until the script ends, then cancelled;
-- ``Matcher.lease()``: rank the offers that meet the bid (price adjusted by the hosts'
-  reliability scores), propose a lease to the best, fall through to the next on refusal,
-  and keep waiting (bounded by ``match_timeout``) while nothing fits;
+- ``Consumer.lease()``: rank the offers that meet the bid (price adjusted by the hosts'
+  reliability scores), let the job's ``HostChoice`` (``market.hostchoice``, sans-IO)
+  say which of those hosts may be tried, propose a lease to the best, fall through to
+  the next on refusal, and hold the job while no host is usable (bounded by
+  ``match_timeout`` for the first match, ``wait_for_host`` after a failure);
 - the control channel the shim in the script's process asks for its session, and for a
   new host when the current one vanished (``failover``): the vanished host gets a signed
-  ``LeaseFailure`` report gossiped against it and is not matched again; a host that said
-  it was leaving (``take_notice``) is not matched again either, but is not reported;
+  ``LeaseFailure`` report gossiped against it and is set aside for a backoff that grows
+  with its failures, then tried again once it announces a fresh offer; a host that said
+  it was leaving (``take_notice``) is set aside until it announces again, unreported. A
+  host that misrepresents its device or overcharges is never leased again in the job;
 - the script itself, a child process run under ``python -m cumulus_p2p.shim`` that
   lives and dies with this node (``script.py``): a SIGTERM or Ctrl-C stops it first,
   and the leases are settled before the node exits with the script's status.
@@ -19,6 +23,7 @@ One trio program composes:
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 import os
@@ -32,6 +37,7 @@ from libp2p.exceptions import BaseLibp2pError
 from .._errors import CumulusError, LeaseRefusedError, NoMatchError, PeerUnreachableError
 from ..dht.host import connect
 from ..market import Bid, Cancel, Lease, LeaseProposal, Offer, PriorityClass, Side, rank_offers
+from ..market.hostchoice import BackoffPolicy, GiveUp, HostChoice, Wait
 from ..market.messages import encode_message, seal_message
 from ..market.negotiation import call_propose_lease
 from ..market.settlement import (
@@ -61,8 +67,13 @@ log = logging.getLogger("cumulus_p2p.node.consumer")
 status = logging.getLogger(logs.STATUS)
 
 BID_NAME = "bid0"
-#: How long to wait for a vanished host's successor before giving up.
-FAILOVER_TIMEOUT = 120.0
+#: How long a job whose host vanished waits for another usable one (``--wait-for-host``).
+WAIT_FOR_HOST_S = 1800.0
+#: Offers ranked per look at the book: set-aside hosts are skipped after ranking, so a
+#: pool of a few hosts with several offers each must still show a usable one.
+RANKED_OFFERS = 32
+#: How often a held job looks at the book again (offers arrive by gossip, at any time).
+HOLD_POLL_S = 0.5
 #: A host may end a session this long before its lease ends (clocks differ) and still
 #: count as having served the whole term.
 LEASE_END_SLACK_S = 2.0
@@ -84,6 +95,9 @@ class ConsumerOptions:
         match_timeout: Seconds to wait for a matching offer before giving up.
         cuda_compat: Run CUDA-style scripts unchanged on the remote device.
         checkpoint_interval: Seconds between session checkpoints (failover).
+        wait_for_host: Seconds a job whose host failed waits for a usable one before it
+            gives up; meanwhile its state is safe in its checkpoints.
+        backoff: How long a failed host is set aside (``market.hostchoice``).
     """
 
     command: tuple[str, ...]
@@ -97,6 +111,23 @@ class ConsumerOptions:
     match_timeout: float = 60.0
     cuda_compat: bool = True
     checkpoint_interval: float = 30.0
+    wait_for_host: float = WAIT_FOR_HOST_S
+    backoff: BackoffPolicy = BackoffPolicy()
+
+
+class LeaseState(enum.Enum):
+    """Where a lease this consumer holds stands."""
+
+    #: The session may run under it.
+    HELD = "held"
+    #: Its term is over (the host ended the session as agreed).
+    ENDED = "ended"
+    #: The host said it was leaving.
+    LEFT = "left"
+    #: The host dropped the session before its term, without a word.
+    FAILED = "failed"
+    #: The probe found the device short of the offer.
+    MISREPRESENTED = "misrepresented"
 
 
 @dataclass
@@ -108,26 +139,25 @@ class Held:
     offer: Offer
     host_key: bytes
     endpoints: tuple[str, ...]
-    #: ``held`` while the session may run under it; ``ended`` once its term is over;
-    #: ``left`` if the host said it was leaving; ``failed`` if the host dropped the
-    #: session before its term without a word; ``misrepresented`` if the probe found
-    #: the device short of the offer.
-    state: str = "held"
+    state: LeaseState = LeaseState.HELD
     #: Which path the session channel took (the shim says): direct, or the door.
     path: str = ""
 
 
 @dataclass
 class Consumer:
-    """The consumer's state: its bid, its leases, the hosts it gave up on."""
+    """The consumer's state: its bid, its leases, its choice of hosts."""
 
     runtime: Runtime
     options: ConsumerOptions
     desk: ReceiptDesk
     bid: Bid | None = None
     held: list[Held] = field(default_factory=list)
-    excluded: set[str] = field(default_factory=set)
+    #: Which hosts may be tried, which are set aside and until when (sans-IO).
+    choice: HostChoice = field(default_factory=HostChoice)
     status: str = "starting"
+    #: While the job is held for want of a usable host: what it waits for.
+    waiting_for: str = ""
     exit_code: int | None = None
     doors: SessionDoors | None = None
     #: Why the last host that refused a proposal refused it.
@@ -138,6 +168,9 @@ class Consumer:
     ops: int = 0
     #: Set when the script's shim next reports its byte counts.
     counts_reported: trio.Event = field(default_factory=trio.Event)
+
+    def __post_init__(self) -> None:
+        self.choice = HostChoice(self.options.backoff, self.options.wait_for_host)
 
     # --- the bid --------------------------------------------------------------------
 
@@ -160,31 +193,61 @@ class Consumer:
 
     # --- matching -------------------------------------------------------------------
 
-    async def lease(self, timeout: float) -> Held:
-        """Lease from the best offer that meets the bid, waiting up to ``timeout`` s.
+    async def lease(self, patience: float | None = None) -> Held:
+        """Lease from the best usable host whose offer meets the bid; while none is usable,
+        hold (the status says what for), up to ``patience`` s (default: the job's
+        ``wait_for_host``).
 
         Raises:
-            NoMatchError: Nothing fit in time; the message says what the book held.
+            NoMatchError: No lease in time; the message says what the book held.
         """
-        deadline = trio.current_time() + timeout
-        while trio.current_time() < deadline:
-            for ranked in self._candidates():
-                held = await self._propose(ranked.offer)
+        choice = self.choice
+        choice.search(now=self.runtime.clock(), patience_s=patience)
+        while True:
+            now = self.runtime.clock()
+            offers = self._candidates(now)
+            decision = choice.next_step(list(offers), now=now)
+            if type(decision) is GiveUp:
+                self.waiting_for = ""
+                waited = self.choice.patience_s if patience is None else patience
+                raise NoMatchError(self._no_match_reason(waited, decision.reason))
+            if type(decision) is Wait:
+                if not self.waiting_for:
+                    log.warning("no usable host: holding the job (%s)", decision.reason)
+                self.waiting_for = decision.reason
+                self.status = (
+                    f"waiting for a host: {decision.reason}; gives up in "
+                    f"{decision.deadline - now:.0f}s"
+                )
+                await trio.sleep(HOLD_POLL_S)
+                continue
+            self.waiting_for = ""
+            for host in decision.hosts:
+                held = await self._propose(offers[host])
                 if held is not None:
+                    choice.leased(host, now=self.runtime.clock())
                     self.held.append(held)
                     self.desk.open_account(held.proposal, counts_bytes=True)
                     return held
             await trio.sleep(0.25)
-        raise NoMatchError(self._no_match_reason(timeout))
 
-    def _candidates(self):
+    def _candidates(self, now: float) -> dict[str, Offer]:
+        """The best offer of each host that meets the bid, best host first; every offer
+        in the book is shown to the choice first (a newer nonce is a sign of life)."""
+        self._see_offers(now)
         if self.bid is None:
-            return []
-        now = self.runtime.clock()
+            return {}
         hosts = {r.order.host for r in self.runtime.book.offers()}
         scores = self.runtime.reputation.scores_for_matcher(hosts, now=now)
-        ranked = rank_offers(self.runtime.book, self.bid, reliability=scores, limit=8)
-        return [r for r in ranked if r.offer.host not in self.excluded]
+        ranked = rank_offers(self.runtime.book, self.bid, reliability=scores, limit=RANKED_OFFERS)
+        best: dict[str, Offer] = {}
+        for r in ranked:
+            best.setdefault(r.offer.host, r.offer)
+        return best
+
+    def _see_offers(self, now: float) -> None:
+        for resting in self.runtime.book.offers():
+            self.choice.see_offer(resting.order.host, resting.order.nonce, now=now)
 
     async def _propose(self, offer) -> Held | None:
         rt, now = self.runtime, self.runtime.clock()
@@ -204,7 +267,9 @@ class Consumer:
             self.last_refusal = f"host {offer.host[:12]} refused: {exc.detail}"
             return None
         except (CumulusError, BaseLibp2pError, trio.TooSlowError, OSError) as exc:
+            # Its offer may be a dead host's, resting in the book until it expires.
             log.info("host %s unreachable for a lease: %s", offer.host[:12], exc)
+            self.choice.failed(offer.host, now=rt.clock(), nonce=offer.nonce)
             return None
         if not grant.endpoints:
             log.info("host %s gave no session endpoint", offer.host[:12])
@@ -242,26 +307,27 @@ class Consumer:
                 failures.append(f"via {relay}: {exc}")
         raise CumulusError("cannot reach the host (" + "; ".join(failures or ["no path"]) + ")")
 
-    def _no_match_reason(self, timeout: float) -> str:
+    def _no_match_reason(self, patience: float, gave_up: str) -> str:
         offers = [r.order for r in self.runtime.book.offers()]
-        usable = [o for o in offers if o.host not in self.excluded]
         o = self.options
         if self.last_refusal:
             return (
-                f"{len(usable)} offer(s) seen in {timeout:.0f}s; the hosts refused the "
+                f"{len(offers)} offer(s) seen in {patience:.0f}s; the hosts refused the "
                 f"lease (last: {self.last_refusal})."
             )
-        if not usable:
+        if self._candidates(self.runtime.clock()):
+            return f"{gave_up}. Give the job longer (--wait-for-host), or more hosts."
+        if not offers:
             return (
-                f"no offers reached this node within {timeout:.0f}s. Check --bootstrap, "
+                f"no offers reached this node within {patience:.0f}s. Check --bootstrap, "
                 "or wait for providers to join and try again."
             )
         return (
-            f"{len(usable)} offer(s) seen in {timeout:.0f}s, none meets the bid "
+            f"{len(offers)} offer(s) seen in {patience:.0f}s, none meets the bid "
             f"(min VRAM {o.min_vram_mib} MiB, min perf {o.min_perf}, max price "
             f"{o.max_price / 1e6:g}/share-hour, models {list(o.gpu_models) or 'any'}). "
-            f"Largest VRAM offered: {max(x.vram_mib for x in usable)} MiB; cheapest price: "
-            f"{min(x.price for x in usable) / 1e6:g}. Relax the requirements and retry."
+            f"Largest VRAM offered: {max(x.vram_mib for x in offers)} MiB; cheapest price: "
+            f"{min(x.price for x in offers) / 1e6:g}. Relax the requirements and retry."
         )
 
     # --- the shim's requests ----------------------------------------------------------
@@ -276,11 +342,12 @@ class Consumer:
         )  # fmt: skip
 
     def note_refused(self, host: str, why: str) -> None:
-        """A receipt from ``host`` was refused (an overcharge): never lease from it again.
+        """A receipt from ``host`` was refused (an overcharge): never lease from it again
+        in this job.
         Its session goes on until the host pauses it; the failover that follows then
         leases elsewhere, even when the pause falls at the end of the lease's term."""
         log.warning("refused a receipt from host %s: %s", host[:12], why)
-        self.excluded.add(host)
+        self.choice.ban(host, "overcharged")
 
     def take_path(self, lease_id: str, path: str) -> None:
         """The shim says which path its session channel for ``lease_id`` took."""
@@ -306,7 +373,7 @@ class Consumer:
                 await self.counts_reported.wait()
 
     async def current_ticket(self) -> control.SessionTicket:
-        live = [h for h in self.held if h.state == "held"]
+        live = [h for h in self.held if h.state is LeaseState.HELD]
         return await self._ticket(live[-1])
 
     async def _ticket(self, held: Held) -> control.SessionTicket:
@@ -320,9 +387,9 @@ class Consumer:
         """Judge the shim's probe of the current lease's device against its offer.
 
         A host that misrepresents is reported (the measured performance against the
-        offer's claim), excluded, and replaced by a new lease before this returns; the
-        shim then ends the session (the host settles the probe's seconds) and opens one
-        under the new lease.
+        offer's claim), never leased again in this job, and replaced by a new lease
+        before this returns; the shim then ends the session (the host settles the probe's
+        seconds) and opens one under the new lease.
 
         Raises:
             CumulusError: the facts are malformed, or no other host could be leased.
@@ -331,7 +398,7 @@ class Consumer:
             facts = ProbeFacts.from_wire(wire)
         except ValueError as exc:
             raise CumulusError(f"malformed probe facts: {exc}") from exc
-        held = next((h for h in reversed(self.held) if h.state == "held"), None)
+        held = next((h for h in reversed(self.held) if h.state is LeaseState.HELD), None)
         if held is None:
             raise CumulusError("no lease is held: nothing to judge the probe against")
         why = judge(held.offer, facts)
@@ -339,11 +406,11 @@ class Consumer:
             log.info("host %s's device fits its offer: %s", held.proposal.host[:12], facts)
             return None
         log.warning("host %s misrepresents its device: %s", held.proposal.host[:12], why)
-        held.state = "misrepresented"
-        self.excluded.add(held.proposal.host)
+        held.state = LeaseState.MISREPRESENTED
+        self.choice.ban(held.proposal.host, "misrepresented its device")
         await self._report_measurement(held, facts)
         self.status = "leasing again: the last host misrepresented its device"
-        await self.lease(FAILOVER_TIMEOUT)
+        await self.lease()
         self.status = "running"
         return why
 
@@ -365,10 +432,12 @@ class Consumer:
         held = next((h for h in self.held if h.proposal.lease_id == lease_id), None)
         if held is None or held.proposal.host != sender:
             return "no such lease with this host"
-        if kind == NOTICE_LEAVING and held.state == "held":
+        if kind == NOTICE_LEAVING and held.state is LeaseState.HELD:
             log.warning("host %s is leaving (%s); moving the session", sender[:12], detail)
-            held.state = "left"
-            self.excluded.add(sender)
+            held.state = LeaseState.LEFT
+            now = self.runtime.clock()
+            self._see_offers(now)  # its offers so far are from before it left
+            self.choice.left(sender, now=now)
         return None
 
     async def failover(self, reason: str) -> control.SessionTicket:
@@ -376,23 +445,27 @@ class Consumer:
 
         A lease past its term was ended by the host as agreed: its host stays welcome
         (the session waits there, parked, to be resumed under a new lease). A host that
-        said it was leaving is not leased from again. A host that dropped the session
-        before the term ended without a word vanished: it is reported and excluded.
+        said it was leaving waits to announce again. A host that dropped the session
+        before the term ended without a word vanished: it is reported and set aside for
+        a backoff (``market.hostchoice``). While no host is usable the job is held, up to
+        ``wait_for_host``; the script's state is safe in its checkpoints meanwhile.
         """
         self.status = f"failover: {reason}"
         self.failovers += 1
         log.warning("failing over: %s", reason)
-        live = [h for h in self.held if h.state == "held"]
-        if live and self.held[-1].state != "left":
-            gone = live[-1]
-            if self.runtime.clock() >= gone.proposal.end_at - LEASE_END_SLACK_S:
-                gone.state = "ended"
+        live = [h for h in self.held if h.state is LeaseState.HELD]
+        if live and self.held[-1].state is not LeaseState.LEFT:
+            gone, now = live[-1], self.runtime.clock()
+            if now >= gone.proposal.end_at - LEASE_END_SLACK_S:
+                gone.state = LeaseState.ENDED
                 self.status = "renewing the lease"
             else:
-                gone.state = "failed"
-                self.excluded.add(gone.proposal.host)
+                gone.state = LeaseState.FAILED
+                self._see_offers(now)  # its offers so far are from before it failed
+                backoff = self.choice.failed(gone.proposal.host, now=now, nonce=gone.offer.nonce)
+                log.warning("host %s set aside for %.0f s", gone.proposal.host[:12], backoff)
                 await self._report_failure(gone)
-        held = await self.lease(FAILOVER_TIMEOUT)
+        held = await self.lease()
         self.status = "running"
         return await self._ticket(held)
 
@@ -438,6 +511,8 @@ class Consumer:
             "command": list(self.options.command),
             "leases": [_held_row(h, self.desk) for h in self.held],
             "failovers": self.failovers,
+            "waiting_for": self.waiting_for,
+            "hosts_set_aside": _set_aside_rows(self.choice, self.runtime.clock()),
             "ops": self.ops,
             "cost": self.cost(),
         }
@@ -445,6 +520,14 @@ class Consumer:
 
 def _megabytes(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
+
+
+def _set_aside_rows(choice: HostChoice, now: float) -> list[dict]:
+    return [
+        {"host": v.host, "standing": v.standing.value, "evidence": v.evidence,
+         "usable_from": v.usable_from, "reason": v.reason}
+        for v in choice.view(now=now)
+    ]  # fmt: skip
 
 
 def _held_row(held: Held, desk: ReceiptDesk) -> dict:
@@ -461,7 +544,7 @@ def _held_row(held: Held, desk: ReceiptDesk) -> dict:
         "cost": share_seconds * held.proposal.price // 3600,
         "bytes": sum(e.bytes_moved for e in entries),
         "bytes_counted": desk.counted_bytes(held.proposal.lease_id),
-        "state": held.state,
+        "state": held.state.value,
     }
 
 
@@ -557,7 +640,7 @@ async def _settle_leases(consumer: Consumer) -> None:
     # The host sends its last receipt when it sees the session end; closing the lease
     # waits for exactly that, so both ledgers end up with the same receipts.
     for held in consumer.held:
-        if held.state in ("failed", "left"):  # nothing to close: the host is gone
+        if held.state in (LeaseState.FAILED, LeaseState.LEFT):  # the host is gone
             continue
         try:
             await _close_lease(consumer, held)

@@ -7,9 +7,18 @@ failover* a job checkpoints every ``interval`` and, when its host vanishes, leas
 another host and resumes from its last checkpoint after the measured failover pause;
 *without* it starts again from nothing, as a rented GPU that disappears forces today.
 
+Whom a job leases from after a failure is decided by the node's own core
+(``market.hostchoice``, driven by ``jobs.run``): a host that vanished is set aside for a
+backoff and taken back once it announces again, and a job with no usable host waits up
+to 30 minutes (``--wait-for-host``) before it gives up. On *small pools* the same jobs
+also run under the policy the node had before: a host that failed once is excluded for
+the rest of the job (``EXCLUDE_FOR_THE_JOB``); on a pool of a few hosts with churn, long
+jobs run out of hosts under it.
+
 Read: the share of jobs that finish within the run, the GPU-hours computed and then
 lost, and, at 10%/h, how the checkpoint interval trades lost work against the time
-spent writing checkpoints.
+spent writing checkpoints; on small pools, how many jobs each policy finishes and how
+long they were held waiting for a usable host.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import random
 
 import simpy
 
+from ..market.hostchoice import EXCLUDE_FOR_THE_JOB, BackoffPolicy
 from .market import Market, SimHost
 from .population import add_hosts, job_trace, launch, mean_hold_s, with_fields
 from .world import Workload
@@ -35,6 +45,12 @@ DEFAULT_INTERVAL_S = 300.0
 #: Checkpoint size: ASSUMED 2 GB, a ~125M-parameter model with fp32 Adam state.
 STATE_MB = 2000.0
 MEAN_DOWNTIME_S = 1800.0
+#: Pools small enough that banning every host that failed once runs jobs out of hosts.
+SMALL_POOLS = (3, 6)
+SMALL_POOL_CHURN = (0.1, 0.3)
+#: Seeds per small-pool row: a pool of three hosts runs only a handful of jobs per run.
+SMALL_POOL_RUNS = 20
+POLICIES = {"backoff": BackoffPolicy(), "exclude for the job": EXCLUDE_FOR_THE_JOB}
 
 
 def run(seed: int, *, quick: bool) -> dict:
@@ -52,6 +68,14 @@ def run(seed: int, *, quick: bool) -> dict:
          **simulate(seed, 0.1, interval, hosts=hosts, horizon_h=horizon_h, quick=quick)}
         for interval in INTERVALS_S
     ]  # fmt: skip
+    runs = 4 if quick else SMALL_POOL_RUNS
+    small = [
+        {"hosts": pool, "churn_per_hour": churn, "policy": name, "runs": runs,
+         **_pooled_runs(seed, churn, pool, horizon_h, quick, policy, runs)}
+        for pool in SMALL_POOLS
+        for churn in SMALL_POOL_CHURN
+        for name, policy in POLICIES.items()
+    ]  # fmt: skip
     return {
         "scenario": "churn",
         "seed": seed,
@@ -62,6 +86,7 @@ def run(seed: int, *, quick: bool) -> dict:
         "checkpoint_interval_s": DEFAULT_INTERVAL_S,
         "rows": rows,
         "interval_sweep_at_10_percent": sweep,
+        "small_pools": small,
     }
 
 
@@ -73,8 +98,10 @@ def simulate(
     hosts: int,
     horizon_h: float,
     quick: bool,
+    policy: BackoffPolicy | None = None,
 ) -> dict:
-    """One run; ``interval_s`` None means no failover: a lost job restarts."""
+    """One run; ``interval_s`` None means no failover: a lost job restarts. ``policy``:
+    how the jobs' ``HostChoice`` sets failed hosts aside (the node's default if None)."""
     rng = random.Random(seed)
     env = simpy.Environment()
     market = Market(env, rng, mesh_nodes=hosts * 4)
@@ -87,7 +114,7 @@ def simulate(
     trace = job_trace(random.Random(seed + 1), workloads, rate_per_s=rate,
                       horizon_s=horizon_s / 3)  # fmt: skip
     trace = with_fields(trace, checkpoint_every_s=interval_s, state_mb=STATE_MB,
-                        burst_s=BURST_S)  # fmt: skip
+                        burst_s=BURST_S, host_policy=policy or BackoffPolicy())  # fmt: skip
     if churn_per_hour > 0:
         churn_rng = random.Random(seed + 2)
         for host in fleet:
@@ -97,6 +124,7 @@ def simulate(
     for granted in list(market.active.values()):
         market.settle(granted)
     done = [j for j in trace if j.done_s is not None]
+    failed_over = [j for j in trace if j.failovers or j.restarts]
     return {
         "jobs": len(trace),
         "completion_rate": round(len(done) / len(trace), 4) if trace else None,
@@ -105,7 +133,38 @@ def simulate(
         "useful_gpu_hours": round(sum(j.compute_s for j in done) / 3600, 3),
         "failovers": sum(j.failovers for j in trace),
         "restarts": sum(j.restarts for j in trace),
+        "gave_up": sum(j.gave_up_s is not None for j in trace),
+        "jobs_failed_over": len(failed_over),
+        "held_hours": round(sum(j.held_s for j in trace) / 3600, 3),
+        "held_hours_per_job_failed_over": (
+            round(sum(j.held_s for j in failed_over) / 3600 / len(failed_over), 3)
+            if failed_over
+            else None
+        ),
         "cost": round(sum(j.cost for j in trace), 3),
+    }
+
+
+def _pooled_runs(seed: int, churn: float, hosts: int, horizon_h: float, quick: bool,
+                 policy: BackoffPolicy, runs: int) -> dict:  # fmt: skip
+    """``simulate`` over ``runs`` seeds from ``seed`` on, its counts summed."""
+    rows = [
+        simulate(seed + 1000 * k, churn, DEFAULT_INTERVAL_S, hosts=hosts, horizon_h=horizon_h,
+                 quick=quick, policy=policy)
+        for k in range(runs)
+    ]  # fmt: skip
+    jobs = sum(r["jobs"] for r in rows)
+    completed = sum(round(r["completion_rate"] * r["jobs"]) for r in rows if r["jobs"])
+    failed_over = sum(r["jobs_failed_over"] for r in rows)
+    held = sum(r["held_hours"] for r in rows)
+    return {
+        "jobs": jobs,
+        "completion_rate": round(completed / jobs, 4) if jobs else None,
+        "gave_up": sum(r["gave_up"] for r in rows),
+        "failovers": sum(r["failovers"] for r in rows),
+        "lost_gpu_hours": round(sum(r["lost_gpu_hours"] for r in rows), 3),
+        "held_hours": round(held, 3),
+        "held_hours_per_job_failed_over": round(held / failed_over, 3) if failed_over else None,
     }
 
 

@@ -6,16 +6,25 @@ alternates bursts on the leased GPU with idle time so that, alone on a GPU, it c
 ``duty`` of the time. When its host vanishes it either fails over (a new lease, the
 state from its last checkpoint, the measured failover pause) or, without failover,
 starts again from nothing.
+
+Whom it leases from is the node's own choice, made by the same sans-IO core
+(``market.hostchoice.HostChoice``): the ranked offers go in, ``Propose``, ``Wait`` or
+``GiveUp`` comes out. A host that vanished is set aside for a backoff and taken back once
+it announces again; a job with no usable host after a failure waits for one up to its
+``patience_s`` (the node's ``--wait-for-host``), then gives up. The first match waits as
+long as it takes (demand queues in these worlds).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from dataclasses import dataclass, field
 
 import simpy
 
+from ..market.hostchoice import BackoffPolicy, GiveUp, HostChoice, Wait
 from ..market.messages import PriorityClass
 from ..remote.scheduler import lease_rank
 from .gpu import DeviceGone
@@ -42,6 +51,8 @@ class Job:
     priority: PriorityClass = PriorityClass.ON_DEMAND
     pay_as_bid: bool = False
     checkpoint_every_s: float | None = None  # None: no failover (restart instead)
+    host_policy: BackoffPolicy = BackoffPolicy()
+    patience_s: float = 1800.0  # after a failure: how long to wait for a usable host
     state_mb: float = 1000.0
     burst_s: float = BURST_S
     # Outcomes.
@@ -55,6 +66,8 @@ class Job:
     paid_share_price: list[int] = field(default_factory=list)
     failovers: int = 0
     restarts: int = 0
+    gave_up_s: float | None = None  # when it gave up waiting for a usable host
+    held_s: float = 0.0  # wall time held after failures, waiting for a usable host
     lost_device_s: float = 0.0  # reference device seconds computed, then lost
     checkpoint_s: float = 0.0
 
@@ -76,17 +89,39 @@ def run(env: simpy.Environment, market: Market, job: Job, rng: random.Random):
     identity = market.identity()
     consumer = identity.peer_id.to_base58()
     job.remaining_s = job.saved_s = job.compute_s
-    avoid: frozenset[str] = frozenset()
+    choice = HostChoice(job.host_policy, job.patience_s)
+    choice.search(now=market.now(), patience_s=math.inf)
+    held_since: float | None = None
     while job.remaining_s > 0:
         bid = market.bid(consumer, shares=job.shares, max_price=job.max_price,
                          priority=job.priority)  # fmt: skip
-        granted = yield from market.lease(identity, job.region, bid, pay_as_bid=job.pay_as_bid,
-                                          avoid=avoid)  # fmt: skip
+        ranked = market.rank(job.region, bid)
+        now = market.now()
+        offers = {}
+        for candidate in ranked:
+            choice.see_offer(candidate.offer.host, candidate.offer.nonce, now=now)
+            offers.setdefault(candidate.offer.host, candidate.offer)
+        decision = choice.next_step(list(offers), now=now)
+        if type(decision) is GiveUp:
+            job.gave_up_s = env.now
+            break
+        granted = None
+        if type(decision) is not Wait:
+            granted = yield from market.lease(
+                identity, job.region, bid, [offers[h] for h in decision.hosts],
+                pay_as_bid=job.pay_as_bid,
+                unreachable=lambda host: choice.failed(host, now=market.now()),
+            )  # fmt: skip
         if granted is None:
+            held_since = env.now if held_since is None else held_since
             yield env.timeout(RETRY_S * rng.uniform(0.5, 1.5))
             continue
+        choice.leased(granted.host.peer, now=market.now())
         if job.leased_s is None:
             job.leased_s = env.now
+        elif held_since is not None:
+            job.held_s += env.now - held_since
+        held_since = None
         job.paid_share_price.append(granted.proposal.price)
         host = granted.host
         host.jobs[env.active_process] = None
@@ -95,8 +130,7 @@ def run(env: simpy.Environment, market: Market, job: Job, rng: random.Random):
             yield from _work(env, job, host, granted, rng)
         except (simpy.Interrupt, DeviceGone):
             lost = True
-            # Its offer may still rest in stale books; once back, the host is fair game.
-            avoid = frozenset({host.peer})
+            _set_aside(choice, market, host.peer, granted.proposal.offer_nonce)
             if job.checkpoint_every_s is None:
                 job.restarts += 1
                 job.saved_s = job.compute_s
@@ -109,7 +143,19 @@ def run(env: simpy.Environment, market: Market, job: Job, rng: random.Random):
             job.cost += market.settle(granted)
         if lost:  # noticing the loss and reattaching (measured; a restart pays it too)
             yield env.timeout(FAILOVER_S)
-    job.done_s = env.now
+            choice.search(now=market.now())
+    if job.gave_up_s is None:
+        job.done_s = env.now
+
+
+def _set_aside(choice: HostChoice, market: Market, peer: str, nonce: int) -> None:
+    """Tell the choice ``peer`` failed, after every offer of its the book still holds
+    (they are from before the failure), as the node's shell does."""
+    now = market.now()
+    for resting in market.book.offers():
+        if resting.order.host == peer:
+            choice.see_offer(peer, resting.order.nonce, now=now)
+    choice.failed(peer, now=now, nonce=nonce)
 
 
 def _work(env, job: Job, host, granted, rng: random.Random):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import simpy
@@ -25,7 +26,7 @@ import simpy
 from ..identity import NodeIdentity
 from ..market.book import OrderBook
 from ..market.lease import LeaseBook, Refusal
-from ..market.matcher import RankingPolicy, rank_offers
+from ..market.matcher import RankedOffer, RankingPolicy, rank_offers
 from ..market.messages import (
     Bid,
     Cancel,
@@ -178,36 +179,38 @@ class Market:
         return Bid(consumer, f"b{next(self._nonces)}", 0, (), 0, shares, max_price, priority,
                    LEASE_S, now, now + 600.0, next(self._nonces))  # fmt: skip
 
+    def rank(self, region: str, bid: Bid) -> list[RankedOffer]:
+        """The offers meeting ``bid``, best first, as a consumer in ``region`` ranks them."""
+        return rank_offers(
+            self.book, bid, reliability=self.reliability, latency_ms=self._latency[region],
+            limit=8, policy=self.policy,
+        )  # fmt: skip
+
     def lease(
         self,
         consumer: NodeIdentity,
         region: str,
         bid: Bid,
+        offers: Sequence[Offer],
         *,
         pay_as_bid: bool = False,
-        avoid: frozenset[str] = frozenset(),
+        unreachable: Callable[[str], None] = lambda host: None,
     ):
-        """Rank the offers meeting ``bid`` and propose to the best, in order, until a
-        host grants (a generator: each proposal costs its round trip). Returns a
-        ``Granted`` or None.
+        """Propose to the hosts of ``offers`` (ranked, and chosen by the consumer's
+        ``HostChoice``), in order, until one grants (a generator: each proposal costs its
+        round trip). Returns a ``Granted`` or None; ``unreachable(host)`` hears of each
+        host that did not answer, as the node's shell tells its ``HostChoice``.
 
         The price proposed is the offer's, as ``cumulus-node`` proposes; with
         ``pay_as_bid``, the bid's limit: a lease may pay more than the asking price,
         and the executor serves dearer leases first.
         """
-        latency = self._latency[region]
-        ranked = rank_offers(
-            self.book, bid, reliability=self.reliability, latency_ms=latency, limit=8,
-            policy=self.policy,
-        )  # fmt: skip
-        for candidate in ranked:
-            offer = candidate.offer
-            if candidate.remaining < bid.shares or offer.host in avoid:
-                continue
+        for offer in offers:
             host = self.hosts[offer.host]
             yield self.env.timeout(rtt_ms(region, host.region) / 1000)
             if not host.online:
                 self._refused("host unreachable")
+                unreachable(offer.host)
                 continue
             price = bid.max_price if pay_as_bid else offer.price
             granted = self._propose(consumer, host, offer, bid, price)

@@ -131,6 +131,13 @@ def _churn(result: dict):
                  [(r["interval_s"], r["completion_rate"], r["lost_gpu_hours"],
                    r["checkpoint_hours"], round(r["lost_gpu_hours"] + r["checkpoint_hours"], 3))
                   for r in sweep])
+        + "\n\n## Small pools: set aside with a backoff, or excluded for the job\n\n"
+        + _table(["hosts", "churn / h", "policy", "jobs", "completed", "gave up", "failovers",
+                  "held h", "held h per job failed over"],
+                 [(r["hosts"], r["churn_per_hour"], r["policy"], r["jobs"], r["completion_rate"],
+                   r["gave_up"], r["failovers"], r["held_hours"],
+                   r["held_hours_per_job_failed_over"])
+                  for r in result.get("small_pools", [])])
         + "\n"
     )  # fmt: skip
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))

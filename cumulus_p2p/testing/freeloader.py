@@ -24,6 +24,7 @@ import trio
 from .. import remote
 from .._errors import CumulusError, NoMatchError, SessionClosedError
 from ..dht import MeshConfig
+from ..market.hostchoice import HostChoice
 from ..market.settlement import ReceiptDesk
 from ..node.attach import open_channel
 from ..node.consumer import Consumer, ConsumerOptions
@@ -69,7 +70,7 @@ async def main(bootstrap: str, data: DataDir, again_after: float) -> None:
         print(f"session ended: {why}", flush=True)
         print(await trio.to_thread.run_sync(try_to_resume, ticket, data), flush=True)
         await trio.sleep(again_after)
-        consumer.excluded.clear()
+        consumer.choice = HostChoice()  # forget any host it set aside
         try:
             await consumer.lease(10)
             print("leased again", flush=True)
