@@ -38,6 +38,7 @@ _MATMUL = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow  # compiles graphs with inductor
 def test_a_program_runs_node_by_node_first_then_compiled_with_the_same_results():
     program = build_program(_MATMUL, CPU)
     runner = GraphRunner(GraphCompiler.INDUCTOR)
@@ -106,6 +107,7 @@ def _losses(address: str) -> tuple[list[float], int]:
         return losses, session.stats()["compiled_graph_runs"]
 
 
+@pytest.mark.slow  # compiles graphs with inductor
 @pytest.mark.parametrize("isolation", ["--shared-process", "--worker-per-session"])
 def test_an_executor_compiling_its_graphs_trains_as_one_running_them_node_by_node(
     executor_address, isolation

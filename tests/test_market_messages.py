@@ -96,6 +96,9 @@ def test_equal_requirements_encode_equally():
         msgpack.packb([H, "gpu0", "RTX 4090", 24576, 100, 4, 1000, 60, "eu", NOW, NOW + 60, -1]),
         msgpack.packb([H, "gpu0", "RTX 4090", 24576, 100, 4, 1000, 60, "eu", 1, NOW + 60, 1]),
     ],
+    # The host key in the bodies is fresh per process: stable ids let pytest-xdist's
+    # workers agree on what they collected.
+    ids=["empty", "reserved-byte", "short-array", "negative-nonce", "created-in-1970"],
 )
 def test_malformed_peer_bodies_raise_a_remote_error(body):
     with pytest.raises(MalformedMessageError):

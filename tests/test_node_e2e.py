@@ -24,6 +24,9 @@ from cumulus_p2p.testing.nodes import (
     start_provider,
 )
 
+# Starts real cumulus-node processes: scripts/test --fast skips it.
+pytestmark = pytest.mark.slow
+
 SCRIPT = Path(__file__).parent / "scripts" / "cuda_train.py"
 
 

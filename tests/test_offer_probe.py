@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from cumulus_p2p.market.ledger import Ledger
 from cumulus_p2p.testing.nodes import (
     LOOPBACK_LISTEN,
@@ -21,6 +23,9 @@ from cumulus_p2p.testing.nodes import (
     start_node,
     start_provider,
 )
+
+# Starts real cumulus-node processes: scripts/test --fast skips it.
+pytestmark = pytest.mark.slow
 
 SCRIPT = ["-m", "cumulus_p2p.demo_train", "--steps", "20", "--log-every", "5"]
 

@@ -26,6 +26,9 @@ from cumulus_p2p.testing.nodes import (
     start_provider,
 )
 
+# Starts real cumulus-node processes: scripts/test --fast skips it.
+pytestmark = pytest.mark.slow
+
 SCRIPTS = Path(__file__).parent / "scripts"
 STEPS = "30"
 

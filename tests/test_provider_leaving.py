@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from cumulus_p2p.market.ledger import Ledger
 from cumulus_p2p.testing.nodes import (
     LOOPBACK_LISTEN,
@@ -25,6 +27,9 @@ from cumulus_p2p.testing.nodes import (
     start_node,
     start_provider,
 )
+
+# Starts real cumulus-node processes: scripts/test --fast skips it.
+pytestmark = pytest.mark.slow
 
 SCRIPT = ["-m", "cumulus_p2p.demo_train", "--steps", "30", "--log-every", "5"]
 SCRIPTS = Path(__file__).parent / "scripts"

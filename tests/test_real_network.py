@@ -16,8 +16,13 @@ import json
 import warnings
 from contextlib import contextmanager
 
+import pytest
+
 from cumulus_p2p.testing.netns import Host, NamespacesUnavailable, two_hosts
 from cumulus_p2p.testing.nodes import final_json, local_final_loss, node_command, start_process
+
+# Starts real cumulus-node processes: scripts/test --fast skips it.
+pytestmark = pytest.mark.slow
 
 SCRIPT = ["-m", "cumulus_p2p.demo_train", "--steps", "20", "--log-every", "10"]
 FAST = ["--announce-interval", "1", "--no-live"]

@@ -60,6 +60,7 @@ def _gpt_losses(
     return losses
 
 
+@pytest.mark.slow  # compiles and trains a GPT on both sides
 def test_compiled_gpt_trains_as_the_same_compiled_code_on_a_local_cpu(cumulus):
     remote = _gpt_losses("cumulus")
     local = _gpt_losses("cpu")
@@ -73,6 +74,7 @@ def _dial(address: str):
     return lambda: SocketFrameChannel.connect(host, int(port))
 
 
+@pytest.mark.slow  # kills and restarts executor processes
 @pytest.mark.parametrize(
     ("interval", "compile_step"),
     [(None, False), (0.0, False), (0.0, True)],
@@ -103,6 +105,7 @@ def test_a_compiled_step_sends_its_graphs_once_per_session(cumulus):
     assert cumulus.graphs_defined == 2  # forward and backward, whatever the step count
 
 
+@pytest.mark.slow  # compiles and trains a GPT on both sides
 def test_a_steady_compiled_step_sends_as_many_records_at_any_depth(cumulus):
     def records_per_step(layers: int) -> list[int]:
         sent: list[int] = []

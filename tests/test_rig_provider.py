@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
 import trio
 
 from cumulus_p2p.dht import MeshConfig
@@ -27,6 +28,9 @@ from cumulus_p2p.testing.nodes import (
     start_node,
     start_rig,
 )
+
+# Starts real cumulus-node processes: scripts/test --fast skips it.
+pytestmark = pytest.mark.slow
 
 SCRIPTS = Path(__file__).parent / "scripts"
 

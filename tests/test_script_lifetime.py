@@ -27,6 +27,9 @@ from cumulus_p2p.testing.nodes import (
     start_provider,
 )
 
+# Starts real cumulus-node processes: scripts/test --fast skips it.
+pytestmark = pytest.mark.slow
+
 LONG_JOB = ["-m", "cumulus_p2p.demo_train", "--steps", "100000", "--log-every", "5"]
 
 

@@ -16,6 +16,9 @@ from cumulus_p2p import shim
 from cumulus_p2p.remote import cuda_compat
 from cumulus_p2p.remote.client import CURRENT
 
+# Runs scripts under the shim against real executor processes: scripts/test --fast skips it.
+pytestmark = pytest.mark.slow
+
 SCRIPTS = Path(__file__).parent / "scripts"
 PROBE = SCRIPTS / "shim_probe.py"
 

@@ -12,6 +12,9 @@ from cumulus_p2p.simulation import attacks, churn, pooling, priority
 from cumulus_p2p.simulation.cli import SCENARIOS, main
 from cumulus_p2p.simulation.world import WORKLOADS
 
+# Runs whole simulated scenarios: scripts/test --fast skips it.
+pytestmark = pytest.mark.slow
+
 MIX = WORKLOADS
 
 

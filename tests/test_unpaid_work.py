@@ -16,6 +16,9 @@ import pytest
 
 from cumulus_p2p.testing.nodes import LOOPBACK_LISTEN, start_node, start_provider
 
+# Starts real cumulus-node processes: scripts/test --fast skips it.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def mesh(tmp_path):

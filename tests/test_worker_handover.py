@@ -24,6 +24,9 @@ from cumulus_p2p.remote.executor import ExecutorConfig
 from cumulus_p2p.remote.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
 from cumulus_p2p.remote.supervisor import MAX_FIRST_FRAME, SupervisorConfig, WorkerSupervisor
 
+# Starts supervisors and their worker processes: scripts/test --fast skips it.
+pytestmark = pytest.mark.slow
+
 PROVIDER = NodeIdentity.generate()
 CONSUMER = NodeIdentity.generate()
 

@@ -39,6 +39,9 @@ from cumulus_p2p.testing.nodes import (
     start_provider,
 )
 
+# Starts supervisors and their worker processes: scripts/test --fast skips it.
+pytestmark = pytest.mark.slow
+
 WORKERS = ["--worker-per-session", "--pool", "2"]
 
 SCRIPTS = Path(__file__).parent / "scripts"

@@ -194,6 +194,7 @@ async def kill_a_pooled_worker(sup: WorkerSupervisor) -> None:
     os.kill(sup._idle[0].pid, signal.SIGKILL)
 
 
+@pytest.mark.slow  # starts a supervisor, its workers and a device check
 async def test_a_killed_worker_gets_the_device_checked_and_the_pool_refilled():
     sup = WorkerSupervisor(SupervisorConfig(ExecutorConfig(device="cpu"), pool=1))
     async with trio.open_nursery() as nursery:
@@ -206,6 +207,7 @@ async def test_a_killed_worker_gets_the_device_checked_and_the_pool_refilled():
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow  # starts a supervisor, its workers and a device check
 async def test_a_device_that_fails_its_check_is_reported_and_gets_no_new_worker():
     sup = WorkerSupervisor(SupervisorConfig(ExecutorConfig(device="cpu"), pool=1))
     sup.device = torch.device("meta")  # stands in for a broken GPU: its check cannot pass
@@ -251,6 +253,7 @@ def test_a_worker_asking_for_turns_without_end_is_cut_off():
         sup._on_message(greedy, ["acquire", MAX_WAITING_TURNS + 1])
 
 
+@pytest.mark.slow  # starts a supervisor, its workers and a device check
 async def test_workers_that_cannot_start_in_their_namespace_start_without_it(tmp_path):
     gone = tmp_path / "removed-data-dir"  # mounting over it fails, as a broken setup would
     config = SupervisorConfig(ExecutorConfig(device="cpu"), pool=1, hidden=(gone,))
