@@ -1,12 +1,19 @@
-"""The explorer served beside a running node's own role, and its live event stream."""
+"""The explorer served beside a running node's own role, its live event stream, and the
+hosts it answers to."""
 
 from __future__ import annotations
 
 import json
 import re
+import socket
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 
+import pytest
+
+from cumulus_p2p.explorer.serve import served_hosts
 from cumulus_p2p.testing.nodes import LOOPBACK_LISTEN, start_node
 
 
@@ -44,3 +51,65 @@ def test_the_event_stream_announces_each_new_state(tmp_path):
         assert versions[1] > versions[0]
     finally:
         node.stop()
+
+
+@pytest.fixture(scope="module")
+def explorer_url(tmp_path_factory):
+    """The explorer of a running boot node, which also answers to ``gpu.example``."""
+    node = start_node(
+        tmp_path_factory.mktemp("node"),
+        "--listen",
+        LOOPBACK_LISTEN,
+        "--explore",
+        "--explore-port",
+        "0",
+        "--explore-allow-host",
+        "gpu.example",
+    )
+    try:
+        yield re.search(r"explorer on (http://\S+/)", node.wait_for("explorer on"))[1]
+    finally:
+        node.stop()
+
+
+def fetch(url: str, *, host: str | None = None) -> tuple[int, bytes]:
+    """``GET url`` with its ``Host`` header naming ``host`` (and the URL's port)."""
+    parts = urllib.parse.urlsplit(url)
+    headers = {"Host": f"{host}:{parts.port}"} if host else {}
+    try:
+        request = urllib.request.Request(url, headers=headers)
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as refused:
+        return refused.code, refused.read()
+
+
+@pytest.mark.parametrize("path", ["", "api/status", "api/leases", "api/peers", "api/hosts"])
+def test_a_page_from_another_site_rebound_to_this_machine_is_refused(explorer_url, path):
+    # DNS rebinding: evil.example now resolves to 127.0.0.1, so a script on a page
+    # from evil.example reaches the explorer, but its requests name evil.example.
+    status, body = fetch(explorer_url + path, host="evil.example")
+    assert (status, body) == (400, b"Invalid host header")
+
+
+def test_the_loopback_names_and_the_allowed_host_are_served(explorer_url):
+    for host in ("127.0.0.1", "localhost", "gpu.example", "GPU.example"):
+        assert fetch(explorer_url + "api/status", host=host)[0] == 200, host
+
+
+def test_an_unknown_host_is_not_found(explorer_url):
+    status, body = fetch(explorer_url + "api/hosts/12D3KooWnobody")
+    assert status == 404
+    assert json.loads(body) == {"error": "no such host"}
+
+
+def test_a_wildcard_bind_also_serves_this_machines_name_and_addresses():
+    hosts = served_hosts("0.0.0.0")
+    assert {"127.0.0.1", "localhost", "[::1]", socket.gethostname().lower()} <= set(hosts)
+    assert "evil.example" not in hosts
+    assert served_hosts("::1", ["Gpu.Example"]) == [
+        "127.0.0.1",
+        "localhost",
+        "[::1]",
+        "gpu.example",
+    ]

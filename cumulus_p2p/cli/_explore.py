@@ -70,6 +70,7 @@ async def serve_explorer(data: DataDir, args, *, task_status=trio.TASK_STATUS_IG
             data,
             host=host,
             port=port,
+            also_allow=args.explore_allow_host,
             task_status=task_status,
         )
     except* OSError as group:  # hypercorn raises from inside its nursery

@@ -90,20 +90,29 @@ def add_data_dir(group, *, default=None, help: str) -> None:
 
 
 def add_explore_address(group, *, default=None) -> None:
-    """``--explore-host`` and ``--explore-port``.
+    """``--explore-host``, ``--explore-port`` and ``--explore-allow-host``.
 
     ``default`` as in :func:`add_data_dir`; None gives each flag its own default.
     """
     group.add_argument(
         "--explore-host",
         default=DEFAULT_EXPLORE_HOST if default is None else default,
-        help=f"address the explorer binds (default {DEFAULT_EXPLORE_HOST}: this machine only)",
+        help=f"address the explorer binds (default {DEFAULT_EXPLORE_HOST}: this machine "
+        "only; 0.0.0.0 opens it to the network, at this machine's addresses and name)",
     )
     group.add_argument(
         "--explore-port",
         type=port,
         default=DEFAULT_EXPLORE_PORT if default is None else default,
         help=f"the explorer's port (default {DEFAULT_EXPLORE_PORT}; 0 picks a free one)",
+    )
+    group.add_argument(
+        "--explore-allow-host",
+        action="append",
+        default=[] if default is None else default,
+        metavar="NAME",
+        help="another host name the explorer answers to, e.g. a DNS name for this machine; "
+        "repeatable (it refuses names it does not serve, against DNS rebinding)",
     )
 
 

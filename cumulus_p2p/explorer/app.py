@@ -1,7 +1,10 @@
 """The explorer's ASGI application: five pages, a JSON API under ``/api/``, live events.
 
 Read-only by construction: every route is a GET, nothing in a request reaches the
-node. The pages are empty shells; ``static/explorer.js`` fills them from the API with
+node. Only the host names the explorer is served on are answered (``TrustedHostMiddleware``):
+a page on another site that rebinds its own name to this machine's address (DNS rebinding)
+sends its own name as ``Host`` and is refused, so it cannot read the ledger, the leases or
+the peers. The pages are empty shells; ``static/explorer.js`` fills them from the API with
 ``textContent``, never HTML, because every string in the data came from untrusted
 gossip. The Content-Security-Policy allows scripts, styles and connections to this
 origin only, so even markup that slipped into a page could not run.
@@ -10,12 +13,14 @@ origin only, so even markup that slipped into a page could not run.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import anyio
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
@@ -75,8 +80,14 @@ class StateSource:
         }
 
 
-def build_app(source: StateSource) -> Starlette:
-    """The explorer for ``source``."""
+def build_app(source: StateSource, hosts: Sequence[str]) -> Starlette:
+    """The explorer for ``source``, answering requests whose ``Host`` is one of ``hosts``.
+
+    Args:
+        source: The node's state.
+        hosts: Host names and addresses as a ``Host`` header carries them (IPv6 in
+            brackets), without the port; any other host gets a 400.
+    """
     templates = Environment(
         loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(["html"])
     )
@@ -97,10 +108,12 @@ def build_app(source: StateSource) -> Starlette:
 
         return endpoint
 
-    def one_host(request: Request):
-        found = model.host(source.state, request.path_params["peer"], source.history,
-                           source.data.ledger().entries())  # fmt: skip
-        return found if found is not None else {"error": "no such host"}
+    async def one_host(request: Request) -> Response:
+        entries = source.data.ledger().entries()
+        found = model.host(source.state, request.path_params["peer"], source.history, entries)
+        if found is None:
+            return JSONResponse({"error": "no such host"}, status_code=404)
+        return JSONResponse(found)
 
     async def events(request: Request) -> Response:
         return StreamingResponse(_stream(source), media_type="text/event-stream",
@@ -111,7 +124,7 @@ def build_app(source: StateSource) -> Starlette:
         Route("/hosts/{peer}", show_host),
         Route("/api/status", api(lambda r: source.status())),
         Route("/api/hosts", api(lambda r: model.hosts(source.state, source.history))),
-        Route("/api/hosts/{peer}", api(one_host)),
+        Route("/api/hosts/{peer}", one_host),
         Route("/api/book", api(lambda r: model.book(source.state))),
         Route("/api/leases", api(lambda r: model.leases(source.state,
                                                         source.data.ledger().entries()))),
@@ -120,7 +133,11 @@ def build_app(source: StateSource) -> Starlette:
         Route("/api/events", events),
         Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
     ]  # fmt: skip
-    return Starlette(routes=routes, middleware=[Middleware(_SecurityHeaders)])
+    middleware = [
+        Middleware(_SecurityHeaders),
+        Middleware(TrustedHostMiddleware, allowed_hosts=list(hosts), www_redirect=False),
+    ]
+    return Starlette(routes=routes, middleware=middleware)
 
 
 async def _stream(source: StateSource):

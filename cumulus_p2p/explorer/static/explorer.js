@@ -39,9 +39,12 @@ function hostLink(peer) {
   return el("a", { href: `/hosts/${encodeURIComponent(peer)}`, title: peer }, fmt.short(peer));
 }
 
-async function getJSON(path) {
+// With orMissing, a 404 gives the API's {"error": ...} body for the page to show.
+async function getJSON(path, { orMissing = false } = {}) {
   const response = await fetch(path, { headers: { Accept: "application/json" } });
-  if (!response.ok) throw new Error(`${path}: ${response.status}`);
+  if (!response.ok && !(orMissing && response.status === 404)) {
+    throw new Error(`${path}: ${response.status}`);
+  }
   return response.json();
 }
 
@@ -181,7 +184,7 @@ const hostsView = {
 const hostView = {
   mount() {},
   async load() {
-    const host = await getJSON(`/api/hosts/${encodeURIComponent(PEER)}`);
+    const host = await getJSON(`/api/hosts/${encodeURIComponent(PEER)}`, { orMissing: true });
     if (host.error) {
       main.replaceChildren(el("h1", {}, "Host"), el("p", {}, `${host.error}: `, el("code", {}, PEER)));
       return;
