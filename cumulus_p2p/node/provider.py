@@ -15,12 +15,16 @@ One trio program composes:
 - a ``Meter`` per session: receipts every ``receipt_interval`` and at the session's end,
   countersigned by the consumer over ``/cumulus/receipt/1.0.0``, then kept in the ledger.
 
-Nothing runs unpaid (``metering.payment_standing``). A receipt unsettled for
-``settle_grace`` seconds pauses the lease: its session is hung up on (and parked, as at
-the end of a term) and the consumer is refused until it settles. Unsettled for twice
-that, the lease ends, its shares go back on offer and the host gossips signed
-``NonPayment`` evidence against the consumer; with ``min_consumer_score`` set, consumers
-that such evidence scores below it are refused leases.
+Nothing runs unpaid (``payment.PaymentEnforcer``, deciding by
+``market.lease_state``). A receipt unsettled for ``settle_grace`` seconds pauses the
+lease: its session is hung up on (and parked, as at the end of a term) and the consumer
+is refused until it settles. Unsettled for twice that, the lease ends, its shares go
+back on offer and the host gossips signed ``NonPayment`` evidence against the consumer;
+with ``min_consumer_score`` set, consumers that such evidence scores below it are
+refused leases.
+
+Status reads change nothing: a lease's op rate comes from samples the serving side
+takes once a second (``sample_ops``), so any number of readers see the same row.
 
 Leaving is orderly (``leave``, on SIGTERM or Ctrl-C): the offer is cancelled, no lease
 is granted, each consumer is told the host is leaving (it moves its session at once and
@@ -33,19 +37,18 @@ from __future__ import annotations
 import logging
 import signal
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import trio
 from libp2p.exceptions import BaseLibp2pError
 
 from .._errors import CumulusError
-from ..channel.secure import SessionSettings, serve_secure
+from ..channel.secure import serve_secure
 from ..channel.secure.libp2p_path import handle_libp2p_sessions
 from ..channel.transport import CountingChannel
 from ..dht import MeshConfig
 from ..dht.host import interface_ipv4s, observed_ipv4s
-from ..envelope import Envelope
 from ..executor_options import GraphCompiler
 from ..market import (
     Cancel,
@@ -59,24 +62,23 @@ from ..market import (
     Side,
     serve_leases,
 )
+from ..market.lease_state import LeaseEvent, LeaseState
 from ..market.messages import encode_message, peer_id_of, seal_message
-from ..market.metering import Standing, payment_standing
-from ..market.settlement import (
-    NOTICE_LEAVING,
-    call_lease_notice,
-    serve_lease_close,
-    settle_receipt,
-)
+from ..market.settlement import NOTICE_LEAVING, call_lease_notice, serve_lease_close
 from ..remote.executor import Executor, ExecutorConfig
 from ..remote.executor_main import build_executor
 from ..remote.scheduler import lease_rank
+from ..remote.session import SessionStats
 from ..remote.supervisor import WorkerSupervisor
-from ..reputation import NonPayment, Report, seal_report
 from .datadir import DataDir
 from .hardware import DeviceFacts, GpuMeter
+from .payment import ActiveLease, PaymentEnforcer
 from .runtime import Runtime, open_runtime, peer_of
 
 log = logging.getLogger("cumulus_p2p.node.provider")
+
+#: Seconds between samples of each session's op count, the op rate's time base.
+OP_SAMPLE_INTERVAL = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,52 +156,6 @@ class ProviderOptions:
             raise ValueError(f"offer one or more distinct devices, not {ids}")
 
 
-@dataclass(frozen=True, slots=True)
-class Issued:
-    """A receipt sent for countersigning, and when (the node's clock)."""
-
-    at: float
-    envelope: Envelope
-
-
-@dataclass
-class ActiveLease:
-    """A lease being served, its meter and what it has earned so far.
-
-    ``state``: ``running``; ``paused`` while a receipt is overdue; ``settling`` once the
-    session is over and receipts are outstanding; then ``ended`` (all settled) or
-    ``unpaid`` (the consumer defaulted).
-    """
-
-    lease: Lease
-    proposal: LeaseProposal
-    meter: Meter
-    started: float
-    unsettled: list[Issued] = field(default_factory=list)
-    settled: trio.Event = field(default_factory=trio.Event)
-    #: One settlement at a time: the session's end and the metering loop both settle.
-    settling: trio.Lock = field(default_factory=trio.Lock)
-    channels: set = field(default_factory=set)
-    receipts: int = 0
-    share_seconds: int = 0
-    state: str = "running"
-    session_over: bool = False
-    #: Bytes its sessions moved so far (receipts carry them interval by interval).
-    bytes_moved: int = 0
-    #: The op count and time of the last status, for the op rate.
-    ops_seen: tuple[float, int] = (0.0, 0)
-
-    def count_bytes(self, n: int) -> None:
-        """Meter ``n`` bytes moved for the lease."""
-        self.bytes_moved += n
-        self.meter.record_bytes(n)
-
-    @property
-    def earned(self) -> int:
-        """Micro-credits receipted so far."""
-        return self.share_seconds * self.proposal.price // 3600
-
-
 @dataclass
 class Served:
     """A device on offer and the executor running its sessions."""
@@ -231,7 +187,9 @@ class Provider:
         self.book = LeaseBook(runtime.identity)
         self.active: dict[str, ActiveLease] = {}
         self.finished: list[ActiveLease] = []
-        self._ledger = runtime.data.ledger()
+        self.payments = PaymentEnforcer(
+            runtime, grace=options.unpaid_grace, on_final=self._on_final
+        )
         self._presented: dict[bytes, LeaseProposal] = {}
         self.endpoints: list[str] = []
         self.session_socket: tuple[str, int] | None = None  # (bound address, port)
@@ -311,8 +269,8 @@ class Provider:
         if self.book.get(proposal.lease_id) is None:
             return "the lease has ended or was never granted by this host"
         active = self.active.get(proposal.lease_id)
-        if active is not None and active.state != "running":
-            return f"the lease is {active.state}: {self._arrears(active)}"
+        if active is not None and active.state is not LeaseState.RUNNING:
+            return f"the lease is {active.state.value}: {self.payments.arrears(active)}"
         self._presented[consumer_key] = proposal
         return None
 
@@ -348,32 +306,23 @@ class Provider:
 
         Not when the lease is paused: it lives on, and its consumer may resume the
         parked session once it has settled."""
-        if active.channels or active.session_over or active.state != "running":
+        if active.channels or active.session_over or active.state is not LeaseState.RUNNING:
             return
         active.session_over = True
         self.book.release(active.proposal.lease_id)
         if not active.meter.finished:
-            self._issue(active)
+            self.payments.issue(active)
         if active.unsettled:
-            active.state = "settling"
+            active.lifecycle.process(LeaseEvent.SESSION_OVER)
         with trio.move_on_after(10):
-            await self._settle(active)
-        self._update_standing(active)
+            await self.payments.settle(active)
+        self.payments.settle_up(active)
 
-    async def _hang_up(self, active: ActiveLease, reason: str) -> None:
-        """Close the lease's session channels; the consumer sees ``reason`` and the
-        executor parks the session (no ``bye`` came), to be resumed where it stopped."""
-        for channel in list(active.channels):
-            await channel.aclose(reason)
-
-    def _finish(self, active: ActiveLease, state: str) -> None:
-        if active.settled.is_set():
-            return  # finished already (the session's end and the metering loop race)
-        active.state = state
+    def _on_final(self, active: ActiveLease) -> None:
+        """A lease ended (settled or unpaid): its shares go back, status keeps it."""
         self.book.release(active.proposal.lease_id)
         self.active.pop(active.proposal.lease_id, None)
         self.finished.append(active)
-        active.settled.set()
 
     async def close_lease(self, lease_id: str, requester: str) -> str | None:
         """The consumer is done: answer once the lease's session ended and is settled."""
@@ -395,93 +344,10 @@ class Provider:
         while True:
             for active in list(self.active.values()):
                 if not active.session_over and active.meter.due(self.runtime.clock()):
-                    self._issue(active)
-                await self._settle(active)
-                await self._enforce(active)
+                    self.payments.issue(active)
+                await self.payments.settle(active)
+                await self.payments.enforce(active)
             await trio.sleep(min(1.0, self.options.receipt_interval))
-
-    def _issue(self, active: ActiveLease) -> None:
-        now = self.runtime.clock()
-        envelope = active.meter.issue(now, nonce=self.runtime.mesh.next_nonce())
-        active.unsettled.append(Issued(now, envelope))
-
-    async def _settle(self, active: ActiveLease) -> None:
-        async with active.settling:
-            await self._settle_in_order(active)
-
-    async def _settle_in_order(self, active: ActiveLease) -> None:
-        # In order: the consumer accepts receipt k+1 only after receipt k.
-        consumer = peer_of(active.proposal.consumer)
-        while active.unsettled:
-            envelope = active.unsettled[0].envelope
-            try:
-                countersigned = await settle_receipt(
-                    self.runtime.mesh.host, consumer, envelope, self._ledger,
-                    now=self.runtime.clock(), timeout=5.0,
-                )  # fmt: skip
-            except (CumulusError, BaseLibp2pError, trio.TooSlowError, OSError) as exc:
-                log.warning(
-                    "receipt for lease %s not settled yet: %s", active.proposal.lease_id, exc
-                )
-                return
-            active.unsettled.pop(0)
-            active.receipts += 1
-            active.share_seconds += countersigned.receipt.share_seconds
-
-    def _standing(self, active: ActiveLease) -> Standing:
-        oldest = active.unsettled[0].at if active.unsettled else None
-        now = self.runtime.clock()
-        return payment_standing(oldest, now=now, grace=self.options.unpaid_grace)
-
-    def _arrears(self, active: ActiveLease) -> str:
-        if not active.unsettled:
-            return "every receipt is settled"
-        oldest = active.unsettled[0]
-        late = self.runtime.clock() - oldest.at
-        return (
-            f"{len(active.unsettled)} receipt(s) unsettled, the oldest for {late:.0f} s; "
-            f"this host pauses a lease after {self.options.unpaid_grace:g} s and ends it "
-            "after twice that"
-        )
-
-    def _update_standing(self, active: ActiveLease) -> None:
-        """Follow the settlements: resume a paused lease once paid, finish a settled one."""
-        if active.unsettled or active.settled.is_set():
-            return
-        if active.session_over or (active.meter.finished and not active.channels):
-            self._finish(active, "ended")
-        elif active.state == "paused":
-            log.info("lease %s: settled; the consumer may resume", active.proposal.lease_id)
-            active.state = "running"
-
-    async def _enforce(self, active: ActiveLease) -> None:
-        """Pause a lease with an overdue receipt; end it once the second grace is over."""
-        self._update_standing(active)
-        if active.settled.is_set():
-            return
-        standing = self._standing(active)
-        if standing is Standing.PAUSED and active.state == "running":
-            active.state = "paused"
-            why = self._arrears(active)
-            log.warning("lease %s paused: %s", active.proposal.lease_id, why)
-            await self._hang_up(active, f"unpaid: the lease is paused: {why}")
-        elif standing is Standing.DEFAULTED and active.state not in ("ended", "unpaid"):
-            why = self._arrears(active)
-            log.warning("lease %s ended unpaid: %s", active.proposal.lease_id, why)
-            self._finish(active, "unpaid")
-            await self._hang_up(active, f"unpaid: the lease has ended: {why}")
-            await self._report_nonpayment(active)
-
-    async def _report_nonpayment(self, active: ActiveLease) -> None:
-        """Gossip signed evidence that the consumer left its oldest receipt unsettled."""
-        rt, now = self.runtime, self.runtime.clock()
-        evidence = NonPayment(active.lease, rt.identity.public_key, active.unsettled[0].envelope)
-        consumer = active.proposal.consumer
-        report = Report(rt.peer_id, consumer, evidence, now, now + 600, rt.mesh.next_nonce())
-        try:
-            await rt.publish_report(seal_report(rt.identity, report, now=now))
-        except CumulusError as exc:
-            log.warning("could not report consumer %s: %s", consumer[:12], exc)
 
     # --- leaving ------------------------------------------------------------------------
 
@@ -492,7 +358,7 @@ class Provider:
         running = [a for a in self.active.values() if not a.session_over]
         for active in running:
             await self._tell_leaving(active)
-            await self._hang_up(active, "leaving: the host is shutting down")
+            await active.hang_up("leaving: the host is shutting down")
         for active in list(self.active.values()):
             await active.settled.wait()
         await self.runtime.mesh.drain()  # the cancel must leave before the node stops
@@ -563,21 +429,39 @@ class Provider:
         }
 
     def _lease_row(self, active: ActiveLease) -> dict:
-        """One lease as status shows it: terms, receipts, and its session at work."""
+        """One lease as status shows it: terms, receipts, and its session at work.
+
+        A read: the op rate comes from the samples ``sample_ops`` took."""
         row = _lease_row(active)
         served = self.served[active.proposal.offer_id]
-        stats = None
-        if not active.session_over:
-            stats = served.executor.session_stats(active.lease.envelope.author)
+        stats = self._session_stats(active)
         if stats is not None:
-            now = trio.current_time()
-            before_t, before_ops = active.ops_seen
-            rate = (stats.ops - before_ops) / (now - before_t) if before_t else 0.0
-            active.ops_seen = (now, stats.ops)
-            quota = served.share_bytes * active.proposal.shares
-            row |= {"ops": stats.ops, "ops_per_s": round(max(0.0, rate), 1),
-                    "memory": stats.bytes_in_use, "quota": quota}  # fmt: skip
+            row |= {
+                "ops": stats.ops,
+                "ops_per_s": round(active.ops_per_s, 1),
+                "memory": stats.bytes_in_use,
+                "quota": served.share_bytes * active.proposal.shares,
+            }
         return row
+
+    def _session_stats(self, active: ActiveLease) -> SessionStats | None:
+        if active.session_over:
+            return None
+        executor = self.served[active.proposal.offer_id].executor
+        return executor.session_stats(active.lease.envelope.author)
+
+    def sample_ops(self, now: float) -> None:
+        """Sample each running session's op count at ``now`` (the op rate's input)."""
+        for active in self.active.values():
+            stats = self._session_stats(active)
+            if stats is not None:
+                active.record_ops(now, stats.ops)
+
+    async def keep_op_rates(self) -> None:
+        """Sample every session's op count each ``OP_SAMPLE_INTERVAL`` seconds."""
+        while True:
+            self.sample_ops(trio.current_time())
+            await trio.sleep(OP_SAMPLE_INTERVAL)
 
 
 def _health(served: Iterable[Served]) -> str:
@@ -611,7 +495,7 @@ def _lease_row(active: ActiveLease) -> dict:
         "share_seconds": active.share_seconds,
         "earned": active.earned,
         "bytes": active.bytes_moved,
-        "state": active.state,
+        "state": active.state.value,
     }
 
 
@@ -662,6 +546,7 @@ async def run_provider(
                     nursery.start_soon(_leave_on_signal, provider, nursery.cancel_scope, on_leaving)
                 nursery.start_soon(provider.keep_offer_current)
                 nursery.start_soon(provider.metering_loop)
+                nursery.start_soon(provider.keep_op_rates)
                 if on_ready is not None:
                     on_ready(provider)
                 while True:
@@ -745,6 +630,5 @@ async def _serve_sessions(identity, provider: Provider, bind: str, *, task_statu
     await serve_secure(
         identity, authorize=provider.authorize, handler=provider.serve_session,
         host=bind, port=provider.options.session_port,
-        settings=SessionSettings(grace_period=provider.options.grace_period),
-        task_status=task_status,
+        grace_period=provider.options.grace_period, task_status=task_status,
     )  # fmt: skip
