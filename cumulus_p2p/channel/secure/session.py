@@ -382,7 +382,8 @@ class ServerSession:
     ) -> int | None:
         """Go on over a new connection, whose consumer has proved the resume secret
         (``resume``) and holds our records up to ``received``: drop the current connection,
-        tell the consumer what we hold, resend what it lacks, and attach the new one.
+        tell the consumer what we hold, attach the new one and resend on it what the
+        consumer lacks (holding the wire, so no new record overtakes them).
 
         Returns:
             How many records were resent, or None: the session had ended (the consumer
