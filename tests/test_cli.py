@@ -1,6 +1,7 @@
 """cumulus-node's command line: bad flags, bad places, bad data, each with a clear way out.
 
-Every test runs the real command in a subprocess, as a user would.
+Every test runs the real command in a subprocess, as a user would; those that start a
+node that joins a mesh are marked slow.
 """
 
 from __future__ import annotations
@@ -200,6 +201,7 @@ def test_the_ledger_view_lists_disputed_receipts_with_their_reasons(tmp_path):
     assert "disputes (refused receipts)" in result.stdout and "too many" in result.stdout
 
 
+@pytest.mark.slow  # starts a node that dials
 def test_an_unreachable_bootstrap_peer_is_a_clear_error(tmp_path):
     nobody = NodeIdentity.generate().peer_id.to_base58()
     result = run(
@@ -226,6 +228,7 @@ def test_status_before_any_node_ran_says_how_to_start_one(tmp_path):
     assert "start one with cumulus-node --provide" in result.stdout
 
 
+@pytest.mark.slow  # starts a node
 def test_a_second_node_on_the_same_data_dir_is_refused(tmp_path):
     first = start_node(tmp_path, "--listen", LOOPBACK_LISTEN)
     try:
@@ -240,6 +243,7 @@ def _has_torch_loaded(node: NodeProcess) -> bool:
     return "libtorch" in Path(f"/proc/{node.proc.pid}/maps").read_text()
 
 
+@pytest.mark.slow  # starts two nodes
 def test_a_boot_node_and_a_consumers_node_run_without_loading_torch(tmp_path):
     # Only a provider runs tensors (and the consumer's script, in its own process):
     # loading torch would cost every other node about 2 s of CPU at each start.
@@ -256,6 +260,7 @@ def test_a_boot_node_and_a_consumers_node_run_without_loading_torch(tmp_path):
         boot.stop()
 
 
+@pytest.mark.slow  # starts a mesh
 def test_impossible_requirements_end_after_the_match_timeout_with_what_the_book_held(tmp_path):
     boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
     provider = start_provider(tmp_path / "p", boot.addr)
@@ -298,6 +303,7 @@ def test_our_error_wins_over_errors_raised_while_the_node_stops():
         raise BaseExceptionGroup("nursery", [RuntimeError("a bug")])
 
 
+@pytest.mark.slow  # starts a provider
 def test_config_json_supplies_flag_defaults(tmp_path):
     (tmp_path / "config.json").write_text('{"price": 0.25, "shares": 2, "bench_seconds": 0.1}')
     provider = start_node(tmp_path, "--provide", "--listen", LOOPBACK_LISTEN, "--no-live")
@@ -315,6 +321,7 @@ def test_config_json_naming_an_unknown_flag_is_a_clear_error(tmp_path):
     assert "unknown flags ['prize']" in result.stdout
 
 
+@pytest.mark.slow  # starts two nodes
 def test_two_nodes_with_mdns_find_each_other_without_bootstrap(tmp_path):
     first = start_node(tmp_path / "a", "--listen", LOOPBACK_LISTEN, "--mdns")
     second = start_node(tmp_path / "b", "--listen", LOOPBACK_LISTEN, "--mdns")

@@ -26,6 +26,9 @@ from cumulus_p2p.testing.nodes import (
     start_provider,
 )
 
+# Starts real cumulus-node processes and a browser: scripts/test --fast skips it.
+pytestmark = pytest.mark.slow
+
 ARTEFACTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "explorer"
 SCRIPT = Path(__file__).parent / "scripts" / "cuda_train.py"
 

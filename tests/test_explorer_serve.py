@@ -22,6 +22,7 @@ def get(url: str):
         return response.headers, response.read()
 
 
+@pytest.mark.slow  # starts a node
 def test_a_node_started_with_explore_serves_its_own_live_state(tmp_path):
     node = start_node(tmp_path, "--listen", LOOPBACK_LISTEN, "--explore", "--explore-port", "0")
     try:
@@ -38,6 +39,7 @@ def test_a_node_started_with_explore_serves_its_own_live_state(tmp_path):
         node.stop()
 
 
+@pytest.mark.slow  # starts a node
 def test_the_event_stream_announces_each_new_state(tmp_path):
     node = start_node(tmp_path, "--listen", LOOPBACK_LISTEN, "--explore", "--explore-port", "0")
     try:
@@ -84,6 +86,7 @@ def fetch(url: str, *, host: str | None = None) -> tuple[int, bytes]:
         return refused.code, refused.read()
 
 
+@pytest.mark.slow  # starts a node
 @pytest.mark.parametrize("path", ["", "api/status", "api/leases", "api/peers", "api/hosts"])
 def test_a_page_from_another_site_rebound_to_this_machine_is_refused(explorer_url, path):
     # DNS rebinding: evil.example now resolves to 127.0.0.1, so a script on a page
@@ -92,11 +95,13 @@ def test_a_page_from_another_site_rebound_to_this_machine_is_refused(explorer_ur
     assert (status, body) == (400, b"Invalid host header")
 
 
+@pytest.mark.slow  # starts a node
 def test_the_loopback_names_and_the_allowed_host_are_served(explorer_url):
     for host in ("127.0.0.1", "localhost", "gpu.example", "GPU.example"):
         assert fetch(explorer_url + "api/status", host=host)[0] == 200, host
 
 
+@pytest.mark.slow  # starts a node
 def test_an_unknown_host_is_not_found(explorer_url):
     status, body = fetch(explorer_url + "api/hosts/12D3KooWnobody")
     assert status == 404

@@ -99,8 +99,7 @@ def leases(state: dict, ledger: Iterable[LedgerEntry]) -> dict:
 def peers(state: dict) -> list[dict]:
     """The peers this node is connected to, their addresses and how it reaches them."""
     return [
-        {**row, "connection": _connection(row.get("addrs", []))}
-        for row in state.get("peers", [])
+        {**row, "connection": _connection(row.get("addrs", []))} for row in state.get("peers", [])
     ]
 
 
