@@ -44,7 +44,7 @@ import trio
 from libp2p.exceptions import BaseLibp2pError
 
 from .._errors import CumulusError
-from ..channel.secure import serve_secure
+from ..channel.secure import SessionSettings, serve_secure
 from ..channel.secure.libp2p_path import handle_libp2p_sessions
 from ..channel.transport import CountingChannel
 from ..dht import MeshConfig
@@ -630,5 +630,6 @@ async def _serve_sessions(identity, provider: Provider, bind: str, *, task_statu
     await serve_secure(
         identity, authorize=provider.authorize, handler=provider.serve_session,
         host=bind, port=provider.options.session_port,
-        grace_period=provider.options.grace_period, task_status=task_status,
+        settings=SessionSettings(grace_period=provider.options.grace_period),
+        task_status=task_status,
     )  # fmt: skip
