@@ -1,0 +1,109 @@
+"""Specs for cumulus_p2p.node.payment: what the provider does with an unpaid lease.
+
+The enforcer runs against stand-ins for the runtime (a settable clock, a report sink)
+and for the session channels, so each spec is about one decision and what it does.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from cumulus_p2p.identity import NodeIdentity
+from cumulus_p2p.market import Meter
+from cumulus_p2p.market.lease_state import LeaseState
+from cumulus_p2p.node.payment import ActiveLease, PaymentEnforcer
+from cumulus_p2p.reputation.testing import Minter
+
+NOW = 1_700_000_000.0
+GRACE = 10.0
+HOST, CONSUMER = NodeIdentity.generate(), NodeIdentity.generate()
+
+
+class StandInChannel:
+    def __init__(self) -> None:
+        self.closed_with: str | None = None
+
+    async def aclose(self, reason: str) -> None:
+        self.closed_with = reason
+
+
+class StandInRuntime:
+    """What the enforcer reads and calls: identity, clock, nonces, reports."""
+
+    def __init__(self) -> None:
+        self.now = NOW
+        self.identity = HOST
+        self.peer_id = HOST.peer_id.to_base58()
+        self.data = SimpleNamespace(ledger=lambda: None)
+        self.mesh = SimpleNamespace(next_nonce=self._next_nonce)
+        self.reports: list = []
+        self._nonce = 0
+
+    def clock(self) -> float:
+        return self.now
+
+    def _next_nonce(self) -> int:
+        self._nonce += 1
+        return self._nonce
+
+    async def publish_report(self, envelope) -> None:
+        self.reports.append(envelope)
+
+
+def enforcer_with_a_lease() -> tuple[PaymentEnforcer, StandInRuntime, ActiveLease, list]:
+    runtime = StandInRuntime()
+    ended: list[ActiveLease] = []
+    enforcer = PaymentEnforcer(runtime, grace=GRACE, on_final=ended.append)
+    lease = Minter().lease(CONSUMER, HOST, start=NOW)
+    active = ActiveLease(lease, lease.proposal, Meter(HOST, lease.proposal, interval=1.0), NOW)
+    return enforcer, runtime, active, ended
+
+
+async def test_a_receipt_unsettled_past_the_grace_pauses_the_lease_and_hangs_up():
+    enforcer, runtime, active, ended = enforcer_with_a_lease()
+    channel = StandInChannel()
+    active.channels.add(channel)
+    runtime.now = NOW + 1
+    enforcer.issue(active)
+    runtime.now += GRACE
+    await enforcer.enforce(active)
+    assert active.state is LeaseState.RUNNING and channel.closed_with is None
+    runtime.now += 1
+    await enforcer.enforce(active)
+    assert active.state is LeaseState.PAUSED
+    assert channel.closed_with.startswith("unpaid: the lease is paused: 1 receipt(s)")
+    assert ended == [] and not active.settled.is_set()
+
+
+async def test_a_paused_lease_runs_again_once_its_receipts_are_settled():
+    enforcer, runtime, active, _ = enforcer_with_a_lease()
+    runtime.now = NOW + 1
+    enforcer.issue(active)
+    runtime.now += GRACE + 1
+    await enforcer.enforce(active)
+    assert active.state is LeaseState.PAUSED
+    active.unsettled.clear()  # as a settlement does
+    await enforcer.enforce(active)
+    assert active.state is LeaseState.RUNNING
+
+
+async def test_past_two_graces_the_lease_ends_unpaid_and_the_consumer_is_reported():
+    enforcer, runtime, active, ended = enforcer_with_a_lease()
+    runtime.now = NOW + 1
+    enforcer.issue(active)
+    runtime.now += 2 * GRACE + 1
+    await enforcer.enforce(active)
+    assert active.state is LeaseState.UNPAID
+    assert ended == [active] and active.settled.is_set()
+    assert len(runtime.reports) == 1
+    await enforcer.enforce(active)  # over: nothing more happens
+    assert ended == [active] and len(runtime.reports) == 1
+
+
+async def test_a_lease_with_nothing_left_to_serve_ends_once_settled():
+    enforcer, runtime, active, ended = enforcer_with_a_lease()
+    active.session_over = True
+    enforcer.settle_up(active)
+    assert active.state is LeaseState.ENDED and ended == [active]
+    enforcer.settle_up(active)
+    assert ended == [active]
