@@ -99,6 +99,8 @@ def test_a_page_from_another_site_rebound_to_this_machine_is_refused(explorer_ur
 def test_the_loopback_names_and_the_allowed_host_are_served(explorer_url):
     for host in ("127.0.0.1", "localhost", "gpu.example", "GPU.example"):
         assert fetch(explorer_url + "api/status", host=host)[0] == 200, host
+    for path in ("", "book", "api/hosts", "api/book", "api/leases", "api/peers", "api/mesh"):
+        assert fetch(explorer_url + path)[0] == 200, path
 
 
 @pytest.mark.slow  # starts a node

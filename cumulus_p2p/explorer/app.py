@@ -115,9 +115,12 @@ def build_app(source: StateSource, hosts: Sequence[str]) -> Starlette:
             return JSONResponse({"error": "no such host"}, status_code=404)
         return JSONResponse(found)
 
+    def leases(request: Request) -> dict:
+        return model.leases(source.state, source.data.ledger().entries())
+
     async def events(request: Request) -> Response:
-        return StreamingResponse(_stream(source), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-store"})  # fmt: skip
+        headers = {"Cache-Control": "no-store"}
+        return StreamingResponse(_stream(source), media_type="text/event-stream", headers=headers)
 
     routes = [
         *(Route(path, show_page) for path in PAGES),
@@ -126,13 +129,12 @@ def build_app(source: StateSource, hosts: Sequence[str]) -> Starlette:
         Route("/api/hosts", api(lambda r: model.hosts(source.state, source.history))),
         Route("/api/hosts/{peer}", one_host),
         Route("/api/book", api(lambda r: model.book(source.state))),
-        Route("/api/leases", api(lambda r: model.leases(source.state,
-                                                        source.data.ledger().entries()))),
+        Route("/api/leases", api(leases)),
         Route("/api/peers", api(lambda r: model.peers(source.state))),
         Route("/api/mesh", api(lambda r: model.mesh(source.state))),
         Route("/api/events", events),
         Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
-    ]  # fmt: skip
+    ]
     middleware = [
         Middleware(_SecurityHeaders),
         Middleware(TrustedHostMiddleware, allowed_hosts=list(hosts), www_redirect=False),
