@@ -17,8 +17,11 @@ node cannot start as configured; 4 when no offer matched in time.
 The parts: ``_parser`` builds the command line (the node's flags by role, the commands
 beside it) and checks it; ``_flags`` holds the argument types and the flags several
 commands share; ``_views`` reads a data directory (``status`` ... ``ledger``, ``logs``);
-``_explore`` serves the explorer; ``_run`` runs the node; ``_exits`` maps errors to
-exit statuses.
+``_explore`` serves the explorer; ``_run`` runs the node; ``_exits`` holds the exit
+statuses and lifts our error out of trio's exception groups. The public names are
+``main`` (the console script), ``build_parser``, the ``parse_price`` and
+``parse_duration`` argument types (the test nodes in ``cumulus_p2p.testing`` take them
+too) and the ``EXIT_*`` statuses.
 """
 
 from __future__ import annotations
