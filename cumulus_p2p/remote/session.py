@@ -68,6 +68,23 @@ _BLOB_QUERIES = {"fetch", "checkpoint", "read", "rng"}
 _EMPTY_OPS = {"empty.memory_format", "empty_strided.default", "new_empty.default"}
 
 
+class ErrorKind:
+    """The error kinds a session reports (the first field of a reply's error). The client
+    raises each as a ``RemoteExecutionError`` that is also the builtin of that name, where
+    there is one (``errors.py``). Plain strings: they go on the wire as they are."""
+
+    PROTOCOL_ERROR = "RemoteProtocolError"  # the client broke the op-stream protocol
+    INVALID_HANDLE = "InvalidHandleError"  # a handle this session does not hold, or reuses
+    INVALID_GRAPH = "InvalidGraphError"  # a compiled graph that cannot be defined or run
+    OUT_OF_MEMORY = "OutOfMemoryError"  # over the session's quota, or the device is full
+    UNKNOWN_OP = "UnknownOpError"  # not an aten op, or one the executor refuses
+    INTERNAL = "InternalError"  # an executor bug; it cost one op, not the session
+    INDEX = "IndexError"  # a view or a piece outside its storage
+    VALUE = "ValueError"
+    TYPE = "TypeError"
+    RUNTIME = "RuntimeError"
+
+
 class OpFailed(Exception):  # noqa: N818 - internal carrier, never escapes this module
     """An op could not run; carries the error to report (type name, message), and the op
     to name when it is not the record's own (a node inside a compiled graph)."""
@@ -200,7 +217,7 @@ class ExecutorSession:
         self._dyn_result = None
         try:
             if not (isinstance(record, list) and len(record) == 4 and isinstance(name, str)):
-                raise OpFailed("RemoteProtocolError", "malformed op record")
+                raise OpFailed(ErrorKind.PROTOCOL_ERROR, "malformed op record")
             _, args, kwargs, outs = record
             if name in _RECORDS:
                 _RECORDS[name](self, args, blobs)
@@ -213,15 +230,15 @@ class ExecutorSession:
         except OpFailed as exc:
             self._fail(record, exc.op or name, exc.kind, str(exc))
         except Exception as exc:  # a bug here must cost one op, never the executor
-            self._fail(record, name, "InternalError", f"{type(exc).__name__}: {exc}")
+            self._fail(record, name, ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}")
 
     def _run_op(self, name: str, args: Any, kwargs: Any, outs: Any, blobs) -> None:
         if not isinstance(args, list) or not isinstance(kwargs, dict):
-            raise OpFailed("RemoteProtocolError", "op arguments must be an array and a map")
+            raise OpFailed(ErrorKind.PROTOCOL_ERROR, "op arguments must be an array and a map")
         try:
             op = resolve_op(name)
         except UnknownOpError as exc:
-            raise OpFailed("UnknownOpError", str(exc)) from None
+            raise OpFailed(ErrorKind.UNKNOWN_OP, str(exc)) from None
         inputs: list[torch.Tensor] = []
         real_args = [self._materialize(a, blobs, inputs) for a in args]
         real_kwargs = {k: self._materialize(v, blobs, inputs) for k, v in kwargs.items()}
@@ -230,14 +247,14 @@ class ExecutorSession:
         try:
             result = op(*real_args, **real_kwargs)
         except torch.OutOfMemoryError as exc:
-            raise OpFailed("OutOfMemoryError", str(exc)) from None
+            raise OpFailed(ErrorKind.OUT_OF_MEMORY, str(exc)) from None
         except Exception as exc:  # any torch failure is this op's error, not the session's
             raise OpFailed(type(exc).__name__, str(exc)) from None
         self._register_outputs(result, outs, inputs)
 
     def _seed(self, args: Any, blobs: list[memoryview]) -> None:
         if not (isinstance(args, list) and len(args) == 1 and type(args[0]) is int):
-            raise OpFailed("RemoteProtocolError", "@seed takes one integer")
+            raise OpFailed(ErrorKind.PROTOCOL_ERROR, "@seed takes one integer")
         self.ctx.generator().manual_seed(args[0] & (2**64 - 1))
 
     # --- compiled graphs ----------------------------------------------------------------
@@ -248,19 +265,21 @@ class ExecutorSession:
         Defining an id again with the same graph is allowed (a failover re-sends them).
         """
         if not (isinstance(args, list) and len(args) == 2 and type(args[0]) is int):
-            raise OpFailed("RemoteProtocolError", "@graph takes [graph_id, definition]")
+            raise OpFailed(ErrorKind.PROTOCOL_ERROR, "@graph takes [graph_id, definition]")
         graph_id, definition = args
         known = self._graphs.get(graph_id)
         if known is None and len(self._graphs) >= MAX_SESSION_GRAPHS:
             raise OpFailed(
-                "InvalidGraphError", f"a session may define at most {MAX_SESSION_GRAPHS} graphs"
+                ErrorKind.INVALID_GRAPH, f"a session may define at most {MAX_SESSION_GRAPHS} graphs"
             )
         try:
             key, program = PROGRAMS.get(definition, self.device)
         except GraphError as exc:
-            raise OpFailed("InvalidGraphError", f"graph {graph_id}: {exc}") from None
+            raise OpFailed(ErrorKind.INVALID_GRAPH, f"graph {graph_id}: {exc}") from None
         if known is not None and known[0] != key:
-            raise OpFailed("InvalidGraphError", f"graph {graph_id} is already defined otherwise")
+            raise OpFailed(
+                ErrorKind.INVALID_GRAPH, f"graph {graph_id} is already defined otherwise"
+            )
         self._graphs[graph_id] = (key, program)
 
     def _run_graph(self, args: Any, outs: Any) -> None:
@@ -268,33 +287,34 @@ class ExecutorSession:
         output's ``[handle, sizes, strides, offset]``, or nil where the client needs no
         handle (the output is an input, or shares a storage named by another output)."""
         if not (isinstance(args, list) and len(args) == 2 and isinstance(args[1], list)):
-            raise OpFailed("RemoteProtocolError", "@run takes [graph_id, inputs]")
+            raise OpFailed(ErrorKind.PROTOCOL_ERROR, "@run takes [graph_id, inputs]")
         graph_id, refs = args
         known = self._graphs.get(graph_id) if type(graph_id) is int else None
         if known is None:
             raise OpFailed(
-                "InvalidGraphError", f"no graph {graph_id!r} in this session (send @graph first)"
+                ErrorKind.INVALID_GRAPH,
+                f"no graph {graph_id!r} in this session (send @graph first)",
             )
         key, program = known
         if not isinstance(outs, list) or len(outs) != len(program.outputs):
             raise OpFailed(
-                "RemoteProtocolError",
+                ErrorKind.PROTOCOL_ERROR,
                 f"graph {graph_id} has {len(program.outputs)} outputs; the call declared "
                 f"{len(outs) if isinstance(outs, list) else 'none'}",
             )
         if not all(type(r) is TensorRef for r in refs):
-            raise OpFailed("RemoteProtocolError", "graph inputs must be tensor references")
+            raise OpFailed(ErrorKind.PROTOCOL_ERROR, "graph inputs must be tensor references")
         inputs = [self.tensor(r) for r in refs]
         self._check_quota(program.factory_bytes)
         try:
             budget = self.quota_bytes - self.stats.bytes_in_use
             results, compiled = self.ctx.graphs.run(key, program, inputs, budget)
         except GraphError as exc:
-            raise OpFailed("InvalidGraphError", f"graph {graph_id}: {exc}") from None
+            raise OpFailed(ErrorKind.INVALID_GRAPH, f"graph {graph_id}: {exc}") from None
         except NodeFailed as exc:
             kind = type(exc.error).__name__
             if isinstance(exc.error, torch.OutOfMemoryError):
-                kind = "OutOfMemoryError"
+                kind = ErrorKind.OUT_OF_MEMORY
             where = f"{exc.op} (node {exc.index} of compiled graph {graph_id})"
             raise OpFailed(kind, str(exc.error), op=where) from None
         self.stats.ops += len(program.nodes)
@@ -315,7 +335,7 @@ class ExecutorSession:
                     continue
                 if not isinstance(value, torch.Tensor):
                     raise OpFailed(
-                        "RemoteProtocolError", f"graph output {index} is not a tensor here"
+                        ErrorKind.PROTOCOL_ERROR, f"graph output {index} is not a tensor here"
                     )
                 handle = spec[0] if isinstance(spec, list) and spec else None
                 if handle in storages:
@@ -325,7 +345,7 @@ class ExecutorSession:
                 else:
                     self._check_shared(index, value, spec, value.untyped_storage()._cdata)
                     if _aliases(value, inputs):
-                        raise OpFailed("RuntimeError", f"graph output {index} aliases an input")
+                        raise OpFailed(ErrorKind.RUNTIME, f"graph output {index} aliases an input")
                     self._add(handle, value)
                     added.append(handle)
                     storages[handle] = value.untyped_storage()._cdata
@@ -342,7 +362,7 @@ class ExecutorSession:
         actual = [list(value.shape), list(value.stride()), value.storage_offset()]
         if expected != actual or value.untyped_storage()._cdata != storage:
             raise OpFailed(
-                "RuntimeError",
+                ErrorKind.RUNTIME,
                 f"graph output {index} came out as {actual} where the capture expected "
                 f"{expected}; run this code without torch.compile",
             )
@@ -357,21 +377,23 @@ class ExecutorSession:
         """
         if not (isinstance(args, list) and len(args) == 5):
             raise OpFailed(
-                "RemoteProtocolError", "@restore takes [handle, dtype, nbytes, start, data]"
+                ErrorKind.PROTOCOL_ERROR, "@restore takes [handle, dtype, nbytes, start, data]"
             )
         handle, dtype, nbytes, start, data = args
         if type(handle) is not int or not 0 < handle < MAX_HANDLE:
-            raise OpFailed("InvalidHandleError", f"@restore: bad handle {handle!r}")
+            raise OpFailed(ErrorKind.INVALID_HANDLE, f"@restore: bad handle {handle!r}")
         if not isinstance(dtype, torch.dtype):
-            raise OpFailed("TypeError", "@restore: dtype must be a dtype")
+            raise OpFailed(ErrorKind.TYPE, "@restore: dtype must be a dtype")
         if type(nbytes) is not int or type(start) is not int or nbytes < 0 or start < 0:
-            raise OpFailed("ValueError", "@restore: size and start must be non-negative integers")
+            raise OpFailed(
+                ErrorKind.VALUE, "@restore: size and start must be non-negative integers"
+            )
         if type(data) is not CpuTensorRef or data.dtype != torch.uint8 or len(data.sizes) != 1:
-            raise OpFailed("RemoteProtocolError", "@restore: data must be inline uint8 bytes")
+            raise OpFailed(ErrorKind.PROTOCOL_ERROR, "@restore: data must be inline uint8 bytes")
         piece = _inline_tensor(data, blobs)
         if start + piece.numel() > nbytes:
             raise OpFailed(
-                "IndexError",
+                ErrorKind.INDEX,
                 f"@restore: bytes [{start}, {start + piece.numel()}) are out of bounds for a "
                 f"storage of {nbytes} bytes",
             )
@@ -387,7 +409,7 @@ class ExecutorSession:
 
     def _create_storage(self, handle: int, dtype: torch.dtype, nbytes: int) -> None:
         if handle in self._anchors:
-            raise OpFailed("InvalidHandleError", f"@restore: handle {handle} is already in use")
+            raise OpFailed(ErrorKind.INVALID_HANDLE, f"@restore: handle {handle} is already in use")
         self._check_quota(nbytes)
         raw = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self._add(handle, _anchor_over(raw.untyped_storage(), dtype, self.device))
@@ -397,10 +419,12 @@ class ExecutorSession:
         pieces come in order, with no gap or overlap, and only while a restore is open."""
         anchor = self._anchors.get(handle)
         if anchor is None:
-            raise OpFailed("InvalidHandleError", f"@restore: storage {handle} must start at byte 0")
+            raise OpFailed(
+                ErrorKind.INVALID_HANDLE, f"@restore: storage {handle} must start at byte 0"
+            )
         if anchor.dtype != dtype or self._capacity[handle] != nbytes:
             raise OpFailed(
-                "ValueError",
+                ErrorKind.VALUE,
                 f"@restore: storage {handle} holds {self._capacity[handle]} bytes of "
                 f"{anchor.dtype}, not {nbytes} bytes of {dtype}",
             )
@@ -409,11 +433,11 @@ class ExecutorSession:
         expected = self._restoring.get(handle)
         if expected is None:
             raise OpFailed(
-                "RemoteProtocolError", f"@restore: storage {handle} is not being restored"
+                ErrorKind.PROTOCOL_ERROR, f"@restore: storage {handle} is not being restored"
             )
         if start != expected:
             raise OpFailed(
-                "RemoteProtocolError",
+                ErrorKind.PROTOCOL_ERROR,
                 f"@restore: the next piece of storage {handle} starts at byte {expected}, "
                 f"not {start} (pieces come in order, without gaps or overlaps)",
             )
@@ -421,23 +445,23 @@ class ExecutorSession:
     def _set_rng(self, args: Any, blobs: list[memoryview]) -> None:
         """``@rng [data]``: the session generator's state, as ``checkpoint`` reported it."""
         if not (isinstance(args, list) and len(args) == 1 and type(args[0]) is CpuTensorRef):
-            raise OpFailed("RemoteProtocolError", "@rng takes one inline tensor")
+            raise OpFailed(ErrorKind.PROTOCOL_ERROR, "@rng takes one inline tensor")
         ref = args[0]
         if ref.dtype != torch.uint8 or len(ref.sizes) != 1:
-            raise OpFailed("RemoteProtocolError", "@rng: the state must be uint8 bytes")
+            raise OpFailed(ErrorKind.PROTOCOL_ERROR, "@rng: the state must be uint8 bytes")
         state = _inline_tensor(ref, blobs)
         generator = self.ctx.generator()
         expected = generator.get_state().numel()
         if state.numel() != expected:
             raise OpFailed(
-                "ValueError",
+                ErrorKind.VALUE,
                 f"@rng: a generator state of {state.numel()} bytes does not fit this "
                 f"executor's {self.device.type} generator, whose state is {expected} bytes",
             )
         try:
             generator.set_state(state.clone())
         except RuntimeError as exc:  # torch validates the state's contents
-            raise OpFailed("ValueError", f"@rng: not a valid generator state: {exc}") from None
+            raise OpFailed(ErrorKind.VALUE, f"@rng: not a valid generator state: {exc}") from None
 
     # --- arguments ----------------------------------------------------------------------
 
@@ -473,14 +497,14 @@ class ExecutorSession:
         if anchor is None:
             why = self._poisoned.get(ref.handle)
             if why is not None:
-                raise OpFailed("RuntimeError", f"input is unavailable: {why}")
-            raise OpFailed("InvalidHandleError", f"no tensor with handle {ref.handle} here")
+                raise OpFailed(ErrorKind.RUNTIME, f"input is unavailable: {why}")
+            raise OpFailed(ErrorKind.INVALID_HANDLE, f"no tensor with handle {ref.handle} here")
         if ref.offset < 0 or min(ref.sizes, default=0) < 0 or min(ref.strides, default=0) < 0:
-            raise OpFailed("IndexError", "negative size, stride or offset in a tensor reference")
+            raise OpFailed(ErrorKind.INDEX, "negative size, stride or offset in a tensor reference")
         needed = storage_extent(ref.sizes, ref.strides, ref.offset) * ref.dtype.itemsize
         if needed > self._capacity[ref.handle]:
             raise OpFailed(
-                "IndexError",
+                ErrorKind.INDEX,
                 f"view of {needed} bytes is out of bounds for a storage of "
                 f"{self._capacity[ref.handle]} bytes",
             )
@@ -502,7 +526,7 @@ class ExecutorSession:
             return
         if not isinstance(outs, list) or len(outs) != len(tensors):
             raise OpFailed(
-                "RemoteProtocolError",
+                ErrorKind.PROTOCOL_ERROR,
                 f"op produced {len(tensors)} tensors but the client declared {len(outs)}",
             )
         added: list[int] = []
@@ -519,7 +543,7 @@ class ExecutorSession:
     def _register_declared(self, tensor: torch.Tensor, spec: Any, inputs: list) -> int:
         if not (isinstance(spec, list) and len(spec) == 4):
             raise OpFailed(
-                "RemoteProtocolError", "output spec must be [handle, sizes, strides, offset]"
+                ErrorKind.PROTOCOL_ERROR, "output spec must be [handle, sizes, strides, offset]"
             )
         handle, sizes, strides, offset = spec
         if list(tensor.shape) != sizes:
@@ -546,10 +570,10 @@ class ExecutorSession:
     def _register_dynamic(self, result: Any, first_handle: Any, inputs: list) -> Any:
         """Register an op's outputs whose shapes the client could not know; describe them."""
         if type(first_handle) is not int:
-            raise OpFailed("RemoteProtocolError", "dyn output needs an integer first handle")
+            raise OpFailed(ErrorKind.PROTOCOL_ERROR, "dyn output needs an integer first handle")
         next_handle = first_handle
         if len(_flat_tensors(result)) > DYN_BLOCK:
-            raise OpFailed("RuntimeError", f"an op may return at most {DYN_BLOCK} tensors")
+            raise OpFailed(ErrorKind.RUNTIME, f"an op may return at most {DYN_BLOCK} tensors")
 
         def describe(value: Any) -> Any:
             nonlocal next_handle
@@ -577,7 +601,7 @@ class ExecutorSession:
                 return [describe(v) for v in value]
             if isinstance(value, (bool, int, float, complex)) or value is None:
                 return value
-            raise OpFailed("TypeError", f"op returned an unsendable {type(value).__name__}")
+            raise OpFailed(ErrorKind.TYPE, f"op returned an unsendable {type(value).__name__}")
 
         described = describe(result)
         self._check_quota(0)
@@ -593,9 +617,9 @@ class ExecutorSession:
 
     def _add(self, handle: Any, tensor: torch.Tensor) -> None:
         if type(handle) is not int or not 0 < handle < MAX_HANDLE:
-            raise OpFailed("InvalidHandleError", f"bad output handle {handle!r}")
+            raise OpFailed(ErrorKind.INVALID_HANDLE, f"bad output handle {handle!r}")
         if handle in self._anchors:
-            raise OpFailed("InvalidHandleError", f"handle {handle} is already in use")
+            raise OpFailed(ErrorKind.INVALID_HANDLE, f"handle {handle} is already in use")
         nbytes = tensor.untyped_storage().nbytes()
         self._anchors[handle] = tensor
         self._views.pop(handle, None)
@@ -618,7 +642,7 @@ class ExecutorSession:
     def _check_quota(self, extra: int) -> None:
         if self.stats.bytes_in_use + extra > self.quota_bytes:
             raise OpFailed(
-                "OutOfMemoryError",
+                ErrorKind.OUT_OF_MEMORY,
                 f"session memory quota exceeded: {self.stats.bytes_in_use + extra} bytes "
                 f"needed, quota is {self.quota_bytes} bytes",
             )
@@ -651,7 +675,7 @@ class ExecutorSession:
                 self._error = (exc.kind, str(exc), "query")
         except Exception as exc:  # same rule as for ops: the session survives
             if self._error is None:
-                self._error = ("InternalError", f"{type(exc).__name__}: {exc}", "query")
+                self._error = (ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}", "query")
         reply.error, self._error = self._error, None
         if reply.error is not None:
             reply.result, reply.blobs = None, []
@@ -675,14 +699,14 @@ class ExecutorSession:
             return self._manifest(), [_tensor_bytes(self.ctx.generator().get_state())]
         if kind == "read" and len(query) == 2:
             return None, self._read(query[1])
-        raise OpFailed("RemoteProtocolError", f"unknown query {query!r}")
+        raise OpFailed(ErrorKind.PROTOCOL_ERROR, f"unknown query {query!r}")
 
     def _fetched(self, ref: TensorRef) -> torch.Tensor:
         tensor = self.tensor(ref)
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes > MAX_READ_BYTES:
             raise OpFailed(
-                "ValueError",
+                ErrorKind.VALUE,
                 f"a fetch of {nbytes} bytes is over the {MAX_READ_BYTES} bytes one reply may "
                 "carry; fetch it in pieces (views of at most that size)",
             )
@@ -695,20 +719,22 @@ class ExecutorSession:
     def _read(self, ranges: Any) -> list[memoryview]:
         """The bytes ``[[handle, start, length], ...]`` of whole storages, for a checkpoint."""
         if not isinstance(ranges, list):
-            raise OpFailed("RemoteProtocolError", "read takes a list of [handle, start, length]")
+            raise OpFailed(ErrorKind.PROTOCOL_ERROR, "read takes a list of [handle, start, length]")
         total, out = 0, []
         for entry in ranges:
             ok = isinstance(entry, list) and len(entry) == 3
             if not ok or not all(type(v) is int and v >= 0 for v in entry):
-                raise OpFailed("RemoteProtocolError", f"bad read range {entry!r}")
+                raise OpFailed(ErrorKind.PROTOCOL_ERROR, f"bad read range {entry!r}")
             handle, start, length = entry
             if handle not in self._anchors:
-                raise OpFailed("InvalidHandleError", f"no tensor with handle {handle} here")
+                raise OpFailed(ErrorKind.INVALID_HANDLE, f"no tensor with handle {handle} here")
             if start + length > self._capacity[handle]:
-                raise OpFailed("IndexError", f"read of storage {handle} is out of bounds")
+                raise OpFailed(ErrorKind.INDEX, f"read of storage {handle} is out of bounds")
             total += length
             if total > MAX_READ_BYTES:
-                raise OpFailed("ValueError", f"one read may return at most {MAX_READ_BYTES} bytes")
+                raise OpFailed(
+                    ErrorKind.VALUE, f"one read may return at most {MAX_READ_BYTES} bytes"
+                )
             out.append(_tensor_bytes(_raw_bytes(self._anchors[handle], start, length)))
         return out
 
@@ -833,13 +859,13 @@ def _strided_with_offset(sizes, strides, offset, like: torch.Tensor, device) -> 
 
 def _inline_tensor(ref: CpuTensorRef, blobs: list[memoryview]) -> torch.Tensor:
     if ref.blob >= len(blobs):
-        raise OpFailed("RemoteProtocolError", f"inline tensor names missing blob {ref.blob}")
+        raise OpFailed(ErrorKind.PROTOCOL_ERROR, f"inline tensor names missing blob {ref.blob}")
     if any(s < 0 for s in ref.sizes):
-        raise OpFailed("RemoteProtocolError", "inline tensor with a negative size")
+        raise OpFailed(ErrorKind.PROTOCOL_ERROR, "inline tensor with a negative size")
     blob = blobs[ref.blob]
     numel = math.prod(ref.sizes)
     if numel * ref.dtype.itemsize != len(blob):
-        raise OpFailed("RemoteProtocolError", "inline tensor size does not match its bytes")
+        raise OpFailed(ErrorKind.PROTOCOL_ERROR, "inline tensor size does not match its bytes")
     if numel == 0:
         return torch.empty(ref.sizes, dtype=ref.dtype)
     return aligned_bytes(blob).view(ref.dtype).reshape(ref.sizes)
@@ -858,12 +884,12 @@ def _requested_bytes(op, args: list, kwargs: dict) -> int:
     """Bytes an ``empty*`` factory will allocate, checked before it runs."""
     sizes = args[1] if op._schema.name == "aten::new_empty" else args[0]
     if not isinstance(sizes, list) or not all(type(s) is int for s in sizes):
-        raise OpFailed("TypeError", "size must be a list of integers")
+        raise OpFailed(ErrorKind.TYPE, "size must be a list of integers")
     if any(s < 0 for s in sizes):
-        raise OpFailed("RuntimeError", "negative dimension in a size")
+        raise OpFailed(ErrorKind.RUNTIME, "negative dimension in a size")
     dtype = kwargs.get("dtype") or torch.get_default_dtype()
     if not isinstance(dtype, torch.dtype):
-        raise OpFailed("TypeError", "dtype must be a dtype")
+        raise OpFailed(ErrorKind.TYPE, "dtype must be a dtype")
     return math.prod(sizes) * dtype.itemsize
 
 

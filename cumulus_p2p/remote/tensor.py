@@ -21,6 +21,7 @@ output wrappers, which is what keeps the per-op client cost low. Plans come in t
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -230,18 +231,34 @@ def _sig(x: Any) -> Any:
 # --- plans ----------------------------------------------------------------------------
 
 
+class OutKind(enum.Enum):
+    """How a plan produces one output of an op."""
+
+    NEW = "new"  # fresh remote memory under a new handle
+    VIEW = "view"  # a view of an argument's storage: nothing to send
+    SAME = "same"  # the argument itself, written in place
+    RESTRIDE = "restride"  # the argument itself, its layout changed in place (``t_``)
+    NONE = "none"  # no tensor (an optional output left out)
+    CONST = "const"  # an integer the meta kernel knew (a fused kernel's ``max_q``)
+
+
+# Bound once: the hot path compares kinds by identity against module globals.
+_NEW, _VIEW, _SAME, _RESTRIDE, _NONE, _CONST = OutKind
+_SEND_NOTHING = frozenset((_VIEW, _SAME, _NONE, _CONST))
+
+
 @dataclass(frozen=True, slots=True)
 class _Out:
     """How to produce one output: fresh memory, a view of an argument, or the argument."""
 
-    kind: str  # "new" | "view" | "same" | "none" | "const" (an int the meta kernel knew)
+    kind: OutKind
     arg: tuple | None  # where the aliased argument sits: (in_kwargs, key, list_index)
     dtype: torch.dtype | None = None
     sizes: tuple = ()
     strides: tuple = ()
     offset: int = 0
     nbytes: int = 0
-    value: int = 0  # a "const" output's integer
+    value: int = 0  # a CONST output's integer
 
 
 #: Ops whose integer results are sizes their meta kernels compute from shapes alone (the
@@ -296,10 +313,10 @@ def _plan_outputs(func, args, kwargs) -> Callable:
         return _sync_plan(func)
     shape = _structure(meta_out)
     name = op_name(func)
-    if any(o.kind == "restride" for o in outs):
+    if any(o.kind is _RESTRIDE for o in outs):
         return _restride_plan(outs, shape)
-    if all(o.kind in ("view", "same", "none", "const") for o in outs):
-        mutates = any(o.kind == "same" for o in outs) or _mutates(schema)
+    if all(o.kind in _SEND_NOTHING for o in outs):
+        mutates = any(o.kind is _SAME for o in outs) or _mutates(schema)
         if not mutates:
             return lambda a, k: shape([_build(o, a, k, None, None) for o in outs])
     return _async_plan(name, outs, shape)
@@ -342,11 +359,12 @@ def _sync_plan(func) -> Callable:
 
 
 def _build(out: _Out, args, kwargs, session, wire) -> Any:
-    if out.kind == "none":
+    kind = out.kind
+    if kind is _NONE:
         return None
-    if out.kind == "const":
+    if kind is _CONST:
         return out.value
-    if out.kind == "new":
+    if kind is _NEW:
         tensor, spec = fresh_tensor(
             session, out.dtype, out.sizes, out.strides, out.offset, nbytes=out.nbytes
         )
@@ -360,7 +378,7 @@ def _build(out: _Out, args, kwargs, session, wire) -> Any:
         )
     if wire is not None:
         wire.append(None)
-    if out.kind == "same":
+    if kind is _SAME:
         return base
     return RemoteTensor(base._rs, out.dtype, out.sizes, out.strides, out.offset)
 
@@ -384,20 +402,20 @@ def _out_specs(schema, meta_out, args, kwargs) -> list[_Out]:
         items = value if isinstance(value, (list, tuple)) else [value]
         for i, item in enumerate(items):
             if item is None:
-                specs.append(_Out("none", None))
+                specs.append(_Out(_NONE, None))
                 continue
             if type(item) is int:
-                specs.append(_Out("const", None, value=item))
+                specs.append(_Out(_CONST, None, value=item))
                 continue
             meta = (item.dtype, tuple(item.shape), tuple(item.stride()), item.storage_offset())
             if where is None:
                 nbytes = storage_extent(meta[1], meta[2], meta[3]) * item.dtype.itemsize
-                specs.append(_Out("new", None, *meta, nbytes))
+                specs.append(_Out(_NEW, None, *meta, nbytes))
                 continue
             sub = _list_item(where, i, args, kwargs) if isinstance(value, (list, tuple)) else where
-            kind = "same" if alias.is_write else "view"
-            if kind == "same" and _restrides(_argument(args, kwargs, sub), meta, schema.name):
-                kind = "restride"
+            kind = _SAME if alias.is_write else _VIEW
+            if kind is _SAME and _restrides(_argument(args, kwargs, sub), meta, schema.name):
+                kind = _RESTRIDE
             specs.append(_Out(kind, sub, *meta))
     return specs
 
