@@ -272,6 +272,13 @@ def _add_lease_wishes(consume) -> None:
     add_duration(consume, "--match-timeout", 60, "how long to wait for a match (default 60s)")
     add_duration(
         consume,
+        "--wait-for-host",
+        1800,
+        "after a host fails, how long the job waits for a usable one before it gives up "
+        "(its state is safe in its checkpoints meanwhile; default 30m)",
+    )
+    add_duration(
+        consume,
         "--checkpoint-interval",
         30,
         "time between session checkpoints for failover (default 30s)",

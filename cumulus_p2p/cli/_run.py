@@ -239,6 +239,7 @@ def _consumer_options(args, script: list[str]):
         shares=args.shares or 1,
         duration_s=args.duration,
         match_timeout=args.match_timeout,
+        wait_for_host=args.wait_for_host,
         cuda_compat=not args.no_cuda_compat,
         checkpoint_interval=args.checkpoint_interval,
     )
