@@ -64,11 +64,14 @@ def soak(root: Path, *, steps: int, kills: int, every: float, restart_after: flo
             root / "consumer", boot.addr, "--checkpoint-interval", checkpoint_interval,
             command=script, env={"CUMULUS_RESUME_TIMEOUT": resume_timeout},
         )  # fmt: skip
-        state = consumer.wait_for_state(lambda s: _running(s, 1), timeout=180)
+        consumer.wait_for_state(lambda s: _running(s, 1), timeout=180)
         next_kill = time.monotonic() + every
         while len(failovers_s) < kills:
             if not _sleep_until(next_kill, consumer):
                 break  # the job finished first
+            # Read afresh: a probe may have moved the job since (a host judged short of
+            # its offer is replaced at once, without a failover).
+            state = consumer.wait_for_state(lambda s: _running(s, 1), timeout=600)
             leases = len(state["leases"])
             name = name_of[state["leases"][-1]["host"]]
             providers[name].proc.kill()
@@ -77,7 +80,7 @@ def soak(root: Path, *, steps: int, kills: int, every: float, restart_after: flo
             _sleep_until(killed_at + restart_after, consumer)
             providers[name] = provider(name)
             try:
-                state = consumer.wait_for_state(lambda s, n=leases + 1: _running(s, n), timeout=600)
+                consumer.wait_for_state(lambda s, n=leases + 1: _running(s, n), timeout=600)
             except TimeoutError:
                 break  # the job died or finished without a new lease
             failovers_s.append(time.monotonic() - killed_at)
