@@ -76,7 +76,12 @@ def test_a_job_survives_each_of_its_hosts_killed_and_restarted_twice(tmp_path):
         )  # fmt: skip
         for step in HOLDS:
             consumer.wait_for(f"holding at step {step}", timeout=180)
-            state = consumer.wait_for_state(lambda s: s.get("leases"))
+            # The failover from the last kill is done: state.json, rewritten every
+            # second, may still show the host killed then.
+            done = len(killed)
+            state = consumer.wait_for_state(
+                lambda s, n=done: s.get("failovers") == n and s.get("status") == "running"
+            )
             name = name_of[state["leases"][-1]["host"]]
             providers[name].proc.kill()
             providers[name].proc.wait()
