@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cumulus_p2p.market.book import InsertStatus, OrderBook
+from cumulus_p2p.market.book import BookLimits, InsertStatus, OrderBook
 from cumulus_p2p.market.messages import (
     Bid,
     Cancel,
@@ -255,3 +255,62 @@ def test_a_bid_never_fills_against_its_own_authors_offer():
     book = OrderBook()
     book.insert(offer("c0"), now=0.0)
     assert book.match_bid(bid("c0"), now=0.0) == []
+
+
+# -- bounds ------------------------------------------------------------------------------
+
+
+def test_an_author_over_its_cap_gets_no_new_orders_but_may_amend_and_cancel():
+    book = OrderBook(BookLimits(max_orders_per_author=3, max_versions_per_author=8))
+    for i in range(3):
+        assert book.insert(offer(offer_id=f"o{i}", nonce=i + 1), now=0.0) is InsertStatus.ADDED
+    assert book.insert(offer(offer_id="o3", nonce=9), now=0.0) is InsertStatus.OVER_AUTHOR_CAP
+    assert book.insert(offer(offer_id="o0", price=1, nonce=10), now=0.0) is InsertStatus.REPLACED
+    assert book.insert(Cancel("h0", Side.OFFER, "o1", 100.0, 11), now=0.0).changed_book
+    assert book.insert(offer(offer_id="o3", nonce=12), now=0.0) is InsertStatus.ADDED
+    assert book.live_orders_of("h0") == 3
+    # Other authors and the other side have their own caps.
+    assert book.insert(offer("h1", offer_id="o9"), now=0.0) is InsertStatus.ADDED
+    assert book.insert(bid("h0", "b9"), now=0.0) is InsertStatus.ADDED
+    assert book.statistics().most_per_author == 3
+
+
+def test_a_flood_of_cancels_for_unseen_orders_is_bounded_too():
+    book = OrderBook(BookLimits(max_orders_per_author=2, max_versions_per_author=4))
+    results = [
+        book.insert(Cancel("h0", Side.OFFER, f"x{i}", 100.0, i + 1), now=0.0) for i in range(10)
+    ]
+    assert results.count(InsertStatus.CANCELLED) == 4
+    assert book.statistics().versions == 4
+    # Versions are forgotten when they expire, and the author may write again.
+    book.expire(100.0)
+    assert book.insert(offer(expires=200.0, nonce=50), now=100.0) is InsertStatus.ADDED
+
+
+def test_a_full_book_evicts_the_biggest_newcomer_and_never_a_vouched_author():
+    book = OrderBook(BookLimits(max_orders_per_author=4, max_versions_per_author=8, max_orders=6))
+    book.vouch("honest")
+    book.insert(offer("honest", "g0", price=50), now=0.0)
+    for i in range(4):
+        book.insert(offer("spam", f"s{i}", price=1, nonce=i + 1), now=0.0)
+    book.insert(offer("new", "n0", price=40), now=0.0)
+    assert book.statistics().offers == 6
+    # A second newcomer order pushes out the spammer's, which holds the most.
+    assert book.insert(offer("new2", "n0", price=45), now=0.0) is InsertStatus.ADDED
+    assert book.live_orders_of("spam") == 3
+    # A vouched author's new order pushes out a newcomer's, the biggest first.
+    assert book.insert(offer("honest", "g1", price=50, nonce=2), now=0.0) is InsertStatus.ADDED
+    assert book.live_orders_of("spam") == 2
+    # The spammer cannot push out anyone holding fewer than it would.
+    assert book.insert(offer("spam", "s9", price=1, nonce=9), now=0.0) is InsertStatus.BOOK_FULL
+    assert book.live_orders_of("honest") == 2
+    assert book.statistics().evicted == 2
+
+
+def test_a_newcomer_never_evicts_vouched_authors():
+    book = OrderBook(BookLimits(max_orders_per_author=4, max_versions_per_author=8, max_orders=4))
+    book.vouch("a")
+    for i in range(4):
+        book.insert(offer("a", f"o{i}", nonce=i + 1), now=0.0)
+    assert book.insert(offer("spam", "s0"), now=0.0) is InsertStatus.BOOK_FULL
+    assert book.live_orders_of("a") == 4

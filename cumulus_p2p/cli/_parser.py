@@ -110,10 +110,30 @@ def _add_node_flags(node) -> None:
     )
     _add_relay_flags(node)
     _add_discovery_flags(node)
+    _add_book_flags(node)
     node.add_argument(
         "--no-live", action="store_true", help="plain log lines instead of the live status table"
     )
     node.add_argument("-v", "--verbose", action="store_true", help="log more")
+
+
+def _add_book_flags(node) -> None:
+    node.add_argument(
+        "--max-offers-per-author",
+        type=int,
+        default=8,
+        metavar="N",
+        help="live offers (and bids) the order book keeps from one peer; a rig lists one "
+        "offer per device (default 8)",
+    )
+    node.add_argument(
+        "--max-book-orders",
+        type=int,
+        default=20_000,
+        metavar="N",
+        help="live orders the order book keeps in all; when full, peers with no record "
+        "and the most orders lose theirs first (default 20000)",
+    )
 
 
 def _add_relay_flags(node) -> None:

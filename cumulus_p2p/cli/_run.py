@@ -18,7 +18,7 @@ from .._errors import CumulusError, NodeConfigError
 from ..dht import MeshConfig
 from ..dht.nat import NatConfig
 from ..executor_options import GraphCompiler
-from ..market import PriorityClass
+from ..market import BookLimits, PriorityClass
 from ..node import hardware, logs, views
 from ..node.datadir import DataDir
 from ._exits import plain_errors
@@ -42,7 +42,7 @@ def run_node(args, script: list[str], console: Console) -> int:
         elif args.consume:
             role = functools.partial(_consume, args, data, mesh_config, script, console)
         else:
-            role = functools.partial(_route, data, mesh_config, console)
+            role = functools.partial(_route, data, mesh_config, console, _book_limits(args))
         return trio.run(_beside_explorer, args, data, console, role)
 
 
@@ -75,6 +75,18 @@ def _mesh_config(args) -> MeshConfig:
         raise NodeConfigError(f"bad mesh settings: {exc}") from exc
 
 
+def _book_limits(args) -> BookLimits:
+    """The order book's bounds: ``--max-offers-per-author``, ``--max-book-orders``."""
+    try:
+        return BookLimits(
+            max_orders_per_author=args.max_offers_per_author,
+            max_versions_per_author=max(64, 8 * args.max_offers_per_author),
+            max_orders=args.max_book_orders,
+        )
+    except ValueError as exc:
+        raise NodeConfigError(f"bad order book bounds: {exc}") from exc
+
+
 def _listen_addrs(listen: str) -> tuple[str, ...]:
     """``--listen`` as the node's listen addresses: none, or one valid multiaddr."""
     import multiaddr
@@ -98,10 +110,13 @@ def _print_addrs(console: Console, addrs) -> None:
     sys.stdout.flush()
 
 
-async def _route(data: DataDir, mesh_config: MeshConfig, console: Console) -> int:
+async def _route(
+    data: DataDir, mesh_config: MeshConfig, console: Console, book_limits: BookLimits
+) -> int:
     from ..node.runtime import open_runtime
 
-    async with open_runtime(data.identity(), data, mesh_config) as runtime:
+    identity = data.identity()
+    async with open_runtime(identity, data, mesh_config, book_limits=book_limits) as runtime:
         _print_addrs(console, runtime.mesh.addrs)
         while True:
             data.write_state(runtime.snapshot() | {"role": "bootstrap", "leases": []})
@@ -126,6 +141,7 @@ async def _provide(args, data: DataDir, mesh_config: MeshConfig, console: Consol
             on_tick=screen.tick,
             on_leaving=screen.leaving,
             handle_signals=True,
+            book_limits=_book_limits(args),
         )
     finally:
         if screen.live is not None:
@@ -213,7 +229,9 @@ async def _consume(args, data, mesh_config, script: list[str], console: Console)
     options = _consumer_options(args, script)
     screen = _ConsumerScreen(console, script)
     try:
-        consumer = await run_consumer(data, mesh_config, options, on_tick=screen.tick)
+        consumer = await run_consumer(
+            data, mesh_config, options, on_tick=screen.tick, book_limits=_book_limits(args)
+        )
     finally:
         screen.status.stop()
     console.print(views.leases_table(list(consumer.snapshot()["leases"]), "consumer"))

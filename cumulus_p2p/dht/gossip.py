@@ -15,6 +15,19 @@ One exception: an envelope this node already took from a DHT offer sheet comes b
 as a "replay" when its gossip copy arrives later. That is an honest race, not an
 attack, so the gate accepts it for forwarding but does not deliver it twice.
 
+Floods of valid messages
+------------------------
+Valid, signed messages cost a flooder only its keys, so the gate also limits rates
+(``ratelimit``, token buckets with a penalty box): per *originating peer* (pubsub's
+``from``, signed under ``strict_signing``, whoever forwards it) and per envelope
+*author*, each checked before the signature (the originator) or right after it (the
+author, so no one can spend another author's budget). A message past either limit is
+rejected: pubsub neither delivers nor forwards it, so the excess dies at the first
+honest hop. The peer that handed it over is penalised (P4) only when it published the
+message itself; an honest peer relaying a flood it did not start is excused (py-libp2p
+has no "ignore" result, so the gate tells the scorer, ``ExcusingScorer``). Our own
+publishes are never limited.
+
 Accepted envelopes are parked by pubsub message id; the subscription reader picks
 them up, so the consumer gets the decoded ``Envelope`` without a second signature
 check.
@@ -32,14 +45,16 @@ from libp2p.peer.id import ID
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, PROTOCOL_ID_V12, GossipSub
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
-from libp2p.pubsub.score import ScoreParams, TopicScoreParams
+from libp2p.pubsub.score import PeerScorer, ScoreParams, TopicScoreParams
 
 from ..envelope import Envelope, EnvelopeValidator, Rejected, Rejection
+from .ratelimit import RateLimit, RateLimiter
 
 __all__ = [
     "MARKET_TOPIC",
     "REPUTATION_TOPIC",
     "TOPICS",
+    "ExcusingScorer",
     "GateDecision",
     "GossipConfig",
     "TopicGate",
@@ -69,6 +84,12 @@ class GossipConfig:
         graylist_threshold: Below this, the peer is ignored.
         max_messages_per_topic_per_second: Per-forwarder rate limit. py-libp2p's 10/s
             also applies to our own publishes, which a re-announcing host exceeds.
+        peer_limit: Messages one originating peer may publish (all its authors
+            together): well above what any honest node sends.
+        author_limit: Envelopes one author may sign: a host re-announces each of its
+            offers (at most ``book.BookLimits.max_orders_per_author``) once per
+            heartbeat, plus a bid, cancels and reports.
+        max_limited_keys: Peers and authors whose buckets are kept.
     """
 
     heartbeat_interval: float = 1.0
@@ -82,6 +103,36 @@ class GossipConfig:
     gossip_threshold: float = -20.0
     graylist_threshold: float = -80.0
     max_messages_per_topic_per_second: float = 500.0
+    peer_limit: RateLimit = RateLimit(rate=50.0, burst=200.0, penalty_s=10.0)
+    author_limit: RateLimit = RateLimit(rate=4.0, burst=24.0, penalty_s=30.0)
+    max_limited_keys: int = 8192
+
+
+class ExcusingScorer(PeerScorer):
+    """py-libp2p's scorer, except that the gate may excuse the next invalid message.
+
+    Pubsub counts every message a validator rejects against the peer that forwarded it
+    (P4). A message refused for a rate limit that peer did not break (it relayed an
+    author's or another peer's flood) must not count: the gate calls ``excuse(peer)``
+    right before returning False, and pubsub calls ``on_invalid_message`` right after,
+    with no checkpoint in between.
+    """
+
+    def __init__(self, params: ScoreParams) -> None:
+        super().__init__(params)
+        self._excused: ID | None = None
+        self.excused = 0
+
+    def excuse(self, peer: ID) -> None:
+        self._excused = peer
+
+    def on_invalid_message(self, peer: ID, topic: str) -> None:
+        if self._excused is not None and peer == self._excused:
+            self._excused = None
+            self.excused += 1
+            return
+        self._excused = None
+        super().on_invalid_message(peer, topic)
 
 
 def score_params(config: GossipConfig) -> ScoreParams:
@@ -122,6 +173,7 @@ def new_gossip(host: IHost, config: GossipConfig) -> tuple[Pubsub, GossipSub]:
         # Loopback and LAN meshes share one IP; diversity grafting would fight the mesh.
         eclipse_protection_enabled=False,
     )
+    router.scorer = ExcusingScorer(router.scorer.params)
     pubsub = Pubsub(host, router, strict_signing=True)
     return pubsub, router
 
@@ -145,6 +197,10 @@ class TopicGate:
         kinds: The envelope kinds this topic carries; ``None`` accepts every kind the
             validator accepts.
         max_parked: Bound on accepted envelopes waiting for the reader.
+        own_id: This node's peer ID: its own publishes are not rate-limited.
+        peer_limiter, author_limiter: Rate limits per originating peer and per author
+            (shared by the node's gates); ``None`` for none.
+        excuse: Tells the scorer not to count the next rejection against a forwarder.
     """
 
     def __init__(
@@ -156,7 +212,15 @@ class TopicGate:
         from_dht: Callable[[bytes], bool],
         kinds: frozenset[str] | None = None,
         max_parked: int = 4096,
+        own_id: ID | None = None,
+        peer_limiter: RateLimiter | None = None,
+        author_limiter: RateLimiter | None = None,
+        excuse: Callable[[ID], None] = lambda peer: None,
     ) -> None:
+        self._own_id = own_id
+        self._peer_limiter = peer_limiter
+        self._author_limiter = author_limiter
+        self._excuse = excuse
         self._validator = validator
         self._clock = clock
         self._message_id = message_id
@@ -187,16 +251,33 @@ class TopicGate:
 
     def __call__(self, forwarder: ID, msg: rpc_pb2.Message) -> bool:
         """Pubsub's synchronous validator hook. Never raises on peer input."""
-        decision, result = self.decide(bytes(msg.data), now=self._clock())
+        now = self._clock()
+        origin = ID(msg.from_id) if msg.from_id else forwarder
+        own = self._own_id is not None and origin == self._own_id
+        if not own and self._peer_limiter is not None:
+            if not self._peer_limiter.allow(origin, now=now):
+                return self._rate_limited("RATE_LIMITED_PEER", forwarder, origin)
+        decision, result = self.decide(bytes(msg.data), now=now)
         if isinstance(result, Rejected):
             self.rejections[result.reason.name] += 1
             return False
+        if not own and self._author_limiter is not None and decision is GateDecision.DELIVER:
+            if not self._author_limiter.allow(result.author, now=now):
+                # The peer that published an author's flood is as much to blame.
+                return self._rate_limited("RATE_LIMITED_AUTHOR", forwarder, origin)
         if decision is GateDecision.DELIVER:
             self.accepted += 1
             self._parked[self._message_id(msg)] = result
             while len(self._parked) > self._max_parked:
                 self._parked.popitem(last=False)
         return True
+
+    def _rate_limited(self, what: str, forwarder: ID, offender: ID) -> bool:
+        """Reject a message past a rate limit; excuse a forwarder that only relayed it."""
+        self.rejections[what] += 1
+        if forwarder != offender:
+            self._excuse(forwarder)
+        return False
 
     def take(self, msg: rpc_pb2.Message) -> Envelope | None:
         """Return the envelope the gate accepted for ``msg`` (once), or ``None``."""

@@ -44,7 +44,7 @@ from libp2p.utils.address_validation import find_free_port
 from .._errors import AnnouncementError, MeshError, PeerUnreachableError
 from ..envelope import Envelope, EnvelopeValidator, Rejected, seal
 from ..identity import NodeIdentity
-from .gossip import MARKET_TOPIC, TOPICS, GossipConfig, TopicGate, new_gossip
+from .gossip import MARKET_TOPIC, TOPICS, ExcusingScorer, GossipConfig, TopicGate, new_gossip
 from .host import (
     connect,
     interface_ipv4s,
@@ -56,6 +56,7 @@ from .host import (
 )
 from .kad import fetch_offer_sheets, new_dht
 from .nat import NatConfig, NatTraversal, open_nat_traversal
+from .ratelimit import RateLimiter
 from .records import OFFERS_INDEX, SHEET_KIND, encode_sheet_body, offers_key
 
 __all__ = [
@@ -200,12 +201,21 @@ class MeshNode:
         # copies are honest late arrivals, not replays (see gossip.TopicGate).
         self._from_dht: dict[bytes, float] = {}
         self._dht_delivered = 0
+        # One budget per peer and per author across both topics.
+        gossip = config.gossip
+        self.peer_limiter = RateLimiter(gossip.peer_limit, max_keys=gossip.max_limited_keys)
+        self.author_limiter = RateLimiter(gossip.author_limit, max_keys=gossip.max_limited_keys)
+        scorer = self.router.scorer
         self._gates = {
             topic: TopicGate(
                 validator,
                 clock=clock,
                 message_id=self.pubsub.get_message_id,
                 from_dht=self._from_dht.__contains__,
+                own_id=self.host.get_id(),
+                peer_limiter=self.peer_limiter,
+                author_limiter=self.author_limiter,
+                excuse=scorer.excuse if isinstance(scorer, ExcusingScorer) else lambda p: None,
             )
             for topic in TOPICS
         }

@@ -34,6 +34,7 @@ Cores take the time as an argument and never read a clock; only ``rpc``,
 ``negotiation``, ``settlement`` (trio, libp2p) and ``ledger`` (files) do I/O.
 """
 
+from .book import BookLimits as BookLimits
 from .book import BookStatistics as BookStatistics
 from .book import Fill as Fill
 from .book import InsertStatus as InsertStatus

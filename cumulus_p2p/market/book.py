@@ -26,6 +26,24 @@ never over-filled and leftovers stay for later bids.
 
 Scale: an insert is a dict update plus a sorted-list insertion (O(log n)); a match
 walks offers from the best price and stops at the bid's limit or when it is filled.
+
+Bounds (``BookLimits``)
+-----------------------
+Signed messages cost an attacker nothing but a key, so a book that took every valid
+order would grow without bound under a flood of fresh offer ids. A bounded book caps:
+
+- the live orders of one author on each side (a rig has a handful of GPUs): a new
+  order over the cap is refused (``OVER_AUTHOR_CAP``); amending or cancelling one the
+  author already has is always allowed, so an honest host re-announcing is unaffected;
+- the versions one author may make the book remember (tombstones included), so a flood
+  of cancels for orders never seen cannot grow it either;
+- the whole book: at ``max_orders`` a new order evicts one from the author that holds
+  the most, preferring authors with no evidence behind them (``vouch``). A newcomer
+  never evicts a vouched author's order, and never one from an author that holds fewer
+  orders than it would: the flood evicts itself first (``BOOK_FULL``).
+
+Bounds depend on arrival order, so two bounded books that were flooded differently may
+differ; every honest author stays under its cap and is held the same everywhere.
 """
 
 from __future__ import annotations
@@ -42,7 +60,7 @@ from sortedcontainers import SortedList
 
 from .messages import Bid, Cancel, Offer, PriorityClass, Side, encode_message
 
-__all__ = ["BookStatistics", "Fill", "InsertStatus", "OrderBook", "RestingOrder"]
+__all__ = ["BookLimits", "BookStatistics", "Fill", "InsertStatus", "OrderBook", "RestingOrder"]
 
 #: An offer or a bid: what a ``RestingOrder`` holds says which side it rests on.
 OrderT = TypeVar("OrderT", Offer, Bid)
@@ -58,6 +76,8 @@ class InsertStatus(enum.Enum):
     SUPERSEDED = "superseded by a newer nonce"
     EQUIVOCATION = "another message with the same nonce exists"
     EXPIRED = "expired"
+    OVER_AUTHOR_CAP = "the author already has as many orders as it may"
+    BOOK_FULL = "the book is full of orders from authors with more evidence or fewer orders"
 
     @property
     def changed_book(self) -> bool:
@@ -95,6 +115,38 @@ class BookStatistics:
     bids: int
     resource_classes: int
     versions: int
+    #: The most live orders any one author has on one side.
+    most_per_author: int = 0
+    #: Orders evicted so far to make room in a full book.
+    evicted: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class BookLimits:
+    """Bounds on what one author, and everyone together, may make a book hold.
+
+    Attributes:
+        max_orders_per_author: Live orders one author may have on each side. A rig
+            offers one order per device; 8 covers an 8-GPU server (``--max-offers-per-
+            author``).
+        max_versions_per_author: Order ids one author may make the book remember,
+            live, cancelled or filled, until they expire.
+        max_orders: Live orders in the whole book.
+    """
+
+    max_orders_per_author: int = 8
+    max_versions_per_author: int = 64
+    max_orders: int = 20_000
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_orders_per_author <= self.max_versions_per_author:
+            raise ValueError("need 1 <= max_orders_per_author <= max_versions_per_author")
+        if self.max_orders < self.max_orders_per_author:
+            raise ValueError("max_orders must hold at least one author's orders")
+
+
+#: No bounds: for books built from messages already bounded elsewhere (simulations).
+UNBOUNDED = BookLimits(2**62, 2**62, 2**62)
 
 
 @dataclass(slots=True)
@@ -133,9 +185,19 @@ class OrderBook:
     Feed it messages that passed the envelope validator and ``open_message``; it
     trusts that their authors signed them. All methods take ``now`` where time matters
     and never read a clock.
+
+    Args:
+        limits: Bounds per author and on the whole book (see the module docstring);
+            unbounded if omitted.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, limits: BookLimits = UNBOUNDED) -> None:
+        self.limits = limits
+        # Live orders per (side, author), versions per author, authors with evidence.
+        self._live_counts: dict[tuple[Side, str], int] = {}
+        self._version_counts: dict[str, int] = {}
+        self._vouched: set[str] = set()
+        self.evicted = 0
         self._classes: dict[tuple[str, int], _ClassIndex] = {}
         self._offers: dict[tuple[str, str], _Live[Offer]] = {}
         self._bids: dict[tuple[str, str], _Live[Bid]] = {}
@@ -179,10 +241,19 @@ class OrderBook:
                     return InsertStatus.DUPLICATE
                 if encode_message(message) >= encode_message(version.message):
                     return InsertStatus.EQUIVOCATION
+            refused = self._refusal(message, side, author, order_id)
+            if refused is not None:
+                return refused
             version.nonce = message.nonce
             version.message = message
             replaced = self._remove_live(side, author, order_id)
         else:
+            if self._version_counts.get(author, 0) >= self.limits.max_versions_per_author:
+                return InsertStatus.OVER_AUTHOR_CAP
+            refused = self._refusal(message, side, author, order_id)
+            if refused is not None:
+                return refused
+            self._version_counts[author] = self._version_counts.get(author, 0) + 1
             self._versions[vkey] = _Version(message.nonce, message.expires_at, message)
             self._push_deadline(message.expires_at, side, author, order_id, -1)
             replaced = False
@@ -194,6 +265,69 @@ class OrderBook:
             self._push_deadline(message.expires_at, side, author, order_id, message.nonce)
         return InsertStatus.REPLACED if replaced else InsertStatus.ADDED
 
+    def _refusal(
+        self, message: Offer | Bid | Cancel, side: Side, author: str, order_id: str
+    ) -> InsertStatus | None:
+        """Why a message that would add a live order may not, after making room for it
+        if the book is full; ``None`` when it may (an amendment or a cancel always may)."""
+        table = self._offers if side is Side.OFFER else self._bids
+        if isinstance(message, Cancel) or (author, order_id) in table:
+            return None
+        if self._live_counts.get((side, author), 0) >= self.limits.max_orders_per_author:
+            return InsertStatus.OVER_AUTHOR_CAP
+        if len(self._offers) + len(self._bids) < self.limits.max_orders:
+            return None
+        victim = self._eviction_victim(author)
+        if victim is None:
+            return InsertStatus.BOOK_FULL
+        victim_side, victim_author = victim
+        victims = self._offers if victim_side is Side.OFFER else self._bids
+        # The victim's order with the greatest id: which one goes is deterministic.
+        victim_id = max(oid for (a, oid) in victims if a == victim_author)
+        self._remove_live(victim_side, victim_author, victim_id)
+        self.evicted += 1
+        return None
+
+    def _eviction_victim(self, author: str) -> tuple[Side, str] | None:
+        """The (side, author) to evict an order from for ``author``'s new one, or None.
+
+        O(authors) per eviction, which happens only while the book is full.
+        """
+        newcomer = author not in self._vouched
+        own = max(
+            self._live_counts.get((Side.OFFER, author), 0),
+            self._live_counts.get((Side.BID, author), 0),
+        )
+        best: tuple[bool, int, str, str] | None = None
+        victim: tuple[Side, str] | None = None
+        for (side, other), count in self._live_counts.items():
+            vouched = other in self._vouched
+            if vouched and newcomer:
+                continue  # a newcomer never pushes out an author with evidence
+            # Among equals, only an author holding more than the newcomer would after
+            # inserting; a vouched author pushes out any newcomer.
+            if (newcomer or vouched) and count <= own + 1:
+                continue
+            candidate = (not vouched, count, other, str(side.value))
+            if best is None or candidate > best:
+                best, victim = candidate, (side, other)
+        return victim
+
+    # -- evidence -----------------------------------------------------------------------
+
+    def vouch(self, author: str) -> None:
+        """``author`` has evidence behind it (paid leases, a probe answered): a full book
+        evicts newcomers' orders before its own."""
+        self._vouched.add(author)
+
+    def vouched(self, author: str) -> bool:
+        """Whether ``author`` was vouched for."""
+        return author in self._vouched
+
+    def live_orders_of(self, author: str, side: Side = Side.OFFER) -> int:
+        """How many live orders ``author`` has on ``side``."""
+        return self._live_counts.get((side, author), 0)
+
     def _add_live(self, order: Offer | Bid, author: str, order_id: str) -> None:
         if isinstance(order, Offer):
             key = _offer_key(order)
@@ -203,10 +337,13 @@ class OrderBook:
                 index = self._classes[resource_class] = _ClassIndex(*resource_class)
             index.keys.add(key)
             self._offers[(author, order_id)] = _Live(order, key, order.shares_free)
+            count_key = (Side.OFFER, author)
         else:
             key = _bid_key(order)
             self._bid_keys.add(key)
             self._bids[(author, order_id)] = _Live(order, key, order.shares)
+            count_key = (Side.BID, author)
+        self._live_counts[count_key] = self._live_counts.get(count_key, 0) + 1
 
     def _remove_live(self, side: Side, author: str, order_id: str) -> bool:
         if side is Side.OFFER:
@@ -222,11 +359,14 @@ class OrderBook:
             if bid is None:
                 return False
             self._bid_keys.remove(bid.key)
+        left = self._live_counts[(side, author)] - 1
+        if left:
+            self._live_counts[(side, author)] = left
+        else:
+            del self._live_counts[(side, author)]
         return True
 
-    def _push_deadline(
-        self, at: float, side: Side, author: str, order_id: str, nonce: int
-    ) -> None:
+    def _push_deadline(self, at: float, side: Side, author: str, order_id: str, nonce: int) -> None:
         heapq.heappush(self._deadlines, (at, next(self._tie), side, author, order_id, nonce))
 
     # -- expiry -------------------------------------------------------------------------
@@ -245,6 +385,11 @@ class OrderBook:
                 version = self._versions.get((side, author, order_id))
                 if version is not None and version.retain_until <= now:
                     del self._versions[(side, author, order_id)]
+                    left = self._version_counts[author] - 1
+                    if left:
+                        self._version_counts[author] = left
+                    else:
+                        del self._version_counts[author]
             # A version deadline also stands for an order that expires with it (no entry
             # of its own was pushed), even if the version itself was since extended.
             live = (self._offers if side is Side.OFFER else self._bids).get((author, order_id))
@@ -385,5 +530,10 @@ class OrderBook:
     def statistics(self) -> BookStatistics:
         """How much the book holds."""
         return BookStatistics(
-            len(self._offers), len(self._bids), len(self._classes), len(self._versions)
+            len(self._offers),
+            len(self._bids),
+            len(self._classes),
+            len(self._versions),
+            max(self._live_counts.values(), default=0),
+            self.evicted,
         )

@@ -36,7 +36,17 @@ from libp2p.exceptions import BaseLibp2pError
 
 from .._errors import CumulusError, LeaseRefusedError, NoMatchError, PeerUnreachableError
 from ..dht.host import connect
-from ..market import Bid, Cancel, Lease, LeaseProposal, Offer, PriorityClass, Side, rank_offers
+from ..market import (
+    Bid,
+    BookLimits,
+    Cancel,
+    Lease,
+    LeaseProposal,
+    Offer,
+    PriorityClass,
+    Side,
+    rank_offers,
+)
 from ..market.hostchoice import BackoffPolicy, GiveUp, HostChoice, Wait
 from ..market.messages import encode_message, seal_message
 from ..market.negotiation import call_propose_lease
@@ -571,7 +581,12 @@ def script_command(command: tuple[str, ...], *, cuda_compat: bool) -> list[str]:
 
 
 async def run_consumer(
-    data: DataDir, mesh_config, options: ConsumerOptions, *, on_tick=None
+    data: DataDir,
+    mesh_config,
+    options: ConsumerOptions,
+    *,
+    on_tick=None,
+    book_limits: BookLimits | None = None,
 ) -> Consumer:
     """Run the script on a leased host; return the consumer when it has finished.
 
@@ -580,7 +595,7 @@ async def run_consumer(
     """
     identity = data.identity()
     argv = script_command(options.command, cuda_compat=options.cuda_compat)
-    async with open_runtime(identity, data, mesh_config) as runtime:
+    async with open_runtime(identity, data, mesh_config, book_limits=book_limits) as runtime:
         desk = ReceiptDesk(identity, data.ledger())
         consumer = Consumer(runtime, options, desk)
         serve_receipts(
@@ -600,8 +615,12 @@ async def run_consumer(
             token = control.new_token()
             address = await nursery.start(
                 functools.partial(
-                    control.serve_control, token, consumer.current_ticket, consumer.failover,
-                    usage=consumer.take_usage, probe=consumer.check_probe,
+                    control.serve_control,
+                    token,
+                    consumer.current_ticket,
+                    consumer.failover,
+                    usage=consumer.take_usage,
+                    probe=consumer.check_probe,
                     path=consumer.take_path,
                 )
             )

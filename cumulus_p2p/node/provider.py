@@ -51,6 +51,7 @@ from ..dht import MeshConfig
 from ..dht.host import interface_ipv4s, observed_ipv4s
 from ..executor_options import GraphCompiler
 from ..market import (
+    BookLimits,
     Cancel,
     Lease,
     LeaseBook,
@@ -508,6 +509,7 @@ async def run_provider(
     on_tick=None,
     on_leaving=None,
     handle_signals: bool = False,
+    book_limits: BookLimits | None = None,
 ) -> None:
     """Run a provider node until cancelled, or with ``handle_signals`` until SIGTERM or
     SIGINT, when it leaves in order (``Provider.leave``) and returns.
@@ -524,7 +526,7 @@ async def run_provider(
     """
     identity = data.identity()
     executors = [_executor_for(device, options, data) for device in options.devices]
-    async with open_runtime(identity, data, mesh_config) as runtime:
+    async with open_runtime(identity, data, mesh_config, book_limits=book_limits) as runtime:
         provider = Provider(runtime, options, executors)
         server = LeaseServer(
             provider.book, endpoints=provider.current_endpoints, screen=provider.screen

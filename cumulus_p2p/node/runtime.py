@@ -22,9 +22,9 @@ from ..dht.gossip import TOPICS
 from ..envelope import Envelope
 from ..identity import NodeIdentity
 from ..market import KINDS as MARKET_KINDS
-from ..market import MarketIntake, Offer, OrderBook
+from ..market import BookLimits, MarketIntake, Offer, OrderBook
 from ..market.intake import ORDER_KINDS, Admitted
-from ..reputation import REPORT_KIND, Reputation
+from ..reputation import REPORT_KIND, Accepted, Reputation
 from .datadir import DataDir
 
 
@@ -51,7 +51,9 @@ class Runtime:
 
     async def publish_report(self, envelope: Envelope) -> None:
         """Gossip a signed reputation report (and count it ourselves)."""
-        self.reputation.receive_envelope(envelope, now=self.clock())
+        result = self.reputation.receive_envelope(envelope, now=self.clock())
+        if isinstance(result, Accepted):
+            self._vouch_if_served(result.report.host, self.clock())
         await self.mesh.publish(envelope, topic=REPUTATION_TOPIC)
 
     async def consume_messages(self) -> None:
@@ -67,7 +69,16 @@ class Runtime:
                     key = (offer.host, offer.offer_id, offer.nonce)
                     self.offer_envelopes[key] = msg.envelope
             elif kind == REPORT_KIND:
-                self.reputation.receive_envelope(msg.envelope, now=now)
+                result = self.reputation.receive_envelope(msg.envelope, now=now)
+                if isinstance(result, Accepted):
+                    self._vouch_if_served(result.report.host, now)
+
+    def _vouch_if_served(self, host: str, now: float) -> None:
+        """A host with credible evidence of service (paid leases) is vouched for in the
+        book: a full book evicts newcomers' orders first, and consumers rank it ahead of
+        hosts with no record."""
+        if not self.book.vouched(host) and self.reputation.score(host, now=now).successes > 0:
+            self.book.vouch(host)
 
     async def expire_loop(self, interval: float = 1.0) -> None:
         """Drop expired orders and evidence on a timer."""
@@ -192,8 +203,12 @@ async def open_runtime(
     config: MeshConfig,
     *,
     clock: Callable[[], float] = time.time,
+    book_limits: BookLimits | None = None,
 ) -> AsyncIterator[Runtime]:
     """Join the mesh and run the message loop; everything stops on exit.
+
+    ``book_limits`` bounds the order book (``BookLimits()`` by default): a flood of
+    valid offers from fresh keys must not grow it without end.
 
     Raises:
         NodeConfigError: Bootstrap peers were given and none could be reached.
@@ -206,7 +221,7 @@ async def open_runtime(
                 "that the address is right and that the node there is running, or leave "
                 "out --bootstrap to start a new mesh."
             )
-        book = OrderBook()
+        book = OrderBook(book_limits or BookLimits())
         runtime = Runtime(
             identity,
             data,

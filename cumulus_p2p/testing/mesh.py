@@ -234,6 +234,14 @@ class RoguePeer:
         """Gossip ``data`` unchecked."""
         await self.pubsub.publish(topic, data)
 
+    async def flood(self, payloads: Sequence[bytes], *, topic: str = MARKET_TOPIC) -> None:
+        """Gossip every payload as fast as the peers take them: py-libp2p drops what is
+        published past a peer's outbound queue (32 RPCs), so wait while one is half full."""
+        for data in payloads:
+            while any(len(q) >= 16 for q in getattr(self.pubsub, "peer_queues", {}).values()):
+                await trio.sleep(0.005)
+            await self.pubsub.publish(topic, data)
+
 
 @asynccontextmanager
 async def open_rogue_peer(
