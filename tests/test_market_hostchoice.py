@@ -212,3 +212,18 @@ def test_every_standing_has_a_row_and_banned_is_final():
     for row in TRANSITIONS.values():
         if row:
             assert row.get(HostEvent.BANNED) is HostStanding.BANNED
+
+
+def test_a_host_that_ignores_a_proposal_is_set_aside_after_one_try_with_all_its_offers():
+    choice = searching()
+    for nonce in range(1, 9):  # a flooder's eight offers
+        choice.see_offer(A, nonce, now=0.0)
+    choice.see_offer(B, 1, now=0.0)
+    assert choice.next_step([A, B], now=0.0) == Propose((A, B))
+    choice.failed(A, now=3.0, nonce=8, reason="ignored a proposal")
+    assert choice.next_step([A, A, B], now=3.0) == Propose((B,))
+    # Its old offers change nothing; only a fresh one after the backoff brings it back.
+    choice.see_offer(A, 5, now=4.0)
+    assert choice.next_step([A, B], now=20.0) == Propose((B,))
+    (view,) = choice.view(now=4.0)
+    assert view.reason == "ignored a proposal"

@@ -6,7 +6,13 @@ from hypothesis import strategies as st
 
 from cumulus_p2p._errors import InvalidMessageError
 from cumulus_p2p.market.book import OrderBook
-from cumulus_p2p.market.matcher import RankingPolicy, effective_price, rank_offers
+from cumulus_p2p.market.matcher import (
+    Entry,
+    RankingPolicy,
+    effective_price,
+    entry_of,
+    rank_offers,
+)
 from cumulus_p2p.market.messages import Bid, Offer, PriorityClass
 
 
@@ -74,13 +80,49 @@ def test_early_stop_returns_exactly_the_top_of_a_full_sort(hosts, limit):
     offers = [offer(f"h{i}", price) for i, (price, _, _) in enumerate(hosts)]
     reliability = {f"h{i}": r for i, (_, r, _) in enumerate(hosts)}
     latency = {f"h{i}": lat for i, (_, _, lat) in enumerate(hosts)}
-    ranked = rank_offers(book_of(*offers), bid(), reliability=reliability,
-                         latency_ms=latency, limit=limit)
+    ranked = rank_offers(
+        book_of(*offers), bid(), reliability=reliability, latency_ms=latency, limit=limit
+    )
     policy = RankingPolicy()
     expected = sorted(
         offers,
-        key=lambda o: (effective_price(o.price, reliability=reliability[o.host],
-                                       latency_ms=latency[o.host], policy=policy),
-                       o.price, o.created_at, o.host, o.offer_id),
+        key=lambda o: (
+            effective_price(
+                o.price, reliability=reliability[o.host], latency_ms=latency[o.host], policy=policy
+            ),
+            o.price,
+            o.created_at,
+            o.host,
+            o.offer_id,
+        ),
     )[:limit]
     assert [r.offer for r in ranked] == expected
+
+
+# -- cost of entry -------------------------------------------------------------------------
+
+
+def junk(host, offer_id, price=1):
+    return Offer(host, offer_id, "A100", 40, 10, 8, price, 0, "", 0.0, 100.0, 1)
+
+
+def test_junk_far_below_the_market_ranks_after_hosts_with_a_record_and_fair_newcomers():
+    book = book_of(
+        offer("recorded", 500), offer("newcomer", 600), *[junk(f"spam{i}", "j") for i in range(50)]
+    )
+    entry = entry_of(book, bid(), {"recorded"}.__contains__)
+    ranked = rank_offers(book, bid(), limit=3, entry=entry)
+    assert [r.offer.host for r in ranked[:2]] == ["recorded", "newcomer"]
+    assert entry(ranked[2].offer) is Entry.SUSPECT
+    # Without a record in the class, "far below" is judged against the bid's limit.
+    alone = book_of(offer("newcomer", 600), junk("spam", "j"))
+    entry = entry_of(alone, bid(max_price=10_000), lambda host: False)
+    ranked = rank_offers(alone, bid(max_price=10_000), entry=entry)
+    assert [r.offer.host for r in ranked] == ["newcomer", "spam"]
+
+
+@pytest.mark.parametrize("price", [1, 100, 499, 500, 900])
+def test_an_unknown_host_at_any_price_never_outranks_a_host_with_a_record(price):
+    book = book_of(offer("recorded", 500), junk("spam", "j", price))
+    entry = entry_of(book, bid(), {"recorded"}.__contains__)
+    assert rank_offers(book, bid(), entry=entry)[0].offer.host == "recorded"

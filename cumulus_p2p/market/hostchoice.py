@@ -239,9 +239,11 @@ class HostChoice:
         if nonce > record.nonce_at_setback:
             self._move(record, HostEvent.OFFERED)
 
-    def failed(self, host: str, *, now: float, nonce: int = -1) -> float:
-        """``host`` dropped a session (or could not be reached for a lease) at ``now``;
-        ``nonce`` is its offer's, if the shell knows one newer than any it reported.
+    def failed(self, host: str, *, now: float, nonce: int = -1, reason: str = "failed") -> float:
+        """``host`` dropped a session, or could not be reached for a lease, or refused or
+        ignored a proposal, at ``now``; ``nonce`` is its offer's, if the shell knows one
+        newer than any it reported. All its offers are set aside with it: a host that
+        floods the book with cheap offers it never honours costs a job one try.
 
         Returns:
             The backoff it now serves, in seconds.
@@ -252,7 +254,7 @@ class HostChoice:
         backoff = self.policy.backoff_s(evidence)
         record.until = now + backoff
         record.nonce_at_setback = max(record.latest_nonce, nonce)
-        record.reason = "failed"
+        record.reason = reason
         self._move(record, HostEvent.FAILED)
         return backoff
 

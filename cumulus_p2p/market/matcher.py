@@ -16,19 +16,40 @@ Walking every offer under the bid's limit would cost O(n). Instead offers are re
 from the book cheapest first, and the walk stops once even the best possible
 adjustment (perfect reliability, zero latency) cannot bring the next price into the
 current top ``limit``.
+
+Cost of entry
+-------------
+Price alone lets junk win: a signed offer at a millionth of the market costs a flooder
+nothing, and no reliability adjustment (at most 1.5x) outweighs it. So a consumer may
+rank by *entry* first (``Entry``, from ``entry_of``): hosts with a record (evidence of
+paid leases) before newcomers, and newcomers priced like the market before newcomers
+priced far below it (``EntryPolicy``: under a fraction of the median recorded price of
+their resource class, or with no recorded offer in the class, of the bid's own limit).
+Within an entry tier, the effective price decides as before. Ranking by entry walks
+every candidate (O(n), n bounded by the book's ``BookLimits``).
 """
 
 from __future__ import annotations
 
+import enum
 import heapq
-from collections.abc import Mapping
+import statistics
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from .._errors import InvalidMessageError
 from .book import OrderBook
 from .messages import Bid, Offer
 
-__all__ = ["RankedOffer", "RankingPolicy", "effective_price", "rank_offers"]
+__all__ = [
+    "Entry",
+    "EntryPolicy",
+    "RankedOffer",
+    "RankingPolicy",
+    "effective_price",
+    "entry_of",
+    "rank_offers",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +99,64 @@ def effective_price(
     return price * factor * (1.0 + max(0.0, latency_ms) / policy.latency_scale_ms)
 
 
+class Entry(enum.IntEnum):
+    """How far a host has paid its cost of entry, best first (see the module docstring)."""
+
+    #: Evidence of paid leases (or a lease with this consumer).
+    RECORD = 0
+    #: No record, priced like the market.
+    NEWCOMER = 1
+    #: No record, priced far below the market for its class.
+    SUSPECT = 2
+
+
+@dataclass(frozen=True, slots=True)
+class EntryPolicy:
+    """When a newcomer's price is too good to be true.
+
+    Attributes:
+        below_market: A newcomer's price under this fraction of the median price that
+            hosts with a record ask for the same resource class is suspect.
+        below_limit: With no recorded offer in the class, a price under this fraction
+            of the bid's limit is suspect (a consumer willing to pay 1 credit is not
+            offered an H100 for a millionth of one).
+    """
+
+    below_market: float = 0.25
+    below_limit: float = 0.001
+
+
+def entry_of(
+    book: OrderBook,
+    bid: Bid,
+    has_record: Callable[[str], bool],
+    policy: EntryPolicy | None = None,
+) -> Callable[[Offer], Entry]:
+    """Return ``entry(offer)`` for the offers that meet ``bid``.
+
+    Args:
+        book: The consumer's order book.
+        bid: The bid being matched.
+        has_record: Whether a host has a record (evidence of paid leases).
+        policy: The thresholds; the defaults if omitted.
+    """
+    policy = policy or EntryPolicy()
+    recorded: dict[tuple[str, int], list[int]] = {}
+    for resting in book.candidates(bid):
+        if has_record(resting.order.host):
+            recorded.setdefault(resting.order.resource_class, []).append(resting.order.price)
+    floors = {c: policy.below_market * statistics.median(p) for c, p in recorded.items()}
+    floor_without = policy.below_limit * bid.max_price
+
+    def entry(offer: Offer) -> Entry:
+        if has_record(offer.host):
+            return Entry.RECORD
+        floor = floors.get(offer.resource_class, floor_without)
+        return Entry.SUSPECT if offer.price < floor else Entry.NEWCOMER
+
+    return entry
+
+
 @dataclass(frozen=True, slots=True)
 class RankedOffer:
     """An offer that meets a bid, with the numbers it was ranked by."""
@@ -97,6 +176,7 @@ def rank_offers(
     latency_ms: Mapping[str, float] | None = None,
     limit: int = 10,
     policy: RankingPolicy | None = None,
+    entry: Callable[[Offer], int] | None = None,
 ) -> list[RankedOffer]:
     """Return the best ``limit`` offers for ``bid``, lowest effective price first.
 
@@ -113,10 +193,13 @@ def rank_offers(
         latency_ms: Host peer ID to measured latency; missing hosts get the default.
         limit: How many offers to return.
         policy: The weights; the defaults if omitted.
+        entry: Ranks before the effective price when given (``entry_of``): lower first.
     """
     policy = policy or RankingPolicy()
     reliability = reliability or {}
     latency_ms = latency_ms or {}
+    if entry is not None:
+        return _rank_by_entry(book, bid, reliability, latency_ms, limit, policy, entry)
     best = policy.best_multiplier
     # Max-heap (negated) of the current top `limit`, so the worst is at the front.
     top: list[tuple[float, tuple, RankedOffer]] = []
@@ -131,13 +214,35 @@ def rank_offers(
         price = effective_price(offer.price, reliability=score, latency_ms=latency, policy=policy)
         key = (offer.price, offer.created_at, offer.host, offer.offer_id)
         ranked = RankedOffer(offer, resting.remaining, price, score, latency)
-        entry = (-price, tuple(_Reversed(k) for k in key), ranked)
+        item = (-price, tuple(_Reversed(k) for k in key), ranked)
         if len(top) < limit:
-            heapq.heappush(top, entry)
-        elif entry > top[0]:
-            heapq.heapreplace(top, entry)
+            heapq.heappush(top, item)
+        elif item > top[0]:
+            heapq.heapreplace(top, item)
     ordered = sorted(top, key=lambda e: (-e[0], tuple(r.value for r in e[1])))
     return [ranked for _, _, ranked in ordered]
+
+
+def _rank_by_entry(
+    book: OrderBook,
+    bid: Bid,
+    reliability: Mapping[str, float],
+    latency_ms: Mapping[str, float],
+    limit: int,
+    policy: RankingPolicy,
+    entry: Callable[[Offer], int],
+) -> list[RankedOffer]:
+    rows = []
+    for resting in book.candidates(bid):
+        offer = resting.order
+        if resting.remaining < bid.shares:
+            continue
+        score = reliability.get(offer.host, policy.neutral_reliability)
+        latency = latency_ms.get(offer.host, policy.default_latency_ms)
+        price = effective_price(offer.price, reliability=score, latency_ms=latency, policy=policy)
+        key = (entry(offer), price, offer.price, offer.created_at, offer.host, offer.offer_id)
+        rows.append((key, RankedOffer(offer, resting.remaining, price, score, latency)))
+    return [ranked for _, ranked in heapq.nsmallest(limit, rows, key=lambda row: row[0])]
 
 
 @dataclass(frozen=True, slots=True)

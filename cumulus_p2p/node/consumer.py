@@ -5,10 +5,16 @@ One trio program composes:
 - the ``Runtime`` (mesh, book, reputation) and a ``ReceiptDesk`` answering the hosts'
   receipts (checked against the lease, countersigned, kept in the ledger);
 - the bid, re-announced on the mesh until the script ends, then cancelled;
-- ``Consumer.lease()``: rank the offers that meet the bid (price adjusted by the hosts'
-  reliability scores), let the job's ``HostChoice`` (``market.hostchoice``, sans-IO)
-  say which of those hosts may be tried, propose a lease to the best, fall through to
-  the next on refusal, and hold the job while no host is usable (bounded by
+- ``Consumer.lease()``: rank the offers that meet the bid, hosts with a record of paid
+  leases first, then newcomers priced like the market, then newcomers priced far below
+  it (``market.matcher.entry_of``), each tier by price adjusted by the hosts' reliability
+  scores; let the job's ``HostChoice`` (``market.hostchoice``, sans-IO) say which of
+  those hosts may be tried; propose to the best ``PROPOSALS_AT_ONCE`` at once, one slot
+  kept for a newcomer (and a ``NEWCOMER_SHARE`` of matches trying newcomers first), each
+  with ``PROPOSE_TIMEOUT_S`` to answer, and keep the best grant (extra grants are
+  closed). A host that refuses, fails or ignores a proposal is set aside with all its
+  offers, so a flood of cheap offers from hosts that never lease costs the job one try
+  per host, not its match window. The job is held while no host is usable (bounded by
   ``match_timeout`` for the first match, ``wait_for_host`` after a failure);
 - the control channel the shim in the script's process asks for its session, and for a
   new host when the current one vanished (``failover``): the vanished host gets a signed
@@ -27,6 +33,7 @@ import enum
 import functools
 import logging
 import os
+import random
 import secrets
 import sys
 from dataclasses import dataclass, field
@@ -48,6 +55,8 @@ from ..market import (
     rank_offers,
 )
 from ..market.hostchoice import BackoffPolicy, GiveUp, HostChoice, Wait
+from ..market.lease import RefusalReason
+from ..market.matcher import Entry, entry_of
 from ..market.messages import encode_message, seal_message
 from ..market.negotiation import call_propose_lease
 from ..market.settlement import (
@@ -84,6 +93,19 @@ WAIT_FOR_HOST_S = 1800.0
 RANKED_OFFERS = 32
 #: How often a held job looks at the book again (offers arrive by gossip, at any time).
 HOLD_POLL_S = 0.5
+#: Proposals in flight at once: a host that ignores one costs the job PROPOSE_TIMEOUT_S
+#: once, while the others answer.
+PROPOSALS_AT_ONCE = 4
+#: How long a host gets to answer a proposal, dialing included. An honest host answers
+#: within tens of milliseconds on loopback or a LAN, and within a second across the
+#: internet; one that takes longer is set aside like one that refused.
+PROPOSE_TIMEOUT_S = 3.0
+#: The share of matches that try newcomers (hosts with no record) before hosts with one,
+#: so that a newcomer gets its first leases while a flood of newcomers takes at most this
+#: share of the matches.
+NEWCOMER_SHARE = 0.2
+#: Refusals that say the offer moved on (the host re-announced): not held against it.
+_STALE_OFFER = frozenset({RefusalReason.UNKNOWN_OFFER, RefusalReason.OFFER_EXPIRED})
 #: A host may end a session this long before its lease ends (clocks differ) and still
 #: count as having served the whole term.
 LEASE_END_SLACK_S = 2.0
@@ -178,6 +200,13 @@ class Consumer:
     ops: int = 0
     #: Set when the script's shim next reports its byte counts.
     counts_reported: trio.Event = field(default_factory=trio.Event)
+    #: Where proposals still unanswered when a match is decided finish (and their
+    #: grants, if any, are closed); without one, a match waits for all its proposals.
+    nursery: trio.Nursery | None = None
+    #: Hosts that granted this consumer a lease: they have a record with it.
+    granted_by: set[str] = field(default_factory=set)
+    #: Each ranked host's entry tier, as of the last look at the book.
+    entries: dict[str, Entry] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.choice = HostChoice(self.options.backoff, self.options.wait_for_host)
@@ -232,14 +261,80 @@ class Consumer:
                 await trio.sleep(HOLD_POLL_S)
                 continue
             self.waiting_for = ""
-            for host in decision.hosts:
-                held = await self._propose(offers[host])
-                if held is not None:
-                    choice.leased(host, now=self.runtime.clock())
-                    self.held.append(held)
-                    self.desk.open_account(held.proposal, counts_bytes=True)
-                    return held
+            batch = self._batch(decision.hosts, newcomers_first=random.random() < NEWCOMER_SHARE)
+            held = await self._propose_batch([offers[h] for h in batch])
+            if held is not None:
+                choice.leased(held.proposal.host, now=self.runtime.clock())
+                self.held.append(held)
+                self.desk.open_account(held.proposal, counts_bytes=True)
+                return held
             await trio.sleep(0.25)
+
+    def _batch(self, hosts: tuple[str, ...], *, newcomers_first: bool) -> list[str]:
+        """The hosts to propose to at once, best first: the first ``PROPOSALS_AT_ONCE``
+        usable hosts, with the best newcomer in the last slot if none is among them.
+        ``newcomers_first``: this match is one of the newcomers' share."""
+
+        def tier(host: str) -> Entry:
+            return self.entries.get(host, Entry.NEWCOMER)
+
+        ordered = list(hosts)
+        if newcomers_first:
+            ordered.sort(key=lambda h: tier(h) is not Entry.NEWCOMER)
+        batch = ordered[:PROPOSALS_AT_ONCE]
+        if all(tier(h) is Entry.RECORD for h in batch):
+            newcomer = next((h for h in ordered if tier(h) is not Entry.RECORD), None)
+            if newcomer is not None:
+                batch = [*batch[: PROPOSALS_AT_ONCE - 1], newcomer]
+        return batch
+
+    async def _propose_batch(self, offers: list[Offer]) -> Held | None:
+        """Propose to every offer's host at once; return the grant of the best one that
+        granted, once every better one has answered. Grants that lose are closed."""
+        pending = object()
+        answers: list[object] = [pending] * len(offers)
+        decided = trio.Event()
+        winner: list[Held] = []
+
+        def decide() -> None:
+            for answer in answers:
+                if answer is pending:
+                    return
+                if isinstance(answer, Held):
+                    winner.append(answer)
+                    break
+            decided.set()
+
+        async def one(i: int, offer: Offer) -> None:
+            answers[i] = await self._propose(offer)
+            if decided.is_set():
+                if isinstance(answers[i], Held):
+                    await self._release(answers[i])  # type: ignore[arg-type]
+                return
+            decide()
+            if decided.is_set():
+                for answer in answers:
+                    if isinstance(answer, Held) and answer is not (winner or [None])[0]:
+                        await self._release(answer)
+
+        if self.nursery is None:
+            async with trio.open_nursery() as nursery:
+                for i, offer in enumerate(offers):
+                    nursery.start_soon(one, i, offer)
+        else:
+            for i, offer in enumerate(offers):
+                self.nursery.start_soon(one, i, offer)
+            await decided.wait()
+        return winner[0] if winner else None
+
+    async def _release(self, held: Held) -> None:
+        """Close a lease granted by a proposal that lost to a better one."""
+        try:
+            await call_close_lease(
+                self.runtime.mesh.host, peer_of(held.proposal.host), held.proposal.lease_id
+            )
+        except (CumulusError, BaseLibp2pError, trio.TooSlowError, OSError) as exc:
+            log.info("could not close the extra lease %s: %s", held.proposal.lease_id, exc)
 
     def _candidates(self, now: float) -> dict[str, Offer]:
         """The best offer of each host that meets the bid, best host first; every offer
@@ -247,13 +342,21 @@ class Consumer:
         self._see_offers(now)
         if self.bid is None:
             return {}
-        hosts = {r.order.host for r in self.runtime.book.offers()}
+        book = self.runtime.book
+        hosts = {r.order.host for r in book.offers()}
         scores = self.runtime.reputation.scores_for_matcher(hosts, now=now)
-        ranked = rank_offers(self.runtime.book, self.bid, reliability=scores, limit=RANKED_OFFERS)
+        entry = entry_of(book, self.bid, self.has_record)
+        ranked = rank_offers(book, self.bid, reliability=scores, limit=RANKED_OFFERS, entry=entry)
         best: dict[str, Offer] = {}
         for r in ranked:
             best.setdefault(r.offer.host, r.offer)
+        self.entries = {host: entry(offer) for host, offer in best.items()}
         return best
+
+    def has_record(self, host: str) -> bool:
+        """Whether ``host`` has a record: credible evidence of paid leases, or a lease
+        granted to this consumer."""
+        return host in self.granted_by or self.runtime.book.vouched(host)
 
     def _see_offers(self, now: float) -> None:
         for resting in self.runtime.book.offers():
@@ -267,20 +370,36 @@ class Consumer:
             self.options.priority, now + 60, rt.mesh.next_nonce(),
         )  # fmt: skip
         peer = peer_of(offer.host)
-        try:
-            await self._reach(peer)
-            grant = await call_propose_lease(
-                rt.mesh.host, peer, seal_message(rt.identity, proposal, now=now)
+        grant = None
+        with trio.move_on_after(PROPOSE_TIMEOUT_S):
+            try:
+                await self._reach(peer)
+                grant = await call_propose_lease(
+                    rt.mesh.host,
+                    peer,
+                    seal_message(rt.identity, proposal, now=now),
+                    timeout=PROPOSE_TIMEOUT_S,
+                )
+            except LeaseRefusedError as exc:
+                log.info("host %s refused the lease: %s", offer.host[:12], exc)
+                self.last_refusal = f"host {offer.host[:12]} refused: {exc.detail}"
+                if exc.reason not in _STALE_OFFER:
+                    self.choice.failed(
+                        offer.host, now=rt.clock(), nonce=offer.nonce, reason="refused a lease"
+                    )
+                return None
+            except (CumulusError, BaseLibp2pError, trio.TooSlowError, OSError) as exc:
+                # Its offer may be a dead host's, resting in the book until it expires.
+                log.info("host %s unreachable for a lease: %s", offer.host[:12], exc)
+                self.choice.failed(offer.host, now=rt.clock(), nonce=offer.nonce)
+                return None
+        if grant is None:
+            log.info("host %s ignored a lease proposal", offer.host[:12])
+            self.choice.failed(
+                offer.host, now=rt.clock(), nonce=offer.nonce, reason="ignored a proposal"
             )
-        except LeaseRefusedError as exc:
-            log.info("host %s refused the lease: %s", offer.host[:12], exc)
-            self.last_refusal = f"host {offer.host[:12]} refused: {exc.detail}"
             return None
-        except (CumulusError, BaseLibp2pError, trio.TooSlowError, OSError) as exc:
-            # Its offer may be a dead host's, resting in the book until it expires.
-            log.info("host %s unreachable for a lease: %s", offer.host[:12], exc)
-            self.choice.failed(offer.host, now=rt.clock(), nonce=offer.nonce)
-            return None
+        self.granted_by.add(offer.host)
         if not grant.endpoints:
             log.info("host %s gave no session endpoint", offer.host[:12])
             return None
@@ -607,6 +726,7 @@ async def run_consumer(
             consumer.doors = SessionDoors(
                 runtime.mesh.host, nursery, functools.partial(consumer._reach, afresh=True)
             )
+            consumer.nursery = nursery
             nursery.start_soon(_tick, consumer, on_tick)
             await runtime.mesh.announce(BID_NAME, Bid.KIND, consumer.bid_body)
             consumer.status = "matching"
