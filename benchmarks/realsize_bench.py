@@ -1,0 +1,477 @@
+"""Real sizes on shaped links (issue 28): what a model of a gigabyte costs over a home uplink.
+
+A consumer and two hosts (A, B) are network namespaces on one switch (``netns.shaped_mesh``):
+the consumer's link is shaped to 100 Mbit/s each way, the hosts' to 1 Gbit/s, and a one-stream
+TCP transfer checks both first. Real ``cumulus-executor`` processes serve in the host
+namespaces; the consumer's training loop runs in the consumer's namespace (this file, with
+``--consumer``) and reads its link's bytes from the kernel's interface counters, never from
+its own. The model is a large embedding and two small layers: bytes without compute.
+
+Prints one JSON object and writes ``benchmarks/results/realsize.json`` (``realsize_quick.json``
+with ``--quick``: the same at 48 MiB, a checkpoint interval of 3 s, in about 2 minutes)::
+
+    sudo .venv/bin/python benchmarks/realsize_bench.py [--quick]
+
+The sessions, in order (every one with failover on, as ``cumulus-node --consume`` runs them:
+``reconnect`` set and the consumer's default checkpoint interval):
+
+1. On host A, fresh: the first step, then one checkpoint cycle (from just after a checkpoint
+   to just after the next).
+2. On host A again, the same model: the first step; then, a few steps after a checkpoint,
+   SIGKILL of host A. The session fails over to host B and carries on.
+3. On host B: the base frozen, small LoRA adapters trained with Adam; one checkpoint cycle.
+
+Keys (targets from the issue; "link" is the consumer's, both directions, headers included):
+
+- ``first_step_over_floor``: session 1's first step (upload included) over the parameter bytes'
+  time at the consumer's nominal rate. Target: at most 1.15.
+- ``second_session_consumer_bytes_share``: link bytes of session 2, from attaching to the end of
+  its first step, over the parameter bytes. Target: at most 0.01. ``..._tx_share`` and
+  ``..._rx_share`` split it: rx is checkpoint data pulled back in that step.
+- ``checkpoint_time_share``: session 1's checkpoint time over its cycle's time. Target: 0.05.
+- ``checkpoint_consumer_bytes_share``: link bytes of that checkpoint (less an ordinary step's)
+  over the checkpoint's bytes. Target: at most 0.05.
+- ``adapter_checkpoint_bytes_ratio``: session 3's checkpoint bytes per interval over the
+  adapters' bytes and their Adam state's. Target: at most 2.
+- ``failover_consumer_bytes_share``: link bytes of the step that failed over, over the session's
+  state (its latest checkpoint's bytes). Target: at most 0.05.
+- ``failover_resume_over_floor``: the failover's pause over the state's time at the hosts'
+  nominal rate. Target: at most 1.2.
+- ``losses_identical``: 1 when every loss of session 2 (before and after the kill) equals the
+  same step's loss in session 1, bit for bit; ``losses_compared`` says how many steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+#: Steps run after a checkpoint before host A is killed: they are what failover replays.
+STEPS_BEFORE_KILL = 3
+#: Steps run after the kill; the first is the one that fails over.
+STEPS_AFTER_KILL = 3
+
+
+@dataclass(frozen=True)
+class Size:
+    """How big a run is. ``vocab`` x ``dim`` fp32 is the embedding, the one large tensor."""
+
+    vocab: int
+    dim: int
+    checkpoint_interval_s: float
+
+
+#: 1 GiB of embedding: over 256 MiB in one tensor, the case that once could not move at all.
+FULL = Size(vocab=262_144, dim=1024, checkpoint_interval_s=30.0)
+#: 48 MiB: each transfer over the consumer's link takes about 4 s, so the run fits 2 minutes.
+#: The interval shrinks with it, or no checkpoint would come due within the run.
+QUICK = Size(vocab=12_288, dim=1024, checkpoint_interval_s=3.0)
+
+
+# --- the orchestrator (root namespace) -----------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="48 MiB instead of 1 GiB (~2 min)")
+    parser.add_argument("--consumer", help=argparse.SUPPRESS)  # the consumer's role: JSON
+    args = parser.parse_args()
+    if args.consumer:
+        print(json.dumps(consume(**json.loads(args.consumer))), flush=True)
+        return
+    # SIGTERM unwinds like Ctrl-C, so the executors stop and the namespaces go.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    result = run(QUICK if args.quick else FULL, quick=args.quick)
+    text = json.dumps(result, indent=2)
+    print(text)
+    name = "realsize_quick.json" if args.quick else "realsize.json"
+    (RESULTS / name).write_text(text + "\n")
+
+
+def run(size: Size, *, quick: bool) -> dict:
+    from cumulus_p2p.testing.linkrate import measure_mbit
+    from cumulus_p2p.testing.netns import shaped_mesh
+
+    with shaped_mesh(hosts=2, consumer_mbit=100, host_mbit=1000) as mesh:
+        c, (a, b) = mesh.consumer, mesh.hosts
+        progress("checking the shaping with one TCP stream per link")
+        result = {
+            "quick": quick,
+            "consumer_link_mbit_nominal": mesh.consumer_mbit,
+            "host_link_mbit_nominal": mesh.host_mbit,
+            "consumer_link_mbit_measured": round(measure_mbit(c, a, seconds=2.0), 1),
+            "host_link_mbit_measured": round(measure_mbit(a, b, seconds=2.0), 1),
+            "checkpoint_interval_s": size.checkpoint_interval_s,
+        }
+        with tempfile.TemporaryDirectory() as logs, ExitStack() as stack:
+            address_a, proc_a = stack.enter_context(executor_in(a, Path(logs) / "a.log"))
+            address_b, _ = stack.enter_context(executor_in(b, Path(logs) / "b.log"))
+            plan = {
+                "size": asdict(size),
+                "host_a": address_a,
+                "host_b": address_b,
+                "kill_pid": proc_a.pid,
+                "consumer_mbit": mesh.consumer_mbit,
+                "host_mbit": mesh.host_mbit,
+            }
+            result |= run_consumer(c, plan)
+    return result
+
+
+@contextmanager
+def executor_in(host, log: Path):
+    """Run ``cumulus-executor`` (CPU) in ``host``'s namespace; yield its address and process.
+
+    Its output goes to ``log``, not a pipe, so nobody has to keep reading it.
+    """
+    cmd = [sys.executable, "-m", "cumulus_p2p.remote.executor_main", "--host", host.address]
+    cmd += ["--port", "0", "--device", "cpu", "--quota", "8GiB"]
+    with open(log, "w+") as out:
+        proc = subprocess.Popen(host.command(*cmd), stdout=out, stderr=subprocess.STDOUT)
+        try:
+            yield wait_listening(proc, log), proc
+        finally:
+            stop(proc)
+
+
+def wait_listening(proc: subprocess.Popen, log: Path, timeout: float = 120.0) -> str:
+    """The ``host:port`` the executor printed, once it has."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        for line in log.read_text().splitlines():
+            if "listening on " in line:
+                return line.split("listening on ")[1].split()[0]
+        time.sleep(0.1)  # the executor's start-up (importing torch) takes seconds
+    raise RuntimeError(f"executor did not start: {log.read_text()}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    proc.wait()
+
+
+def run_consumer(consumer, plan: dict) -> dict:
+    """Run the consumer's sessions in its namespace; its progress goes to our stderr."""
+    cmd = [sys.executable, __file__, "--consumer", json.dumps(plan)]
+    proc = subprocess.Popen(consumer.command(*cmd), stdout=subprocess.PIPE, text=True)
+    try:
+        out, _ = proc.communicate()
+    finally:
+        stop(proc)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the consumer failed (exit {proc.returncode})")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def progress(message: str) -> None:
+    print(f"realsize: {message}", file=sys.stderr, flush=True)
+
+
+# --- the consumer (its own namespace) ------------------------------------------------------
+
+
+def consume(
+    *, size: dict, host_a: str, host_b: str, kill_pid: int, consumer_mbit: float, host_mbit: float
+) -> dict:
+    from cumulus_p2p.testing.netns import interface_bytes
+
+    interface_bytes()  # fail now, not mid-run, if this is not the mesh's namespace
+    size = Size(**size)
+    param_bytes = model_bytes(size)
+    result = {"param_bytes": param_bytes, "largest_tensor_bytes": size.vocab * size.dim * 4}
+    floor_s = param_bytes * 8 / (consumer_mbit * 1e6)
+    first, losses = fresh_host(size, host_a, host_b)
+    result |= {"first_step_floor_s": round(floor_s, 2), **first}
+    result["first_step_over_floor"] = round(first["first_step_s"] / floor_s, 3)
+    result["first_step_upload_over_floor"] = round(first["first_step_upload_s"] / floor_s, 3)
+    result |= second_session(size, host_a, host_b, kill_pid, losses, param_bytes, host_mbit)
+    result |= adapters(size, host_b)
+    return result
+
+
+class Trainer:
+    """The model, its optimizer and a fixed cycle of batches; ``step()`` ends at a sync point.
+
+    ``adapters``: the base is frozen and only LoRA adapters on the small layer train, with
+    Adam. Otherwise everything trains with plain SGD, whose state is the parameters alone:
+    the smallest checkpoint a full model can have (Adam's would be three times as large).
+    """
+
+    def __init__(self, size: Size, *, adapters: bool = False) -> None:
+        import torch
+
+        torch.manual_seed(0)
+        self.model = _model(size, adapters=adapters)
+        self.adapters = adapters
+        self.opt = None
+        gen = torch.Generator().manual_seed(0)
+        self.batches = [
+            (
+                torch.randint(0, size.vocab, (32, 16), generator=gen),
+                torch.randint(0, 16, (32,), generator=gen),
+            )
+            for _ in range(8)
+        ]
+        self.i = 0
+
+    def place(self) -> None:
+        """Move the model to the attached session (the upload) and make its optimizer."""
+        import torch
+
+        # Loaded the way pretrained weights are, into empty device tensors: copy_ streams a
+        # tensor of any size, while module.to("cumulus") sends each tensor as one frame and
+        # fails on any over the 256 MiB frame limit (FrameTooLargeError, as of this bench).
+        weights = self.model.state_dict()
+        self.model = self.model.to_empty(device="cumulus")
+        self.model.load_state_dict(weights)
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        if self.adapters:
+            self.opt = torch.optim.Adam(trained, lr=1e-3)
+        else:
+            self.opt = torch.optim.SGD(trained, lr=0.5)
+
+    def step(self) -> float:
+        import torch.nn.functional as F
+
+        x, y = self.batches[self.i % len(self.batches)]
+        self.i += 1
+        loss = F.cross_entropy(self.model(x.to("cumulus")), y.to("cumulus"))
+        loss.backward()
+        self.opt.step()
+        # Gradients dropped before the sync point are freed before a checkpoint reads the
+        # session, so it carries the parameters and optimizer state only, as a real one would.
+        self.opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    def trained_state_bytes(self) -> int:
+        """The trained parameters' bytes and their optimizer state's."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        state = [t for s in self.opt.state.values() for t in s.values() if hasattr(t, "nbytes")]
+        return sum(t.numel() * t.element_size() for t in [*params, *state])
+
+
+def model_bytes(size: Size) -> int:
+    """The full model's parameter bytes, counted on the meta device (no memory)."""
+    import torch
+
+    with torch.device("meta"):
+        model = _model(size, adapters=False)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _model(size: Size, *, adapters: bool):
+    import torch
+    from torch import nn
+
+    class EmbeddingModel(nn.Module):
+        """A large embedding and two small layers: many bytes, little compute."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(size.vocab, size.dim)
+            self.hidden = nn.Linear(size.dim, 64)
+            self.head = nn.Linear(64, 16)
+            self.lora = None
+            if adapters:
+                self.requires_grad_(False)
+                self.lora = nn.Sequential(nn.Linear(size.dim, 16, bias=False), nn.Linear(16, 64))
+                nn.init.zeros_(self.lora[1].weight)  # LoRA starts as the base model
+
+        def forward(self, tokens):
+            x = self.embed(tokens).mean(1)
+            h = self.hidden(x) if self.lora is None else self.hidden(x) + self.lora(x)
+            return self.head(torch.relu(h))
+
+    return EmbeddingModel()
+
+
+@dataclass(frozen=True)
+class Step:
+    """One metered step: its loss, time, link bytes and the checkpoint it took, if any."""
+
+    loss: float
+    seconds: float
+    link_bytes: int
+    link_sent: int
+    checkpoint_s: float | None
+    checkpoint_bytes: int
+
+
+def metered_step(trainer: Trainer, session) -> Step:
+    from cumulus_p2p.testing.netns import interface_bytes
+
+    seen = session.failover_statistics().checkpoints
+    (rx0, tx0), start = interface_bytes(), time.perf_counter()
+    loss = trainer.step()
+    seconds, (rx, tx) = time.perf_counter() - start, interface_bytes()
+    stats = session.failover_statistics()
+    took = stats.last_checkpoint_s if stats.checkpoints != seen else None
+    return Step(loss, seconds, rx - rx0 + tx - tx0, tx - tx0, took, stats.checkpoint_bytes)
+
+
+def until_checkpoint(trainer: Trainer, session) -> list[Step]:
+    """Steps up to and including the first that takes a checkpoint."""
+    steps = [metered_step(trainer, session)]
+    while steps[-1].checkpoint_s is None:
+        steps.append(metered_step(trainer, session))
+    return steps
+
+
+def checkpoint_cycle(trainer: Trainer, session, steps: list[Step]) -> tuple[list[Step], float]:
+    """Train on to just after a checkpoint (``steps`` may already end at one), then to just
+    after the next: one whole cycle of training and checkpointing, and its seconds."""
+    if steps[-1].checkpoint_s is None:
+        steps += until_checkpoint(trainer, session)
+    start = time.perf_counter()
+    cycle = until_checkpoint(trainer, session)
+    steps += cycle
+    return cycle, time.perf_counter() - start
+
+
+def checkpoint_link_bytes(cycle: list[Step]) -> int:
+    """The cycle's checkpoint's link bytes, less what an ordinary step of it moved."""
+    ordinary = sorted(s.link_bytes for s in cycle[:-1]) or [0]
+    return cycle[-1].link_bytes - ordinary[len(ordinary) // 2]
+
+
+def attach(address: str, reconnect_to: str, interval: float):
+    """``remote.attach`` as a consumer node does it: failover on, checkpoints on a clock."""
+    import cumulus_p2p.remote as remote
+    from cumulus_p2p.channel.transport import SocketFrameChannel
+
+    def dial(where: str):
+        host, port = where.split(":")
+        return SocketFrameChannel.connect(host, int(port))
+
+    return remote.attach(
+        channel=dial(address),
+        reconnect=lambda: dial(reconnect_to),
+        checkpoint_interval=interval,
+    )
+
+
+def fresh_host(size: Size, host_a: str, host_b: str) -> tuple[dict, list[float]]:
+    """Session 1: the first step on a host that never saw the model, then a checkpoint
+    cycle. Returns its figures and every step's loss (session 2's reference)."""
+    progress(f"session 1 on a fresh host: uploading {size.vocab * size.dim * 4 / 2**20:.0f} MiB")
+    trainer = Trainer(size)
+    with attach(host_a, host_b, size.checkpoint_interval_s) as session:
+        start = time.perf_counter()
+        trainer.place()
+        upload_s = time.perf_counter() - start
+        steps = [metered_step(trainer, session)]
+        first_s = time.perf_counter() - start
+        progress(f"first step took {first_s:.1f} s; training through a checkpoint cycle")
+        cycle, cycle_s = checkpoint_cycle(trainer, session, steps)
+    share = checkpoint_link_bytes(cycle) / cycle[-1].checkpoint_bytes
+    return {
+        "first_step_s": round(first_s, 2),
+        "first_step_upload_s": round(upload_s, 2),
+        "first_step_checkpoints": int(steps[0].checkpoint_s is not None),
+        "checkpoint_s": round(cycle[-1].checkpoint_s, 2),
+        "checkpoint_cycle_s": round(cycle_s, 2),
+        "checkpoint_bytes": cycle[-1].checkpoint_bytes,
+        "checkpoint_time_share": round(cycle[-1].checkpoint_s / cycle_s, 4),
+        "checkpoint_consumer_bytes_share": round(share, 4),
+    }, [s.loss for s in steps]
+
+
+def second_session(
+    size: Size,
+    host_a: str,
+    host_b: str,
+    kill_pid: int,
+    reference: list[float],
+    param_bytes: int,
+    host_mbit: float,
+) -> dict:
+    """Session 2 on the same host: its first step's link bytes; then SIGKILL of the host a
+    few steps after a checkpoint, and the failover to host B."""
+    from cumulus_p2p.testing.netns import interface_bytes
+
+    progress("session 2 on the same host")
+    trainer = Trainer(size)
+    rx0, tx0 = interface_bytes()
+    with attach(host_a, host_b, size.checkpoint_interval_s) as session:
+        start = time.perf_counter()
+        trainer.place()
+        steps = [metered_step(trainer, session)]
+        first_s = time.perf_counter() - start
+        rx, tx = (now - then for now, then in zip(interface_bytes(), (rx0, tx0), strict=True))
+        failed_over = kill_mid_run(trainer, session, kill_pid, steps)
+        stats = session.failover_statistics()
+    compared = min(len(steps), len(reference))
+    return {
+        "second_session_first_step_s": round(first_s, 2),
+        "second_session_consumer_bytes_share": round((rx + tx) / param_bytes, 4),
+        "second_session_consumer_tx_share": round(tx / param_bytes, 4),
+        "second_session_consumer_rx_share": round(rx / param_bytes, 4),
+        "failover_cold_restores": stats.cold_restores,
+        **failover_figures(failed_over, stats.last_failover_s, host_mbit),
+        "losses_identical": int([s.loss for s in steps[:compared]] == reference[:compared]),
+        "losses_compared": compared,
+    }
+
+
+def kill_mid_run(trainer: Trainer, session, kill_pid: int, steps: list[Step]) -> Step:
+    """Train to a checkpoint and a few steps past it, SIGKILL the host, train on; returns
+    the step that failed over (``steps`` gets every step)."""
+    if steps[-1].checkpoint_s is None:
+        steps += until_checkpoint(trainer, session)
+    steps += [metered_step(trainer, session) for _ in range(STEPS_BEFORE_KILL)]
+    progress(f"SIGKILL of host A (pid {kill_pid}), {STEPS_BEFORE_KILL} steps after a checkpoint")
+    os.kill(kill_pid, signal.SIGKILL)
+    failed_over = metered_step(trainer, session)
+    steps.append(failed_over)
+    steps += [metered_step(trainer, session) for _ in range(STEPS_AFTER_KILL - 1)]
+    return failed_over
+
+
+def failover_figures(failed_over: Step, resume_s: float, host_mbit: float) -> dict:
+    """The failover's cost against the session's state (its latest checkpoint)."""
+    state = failed_over.checkpoint_bytes
+    floor_s = state * 8 / (host_mbit * 1e6)
+    return {
+        "failover_state_bytes": state,
+        "failover_resume_s": round(resume_s, 2),
+        "failover_resume_floor_s": round(floor_s, 2),
+        "failover_resume_over_floor": round(resume_s / floor_s, 3),
+        "failover_step_took_checkpoint": int(failed_over.checkpoint_s is not None),
+        "failover_consumer_bytes_share": round(failed_over.link_bytes / state, 4),
+        "failover_consumer_tx_share": round(failed_over.link_sent / state, 4),
+    }
+
+
+def adapters(size: Size, host_b: str) -> dict:
+    """Session 3: the base frozen, LoRA adapters trained with Adam; one checkpoint cycle."""
+    progress("session 3: frozen base, small adapters")
+    trainer = Trainer(size, adapters=True)
+    with attach(host_b, host_b, size.checkpoint_interval_s) as session:
+        trainer.place()
+        cycle, _ = checkpoint_cycle(trainer, session, [metered_step(trainer, session)])
+        trained = trainer.trained_state_bytes()
+    return {
+        "adapter_state_bytes": trained,
+        "adapter_checkpoint_bytes": cycle[-1].checkpoint_bytes,
+        "adapter_checkpoint_link_bytes": checkpoint_link_bytes(cycle),
+        "adapter_checkpoint_bytes_ratio": round(cycle[-1].checkpoint_bytes / trained, 1),
+    }
+
+
+if __name__ == "__main__":
+    main()
