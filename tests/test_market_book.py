@@ -17,16 +17,53 @@ HOSTS = ["h0", "h1", "h2"]
 CONSUMERS = ["c0", "c1", "c2"]
 
 
-def offer(host="h0", offer_id="o", *, price=10, shares=4, created=0.0, expires=100.0, nonce=1,
-          model="A100", vram=40, perf=10, min_lease=0):
-    return Offer(host, offer_id, model, vram, perf, shares, price, min_lease, "", created,
-                 expires, nonce)
+def offer(
+    host="h0",
+    offer_id="o",
+    *,
+    price=10,
+    shares=4,
+    created=0.0,
+    expires=100.0,
+    nonce=1,
+    model="A100",
+    vram=40,
+    perf=10,
+    min_lease=0,
+):
+    return Offer(
+        host, offer_id, model, vram, perf, shares, price, min_lease, "", created, expires, nonce
+    )
 
 
-def bid(consumer="c0", bid_id="b", *, max_price=100, shares=1, created=0.0, expires=100.0,
-        nonce=1, models=(), min_vram=0, min_perf=0, duration=60):
-    return Bid(consumer, bid_id, min_vram, models, min_perf, shares, max_price,
-               PriorityClass.ON_DEMAND, duration, created, expires, nonce)
+def bid(
+    consumer="c0",
+    bid_id="b",
+    *,
+    max_price=100,
+    shares=1,
+    created=0.0,
+    expires=100.0,
+    nonce=1,
+    models=(),
+    min_vram=0,
+    min_perf=0,
+    duration=60,
+):
+    return Bid(
+        consumer,
+        bid_id,
+        min_vram,
+        models,
+        min_perf,
+        shares,
+        max_price,
+        PriorityClass.ON_DEMAND,
+        duration,
+        created,
+        expires,
+        nonce,
+    )
 
 
 offers = st.builds(
@@ -98,8 +135,14 @@ def offer_key(o):
 def model_fill(b, wanted, remaining, live_offers):
     fills = []
     eligible = sorted(
-        (o for o in live_offers if remaining[(o.host, o.offer_id)] > 0 and o.price <= b.max_price
-         and b.accepts(o) and o.host != b.consumer),
+        (
+            o
+            for o in live_offers
+            if remaining[(o.host, o.offer_id)] > 0
+            and o.price <= b.max_price
+            and b.accepts(o)
+            and o.host != b.consumer
+        ),
         key=offer_key,
     )
     for o in eligible:
