@@ -34,19 +34,53 @@ RESULTS = Path(__file__).parent / "results" / "explorer.json"
 def state(hosts: int) -> dict:
     peers = [f"12D3KooWbench{i:06d}" for i in range(hosts)]
     return {
-        "peer_id": "12D3KooWself", "role": "bootstrap", "updated": time.time(),
-        "offers": [{"host": p, "offer_id": "gpu0", "gpu": ["RTX 4090", "A100"][i % 2],
-                    "vram_mib": 24576, "perf": 100 + i % 50, "shares": 1 + i % 8,
-                    "price": 50_000 + 97 * i, "score": 0.5, "expires_in": 600.0}
-                   for i, p in enumerate(peers)],
-        "scores": [{"host": p, "mean": 0.3 + (i % 60) / 100, "lower_bound": 0.1 + (i % 60) / 100,
-                    "evidence": 2.0, "successes": 2.0, "failures": 0.0}
-                   for i, p in enumerate(peers)],
-        "evidence": [{"kind": kind, "about": p, "reporter": "12D3KooWreporter", "weight": 0.5,
-                      "at": time.time(), "served_share_s": 3600, "shares": 1, "ratio": 1.0}
-                     for p in peers for kind in ("service", "heartbeat")],
-        "bids": [], "peers": [], "topics": [], "addrs": [],
-    }  # fmt: skip
+        "peer_id": "12D3KooWself",
+        "role": "bootstrap",
+        "updated": time.time(),
+        "offers": [
+            {
+                "host": p,
+                "offer_id": "gpu0",
+                "gpu": ["RTX 4090", "A100"][i % 2],
+                "vram_mib": 24576,
+                "perf": 100 + i % 50,
+                "shares": 1 + i % 8,
+                "price": 50_000 + 97 * i,
+                "score": 0.5,
+                "expires_in": 600.0,
+            }
+            for i, p in enumerate(peers)
+        ],
+        "scores": [
+            {
+                "host": p,
+                "mean": 0.3 + (i % 60) / 100,
+                "lower_bound": 0.1 + (i % 60) / 100,
+                "evidence": 2.0,
+                "successes": 2.0,
+                "failures": 0.0,
+            }
+            for i, p in enumerate(peers)
+        ],
+        "evidence": [
+            {
+                "kind": kind,
+                "about": p,
+                "reporter": "12D3KooWreporter",
+                "weight": 0.5,
+                "at": time.time(),
+                "served_share_s": 3600,
+                "shares": 1,
+                "ratio": 1.0,
+            }
+            for p in peers
+            for kind in ("service", "heartbeat")
+        ],
+        "bids": [],
+        "peers": [],
+        "topics": [],
+        "addrs": [],
+    }
 
 
 def main() -> None:
@@ -72,8 +106,9 @@ def measure(url: str, hosts: int, loads: int) -> dict:
         api_ms.append((time.perf_counter() - started) * 1e3)
     page_ms = []
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=shutil.which("chromium"),
-                                             args=["--no-sandbox"])  # fmt: skip
+        browser = playwright.chromium.launch(
+            executable_path=shutil.which("chromium"), args=["--no-sandbox"]
+        )
         for _ in range(loads):
             page = browser.new_page()
             started = time.perf_counter()

@@ -49,14 +49,37 @@ def make_orders(n: int, rng: random.Random) -> list[Offer | Bid]:
         created = NOW - rng.uniform(0, 3600)
         if i % 5:
             orders.append(
-                Offer(f"host{i}", "gpu0", model, vram, perf + rng.randint(-10, 10),
-                      rng.randint(1, 8), rng.randint(500, 5000), rng.choice([0, 60, 600]), "eu",
-                      created, NOW + 3600, i)
+                Offer(
+                    f"host{i}",
+                    "gpu0",
+                    model,
+                    vram,
+                    perf + rng.randint(-10, 10),
+                    rng.randint(1, 8),
+                    rng.randint(500, 5000),
+                    rng.choice([0, 60, 600]),
+                    "eu",
+                    created,
+                    NOW + 3600,
+                    i,
+                )
             )
         else:
             orders.append(
-                Bid(f"consumer{i}", "b", vram, (model,), 0, rng.randint(1, 4),
-                    rng.randint(100, 499), PriorityClass.ON_DEMAND, 3600, created, NOW + 3600, i)
+                Bid(
+                    f"consumer{i}",
+                    "b",
+                    vram,
+                    (model,),
+                    0,
+                    rng.randint(1, 4),
+                    rng.randint(100, 499),
+                    PriorityClass.ON_DEMAND,
+                    3600,
+                    created,
+                    NOW + 3600,
+                    i,
+                )
             )
     return orders
 
@@ -68,8 +91,20 @@ def incoming_bids(n: int, rng: random.Random) -> list[Bid]:
         model, vram, _ = rng.choice(MODELS)
         models = (model,) if i % 2 else ()
         bids.append(
-            Bid(f"buyer{i}", "b", vram if models else 24576, models, 0, rng.randint(1, 16),
-                rng.randint(600, 5000), PriorityClass.ON_DEMAND, 3600, NOW, NOW + 600, i)
+            Bid(
+                f"buyer{i}",
+                "b",
+                vram if models else 24576,
+                models,
+                0,
+                rng.randint(1, 16),
+                rng.randint(600, 5000),
+                PriorityClass.ON_DEMAND,
+                3600,
+                NOW,
+                NOW + 600,
+                i,
+            )
         )
     return bids
 
@@ -86,8 +121,20 @@ def bench_intake(n: int) -> float:
     raws = []
     for i in range(n):
         host = hosts[i % len(hosts)]
-        offer = Offer(host.peer_id.to_base58(), f"gpu{i}", "RTX 4090", 24576, 100, 4, 1000, 0,
-                      "eu", NOW, NOW + 600, i)
+        offer = Offer(
+            host.peer_id.to_base58(),
+            f"gpu{i}",
+            "RTX 4090",
+            24576,
+            100,
+            4,
+            1000,
+            0,
+            "eu",
+            NOW,
+            NOW + 600,
+            i,
+        )
         raws.append(seal_message(host, offer, now=NOW).to_bytes())
     intake = MarketIntake(OrderBook())
     start = time.perf_counter()

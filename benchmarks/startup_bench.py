@@ -54,8 +54,10 @@ def executor_start() -> tuple[float, float]:
     started = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, "-m", "cumulus_p2p.remote.executor_main", "--device", "cpu"],
-        stdout=subprocess.PIPE, text=True, cwd=ROOT,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         line = proc.stdout.readline()
         ready = time.perf_counter() - started
@@ -74,10 +76,20 @@ def node_ready() -> float:
     with tempfile.TemporaryDirectory() as data_dir:
         started = time.perf_counter()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "cumulus_p2p.cli", "--data-dir", data_dir,
-             "--listen", "/ip4/127.0.0.1/tcp/0"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "cumulus_p2p.cli",
+                "--data-dir",
+                data_dir,
+                "--listen",
+                "/ip4/127.0.0.1/tcp/0",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+        )
         try:
             for line in proc.stdout:
                 if "listening on" in line:

@@ -85,9 +85,13 @@ class Demo:
             self.nodes["bootstrap"] = boot
             for name, price in PRICES.items():
                 self.nodes[name] = start_provider(
-                    self.root / name, boot.addr, "--price", price,
-                    receipt_interval="3s", bench_seconds="0.2",
-                )  # fmt: skip
+                    self.root / name,
+                    boot.addr,
+                    "--price",
+                    price,
+                    receipt_interval="3s",
+                    bench_seconds="0.2",
+                )
             for name in PRICES:
                 self.nodes[name].wait_for("providing")
         table = Table(title="the mesh (all on 127.0.0.1)")
@@ -102,9 +106,15 @@ class Demo:
     def consume(self) -> tuple[dict, float | None]:
         boot = self.nodes["bootstrap"].addr
         consumer = start_consumer(
-            self.root / "consumer", boot, "--max-price", "1.0", "--checkpoint-interval", "2s",
-            command=self.script()[1:], env={"CUMULUS_RESUME_TIMEOUT": "2"},
-        )  # fmt: skip
+            self.root / "consumer",
+            boot,
+            "--max-price",
+            "1.0",
+            "--checkpoint-interval",
+            "2s",
+            command=self.script()[1:],
+            env={"CUMULUS_RESUME_TIMEOUT": "2"},
+        )
         self.nodes["consumer"] = consumer
         self.console.print("consumer: bidding at most 1.0/share-hour...")
         leased = consumer.wait_for("leased", timeout=60)

@@ -149,8 +149,11 @@ def _report_final_counts(environ: Mapping[str, str]) -> None:
     try:
         control.report_usage(address, token, USAGE.snapshot())
     except (OSError, CumulusError) as exc:
-        print(f"cumulus shim: could not give the node its last byte counts: {exc}",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"cumulus shim: could not give the node its last byte counts: {exc}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 @contextlib.contextmanager
@@ -255,8 +258,11 @@ def _stop_when_node_is_gone(environ: Mapping[str, str]) -> bool:
 
 def _watch_node(address: str, token: str, usage) -> None:
     how = control.wait_until_node_is_gone(address, token, usage)
-    print(f"cumulus shim: the cumulus-node running this script is gone: {how}; stopping the "
-          "script", file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"cumulus shim: the cumulus-node running this script is gone: {how}; stopping the script",
+        file=sys.stderr,
+        flush=True,
+    )
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(STOP_GRACE_S)
     os._exit(128 + signal.SIGTERM)  # the script ignored SIGTERM

@@ -90,10 +90,16 @@ class Node:
 
 async def serve(node: Node, nursery) -> str:
     return await nursery.start(
-        functools.partial(control.serve_control, "t" * 32, node.session, node.failover,
-                          usage=node.counts.append, probe=node.probe,
-                          path=lambda *p: node.paths.append(p))
-    )  # fmt: skip
+        functools.partial(
+            control.serve_control,
+            "t" * 32,
+            node.session,
+            node.failover,
+            usage=node.counts.append,
+            probe=node.probe,
+            path=lambda *p: node.paths.append(p),
+        )
+    )
 
 
 def ask(address: str, request: list) -> object:
@@ -111,9 +117,11 @@ async def test_the_shims_final_counts_and_path_reach_the_node():
     async with trio.open_nursery() as nursery:
         address = await serve(node, nursery)
         assert await trio.to_thread.run_sync(
-            ask, address, ["usage", "t" * 32, {"bytes": {"L1": 4096}, "ops": 12}]) == ["ok", None]
+            ask, address, ["usage", "t" * 32, {"bytes": {"L1": 4096}, "ops": 12}]
+        ) == ["ok", None]
         assert await trio.to_thread.run_sync(
-            ask, address, ["path", "t" * 32, "L1", "direct to 10.0.0.1:7000"]) == ["ok", None]
+            ask, address, ["path", "t" * 32, "L1", "direct to 10.0.0.1:7000"]
+        ) == ["ok", None]
         nursery.cancel_scope.cancel()
     assert node.counts == [control.Usage({"L1": 4096}, ops=12)]
     assert node.paths == [("L1", "direct to 10.0.0.1:7000")]
@@ -121,15 +129,28 @@ async def test_the_shims_final_counts_and_path_reach_the_node():
 
 @pytest.mark.parametrize(
     "request_",
-    [["usage", "t" * 32, {"bytes": {"L1": -1}, "ops": 0}],
-     ["usage", "t" * 32, {"bytes": {"L1": "lots"}, "ops": 0}],
-     ["usage", "t" * 32, {"bytes": {"L1": 1}, "ops": -3}],
-     ["usage", "t" * 32, {"bytes": {"L1": 1}, "ops": 1.5}],
-     ["usage", "t" * 32, {"L1": 1}], ["usage", "t" * 32, 7],
-     ["path", "t" * 32, "L1", 5], ["probe", "t" * 32, "fast"],
-     ["usage", "x" * 32, {"bytes": {"L1": 1}, "ops": 0}]],
-    ids=["negative-bytes", "not-int-bytes", "negative-ops", "fractional-ops", "bare-byte-map",
-         "not-a-map", "path-not-text", "probe-not-facts", "bad-token"],
+    [
+        ["usage", "t" * 32, {"bytes": {"L1": -1}, "ops": 0}],
+        ["usage", "t" * 32, {"bytes": {"L1": "lots"}, "ops": 0}],
+        ["usage", "t" * 32, {"bytes": {"L1": 1}, "ops": -3}],
+        ["usage", "t" * 32, {"bytes": {"L1": 1}, "ops": 1.5}],
+        ["usage", "t" * 32, {"L1": 1}],
+        ["usage", "t" * 32, 7],
+        ["path", "t" * 32, "L1", 5],
+        ["probe", "t" * 32, "fast"],
+        ["usage", "x" * 32, {"bytes": {"L1": 1}, "ops": 0}],
+    ],
+    ids=[
+        "negative-bytes",
+        "not-int-bytes",
+        "negative-ops",
+        "fractional-ops",
+        "bare-byte-map",
+        "not-a-map",
+        "path-not-text",
+        "probe-not-facts",
+        "bad-token",
+    ],
 )
 async def test_a_malformed_report_is_refused_and_records_nothing(request_):
     node = Node()

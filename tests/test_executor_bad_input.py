@@ -422,9 +422,7 @@ def test_a_graph_run_with_the_wrong_output_count_is_refused(executor_address, ho
     assert honest_ok(honest)
 
 
-def test_a_graph_holding_more_than_the_quota_at_once_runs_out_of_memory(
-    executor_address, honest
-):
+def test_a_graph_holding_more_than_the_quota_at_once_runs_out_of_memory(executor_address, honest):
     host, port = executor_address.split(":")
     attacker = RemoteSession(SocketFrameChannel.connect(host, int(port)), quota_bytes=1 << 20)
     x = _with_tensor(attacker)

@@ -70,8 +70,10 @@ def test_a_live_mesh_seen_through_the_explorer(tmp_path, page):
     nodes = [boot]
     explorers = ExitStack()
     try:
-        providers = [start_provider(tmp_path / f"p{i}", boot.addr, "--price", price)
-                     for i, price in enumerate(("0.3", "0.7"))]  # fmt: skip
+        providers = [
+            start_provider(tmp_path / f"p{i}", boot.addr, "--price", price)
+            for i, price in enumerate(("0.3", "0.7"))
+        ]
         nodes += providers
         for provider in providers:
             provider.wait_for("providing")
@@ -135,15 +137,30 @@ MARKUP_ADDR = '<img src=x onerror="window.__pwned = 3">/ip4/10.9.9.9/tcp/1'
 
 def _hostile_state() -> dict:
     def offer(host: str, gpu: str) -> dict:
-        return {"host": host, "offer_id": "gpu0", "gpu": gpu, "vram_mib": 24576, "perf": 100,
-                "shares": 8, "price": 100_000, "score": 0.5, "expires_in": 60.0}  # fmt: skip
+        return {
+            "host": host,
+            "offer_id": "gpu0",
+            "gpu": gpu,
+            "vram_mib": 24576,
+            "perf": 100,
+            "shares": 8,
+            "price": 100_000,
+            "score": 0.5,
+            "expires_in": 60.0,
+        }
 
     return {
-        "peer_id": "12D3KooWself", "role": "bootstrap", "updated": time.time(),
+        "peer_id": "12D3KooWself",
+        "role": "bootstrap",
+        "updated": time.time(),
         "offers": [offer("12D3KooWscript", SCRIPT_GPU), offer("12D3KooWimg", IMG_GPU)],
-        "scores": [], "bids": [], "evidence": [], "topics": [], "addrs": [],
+        "scores": [],
+        "bids": [],
+        "evidence": [],
+        "topics": [],
+        "addrs": [],
         "peers": [{"peer": "12D3KooWpeer", "addrs": [MARKUP_ADDR]}],
-    }  # fmt: skip
+    }
 
 
 @pytest.fixture
@@ -161,11 +178,15 @@ def assert_inert(page: Page) -> None:
 
 @pytest.mark.parametrize(
     ("path", "ready", "shown"),
-    [("", "#hosts a[title]", SCRIPT_GPU), ("", "#hosts a[title]", IMG_GPU),
-     ("book", "#offers a[title]", IMG_GPU), ("hosts/12D3KooWimg", "#evidence", IMG_GPU),
-     ("mesh", "#peers tbody tr", MARKUP_ADDR)],
+    [
+        ("", "#hosts a[title]", SCRIPT_GPU),
+        ("", "#hosts a[title]", IMG_GPU),
+        ("book", "#offers a[title]", IMG_GPU),
+        ("hosts/12D3KooWimg", "#evidence", IMG_GPU),
+        ("mesh", "#peers tbody tr", MARKUP_ADDR),
+    ],
     ids=["script-gpu-model", "img-gpu-model", "book", "host-page", "peer-address"],
-)  # fmt: skip
+)
 def test_markup_in_gossip_is_shown_as_text_and_runs_nothing(hostile, page, path, ready, shown):
     page.goto(hostile.url + path)
     page.wait_for_selector(ready)

@@ -35,7 +35,7 @@ _MATMUL = [
         ["aten.mul.Tensor", [_node(1), 2.0], {}],
     ],
     [_node(2)],
-]  # fmt: skip
+]
 
 
 @pytest.mark.slow  # compiles graphs with inductor

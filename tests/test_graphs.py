@@ -31,7 +31,7 @@ def test_a_program_computes_what_its_nodes_compute():
                 ["aten.add.Tensor", [node(0, 0), node(0, 1)], {}],
             ],
             [node(1)],
-        ],  # fmt: skip
+        ],
         CPU,
     )
     x = torch.arange(4.0)
@@ -116,7 +116,7 @@ def test_in_place_ops_update_inputs_and_earlier_results_as_eager_code_would():
             ["aten.copy_.default", [second, node(1)], {}],
         ],
         [],
-    ]  # fmt: skip
+    ]
     x, y = torch.full((3,), 8.0), torch.ones(3)
     assert build_program(graph, CPU).run([x, y], budget=1 << 20) == []
     assert x.tolist() == [16.0] * 3

@@ -60,8 +60,9 @@ def test_the_executor_the_shim_and_the_op_stream_load_no_libp2p():
         " NodeIdentity.generate().peer_id_text;"
         " print(sorted(m for m in sys.modules if 'libp2p' in m or 'multiaddr' in m))"
     )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                          check=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
+    )
     assert done.stdout.strip() == "[]"
 
 

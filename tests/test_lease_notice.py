@@ -46,8 +46,13 @@ async def test_the_leases_host_is_heard_and_anyone_else_is_refused():
 
 @pytest.mark.parametrize(
     "request_body",
-    [b"\xc1", msgpack.packb(["L1", "evicted", ""]), msgpack.packb(["L1", NOTICE_LEAVING]),
-     msgpack.packb(["", NOTICE_LEAVING, ""]), msgpack.packb(["L1", NOTICE_LEAVING, "x" * 600])],
+    [
+        b"\xc1",
+        msgpack.packb(["L1", "evicted", ""]),
+        msgpack.packb(["L1", NOTICE_LEAVING]),
+        msgpack.packb(["", NOTICE_LEAVING, ""]),
+        msgpack.packb(["L1", NOTICE_LEAVING, "x" * 600]),
+    ],
     ids=["not-msgpack", "unknown-kind", "short", "empty-lease", "oversized-detail"],
 )
 async def test_a_malformed_notice_is_refused_and_taken_for_nothing(request_body):

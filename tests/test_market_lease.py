@@ -25,15 +25,49 @@ MALLORY = NodeIdentity.generate()
 
 
 def offer(shares=4, *, price=1000, min_lease=60, expires=NOW + 600, nonce=1):
-    return Offer(HOST.peer_id.to_base58(), "gpu0", "RTX 4090", 24576, 100, shares, price,
-                 min_lease, "", NOW, expires, nonce)
+    return Offer(
+        HOST.peer_id.to_base58(),
+        "gpu0",
+        "RTX 4090",
+        24576,
+        100,
+        shares,
+        price,
+        min_lease,
+        "",
+        NOW,
+        expires,
+        nonce,
+    )
 
 
-def proposal(lease_id="L1", *, shares=1, price=1000, duration=3600, start=NOW, nonce=1,
-             offer_id="gpu0", host=HOST, consumer=ALICE, ttl=30.0):
-    return LeaseProposal(lease_id, consumer.peer_id.to_base58(), host.peer_id.to_base58(),
-                         offer_id, 1, shares, price, start, duration, PriorityClass.ON_DEMAND,
-                         NOW + ttl, nonce)
+def proposal(
+    lease_id="L1",
+    *,
+    shares=1,
+    price=1000,
+    duration=3600,
+    start=NOW,
+    nonce=1,
+    offer_id="gpu0",
+    host=HOST,
+    consumer=ALICE,
+    ttl=30.0,
+):
+    return LeaseProposal(
+        lease_id,
+        consumer.peer_id.to_base58(),
+        host.peer_id.to_base58(),
+        offer_id,
+        1,
+        shares,
+        price,
+        start,
+        duration,
+        PriorityClass.ON_DEMAND,
+        NOW + ttl,
+        nonce,
+    )
 
 
 def sealed(p, signer=ALICE):
@@ -79,11 +113,14 @@ def forged_signature(raw_proposal):
     [
         (lambda: b"\x93garbage", RefusalReason.MALFORMED, NOW),
         (lambda: sealed(proposal())[:-3], RefusalReason.MALFORMED, NOW),
-        (lambda: forged_signature(sealed(proposal())).to_bytes(), RefusalReason.BAD_SIGNATURE,
-         NOW),
-        (lambda: dataclasses.replace(forged_signature(sealed(proposal())),
-                                     signature=b"\0" * 64).to_bytes(),
-         RefusalReason.BAD_SIGNATURE, NOW),
+        (lambda: forged_signature(sealed(proposal())).to_bytes(), RefusalReason.BAD_SIGNATURE, NOW),
+        (
+            lambda: dataclasses.replace(
+                forged_signature(sealed(proposal())), signature=b"\0" * 64
+            ).to_bytes(),
+            RefusalReason.BAD_SIGNATURE,
+            NOW,
+        ),
         (lambda: sealed(proposal()), RefusalReason.EXPIRED, NOW + 31),
         (lambda: sealed(proposal(host=MALLORY)), RefusalReason.WRONG_HOST, NOW),
         (lambda: sealed(proposal(offer_id="nope")), RefusalReason.UNKNOWN_OFFER, NOW),
@@ -102,8 +139,14 @@ def test_bad_proposals_are_refused_with_a_reason_and_nothing_changes(make_raw, r
 
 def test_a_proposal_whose_body_names_another_signer_is_malformed():
     raw = sealed(proposal(consumer=ALICE))
-    relabelled = seal(MALLORY, LeaseProposal.KIND, encode_message(proposal(consumer=ALICE)),
-                      now=NOW, ttl=30.0, nonce=1)
+    relabelled = seal(
+        MALLORY,
+        LeaseProposal.KIND,
+        encode_message(proposal(consumer=ALICE)),
+        now=NOW,
+        ttl=30.0,
+        nonce=1,
+    )
     book = book_with(4)
     assert refusal_of(book.propose(relabelled.to_bytes(), now=NOW)) is RefusalReason.MALFORMED
     assert isinstance(book.propose(raw, now=NOW), Lease)

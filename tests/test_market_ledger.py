@@ -12,8 +12,17 @@ HOST, CONSUMER = NodeIdentity.generate(), NodeIdentity.generate()
 
 
 def receipt(seq, lease_id="L1", share_seconds=60):
-    body = Receipt(lease_id, HOST.peer_id.to_base58(), seq, NOW + 60 * seq, NOW + 60 * (seq + 1),
-                   share_seconds, 10, NOW + 600, seq + 1)
+    body = Receipt(
+        lease_id,
+        HOST.peer_id.to_base58(),
+        seq,
+        NOW + 60 * seq,
+        NOW + 60 * (seq + 1),
+        share_seconds,
+        10,
+        NOW + 600,
+        seq + 1,
+    )
     return CountersignedReceipt.countersign(CONSUMER, seal_message(HOST, body, now=NOW))
 
 
@@ -94,8 +103,11 @@ def test_a_dispute_keeps_the_hosts_claim_and_the_reason_across_restarts(tmp_path
         assert not ledger.record_dispute(Dispute.of(claim, "said again", at=NOW + 1))
     with Ledger.open(tmp_path) as reopened:
         (dispute,) = reopened.disputes()
-        assert (dispute.receipt_id, dispute.reason, dispute.receipt) == ("L1/0", "bytes inflated",
-                                                                          claim)
+        assert (dispute.receipt_id, dispute.reason, dispute.receipt) == (
+            "L1/0",
+            "bytes inflated",
+            claim,
+        )
         assert len(reopened) == 0
 
 

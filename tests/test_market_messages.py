@@ -34,11 +34,24 @@ HOST, CONSUMER = NodeIdentity.generate(), NodeIdentity.generate()
 H, C = HOST.peer_id.to_base58(), CONSUMER.peer_id.to_base58()
 
 OFFER = Offer(H, "gpu0", "RTX 4090", 24576, 100, 4, 1000, 60, "eu", NOW, NOW + 60, 1)
-BID = Bid(C, "b1", 16000, ("RTX 4090", "A100"), 0, 1, 2000, PriorityClass.INTERRUPTIBLE, 600,
-          NOW, NOW + 60, 2)
+BID = Bid(
+    C,
+    "b1",
+    16000,
+    ("RTX 4090", "A100"),
+    0,
+    1,
+    2000,
+    PriorityClass.INTERRUPTIBLE,
+    600,
+    NOW,
+    NOW + 60,
+    2,
+)
 CANCEL = Cancel(H, Side.OFFER, "gpu0", NOW + 60, 3)
-PROPOSAL = LeaseProposal("L1", C, H, "gpu0", 1, 1, 1000, NOW, 600, PriorityClass.ON_DEMAND,
-                         NOW + 30, 4)
+PROPOSAL = LeaseProposal(
+    "L1", C, H, "gpu0", 1, 1, 1000, NOW, 600, PriorityClass.ON_DEMAND, NOW + 30, 4
+)
 RECEIPT = Receipt("L1", H, 0, NOW, NOW + 60, 60, 123, NOW + 600, 5)
 ALL = [OFFER, BID, CANCEL, PROPOSAL, RECEIPT]
 

@@ -16,8 +16,20 @@ from cumulus_p2p.market.metering import Meter, Standing, check_receipt, payment_
 
 NOW = 1_700_000_000.0
 HOST, CONSUMER, MALLORY = (NodeIdentity.generate() for _ in range(3))
-LEASE = LeaseProposal("L1", CONSUMER.peer_id.to_base58(), HOST.peer_id.to_base58(), "gpu0", 1,
-                      2, 1000, NOW, 150, PriorityClass.ON_DEMAND, NOW + 30, 1)
+LEASE = LeaseProposal(
+    "L1",
+    CONSUMER.peer_id.to_base58(),
+    HOST.peer_id.to_base58(),
+    "gpu0",
+    1,
+    2,
+    1000,
+    NOW,
+    150,
+    PriorityClass.ON_DEMAND,
+    NOW + 30,
+    1,
+)
 
 
 def test_receipts_cover_the_lease_in_intervals_and_countersign():
@@ -27,8 +39,9 @@ def test_receipts_cover_the_lease_in_intervals_and_countersign():
     previous, receipts = None, []
     for t, nonce in [(NOW + 60, 1), (NOW + 120, 2), (NOW + 200, 3)]:
         assert meter.due(t)
-        envelope, previous = check_receipt(meter.issue(t, nonce=nonce).to_bytes(), LEASE,
-                                           now=t, previous=previous)
+        envelope, previous = check_receipt(
+            meter.issue(t, nonce=nonce).to_bytes(), LEASE, now=t, previous=previous
+        )
         receipts.append(previous)
         signed = CountersignedReceipt.countersign(CONSUMER, envelope)
         assert signed.verify(CONSUMER.public_key) == previous
@@ -70,5 +83,8 @@ def test_a_late_receipt_pauses_the_session_after_one_grace_period_and_ends_it_af
         return payment_standing(100.0, now=now, grace=10.0)
 
     assert [at(105.0), at(115.0), at(125.0)] == [
-        Standing.CURRENT, Standing.PAUSED, Standing.DEFAULTED]
+        Standing.CURRENT,
+        Standing.PAUSED,
+        Standing.DEFAULTED,
+    ]
     assert payment_standing(None, now=1e9, grace=10.0) is Standing.CURRENT

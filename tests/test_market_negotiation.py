@@ -23,14 +23,37 @@ NOW = 1_700_000_000.0
 
 
 def make_offer(host_identity, shares):
-    return Offer(host_identity.peer_id.to_base58(), "gpu0", "RTX 4090", 24576, 100, shares,
-                 1000, 60, "eu", NOW, NOW + 600, 1)
+    return Offer(
+        host_identity.peer_id.to_base58(),
+        "gpu0",
+        "RTX 4090",
+        24576,
+        100,
+        shares,
+        1000,
+        60,
+        "eu",
+        NOW,
+        NOW + 600,
+        1,
+    )
 
 
 def make_proposal(consumer, host_identity, *, shares=1, price=1000, nonce=1):
-    proposal = LeaseProposal(secrets.token_hex(8), consumer.peer_id.to_base58(),
-                             host_identity.peer_id.to_base58(), "gpu0", 1, shares, price, NOW,
-                             3600, PriorityClass.ON_DEMAND, NOW + 30, nonce)
+    proposal = LeaseProposal(
+        secrets.token_hex(8),
+        consumer.peer_id.to_base58(),
+        host_identity.peer_id.to_base58(),
+        "gpu0",
+        1,
+        shares,
+        price,
+        NOW,
+        3600,
+        PriorityClass.ON_DEMAND,
+        NOW + 30,
+        nonce,
+    )
     return seal_message(consumer, proposal, now=NOW)
 
 
@@ -56,8 +79,9 @@ async def test_a_granted_lease_names_the_session_endpoints():
         endpoints = lambda: ["127.0.0.1:7001", "127.0.0.2:7001"]  # noqa: E731
         serve_leases(host, LeaseServer(book, clock=lambda: NOW, endpoints=endpoints))
         await connect(consumer, host)
-        grant = await call_propose_lease(consumer, host.get_id(),
-                                         make_proposal(consumer_id, host_id))
+        grant = await call_propose_lease(
+            consumer, host.get_id(), make_proposal(consumer_id, host_id)
+        )
     assert grant.endpoints == ("127.0.0.1:7001", "127.0.0.2:7001")
 
 
@@ -72,8 +96,11 @@ async def test_concurrent_consumers_lease_exactly_the_free_shares_and_the_rest_a
 
         async def propose(consumer, identity, nonce):
             try:
-                granted.append(await call_propose_lease(
-                    consumer, host.get_id(), make_proposal(identity, host_id, nonce=nonce)))
+                granted.append(
+                    await call_propose_lease(
+                        consumer, host.get_id(), make_proposal(identity, host_id, nonce=nonce)
+                    )
+                )
             except LeaseRefusedError as exc:
                 refused.append(exc.reason)
 
@@ -140,13 +167,15 @@ async def test_a_garbage_or_oversized_frame_drops_only_that_stream():
                 except BaseLibp2pError:  # reset by the server: the expected answer
                     answer = b""
             assert answer == b"" or b"MALFORMED" in answer
-        grant = await call_propose_lease(consumer, host.get_id(), make_proposal(consumer_id,
-                                                                                host_id))
+        grant = await call_propose_lease(
+            consumer, host.get_id(), make_proposal(consumer_id, host_id)
+        )
     assert grant.lease.verify(host_id.public_key).shares == 1
 
 
-@pytest.mark.parametrize("endpoints", [["no-port"], ["host:port"], [7], "127.0.0.1:1",
-                                       ["h:1"] * 9, ["x" * 200 + ":1"]])
+@pytest.mark.parametrize(
+    "endpoints", [["no-port"], ["host:port"], [7], "127.0.0.1:1", ["h:1"] * 9, ["x" * 200 + ":1"]]
+)
 def test_a_grant_with_malformed_endpoints_is_refused(endpoints):
     from cumulus_p2p.market.negotiation import _decode_response
 
@@ -165,9 +194,10 @@ async def test_a_screened_out_consumer_is_refused_with_the_hosts_reason_and_noth
     book.publish(make_offer(host_id, shares=2))
     screened = consumer_id.peer_id.to_base58()
     server = LeaseServer(
-        book, clock=lambda: NOW,
+        book,
+        clock=lambda: NOW,
         screen=lambda peer: "unpaid leases on record" if peer == screened else None,
-    )  # fmt: skip
+    )
     async with noise_hosts([host_id, consumer_id]) as (host, consumer):
         serve_leases(host, server)
         await connect(consumer, host)

@@ -122,8 +122,7 @@ def test_bytes_beyond_the_consumers_own_count_are_refused_and_disputed(tmp_path)
         desk.open_account(LEASE, counts_bytes=True)
         desk.count_bytes("L1", 100_000)
         with pytest.raises(ReceiptRejectedError, match="counted 100000"):
-            desk.countersign(inflated(bytes_moved=101_001).to_bytes(), sender=HOST_ID,
-                             now=NOW + 60)  # fmt: skip
+            desk.countersign(inflated(bytes_moved=101_001).to_bytes(), sender=HOST_ID, now=NOW + 60)
         assert [d.receipt_id for d in ledger.disputes()] == ["L1/0"]
 
 

@@ -12,15 +12,23 @@ from cumulus_p2p.testing.nodes import node_command
 
 def test_the_last_lines_of_the_log_are_shown(tmp_path):
     (tmp_path / LOG_FILE).write_text("".join(f"line {i}\n" for i in range(100)))
-    done = subprocess.run(node_command("logs", "--data-dir", str(tmp_path), "-n", "3"),
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        node_command("logs", "--data-dir", str(tmp_path), "-n", "3"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["line 97", "line 98", "line 99"]
 
 
 def test_logs_of_a_data_dir_where_no_node_ran_say_so(tmp_path):
-    done = subprocess.run(node_command("logs", "--data-dir", str(tmp_path)),
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        node_command("logs", "--data-dir", str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 3
     assert "no log at" in done.stdout
 
@@ -28,8 +36,11 @@ def test_logs_of_a_data_dir_where_no_node_ran_say_so(tmp_path):
 def test_follow_prints_lines_as_they_are_written_until_interrupted(tmp_path):
     log = tmp_path / LOG_FILE
     log.write_text("old\n")
-    proc = subprocess.Popen(node_command("logs", "--data-dir", str(tmp_path), "--follow"),
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        node_command("logs", "--data-dir", str(tmp_path), "--follow"),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     watchdog = threading.Timer(60, proc.kill)  # a missed line fails the test, not hangs it
     watchdog.start()
     try:

@@ -30,7 +30,6 @@ pytestmark = pytest.mark.slow
 SCRIPT = ["-m", "cumulus_p2p.demo_train", "--steps", "20", "--log-every", "5"]
 
 
-
 def test_a_host_claiming_a_gpu_it_lacks_is_dropped_after_the_probe_and_reported(tmp_path):
     boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
     liar = start_liar(tmp_path / "liar", boot.addr, "device")
@@ -39,9 +38,14 @@ def test_a_host_claiming_a_gpu_it_lacks_is_dropped_after_the_probe_and_reported(
         liar.wait_for("providing")
         honest.wait_for("providing")
         consumer = start_consumer(
-            tmp_path / "consumer", boot.addr, "--max-price", "1.0", "--min-vram", "1GiB",
+            tmp_path / "consumer",
+            boot.addr,
+            "--max-price",
+            "1.0",
+            "--min-vram",
+            "1GiB",
             command=SCRIPT,
-        )  # fmt: skip
+        )
         assert consumer.proc.wait(timeout=240) == 0, consumer.output()
     finally:
         for node in (liar, honest, boot):

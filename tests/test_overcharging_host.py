@@ -42,9 +42,7 @@ def disputes(data_dir) -> list:
     "lie, why",
     [("bytes", "bytes receipted under this lease"), ("share-seconds", "share-seconds, at most")],
 )
-def test_an_overcharging_hosts_receipts_are_refused_and_disputed_on_both_sides(
-    tmp_path, lie, why
-):
+def test_an_overcharging_hosts_receipts_are_refused_and_disputed_on_both_sides(tmp_path, lie, why):
     boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
     liar = start_liar(tmp_path / "liar", boot.addr, lie)
     honest = start_provider(tmp_path / "honest", boot.addr, "--price", "0.7")
@@ -56,9 +54,14 @@ def test_an_overcharging_hosts_receipts_are_refused_and_disputed_on_both_sides(
         liar.wait_for("providing")
         honest.wait_for("providing")
         consumer = start_consumer(
-            tmp_path / "consumer", boot.addr, "--max-price", "1.0",
-            "--checkpoint-interval", "1s", command=script,
-        )  # fmt: skip
+            tmp_path / "consumer",
+            boot.addr,
+            "--max-price",
+            "1.0",
+            "--checkpoint-interval",
+            "1s",
+            command=script,
+        )
         consumer.wait_for("holding at step 10", timeout=120)
         consumer.wait_for("refused a receipt", timeout=60)
         liar.wait_for_state(

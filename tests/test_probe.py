@@ -5,8 +5,9 @@ import pytest
 from cumulus_p2p.market import Offer
 from cumulus_p2p.node.probe import ProbeFacts, judge, probe_size
 
-OFFER = Offer("host", "device0", "NVIDIA H100 80GB HBM3", 81920, 50_000, 4, 1000, 0, "",
-              0.0, 60.0, 1)
+OFFER = Offer(
+    "host", "device0", "NVIDIA H100 80GB HBM3", 81920, 50_000, 4, 1000, 0, "", 0.0, 60.0, 1
+)
 
 
 def facts(name="NVIDIA H100 80GB HBM3", perf=48_000):
@@ -35,8 +36,14 @@ def test_one_probe_product_takes_about_two_milliseconds_at_the_claimed_speed(cla
 
 
 @pytest.mark.parametrize(
-    "wire", [None, [], {"device": "cpu"}, facts().to_wire() | {"perf_units": -1},
-             facts().to_wire() | {"seconds": "soon"}],
+    "wire",
+    [
+        None,
+        [],
+        {"device": "cpu"},
+        facts().to_wire() | {"perf_units": -1},
+        facts().to_wire() | {"seconds": "soon"},
+    ],
 )
 def test_malformed_probe_facts_are_refused(wire):
     with pytest.raises(ValueError):

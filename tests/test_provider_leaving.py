@@ -40,7 +40,6 @@ def receipt_ids(data_dir) -> set[str]:
         return {e.receipt_id for e in ledger.entries()}
 
 
-
 def test_a_provider_stopped_with_sigterm_hands_the_job_over_without_blame(tmp_path):
     boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
     cheap, dear = (
@@ -77,9 +76,11 @@ def test_a_provider_stopped_with_sigterm_hands_the_job_over_without_blame(tmp_pa
     state = json.loads((tmp_path / "consumer" / "state.json").read_text())
     assert [lease["state"] for lease in state["leases"]] == ["left", "held"]
     assert all(row["failures"] == 0 for row in state["scores"])
-    assert receipt_ids(tmp_path / "cheap") == {
-        r for r in receipt_ids(tmp_path / "consumer") if r in receipt_ids(tmp_path / "cheap")
-    } != set()
+    assert (
+        receipt_ids(tmp_path / "cheap")
+        == {r for r in receipt_ids(tmp_path / "consumer") if r in receipt_ids(tmp_path / "cheap")}
+        != set()
+    )
     assert lease_states(cheap) == ["ended"]
 
 
@@ -87,14 +88,25 @@ def start_freeloading(tmp_path, *provider_flags: str):
     """A provider serving a consumer that never settles (``testing.freeloader``), so an
     orderly stop would wait on it for the whole settle grace."""
     boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
-    provider = start_provider(tmp_path / "provider", boot.addr, "--settle-grace", "60s",
-                              *provider_flags)  # fmt: skip
+    provider = start_provider(
+        tmp_path / "provider", boot.addr, "--settle-grace", "60s", *provider_flags
+    )
     provider.wait_for("providing")
     freeloader = subprocess.Popen(
-        [sys.executable, "-m", "cumulus_p2p.testing.freeloader", "--bootstrap", boot.addr,
-         "--data", str(tmp_path / "freeloader"), "--again-after", "60"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "cumulus_p2p.testing.freeloader",
+            "--bootstrap",
+            boot.addr,
+            "--data",
+            str(tmp_path / "freeloader"),
+            "--again-after",
+            "60",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert freeloader.stdout.readline().startswith("leased")
     provider.wait_for_state(lambda state: "running" in _states(state), timeout=30)
     return boot, provider, freeloader

@@ -43,34 +43,63 @@ def two_machines():
             yield a, b, [], []
         return
     except NamespacesUnavailable as why:
-        warnings.warn(f"no network namespaces here ({why}); using 127.0.0.2 and 127.0.0.3",
-                      stacklevel=1)  # fmt: skip
+        warnings.warn(
+            f"no network namespaces here ({why}); using 127.0.0.2 and 127.0.0.3", stacklevel=1
+        )
     a, b = Loopback("", "127.0.0.2"), Loopback("", "127.0.0.3")
     yield a, b, ["--listen", f"/ip4/{a.address}/tcp/0"], ["--listen", f"/ip4/{b.address}/tcp/0"]
-
 
 
 def test_a_consumer_on_another_machine_reaches_the_provider_directly(tmp_path):
     with two_machines() as (a, b, provider_listen, consumer_listen):
         boot = start_process(
-            a.command(*node_command("--data-dir", str(tmp_path / "boot"), "--listen",
-                                    f"/ip4/{a.address}/tcp/4002")),
-            tmp_path / "boot", listens=True,
-        )  # fmt: skip
+            a.command(
+                *node_command(
+                    "--data-dir", str(tmp_path / "boot"), "--listen", f"/ip4/{a.address}/tcp/4002"
+                )
+            ),
+            tmp_path / "boot",
+            listens=True,
+        )
         provider = start_process(
-            a.command(*node_command("--data-dir", str(tmp_path / "provider"), "--provide",
-                                    "--bootstrap", boot.addr, "--receipt-interval", "1s",
-                                    "--bench-seconds", "0.1", *FAST, *provider_listen)),
-            tmp_path / "provider", listens=True,
-        )  # fmt: skip
+            a.command(
+                *node_command(
+                    "--data-dir",
+                    str(tmp_path / "provider"),
+                    "--provide",
+                    "--bootstrap",
+                    boot.addr,
+                    "--receipt-interval",
+                    "1s",
+                    "--bench-seconds",
+                    "0.1",
+                    *FAST,
+                    *provider_listen,
+                )
+            ),
+            tmp_path / "provider",
+            listens=True,
+        )
         try:
             provider.wait_for("providing")
             consumer = start_process(
-                b.command(*node_command("--data-dir", str(tmp_path / "consumer"), "--consume",
-                                        "--bootstrap", boot.addr, *FAST, *consumer_listen,
-                                        "--", "python", *SCRIPT)),
-                tmp_path / "consumer", listens=False,
-            )  # fmt: skip
+                b.command(
+                    *node_command(
+                        "--data-dir",
+                        str(tmp_path / "consumer"),
+                        "--consume",
+                        "--bootstrap",
+                        boot.addr,
+                        *FAST,
+                        *consumer_listen,
+                        "--",
+                        "python",
+                        *SCRIPT,
+                    )
+                ),
+                tmp_path / "consumer",
+                listens=False,
+            )
             assert consumer.proc.wait(timeout=240) == 0, consumer.output()
         finally:
             for node in (provider, boot):

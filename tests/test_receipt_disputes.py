@@ -19,15 +19,28 @@ from cumulus_p2p.testing.hosts import connect, noise_hosts
 
 
 def lease(consumer: NodeIdentity, host: NodeIdentity, start: float) -> LeaseProposal:
-    return LeaseProposal("L1", consumer.peer_id.to_base58(), host.peer_id.to_base58(), "gpu0",
-                         1, 1, 1000, start, 600, PriorityClass.ON_DEMAND, start + 30, 1)
+    return LeaseProposal(
+        lease_id="L1",
+        consumer=consumer.peer_id.to_base58(),
+        host=host.peer_id.to_base58(),
+        offer_id="gpu0",
+        offer_nonce=1,
+        shares=1,
+        price=1000,
+        start_at=start,
+        duration_s=600,
+        priority=PriorityClass.ON_DEMAND,
+        expires_at=start + 30,
+        nonce=1,
+    )
 
 
 def overcharge(host: NodeIdentity, terms: LeaseProposal, **claims) -> Receipt:
     now = time.time()
     fair = dict(share_seconds=int(now - terms.start_at), bytes_moved=0)
-    receipt = Receipt("L1", terms.host, 0, terms.start_at, now, *(fair | claims).values(),
-                      now + 600, 5)
+    receipt = Receipt(
+        "L1", terms.host, 0, terms.start_at, now, *(fair | claims).values(), now + 600, 5
+    )
     return seal_message(host, receipt, now=now)
 
 
@@ -41,8 +54,10 @@ async def test_an_inflated_receipt_is_refused_and_both_ledgers_hold_the_dispute(
 ):
     host_id, consumer_id = NodeIdentity.generate(), NodeIdentity.generate()
     terms = lease(consumer_id, host_id, time.time() - 20)
-    with Ledger.open(tmp_path / "host") as host_books, \
-            Ledger.open(tmp_path / "consumer") as consumer_books:  # fmt: skip
+    with (
+        Ledger.open(tmp_path / "host") as host_books,
+        Ledger.open(tmp_path / "consumer") as consumer_books,
+    ):
         desk = ReceiptDesk(consumer_id, consumer_books)
         desk.open_account(terms, counts_bytes=True)
         desk.count_bytes("L1", 4096)
@@ -50,8 +65,13 @@ async def test_an_inflated_receipt_is_refused_and_both_ledgers_hold_the_dispute(
             serve_receipts(consumer, desk, clock=time.time)
             await connect(host, consumer)
             with pytest.raises(ReceiptRejectedError, match=why):
-                await settle_receipt(host, consumer.get_id(), overcharge(host_id, terms, **claims),
-                                     host_books, now=time.time())  # fmt: skip
+                await settle_receipt(
+                    host,
+                    consumer.get_id(),
+                    overcharge(host_id, terms, **claims),
+                    host_books,
+                    now=time.time(),
+                )
         for books in (host_books, consumer_books):
             (dispute,) = books.disputes()
             assert dispute.receipt_id == "L1/0" and why in dispute.reason
@@ -62,8 +82,10 @@ async def test_a_fair_receipt_is_settled_into_both_ledgers(tmp_path):
     host_id, consumer_id = NodeIdentity.generate(), NodeIdentity.generate()
     terms = lease(consumer_id, host_id, time.time() - 20)
     receipt = Meter(host_id, terms, interval=10).issue(time.time(), nonce=3)
-    with Ledger.open(tmp_path / "host") as host_books, \
-            Ledger.open(tmp_path / "consumer") as consumer_books:  # fmt: skip
+    with (
+        Ledger.open(tmp_path / "host") as host_books,
+        Ledger.open(tmp_path / "consumer") as consumer_books,
+    ):
         desk = ReceiptDesk(consumer_id, consumer_books)
         desk.open_account(terms, counts_bytes=True)
         async with noise_hosts([host_id, consumer_id]) as (host, consumer):
@@ -78,17 +100,27 @@ async def test_the_consumer_hears_which_host_sent_a_refused_receipt(tmp_path):
     host_id, consumer_id = NodeIdentity.generate(), NodeIdentity.generate()
     terms = lease(consumer_id, host_id, time.time() - 20)
     refused: list[tuple[str, str]] = []
-    with Ledger.open(tmp_path / "host") as host_books, \
-            Ledger.open(tmp_path / "consumer") as consumer_books:  # fmt: skip
+    with (
+        Ledger.open(tmp_path / "host") as host_books,
+        Ledger.open(tmp_path / "consumer") as consumer_books,
+    ):
         desk = ReceiptDesk(consumer_id, consumer_books)
         desk.open_account(terms)
         async with noise_hosts([host_id, consumer_id]) as (host, consumer):
-            serve_receipts(consumer, desk, clock=time.time,
-                           on_refused=lambda who, why: refused.append((who, why)))  # fmt: skip
+            serve_receipts(
+                consumer,
+                desk,
+                clock=time.time,
+                on_refused=lambda who, why: refused.append((who, why)),
+            )
             await connect(host, consumer)
             with pytest.raises(ReceiptRejectedError):
-                await settle_receipt(host, consumer.get_id(),
-                                     overcharge(host_id, terms, share_seconds=10_000),
-                                     host_books, now=time.time())  # fmt: skip
+                await settle_receipt(
+                    host,
+                    consumer.get_id(),
+                    overcharge(host_id, terms, share_seconds=10_000),
+                    host_books,
+                    now=time.time(),
+                )
     assert [who for who, _ in refused] == [host_id.peer_id.to_base58()]
     assert "share-seconds" in refused[0][1]

@@ -31,21 +31,30 @@ pytestmark = pytest.mark.slow
 SCRIPT = ["-m", "cumulus_p2p.demo_train", "--steps", "300", "--log-every", "50"]
 
 
-
 def test_a_relayed_job_longer_than_the_circuit_cap_finishes_without_blame(tmp_path):
     boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN, "--circuit-duration", "4s")
     provider = start_provider(
-        tmp_path / "hidden", boot.addr, "--relay", boot.addr, "--advertise-host", "127.0.0.9",
+        tmp_path / "hidden",
+        boot.addr,
+        "--relay",
+        boot.addr,
+        "--advertise-host",
+        "127.0.0.9",
         listen="none",
-    )  # fmt: skip
+    )
     try:
         provider.wait_for("providing")
         # The consumer cannot be dialed either: every byte between the two goes through
         # circuits on the relay (else the provider would dial the consumer directly).
         consumer = start_consumer(
-            tmp_path / "consumer", boot.addr, "--listen", "none", "--relay", boot.addr,
+            tmp_path / "consumer",
+            boot.addr,
+            "--listen",
+            "none",
+            "--relay",
+            boot.addr,
             command=SCRIPT,
-        )  # fmt: skip
+        )
         assert consumer.proc.wait(timeout=240) == 0, consumer.output()
     finally:
         for node in (provider, boot):

@@ -186,9 +186,12 @@ def secure_executor(tmp_path, name: str):
 
         def connect():
             return connect_secure(
-                host, int(port), identity=CONSUMER, expected_peer_public_key=key,
+                host,
+                int(port),
+                identity=CONSUMER,
+                expected_peer_public_key=key,
                 resume_timeout=0.5,
-            )  # fmt: skip
+            )
 
         yield connect, proc
 
@@ -554,11 +557,21 @@ def raw_session(executor_address):
         (["@restore", [7, torch.float32, 8], {}, None], "RemoteProtocolError", "takes"),
     ],
     ids=[
-        "handle_zero", "handle_negative", "handle_too_large", "handle_not_int", "dtype_not_dtype",
-        "piece_past_declared_size", "piece_past_end", "negative_size", "blob_size_lies",
-        "missing_blob", "continuation_of_unknown_storage", "over_quota", "too_few_fields",
+        "handle_zero",
+        "handle_negative",
+        "handle_too_large",
+        "handle_not_int",
+        "dtype_not_dtype",
+        "piece_past_declared_size",
+        "piece_past_end",
+        "negative_size",
+        "blob_size_lies",
+        "missing_blob",
+        "continuation_of_unknown_storage",
+        "over_quota",
+        "too_few_fields",
     ],
-)  # fmt: skip
+)
 def test_bad_restore_record_is_refused_with_a_clear_error(raw_session, record, kind, words):
     message = _refused(raw_session, [record], [bytes(8)], kind)
     assert words in message
@@ -616,7 +629,7 @@ def test_executor_session_checkpoint_and_restore_round_trip():
     source = ExecutorSession(ctx, quota_bytes=1 << 20)
     source.run_batch(_batch(1, [["aten.randn.default", [[5]], {}, [[3, [5], [1], 0]]]]))
     manifest = source.run_batch(_batch(2, [], ["checkpoint"]))
-    (handle, dtype, nbytes), = manifest.result["storages"]  # fmt: skip
+    ((handle, dtype, nbytes),) = manifest.result["storages"]
     data = source.run_batch(_batch(3, [], ["read", [[handle, 0, nbytes]]])).blobs[0]
     after = source.run_batch(_batch(4, [["aten.rand.default", [[3]], {}, [[4, [3], [1], 0]]]]))
     assert after is None

@@ -61,7 +61,8 @@ def test_autocast_on_cumulus_needs_no_cuda_compatibility_mode(executor_address):
         "        print(y.dtype, torch.softmax(y, -1).dtype, torch.exp(y).dtype)\n"
         "print('cumulus_p2p.remote.cuda_compat' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["torch.bfloat16", "torch.float32", "torch.float32", "False"]

@@ -67,8 +67,15 @@ def test_a_new_host_starts_at_the_prior():
 
 
 def _fields(score):
-    return (score.host, score.mean, score.lower_bound, score.std, score.evidence_weight,
-            score.successes, score.failures)
+    return (
+        score.host,
+        score.mean,
+        score.lower_bound,
+        score.std,
+        score.evidence_weight,
+        score.successes,
+        score.failures,
+    )
 
 
 def test_an_honest_host_keeps_its_rank_when_20_fresh_identities_report_against_it():
@@ -120,8 +127,7 @@ def test_scores_for_matcher_rank_the_reliable_host_first_at_equal_price():
     serve(rep, RELIABLE, 10)
     book = OrderBook()
     for host in (FRESH, RELIABLE):
-        book.insert(Offer(peer(host), "o", "A100", 40, 10, 4, 100, 0, "", 0.0, 100.0, 1),
-                    now=0.0)
+        book.insert(Offer(peer(host), "o", "A100", 40, 10, 4, 100, 0, "", 0.0, 100.0, 1), now=0.0)
     bid = Bid("me", "b", 0, (), 0, 1, 1000, PriorityClass.ON_DEMAND, 60, 0.0, 100.0, 1)
     reliability = rep.scores_for_matcher([peer(FRESH), peer(RELIABLE)], now=NOW)
     ranked = rank_offers(book, bid, reliability=reliability)
@@ -143,13 +149,13 @@ def _flip_signature(env):
 
 
 def _unsigned(env):
-    return Envelope(env.kind, env.author, env.body, env.expires_at, env.nonce,
-                    bytes(64)).to_bytes()
+    return Envelope(env.kind, env.author, env.body, env.expires_at, env.nonce, bytes(64)).to_bytes()
 
 
 def _garbage_body(env):
-    return seal(CONSUMERS[0], REPORT_KIND, b"\x93\x01\x02", now=NOW, ttl=60,
-                nonce=MINT.nonce()).to_bytes()
+    return seal(
+        CONSUMERS[0], REPORT_KIND, b"\x93\x01\x02", now=NOW, ttl=60, nonce=MINT.nonce()
+    ).to_bytes()
 
 
 def _forged_lease(env):
@@ -174,8 +180,12 @@ def _wrong_host(env):
 
 
 def _expired(env):
-    return MINT.report(CONSUMERS[0], peer(RELIABLE), MINT.failure(
-        RELIABLE, MINT.lease(CONSUMERS[0], RELIABLE, start=NOW - DAY)), now=NOW - 700).to_bytes()
+    return MINT.report(
+        CONSUMERS[0],
+        peer(RELIABLE),
+        MINT.failure(RELIABLE, MINT.lease(CONSUMERS[0], RELIABLE, start=NOW - DAY)),
+        now=NOW - 700,
+    ).to_bytes()
 
 
 BAD = {

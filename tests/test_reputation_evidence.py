@@ -28,8 +28,9 @@ def test_every_evidence_kind_survives_the_wire():
         MINT.service(CONSUMER, HOST, LEASE, receipts=3),
         MINT.failure(HOST, LEASE, ended_at=NOW - 5000),
         HeartbeatObservation(peer(HOST), NOW - 60, NOW, 10, 7),
-        PerformanceObservation(LEASE, HOST.public_key,
-                               MINT.offer(HOST, now=NOW - 8000, perf_units=100), 80, NOW - 7000),
+        PerformanceObservation(
+            LEASE, HOST.public_key, MINT.offer(HOST, now=NOW - 8000, perf_units=100), 80, NOW - 7000
+        ),
         MINT.nonpayment(HOST, LEASE),
     ]
     for record in records:
@@ -38,10 +39,16 @@ def test_every_evidence_kind_survives_the_wire():
 
 
 def test_a_service_record_reports_its_receipted_volume():
-    report, finding = open_report(MINT.report(
-        CONSUMER, peer(HOST), MINT.service(CONSUMER, HOST, LEASE, fraction=0.5), now=NOW))
+    report, finding = open_report(
+        MINT.report(
+            CONSUMER, peer(HOST), MINT.service(CONSUMER, HOST, LEASE, fraction=0.5), now=NOW
+        )
+    )
     assert (finding.kind, finding.served, finding.credited) == (
-        EvidenceKind.SERVICE, 3600, peer(CONSUMER))
+        EvidenceKind.SERVICE,
+        3600,
+        peer(CONSUMER),
+    )
 
 
 def test_receipts_from_another_lease_do_not_check():
@@ -65,9 +72,13 @@ def test_measured_performance_below_the_claim_gives_the_ratio():
 
 def test_a_nonpayment_claim_is_about_the_consumer_and_weighed_by_the_host():
     report, finding = open_report(
-        MINT.report(HOST, peer(CONSUMER), MINT.nonpayment(HOST, LEASE), now=NOW))
+        MINT.report(HOST, peer(CONSUMER), MINT.nonpayment(HOST, LEASE), now=NOW)
+    )
     assert (finding.kind, finding.host, finding.credited) == (
-        EvidenceKind.NONPAYMENT, peer(CONSUMER), peer(HOST))
+        EvidenceKind.NONPAYMENT,
+        peer(CONSUMER),
+        peer(HOST),
+    )
 
 
 def test_only_the_lease_host_may_claim_nonpayment():
@@ -97,8 +108,14 @@ def test_an_invalid_record_cannot_be_built():
 
 
 def test_a_non_canonical_report_body_is_malformed():
-    report = Report(peer(CONSUMER), peer(HOST),
-                    HeartbeatObservation(peer(HOST), NOW - 60, NOW, 10, 7), NOW, NOW + 60, 1)
+    report = Report(
+        peer(CONSUMER),
+        peer(HOST),
+        HeartbeatObservation(peer(HOST), NOW - 60, NOW, 10, 7),
+        NOW,
+        NOW + 60,
+        1,
+    )
     body = bytearray(encode_report(report))
     body[-1] = 0xCC  # the nonce 1 re-encoded as a uint8: same value, other bytes
     with pytest.raises(MalformedMessageError):

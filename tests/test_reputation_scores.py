@@ -13,18 +13,36 @@ counts = st.floats(min_value=0.0, max_value=1e5, allow_nan=False)
 
 
 def service(at, served=3600, key=b"L1"):
-    return Finding(b"s" + key, EvidenceKind.SERVICE, "h", "c", at, lease_key=key,
-                   served=served, served_until=at, lease_shares=1, lease_end=at)
+    return Finding(
+        b"s" + key,
+        EvidenceKind.SERVICE,
+        "h",
+        "c",
+        at,
+        lease_key=key,
+        served=served,
+        served_until=at,
+        lease_shares=1,
+        lease_end=at,
+    )
 
 
 def failure(at, lease_end, key=b"L1"):
-    return Finding(b"f" + key, EvidenceKind.FAILURE, "h", "c", at, lease_key=key,
-                   served_until=at, lease_shares=1, lease_end=lease_end)
+    return Finding(
+        b"f" + key,
+        EvidenceKind.FAILURE,
+        "h",
+        "c",
+        at,
+        lease_key=key,
+        served_until=at,
+        lease_shares=1,
+        lease_end=lease_end,
+    )
 
 
 def score(findings, now=NOW):
-    return score_hosts(outcomes(findings, now=now, policy=POLICY), {"c": 1.0},
-                       policy=POLICY)["h"]
+    return score_hosts(outcomes(findings, now=now, policy=POLICY), {"c": 1.0}, policy=POLICY)["h"]
 
 
 @settings(max_examples=200, deadline=None)
@@ -83,8 +101,17 @@ def test_a_report_from_a_peer_without_credibility_counts_for_nothing():
 
 def nonpayment(unpaid_until, key=b"L1"):
     # About the consumer "c", weighed by the host "h" that reports it.
-    return Finding(b"n" + key, EvidenceKind.NONPAYMENT, "c", "h", unpaid_until, lease_key=key,
-                   served_until=unpaid_until, lease_shares=1, lease_end=unpaid_until + 3600)
+    return Finding(
+        b"n" + key,
+        EvidenceKind.NONPAYMENT,
+        "c",
+        "h",
+        unpaid_until,
+        lease_key=key,
+        served_until=unpaid_until,
+        lease_shares=1,
+        lease_end=unpaid_until + 3600,
+    )
 
 
 def consumer_score(findings):

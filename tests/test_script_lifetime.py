@@ -126,8 +126,12 @@ def test_a_shim_whose_node_is_already_gone_does_not_start_the_script(tmp_path):
     env[control.ENV_NODE_PID] = "1"  # not this process's parent: the node is gone
     done = subprocess.run(
         [sys.executable, "-m", "cumulus_p2p.shim", str(script)],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     assert "the cumulus-node that started this script is gone" in done.stderr
     assert not (tmp_path / "ran").exists()
@@ -146,11 +150,21 @@ def test_status_shows_each_session_at_work_on_both_sides(mesh):
             time.sleep(0.5)
         assert 0 < row["memory"] <= row["quota"] and row["bytes"] > 0
         wide = {**os.environ, "COLUMNS": "200"}
-        shown = subprocess.run(node_command("status", "--data-dir", str(provider.data_dir)),
-                               capture_output=True, text=True, timeout=60, env=wide)  # fmt: skip
+        shown = subprocess.run(
+            node_command("status", "--data-dir", str(provider.data_dir)),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=wide,
+        )
         assert "ops/s" in shown.stdout, shown.stdout
-        mine = subprocess.run(node_command("status", "--data-dir", str(tmp_path / "consumer")),
-                              capture_output=True, text=True, timeout=60, env=wide)  # fmt: skip
+        mine = subprocess.run(
+            node_command("status", "--data-dir", str(tmp_path / "consumer")),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=wide,
+        )
         assert "session path" in mine.stdout and "direct to 127.0.0.1:" in mine.stdout
     finally:
         consumer.proc.kill()

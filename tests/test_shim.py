@@ -29,8 +29,12 @@ def run_shim(*args: str, executor: str | None, cwd: Path) -> subprocess.Complete
         env[shim.ENV_EXECUTOR] = executor
     return subprocess.run(
         [sys.executable, "-m", "cumulus_p2p.shim", *args],
-        env=env, cwd=cwd, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def report(proc: subprocess.CompletedProcess) -> dict:
@@ -74,8 +78,12 @@ def test_sigterm_ends_the_script_through_a_clean_exit(executor_address, tmp_path
     env = {**os.environ, shim.ENV_EXECUTOR: executor_address}
     proc = subprocess.Popen(
         [sys.executable, "-m", "cumulus_p2p.shim", str(PROBE), "wait"],
-        env=env, cwd=tmp_path, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        env=env,
+        cwd=tmp_path,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert json.loads(proc.stdout.readline())["device"] == "cumulus:0"
         proc.terminate()
@@ -128,8 +136,9 @@ def test_nanogpt_with_its_optimizer_step_compiled_too_runs_captured_under_the_sh
     executor_address, tmp_path
 ):
     train = str(SCRIPTS / "nanogpt_train.py")
-    compiled = run_shim(train, "4", "float32", "compile-step", executor=executor_address,
-                        cwd=tmp_path)  # fmt: skip
+    compiled = run_shim(
+        train, "4", "float32", "compile-step", executor=executor_address, cwd=tmp_path
+    )
     assert compiled.returncode == 0, compiled.stderr
     assert "runs eagerly" not in compiled.stderr  # model and optimizer step captured
     eager_step = run_shim(train, "4", executor=executor_address, cwd=tmp_path)

@@ -44,8 +44,9 @@ def test_changing_the_matchers_ranking_changes_what_consumers_pay(monkeypatch):
 
 
 def test_hosts_refuse_stale_offers_through_their_lease_books():
-    saturated = pooling.simulate(1, MIX, "whole-GPU", pooling.LOADS["saturated"], hosts=8,
-                                 horizon_h=3)  # fmt: skip
+    saturated = pooling.simulate(
+        1, MIX, "whole-GPU", pooling.LOADS["saturated"], hosts=8, horizon_h=3
+    )
     assert saturated["refusals"].get(RefusalReason.NO_CAPACITY.value, 0) > 0
 
 
@@ -67,10 +68,13 @@ def test_failover_finishes_more_jobs_and_loses_less_work_than_restarting():
 def test_interruptible_tenants_wait_behind_on_demand_ones_on_the_device():
     result = priority.run(1, quick=True)
     slowdowns = {
-        cls: [r["slowdown_mean"] for r in result["rows"]
-              if r["class"] == cls and r["slowdown_mean"] is not None]
+        cls: [
+            r["slowdown_mean"]
+            for r in result["rows"]
+            if r["class"] == cls and r["slowdown_mean"] is not None
+        ]
         for cls in priority.CLASSES
-    }  # fmt: skip
+    }
     assert min(slowdowns["interruptible"]) > 1.0
     assert sum(slowdowns["interruptible"]) / len(slowdowns["interruptible"]) > sum(
         slowdowns["on-demand"]
@@ -87,6 +91,5 @@ def test_no_attack_lifts_an_attacker_above_an_honest_host_or_costs_them_earnings
 
 
 def test_non_payers_fall_below_a_hosts_bar_and_honest_consumers_do_not():
-    row = attacks.simulate(2, "non-payers", honest=8, flaky=3, consumers=16, leases=200,
-                           sybils=10)  # fmt: skip
+    row = attacks.simulate(2, "non-payers", honest=8, flaky=3, consumers=16, leases=200, sybils=10)
     assert row["non_payers_refused"] == 1.0 and row["honest_consumers_refused"] == 0.0

@@ -8,17 +8,36 @@ from cumulus_p2p.node.views import status_table
 
 
 def device(index: int, **overrides) -> dict:
-    row = {"offer_id": f"device{index}", "device": f"cuda:{index}", "model": "RTX 4090",
-           "perf_units": 900, "shares_free": 4, "sessions": 0, "health": "ok",
-           "gpu_utilization": 0}  # fmt: skip
+    row = {
+        "offer_id": f"device{index}",
+        "device": f"cuda:{index}",
+        "model": "RTX 4090",
+        "perf_units": 900,
+        "shares_free": 4,
+        "sessions": 0,
+        "health": "ok",
+        "gpu_utilization": 0,
+    }
     return row | overrides
 
 
 def lease(offer_id: str) -> dict:
-    return {"lease_id": "ab" * 8, "offer_id": offer_id, "consumer": "12D3KooWconsumer",
-            "shares": 1, "price": 500_000, "receipts": 2, "share_seconds": 2, "earned": 1,
-            "bytes": 2048, "state": "running", "ops": 120, "ops_per_s": 60.0,
-            "memory": 1024, "quota": 4096}  # fmt: skip
+    return {
+        "lease_id": "ab" * 8,
+        "offer_id": offer_id,
+        "consumer": "12D3KooWconsumer",
+        "shares": 1,
+        "price": 500_000,
+        "receipts": 2,
+        "share_seconds": 2,
+        "earned": 1,
+        "bytes": 2048,
+        "state": "running",
+        "ops": 120,
+        "ops_per_s": 60.0,
+        "memory": 1024,
+        "quota": 4096,
+    }
 
 
 def shown(state: dict) -> str:
@@ -33,10 +52,20 @@ def row(text: str, field: str) -> str:
 
 
 def provider_state(devices: list[dict], leases: list[dict]) -> dict:
-    return {"role": "provider", "peer_id": "12D3KooWhost", "session_endpoint": "10.0.0.2:4100",
-            "price": 500_000, "shares_free": 7, "shares_total": 8, "sessions": 1,
-            "isolation": "worker per session", "device_health": "ok", "earned": 1,
-            "devices": devices, "leases": leases}  # fmt: skip
+    return {
+        "role": "provider",
+        "peer_id": "12D3KooWhost",
+        "session_endpoint": "10.0.0.2:4100",
+        "price": 500_000,
+        "shares_free": 7,
+        "shares_total": 8,
+        "sessions": 1,
+        "isolation": "worker per session",
+        "device_health": "ok",
+        "earned": 1,
+        "devices": devices,
+        "leases": leases,
+    }
 
 
 def test_a_rig_shows_a_row_per_device_and_the_device_each_lease_runs_on():

@@ -34,10 +34,21 @@ def mesh(tmp_path):
 
 def run_freeloader(tmp_path, boot) -> list[str]:
     done = subprocess.run(
-        [sys.executable, "-m", "cumulus_p2p.testing.freeloader", "--bootstrap", boot.addr,
-         "--data", str(tmp_path / "freeloader"), "--again-after", "5"],
-        capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "cumulus_p2p.testing.freeloader",
+            "--bootstrap",
+            boot.addr,
+            "--data",
+            str(tmp_path / "freeloader"),
+            "--again-after",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout.splitlines()
 

@@ -170,9 +170,22 @@ async def test_a_dead_holders_turn_passes_on():
 
 @pytest.mark.parametrize(
     "message",
-    [["acquire", "1"], ["acquire"], ["cancel", None], ["release", 1], ["launch", 1],
-     ["stats", 5], ["stats", -1, 0], ["stats", 1, "lots"], ["traffic", 1, -5],
-     ["traffic", "1", 5], ["ended", 1], ["ended", 1, None], ["token", 7], ["token", "t" * 300]],
+    [
+        ["acquire", "1"],
+        ["acquire"],
+        ["cancel", None],
+        ["release", 1],
+        ["launch", 1],
+        ["stats", 5],
+        ["stats", -1, 0],
+        ["stats", 1, "lots"],
+        ["traffic", 1, -5],
+        ["traffic", "1", 5],
+        ["ended", 1],
+        ["ended", 1, None],
+        ["token", 7],
+        ["token", "t" * 300],
+    ],
 )
 def test_a_worker_breaking_the_link_protocol_is_cut_off(message):
     sup, (worker,), _ = supervisor_with(ON_DEMAND)

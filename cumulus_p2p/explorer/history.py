@@ -27,9 +27,12 @@ class History:
         scores = {row["host"]: row["mean"] for row in state.get("scores", [])}
         for peer in offers.keys() | scores.keys():
             offer = offers.get(peer)
-            sample = (now, scores.get(peer),
-                      None if offer is None else offer["price"],
-                      None if offer is None else offer["shares"])  # fmt: skip
+            sample = (
+                now,
+                scores.get(peer),
+                None if offer is None else offer["price"],
+                None if offer is None else offer["shares"],
+            )
             series = self._series.pop(peer, None) or deque(maxlen=self._max_samples)
             series.append(sample)
             self._series[peer] = series  # most recently seen last

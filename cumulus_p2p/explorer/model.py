@@ -31,26 +31,29 @@ def hosts(state: dict, history: History | None = None) -> list[dict]:
     for peer in offers.keys() | scores.keys():
         offer, score = offers.get(peer, {}), scores.get(peer, {})
         mean, lower = score.get("mean"), score.get("lower_bound")
-        rows.append({
-            "host": peer,
-            "online": peer in offers,
-            "devices": offer.get("devices", 0),
-            "gpu": offer.get("gpu"),
-            "vram_mib": offer.get("vram_mib"),
-            "perf": offer.get("perf"),
-            "price": offer.get("price"),
-            "shares_free": offer.get("shares"),
-            "score": mean,
-            "lower_bound": lower,
-            "uncertainty": None if mean is None else round(mean - lower, 4),
-            "evidence": counts.get(peer, dict.fromkeys(EVIDENCE_KINDS, 0)),
-            "uptime": None if history is None else history.uptime(peer),
-        })  # fmt: skip
+        rows.append(
+            {
+                "host": peer,
+                "online": peer in offers,
+                "devices": offer.get("devices", 0),
+                "gpu": offer.get("gpu"),
+                "vram_mib": offer.get("vram_mib"),
+                "perf": offer.get("perf"),
+                "price": offer.get("price"),
+                "shares_free": offer.get("shares"),
+                "score": mean,
+                "lower_bound": lower,
+                "uncertainty": None if mean is None else round(mean - lower, 4),
+                "evidence": counts.get(peer, dict.fromkeys(EVIDENCE_KINDS, 0)),
+                "uptime": None if history is None else history.uptime(peer),
+            }
+        )
     return sorted(rows, key=lambda r: (-(r["lower_bound"] or 0.0), r["host"]))
 
 
-def host(state: dict, peer: str, history: History | None = None,
-         ledger: Iterable[LedgerEntry] = ()) -> dict | None:  # fmt: skip
+def host(
+    state: dict, peer: str, history: History | None = None, ledger: Iterable[LedgerEntry] = ()
+) -> dict | None:
     """One host's page: its row, the evidence about it, this node's leases with it and
     their receipts, and its score, price and free shares over time. None if unknown."""
     row = next((r for r in hosts(state, history) if r["host"] == peer), None)
@@ -79,8 +82,9 @@ def book(state: dict) -> dict:
         total = 0
         for price in sorted(levels[gpu]):
             total += levels[gpu][price]
-            depth.append({"gpu": gpu, "price": price, "shares": levels[gpu][price],
-                          "cumulative": total})  # fmt: skip
+            depth.append(
+                {"gpu": gpu, "price": price, "shares": levels[gpu][price], "cumulative": total}
+            )
     return {"offers": offers, "bids": bids, "depth": depth}
 
 

@@ -230,9 +230,7 @@ class LeaseBook:
         if abs(proposal.start_at - now) > self._max_start_skew:
             return Refusal(RefusalReason.BAD_START, f"start {proposal.start_at}, now {now}")
         if proposal.shares > pool.free:
-            return Refusal(
-                RefusalReason.NO_CAPACITY, f"{proposal.shares} wanted, {pool.free} free"
-            )
+            return Refusal(RefusalReason.NO_CAPACITY, f"{proposal.shares} wanted, {pool.free} free")
         return None
 
     def release(self, lease_id: str) -> bool:

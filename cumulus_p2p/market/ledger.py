@@ -93,8 +93,9 @@ class Dispute:
         receipt = open_message(envelope)
         if type(receipt) is not Receipt:
             raise MalformedMessageError("a dispute is about a receipt")
-        return cls(receipt.receipt_id, receipt.lease_id, receipt.host, reason[:_MAX_REASON],
-                   at, envelope)  # fmt: skip
+        return cls(
+            receipt.receipt_id, receipt.lease_id, receipt.host, reason[:_MAX_REASON], at, envelope
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,10 +206,15 @@ class Ledger:
         """
         if dispute.receipt_id in self._disputes:
             return False
-        _write_line(self._disputes_file, {
-            "id": dispute.receipt_id, "reason": dispute.reason, "at": dispute.at,
-            "receipt": base64.b64encode(dispute.receipt.to_bytes()).decode("ascii"),
-        })  # fmt: skip
+        _write_line(
+            self._disputes_file,
+            {
+                "id": dispute.receipt_id,
+                "reason": dispute.reason,
+                "at": dispute.at,
+                "receipt": base64.b64encode(dispute.receipt.to_bytes()).decode("ascii"),
+            },
+        )
         self._disputes[dispute.receipt_id] = dispute
         return True
 
@@ -271,8 +277,13 @@ def _load(path: Path, parse) -> Iterator:
     for number, line in enumerate(complete, start=1):
         try:
             yield parse(line)
-        except (ValueError, KeyError, TypeError, MalformedMessageError,
-                EnvelopeRejectedError) as exc:  # fmt: skip
+        except (
+            ValueError,
+            KeyError,
+            TypeError,
+            MalformedMessageError,
+            EnvelopeRejectedError,
+        ) as exc:
             raise LedgerCorruptError(
                 f"{path} line {number} is damaged ({exc}); nothing was changed"
             ) from exc

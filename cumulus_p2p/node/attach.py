@@ -60,8 +60,9 @@ def open_channel(
         direct = endpoint != ticket.door
         try:
             # An address that blackholes the dial must not hold up the next one long.
-            channel = connect_secure(host, int(port), timeout=DIAL_TIMEOUT if direct else 10.0,
-                                     **keys)  # fmt: skip
+            channel = connect_secure(
+                host, int(port), timeout=DIAL_TIMEOUT if direct else 10.0, **keys
+            )
         except PeerAuthenticationError:
             raise  # someone answered, and is not the provider: no other path will help
         except (OSError, HandshakeError) as exc:

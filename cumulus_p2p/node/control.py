@@ -119,6 +119,8 @@ FailoverSource = Callable[[str], Awaitable[SessionTicket]]
 ProbeJudge = Callable[[object], Awaitable[str | None]]
 #: Where the shim's session paths go: ``(lease_id, path)``.
 PathSink = Callable[[str, str], None]
+
+
 @dataclass(frozen=True)
 class Usage:
     """What the script's session has done: bytes its channels carried per lease (what
@@ -222,8 +224,10 @@ async def _answer(
         if request[0] == "usage" and len(request) == 3:
             usage(Usage.from_wire(request[2]))
             return ["ok", None]
-        if request[0] == "path" and len(request) == 4 and all(
-            isinstance(x, str) for x in request[2:]
+        if (
+            request[0] == "path"
+            and len(request) == 4
+            and all(isinstance(x, str) for x in request[2:])
         ):
             path(request[2], request[3][:500])
             return ["ok", None]

@@ -74,7 +74,6 @@ class SessionDoors:
                 nursery.start_soon(_copy, local, remote, nursery.cancel_scope)
                 nursery.start_soon(_copy, remote, local, nursery.cancel_scope)
 
-
     async def _open_stream(self, peer: ID):
         try:
             return await self._host.new_stream(peer, [SESSION_PROTOCOL])

@@ -88,10 +88,16 @@ def leases_table(rows: Iterable[dict], role: str) -> Table:
         table.add_column(column)
     for row in rows:
         table.add_row(
-            row["lease_id"][:12], short(row.get(other, "")), credits(row["price"]),
-            str(row["receipts"]), str(row["share_seconds"]), _bytes(row.get("bytes", 0)),
-            credits(row.get(money, 0)), row["state"], _session(row),
-        )  # fmt: skip
+            row["lease_id"][:12],
+            short(row.get(other, "")),
+            credits(row["price"]),
+            str(row["receipts"]),
+            str(row["share_seconds"]),
+            _bytes(row.get("bytes", 0)),
+            credits(row.get(money, 0)),
+            row["state"],
+            _session(row),
+        )
     return table
 
 
@@ -131,10 +137,15 @@ def offers_table(rows: Iterable[dict]) -> Table:
         table.add_column(column)
     for row in rows:
         table.add_row(
-            short(row["host"]), row["gpu"], str(row["vram_mib"]), str(row["perf"]),
-            str(row["shares"]), credits(row["price"]), f"{row['score']:.2f}",
+            short(row["host"]),
+            row["gpu"],
+            str(row["vram_mib"]),
+            str(row["perf"]),
+            str(row["shares"]),
+            credits(row["price"]),
+            f"{row['score']:.2f}",
             f"{row['expires_in']:.0f}s",
-        )  # fmt: skip
+        )
     return table
 
 
@@ -145,9 +156,13 @@ def scores_table(rows: Iterable[dict]) -> Table:
         table.add_column(column)
     for row in rows:
         table.add_row(
-            row["host"], f"{row['mean']:.3f}", f"{row['lower_bound']:.3f}",
-            f"{row['evidence']:.2f}", f"{row['successes']:.2f}", f"{row['failures']:.2f}",
-        )  # fmt: skip
+            row["host"],
+            f"{row['mean']:.3f}",
+            f"{row['lower_bound']:.3f}",
+            f"{row['evidence']:.2f}",
+            f"{row['successes']:.2f}",
+            f"{row['failures']:.2f}",
+        )
     return table
 
 
@@ -158,9 +173,14 @@ def ledger_table(entries: Iterable[LedgerEntry]) -> Table:
         table.add_column(column)
     for e in entries:
         table.add_row(
-            e.receipt_id[:12], e.lease_id[:12], short(e.host), _clock(e.interval_start),
-            _clock(e.interval_end), str(e.share_seconds), _bytes(e.bytes_moved),
-        )  # fmt: skip
+            e.receipt_id[:12],
+            e.lease_id[:12],
+            short(e.host),
+            _clock(e.interval_start),
+            _clock(e.interval_end),
+            str(e.share_seconds),
+            _bytes(e.bytes_moved),
+        )
     return table
 
 

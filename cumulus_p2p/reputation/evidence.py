@@ -193,8 +193,15 @@ def _lease_finding(
 ) -> Finding:
     key = lease.envelope.digest
     return Finding(
-        _evidence_id(kind, key), kind, proposal.host, proposal.consumer, at,
-        lease_key=key, lease_shares=proposal.shares, lease_end=proposal.end_at, **facts,
+        _evidence_id(kind, key),
+        kind,
+        proposal.host,
+        proposal.consumer,
+        at,
+        lease_key=key,
+        lease_shares=proposal.shares,
+        lease_end=proposal.end_at,
+        **facts,
     )
 
 
@@ -282,7 +289,8 @@ class ServiceRecord:
         if type(receipts) is not list or len(receipts) > MAX_RECEIPTS:
             raise MalformedMessageError(f"receipts must be a list of at most {MAX_RECEIPTS}")
         return cls(
-            _lease_from(lease), host_key,
+            _lease_from(lease),
+            host_key,
             tuple(CountersignedReceipt.from_bytes(_as_bytes(r), _MAX_PART) for r in receipts),
         )
 
@@ -323,8 +331,9 @@ class LeaseFailure:
         _require_consumer(reporter, proposal)
         if not proposal.start_at <= self.ended_at <= proposal.end_at:
             raise InvalidEvidenceError("ended_at lies outside the lease")
-        return _lease_finding(self.KIND, self.lease, proposal, at=self.ended_at,
-                              served_until=self.ended_at)
+        return _lease_finding(
+            self.KIND, self.lease, proposal, at=self.ended_at, served_until=self.ended_at
+        )
 
     def _to_wire(self) -> list[object]:
         return [self.lease.to_bytes(), self.host_key, int(self.reason), self.ended_at]
@@ -373,10 +382,17 @@ class HeartbeatObservation:
         """
         if reporter == self.host:
             raise InvalidEvidenceError("a host cannot report its own heartbeats")
-        key = _evidence_id(self.KIND, reporter.encode(), self.host.encode(),
-                           _packb(self.window_start))
-        return Finding(key, self.KIND, self.host, reporter, self.window_end,
-                       ratio=self.answered / self.expected)
+        key = _evidence_id(
+            self.KIND, reporter.encode(), self.host.encode(), _packb(self.window_start)
+        )
+        return Finding(
+            key,
+            self.KIND,
+            self.host,
+            reporter,
+            self.window_end,
+            ratio=self.answered / self.expected,
+        )
 
     def _to_wire(self) -> list[object]:
         return [self.host, self.window_start, self.window_end, self.expected, self.answered]
@@ -443,8 +459,13 @@ class PerformanceObservation:
         return offer.perf_units
 
     def _to_wire(self) -> list[object]:
-        return [self.lease.to_bytes(), self.host_key, self.offer.to_bytes(),
-                self.measured_perf_units, self.measured_at]
+        return [
+            self.lease.to_bytes(),
+            self.host_key,
+            self.offer.to_bytes(),
+            self.measured_perf_units,
+            self.measured_at,
+        ]
 
     @classmethod
     def _from_wire(cls, parts: list[Any]) -> PerformanceObservation:
@@ -490,10 +511,16 @@ class NonPayment:
         receipt = self._receipt(proposal)
         key = self.lease.envelope.digest
         return Finding(
-            _evidence_id(self.KIND, key), self.KIND, proposal.consumer, proposal.host,
-            receipt.interval_end, lease_key=key, served_until=receipt.interval_end,
-            lease_shares=proposal.shares, lease_end=proposal.end_at,
-        )  # fmt: skip
+            _evidence_id(self.KIND, key),
+            self.KIND,
+            proposal.consumer,
+            proposal.host,
+            receipt.interval_end,
+            lease_key=key,
+            served_until=receipt.interval_end,
+            lease_shares=proposal.shares,
+            lease_end=proposal.end_at,
+        )
 
     def _receipt(self, proposal: LeaseProposal) -> Receipt:
         if self.receipt.author != self.host_key or not self.receipt.has_valid_signature():
@@ -526,11 +553,21 @@ Evidence: TypeAlias = (
 )
 _BY_KIND: dict[int, Any] = {
     int(cls.KIND): cls
-    for cls in (ServiceRecord, LeaseFailure, HeartbeatObservation, PerformanceObservation,
-                NonPayment)
+    for cls in (
+        ServiceRecord,
+        LeaseFailure,
+        HeartbeatObservation,
+        PerformanceObservation,
+        NonPayment,
+    )
 }
-_WIRE_ARITY = {EvidenceKind.SERVICE: 3, EvidenceKind.FAILURE: 4, EvidenceKind.HEARTBEAT: 5,
-               EvidenceKind.PERFORMANCE: 5, EvidenceKind.NONPAYMENT: 3}
+_WIRE_ARITY = {
+    EvidenceKind.SERVICE: 3,
+    EvidenceKind.FAILURE: 4,
+    EvidenceKind.HEARTBEAT: 5,
+    EvidenceKind.PERFORMANCE: 5,
+    EvidenceKind.NONPAYMENT: 3,
+}
 
 
 def _as_bytes(value: object) -> bytes:
@@ -588,9 +625,7 @@ class Report:
         if not self._finding:
             finding = self.evidence.check(self.reporter)
             if finding.host != self.host:
-                raise InvalidEvidenceError(
-                    f"the evidence is about {finding.host}, not {self.host}"
-                )
+                raise InvalidEvidenceError(f"the evidence is about {finding.host}, not {self.host}")
             self._finding.append(finding)
         return self._finding[0]
 
@@ -598,8 +633,17 @@ class Report:
 def encode_report(report: Report) -> bytes:
     """Return the canonical msgpack body of ``report``."""
     evidence = report.evidence
-    return _packb([report.reporter, report.host, int(evidence.KIND), evidence._to_wire(),
-                   report.created_at, report.expires_at, report.nonce])
+    return _packb(
+        [
+            report.reporter,
+            report.host,
+            int(evidence.KIND),
+            evidence._to_wire(),
+            report.created_at,
+            report.expires_at,
+            report.nonce,
+        ]
+    )
 
 
 def decode_report(body: bytes) -> Report:
@@ -637,8 +681,14 @@ def seal_report(identity: NodeIdentity, report: Report, *, now: float) -> Envelo
     """
     if report.reporter != identity.peer_id.to_base58():
         raise InvalidMessageError("a report must be signed by its reporter")
-    return seal(identity, REPORT_KIND, encode_report(report), now=now,
-                ttl=report.expires_at - now, nonce=report.nonce)
+    return seal(
+        identity,
+        REPORT_KIND,
+        encode_report(report),
+        now=now,
+        ttl=report.expires_at - now,
+        nonce=report.nonce,
+    )
 
 
 def open_report(envelope: Envelope) -> tuple[Report, Finding]:

@@ -84,8 +84,12 @@ class ScoringPolicy:
             raise InvalidMessageError("prior_mean must be in (0, 1), prior_weight positive")
         if not self.half_life_s > 0.0 or not self.volume_unit > 0.0:
             raise InvalidMessageError("half_life_s and volume_unit must be positive")
-        weights = (self.failure_penalty, self.heartbeat_weight, self.performance_weight,
-                   self.nonpayment_weight)
+        weights = (
+            self.failure_penalty,
+            self.heartbeat_weight,
+            self.performance_weight,
+            self.nonpayment_weight,
+        )
         if any(not w >= 0.0 for w in weights):
             raise InvalidMessageError("evidence weights must be non-negative")
         if not 0.0 < self.lower_quantile < 0.5:
@@ -159,8 +163,11 @@ def outcomes(findings: Iterable[Finding], *, now: float, policy: ScoringPolicy) 
         elif f.kind in (EvidenceKind.FAILURE, EvidenceKind.NONPAYMENT):
             pending.append(f)  # needs every receipt first, to clip or void the claim
         else:
-            weight = (policy.heartbeat_weight if f.kind is EvidenceKind.HEARTBEAT
-                      else policy.performance_weight)
+            weight = (
+                policy.heartbeat_weight
+                if f.kind is EvidenceKind.HEARTBEAT
+                else policy.performance_weight
+            )
             result.append(_outcome(f, weight * f.ratio, weight * (1.0 - f.ratio), now, policy))
     for f in pending:
         if f.kind is EvidenceKind.NONPAYMENT:
@@ -169,8 +176,9 @@ def outcomes(findings: Iterable[Finding], *, now: float, policy: ScoringPolicy) 
             continue
         stopped = max(f.served_until, served_until.get(f.lease_key, 0.0))
         lost = max(0.0, f.lease_end - stopped) * f.lease_shares
-        result.append(_outcome(f, 0.0, lost / policy.volume_unit * policy.failure_penalty,
-                               now, policy))
+        result.append(
+            _outcome(f, 0.0, lost / policy.volume_unit * policy.failure_penalty, now, policy)
+        )
     return result
 
 
@@ -256,8 +264,9 @@ def _beta_cdf(x: float, a: float, b: float) -> float:
         return 0.0
     if x >= 1.0:
         return 1.0
-    log_front = (math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
-                 + a * math.log(x) + b * math.log1p(-x))
+    log_front = (
+        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    )
     if x < (a + 1.0) / (a + b + 2.0):
         return math.exp(log_front) * _beta_cf(x, a, b) / a
     return 1.0 - math.exp(log_front) * _beta_cf(1.0 - x, b, a) / b

@@ -67,9 +67,18 @@ class Minter:
     ) -> Lease:
         """A lease ``consumer`` proposed and ``host`` countersigned."""
         proposal = LeaseProposal(
-            f"L{next(self._lease_ids)}", peer(consumer), peer(host), offer_id, offer_nonce,
-            shares, 1000, float(start), duration_s, PriorityClass.ON_DEMAND,
-            float(start) + 30.0, self.nonce(),
+            f"L{next(self._lease_ids)}",
+            peer(consumer),
+            peer(host),
+            offer_id,
+            offer_nonce,
+            shares,
+            1000,
+            float(start),
+            duration_s,
+            PriorityClass.ON_DEMAND,
+            float(start) + 30.0,
+            self.nonce(),
         )
         return Lease.countersign(host, seal_message(consumer, proposal, now=float(start)))
 
@@ -89,9 +98,17 @@ class Minter:
         for seq in range(receipts):
             t0 = proposal.start_at + served_s * seq / receipts
             t1 = proposal.start_at + served_s * (seq + 1) / receipts
-            receipt = Receipt(proposal.lease_id, proposal.host, seq, t0, t1,
-                              math.floor((t1 - t0) * proposal.shares), 0, t1 + 600.0,
-                              self.nonce())
+            receipt = Receipt(
+                proposal.lease_id,
+                proposal.host,
+                seq,
+                t0,
+                t1,
+                math.floor((t1 - t0) * proposal.shares),
+                0,
+                t1 + 600.0,
+                self.nonce(),
+            )
             envelope = seal_message(host, receipt, now=t1)
             signed.append(CountersignedReceipt.countersign(consumer, envelope))
         return ServiceRecord(lease, host.public_key, tuple(signed))
@@ -114,16 +131,43 @@ class Minter:
         tenth of the lease, receipt ``seq``) uncountersigned."""
         proposal = lease.proposal
         end = proposal.start_at + proposal.duration_s / 10
-        receipt = Receipt(proposal.lease_id, proposal.host, seq, proposal.start_at, end,
-                          math.floor((end - proposal.start_at) * proposal.shares), 0,
-                          end + 600.0, self.nonce())
+        receipt = Receipt(
+            proposal.lease_id,
+            proposal.host,
+            seq,
+            proposal.start_at,
+            end,
+            math.floor((end - proposal.start_at) * proposal.shares),
+            0,
+            end + 600.0,
+            self.nonce(),
+        )
         return NonPayment(lease, host.public_key, seal_message(host, receipt, now=end))
 
-    def offer(self, host: NodeIdentity, *, now: float, perf_units: int,
-              offer_id: str = "gpu0", nonce: int = 1) -> Envelope:
+    def offer(
+        self,
+        host: NodeIdentity,
+        *,
+        now: float,
+        perf_units: int,
+        offer_id: str = "gpu0",
+        nonce: int = 1,
+    ) -> Envelope:
         """A host-signed offer claiming ``perf_units``."""
-        offer = Offer(peer(host), offer_id, "RTX 4090", 24_576, perf_units, 8, 1000, 60,
-                      "", float(now), float(now) + 3600.0, nonce)
+        offer = Offer(
+            peer(host),
+            offer_id,
+            "RTX 4090",
+            24_576,
+            perf_units,
+            8,
+            1000,
+            60,
+            "",
+            float(now),
+            float(now) + 3600.0,
+            nonce,
+        )
         return seal_message(host, offer, now=float(now))
 
     def report(
@@ -136,6 +180,5 @@ class Minter:
         ttl: float = 600.0,
     ) -> Envelope:
         """``evidence`` about ``host`` in a report signed by ``reporter``."""
-        report = Report(peer(reporter), host, evidence, float(now), float(now) + ttl,
-                        self.nonce())
+        report = Report(peer(reporter), host, evidence, float(now), float(now) + ttl, self.nonce())
         return seal_report(reporter, report, now=float(now))

@@ -27,8 +27,9 @@ def main(scenario: str, argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=module.__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=1, help="the run's seed (default 1)")
     parser.add_argument("--quick", action="store_true", help="the small run the tests use")
-    parser.add_argument("--out", type=Path, default=RESULTS,
-                        help=f"where results go (default {RESULTS})")  # fmt: skip
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS, help=f"where results go (default {RESULTS})"
+    )
     args = parser.parse_args(argv)
     console = Console()
     started = time.perf_counter()

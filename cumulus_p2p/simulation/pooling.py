@@ -77,9 +77,7 @@ def simulate(seed: int, mix, policy: str, load: float, *, hosts: int, horizon_h:
         "queue_wait_p95_s": round(_p95(waits), 1) if waits else None,
         "slowdown_mean": round(statistics.fmean(j.slowdown for j in done), 3) if done else None,
         "cost_per_compute_hour": round(sum(j.cost for j in done) / compute_h, 4) if done else None,
-        "host_earnings_per_gpu_hour": round(
-            sum(h.earned for h in fleet) / (hosts * horizon_h), 4
-        ),
+        "host_earnings_per_gpu_hour": round(sum(h.earned for h in fleet) / (hosts * horizon_h), 4),
         "refusals": dict(market.refusals),
     }
 

@@ -57,8 +57,9 @@ def job_trace(
     return trace
 
 
-def launch(env: simpy.Environment, market: Market, trace: Sequence[jobs.Job],
-           rng: random.Random) -> None:  # fmt: skip
+def launch(
+    env: simpy.Environment, market: Market, trace: Sequence[jobs.Job], rng: random.Random
+) -> None:
     """Start each job of ``trace`` at its arrival time."""
 
     def arrivals():

@@ -38,8 +38,14 @@ def run(seed: int, *, quick: bool) -> dict:
         for class_name, priority in CLASSES.items():
             for m in MULTIPLIERS:
                 group = [j for j, jm in jobs if j.priority == priority and jm == m]
-                rows.append({"strategy": strategy, "class": class_name, "bid_multiple": m,
-                             **_figures(group, median)})  # fmt: skip
+                rows.append(
+                    {
+                        "strategy": strategy,
+                        "class": class_name,
+                        "bid_multiple": m,
+                        **_figures(group, median),
+                    }
+                )
         savings[strategy] = _interruptible_saving([j for j, _ in jobs], median)
     return {
         "scenario": "priority",
@@ -61,15 +67,24 @@ def simulate(seed: int, strategy: str, *, hosts: int, horizon_h: float):
     fleet = add_hosts(market, hosts, rng)
     median = statistics.median(h.price for h in fleet)
     rate = 3.0 * hosts / mean_hold_s(FINE_TUNING)
-    trace = job_trace(random.Random(seed + 1), FINE_TUNING, rate_per_s=rate,
-                      horizon_s=horizon_h * 3600)  # fmt: skip
+    trace = job_trace(
+        random.Random(seed + 1), FINE_TUNING, rate_per_s=rate, horizon_s=horizon_h * 3600
+    )
     bids = random.Random(seed + 2)
     jobs = []
     for job in trace:
         m = bids.choice(MULTIPLIERS)
         priority = bids.choice(list(CLASSES.values()))
-        jobs.append((job.fresh(max_price=round(m * median), priority=priority,
-                               pay_as_bid=strategy == "pay-as-bid"), m))  # fmt: skip
+        jobs.append(
+            (
+                job.fresh(
+                    max_price=round(m * median),
+                    priority=priority,
+                    pay_as_bid=strategy == "pay-as-bid",
+                ),
+                m,
+            )
+        )
     launch(env, market, [j for j, _ in jobs], rng)
     env.run(until=horizon_h * 3600)
     for granted in list(market.active.values()):
@@ -85,10 +100,11 @@ def _figures(group, median: int) -> dict:
         "jobs": len(group),
         "leased_share": round(len(leased) / len(group), 3) if group else None,
         "wait_mean_s": round(statistics.fmean(j.leased_s - j.arrived_s for j in leased), 1)
-        if leased else None,
+        if leased
+        else None,
         "slowdown_mean": round(statistics.fmean(j.slowdown for j in done), 3) if done else None,
         "paid_vs_median": round(statistics.fmean(paid) / median, 3) if paid else None,
-    }  # fmt: skip
+    }
 
 
 def _interruptible_saving(jobs, median: int) -> float | None:

@@ -108,14 +108,36 @@ def _signed_orders(hosts: int, bidders: int, rng: random.Random) -> list[bytes]:
     for i in range(hosts):
         key, model = keys[i % KEY_POOL], pick(rng, GPU_MIX)
         price = round(model.price_per_gpu_hour / SHARES_PER_GPU * 1e6 * rng.uniform(0.8, 1.2))
-        offer = Offer(key.peer_id.to_base58(), f"gpu{i}", model.name, model.vram_mib,
-                      model.perf_units, SHARES_PER_GPU, price, 0, rng.choice(REGIONS),
-                      EPOCH, EPOCH + OFFER_TTL_S, i + 1)  # fmt: skip
+        offer = Offer(
+            key.peer_id.to_base58(),
+            f"gpu{i}",
+            model.name,
+            model.vram_mib,
+            model.perf_units,
+            SHARES_PER_GPU,
+            price,
+            0,
+            rng.choice(REGIONS),
+            EPOCH,
+            EPOCH + OFFER_TTL_S,
+            i + 1,
+        )
         raws.append(seal_message(key, offer, now=EPOCH).to_bytes())
     for i in range(bidders):
         key = keys[i % KEY_POOL]
-        bid = Bid(key.peer_id.to_base58(), f"bid{i}", 24_576, (), 0, rng.randint(1, 4),
-                  10**9, PriorityClass.ON_DEMAND, 3600, EPOCH, EPOCH + BID_REFRESH_S,
-                  hosts + i + 1)  # fmt: skip
+        bid = Bid(
+            key.peer_id.to_base58(),
+            f"bid{i}",
+            24_576,
+            (),
+            0,
+            rng.randint(1, 4),
+            10**9,
+            PriorityClass.ON_DEMAND,
+            3600,
+            EPOCH,
+            EPOCH + BID_REFRESH_S,
+            hosts + i + 1,
+        )
         raws.append(seal_message(key, bid, now=EPOCH).to_bytes())
     return raws

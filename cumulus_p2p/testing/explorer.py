@@ -29,8 +29,16 @@ class ExplorerProcess:
 @contextmanager
 def explorer_process(data_dir: Path) -> Iterator[ExplorerProcess]:
     """Serve ``data_dir``'s explorer on a free loopback port until the block ends."""
-    command = [sys.executable, "-m", "cumulus_p2p.cli", "explore", "--data-dir", str(data_dir),
-               "--explore-port", "0"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "cumulus_p2p.cli",
+        "explore",
+        "--data-dir",
+        str(data_dir),
+        "--explore-port",
+        "0",
+    ]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = next((m[1] for line in proc.stdout if (m := _URL.search(line))), None)

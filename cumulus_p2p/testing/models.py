@@ -64,9 +64,14 @@ class TinyTransformer(nn.Module):
     """A GPT-style decoder with the output layer tied to the embedding."""
 
     def __init__(
-        self, vocab: int = 64, dim: int = 32, heads: int = 4, layers: int = 2, ctx: int = 16,
+        self,
+        vocab: int = 64,
+        dim: int = 32,
+        heads: int = 4,
+        layers: int = 2,
+        ctx: int = 16,
         dropout: float = 0.1,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(ctx, dim)
@@ -172,8 +177,9 @@ def train(
     ``torch.autocast(<device type>, dtype=autocast)``; with ``compiled``, the forward pass
     runs through ``torch.compile(model)``.
     """
-    mixed = torch.autocast(torch.device(device).type, dtype=autocast or torch.bfloat16,
-                           enabled=autocast is not None)  # fmt: skip
+    mixed = torch.autocast(
+        torch.device(device).type, dtype=autocast or torch.bfloat16, enabled=autocast is not None
+    )
     spec = TASKS[task]
     torch.manual_seed(0)
     model = spec.make_model().to(device)

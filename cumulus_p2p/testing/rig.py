@@ -41,9 +41,12 @@ async def main(args: argparse.Namespace) -> None:
         OfferedDevice(dataclasses.replace(cpu, index=i), perf) for i in range(args.devices)
     )
     options = ProviderOptions(
-        devices=devices, shares=args.shares, price=args.price, receipt_interval=1.0,
+        devices=devices,
+        shares=args.shares,
+        price=args.price,
+        receipt_interval=1.0,
         workers=True,
-    )  # fmt: skip
+    )
     await run_provider(DataDir(args.data), config, options, on_ready=ready, handle_signals=True)
 
 
