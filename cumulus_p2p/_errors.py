@@ -33,6 +33,12 @@ class FrameTooLargeError(RemoteProtocolError):
     """A frame announced a length above the negotiated limit. The connection is closed."""
 
 
+class BlobMismatchError(RemoteProtocolError):
+    """Bytes sent under a blob's digest are not the bytes that digest names (a consumer's
+    bug, bytes changed after they were named, a damaged transfer or a forgery), or a stored
+    blob was damaged on disk. Nothing is stored; the session's op fails with this kind."""
+
+
 class RemoteExecutionError(CumulusError):
     """An op failed on the executor. Raised in the client at the next sync point.
 

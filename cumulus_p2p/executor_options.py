@@ -61,3 +61,26 @@ def add_graph_compiler_flag(parser) -> None:
         help="run compiled graphs node by node (loop, the default) or compile each for "
         "the device with inductor after its first run (inductor)",
     )
+
+
+def add_blob_flags(parser, *, default_dir: str | None = None) -> None:
+    """``--blob-dir`` and ``--blob-cap`` on ``parser``: where the host keeps the blobs
+    consumers upload (content-addressed, shared by all its sessions) and how much disk
+    they may take; ``default_dir`` None leaves the store off unless a directory is given."""
+    parser.add_argument(
+        "--blob-dir",
+        default=default_dir,
+        metavar="DIR",
+        help="keep uploaded blobs here, so a second upload of the same bytes sends only "
+        "their hashes (default: "
+        + ("none: no store" if default_dir is None else default_dir)
+        + ")",
+    )
+    parser.add_argument(
+        "--blob-cap",
+        type=parse_size,
+        default="20GiB",
+        metavar="SIZE",
+        help="disk the blob store may take, least recently used blobs dropped first "
+        "(default 20GiB)",
+    )

@@ -565,6 +565,7 @@ def _executor_for(
         device=device.facts.target,
         quota_bytes=device.facts.memory_mib * 2**20,
         graph_compiler=options.graph_compiler,
+        blob_dir=str(data.path / "blobs"),
     )
     return build_executor(
         config, workers=options.uses_workers, pool=options.pool, hidden=[data.path]

@@ -87,6 +87,7 @@ def attach(
     reconnect: Callable[[], FrameChannel] | None = None,
     checkpoint_interval: float | None = None,
     checkpoint_store: CheckpointStore | None = None,
+    private: bool = False,
 ) -> _Attached:
     """Open a session with an executor and make it the ``cumulus`` device.
 
@@ -106,6 +107,8 @@ def attach(
             sync point; 0: every sync point; None: only when the replay log is full).
         checkpoint_store: where checkpoints are kept (default: this process's memory;
             ``DirectoryCheckpointStore(path)`` for disk).
+        private: the host keeps none of this session's uploads once it ends (nothing of
+            it enters the host's blob store).
 
     Returns:
         A handle whose ``.session`` is the ``RemoteSession``; use it in a ``with`` block
@@ -127,6 +130,7 @@ def attach(
         reconnect=reconnect,
         checkpoint_interval=checkpoint_interval,
         checkpoint_store=checkpoint_store,
+        private=private,
     )
     CURRENT.session = session
     _run_backward_on_this_thread()

@@ -13,6 +13,11 @@ executor's state is taken at a sync point every ``checkpoint_interval`` seconds,
 the channel breaks the session dials a new executor, restores the checkpoint there (or
 resumes from the old host's cache), replays the log and retries what it was doing. The
 caller sees a pause, nothing else.
+
+Large uploads name their bytes (``blobs.py``): ``upload`` queues an ``@blob`` record whose
+digest and bytes are settled when its batch leaves, with one ``have`` question for all the
+batch's records, so the bytes a host already holds never cross again. The replay log keeps
+every record with its bytes: a failover's new host may hold none of them.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 
 from .._errors import CumulusError, FailoverError, RemoteProtocolError, SessionClosedError
 from ..channel.transport import FrameChannel
+from .blobs import MAX_HAVE, NAMED_WINDOW, digest
 from .checkpoint import Checkpoint, CheckpointStore, MemoryCheckpointStore
 from .errors import remote_error
 from .failover import (
@@ -90,6 +96,8 @@ class RemoteSession:
             (``MemoryCheckpointStore``). ``DirectoryCheckpointStore`` keeps them on disk.
         max_log_bytes: replay log size that forces a checkpoint at the next batch.
         failover_attempts: ``reconnect()`` calls per failover before ``FailoverError``.
+        private: the host keeps none of this session's uploads after it ends (they are
+            not added to its blob store); uploads still skip bytes the host already holds.
 
     Raises:
         ValueError: a checkpoint option was given without ``reconnect``, or is invalid.
@@ -106,6 +114,7 @@ class RemoteSession:
         checkpoint_store: CheckpointStore | None = None,
         max_log_bytes: int = DEFAULT_MAX_LOG_BYTES,
         failover_attempts: int = DEFAULT_FAILOVER_ATTEMPTS,
+        private: bool = False,
     ) -> None:
         if reconnect is None and (checkpoint_interval, checkpoint_store) != (None, None):
             raise ValueError("checkpoints serve failover: pass reconnect= to use them")
@@ -117,6 +126,8 @@ class RemoteSession:
         self._blobs: list[memoryview] = []
         self._blob_bytes = 0
         self._keepalive: list[torch.Tensor] = []
+        self._named: list[_Named] = []  # the queued @blob records, settled at flush
+        self._named_bytes = 0
         self._frees: list[int] = []
         #: ``@graph`` records by graph id: a failover defines them again on the new host.
         self._graphs: dict[int, list] = {}
@@ -131,6 +142,11 @@ class RemoteSession:
         self.bytes_allocated = 0
         self.peak_bytes_allocated = 0
         self._options = {} if quota_bytes is None else {"quota": quota_bytes}
+        if private:
+            self._options["private"] = True
+        #: ``have`` questions asked, and blob bytes the host had (so they were not sent).
+        self.blob_questions = 0
+        self.blob_bytes_skipped = 0
         self._reconnect = reconnect
         self._attempts = failover_attempts
         self._log = ReplayLog() if reconnect is not None else None
@@ -198,6 +214,106 @@ class RemoteSession:
             self._blob_bytes += len(view)
             return CpuTensorRef(tensor.dtype, tuple(tensor.shape), len(self._blobs) - 1)
 
+    @property
+    def names_blobs(self) -> bool:
+        """Whether large uploads go by digest: the host keeps a blob store."""
+        return bool(self.info.get("blob_store"))
+
+    def upload(
+        self, target: TensorRef, src: torch.Tensor, *, name: str | None = None, here=None
+    ) -> None:
+        """Queue copying CPU ``src`` into ``target`` (same shape) as an ``@blob`` record.
+
+        Args:
+            target: the remote view to fill.
+            src: its bytes, read when the batch leaves (as ``add_blob``'s large tensors).
+            name: ``src``'s digest, when the caller computed it already.
+            here: whether the host holds the blob, when the caller asked it already
+                (``have``); None: asked with the rest of the batch when it leaves.
+        """
+        with self._lock:
+            flat = src.detach().contiguous().reshape(-1)
+            view = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+            record = ["@blob", [target, name, src.dtype, list(src.shape), None], {}, None]
+            self._ops.append(record)
+            self._named.append(_Named(record, view, here))
+            self._keepalive.append(flat)
+            if here is None:
+                self._named_bytes += len(view)
+            elif not here:
+                self._blob_bytes += len(view)
+            if (
+                len(self._ops) >= self._batch_ops
+                or self._blob_bytes >= DEFAULT_BATCH_BYTES
+                or self._named_bytes >= NAMED_WINDOW
+                or len(self._named) >= MAX_HAVE
+            ):
+                self.flush()
+
+    def have(self, names: list[str]) -> list[bool]:
+        """Ask the host which of these blobs it holds (after sending what is queued). It
+        keeps those pinned for this session until the next question: ``upload`` them with
+        ``here=True`` before asking again. At most ``MAX_HAVE`` names."""
+        with self._lock:
+            self.flush()
+            return self._ask_have(names)
+
+    def _ask_have(self, names: list[str]) -> list[bool]:
+        """One ``have`` round trip. A host lost meanwhile holds nothing (failover on: the
+        session moved; its new host is asked nothing and gets every byte)."""
+        self.blob_questions += 1
+        try:
+            self._channel.send_frame(encode_frame(["have", names]))
+            frame = self._channel.recv_frame()
+        except SessionClosedError as exc:
+            self._fail_over(exc, None)
+            return [False] * len(names)
+        lost_here = self._lost(frame)
+        if lost_here is not None:
+            self._fail_over(lost_here, None)
+            return [False] * len(names)
+        header, _ = decode_frame(frame)
+        if header[0] == "fatal":
+            self.closed = True
+            raise SessionClosedError(f"executor ended the session: {header[1]}")
+        answer = header[1] if header[0] == "have" and len(header) == 2 else None
+        if not (isinstance(answer, list) and len(answer) == len(names)):
+            raise RemoteProtocolError(f"unexpected answer to have: {header[0]!r}")
+        return [a is True for a in answer]
+
+    def _settle_named(
+        self, ops: list, named: list[_Named], blobs: list
+    ) -> tuple[list, list] | None:
+        """Name each queued ``@blob`` record's bytes and attach them where the host lacks
+        them (one ``have`` for the batch). Returns the records and blobs the replay log
+        keeps instead (every record with its bytes), or None without a log."""
+        for item in named:
+            if item.record[1][1] is None:
+                item.record[1][1] = digest(item.view)
+        unknown = list(dict.fromkeys(n.record[1][1] for n in named if n.here is None))
+        answers = dict(zip(unknown, self._ask_have(unknown), strict=True)) if unknown else {}
+        attached: dict[str, CpuTensorRef] = {}
+        full: dict[int, list] = {}
+        full_blobs = list(blobs) if self._log is not None else []
+        for item in named:
+            args = item.record[1]
+            here = answers[args[1]] if item.here is None else item.here
+            if here:
+                self.blob_bytes_skipped += len(item.view)
+            else:
+                ref = attached.get(args[1])
+                if ref is None:
+                    blobs.append(item.view)
+                    ref = attached[args[1]] = _bytes_ref(item.view, len(blobs) - 1)
+                args[4] = ref
+            if self._log is not None:
+                full_blobs.append(item.view)
+                ref = _bytes_ref(item.view, len(full_blobs) - 1)
+                full[id(item.record)] = ["@blob", [*args[:4], ref], {}, None]
+        if self._log is None:
+            return None
+        return [full.get(id(r), r) for r in ops], full_blobs
+
     def submit(self, record: list) -> None:
         """Queue one op record (tensors in it by wire reference); send a full batch."""
         with self._lock:
@@ -227,9 +343,11 @@ class RemoteSession:
             frees, self._frees = self._frees, []
             if not self._ops and not frees and query is None:
                 return None, []
-            ops, blobs, keepalive = self._ops, self._blobs, self._keepalive
+            ops, blobs, keepalive, named = self._ops, self._blobs, self._keepalive, self._named
             self._ops, self._blobs, self._keepalive, self._blob_bytes = [], [], [], 0
-            seq, parts = self._encode(ops, frees, query, blobs)
+            self._named, self._named_bytes = [], 0
+            logged = self._settle_named(ops, named, blobs) if named else None
+            seq, parts = self._encode(ops, frees, query, blobs, logged)
             frame = self._exchange(parts, seq if query is not None else None)
             del keepalive
             answer = (None, []) if frame is None else self._read_reply(frame, seq)
@@ -237,14 +355,23 @@ class RemoteSession:
                 self._maybe_checkpoint(at_sync_point=query is not None)
             return answer
 
-    def _encode(self, ops: list, frees: list, query: list | None, blobs: list) -> tuple[int, list]:
-        """Number a batch and encode it; with failover on, log it too."""
+    def _encode(
+        self, ops: list, frees: list, query: list | None, blobs: list, logged=None
+    ) -> tuple[int, list]:
+        """Number a batch and encode it; with failover on, log it too (``logged``: the
+        ops and blobs to log instead, when they differ from those sent)."""
         self._seq += 1
         self.ops_sent += len(ops)
         seq = self._seq
         parts = encode_frame(["batch", seq, ops, frees, query, [len(b) for b in blobs]], blobs)
         if self._log is not None:
-            parts = [self._log.record(seq, parts, query is not None)]
+            if logged is None:
+                parts = [self._log.record(seq, parts, query is not None)]
+            else:
+                full_ops, full_blobs = logged
+                lengths = [len(b) for b in full_blobs]
+                full = encode_frame(["batch", seq, full_ops, frees, query, lengths], full_blobs)
+                self._log.record(seq, full, query is not None)
         return seq, parts
 
     def _exchange(self, parts: list, awaiting: int | None) -> bytearray | None:
@@ -580,6 +707,21 @@ class RemoteSession:
             finally:
                 self.closed = True
                 self._channel.close()
+
+
+class _Named:
+    """A queued ``@blob`` record, its bytes, and whether the host holds them (None: ask)."""
+
+    __slots__ = ("record", "view", "here")
+
+    def __init__(self, record: list, view: memoryview, here: bool | None) -> None:
+        self.record = record
+        self.view = view
+        self.here = here
+
+
+def _bytes_ref(view: memoryview, blob: int) -> CpuTensorRef:
+    return CpuTensorRef(torch.uint8, (len(view),), blob)
 
 
 class _ChannelLost(Exception):

@@ -31,6 +31,7 @@ import trio
 from .._errors import FrameTooLargeError, RemoteProtocolError, SessionClosedError
 from ..channel.transport import DEFAULT_MAX_FRAME, AsyncFrameChannel, TrioFrameChannel
 from ..executor_options import GraphCompiler
+from .blobstore import BlobStore
 from .graph_compiler import GraphRunner
 from .health import DeviceHealth
 from .hostcache import HostCache
@@ -45,13 +46,12 @@ DEFAULT_QUOTA = 8 * 1024**3
 DEFAULT_CACHE_GRACE = 60.0
 #: Host memory that parked sessions may hold, all together.
 DEFAULT_CACHE_BYTES = 4 * 1024**3
+#: Disk the host's blob store may take (``blobstore.py``).
+DEFAULT_BLOB_CAP = 20 * 1024**3
 #: How long a resume waits for the session's old connection to let go of it.
 TAKEOVER_TIMEOUT = 30.0
 #: Refused resumes one connection may try before it must say hello.
 MAX_REFUSALS = 4
-#: Batches this short run on the event loop itself; longer ones go to a worker thread so
-#: the loop keeps serving other sessions' I/O while the device computes.
-INLINE_OPS = 8
 
 
 def pick_device(choice: str = "auto") -> torch.device:
@@ -82,8 +82,10 @@ def pick_device(choice: str = "auto") -> torch.device:
 class ExecutorConfig:
     """How an executor runs: device, per-session memory quota, largest frame accepted, how
     long (``cache_grace``, seconds; 0 turns the cache off) and in how much host memory
-    (``cache_bytes``) sessions whose consumer vanished are kept for it to resume, and how
-    it runs compiled graphs (``graph_compiler.py``)."""
+    (``cache_bytes``) sessions whose consumer vanished are kept for it to resume, how
+    it runs compiled graphs (``graph_compiler.py``), and where its blob store lives
+    (``blob_dir``, None: no store, uploads carry their bytes every time) and how large it
+    may grow (``blob_cap``, bytes)."""
 
     device: str = "auto"
     quota_bytes: int = DEFAULT_QUOTA
@@ -91,6 +93,8 @@ class ExecutorConfig:
     cache_grace: float = DEFAULT_CACHE_GRACE
     cache_bytes: int = DEFAULT_CACHE_BYTES
     graph_compiler: GraphCompiler = GraphCompiler.LOOP
+    blob_dir: str | None = None
+    blob_cap: int = DEFAULT_BLOB_CAP
 
 
 @dataclass
@@ -124,8 +128,11 @@ class Executor:
         ``context_lost`` is asked after an op failed whether the device context is now
         unusable (a CUDA device-side assert): then the session ends after that reply."""
         self.config = config or ExecutorConfig()
+        blob_dir = self.config.blob_dir
         self.ctx = DeviceContext(
-            pick_device(self.config.device), graphs=GraphRunner(self.config.graph_compiler)
+            pick_device(self.config.device),
+            graphs=GraphRunner(self.config.graph_compiler),
+            blobs=None if blob_dir is None else BlobStore(blob_dir, self.config.blob_cap),
         )
         self.sessions: dict[int, ExecutorSession] = {}
         self.cache: HostCache[ExecutorSession] = HostCache(
@@ -222,7 +229,8 @@ class Executor:
                 return token, session
             options = _hello_options(header)
             quota = min(options.get("quota", limit), limit)
-            session = ExecutorSession(self.ctx, quota_bytes=quota)
+            private = options.get("private", False)
+            session = ExecutorSession(self.ctx, quota_bytes=quota, private=private)
             token = secrets.token_hex(16)
             info = self._info(session_id, session, token)
             await channel.send_frame(encode_frame(["welcome", PROTOCOL_VERSION, info]))
@@ -237,6 +245,8 @@ class Executor:
             "device_name": _device_name(self.ctx.device),
             "torch": str(torch.__version__),
             "quota": session.quota_bytes,
+            "blob_store": self.ctx.blobs is not None,
+            "private": session.private,
         } | self._welcome_extra
 
     async def _take(self, token: str, owner: object) -> ExecutorSession | None:
@@ -296,8 +306,15 @@ class Executor:
             elif header[0] == "batch":
                 batch = parse_batch(header, area)
                 # A sync point's short tail: a thread hop would cost more than the ops.
-                inline = len(batch.ops) <= INLINE_OPS
+                inline = batch.light
                 reply = await self._on_device(session.run_batch, batch, inline=inline, rank=rank)
+            elif header[0] == "have":
+                if len(header) != 2:
+                    raise RemoteProtocolError("have takes one list of digests")
+                # Opening and locking files: a thread, and no device turn.
+                present = await trio.to_thread.run_sync(session.have, header[1])
+                await channel.send_frame(encode_frame(["have", present]))
+                continue
             else:
                 raise RemoteProtocolError(f"unexpected {header[0]!r} message in a session")
             if reply is not None:
@@ -422,6 +439,8 @@ def _hello_options(header: list) -> dict:
     options = header[2]
     if "quota" in options and (type(options["quota"]) is not int or options["quota"] <= 0):
         raise RemoteProtocolError("quota must be a positive integer")
+    if type(options.get("private", False)) is not bool:
+        raise RemoteProtocolError("private must be true or false")
     return options
 
 

@@ -22,6 +22,7 @@ import trio
 from ..channel.secure import serve_secure
 from ..executor_options import (
     GraphCompiler,
+    add_blob_flags,
     add_graph_compiler_flag,
     add_isolation_flags,
     parse_size,
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="host memory all kept sessions may hold together, oldest dropped first (default 4GiB)",
     )
     add_graph_compiler_flag(parser)
+    add_blob_flags(parser)
     parser.add_argument(
         "--secure",
         action="store_true",
@@ -139,7 +141,8 @@ def _describe(executor: Executor | WorkerSupervisor) -> str:
         config, device, mode = executor.config, executor.ctx.device, ""
     quota_gib = config.quota_bytes / 1024**3
     cache = f"cache={config.cache_bytes / 1024**3:.2f}GiB/{config.cache_grace:g}s"
-    return f"device={device} quota={quota_gib:.2f}GiB {cache}{mode}"
+    blobs = "" if config.blob_dir is None else f" blobs={config.blob_cap / 1024**3:.2f}GiB"
+    return f"device={device} quota={quota_gib:.2f}GiB {cache}{blobs}{mode}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         cache_grace=args.cache_grace,
         cache_bytes=args.cache_bytes,
         graph_compiler=GraphCompiler(args.graph_compiler),
+        blob_dir=args.blob_dir,
+        blob_cap=args.blob_cap,
     )
     workers = torch.cuda.is_available() if args.workers is None else args.workers
     hidden = [args.data_dir] if args.secure else []

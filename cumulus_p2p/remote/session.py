@@ -21,7 +21,12 @@ other input. It can also be *parked* when its consumer vanishes (``park``: tenso
 host memory, pinned, when they lived on a GPU) and resume later on a new connection,
 answering the last query again if its reply was lost (``resend``).
 
-This module does no I/O: the trio shell in ``executor.py`` feeds it decoded batches and
+Uploads of large CPU tensors arrive as ``@blob`` records naming their bytes by digest
+(``blobs.py``): ``have`` pins the blobs of the host's store (``DeviceContext.blobs``) that
+the client may then name without bytes; bytes that do come are checked against their
+digest before they are used or kept, and a private session's are never kept.
+
+This module does no network I/O: the trio shell in ``executor.py`` feeds it decoded batches and
 sends back what it returns. It does run torch ops, on the device it was given.
 """
 
@@ -34,7 +39,9 @@ from typing import Any
 
 import torch
 
-from .._errors import RemoteProtocolError
+from .._errors import BlobMismatchError, RemoteProtocolError
+from .blobs import MAX_HAVE, digest, is_digest
+from .blobstore import BlobStore, PinnedBlob
 from .graph_compiler import GraphRunner
 from .graphs import (
     MAX_SESSION_GRAPHS,
@@ -65,6 +72,9 @@ DYN_BLOCK = 1 << 10  # handles a client reserves per data-dependent op (client.D
 MAX_READ_BYTES = 64 * 1024 * 1024
 #: Queries whose reply blobs are recomputed, not kept, for ``resend``.
 _BLOB_QUERIES = {"fetch", "checkpoint", "read", "rng"}
+#: Batches this short run on the event loop itself (``Batch.light``); longer ones go to a
+#: worker thread so the loop keeps serving other sessions' I/O while the device computes.
+_INLINE_OPS = 8
 _EMPTY_OPS = {"empty.memory_format", "empty_strided.default", "new_empty.default"}
 
 
@@ -80,6 +90,7 @@ class ErrorKind:
     UNKNOWN_OP = "UnknownOpError"  # not an aten op, or one the executor refuses
     INTERNAL = "InternalError"  # an executor bug; it cost one op, not the session
     INDEX = "IndexError"  # a view or a piece outside its storage
+    BLOB_MISMATCH = "BlobMismatchError"  # a blob's bytes are not what its digest names
     VALUE = "ValueError"
     TYPE = "TypeError"
     RUNTIME = "RuntimeError"
@@ -108,6 +119,8 @@ class DeviceContext:
     device: torch.device
     rng_owner: ExecutorSession | None = None
     graphs: GraphRunner = field(default_factory=GraphRunner)
+    #: The host's blob store, shared with its other processes (None: blobs are not kept).
+    blobs: BlobStore | None = None
 
     def generator(self) -> torch.Generator:
         if self.device.type == "cuda":
@@ -147,6 +160,14 @@ class Batch:
     query: list | None
     blobs: list[memoryview]
 
+    @property
+    def light(self) -> bool:
+        """Short, and without blob records (which may read and hash 16 MiB each): cheaper
+        to run on the event loop than to hand to a thread."""
+        return len(self.ops) <= _INLINE_OPS and not any(
+            type(r) is list and r and r[0] == "@blob" for r in self.ops
+        )
+
 
 @dataclass
 class Reply:
@@ -176,10 +197,13 @@ class SessionStats:
 class ExecutorSession:
     """One client's tensors and op stream on an executor."""
 
-    def __init__(self, ctx: DeviceContext, *, quota_bytes: int) -> None:
+    def __init__(self, ctx: DeviceContext, *, quota_bytes: int, private: bool = False) -> None:
         self.ctx = ctx
         self.device = ctx.device
         self.quota_bytes = quota_bytes
+        #: A private session's blobs are used, never kept in the host's store.
+        self.private = private
+        self._pins: dict[str, PinnedBlob] = {}  # what the last ``have`` found, held
         self.rng_state: torch.Tensor | None = None
         self.stats = SessionStats()
         self._anchors: dict[int, torch.Tensor] = {}
@@ -462,6 +486,111 @@ class ExecutorSession:
             generator.set_state(state.clone())
         except RuntimeError as exc:  # torch validates the state's contents
             raise OpFailed(ErrorKind.VALUE, f"@rng: not a valid generator state: {exc}") from None
+
+    # --- content-addressed uploads -----------------------------------------------------
+
+    def have(self, values: list) -> list[bool]:
+        """Which of the blobs named by ``values`` the host's store holds. Those it holds
+        stay pinned (never evicted) until the next ``have`` or the session's end, so the
+        ``@blob`` records that follow may name them without bytes.
+
+        Raises:
+            RemoteProtocolError: not a list of at most ``MAX_HAVE`` digests.
+        """
+        if not isinstance(values, list) or len(values) > MAX_HAVE:
+            raise RemoteProtocolError(f"have takes a list of at most {MAX_HAVE} digests")
+        if not all(is_digest(v) for v in values):
+            raise RemoteProtocolError("have takes blob names: 64 lower-case hex digits each")
+        self._unpin()
+        store = self.ctx.blobs
+        for value in values:
+            if store is not None and value not in self._pins:
+                pinned = store.pin(value)
+                if pinned is not None:
+                    self._pins[value] = pinned
+        return [v in self._pins for v in values]
+
+    def _unpin(self) -> None:
+        for pinned in self._pins.values():
+            pinned.close()
+        self._pins.clear()
+
+    def _blob(self, args: Any, blobs: list[memoryview]) -> None:
+        """``@blob [target, digest, dtype, sizes, data]``: copy the blob named ``digest``,
+        read as a ``dtype`` tensor of ``sizes``, into ``target``. ``data`` is its bytes
+        (inline uint8), checked against the digest and kept in the host's store unless
+        the session is private; nil names a blob the last ``have`` found here."""
+        if not (isinstance(args, list) and len(args) == 5):
+            raise OpFailed(
+                ErrorKind.PROTOCOL_ERROR, "@blob takes [target, digest, dtype, sizes, data]"
+            )
+        target, value, dtype, sizes, data = args
+        if type(target) is not TensorRef or not is_digest(value):
+            raise OpFailed(
+                ErrorKind.PROTOCOL_ERROR, "@blob needs a tensor and a blob name (64 hex digits)"
+            )
+        if not isinstance(dtype, torch.dtype):
+            raise OpFailed(ErrorKind.TYPE, "@blob: dtype must be a dtype")
+        if not (isinstance(sizes, list) and all(type(n) is int and n >= 0 for n in sizes)):
+            raise OpFailed(ErrorKind.VALUE, "@blob: sizes must be non-negative integers")
+        nbytes = math.prod(sizes) * dtype.itemsize
+        if nbytes > MAX_READ_BYTES:
+            raise OpFailed(
+                ErrorKind.VALUE, f"@blob: a blob may hold at most {MAX_READ_BYTES} bytes"
+            )
+        dst = self.tensor(target)
+        if data is None:
+            raw = self._stored_blob(value, nbytes)
+        else:
+            ok = type(data) is CpuTensorRef and data.dtype == torch.uint8
+            if not ok or list(data.sizes) != [nbytes]:
+                raise OpFailed(
+                    ErrorKind.PROTOCOL_ERROR, f"@blob: data must be {nbytes} inline uint8 bytes"
+                )
+            raw = _inline_tensor(data, blobs)
+            self._keep_blob(value, raw)
+        try:
+            dst.copy_(raw.view(dtype).reshape(sizes))
+        except Exception as exc:  # a shape or dtype the target cannot take
+            raise OpFailed(type(exc).__name__, f"@blob: {exc}") from None
+
+    def _stored_blob(self, value: str, nbytes: int) -> torch.Tensor:
+        pinned = self._pins.get(value)
+        store = self.ctx.blobs
+        if pinned is None and store is not None:
+            pinned = store.pin(value)  # not asked about: still here, maybe
+            if pinned is not None:
+                self._pins[value] = pinned
+        if pinned is None:
+            raise OpFailed(
+                ErrorKind.PROTOCOL_ERROR,
+                f"@blob: this host does not hold blob {value[:16]}; send its bytes",
+            )
+        if pinned.size != nbytes:
+            raise OpFailed(
+                ErrorKind.VALUE,
+                f"@blob: blob {value[:16]} holds {pinned.size} bytes, not {nbytes}",
+            )
+        raw = torch.empty(nbytes, dtype=torch.uint8)
+        try:
+            pinned.read_into(memoryview(raw.numpy()) if nbytes else memoryview(bytearray()))
+        except BlobMismatchError as exc:
+            raise OpFailed(ErrorKind.BLOB_MISMATCH, str(exc)) from None
+        return raw
+
+    def _keep_blob(self, value: str, raw: torch.Tensor) -> None:
+        """Check bytes against their digest; keep them in the store unless private."""
+        data = memoryview(raw.numpy()) if raw.numel() else memoryview(b"")
+        store = self.ctx.blobs
+        try:
+            if store is not None and not self.private:
+                store.put(value, data)
+            elif digest(data) != value:
+                raise BlobMismatchError(
+                    f"a blob sent as {value[:16]} does not match its hash; it was not used"
+                )
+        except BlobMismatchError as exc:
+            raise OpFailed(ErrorKind.BLOB_MISMATCH, str(exc)) from None
 
     # --- arguments ----------------------------------------------------------------------
 
@@ -805,6 +934,7 @@ class ExecutorSession:
         self._poisoned.clear()
         self._restoring.clear()
         self._graphs.clear()
+        self._unpin()
         self.stats.bytes_in_use = 0
         self.stats.storages = 0
         self.ctx.forget(self)
@@ -815,6 +945,7 @@ _RECORDS = {
     "@restore": ExecutorSession._restore,
     "@rng": ExecutorSession._set_rng,
     "@graph": ExecutorSession._define_graph,
+    "@blob": ExecutorSession._blob,
 }
 
 

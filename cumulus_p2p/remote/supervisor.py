@@ -278,11 +278,14 @@ class WorkerSupervisor:
         self._yield_asked = False
         self._nursery: trio.Nursery | None = None
         self._ids = itertools.count(1)
+        self._blob_fd = _open_blob_dir(self.config.executor.blob_dir)
         self._spec = WorkerSpec(
             device=str(self.device), quota_bytes=self.config.executor.quota_bytes,
             max_frame=self.config.executor.max_frame, cache_grace=self.config.executor.cache_grace,
             cache_bytes=self.config.executor.cache_bytes,
             graph_compiler=self.config.executor.graph_compiler.value,
+            blob_dir=None if self._blob_fd is None else f"/proc/self/fd/{self._blob_fd}",
+            blob_cap=self.config.executor.blob_cap,
         )  # fmt: skip
 
     @property
@@ -330,9 +333,10 @@ class WorkerSupervisor:
 
     def _start_worker(self) -> None:
         link, theirs = WorkerLink.pair()
+        passed = (theirs.fileno(),) if self._blob_fd is None else (theirs.fileno(), self._blob_fd)
         try:
             process = subprocess.Popen(
-                self._worker_command(theirs.fileno()), pass_fds=(theirs.fileno(),),
+                self._worker_command(theirs.fileno()), pass_fds=passed,
                 stdin=subprocess.DEVNULL, env=_worker_environment(),
             )  # fmt: skip
         finally:
@@ -623,6 +627,15 @@ class WorkerSupervisor:
             self.run_session, self.run, max_frame=self.config.executor.max_frame,
             host=host, port=port, task_status=task_status,
         )  # fmt: skip
+
+
+def _open_blob_dir(path: str | None) -> int | None:
+    """A descriptor on the host's blob store directory (created if missing), for workers
+    to inherit: their sandbox hides the node's data directory, the store's home."""
+    if path is None:
+        return None
+    Path(path).mkdir(parents=True, exist_ok=True)
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
 def _worker_environment() -> dict[str, str]:

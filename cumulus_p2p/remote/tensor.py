@@ -32,6 +32,7 @@ import torch
 from torch.optim import optimizer as _torch_optimizer
 from torch.utils import _foreach_utils
 
+from .blobs import BLOB_MIN, MAX_HAVE, digest
 from .client import RemoteSession, current_session, stream_chunk
 from .ops import op_name, written_arguments
 from .protocol import EXT_TENSOR, TensorRef, aligned_bytes, pack_tensor_ref, storage_extent
@@ -615,8 +616,9 @@ def _download_in_pieces(session: RemoteSession, tensor: RemoteTensor) -> torch.T
 
 
 def upload_into(dst: RemoteTensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for a CPU ``src`` of any size: one ``copy_`` per piece, each its
-    own frame, from the piece's own memory (``transfer.py``).
+    """``dst.copy_(src)`` for a large CPU ``src``: one ``copy_`` per piece, each its own
+    frame, from the piece's own memory (``transfer.py``); to a host with a blob store, one
+    ``@blob`` per piece instead (``_upload_named``).
 
     The first piece is a sync point, so a destination the executor could not allocate (over
     quota) fails before the rest is sent. Returns once every piece has left, so the caller
@@ -627,6 +629,9 @@ def upload_into(dst: RemoteTensor, src: torch.Tensor) -> None:
     dtype, sizes, strides, offset = dst._sig
     itemsize = max(dtype.itemsize, src.element_size())
     budget = stream_chunk(session._channel)
+    if session.names_blobs:
+        _upload_named(session, dst, src, list(pieces(sizes, strides, offset, itemsize, budget)))
+        return
     progress = session.progress("upload", dst.numel() * dst.element_size())
     with session.streaming():
         for number, piece in enumerate(pieces(sizes, strides, offset, itemsize, budget)):
@@ -640,14 +645,48 @@ def upload_into(dst: RemoteTensor, src: torch.Tensor) -> None:
             session.advance(progress, math.prod(piece.sizes) * dtype.itemsize)
 
 
+def _upload_named(session: RemoteSession, dst: RemoteTensor, src: torch.Tensor, plan) -> None:
+    """Upload by content: the host gets each piece's digest, and its bytes only when it
+    does not hold them already (``blobs.py``).
+
+    A tensor of one piece is queued like any op, its question asked with the rest of its
+    batch (a model's hundreds of tensors cost a question per batch, not per tensor).
+    Larger ones name all their pieces first and ask about them in one question.
+    """
+    dtype = dst.dtype
+    if len(plan) == 1:
+        session.upload(dst._wire(), src)
+        return
+    progress = session.progress("upload", dst.numel() * dst.element_size())
+    with session.streaming():
+        for start in range(0, len(plan), MAX_HAVE):
+            group = plan[start : start + MAX_HAVE]
+            names = [digest(_contiguous_bytes(src[p.index])) for p in group]
+            held = session.have(names)
+            for number, (piece, name, here) in enumerate(zip(group, names, held, strict=True)):
+                target = RemoteTensor(dst._rs, dtype, piece.sizes, piece.strides, piece.offset)
+                session.upload(target._wire(), src[piece.index], name=name, here=here)
+                if start == number == 0:
+                    session.synchronize()
+                session.advance(progress, math.prod(piece.sizes) * dtype.itemsize)
+        session.flush()
+
+
+def _contiguous_bytes(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
 def streams_upload(dst: Any, src: Any) -> bool:
-    """Whether ``dst.copy_(src)`` uploads more than one piece's worth from the CPU."""
-    return (
-        type(dst) is RemoteTensor
-        and type(src) is torch.Tensor
-        and src.device.type == "cpu"
-        and src.numel() * src.element_size() > STREAM_CHUNK
-    )
+    """Whether ``dst.copy_(src)`` uploads from the CPU in pieces (more than one piece's
+    worth), or by content (``BLOB_MIN`` or more of the same shape, to a host that keeps
+    blobs)."""
+    if not (type(dst) is RemoteTensor and type(src) is torch.Tensor and src.device.type == "cpu"):
+        return False
+    nbytes = src.numel() * src.element_size()
+    if nbytes > STREAM_CHUNK:
+        return True
+    return nbytes >= BLOB_MIN and src.shape == dst.shape and dst._rs.session.names_blobs
 
 
 def _to_copy(func, args, kwargs):

@@ -61,7 +61,7 @@ import trio
 from ..channel.secure.server import SecureServer, SecureServerChannel
 from ..channel.transport import AsyncFrameChannel, Handover, TrioFrameChannel, nbytes
 from ..executor_options import GraphCompiler
-from .executor import Executor, ExecutorConfig
+from .executor import DEFAULT_BLOB_CAP, Executor, ExecutorConfig
 from .protocol import decode_frame
 from .scheduler import DeviceScheduler
 from .workerlink import LinkClosedError, WorkerLink
@@ -92,6 +92,10 @@ class WorkerSpec:
     cache_grace: float
     cache_bytes: int
     graph_compiler: str = GraphCompiler.LOOP.value
+    #: The host's blob store: ``/proc/self/fd/N``, a directory descriptor the worker
+    #: inherits (its sandbox hides the data directory the store lives in).
+    blob_dir: str | None = None
+    blob_cap: int = DEFAULT_BLOB_CAP
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -108,6 +112,8 @@ class WorkerSpec:
             cache_grace=self.cache_grace,
             cache_bytes=self.cache_bytes,
             graph_compiler=GraphCompiler(self.graph_compiler),
+            blob_dir=self.blob_dir,
+            blob_cap=self.blob_cap,
         )
 
 
@@ -333,9 +339,7 @@ class Worker:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._report_stats, carried.peer_public_key)
-                await self.executor.run_session(
-                    carried, quota_bytes=quota, rank=rank, until=until
-                )
+                await self.executor.run_session(carried, quota_bytes=quota, rank=rank, until=until)
                 nursery.cancel_scope.cancel()
         except Exception:  # closing a session on a broken context can fail too
             log.exception("worker %d: the session's task failed", os.getpid())

@@ -1,0 +1,279 @@
+"""A host's blob store: a size-capped, least-recently-used directory of verified blobs.
+
+Theory of operation
+-------------------
+One directory holds every blob under its digest's hex name (``blobs.py``); it is shared by
+all sessions of all executor and worker processes of a host, so every rule holds across
+processes, with the file system as the only shared state:
+
+- **Atomic writes.** A blob is written to ``.tmp/`` and renamed into place after an
+  ``fsync``, so a crash, a full disk or a killed process never leaves a partial blob under
+  a blob's name. Temporary files of processes that died are removed when a store opens.
+- **Verified.** ``put`` hashes the bytes first and refuses (``BlobMismatchError``) bytes
+  that are not what their name says; nothing is written then. ``pin`` hands out a blob
+  that ``PinnedBlob.read`` checks again, so a blob damaged on disk is dropped, never used.
+- **Recency** is a blob's modification time: using it (``pin``, or a ``put`` of bytes the
+  store holds) touches it.
+- **Pins** are shared ``flock`` locks on an open descriptor. Eviction takes an exclusive
+  lock without waiting before it unlinks a blob, and skips a blob it cannot lock: a blob
+  pinned for a session's upload stays until the session lets go of it. (A descriptor keeps
+  its bytes readable even after an unlink, so a pin's reader never sees a blob vanish.)
+- **The cap** holds for the blobs in place: ``put`` evicts and renames under an exclusive
+  lock on ``.lock``, so two processes never both spend the same room. A blob that cannot
+  fit (larger than the cap, or the rest pinned) is not kept; the upload that brought it
+  still succeeds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from .._errors import BlobMismatchError
+from .blobs import StoredBlob, digest, is_digest, plan_eviction
+
+log = logging.getLogger(__name__)
+
+_TMP = ".tmp"
+_LOCK = ".lock"
+
+
+@dataclass(frozen=True)
+class BlobStoreStatistics:
+    """What a store holds now."""
+
+    blobs: int
+    nbytes: int
+    cap: int
+
+
+class PinnedBlob:
+    """A blob held for a session: it is not evicted until ``close``."""
+
+    def __init__(self, value: str, fd: int, size: int) -> None:
+        self.digest = value
+        self.size = size
+        self._fd = fd
+
+    def read_into(self, buffer: memoryview) -> None:
+        """Fill ``buffer`` (exactly ``size`` bytes) with the blob, checked against its name.
+
+        Raises:
+            BlobMismatchError: the file's bytes are not the blob's (damaged on disk).
+        """
+        got = os.preadv(self._fd, [buffer], 0)
+        if got != self.size or len(buffer) != self.size or digest(buffer) != self.digest:
+            raise BlobMismatchError(f"blob {self.digest[:16]} is damaged on disk")
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # releases the shared lock
+            self._fd = -1
+
+
+class BlobStore:
+    """The blobs under ``root``, at most ``cap`` bytes of them. Thread-safe, and safe to
+    share with other processes that open the same directory.
+
+    Args:
+        root: the store's directory (created if missing). A worker whose sandbox hides the
+            node's data directory gets ``/proc/self/fd/N``, a descriptor its supervisor
+            opened on the directory before the sandbox closed over it.
+        cap: the most bytes its blobs may take together.
+    """
+
+    def __init__(self, root: str | Path, cap: int) -> None:
+        if cap < 0:
+            raise ValueError("a blob store's cap must not be negative")
+        self.root = Path(root)
+        self.cap = cap
+        (self.root / _TMP).mkdir(parents=True, exist_ok=True)
+        self._names = itertools.count()
+        self._lock = threading.Lock()  # this process's threads, before the file lock
+        self._remove_dead_temporaries()
+
+    # --- reading ------------------------------------------------------------------------
+
+    def pin(self, value: str) -> PinnedBlob | None:
+        """The blob named ``value``, pinned and marked used now; None if not held."""
+        path = self.root / value
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            if os.stat(path).st_ino != os.fstat(fd).st_ino:
+                raise FileNotFoundError(path)  # evicted and written again meanwhile
+            os.utime(fd)
+            return PinnedBlob(value, fd, os.fstat(fd).st_size)
+        except (BlockingIOError, FileNotFoundError):  # being evicted right now
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def __contains__(self, value: str) -> bool:
+        return (self.root / value).exists()
+
+    def statistics(self) -> BlobStoreStatistics:
+        """The blobs in place and their bytes (a read: it changes nothing)."""
+        blobs = self._scan()
+        return BlobStoreStatistics(len(blobs), sum(b.size for b in blobs), self.cap)
+
+    # --- writing ------------------------------------------------------------------------
+
+    def put(self, value: str, data: memoryview) -> bool:
+        """Check ``data`` against ``value`` and keep it under that name.
+
+        Returns:
+            True when the store holds the blob afterwards; False when it did not fit (larger
+            than the cap, or what would have to go is pinned) or the disk refused it (full,
+            read-only: logged). The caller has the bytes either way.
+
+        Raises:
+            BlobMismatchError: ``data`` is not what ``value`` names; nothing is written.
+        """
+        if digest(data) != value:
+            raise BlobMismatchError(
+                f"a blob sent as {value[:16]} does not match its hash; nothing "
+                "was stored (the bytes changed after they were named, or were damaged)"
+            )
+        final = self.root / value
+        if final.exists():
+            with contextlib.suppress(FileNotFoundError):
+                os.utime(final)
+                return True
+        if len(data) > self.cap:
+            return False
+        try:
+            temporary = self._write_temporary(value, data)
+        except OSError as exc:
+            log.warning("blob store %s: could not write a blob: %s", self.root, exc)
+            return False
+        try:
+            with self._locked():
+                if not self._make_room(len(data), keep=final.name):
+                    return False
+                os.rename(temporary, final)
+                temporary = None
+                _fsync_directory(self.root)
+            return True
+        except OSError as exc:
+            log.warning("blob store %s: could not keep a blob: %s", self.root, exc)
+            return False
+        finally:
+            if temporary is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary)
+
+    def _write_temporary(self, value: str, data: memoryview) -> Path:
+        name = f"{value}.{os.getpid()}.{next(self._names)}"
+        path = self.root / _TMP / name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            view = memoryview(data).cast("B")
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+        os.close(fd)
+        return path
+
+    def _make_room(self, incoming: int, *, keep: str) -> bool:
+        """Evict least recently used, unpinned blobs until ``incoming`` fits (under the
+        store lock). False, evicting nothing more, when it cannot fit."""
+        blobs = [b for b in self._scan() if b.name != keep]
+        needed, order = plan_eviction(blobs, incoming=incoming, cap=self.cap)
+        for blob in order:
+            if needed <= 0:
+                break
+            if self._evict(blob.name):
+                needed -= blob.size
+        return needed <= 0
+
+    def _evict(self, name: str) -> bool:
+        """Remove one blob unless someone pins it; True if its room is free now."""
+        path = self.root / name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            return True
+        finally:
+            os.close(fd)
+
+    # --- the directory ------------------------------------------------------------------
+
+    def _scan(self) -> list[StoredBlob]:
+        blobs = []
+        with os.scandir(self.root) as entries:
+            for entry in entries:
+                if not is_digest(entry.name):
+                    continue
+                try:
+                    stat = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                blobs.append(StoredBlob(entry.name, stat.st_size, stat.st_mtime_ns))
+        return blobs
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._lock:
+            fd = os.open(self.root / _LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)
+
+    def _remove_dead_temporaries(self) -> None:
+        """Temporary files of processes that are gone (a crash mid-write) are garbage."""
+        with os.scandir(self.root / _TMP) as entries:
+            for entry in entries:
+                pid = entry.name.split(".")[1] if entry.name.count(".") == 2 else ""
+                if pid.isdigit() and not _alive(int(pid)):
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    except OSError as exc:  # some file systems cannot sync a directory; the rename stands
+        if exc.errno not in (errno.EINVAL, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
