@@ -13,7 +13,8 @@ processes, with the file system as the only shared state:
   that are not what their name says; nothing is written then. ``pin`` hands out a blob
   that ``PinnedBlob.read`` checks again, so a blob damaged on disk is dropped, never used.
 - **Recency** is a blob's modification time: using it (``pin``, or a ``put`` of bytes the
-  store holds) touches it.
+  store holds) sets it to now, to the nanosecond (the kernel's own stamps are as coarse as
+  a clock tick, which would tie blobs written in one burst).
 - **Pins** are shared ``flock`` locks on an open descriptor. Eviction takes an exclusive
   lock without waiting before it unlinks a blob, and skips a blob it cannot lock: a blob
   pinned for a session's upload stays until the session lets go of it. (A descriptor keeps
@@ -33,6 +34,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,7 +115,7 @@ class BlobStore:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             if os.stat(path).st_ino != os.fstat(fd).st_ino:
                 raise FileNotFoundError(path)  # evicted and written again meanwhile
-            os.utime(fd)
+            _touch(fd)
             return PinnedBlob(value, fd, os.fstat(fd).st_size)
         except (BlockingIOError, FileNotFoundError):  # being evicted right now
             os.close(fd)
@@ -151,7 +153,7 @@ class BlobStore:
         final = self.root / value
         if final.exists():
             with contextlib.suppress(FileNotFoundError):
-                os.utime(final)
+                _touch(final)
                 return True
         if len(data) > self.cap:
             return False
@@ -184,6 +186,7 @@ class BlobStore:
             view = memoryview(data).cast("B")
             while view:
                 view = view[os.write(fd, view) :]
+            _touch(fd)
             os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -195,33 +198,42 @@ class BlobStore:
 
     def _make_room(self, incoming: int, *, keep: str) -> bool:
         """Evict least recently used, unpinned blobs until ``incoming`` fits (under the
-        store lock). False, evicting nothing more, when it cannot fit."""
+        store lock). When it cannot fit, nothing is evicted: victims are locked first and
+        unlinked only once they free enough."""
         blobs = [b for b in self._scan() if b.name != keep]
         needed, order = plan_eviction(blobs, incoming=incoming, cap=self.cap)
-        for blob in order:
-            if needed <= 0:
-                break
-            if self._evict(blob.name):
-                needed -= blob.size
-        return needed <= 0
+        victims: list[tuple[int, Path]] = []
+        try:
+            for blob in order:
+                if needed <= 0:
+                    break
+                locked = self._lock_victim(self.root / blob.name)
+                if locked is not None:
+                    victims.append(locked)
+                    needed -= blob.size
+            if needed > 0:
+                return False
+            for _, path in victims:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            return True
+        finally:
+            for fd, _ in victims:
+                os.close(fd)
 
-    def _evict(self, name: str) -> bool:
-        """Remove one blob unless someone pins it; True if its room is free now."""
-        path = self.root / name
+    @staticmethod
+    def _lock_victim(path: Path) -> tuple[int, Path] | None:
+        """An exclusive lock on a blob nobody pins, or None (pinned, or gone already)."""
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
-            return True
+            return None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            return False
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            return True
-        finally:
             os.close(fd)
+            return None
+        return fd, path
 
     # --- the directory ------------------------------------------------------------------
 
@@ -256,6 +268,11 @@ class BlobStore:
                 if pid.isdigit() and not _alive(int(pid)):
                     with contextlib.suppress(OSError):
                         os.unlink(entry.path)
+
+
+def _touch(file: int | Path) -> None:
+    now = time.time_ns()
+    os.utime(file, ns=(now, now))
 
 
 def _alive(pid: int) -> bool:

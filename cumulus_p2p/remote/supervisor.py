@@ -279,14 +279,17 @@ class WorkerSupervisor:
         self._nursery: trio.Nursery | None = None
         self._ids = itertools.count(1)
         self._blob_fd = _open_blob_dir(self.config.executor.blob_dir)
+        executor = self.config.executor
         self._spec = WorkerSpec(
-            device=str(self.device), quota_bytes=self.config.executor.quota_bytes,
-            max_frame=self.config.executor.max_frame, cache_grace=self.config.executor.cache_grace,
-            cache_bytes=self.config.executor.cache_bytes,
-            graph_compiler=self.config.executor.graph_compiler.value,
+            device=str(self.device),
+            quota_bytes=executor.quota_bytes,
+            max_frame=executor.max_frame,
+            cache_grace=executor.cache_grace,
+            cache_bytes=executor.cache_bytes,
+            graph_compiler=executor.graph_compiler.value,
             blob_dir=None if self._blob_fd is None else f"/proc/self/fd/{self._blob_fd}",
-            blob_cap=self.config.executor.blob_cap,
-        )  # fmt: skip
+            blob_cap=executor.blob_cap,
+        )
 
     @property
     def workers(self) -> int:
