@@ -130,3 +130,29 @@ def test_the_hosts_store_stays_under_its_cap_and_keeps_the_latest(tmp_path):
         assert sum((blobs / n).stat().st_size for n in kept) <= 20 * MiB
         latest = {digest(t.numpy()) for t in uploads[-5:]}
         assert kept == latest
+
+
+def test_a_failover_to_a_host_without_the_blobs_replays_their_bytes(tmp_path):
+    def dial(address: str):
+        host, port = address.split(":")
+        return lambda: SocketFrameChannel.connect(host, int(port))
+
+    state = weights()
+    stores = [tmp_path / "a", tmp_path / "b"]
+    with (
+        executor_process(extra=["--blob-dir", str(stores[0])]) as (first, first_host),
+        executor_process(extra=["--blob-dir", str(stores[1])]) as (standby, _),
+    ):
+        with counted(first) as (session, _):  # the first host holds the weights already
+            {k: v.to("cumulus") for k, v in state.items()}
+            session.synchronize()
+        attached = remote.attach(channel=dial(first)(), reconnect=dial(standby))
+        with attached as session:
+            on_host = {k: v.to("cumulus") for k, v in state.items()}
+            session.synchronize()
+            assert session.blob_bytes_skipped > 0  # named only, on the first host
+            first_host.kill()
+            first_host.wait()
+            for key, value in state.items():
+                assert torch.equal(on_host[key].cpu(), value), key
+            assert session.failovers == 1
