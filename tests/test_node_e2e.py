@@ -17,12 +17,7 @@ from pathlib import Path
 import pytest
 
 from cumulus_p2p.market.ledger import Ledger
-from cumulus_p2p.testing.nodes import (
-    LOOPBACK_LISTEN,
-    start_consumer,
-    start_node,
-    start_provider,
-)
+from cumulus_p2p.testing import nodes
 
 # Starts real cumulus-node processes: scripts/test --fast skips it.
 pytestmark = pytest.mark.slow
@@ -33,9 +28,9 @@ SCRIPT = Path(__file__).parent / "scripts" / "cuda_train.py"
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
     root = tmp_path_factory.mktemp("mesh")
-    boot = start_node(root / "boot", "--listen", LOOPBACK_LISTEN)
+    boot = nodes.start_node(root / "boot", "--listen", nodes.LOOPBACK_LISTEN)
     providers = {
-        price: start_provider(root / f"p{price}", boot.addr, "--price", price)
+        price: nodes.start_provider(root / f"p{price}", boot.addr, "--price", price)
         for price in ("0.3", "0.7")
     }
     try:
@@ -74,7 +69,7 @@ def last_json(node) -> dict:
 
 def test_a_cuda_style_script_runs_unchanged_on_the_cheaper_provider_with_matching_books(mesh):
     root, boot, providers = mesh
-    consumer = start_consumer(
+    consumer = nodes.start_consumer(
         root / "consumer", boot.addr, "--max-price", "1.0", command=[str(SCRIPT), "2"]
     )
     assert consumer.proc.wait(timeout=240) == 0, consumer.output()
@@ -95,7 +90,7 @@ def test_a_cuda_style_script_runs_unchanged_on_the_cheaper_provider_with_matchin
 
 def test_a_job_outlasting_its_lease_renews_it_and_finishes_with_the_same_losses(mesh):
     root, boot, _ = mesh
-    consumer = start_consumer(
+    consumer = nodes.start_consumer(
         root / "renewing",
         boot.addr,
         "--max-price",
@@ -115,16 +110,16 @@ def test_a_job_outlasting_its_lease_renews_it_and_finishes_with_the_same_losses(
 
 
 def test_a_job_survives_its_provider_being_killed_and_finishes_on_the_other(tmp_path):
-    boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
+    boot = nodes.start_node(tmp_path / "boot", "--listen", nodes.LOOPBACK_LISTEN)
     providers = [
-        start_provider(tmp_path / f"p{i}", boot.addr, "--price", price)
+        nodes.start_provider(tmp_path / f"p{i}", boot.addr, "--price", price)
         for i, price in enumerate(("0.3", "0.7"))
     ]
     script = ["-m", "cumulus_p2p.demo_train", "--steps", "30", "--log-every", "5"]
     try:
         for node in providers:
             node.wait_for("providing")
-        consumer = start_consumer(
+        consumer = nodes.start_consumer(
             tmp_path / "consumer",
             boot.addr,
             "--checkpoint-interval",
@@ -158,7 +153,9 @@ def run_one_epoch_through_libp2p(tmp_path: Path, boot, provider) -> None:
     check that it went through the consumer node's libp2p door with matching books."""
     try:
         provider.wait_for("providing")
-        consumer = start_consumer(tmp_path / "consumer", boot.addr, command=[str(SCRIPT), "1"])
+        consumer = nodes.start_consumer(
+            tmp_path / "consumer", boot.addr, command=[str(SCRIPT), "1"]
+        )
         assert consumer.proc.wait(timeout=240) == 0, consumer.output()
     finally:
         for node in (provider, boot):
@@ -169,10 +166,10 @@ def run_one_epoch_through_libp2p(tmp_path: Path, boot, provider) -> None:
 
 
 def test_a_provider_whose_session_port_cannot_be_dialed_is_reached_over_libp2p(tmp_path):
-    boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
+    boot = nodes.start_node(tmp_path / "boot", "--listen", nodes.LOOPBACK_LISTEN)
     # It listens for sessions on 127.0.0.1 but advertises 127.0.0.9, where nothing
     # answers: as a host behind NAT advertising an address nobody can dial.
-    provider = start_provider(
+    provider = nodes.start_provider(
         tmp_path / "natted",
         boot.addr,
         "--session-host",
@@ -184,10 +181,10 @@ def test_a_provider_whose_session_port_cannot_be_dialed_is_reached_over_libp2p(t
 
 
 def test_a_provider_behind_nat_is_leased_and_used_through_a_relay(tmp_path):
-    boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
+    boot = nodes.start_node(tmp_path / "boot", "--listen", nodes.LOOPBACK_LISTEN)
     # No listen address at all, and a session port nobody can dial: reachable only
     # through the relay reservation it keeps on the bootstrap node.
-    provider = start_provider(
+    provider = nodes.start_provider(
         tmp_path / "hidden",
         boot.addr,
         "--relay",
@@ -213,7 +210,7 @@ def third_party_lines(output: str) -> list[str]:
 
 def test_consoles_show_no_third_party_log_lines_and_the_node_log_keeps_them(mesh):
     root, boot, providers = mesh
-    consumer = start_consumer(root / "quiet", boot.addr, command=[str(SCRIPT), "1"])
+    consumer = nodes.start_consumer(root / "quiet", boot.addr, command=[str(SCRIPT), "1"])
     assert consumer.proc.wait(timeout=240) == 0, consumer.output()
     for node in (consumer, boot, *providers.values()):
         assert third_party_lines(node.output()) == [], node.data_dir

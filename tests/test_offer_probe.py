@@ -14,15 +14,7 @@ import json
 import pytest
 
 from cumulus_p2p.market.ledger import Ledger
-from cumulus_p2p.testing.nodes import (
-    LOOPBACK_LISTEN,
-    final_json,
-    local_final_loss,
-    start_consumer,
-    start_liar,
-    start_node,
-    start_provider,
-)
+from cumulus_p2p.testing import nodes
 
 # Starts real cumulus-node processes: scripts/test --fast skips it.
 pytestmark = pytest.mark.slow
@@ -31,13 +23,13 @@ SCRIPT = ["-m", "cumulus_p2p.demo_train", "--steps", "20", "--log-every", "5"]
 
 
 def test_a_host_claiming_a_gpu_it_lacks_is_dropped_after_the_probe_and_reported(tmp_path):
-    boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
-    liar = start_liar(tmp_path / "liar", boot.addr, "device")
-    honest = start_provider(tmp_path / "honest", boot.addr, "--price", "0.7")
+    boot = nodes.start_node(tmp_path / "boot", "--listen", nodes.LOOPBACK_LISTEN)
+    liar = nodes.start_liar(tmp_path / "liar", boot.addr, "device")
+    honest = nodes.start_provider(tmp_path / "honest", boot.addr, "--price", "0.7")
     try:
         liar.wait_for("providing")
         honest.wait_for("providing")
-        consumer = start_consumer(
+        consumer = nodes.start_consumer(
             tmp_path / "consumer",
             boot.addr,
             "--max-price",
@@ -51,7 +43,7 @@ def test_a_host_claiming_a_gpu_it_lacks_is_dropped_after_the_probe_and_reported(
         for node in (liar, honest, boot):
             node.stop()
     assert "misrepresents its device" in consumer.output()
-    assert final_json(consumer.lines)["final_loss"] == local_final_loss(SCRIPT)
+    assert nodes.final_json(consumer.lines)["final_loss"] == nodes.local_final_loss(SCRIPT)
     state = json.loads((tmp_path / "consumer" / "state.json").read_text())
     leases = state["leases"]
     assert [lease["state"] for lease in leases] == ["misrepresented", "held"]

@@ -16,15 +16,7 @@ from pathlib import Path
 import pytest
 
 from cumulus_p2p.market.ledger import Ledger
-from cumulus_p2p.testing.nodes import (
-    LOOPBACK_LISTEN,
-    final_json,
-    local_final_loss,
-    start_consumer,
-    start_liar,
-    start_node,
-    start_provider,
-)
+from cumulus_p2p.testing import nodes
 
 # Starts real cumulus-node processes: scripts/test --fast skips it.
 pytestmark = pytest.mark.slow
@@ -43,9 +35,9 @@ def disputes(data_dir) -> list:
     [("bytes", "bytes receipted under this lease"), ("share-seconds", "share-seconds, at most")],
 )
 def test_an_overcharging_hosts_receipts_are_refused_and_disputed_on_both_sides(tmp_path, lie, why):
-    boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
-    liar = start_liar(tmp_path / "liar", boot.addr, lie)
-    honest = start_provider(tmp_path / "honest", boot.addr, "--price", "0.7")
+    boot = nodes.start_node(tmp_path / "boot", "--listen", nodes.LOOPBACK_LISTEN)
+    liar = nodes.start_liar(tmp_path / "liar", boot.addr, lie)
+    honest = nodes.start_provider(tmp_path / "honest", boot.addr, "--price", "0.7")
     # The job holds after step 10 until the liar has paused the unpaid session, so it
     # cannot finish on the liar however fast the machine.
     gate = tmp_path / "gate"
@@ -53,7 +45,7 @@ def test_an_overcharging_hosts_receipts_are_refused_and_disputed_on_both_sides(t
     try:
         liar.wait_for("providing")
         honest.wait_for("providing")
-        consumer = start_consumer(
+        consumer = nodes.start_consumer(
             tmp_path / "consumer",
             boot.addr,
             "--max-price",
@@ -72,8 +64,8 @@ def test_an_overcharging_hosts_receipts_are_refused_and_disputed_on_both_sides(t
     finally:
         for node in (liar, honest, boot):
             node.stop()
-    expected = local_final_loss(["-m", "cumulus_p2p.demo_train", "--steps", STEPS])
-    assert final_json(consumer.lines)["final_loss"] == expected
+    expected = nodes.local_final_loss(["-m", "cumulus_p2p.demo_train", "--steps", STEPS])
+    assert nodes.final_json(consumer.lines)["final_loss"] == expected
     state = json.loads((tmp_path / "consumer" / "state.json").read_text())
     leases = state["leases"]
     assert [lease["state"] for lease in leases][-1] == "held"

@@ -12,21 +12,13 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from cumulus_p2p.market.ledger import Ledger
-from cumulus_p2p.testing.nodes import (
-    LOOPBACK_LISTEN,
-    final_json,
-    local_final_loss,
-    start_consumer,
-    start_node,
-    start_provider,
-)
+from cumulus_p2p.testing import freeloader, nodes
 
 # Starts real cumulus-node processes: scripts/test --fast skips it.
 pytestmark = pytest.mark.slow
@@ -41,9 +33,9 @@ def receipt_ids(data_dir) -> set[str]:
 
 
 def test_a_provider_stopped_with_sigterm_hands_the_job_over_without_blame(tmp_path):
-    boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
+    boot = nodes.start_node(tmp_path / "boot", "--listen", nodes.LOOPBACK_LISTEN)
     cheap, dear = (
-        start_provider(tmp_path / name, boot.addr, "--price", price)
+        nodes.start_provider(tmp_path / name, boot.addr, "--price", price)
         for name, price in (("cheap", "0.3"), ("dear", "0.7"))
     )
     try:
@@ -52,7 +44,7 @@ def test_a_provider_stopped_with_sigterm_hands_the_job_over_without_blame(tmp_pa
         # The job holds after step 10 until the notice came, so it cannot finish first.
         gate = tmp_path / "gate"
         held = [str(SCRIPTS / "gated_train.py"), "30", "10", str(gate)]
-        consumer = start_consumer(
+        consumer = nodes.start_consumer(
             tmp_path / "consumer", boot.addr, "--checkpoint-interval", "1s", command=held
         )
         consumer.wait_for("holding at step 10", timeout=120)
@@ -72,7 +64,7 @@ def test_a_provider_stopped_with_sigterm_hands_the_job_over_without_blame(tmp_pa
     assert "is leaving" in consumer.output()
     # At once: well inside the 10 s a silent host gets to resume the channel.
     assert moved_after < 10, moved_after
-    assert final_json(consumer.lines)["final_loss"] == local_final_loss(SCRIPT)
+    assert nodes.final_json(consumer.lines)["final_loss"] == nodes.local_final_loss(SCRIPT)
     state = json.loads((tmp_path / "consumer" / "state.json").read_text())
     assert [lease["state"] for lease in state["leases"]] == ["left", "held"]
     assert all(row["failures"] == 0 for row in state["scores"])
@@ -87,29 +79,19 @@ def test_a_provider_stopped_with_sigterm_hands_the_job_over_without_blame(tmp_pa
 def start_freeloading(tmp_path, *provider_flags: str):
     """A provider serving a consumer that never settles (``testing.freeloader``), so an
     orderly stop would wait on it for the whole settle grace."""
-    boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
-    provider = start_provider(
+    boot = nodes.start_node(tmp_path / "boot", "--listen", nodes.LOOPBACK_LISTEN)
+    provider = nodes.start_provider(
         tmp_path / "provider", boot.addr, "--settle-grace", "60s", *provider_flags
     )
     provider.wait_for("providing")
-    freeloader = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "cumulus_p2p.testing.freeloader",
-            "--bootstrap",
-            boot.addr,
-            "--data",
-            str(tmp_path / "freeloader"),
-            "--again-after",
-            "60",
-        ],
+    freeloading = subprocess.Popen(
+        freeloader.command(boot.addr, tmp_path / "freeloader", again_after=60),
         stdout=subprocess.PIPE,
         text=True,
     )
-    assert freeloader.stdout.readline().startswith("leased")
+    assert freeloading.stdout.readline().startswith("leased")
     provider.wait_for_state(lambda state: "running" in _states(state), timeout=30)
-    return boot, provider, freeloader
+    return boot, provider, freeloading
 
 
 def _states(state: dict) -> list[str]:

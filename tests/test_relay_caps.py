@@ -16,14 +16,7 @@ import json
 import pytest
 
 from cumulus_p2p.market.ledger import Ledger
-from cumulus_p2p.testing.nodes import (
-    LOOPBACK_LISTEN,
-    final_json,
-    local_final_loss,
-    start_consumer,
-    start_node,
-    start_provider,
-)
+from cumulus_p2p.testing import nodes
 
 # Starts real cumulus-node processes: scripts/test --fast skips it.
 pytestmark = pytest.mark.slow
@@ -32,8 +25,10 @@ SCRIPT = ["-m", "cumulus_p2p.demo_train", "--steps", "300", "--log-every", "50"]
 
 
 def test_a_relayed_job_longer_than_the_circuit_cap_finishes_without_blame(tmp_path):
-    boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN, "--circuit-duration", "4s")
-    provider = start_provider(
+    boot = nodes.start_node(
+        tmp_path / "boot", "--listen", nodes.LOOPBACK_LISTEN, "--circuit-duration", "4s"
+    )
+    provider = nodes.start_provider(
         tmp_path / "hidden",
         boot.addr,
         "--relay",
@@ -46,7 +41,7 @@ def test_a_relayed_job_longer_than_the_circuit_cap_finishes_without_blame(tmp_pa
         provider.wait_for("providing")
         # The consumer cannot be dialed either: every byte between the two goes through
         # circuits on the relay (else the provider would dial the consumer directly).
-        consumer = start_consumer(
+        consumer = nodes.start_consumer(
             tmp_path / "consumer",
             boot.addr,
             "--listen",
@@ -59,7 +54,7 @@ def test_a_relayed_job_longer_than_the_circuit_cap_finishes_without_blame(tmp_pa
     finally:
         for node in (provider, boot):
             node.stop()
-    assert final_json(consumer.lines)["final_loss"] == local_final_loss(SCRIPT)
+    assert nodes.final_json(consumer.lines)["final_loss"] == nodes.local_final_loss(SCRIPT)
     state = json.loads((tmp_path / "consumer" / "state.json").read_text())
     assert [lease["state"] for lease in state["leases"]] == ["held"]
     assert all(row["failures"] == 0 for row in state["scores"])

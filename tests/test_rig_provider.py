@@ -20,14 +20,7 @@ from cumulus_p2p.node.provider import OfferedDevice, Provider, ProviderOptions
 from cumulus_p2p.node.runtime import open_runtime
 from cumulus_p2p.remote.executor import Executor, ExecutorConfig
 from cumulus_p2p.remote.health import DeviceHealth
-from cumulus_p2p.testing.nodes import (
-    LOOPBACK_LISTEN,
-    final_json,
-    local_final_loss,
-    start_consumer,
-    start_node,
-    start_rig,
-)
+from cumulus_p2p.testing import nodes
 
 # Starts real cumulus-node processes: scripts/test --fast skips it.
 pytestmark = pytest.mark.slow
@@ -36,8 +29,8 @@ SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def test_a_two_device_provider_serves_one_lease_on_each_device_at_once(tmp_path):
-    boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
-    rig = start_rig(tmp_path / "rig", boot.addr, devices=2, shares=1)
+    boot = nodes.start_node(tmp_path / "boot", "--listen", nodes.LOOPBACK_LISTEN)
+    rig = nodes.start_rig(tmp_path / "rig", boot.addr, devices=2, shares=1)
     # Both jobs hold after step 5 until both leases are seen running at once.
     gate = tmp_path / "gate"
     script = [str(SCRIPTS / "gated_train.py"), "20", "5", str(gate)]
@@ -45,7 +38,7 @@ def test_a_two_device_provider_serves_one_lease_on_each_device_at_once(tmp_path)
     try:
         rig.wait_for("providing")
         for name in ("first", "second"):
-            consumer = start_consumer(tmp_path / name, boot.addr, command=script)
+            consumer = nodes.start_consumer(tmp_path / name, boot.addr, command=script)
             consumers.append(consumer)
             consumer.wait_for("holding at step 5", timeout=120)
         both = rig.wait_for_state(lambda s: sum(d["sessions"] for d in s["devices"]) == 2)
@@ -61,8 +54,8 @@ def test_a_two_device_provider_serves_one_lease_on_each_device_at_once(tmp_path)
     finally:
         for node in [*consumers, rig, boot]:
             node.stop()
-    expected = local_final_loss(["-m", "cumulus_p2p.demo_train", "--steps", "20"])
-    assert [final_json(c.lines)["final_loss"] for c in consumers] == [expected, expected], [
+    expected = nodes.local_final_loss(["-m", "cumulus_p2p.demo_train", "--steps", "20"])
+    assert [nodes.final_json(c.lines)["final_loss"] for c in consumers] == [expected, expected], [
         c.output() for c in consumers
     ]
 

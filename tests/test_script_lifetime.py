@@ -19,13 +19,7 @@ import pytest
 
 from cumulus_p2p.market.ledger import Ledger
 from cumulus_p2p.node import control
-from cumulus_p2p.testing.nodes import (
-    LOOPBACK_LISTEN,
-    node_command,
-    start_consumer,
-    start_node,
-    start_provider,
-)
+from cumulus_p2p.testing import nodes
 
 # Starts real cumulus-node processes: scripts/test --fast skips it.
 pytestmark = pytest.mark.slow
@@ -35,14 +29,8 @@ LONG_JOB = ["-m", "cumulus_p2p.demo_train", "--steps", "100000", "--log-every", 
 
 @pytest.fixture
 def mesh(tmp_path):
-    boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
-    provider = start_provider(tmp_path / "provider", boot.addr)
-    try:
-        provider.wait_for("providing")
+    with nodes.boot_and_provider(tmp_path) as (boot, provider):
         yield tmp_path, boot, provider
-    finally:
-        for node in (provider, boot):
-            node.stop()
 
 
 def children(pid: int) -> list[int]:
@@ -88,7 +76,7 @@ def wait_for_leases(node, final: str, timeout: float = 60.0) -> list[str]:
 
 
 def start_long_job(tmp_path: Path, boot):
-    consumer = start_consumer(tmp_path / "consumer", boot.addr, command=LONG_JOB)
+    consumer = nodes.start_consumer(tmp_path / "consumer", boot.addr, command=LONG_JOB)
     consumer.wait_for("step   10", timeout=120)
     (script,) = children(consumer.proc.pid)
     return consumer, script
@@ -151,7 +139,7 @@ def test_status_shows_each_session_at_work_on_both_sides(mesh):
         assert 0 < row["memory"] <= row["quota"] and row["bytes"] > 0
         wide = {**os.environ, "COLUMNS": "200"}
         shown = subprocess.run(
-            node_command("status", "--data-dir", str(provider.data_dir)),
+            nodes.node_command("status", "--data-dir", str(provider.data_dir)),
             capture_output=True,
             text=True,
             timeout=60,
@@ -159,7 +147,7 @@ def test_status_shows_each_session_at_work_on_both_sides(mesh):
         )
         assert "ops/s" in shown.stdout, shown.stdout
         mine = subprocess.run(
-            node_command("status", "--data-dir", str(tmp_path / "consumer")),
+            nodes.node_command("status", "--data-dir", str(tmp_path / "consumer")),
             capture_output=True,
             text=True,
             timeout=60,

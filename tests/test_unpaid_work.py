@@ -10,11 +10,10 @@ and computes through the real session channel but never countersigns a receipt.
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 
-from cumulus_p2p.testing.nodes import LOOPBACK_LISTEN, start_node, start_provider
+from cumulus_p2p.testing import freeloader, nodes
 
 # Starts real cumulus-node processes: scripts/test --fast skips it.
 pytestmark = pytest.mark.slow
@@ -22,29 +21,13 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def mesh(tmp_path):
-    boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
-    provider = start_provider(tmp_path / "provider", boot.addr, "--min-consumer-score", "0.3")
-    try:
-        provider.wait_for("providing")
+    with nodes.boot_and_provider(tmp_path, "--min-consumer-score", "0.3") as (boot, provider):
         yield tmp_path, boot, provider
-    finally:
-        for node in (provider, boot):
-            node.stop()
 
 
 def run_freeloader(tmp_path, boot) -> list[str]:
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cumulus_p2p.testing.freeloader",
-            "--bootstrap",
-            boot.addr,
-            "--data",
-            str(tmp_path / "freeloader"),
-            "--again-after",
-            "5",
-        ],
+        freeloader.command(boot.addr, tmp_path / "freeloader", again_after=5),
         capture_output=True,
         text=True,
         timeout=180,

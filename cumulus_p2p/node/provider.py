@@ -267,11 +267,13 @@ class Provider:
             return f"the lease is not valid here: {exc}"
         if proposal.consumer != peer_id_of(consumer_key):
             return "the lease belongs to another consumer"
-        if self.book.get(proposal.lease_id) is None:
-            return "the lease has ended or was never granted by this host"
-        active = self.active.get(proposal.lease_id)
+        active = self._lease(proposal.lease_id)
+        # An unpaid lease is refused with what is owed, whether it is paused or already
+        # ended: how far its end has come depends only on timing.
         if active is not None and active.state is not LeaseState.RUNNING:
             return f"the lease is {active.state.value}: {self.payments.arrears(active)}"
+        if self.book.get(proposal.lease_id) is None:
+            return "the lease has ended or was never granted by this host"
         self._presented[consumer_key] = proposal
         return None
 
@@ -319,6 +321,11 @@ class Provider:
             await self.payments.settle(active)
         self.payments.settle_up(active)
 
+    def _lease(self, lease_id: str) -> ActiveLease | None:
+        """A lease this host served, running or finished."""
+        finished = (a for a in self.finished if a.proposal.lease_id == lease_id)
+        return self.active.get(lease_id) or next(finished, None)
+
     def _on_final(self, active: ActiveLease) -> None:
         """A lease ended (settled or unpaid): its shares go back, status keeps it."""
         self.book.release(active.proposal.lease_id)
@@ -327,9 +334,7 @@ class Provider:
 
     async def close_lease(self, lease_id: str, requester: str) -> str | None:
         """The consumer is done: answer once the lease's session ended and is settled."""
-        found = self.active.get(lease_id) or next(
-            (a for a in self.finished if a.proposal.lease_id == lease_id), None
-        )
+        found = self._lease(lease_id)
         if found is None:
             return "no session ran under this lease here"
         if found.proposal.consumer != requester:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 import trio
@@ -31,6 +32,13 @@ from ..node.consumer import Consumer, ConsumerOptions
 from ..node.control import SessionTicket
 from ..node.datadir import DataDir
 from ..node.runtime import open_runtime
+
+
+def command(bootstrap: str, data_dir: Path, *, again_after: float) -> list[str]:
+    """The command line that runs a freeloader: what tests start."""
+    module = "cumulus_p2p.testing.freeloader"
+    data = ["--data", str(data_dir), "--again-after", str(again_after)]
+    return [sys.executable, "-m", module, "--bootstrap", bootstrap, *data]
 
 
 def compute_until_hung_up(ticket: SessionTicket, data: DataDir) -> str:
