@@ -19,10 +19,23 @@ from cumulus_p2p.market.messages import (
 
 NOW = 1_700_000_000.0
 HOST, CONSUMER, MALLORY = (NodeIdentity.generate() for _ in range(3))
-OFFER = Offer(HOST.peer_id.to_base58(), "gpu0", "RTX 4090", 24576, 100, 4, 1000, 60, "eu", NOW,
-              NOW + 60, 1)
-BID = Bid(CONSUMER.peer_id.to_base58(), "b1", 0, (), 0, 1, 2000, PriorityClass.ON_DEMAND, 600,
-          NOW, NOW + 60, 1)
+OFFER = Offer(
+    HOST.peer_id.to_base58(), "gpu0", "RTX 4090", 24576, 100, 4, 1000, 60, "eu", NOW, NOW + 60, 1
+)
+BID = Bid(
+    CONSUMER.peer_id.to_base58(),
+    "b1",
+    0,
+    (),
+    0,
+    1,
+    2000,
+    PriorityClass.ON_DEMAND,
+    600,
+    NOW,
+    NOW + 60,
+    1,
+)
 
 
 def offer_raw():

@@ -21,8 +21,9 @@ def offer(host, price, *, created=0.0, model="A100", shares=4):
 
 
 def bid(max_price=1000, models=(), shares=1):
-    return Bid("me", "b", 0, models, 0, shares, max_price, PriorityClass.ON_DEMAND, 60, 0.0,
-               100.0, 1)  # fmt: skip
+    return Bid(
+        "me", "b", 0, models, 0, shares, max_price, PriorityClass.ON_DEMAND, 60, 0.0, 100.0, 1
+    )
 
 
 def book_of(*offers):

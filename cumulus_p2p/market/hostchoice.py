@@ -69,18 +69,26 @@ _S, _E = HostStanding, HostEvent
 TRANSITIONS: dict[HostStanding, dict[HostEvent, HostStanding]] = {
     _S.WELCOME: {_E.FAILED: _S.COOLING, _E.LEFT: _S.SILENT, _E.BANNED: _S.BANNED},
     _S.COOLING: {
-        _E.FAILED: _S.COOLING, _E.LEFT: _S.COOLING, _E.OFFERED: _S.RETURNED,
-        _E.BACKOFF_ENDED: _S.SILENT, _E.BANNED: _S.BANNED,
+        _E.FAILED: _S.COOLING,
+        _E.LEFT: _S.COOLING,
+        _E.OFFERED: _S.RETURNED,
+        _E.BACKOFF_ENDED: _S.SILENT,
+        _E.BANNED: _S.BANNED,
     },
     _S.RETURNED: {
-        _E.FAILED: _S.COOLING, _E.LEFT: _S.COOLING, _E.BACKOFF_ENDED: _S.WELCOME,
+        _E.FAILED: _S.COOLING,
+        _E.LEFT: _S.COOLING,
+        _E.BACKOFF_ENDED: _S.WELCOME,
         _E.BANNED: _S.BANNED,
     },
     _S.SILENT: {
-        _E.FAILED: _S.COOLING, _E.LEFT: _S.SILENT, _E.OFFERED: _S.WELCOME, _E.BANNED: _S.BANNED,
+        _E.FAILED: _S.COOLING,
+        _E.LEFT: _S.SILENT,
+        _E.OFFERED: _S.WELCOME,
+        _E.BANNED: _S.BANNED,
     },
     _S.BANNED: {},
-}  # fmt: skip
+}
 
 
 class JobState(enum.Enum):
@@ -108,16 +116,22 @@ _J, _JE = JobState, JobEvent
 JOB_TRANSITIONS: dict[JobState, dict[JobEvent, JobState]] = {
     _J.STARTING: {_JE.SEARCH: _J.SEARCHING},
     _J.SEARCHING: {
-        _JE.SEARCH: _J.SEARCHING, _JE.CANDIDATES: _J.SEARCHING, _JE.NONE_USABLE: _J.WAITING,
-        _JE.LEASED: _J.RUNNING, _JE.DEADLINE: _J.GAVE_UP,
+        _JE.SEARCH: _J.SEARCHING,
+        _JE.CANDIDATES: _J.SEARCHING,
+        _JE.NONE_USABLE: _J.WAITING,
+        _JE.LEASED: _J.RUNNING,
+        _JE.DEADLINE: _J.GAVE_UP,
     },
     _J.WAITING: {
-        _JE.SEARCH: _J.SEARCHING, _JE.CANDIDATES: _J.SEARCHING, _JE.NONE_USABLE: _J.WAITING,
-        _JE.LEASED: _J.RUNNING, _JE.DEADLINE: _J.GAVE_UP,
+        _JE.SEARCH: _J.SEARCHING,
+        _JE.CANDIDATES: _J.SEARCHING,
+        _JE.NONE_USABLE: _J.WAITING,
+        _JE.LEASED: _J.RUNNING,
+        _JE.DEADLINE: _J.GAVE_UP,
     },
     _J.RUNNING: {_JE.SEARCH: _J.SEARCHING, _JE.LEASED: _J.RUNNING},
     _J.GAVE_UP: {},
-}  # fmt: skip
+}
 
 
 @dataclass(frozen=True, slots=True)

@@ -104,8 +104,12 @@ def _check_float(msg: object, name: str) -> None:
 def _check_text(msg: object, name: str, max_len: int, *, allow_empty: bool = False) -> None:
     value = getattr(msg, name)
     if type(value) is not str or len(value) > max_len or (not value and not allow_empty):
-        raise _bad(type(msg), name, f"must be a {'' if allow_empty else 'non-empty '}string "
-                   f"of at most {max_len} characters, got {value!r}")
+        raise _bad(
+            type(msg),
+            name,
+            f"must be a {'' if allow_empty else 'non-empty '}string "
+            f"of at most {max_len} characters, got {value!r}",
+        )
 
 
 def _check_bytes(msg: object, name: str, size: int | None = None) -> None:
@@ -438,8 +442,9 @@ def decode_message(kind: str, body: bytes) -> MarketMessage:
     except (ValueError, msgpack.UnpackException) as exc:
         raise MalformedMessageError(f"{cls.__name__} body is not msgpack: {exc}") from exc
     if type(values) is not list or len(values) != len(fields(cls)):
-        raise MalformedMessageError(f"{cls.__name__} body must be an array of "
-                                    f"{len(fields(cls))} fields")
+        raise MalformedMessageError(
+            f"{cls.__name__} body must be an array of {len(fields(cls))} fields"
+        )
     try:
         message = cls(*values)
     except InvalidMessageError as exc:
@@ -468,8 +473,10 @@ def seal_message(identity: NodeIdentity, message: MarketMessage, *, now: float) 
     """
     author = getattr(message, type(message).AUTHOR_FIELD)
     if author != identity.peer_id.to_base58():
-        raise InvalidMessageError(f"{type(message).__name__} names {author} as its author, "
-                                  f"but is being signed by {identity.peer_id.to_base58()}")
+        raise InvalidMessageError(
+            f"{type(message).__name__} names {author} as its author, "
+            f"but is being signed by {identity.peer_id.to_base58()}"
+        )
     return seal(
         identity,
         message.KIND,
@@ -497,8 +504,9 @@ def open_message(envelope: Envelope) -> MarketMessage:
         raise MalformedMessageError("envelope author is not a valid public key") from exc
     author = getattr(message, type(message).AUTHOR_FIELD)
     if author != signer:
-        raise MalformedMessageError(f"{type(message).__name__} claims author {author} "
-                                    f"but was signed by {signer}")
+        raise MalformedMessageError(
+            f"{type(message).__name__} claims author {author} but was signed by {signer}"
+        )
     if message.expires_at != envelope.expires_at or message.nonce != envelope.nonce:
         raise MalformedMessageError("message expiry or nonce differs from its envelope's")
     return message

@@ -209,10 +209,19 @@ class Provider:
         """A device's offer as it stands, sealed afresh each announce round."""
         device, now = served.device, self.runtime.clock()
         offer = Offer(
-            self.runtime.peer_id, device.offer_id, device.facts.model, device.facts.memory_mib,
-            device.perf_units, max(1, self.free_shares(device.offer_id)), self.options.price,
-            self.options.min_lease_s, self.options.region, now, expires_at, nonce,
-        )  # fmt: skip
+            self.runtime.peer_id,
+            device.offer_id,
+            device.facts.model,
+            device.facts.memory_mib,
+            device.perf_units,
+            max(1, self.free_shares(device.offer_id)),
+            self.options.price,
+            self.options.min_lease_s,
+            self.options.region,
+            now,
+            expires_at,
+            nonce,
+        )
         self.book.publish(offer)
         return encode_message(offer)
 
@@ -385,9 +394,12 @@ class Provider:
         consumer = peer_of(active.proposal.consumer)
         try:
             await call_lease_notice(
-                self.runtime.mesh.host, consumer, active.proposal.lease_id, NOTICE_LEAVING,
+                self.runtime.mesh.host,
+                consumer,
+                active.proposal.lease_id,
+                NOTICE_LEAVING,
                 "the host is shutting down",
-            )  # fmt: skip
+            )
         except (CumulusError, BaseLibp2pError, trio.TooSlowError, OSError) as exc:
             log.warning("could not tell consumer %s: %s", active.proposal.consumer[:12], exc)
 
@@ -636,8 +648,11 @@ def session_endpoints(
 
 async def _serve_sessions(identity, provider: Provider, bind: str, *, task_status) -> None:
     await serve_secure(
-        identity, authorize=provider.authorize, handler=provider.serve_session,
-        host=bind, port=provider.options.session_port,
+        identity,
+        authorize=provider.authorize,
+        handler=provider.serve_session,
+        host=bind,
+        port=provider.options.session_port,
         settings=SessionSettings(grace_period=provider.options.grace_period),
         task_status=task_status,
-    )  # fmt: skip
+    )

@@ -23,35 +23,39 @@ import torch
 from .device import NAME
 
 #: Run in the autocast dtype (float16 unless the region says bfloat16).
-_LOWER_PRECISION = (
-    "_convolution", "conv1d", "conv2d", "conv3d", "conv1d.padding", "conv2d.padding",
-    "conv3d.padding", "conv_tbc", "conv_transpose1d", "conv_transpose2d.input",
-    "conv_transpose3d.input", "convolution", "prelu", "addmm", "addmv", "addr", "matmul",
-    "einsum", "mm", "mv", "linear", "addbmm", "baddbmm", "bmm", "chain_matmul",
-    "linalg_multi_dot", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
-    "scaled_dot_product_attention",
-)  # fmt: skip
+_LOWER_PRECISION = tuple(
+    """
+    _convolution conv1d conv2d conv3d conv1d.padding conv2d.padding conv3d.padding conv_tbc
+    conv_transpose1d conv_transpose2d.input conv_transpose3d.input convolution prelu addmm
+    addmv addr matmul einsum mm mv linear addbmm baddbmm bmm chain_matmul linalg_multi_dot
+    lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell scaled_dot_product_attention
+    """.split()
+)
 #: Run in float32 (numerically sensitive).
-_FLOAT32 = (
-    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
-    "reciprocal", "rsqrt", "sinh", "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor",
-    "pow.Scalar", "softplus", "layer_norm", "native_layer_norm", "group_norm",
-    "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss",
-    "nll_loss2d", "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss",
-    "mse_loss", "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss",
-    "triplet_margin_loss", "multi_margin_loss", "binary_cross_entropy_with_logits", "dist",
-    "pdist", "cdist", "renorm", "logsumexp",
-)  # fmt: skip
+_FLOAT32 = tuple(
+    """
+    acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan
+    pow.Tensor_Scalar pow.Tensor_Tensor pow.Scalar softplus layer_norm native_layer_norm
+    group_norm cosine_similarity poisson_nll_loss cosine_embedding_loss nll_loss nll_loss2d
+    hinge_embedding_loss kl_div l1_loss smooth_l1_loss huber_loss mse_loss
+    margin_ranking_loss multilabel_margin_loss soft_margin_loss triplet_margin_loss
+    multi_margin_loss binary_cross_entropy_with_logits dist pdist cdist renorm logsumexp
+    """.split()
+)
 #: Reductions that accumulate in float32: given ``dtype=float32`` unless the caller set one.
-_FLOAT32_DTYPE_ARG = (
-    "prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod", "cumsum",
-    "linalg_vector_norm", "sum", "sum.dim_IntList",
-)  # fmt: skip
+_FLOAT32_DTYPE_ARG = tuple(
+    """
+    prod prod.dim_int softmax.int log_softmax.int cumprod cumsum linalg_vector_norm sum
+    sum.dim_IntList
+    """.split()
+)
 #: Mixed-precision inputs promoted to the widest type among them.
-_PROMOTE = (
-    "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler",
-    "index_put", "tensordot", "scatter_add", "cat", "stack", "index_copy",
-)  # fmt: skip
+_PROMOTE = tuple(
+    """
+    addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put tensordot
+    scatter_add cat stack index_copy
+    """.split()
+)
 
 _AUTOCAST_KEY = "AutocastPrivateUse1"
 _NO_AUTOCAST = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)

@@ -377,9 +377,13 @@ class Executor:
     ) -> None:
         """Accept plain TCP sessions forever; reports the bound port through ``task_status``."""
         await serve_plain_tcp(
-            self.run_session, self.expire_parked_forever, max_frame=self.config.max_frame,
-            host=host, port=port, task_status=task_status,
-        )  # fmt: skip
+            self.run_session,
+            self.expire_parked_forever,
+            max_frame=self.config.max_frame,
+            host=host,
+            port=port,
+            task_status=task_status,
+        )
 
 
 async def serve_plain_tcp(

@@ -117,9 +117,13 @@ async def _serve_secure(
         return "this executor serves only consumers on its allow list (--allow-key)"
 
     serve = partial(
-        serve_secure, identity, authorize=authorize, handler=executor.run_session,
-        host=host, port=port,
-    )  # fmt: skip
+        serve_secure,
+        identity,
+        authorize=authorize,
+        handler=executor.run_session,
+        host=host,
+        port=port,
+    )
     async with trio.open_nursery() as nursery:
         if isinstance(executor, WorkerSupervisor):
             await nursery.start(executor.run)

@@ -53,12 +53,28 @@ MAX_SESSION_GRAPHS = 256
 MAX_CACHED_PROGRAMS = 512
 #: Factory ops whose constant sizes a program adds up, to check against the quota first.
 _FACTORIES = {
-    "aten::empty", "aten::empty_strided", "aten::zeros", "aten::ones", "aten::full",
-    "aten::new_empty", "aten::new_zeros", "aten::new_ones", "aten::new_full",
+    "aten::empty",
+    "aten::empty_strided",
+    "aten::zeros",
+    "aten::ones",
+    "aten::full",
+    "aten::new_empty",
+    "aten::new_zeros",
+    "aten::new_ones",
+    "aten::new_full",
     "aten::new_empty_strided",
-}  # fmt: skip
-_PLAIN = (bool, int, float, str, complex, type(None), torch.dtype, torch.layout,
-          torch.memory_format)  # fmt: skip
+}
+_PLAIN = (
+    bool,
+    int,
+    float,
+    str,
+    complex,
+    type(None),
+    torch.dtype,
+    torch.layout,
+    torch.memory_format,
+)
 
 
 class GraphError(Exception):

@@ -71,8 +71,9 @@ def _copy_from(src, dst, non_blocking=False):
 _sdp_choices: dict[tuple, int] = {}
 
 
-def _sdp_choice(on_cpu: bool, query, key, value, attn_mask, dropout_p, is_causal, scale,
-                enable_gqa) -> int:  # fmt: skip
+def _sdp_choice(
+    on_cpu: bool, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+) -> int:
     """The kernel the executor's device would choose for these arguments (cached).
 
     A CPU's choice is made here on CPU tensors of the same layout (``empty_strided`` does
@@ -82,17 +83,26 @@ def _sdp_choice(on_cpu: bool, query, key, value, attn_mask, dropout_p, is_causal
     tracer's tensors: the question is asked outside the tracer, on tensors of their layout.
     """
     sig = (
-        _layout(query), _layout(key), _layout(value),
+        _layout(query),
+        _layout(key),
+        _layout(value),
         None if attn_mask is None else (attn_mask.dtype, tuple(attn_mask.shape)),
-        dropout_p, is_causal, scale, enable_gqa, query.requires_grad,
-    )  # fmt: skip
+        dropout_p,
+        is_causal,
+        scale,
+        enable_gqa,
+        query.requires_grad,
+    )
     choice = _sdp_choices.get(sig)
     if choice is None:
         with _disable_current_modes():
             choice = _sdp_choices[sig] = torch.ops.aten._fused_sdp_choice(
                 *(_asked_on(on_cpu, t) for t in (query, key, value, attn_mask)),
-                dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa,
-            )  # fmt: skip
+                dropout_p,
+                is_causal,
+                scale=scale,
+                enable_gqa=enable_gqa,
+            )
     return choice
 
 
@@ -111,8 +121,9 @@ def _asked_on(on_cpu: bool, t: torch.Tensor | None) -> torch.Tensor | None:
     )
 
 
-def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-          enable_gqa=False):  # fmt: skip
+def _sdpa(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
     on_cpu = current_session().info.get("device") == "cpu"
     args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     choice = _sdp_choice(on_cpu, *args)
@@ -173,9 +184,18 @@ _factory_kernels.impl("empty.memory_format", _empty_memory_format, "PrivateUse1"
 _factory_kernels.impl("empty_strided", _empty_strided, "PrivateUse1")
 _factory_kernels.impl("_copy_from", _copy_from, "PrivateUse1")
 for _name in (
-    "arange", "arange.start", "arange.start_step", "linspace", "logspace", "range", "eye",
-    "eye.m", "randperm", "tril_indices", "triu_indices",
-):  # fmt: skip
+    "arange",
+    "arange.start",
+    "arange.start_step",
+    "linspace",
+    "logspace",
+    "range",
+    "eye",
+    "eye.m",
+    "randperm",
+    "tril_indices",
+    "triu_indices",
+):
     _base, _, _overload = _name.partition(".")
     _op = getattr(getattr(torch.ops.aten, _base), _overload or "default")
     _factory_kernels.impl(_name, _factory_kernel(_op), "PrivateUse1")

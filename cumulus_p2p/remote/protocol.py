@@ -82,16 +82,31 @@ EXT_CPU_TENSOR = 7  # a consumer-side tensor shipped by value: dtype, sizes, blo
 EXT_GRAPH_VALUE = 8  # inside a compiled graph: a graph input or a node's result (graphs.py)
 
 DTYPES: tuple[torch.dtype, ...] = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-    torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.uint64,
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
     torch.complex32,
-)  # fmt: skip
+)
 DTYPE_CODE = {dt: i for i, dt in enumerate(DTYPES)}
 LAYOUTS: tuple[torch.layout, ...] = (torch.strided,)
 MEMORY_FORMATS: tuple[torch.memory_format, ...] = (
-    torch.contiguous_format, torch.preserve_format, torch.channels_last, torch.channels_last_3d,
-)  # fmt: skip
+    torch.contiguous_format,
+    torch.preserve_format,
+    torch.channels_last,
+    torch.channels_last_3d,
+)
 
 _TENSOR_HEAD = struct.Struct("<qBBq")  # handle, dtype code, ndim, storage offset
 _CPU_HEAD = struct.Struct("<BBI")  # dtype code, ndim, blob index

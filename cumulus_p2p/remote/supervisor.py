@@ -339,9 +339,11 @@ class WorkerSupervisor:
         passed = (theirs.fileno(),) if self._blob_fd is None else (theirs.fileno(), self._blob_fd)
         try:
             process = subprocess.Popen(
-                self._worker_command(theirs.fileno()), pass_fds=passed,
-                stdin=subprocess.DEVNULL, env=_worker_environment(),
-            )  # fmt: skip
+                self._worker_command(theirs.fileno()),
+                pass_fds=passed,
+                stdin=subprocess.DEVNULL,
+                env=_worker_environment(),
+            )
         finally:
             theirs.close()
         worker = _Worker(process, link)
@@ -350,9 +352,16 @@ class WorkerSupervisor:
 
     def _worker_command(self, fd: int) -> list[str]:
         cmd = [
-            sys.executable, "-m", "cumulus_p2p.remote.worker", "--link-fd", str(fd),
-            "--spec", self._spec.to_json(), "--parent", str(os.getpid()),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "cumulus_p2p.remote.worker",
+            "--link-fd",
+            str(fd),
+            "--spec",
+            self._spec.to_json(),
+            "--parent",
+            str(os.getpid()),
+        ]
         if not self.sandboxed:
             return cmd
         hidden = [str(p) for p in self.config.hidden]
@@ -496,9 +505,10 @@ class WorkerSupervisor:
             self.sandboxed = False
             log.warning(
                 "a worker failed to start in its user namespace (it %s); starting workers "
-                "without hiding %s from them", worker.describe_exit(),
+                "without hiding %s from them",
+                worker.describe_exit(),
                 ", ".join(map(str, self.config.hidden)),
-            )  # fmt: skip
+            )
         elif not worker.ready.is_set():
             why = f"a worker failed to start (it {worker.describe_exit()})"
             self._set_health(DeviceHealth(False, f"{why}; retrying in {RECHECK_S:.0f} s"))
@@ -575,9 +585,11 @@ class WorkerSupervisor:
             return
         key = getattr(channel, "peer_public_key", None)
         options = {
-            "quota": quota_bytes, "rank": list(rank), "owner": key.hex() if key else None,
+            "quota": quota_bytes,
+            "rank": list(rank),
+            "owner": key.hex() if key else None,
             "seconds": None if until == math.inf else max(0.0, until - trio.current_time()),
-        }  # fmt: skip
+        }
         handed = _Handed(self, worker, next(self._ids), SessionView(worker.pid, owner=key))
         try:
             handover = channel.hand_over(handed)  # type: ignore[attr-defined]
@@ -627,9 +639,13 @@ class WorkerSupervisor:
     ) -> None:
         """Run the pool and accept plain TCP sessions forever; reports the bound port."""
         await serve_plain_tcp(
-            self.run_session, self.run, max_frame=self.config.executor.max_frame,
-            host=host, port=port, task_status=task_status,
-        )  # fmt: skip
+            self.run_session,
+            self.run,
+            max_frame=self.config.executor.max_frame,
+            host=host,
+            port=port,
+            task_status=task_status,
+        )
 
 
 def _open_blob_dir(path: str | None) -> int | None:

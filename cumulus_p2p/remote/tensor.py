@@ -450,9 +450,14 @@ class _UnknownListAlias(Exception):
 #: In-place ops that only change a tensor's shape/strides: the executor need not hear of
 #: them, since every later op names its tensors by layout anyway.
 _RESTRIDE_OPS = {
-    "aten::squeeze_", "aten::unsqueeze_", "aten::t_", "aten::transpose_", "aten::as_strided_",
-    "aten::swapdims_", "aten::swapaxes_",
-}  # fmt: skip
+    "aten::squeeze_",
+    "aten::unsqueeze_",
+    "aten::t_",
+    "aten::transpose_",
+    "aten::as_strided_",
+    "aten::swapdims_",
+    "aten::swapaxes_",
+}
 
 
 def _restrides(arg, meta, name) -> bool:

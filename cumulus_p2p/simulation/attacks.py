@@ -78,8 +78,9 @@ def run(seed: int, *, quick: bool) -> dict:
     return {"scenario": "attacks", "seed": seed, "quick": quick, "size": size, "rows": rows}
 
 
-def simulate(seed: int, attack: str, *, honest: int, flaky: int, consumers: int, leases: int,
-             sybils: int) -> dict:  # fmt: skip
+def simulate(
+    seed: int, attack: str, *, honest: int, flaky: int, consumers: int, leases: int, sybils: int
+) -> dict:
     """One node's view after the history and ``attack``; then an hour of demand for as
     many shares as the honest hosts have."""
     rng = random.Random(seed)
@@ -123,8 +124,13 @@ def _history(rep, world: World, hosts, leases: int, mint: Minter) -> int:
         consumer = rng.choice(world.consumers)
         host = world.honest[0] if rng.random() < 0.2 else rng.choice(hosts)
         start = NOW - rng.uniform(DAY, 30 * DAY)
-        lease = mint.lease(consumer, host, start=start, duration_s=rng.choice([1800, 3600]),
-                           shares=rng.randint(1, 4))  # fmt: skip
+        lease = mint.lease(
+            consumer,
+            host,
+            start=start,
+            duration_s=rng.choice([1800, 3600]),
+            shares=rng.randint(1, 4),
+        )
         _, drop = world.flaky.get(peer(host), (host, 0.0))
         if rng.random() < drop:
             evidence = mint.failure(host, lease, ended_at=start + rng.uniform(0, 600))
@@ -141,8 +147,9 @@ def _sybil_ring(rep, world: World, sybils: int, mint: Minter) -> int:
     for _ in range(sybils):
         sybil = world.key()
         lease = mint.lease(sybil, fresh, start=NOW - 2 * DAY, duration_s=86_400, shares=8)
-        sent += _deliver(rep, mint.report(sybil, peer(fresh), mint.service(sybil, fresh, lease),
-                                          now=NOW))  # fmt: skip
+        sent += _deliver(
+            rep, mint.report(sybil, peer(fresh), mint.service(sybil, fresh, lease), now=NOW)
+        )
         beat = HeartbeatObservation(peer(fresh), NOW - DAY, NOW - 60, 1000, 1000)
         sent += _deliver(rep, mint.report(sybil, peer(fresh), beat, now=NOW))
     return sent
@@ -153,8 +160,9 @@ def _smear_crowd(rep, world: World, sybils: int, mint: Minter) -> int:
     for _ in range(sybils):
         smearer = world.key()
         lease = mint.lease(smearer, victim, start=NOW - 3600, duration_s=86_400, shares=8)
-        sent += _deliver(rep, mint.report(smearer, peer(victim), mint.failure(victim, lease),
-                                          now=NOW))  # fmt: skip
+        sent += _deliver(
+            rep, mint.report(smearer, peer(victim), mint.failure(victim, lease), now=NOW)
+        )
         silent = HeartbeatObservation(peer(victim), NOW - DAY, NOW - 60, 1000, 0)
         sent += _deliver(rep, mint.report(smearer, peer(victim), silent, now=NOW))
     return sent
@@ -215,8 +223,20 @@ def _demand(hosts, reliability: dict[str, float], *, bids: int) -> dict[str, int
     earned: dict[str, int] = {}
     nonce = len(hosts) + 1
     for i in range(bids):
-        bid = Bid("consumer", f"b{i}", 0, (), 0, 1, PRICE, PriorityClass.ON_DEMAND, 3600, NOW,
-                  NOW + DAY, i + 1)  # fmt: skip
+        bid = Bid(
+            "consumer",
+            f"b{i}",
+            0,
+            (),
+            0,
+            1,
+            PRICE,
+            PriorityClass.ON_DEMAND,
+            3600,
+            NOW,
+            NOW + DAY,
+            i + 1,
+        )
         ranked = rank_offers(book, bid, reliability=reliability, limit=1, policy=policy)
         if not ranked:
             break
@@ -232,8 +252,7 @@ def _demand(hosts, reliability: dict[str, float], *, bids: int) -> dict[str, int
 
 
 def _offer(host: str, shares: int, nonce: int) -> Offer:
-    return Offer(host, "gpu0", "RTX 4090", 24_576, 100, shares, PRICE, 0, "", NOW, NOW + DAY,
-                 nonce)  # fmt: skip
+    return Offer(host, "gpu0", "RTX 4090", 24_576, 100, shares, PRICE, 0, "", NOW, NOW + DAY, nonce)
 
 
 def _consumer_screening(rep: Reputation, world: World) -> dict:

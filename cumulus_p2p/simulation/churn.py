@@ -60,22 +60,28 @@ def run(seed: int, *, quick: bool) -> dict:
     for churn in CHURN_PER_HOUR:
         for failover in (True, False):
             interval = DEFAULT_INTERVAL_S if failover else None
-            row = simulate(seed, churn, interval, hosts=hosts, horizon_h=horizon_h,
-                           quick=quick)  # fmt: skip
+            row = simulate(seed, churn, interval, hosts=hosts, horizon_h=horizon_h, quick=quick)
             rows.append({"churn_per_hour": churn, "failover": failover, **row})
     sweep = [
-        {"interval_s": interval,
-         **simulate(seed, 0.1, interval, hosts=hosts, horizon_h=horizon_h, quick=quick)}
+        {
+            "interval_s": interval,
+            **simulate(seed, 0.1, interval, hosts=hosts, horizon_h=horizon_h, quick=quick),
+        }
         for interval in INTERVALS_S
-    ]  # fmt: skip
+    ]
     runs = 4 if quick else SMALL_POOL_RUNS
     small = [
-        {"hosts": pool, "churn_per_hour": churn, "policy": name, "runs": runs,
-         **_pooled_runs(seed, churn, pool, horizon_h, quick, policy, runs)}
+        {
+            "hosts": pool,
+            "churn_per_hour": churn,
+            "policy": name,
+            "runs": runs,
+            **_pooled_runs(seed, churn, pool, horizon_h, quick, policy, runs),
+        }
         for pool in SMALL_POOLS
         for churn in SMALL_POOL_CHURN
         for name, policy in POLICIES.items()
-    ]  # fmt: skip
+    ]
     return {
         "scenario": "churn",
         "seed": seed,
@@ -111,10 +117,14 @@ def simulate(
     # that without churn every one of them finishes within the run.
     workloads = LONG_TRAINING[quick]
     rate = 0.6 * hosts / mean_hold_s(workloads)
-    trace = job_trace(random.Random(seed + 1), workloads, rate_per_s=rate,
-                      horizon_s=horizon_s / 3)  # fmt: skip
-    trace = with_fields(trace, checkpoint_every_s=interval_s, state_mb=STATE_MB,
-                        burst_s=BURST_S, host_policy=policy or BackoffPolicy())  # fmt: skip
+    trace = job_trace(random.Random(seed + 1), workloads, rate_per_s=rate, horizon_s=horizon_s / 3)
+    trace = with_fields(
+        trace,
+        checkpoint_every_s=interval_s,
+        state_mb=STATE_MB,
+        burst_s=BURST_S,
+        host_policy=policy or BackoffPolicy(),
+    )
     if churn_per_hour > 0:
         churn_rng = random.Random(seed + 2)
         for host in fleet:
@@ -145,14 +155,28 @@ def simulate(
     }
 
 
-def _pooled_runs(seed: int, churn: float, hosts: int, horizon_h: float, quick: bool,
-                 policy: BackoffPolicy, runs: int) -> dict:  # fmt: skip
+def _pooled_runs(
+    seed: int,
+    churn: float,
+    hosts: int,
+    horizon_h: float,
+    quick: bool,
+    policy: BackoffPolicy,
+    runs: int,
+) -> dict:
     """``simulate`` over ``runs`` seeds from ``seed`` on, its counts summed."""
     rows = [
-        simulate(seed + 1000 * k, churn, DEFAULT_INTERVAL_S, hosts=hosts, horizon_h=horizon_h,
-                 quick=quick, policy=policy)
+        simulate(
+            seed + 1000 * k,
+            churn,
+            DEFAULT_INTERVAL_S,
+            hosts=hosts,
+            horizon_h=horizon_h,
+            quick=quick,
+            policy=policy,
+        )
         for k in range(runs)
-    ]  # fmt: skip
+    ]
     jobs = sum(r["jobs"] for r in rows)
     completed = sum(round(r["completion_rate"] * r["jobs"]) for r in rows if r["jobs"])
     failed_over = sum(r["jobs_failed_over"] for r in rows)
@@ -168,8 +192,9 @@ def _pooled_runs(seed: int, churn: float, hosts: int, horizon_h: float, quick: b
     }
 
 
-def _come_and_go(env: simpy.Environment, market: Market, host: SimHost, per_hour: float,
-                 rng: random.Random):  # fmt: skip
+def _come_and_go(
+    env: simpy.Environment, market: Market, host: SimHost, per_hour: float, rng: random.Random
+):
     while True:
         yield env.timeout(rng.expovariate(per_hour / 3600))
         market.leave(host)

@@ -93,8 +93,9 @@ def run(env: simpy.Environment, market: Market, job: Job, rng: random.Random):
     choice.search(now=market.now(), patience_s=math.inf)
     held_since: float | None = None
     while job.remaining_s > 0:
-        bid = market.bid(consumer, shares=job.shares, max_price=job.max_price,
-                         priority=job.priority)  # fmt: skip
+        bid = market.bid(
+            consumer, shares=job.shares, max_price=job.max_price, priority=job.priority
+        )
         ranked = market.rank(job.region, bid)
         now = market.now()
         offers = {}
@@ -108,10 +109,13 @@ def run(env: simpy.Environment, market: Market, job: Job, rng: random.Random):
         granted = None
         if type(decision) is not Wait:
             granted = yield from market.lease(
-                identity, job.region, bid, [offers[h] for h in decision.hosts],
+                identity,
+                job.region,
+                bid,
+                [offers[h] for h in decision.hosts],
                 pay_as_bid=job.pay_as_bid,
                 unreachable=lambda host: choice.failed(host, now=market.now()),
-            )  # fmt: skip
+            )
         if granted is None:
             held_since = env.now if held_since is None else held_since
             yield env.timeout(RETRY_S * rng.uniform(0.5, 1.5))

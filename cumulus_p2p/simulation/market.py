@@ -116,8 +116,15 @@ class Market:
 
     def add_host(self, name: str, model: GpuModel, region: str, price: int) -> SimHost:
         identity = self.identity()
-        host = SimHost(name, identity, region, model, price, LeaseBook(identity),
-                       SimGpu(self.env, model.perf_units))  # fmt: skip
+        host = SimHost(
+            name,
+            identity,
+            region,
+            model,
+            price,
+            LeaseBook(identity),
+            SimGpu(self.env, model.perf_units),
+        )
         self.hosts[host.peer] = host
         for other, table in self._latency.items():
             table[host.peer] = rtt_ms(other, region)
@@ -140,9 +147,19 @@ class Market:
         now = self.now()
         if free > 0:
             message: Offer | Cancel = Offer(
-                host.peer, "gpu0", host.model.name, host.model.vram_mib, host.model.perf_units,
-                free, host.price, 0, host.region, now, now + OFFER_TTL_S, host.nonce,
-            )  # fmt: skip
+                host.peer,
+                "gpu0",
+                host.model.name,
+                host.model.vram_mib,
+                host.model.perf_units,
+                free,
+                host.price,
+                0,
+                host.region,
+                now,
+                now + OFFER_TTL_S,
+                host.nonce,
+            )
             host.lease_book.publish(message)
         else:  # the LeaseBook keeps the pool, at 0 free, for the shares coming back
             message = Cancel(host.peer, Side.OFFER, "gpu0", now + OFFER_TTL_S, host.nonce)
@@ -173,18 +190,40 @@ class Market:
 
     # --- consumers ------------------------------------------------------------------
 
-    def bid(self, consumer: str, *, shares: int, max_price: int,
-            priority: PriorityClass = PriorityClass.ON_DEMAND) -> Bid:  # fmt: skip
+    def bid(
+        self,
+        consumer: str,
+        *,
+        shares: int,
+        max_price: int,
+        priority: PriorityClass = PriorityClass.ON_DEMAND,
+    ) -> Bid:
         now = self.now()
-        return Bid(consumer, f"b{next(self._nonces)}", 0, (), 0, shares, max_price, priority,
-                   LEASE_S, now, now + 600.0, next(self._nonces))  # fmt: skip
+        return Bid(
+            consumer,
+            f"b{next(self._nonces)}",
+            0,
+            (),
+            0,
+            shares,
+            max_price,
+            priority,
+            LEASE_S,
+            now,
+            now + 600.0,
+            next(self._nonces),
+        )
 
     def rank(self, region: str, bid: Bid) -> list[RankedOffer]:
         """The offers meeting ``bid``, best first, as a consumer in ``region`` ranks them."""
         return rank_offers(
-            self.book, bid, reliability=self.reliability, latency_ms=self._latency[region],
-            limit=8, policy=self.policy,
-        )  # fmt: skip
+            self.book,
+            bid,
+            reliability=self.reliability,
+            latency_ms=self._latency[region],
+            limit=8,
+            policy=self.policy,
+        )
 
     def lease(
         self,
@@ -221,9 +260,19 @@ class Market:
     def _propose(self, consumer, host, offer, bid, price) -> Granted | None:
         now = self.now()
         proposal = LeaseProposal(
-            f"L{next(self._lease_ids)}", bid.consumer, host.peer, offer.offer_id, offer.nonce,
-            bid.shares, price, now, LEASE_S, bid.priority, now + 30.0, next(self._nonces),
-        )  # fmt: skip
+            f"L{next(self._lease_ids)}",
+            bid.consumer,
+            host.peer,
+            offer.offer_id,
+            offer.nonce,
+            bid.shares,
+            price,
+            now,
+            LEASE_S,
+            bid.priority,
+            now + 30.0,
+            next(self._nonces),
+        )
         raw = seal_message(consumer, proposal, now=now).to_bytes()
         answer = host.lease_book.propose(raw, now=now, sender=bid.consumer)
         if isinstance(answer, Refusal):

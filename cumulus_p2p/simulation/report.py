@@ -48,31 +48,68 @@ def _pooling(result: dict):
     mixes = list(dict.fromkeys(r["mix"] for r in rows))
     util = _table(
         ["mix", "claimed whole-GPU", "whole-GPU", "pooled", "pooled slowdown"],
-        [(m, claimed.get(m), sat[(m, "whole-GPU")]["utilization"],
-          sat[(m, "pooled")]["utilization"], sat[(m, "pooled")]["slowdown_mean"])
-         for m in mixes],
-    )  # fmt: skip
+        [
+            (
+                m,
+                claimed.get(m),
+                sat[(m, "whole-GPU")]["utilization"],
+                sat[(m, "pooled")]["utilization"],
+                sat[(m, "pooled")]["slowdown_mean"],
+            )
+            for m in mixes
+        ],
+    )
     money = _table(
-        ["mix", "policy", "queue wait mean s", "p95 s", "slowdown", "cost / compute-h",
-         "host earnings / GPU-h"],
-        [(r["mix"], r["policy"], r["queue_wait_mean_s"], r["queue_wait_p95_s"],
-          r["slowdown_mean"], r["cost_per_compute_hour"], r["host_earnings_per_gpu_hour"])
-         for r in mod],
-    )  # fmt: skip
+        [
+            "mix",
+            "policy",
+            "queue wait mean s",
+            "p95 s",
+            "slowdown",
+            "cost / compute-h",
+            "host earnings / GPU-h",
+        ],
+        [
+            (
+                r["mix"],
+                r["policy"],
+                r["queue_wait_mean_s"],
+                r["queue_wait_p95_s"],
+                r["slowdown_mean"],
+                r["cost_per_compute_hour"],
+                r["host_earnings_per_gpu_hour"],
+            )
+            for r in mod
+        ],
+    )
     text = (
         _heading(result, "Fractional pooling against whole-GPU allocation")
         + f"\n{result['hosts']} hosts, {result['horizon_h']} h.\n\n"
-        + "## GPU utilization, saturated load\n\n" + util
-        + "\n\n## Queueing, cost and earnings, moderate load\n\n" + money + "\n"
+        + "## GPU utilization, saturated load\n\n"
+        + util
+        + "\n\n## Queueing, cost and earnings, moderate load\n\n"
+        + money
+        + "\n"
     )
     fig, ax = plt.subplots(figsize=(7, 3.5))
     xs = range(len(mixes))
     for offset, policy in ((-0.2, "whole-GPU"), (0.2, "pooled")):
-        ax.bar([x + offset for x in xs], [sat[(m, policy)]["utilization"] for m in mixes],
-               width=0.4, label=policy)  # fmt: skip
+        ax.bar(
+            [x + offset for x in xs],
+            [sat[(m, policy)]["utilization"] for m in mixes],
+            width=0.4,
+            label=policy,
+        )
     claimed_x = [x for x, m in zip(xs, mixes, strict=True) if m in claimed]
-    ax.scatter(claimed_x, [claimed[m] for m in mixes if m in claimed], marker="_", s=600,
-               color="black", label="hosted.ai whole-GPU figure", zorder=3)  # fmt: skip
+    ax.scatter(
+        claimed_x,
+        [claimed[m] for m in mixes if m in claimed],
+        marker="_",
+        s=600,
+        color="black",
+        label="hosted.ai whole-GPU figure",
+        zorder=3,
+    )
     ax.set_xticks(list(xs), mixes)
     ax.set_ylabel("GPU utilization")
     ax.set_ylim(0, 1.05)
@@ -88,12 +125,33 @@ def _priority(result: dict):
         + f"\n{result['hosts']} hosts, {result['horizon_h']} h. Interruptible saving (1 - "
         f"interruptible price / on-demand price): {result['interruptible_saving']}; claimed: "
         f"{result['claimed_interruptible_saving']}.\n\n"
-        + _table(["strategy", "class", "bid / median", "jobs", "leased", "wait mean s",
-                  "slowdown", "paid / median"],
-                 [(r["strategy"], r["class"], r["bid_multiple"], r["jobs"], r["leased_share"],
-                   r["wait_mean_s"], r["slowdown_mean"], r["paid_vs_median"]) for r in rows])
+        + _table(
+            [
+                "strategy",
+                "class",
+                "bid / median",
+                "jobs",
+                "leased",
+                "wait mean s",
+                "slowdown",
+                "paid / median",
+            ],
+            [
+                (
+                    r["strategy"],
+                    r["class"],
+                    r["bid_multiple"],
+                    r["jobs"],
+                    r["leased_share"],
+                    r["wait_mean_s"],
+                    r["slowdown_mean"],
+                    r["paid_vs_median"],
+                )
+                for r in rows
+            ],
+        )
         + "\n"
-    )  # fmt: skip
+    )
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     for (strategy, cls), style in _series(rows, ("strategy", "class")):
         mine = [r for r in rows if (r["strategy"], r["class"]) == (strategy, cls)]
@@ -121,31 +179,86 @@ def _churn(result: dict):
         _heading(result, "Churn with and without failover")
         + f"\n{result['hosts']} hosts, {result['horizon_h']} h, checkpoints of "
         f"{result['state_mb']:g} MB every {result['checkpoint_interval_s']:g} s with failover.\n\n"
-        + _table(["churn / h", "failover", "jobs", "completed", "lost GPU-h", "checkpoint h",
-                  "failovers", "restarts", "cost"],
-                 [(r["churn_per_hour"], r["failover"], r["jobs"], r["completion_rate"],
-                   r["lost_gpu_hours"], r["checkpoint_hours"], r["failovers"], r["restarts"],
-                   r["cost"]) for r in rows])
+        + _table(
+            [
+                "churn / h",
+                "failover",
+                "jobs",
+                "completed",
+                "lost GPU-h",
+                "checkpoint h",
+                "failovers",
+                "restarts",
+                "cost",
+            ],
+            [
+                (
+                    r["churn_per_hour"],
+                    r["failover"],
+                    r["jobs"],
+                    r["completion_rate"],
+                    r["lost_gpu_hours"],
+                    r["checkpoint_hours"],
+                    r["failovers"],
+                    r["restarts"],
+                    r["cost"],
+                )
+                for r in rows
+            ],
+        )
         + "\n\n## Checkpoint interval at 10% churn per hour\n\n"
-        + _table(["interval s", "completed", "lost GPU-h", "checkpoint h", "lost + checkpoint"],
-                 [(r["interval_s"], r["completion_rate"], r["lost_gpu_hours"],
-                   r["checkpoint_hours"], round(r["lost_gpu_hours"] + r["checkpoint_hours"], 3))
-                  for r in sweep])
+        + _table(
+            ["interval s", "completed", "lost GPU-h", "checkpoint h", "lost + checkpoint"],
+            [
+                (
+                    r["interval_s"],
+                    r["completion_rate"],
+                    r["lost_gpu_hours"],
+                    r["checkpoint_hours"],
+                    round(r["lost_gpu_hours"] + r["checkpoint_hours"], 3),
+                )
+                for r in sweep
+            ],
+        )
         + "\n\n## Small pools: set aside with a backoff, or excluded for the job\n\n"
-        + _table(["hosts", "churn / h", "policy", "jobs", "completed", "gave up", "failovers",
-                  "held h", "held h per job failed over"],
-                 [(r["hosts"], r["churn_per_hour"], r["policy"], r["jobs"], r["completion_rate"],
-                   r["gave_up"], r["failovers"], r["held_hours"],
-                   r["held_hours_per_job_failed_over"])
-                  for r in result.get("small_pools", [])])
+        + _table(
+            [
+                "hosts",
+                "churn / h",
+                "policy",
+                "jobs",
+                "completed",
+                "gave up",
+                "failovers",
+                "held h",
+                "held h per job failed over",
+            ],
+            [
+                (
+                    r["hosts"],
+                    r["churn_per_hour"],
+                    r["policy"],
+                    r["jobs"],
+                    r["completion_rate"],
+                    r["gave_up"],
+                    r["failovers"],
+                    r["held_hours"],
+                    r["held_hours_per_job_failed_over"],
+                )
+                for r in result.get("small_pools", [])
+            ],
+        )
         + "\n"
-    )  # fmt: skip
+    )
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     for failover, style in ((True, "o-"), (False, "s--")):
         mine = [r for r in rows if r["failover"] == failover]
-        axes[0].plot([r["churn_per_hour"] * 100 for r in mine],
-                     [r["completion_rate"] for r in mine], style,
-                     label="failover" if failover else "restart")  # fmt: skip
+        axes[0].plot(
+            [r["churn_per_hour"] * 100 for r in mine],
+            [r["completion_rate"] for r in mine],
+            style,
+            label="failover" if failover else "restart",
+        )
     axes[0].set_xlabel("hosts leaving per hour (%)")
     axes[0].set_ylabel("jobs completed")
     axes[0].legend()
@@ -164,17 +277,40 @@ def _scale(result: dict):
     text = (
         _heading(result, "Market load per node against network size")
         + f"\nAssumed rates: {result['assumed']}.\n\n"
-        + _table(["nodes", "orders held", "intake µs / msg", "rank ms (p50)", "book MB",
-                  "msgs / s", "CPU share of a core", "gossip kB / s"],
-                 [(r["nodes"], r["orders_in_book"], r["intake_us_per_message"], r["rank_ms_p50"],
-                   r["book_memory_mb"], r["messages_per_s"], r["cpu_share_of_one_core"],
-                   r["gossip_kb_per_s"]) for r in rows])
+        + _table(
+            [
+                "nodes",
+                "orders held",
+                "intake µs / msg",
+                "rank ms (p50)",
+                "book MB",
+                "msgs / s",
+                "CPU share of a core",
+                "gossip kB / s",
+            ],
+            [
+                (
+                    r["nodes"],
+                    r["orders_in_book"],
+                    r["intake_us_per_message"],
+                    r["rank_ms_p50"],
+                    r["book_memory_mb"],
+                    r["messages_per_s"],
+                    r["cpu_share_of_one_core"],
+                    r["gossip_kb_per_s"],
+                )
+                for r in rows
+            ],
+        )
         + "\n"
-    )  # fmt: skip
+    )
     fig, ax = plt.subplots(figsize=(7, 3.5))
     xs = [r["nodes"] for r in rows]
-    for key, label in (("book_memory_mb", "book MB"), ("gossip_kb_per_s", "gossip kB/s"),
-                       ("rank_ms_p50", "rank ms per bid")):  # fmt: skip
+    for key, label in (
+        ("book_memory_mb", "book MB"),
+        ("gossip_kb_per_s", "gossip kB/s"),
+        ("rank_ms_p50", "rank ms per bid"),
+    ):
         ax.plot(xs, [r[key] for r in rows], "o-", label=label)
     ax.set_xscale("log")
     ax.set_yscale("log")
@@ -190,13 +326,31 @@ def _attacks(result: dict):
         + f"\nPopulation: {result['size']}. Ranks among all hosts, 1 best; earnings from an "
         "hour of demand for as many shares as the honest hosts have, matched by the node's "
         "scores, against the same history without attack.\n\n"
-        + _table(["attack", "reports accepted", "worst honest rank", "best attacker rank",
-                  "victim rank", "honest earnings lost", "attackers' share of earnings"],
-                 [(r["attack"], r["reports_accepted"], r["worst_honest_rank"],
-                   r["best_bad_host_rank"], r["victim_rank"], r["honest_earnings_lost"],
-                   r["bad_host_earnings_share"]) for r in rows])
+        + _table(
+            [
+                "attack",
+                "reports accepted",
+                "worst honest rank",
+                "best attacker rank",
+                "victim rank",
+                "honest earnings lost",
+                "attackers' share of earnings",
+            ],
+            [
+                (
+                    r["attack"],
+                    r["reports_accepted"],
+                    r["worst_honest_rank"],
+                    r["best_bad_host_rank"],
+                    r["victim_rank"],
+                    r["honest_earnings_lost"],
+                    r["bad_host_earnings_share"],
+                )
+                for r in rows
+            ],
+        )
         + "\n"
-    )  # fmt: skip
+    )
     payers = next((r for r in rows if "non_payer_score_mean" in r), None)
     if payers is not None:
         text += (
@@ -208,8 +362,13 @@ def _attacks(result: dict):
     fig, ax = plt.subplots(figsize=(7, 3.5))
     names = [r["attack"] for r in rows]
     ax.bar(names, [r["worst_honest_rank"] for r in rows], label="worst honest rank")
-    ax.scatter(names, [r["best_bad_host_rank"] or float("nan") for r in rows], color="red",
-               zorder=3, label="best attacker rank")  # fmt: skip
+    ax.scatter(
+        names,
+        [r["best_bad_host_rank"] or float("nan") for r in rows],
+        color="red",
+        zorder=3,
+        label="best attacker rank",
+    )
     ax.set_ylabel("rank (1 = best)")
     ax.legend(fontsize=8)
     return fig, text
