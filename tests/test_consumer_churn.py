@@ -16,16 +16,8 @@ from pathlib import Path
 import pytest
 
 from cumulus_p2p.market.ledger import Ledger
-from cumulus_p2p.testing.nodes import (
-    LOOPBACK_LISTEN,
-    NodeProcess,
-    final_json,
-    local_final_loss,
-    node_command,
-    start_consumer,
-    start_node,
-    start_process,
-)
+from cumulus_p2p.testing.churn import STARTUP_S, open_provider_pool
+from cumulus_p2p.testing.nodes import final_json, local_final_loss
 
 pytestmark = pytest.mark.slow
 
@@ -42,38 +34,16 @@ def receipts(data_dir: Path) -> dict[str, str]:
         return {e.receipt_id: e.host for e in ledger.entries()}
 
 
-def restart(tmp_path: Path, boot: NodeProcess, name: str) -> NodeProcess:
-    """A provider on ``name``'s data directory (the same key, the same ledger), as
-    ``start_provider`` starts one, given longer to start: on a loaded machine a node
-    may take over 30 s to import torch and join."""
-    command = node_command(
-        "--data-dir", str(tmp_path / name), "--provide", "--listen", LOOPBACK_LISTEN,
-        "--bootstrap", boot.addr, "--announce-interval", "1", "--receipt-interval", "1s",
-        "--bench-seconds", "0.1", "--no-live", "--price", PRICES[name],
-    )  # fmt: skip
-    node = start_process(command, tmp_path / name, listens=False)
-    node.addr = node.wait_for("listening on", timeout=180).split()[-1]
-    return node
-
-
 def test_a_job_survives_each_of_its_hosts_killed_and_restarted_twice(tmp_path):
-    boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
-    providers = {name: restart(tmp_path, boot, name) for name in PRICES}
-    consumer = None
     killed: list[str] = []
-    try:
-        for node in providers.values():
-            node.wait_for("providing", timeout=180)
-        name_of = {node.wait_for_state(lambda s: "peer_id" in s)["peer_id"]: name
-                   for name, node in providers.items()}  # fmt: skip
+    with open_provider_pool(tmp_path, PRICES) as pool:
         gates = tmp_path / "gates"
         gates.mkdir()
-        script = [str(SCRIPTS / "multi_gated_train.py"), str(STEPS),
-                  ",".join(map(str, HOLDS)), str(gates)]  # fmt: skip
-        consumer = start_consumer(
-            tmp_path / "consumer", boot.addr, "--checkpoint-interval", "1s",
-            command=script, env={"CUMULUS_RESUME_TIMEOUT": "1"},
-        )  # fmt: skip
+        script = [str(SCRIPTS / "multi_gated_train.py"), str(STEPS)]
+        script += [",".join(map(str, HOLDS)), str(gates)]
+        consumer = pool.start_consumer(
+            "--checkpoint-interval", "1s", command=script, env={"CUMULUS_RESUME_TIMEOUT": "1"}
+        )
         for step in HOLDS:
             consumer.wait_for(f"holding at step {step}", timeout=180)
             # The failover from the last kill is done: state.json, rewritten every
@@ -82,17 +52,13 @@ def test_a_job_survives_each_of_its_hosts_killed_and_restarted_twice(tmp_path):
             state = consumer.wait_for_state(
                 lambda s, n=done: s.get("failovers") == n and s.get("status") == "running"
             )
-            name = name_of[state["leases"][-1]["host"]]
-            providers[name].proc.kill()
-            providers[name].proc.wait()
+            name = pool.holder(state)
+            pool.kill(name)
             killed.append(name)
-            providers[name] = restart(tmp_path, boot, name)
-            providers[name].wait_for("providing", timeout=180)
+            pool.restart(name).wait_for("providing", timeout=STARTUP_S)
             (gates / str(step)).touch()
         assert consumer.proc.wait(timeout=600) == 0, consumer.output()
-    finally:
-        for node in [*([consumer] if consumer else []), *providers.values(), boot]:
-            node.stop()
+        name_of = pool.name_of
     assert len(killed) == 6 and set(killed) == set(PRICES), killed
     # A host was leased again after it had failed: failure set it aside, it was no ban.
     assert len(set(killed)) < len(killed)

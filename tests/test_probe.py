@@ -3,7 +3,7 @@
 import pytest
 
 from cumulus_p2p.market import Offer
-from cumulus_p2p.node.probe import ProbeFacts, judge, probe_size
+from cumulus_p2p.node.probe import ATTEMPTS, ProbeFacts, best_of, judge, probe_size
 
 OFFER = Offer(
     "host", "device0", "NVIDIA H100 80GB HBM3", 81920, 50_000, 4, 1000, 0, "", 0.0, 60.0, 1
@@ -28,6 +28,39 @@ def test_far_less_performance_than_claimed_is_a_misrepresentation():
 
 def test_a_busy_device_somewhat_below_its_claim_passes():
     assert judge(OFFER, facts(perf=12_000)) is None
+
+
+def measurements(*perfs):
+    """A ``measure_once`` that reads ``perfs`` in turn, and the list of those it read."""
+    taken = []
+
+    def once():
+        taken.append(perfs[len(taken)])
+        return facts(perf=taken[-1])
+
+    return once, taken
+
+
+def test_a_device_that_meets_its_claim_is_measured_once():
+    once, taken = measurements(48_000, 48_000)
+    assert best_of(once, claimed_perf=50_000, pause_s=0).perf_units == 48_000
+    assert taken == [48_000]
+
+
+def test_a_busy_device_measured_short_once_is_measured_again_and_judged_on_its_best():
+    # A host whose machine is busy for a moment: short, then short, then as claimed.
+    once, taken = measurements(900, 3_000, 40_000)
+    best = best_of(once, claimed_perf=50_000, pause_s=0)
+    assert taken == [900, 3_000, 40_000]
+    assert best.perf_units == 40_000 and best.seconds == 3 * 0.5
+    assert judge(OFFER, best) is None
+
+
+def test_a_device_short_every_time_is_a_misrepresentation_after_every_attempt():
+    once, taken = measurements(*[60 + i for i in range(ATTEMPTS + 1)])
+    best = best_of(once, claimed_perf=50_000, pause_s=0)
+    assert len(taken) == ATTEMPTS
+    assert f"measured {60 + ATTEMPTS - 1}" in judge(OFFER, best)
 
 
 @pytest.mark.parametrize("claim, side", [(50, 384), (60_000, 3904), (10**9, 8192), (0, 128)])

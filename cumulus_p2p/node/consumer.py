@@ -418,6 +418,11 @@ class Consumer:
         none that can be dialed: behind NAT, it is reachable only through its relays).
         ``afresh``: even if a connection is held (it may be dead: a relay cut it)."""
         mesh = self.runtime.mesh
+        # Each failed dial (ours, the DHT's, the auto-connector's: they go on while a host
+        # is down) blocks the peer in py-libp2p's negative cache for a minute, checked
+        # before even an open connection is reused; a host restarted since would stay
+        # unreachable that long. This dial is meant: ``HostChoice`` let the host be tried.
+        mesh.host.get_network().unblock_peer(peer)
         if not afresh and peer in mesh.host.get_connected_peers():
             return
         info = await mesh.dht.find_peer(peer)

@@ -14,13 +14,20 @@ session's cost per op does not count, small enough that a host far slower than i
 claims is found out within a second or two. Constant matrices keep the remote random
 generator untouched, so the script's results do not depend on the probe.
 
+One measurement through a shared machine is noisy, and a busy host is not lying: while
+the device falls short of the claim, the shim measures again after a pause, up to
+``ATTEMPTS`` times, and sends the best (``best_of``). A host that lies falls short every
+time; a device that meets its claim is measured once.
+
 What the probe cannot check: the device memory (it would have to fill the lease's
 share), and a host that lies about its device's name in the session's welcome.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,6 +44,13 @@ MIN_PERF_RATIO = 0.1
 TARGET_OP_S = 0.002
 #: Seconds of measurement (at least one product is always timed).
 BUDGET_S = 0.5
+#: Measurements taken before a device is found short of its claim. Five probes in a row
+#: of one CPU executor on the 2-core test machine at a load average of 7 read 19 to 131
+#: units against a claim of 25 (a sevenfold spread); at a load of 15, single probes found
+#: all three honest providers of a run under a tenth of their claims and banned them.
+ATTEMPTS = 3
+#: Seconds between measurements, for a burst of other work on the host to pass.
+RETRY_PAUSE_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +61,9 @@ class ProbeFacts:
         device: The executor's device (``"cuda:0"``, ``"cpu"``).
         device_name: Its model, as the executor names it.
         quota_bytes: The device memory the session may use.
-        perf_units: Measured float32 matmul GFLOP/s through the session.
-        seconds: How long the measurement took.
+        perf_units: Measured float32 matmul GFLOP/s through the session (the best
+            measurement).
+        seconds: How long the measurements took, all of them.
     """
 
     device: str
@@ -89,34 +104,63 @@ def probe_size(claimed_perf: int) -> int:
     return min(8192, max(128, side))
 
 
-def measure(session, claimed_perf: int, *, budget_s: float = BUDGET_S) -> ProbeFacts:
+def measure(
+    session, claimed_perf: int, *, budget_s: float = BUDGET_S, attempts: int = ATTEMPTS
+) -> ProbeFacts:
     """Measure the session's device (the ``cumulus`` device, attached to ``session``).
 
     Runs batches of products, doubling each time, until ``budget_s`` has passed; one
-    value is read back after each batch, so the time includes the device's work.
+    value is read back after each batch, so the time includes the device's work. While
+    the device falls short of ``claimed_perf``, measures again, up to ``attempts`` times
+    in all (``best_of``).
     """
     import torch
 
     n = probe_size(claimed_perf)
     a = torch.full((n, n), 1.0 / n, device="cumulus")
     b = torch.full((n, n), 1.0 / n, device="cumulus")
-    start = time.perf_counter()
-    torch.mm(a, b)[0, 0].item()  # warm-up: kernels chosen, memory allocated
-    products, elapsed = 1, time.perf_counter() - start
-    if elapsed < budget_s:  # else the warm-up alone shows the device far below the claim
-        batch, products, start = 1, 0, time.perf_counter()
-        while elapsed < budget_s:
-            for _ in range(batch):
-                c = torch.mm(a, b)
-            c[0, 0].item()
-            products += batch
-            elapsed = time.perf_counter() - start
-            batch *= 2
     info = session.info
-    return ProbeFacts(
-        str(info.get("device", "")), str(info.get("device_name", "")),
-        int(info.get("quota", 0)), int(2 * n**3 * products / elapsed / 1e9), elapsed,
-    )  # fmt: skip
+
+    def once() -> ProbeFacts:
+        start = time.perf_counter()
+        torch.mm(a, b)[0, 0].item()  # warm-up: kernels chosen, memory allocated
+        products, elapsed = 1, time.perf_counter() - start
+        if elapsed < budget_s:  # else the warm-up alone shows the device far below the claim
+            batch, products, start = 1, 0, time.perf_counter()
+            while elapsed < budget_s:
+                for _ in range(batch):
+                    c = torch.mm(a, b)
+                c[0, 0].item()
+                products += batch
+                elapsed = time.perf_counter() - start
+                batch *= 2
+        perf = int(2 * n**3 * products / elapsed / 1e9)
+        device, name = str(info.get("device", "")), str(info.get("device_name", ""))
+        return ProbeFacts(device, name, int(info.get("quota", 0)), perf, elapsed)
+
+    return best_of(once, claimed_perf=claimed_perf, attempts=attempts)
+
+
+def best_of(
+    measure_once: Callable[[], ProbeFacts],
+    *,
+    claimed_perf: int,
+    attempts: int = ATTEMPTS,
+    pause_s: float = RETRY_PAUSE_S,
+) -> ProbeFacts:
+    """The best of up to ``attempts`` calls of ``measure_once``, ``pause_s`` apart: it
+    stops at the first that is not short of ``claimed_perf`` (``MIN_PERF_RATIO``, as
+    ``judge`` counts short). The facts' ``seconds`` add up every measurement."""
+    best = measure_once()
+    seconds = best.seconds
+    for _ in range(attempts - 1):
+        if best.perf_units >= MIN_PERF_RATIO * claimed_perf:
+            break
+        time.sleep(pause_s)
+        facts = measure_once()
+        seconds += facts.seconds
+        best = max(best, facts, key=lambda f: f.perf_units)
+    return dataclasses.replace(best, seconds=seconds)
 
 
 def judge(offer: Offer, facts: ProbeFacts, *, min_ratio: float = MIN_PERF_RATIO) -> str | None:

@@ -83,11 +83,29 @@ def start_provider(
 ) -> NodeProcess:
     """A CPU provider joined through ``bootstrap`` that announces every second; ``args``
     add flags (``--price``...). Wait for its ``providing`` line before leasing from it."""
-    return start_node(
-        data_dir, "--provide", "--listen", listen, "--bootstrap", bootstrap,
-        "--announce-interval", "1", "--receipt-interval", receipt_interval,
-        "--bench-seconds", bench_seconds, "--no-live", *args,
-    )  # fmt: skip
+    command = provider_command(
+        data_dir,
+        bootstrap,
+        *args,
+        listen=listen,
+        receipt_interval=receipt_interval,
+        bench_seconds=bench_seconds,
+    )
+    return start_process(command, data_dir, listens=True)
+
+
+def provider_command(
+    data_dir: Path,
+    bootstrap: str,
+    *args: str,
+    listen: str = LOOPBACK_LISTEN,
+    receipt_interval: str = "1s",
+    bench_seconds: str = "0.1",
+) -> list[str]:
+    """The command ``start_provider`` runs, for a caller that starts it its own way."""
+    flags = ["--provide", "--listen", listen, "--bootstrap", bootstrap, "--announce-interval", "1"]
+    flags += ["--receipt-interval", receipt_interval, "--bench-seconds", bench_seconds, "--no-live"]
+    return node_command("--data-dir", str(data_dir), *flags, *args)
 
 
 def start_consumer(
