@@ -55,6 +55,15 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cumulus_p2p.remote as remote
+from cumulus_p2p.channel.transport import SocketFrameChannel
+from cumulus_p2p.testing.linkrate import measure_mbit
+from cumulus_p2p.testing.netns import interface_bytes, shaped_mesh
+
 RESULTS = Path(__file__).parent / "results"
 #: Steps run after a checkpoint before host A is killed: they are what failover replays.
 STEPS_BEFORE_KILL = 3
@@ -99,9 +108,6 @@ def main() -> None:
 
 
 def run(size: Size, *, quick: bool) -> dict:
-    from cumulus_p2p.testing.linkrate import measure_mbit
-    from cumulus_p2p.testing.netns import shaped_mesh
-
     with shaped_mesh(hosts=2, consumer_mbit=100, host_mbit=1000) as mesh:
         c, (a, b) = mesh.consumer, mesh.hosts
         progress("checking the shaping with one TCP stream per link")
@@ -113,9 +119,9 @@ def run(size: Size, *, quick: bool) -> dict:
             "host_link_mbit_measured": round(measure_mbit(a, b, seconds=2.0), 1),
             "checkpoint_interval_s": size.checkpoint_interval_s,
         }
-        with tempfile.TemporaryDirectory() as logs, ExitStack() as stack:
-            address_a, proc_a = stack.enter_context(executor_in(a, Path(logs) / "a.log"))
-            address_b, _ = stack.enter_context(executor_in(b, Path(logs) / "b.log"))
+        with tempfile.TemporaryDirectory() as work, ExitStack() as stack:
+            address_a, proc_a = stack.enter_context(executor_in(a, Path(work) / "a"))
+            address_b, _ = stack.enter_context(executor_in(b, Path(work) / "b"))
             plan = {
                 "size": asdict(size),
                 "host_a": address_a,
@@ -129,13 +135,18 @@ def run(size: Size, *, quick: bool) -> dict:
 
 
 @contextmanager
-def executor_in(host, log: Path):
+def executor_in(host, workdir: Path):
     """Run ``cumulus-executor`` (CPU) in ``host``'s namespace; yield its address and process.
 
-    Its output goes to ``log``, not a pipe, so nobody has to keep reading it.
+    It keeps a blob store in ``workdir``, as a provider does in its data directory, so a
+    second session on it can skip what it already holds. Its output goes to a log there,
+    not a pipe, so nobody has to keep reading it.
     """
+    workdir.mkdir()
+    log = workdir / "executor.log"
     cmd = [sys.executable, "-m", "cumulus_p2p.remote.executor_main", "--host", host.address]
     cmd += ["--port", "0", "--device", "cpu", "--quota", "8GiB"]
+    cmd += ["--blob-dir", str(workdir / "blobs")]
     with open(log, "w+") as out:
         proc = subprocess.Popen(host.command(*cmd), stdout=out, stderr=subprocess.STDOUT)
         try:
@@ -188,8 +199,6 @@ def progress(message: str) -> None:
 def consume(
     *, size: dict, host_a: str, host_b: str, kill_pid: int, consumer_mbit: float, host_mbit: float
 ) -> dict:
-    from cumulus_p2p.testing.netns import interface_bytes
-
     interface_bytes()  # fail now, not mid-run, if this is not the mesh's namespace
     size = Size(**size)
     param_bytes = model_bytes(size)
@@ -213,10 +222,8 @@ class Trainer:
     """
 
     def __init__(self, size: Size, *, adapters: bool = False) -> None:
-        import torch
-
         torch.manual_seed(0)
-        self.model = _model(size, adapters=adapters)
+        self.model = EmbeddingModel(size, adapters=adapters)
         self.adapters = adapters
         self.opt = None
         gen = torch.Generator().manual_seed(0)
@@ -231,8 +238,6 @@ class Trainer:
 
     def place(self) -> None:
         """Move the model to the attached session (the upload) and make its optimizer."""
-        import torch
-
         # Loaded the way pretrained weights are, into empty device tensors: copy_ streams a
         # tensor of any size, while module.to("cumulus") sends each tensor as one frame and
         # fails on any over the 256 MiB frame limit (FrameTooLargeError, as of this bench).
@@ -246,8 +251,6 @@ class Trainer:
             self.opt = torch.optim.SGD(trained, lr=0.5)
 
     def step(self) -> float:
-        import torch.nn.functional as F
-
         x, y = self.batches[self.i % len(self.batches)]
         self.i += 1
         loss = F.cross_entropy(self.model(x.to("cumulus")), y.to("cumulus"))
@@ -261,43 +264,40 @@ class Trainer:
     def trained_state_bytes(self) -> int:
         """The trained parameters' bytes and their optimizer state's."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        state = [t for s in self.opt.state.values() for t in s.values() if hasattr(t, "nbytes")]
+        state = [
+            t for s in self.opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+        ]
         return sum(t.numel() * t.element_size() for t in [*params, *state])
 
 
 def model_bytes(size: Size) -> int:
     """The full model's parameter bytes, counted on the meta device (no memory)."""
-    import torch
-
     with torch.device("meta"):
-        model = _model(size, adapters=False)
+        model = EmbeddingModel(size)
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def _model(size: Size, *, adapters: bool):
-    import torch
-    from torch import nn
+class EmbeddingModel(nn.Module):
+    """A large embedding and two small layers: many bytes, little compute.
 
-    class EmbeddingModel(nn.Module):
-        """A large embedding and two small layers: many bytes, little compute."""
+    ``adapters``: the base is frozen and a LoRA adapter on the hidden layer trains instead.
+    """
 
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = nn.Embedding(size.vocab, size.dim)
-            self.hidden = nn.Linear(size.dim, 64)
-            self.head = nn.Linear(64, 16)
-            self.lora = None
-            if adapters:
-                self.requires_grad_(False)
-                self.lora = nn.Sequential(nn.Linear(size.dim, 16, bias=False), nn.Linear(16, 64))
-                nn.init.zeros_(self.lora[1].weight)  # LoRA starts as the base model
+    def __init__(self, size: Size, *, adapters: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(size.vocab, size.dim)
+        self.hidden = nn.Linear(size.dim, 64)
+        self.head = nn.Linear(64, 16)
+        self.lora = None
+        if adapters:
+            self.requires_grad_(False)
+            self.lora = nn.Sequential(nn.Linear(size.dim, 16, bias=False), nn.Linear(16, 64))
+            nn.init.zeros_(self.lora[1].weight)  # LoRA starts as the base model
 
-        def forward(self, tokens):
-            x = self.embed(tokens).mean(1)
-            h = self.hidden(x) if self.lora is None else self.hidden(x) + self.lora(x)
-            return self.head(torch.relu(h))
-
-    return EmbeddingModel()
+    def forward(self, tokens):
+        x = self.embed(tokens).mean(1)
+        h = self.hidden(x) if self.lora is None else self.hidden(x) + self.lora(x)
+        return self.head(torch.relu(h))
 
 
 @dataclass(frozen=True)
@@ -313,8 +313,6 @@ class Step:
 
 
 def metered_step(trainer: Trainer, session) -> Step:
-    from cumulus_p2p.testing.netns import interface_bytes
-
     seen = session.failover_statistics().checkpoints
     (rx0, tx0), start = interface_bytes(), time.perf_counter()
     loss = trainer.step()
@@ -351,8 +349,6 @@ def checkpoint_link_bytes(cycle: list[Step]) -> int:
 
 def attach(address: str, reconnect_to: str, interval: float):
     """``remote.attach`` as a consumer node does it: failover on, checkpoints on a clock."""
-    import cumulus_p2p.remote as remote
-    from cumulus_p2p.channel.transport import SocketFrameChannel
 
     def dial(where: str):
         host, port = where.split(":")
@@ -402,8 +398,6 @@ def second_session(
 ) -> dict:
     """Session 2 on the same host: its first step's link bytes; then SIGKILL of the host a
     few steps after a checkpoint, and the failover to host B."""
-    from cumulus_p2p.testing.netns import interface_bytes
-
     progress("session 2 on the same host")
     trainer = Trainer(size)
     rx0, tx0 = interface_bytes()
