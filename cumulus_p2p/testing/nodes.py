@@ -8,6 +8,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -188,3 +190,17 @@ def start_rig(data_dir: Path, bootstrap: str, *, devices: int, shares: int) -> N
         "--data", str(data_dir), "--devices", str(devices), "--shares", str(shares),
     ]  # fmt: skip
     return start_process(command, data_dir, listens=True)
+
+
+@contextmanager
+def boot_and_provider(root: Path, *args: str) -> Iterator[tuple[NodeProcess, NodeProcess]]:
+    """A bootstrap node under ``root/boot`` and a provider on it under ``root/provider``
+    (``args`` add its flags), yielded once it is providing; both stopped at the end."""
+    boot = start_node(root / "boot", "--listen", LOOPBACK_LISTEN)
+    provider = start_provider(root / "provider", boot.addr, *args)
+    try:
+        provider.wait_for("providing")
+        yield boot, provider
+    finally:
+        for node in (provider, boot):
+            node.stop()
