@@ -2,11 +2,11 @@
 
 Theory of operation
 -------------------
-A session owns a table ``handle -> anchor tensor``: one entry per remote *storage* the
-client has created. Every tensor argument arrives as a ``TensorRef`` naming a handle and a
-layout; it is rebuilt with ``as_strided`` on the anchor's storage after a bounds check, so
-a forged handle or an out-of-bounds view is an error for that op and never a lookup into
-another session. Outputs that need new memory are registered under the handles the client
+A session owns a table ``handle -> anchor tensor`` (``handles.py``): one entry per remote
+*storage* the client has created. Every tensor argument arrives as a ``TensorRef`` naming a
+handle and a layout; it is rebuilt with ``as_strided`` on the anchor's storage after a bounds
+check, so a forged handle or an out-of-bounds view is an error for that op and never a lookup
+into another session. Outputs that need new memory are registered under the handles the client
 chose; outputs that alias inputs need no entry at all.
 
 Ops run one batch at a time. An op that fails poisons its output handles and records the
@@ -50,6 +50,14 @@ from .graphs import (
     GraphProgram,
     NodeFailed,
 )
+from .handles import (
+    MAX_HANDLE,
+    ErrorKind,
+    HandleTable,
+    OpFailed,
+    anchor_over,
+    raw_bytes,
+)
 from .ops import UnknownOpError, resolve_op
 from .protocol import (
     CpuTensorRef,
@@ -62,10 +70,6 @@ from .protocol import (
 
 #: torch's own default CPU seed, so an unseeded session draws what a fresh process draws.
 DEFAULT_SEED = 67280421310721
-MAX_HANDLE = 2**62
-#: Distinct views of one storage the executor keeps built (a bound on what a client's
-#: references can make it hold).
-MAX_VIEWS_PER_STORAGE = 64
 DYN_BLOCK = 1 << 10  # handles a client reserves per data-dependent op (client.DYN_BLOCK)
 #: Most bytes one ``read`` or ``fetch`` reply may carry, well inside the frame limit; the
 #: client reads larger tensors in pieces of 16 MiB and checkpoints in 32 MiB (``transfer.py``).
@@ -76,34 +80,6 @@ _BLOB_QUERIES = {"fetch", "checkpoint", "read", "rng"}
 #: worker thread so the loop keeps serving other sessions' I/O while the device computes.
 _INLINE_OPS = 8
 _EMPTY_OPS = {"empty.memory_format", "empty_strided.default", "new_empty.default"}
-
-
-class ErrorKind:
-    """The error kinds a session reports (the first field of a reply's error). The client
-    raises each as a ``RemoteExecutionError`` that is also the builtin of that name, where
-    there is one (``errors.py``). Plain strings: they go on the wire as they are."""
-
-    PROTOCOL_ERROR = "RemoteProtocolError"  # the client broke the op-stream protocol
-    INVALID_HANDLE = "InvalidHandleError"  # a handle this session does not hold, or reuses
-    INVALID_GRAPH = "InvalidGraphError"  # a compiled graph that cannot be defined or run
-    OUT_OF_MEMORY = "OutOfMemoryError"  # over the session's quota, or the device is full
-    UNKNOWN_OP = "UnknownOpError"  # not an aten op, or one the executor refuses
-    INTERNAL = "InternalError"  # an executor bug; it cost one op, not the session
-    INDEX = "IndexError"  # a view or a piece outside its storage
-    BLOB_MISMATCH = "BlobMismatchError"  # a blob's bytes are not what its digest names
-    VALUE = "ValueError"
-    TYPE = "TypeError"
-    RUNTIME = "RuntimeError"
-
-
-class OpFailed(Exception):  # noqa: N818 - internal carrier, never escapes this module
-    """An op could not run; carries the error to report (type name, message), and the op
-    to name when it is not the record's own (a node inside a compiled graph)."""
-
-    def __init__(self, kind: str, message: str, op: str | None = None) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.op = op
 
 
 @dataclass
@@ -200,25 +176,21 @@ class ExecutorSession:
     def __init__(self, ctx: DeviceContext, *, quota_bytes: int, private: bool = False) -> None:
         self.ctx = ctx
         self.device = ctx.device
-        self.quota_bytes = quota_bytes
         #: A private session's blobs are used, never kept in the host's store.
         self.private = private
         self._pins: dict[str, PinnedBlob] = {}  # what the last ``have`` found, held
         self.rng_state: torch.Tensor | None = None
         self.stats = SessionStats()
-        self._anchors: dict[int, torch.Tensor] = {}
-        # Checked views of each storage, by the reference that named them: parameters,
-        # gradients and optimizer state are named the same way every step, and a view
-        # built and bounds-checked once is reused until its storage is freed.
-        self._views: dict[int, dict[TensorRef, torch.Tensor]] = {}
-        self._capacity: dict[int, int] = {}  # handle -> storage bytes
-        self._poisoned: dict[int, str] = {}  # handle -> why it has no value
-        self._restoring: dict[int, int] = {}  # handle -> where its next @restore piece starts
+        self._handles = HandleTable(self.device, self.stats, quota_bytes=quota_bytes)
         self._error: tuple[str, str, str] | None = None
         self._dyn_result: Any = None
         self._graphs: dict[int, tuple[bytes, GraphProgram]] = {}  # graph id -> (key, program)
         self._last_answer: tuple[int, list, Any, Any] | None = None  # seq, query, error, result
         self.last_seq = 0
+
+    @property
+    def quota_bytes(self) -> int:
+        return self._handles.quota_bytes
 
     # --- the batch ----------------------------------------------------------------------
 
@@ -230,7 +202,7 @@ class ExecutorSession:
         for record in batch.ops:
             self._run_record(record, batch.blobs)
         for handle in batch.frees:
-            self._free(handle)
+            self._handles.release(handle)
         self.stats.busy_s += time.perf_counter() - started
         if batch.query is None:
             return None
@@ -267,7 +239,7 @@ class ExecutorSession:
         real_args = [self._materialize(a, blobs, inputs) for a in args]
         real_kwargs = {k: self._materialize(v, blobs, inputs) for k, v in kwargs.items()}
         if name.split(".", 2)[1] + "." + name.split(".", 2)[2] in _EMPTY_OPS:
-            self._check_quota(_requested_bytes(op, real_args, real_kwargs))
+            self._handles.check_quota(_requested_bytes(op, real_args, real_kwargs))
         try:
             result = op(*real_args, **real_kwargs)
         except torch.OutOfMemoryError as exc:
@@ -328,10 +300,10 @@ class ExecutorSession:
             )
         if not all(type(r) is TensorRef for r in refs):
             raise OpFailed(ErrorKind.PROTOCOL_ERROR, "graph inputs must be tensor references")
-        inputs = [self.tensor(r) for r in refs]
-        self._check_quota(program.factory_bytes)
+        inputs = [self._handles.view(r) for r in refs]
+        self._handles.check_quota(program.factory_bytes)
         try:
-            budget = self.quota_bytes - self.stats.bytes_in_use
+            budget = self.quota_bytes - self._handles.bytes_in_use
             results, compiled = self.ctx.graphs.run(key, program, inputs, budget)
         except GraphError as exc:
             raise OpFailed(ErrorKind.INVALID_GRAPH, f"graph {graph_id}: {exc}") from None
@@ -370,13 +342,13 @@ class ExecutorSession:
                     self._check_shared(index, value, spec, value.untyped_storage()._cdata)
                     if _aliases(value, inputs):
                         raise OpFailed(ErrorKind.RUNTIME, f"graph output {index} aliases an input")
-                    self._add(handle, value)
+                    self._handles.add(handle, value)
                     added.append(handle)
                     storages[handle] = value.untyped_storage()._cdata
-            self._check_quota(0)
+            self._handles.check_quota(0)
         except OpFailed:
             for handle in added:
-                self._free(handle)
+                self._handles.release(handle)
             raise
 
     @staticmethod
@@ -423,48 +395,16 @@ class ExecutorSession:
             )
         if start == 0:
             self._create_storage(handle, dtype, nbytes)
-        self._check_restoring(handle, dtype, nbytes, start)
-        _raw_bytes(self._anchors[handle], start, piece.numel()).copy_(piece)
-        end = start + piece.numel()
-        if end < nbytes:
-            self._restoring[handle] = end
-        else:
-            self._restoring.pop(handle, None)
+        anchor = self._handles.restore_target(handle, dtype, nbytes, start)
+        raw_bytes(anchor, start, piece.numel()).copy_(piece)
+        self._handles.restored(handle, start + piece.numel())
 
     def _create_storage(self, handle: int, dtype: torch.dtype, nbytes: int) -> None:
-        if handle in self._anchors:
+        if handle in self._handles:
             raise OpFailed(ErrorKind.INVALID_HANDLE, f"@restore: handle {handle} is already in use")
-        self._check_quota(nbytes)
+        self._handles.check_quota(nbytes)
         raw = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        self._add(handle, _anchor_over(raw.untyped_storage(), dtype, self.device))
-
-    def _check_restoring(self, handle: int, dtype: torch.dtype, nbytes: int, start: int) -> None:
-        """A piece must fit the storage its first piece made, right after the last piece:
-        pieces come in order, with no gap or overlap, and only while a restore is open."""
-        anchor = self._anchors.get(handle)
-        if anchor is None:
-            raise OpFailed(
-                ErrorKind.INVALID_HANDLE, f"@restore: storage {handle} must start at byte 0"
-            )
-        if anchor.dtype != dtype or self._capacity[handle] != nbytes:
-            raise OpFailed(
-                ErrorKind.VALUE,
-                f"@restore: storage {handle} holds {self._capacity[handle]} bytes of "
-                f"{anchor.dtype}, not {nbytes} bytes of {dtype}",
-            )
-        if start == 0:
-            return
-        expected = self._restoring.get(handle)
-        if expected is None:
-            raise OpFailed(
-                ErrorKind.PROTOCOL_ERROR, f"@restore: storage {handle} is not being restored"
-            )
-        if start != expected:
-            raise OpFailed(
-                ErrorKind.PROTOCOL_ERROR,
-                f"@restore: the next piece of storage {handle} starts at byte {expected}, "
-                f"not {start} (pieces come in order, without gaps or overlaps)",
-            )
+        self._handles.add(handle, anchor_over(raw.untyped_storage(), dtype, self.device))
 
     def _set_rng(self, args: Any, blobs: list[memoryview]) -> None:
         """``@rng [data]``: the session generator's state, as ``checkpoint`` reported it."""
@@ -538,7 +478,7 @@ class ExecutorSession:
             raise OpFailed(
                 ErrorKind.VALUE, f"@blob: a blob may hold at most {MAX_READ_BYTES} bytes"
             )
-        dst = self.tensor(target)
+        dst = self._handles.view(target)
         if data is None:
             raw = self._stored_blob(value, nbytes)
         else:
@@ -596,7 +536,7 @@ class ExecutorSession:
 
     def _materialize(self, value: Any, blobs: list[memoryview], inputs: list) -> Any:
         if type(value) is TensorRef:
-            tensor = self.tensor(value)
+            tensor = self._handles.view(value)
             inputs.append(tensor)
             return tensor
         if type(value) is list:
@@ -606,43 +546,6 @@ class ExecutorSession:
         if isinstance(value, DeviceToken):
             return self.device
         return value
-
-    def tensor(self, ref: TensorRef) -> torch.Tensor:
-        """The tensor ``ref`` names, checked to stay inside its storage (cached per ref)."""
-        views = self._views.get(ref.handle)
-        if views is None:
-            views = self._views[ref.handle] = {}
-        else:
-            view = views.get(ref)
-            if view is not None:
-                return view
-            if len(views) >= MAX_VIEWS_PER_STORAGE:
-                views.clear()
-        view = views[ref] = self._checked_view(ref)
-        return view
-
-    def _checked_view(self, ref: TensorRef) -> torch.Tensor:
-        anchor = self._anchors.get(ref.handle)
-        if anchor is None:
-            why = self._poisoned.get(ref.handle)
-            if why is not None:
-                raise OpFailed(ErrorKind.RUNTIME, f"input is unavailable: {why}")
-            raise OpFailed(ErrorKind.INVALID_HANDLE, f"no tensor with handle {ref.handle} here")
-        if ref.offset < 0 or min(ref.sizes, default=0) < 0 or min(ref.strides, default=0) < 0:
-            raise OpFailed(ErrorKind.INDEX, "negative size, stride or offset in a tensor reference")
-        needed = storage_extent(ref.sizes, ref.strides, ref.offset) * ref.dtype.itemsize
-        if needed > self._capacity[ref.handle]:
-            raise OpFailed(
-                ErrorKind.INDEX,
-                f"view of {needed} bytes is out of bounds for a storage of "
-                f"{self._capacity[ref.handle]} bytes",
-            )
-        if ref.dtype == anchor.dtype:
-            return anchor.as_strided(ref.sizes, ref.strides, ref.offset)
-        # A view under another dtype (view(dtype), view_as_real): same bytes, new element type.
-        return torch.empty(0, dtype=ref.dtype, device=self.device).set_(
-            anchor.untyped_storage(), ref.offset, ref.sizes, ref.strides
-        )
 
     # --- outputs ------------------------------------------------------------------------
 
@@ -663,10 +566,10 @@ class ExecutorSession:
             for tensor, spec in zip(tensors, outs, strict=True):
                 if spec is not None:
                     added.append(self._register_declared(tensor, spec, inputs))
-            self._check_quota(0)
+            self._handles.check_quota(0)
         except OpFailed as exc:
             for handle in added:
-                self._free(handle)
+                self._handles.release(handle)
             raise exc
 
     def _register_declared(self, tensor: torch.Tensor, spec: Any, inputs: list) -> int:
@@ -679,9 +582,10 @@ class ExecutorSession:
             # Meta and the real kernel disagree (eval-mode batch_norm's unused statistics).
             # Only this output is unusable; the op's other outputs are fine.
             if type(handle) is int:
-                self._poisoned[handle] = (
+                self._handles.poison(
+                    handle,
                     f"the executor produced shape {list(tensor.shape)} where the client "
-                    f"expected {sizes}; this output cannot be used"
+                    f"expected {sizes}; this output cannot be used",
                 )
             return handle
         if (
@@ -693,7 +597,7 @@ class ExecutorSession:
             fresh = _strided_with_offset(sizes, strides, offset, tensor, self.device)
             fresh.copy_(tensor)
             tensor = fresh
-        self._add(handle, tensor)
+        self._handles.add(handle, tensor)
         return handle
 
     def _register_dynamic(self, result: Any, first_handle: Any, inputs: list) -> Any:
@@ -718,7 +622,7 @@ class ExecutorSession:
                         )
                 handle = next_handle
                 next_handle += 1
-                self._add(handle, value)
+                self._handles.add(handle, value)
                 return TensorRef(
                     handle,
                     value.dtype,
@@ -733,48 +637,16 @@ class ExecutorSession:
             raise OpFailed(ErrorKind.TYPE, f"op returned an unsendable {type(value).__name__}")
 
         described = describe(result)
-        self._check_quota(0)
+        self._handles.check_quota(0)
         return described
 
     def _input_refs(self, inputs: list) -> list[tuple[torch.Tensor, int]]:
-        by_storage = {a.untyped_storage()._cdata: h for h, a in self._anchors.items()}
+        by_storage = {e.anchor.untyped_storage()._cdata: h for h, e in self._handles.items()}
         return [
             (t, by_storage[t.untyped_storage()._cdata])
             for t in inputs
             if t.untyped_storage()._cdata in by_storage
         ]
-
-    def _add(self, handle: Any, tensor: torch.Tensor) -> None:
-        if type(handle) is not int or not 0 < handle < MAX_HANDLE:
-            raise OpFailed(ErrorKind.INVALID_HANDLE, f"bad output handle {handle!r}")
-        if handle in self._anchors:
-            raise OpFailed(ErrorKind.INVALID_HANDLE, f"handle {handle} is already in use")
-        nbytes = tensor.untyped_storage().nbytes()
-        self._anchors[handle] = tensor
-        self._views.pop(handle, None)
-        self._capacity[handle] = nbytes
-        self._poisoned.pop(handle, None)
-        self.stats.bytes_in_use += nbytes
-        self.stats.storages += 1
-        self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.bytes_in_use)
-
-    def _free(self, handle: Any) -> None:
-        if type(handle) is not int:
-            return
-        self._restoring.pop(handle, None)
-        self._poisoned.pop(handle, None)
-        self._views.pop(handle, None)
-        if self._anchors.pop(handle, None) is not None:
-            self.stats.bytes_in_use -= self._capacity.pop(handle)
-            self.stats.storages -= 1
-
-    def _check_quota(self, extra: int) -> None:
-        if self.stats.bytes_in_use + extra > self.quota_bytes:
-            raise OpFailed(
-                ErrorKind.OUT_OF_MEMORY,
-                f"session memory quota exceeded: {self.stats.bytes_in_use + extra} bytes "
-                f"needed, quota is {self.quota_bytes} bytes",
-            )
 
     def _fail(self, record: Any, name: str, kind: str, message: str) -> None:
         self.stats.failed_ops += 1
@@ -786,8 +658,7 @@ class ExecutorSession:
             else:
                 for spec in outs:
                     if isinstance(spec, list) and spec and type(spec[0]) is int:
-                        if spec[0] not in self._anchors:
-                            self._poisoned[spec[0]] = why
+                        self._handles.poison(spec[0], why)
         if self._error is None:
             self._error = (kind, message, name)
 
@@ -831,7 +702,7 @@ class ExecutorSession:
         raise OpFailed(ErrorKind.PROTOCOL_ERROR, f"unknown query {query!r}")
 
     def _fetched(self, ref: TensorRef) -> torch.Tensor:
-        tensor = self.tensor(ref)
+        tensor = self._handles.view(ref)
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes > MAX_READ_BYTES:
             raise OpFailed(
@@ -842,7 +713,7 @@ class ExecutorSession:
         return tensor
 
     def _manifest(self) -> dict:
-        storages = [[h, a.dtype, self._capacity[h]] for h, a in self._anchors.items()]
+        storages = [[h, e.anchor.dtype, e.capacity] for h, e in self._handles.items()]
         return {"device": str(self.device), "storages": storages}
 
     def _read(self, ranges: Any) -> list[memoryview]:
@@ -855,16 +726,17 @@ class ExecutorSession:
             if not ok or not all(type(v) is int and v >= 0 for v in entry):
                 raise OpFailed(ErrorKind.PROTOCOL_ERROR, f"bad read range {entry!r}")
             handle, start, length = entry
-            if handle not in self._anchors:
+            storage = self._handles.get(handle)
+            if storage is None:
                 raise OpFailed(ErrorKind.INVALID_HANDLE, f"no tensor with handle {handle} here")
-            if start + length > self._capacity[handle]:
+            if start + length > storage.capacity:
                 raise OpFailed(ErrorKind.INDEX, f"read of storage {handle} is out of bounds")
             total += length
             if total > MAX_READ_BYTES:
                 raise OpFailed(
                     ErrorKind.VALUE, f"one read may return at most {MAX_READ_BYTES} bytes"
                 )
-            out.append(_tensor_bytes(_raw_bytes(self._anchors[handle], start, length)))
+            out.append(_tensor_bytes(raw_bytes(storage.anchor, start, length)))
         return out
 
     # --- resuming -----------------------------------------------------------------------
@@ -898,16 +770,16 @@ class ExecutorSession:
         so the device serves other tenants meanwhile; ``unpark`` moves them back.
         """
         self.ctx.release(self)
-        self._views.clear()
+        self._handles.forget_views()
         if self.device.type == "cuda":
-            self._anchors = {h: _moved(a, torch.device("cpu")) for h, a in self._anchors.items()}
-        return self.stats.bytes_in_use
+            self._handles.move_to(torch.device("cpu"))
+        return self._handles.bytes_in_use
 
     def unpark(self) -> None:
         """Bring a parked session's tensors back to its device."""
-        self._views.clear()
+        self._handles.forget_views()
         if self.device.type == "cuda":
-            self._anchors = {h: _moved(a, self.device) for h, a in self._anchors.items()}
+            self._handles.move_to(self.device)
 
     def _stats_map(self) -> dict:
         s = self.stats
@@ -924,19 +796,13 @@ class ExecutorSession:
 
     def snapshot_storages(self) -> dict[int, torch.Tensor]:
         """The live anchors by handle (for checkpoints and the host-side cache)."""
-        return dict(self._anchors)
+        return {h: e.anchor for h, e in self._handles.items()}
 
     def close(self) -> None:
         """Release every tensor of the session."""
-        self._anchors.clear()
-        self._views.clear()
-        self._capacity.clear()
-        self._poisoned.clear()
-        self._restoring.clear()
+        self._handles.clear()
         self._graphs.clear()
         self._unpin()
-        self.stats.bytes_in_use = 0
-        self.stats.storages = 0
         self.ctx.forget(self)
 
 
@@ -947,27 +813,6 @@ _RECORDS = {
     "@graph": ExecutorSession._define_graph,
     "@blob": ExecutorSession._blob,
 }
-
-
-def _anchor_over(storage: torch.UntypedStorage, dtype: torch.dtype, device) -> torch.Tensor:
-    """A 1-d anchor of ``dtype`` over a whole storage; views never depend on its shape."""
-    count = storage.nbytes() // dtype.itemsize
-    return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, (count,), (1,))
-
-
-def _raw_bytes(anchor: torch.Tensor, start: int, length: int) -> torch.Tensor:
-    """Bytes ``[start, start + length)`` of an anchor's storage, as a uint8 view."""
-    raw = torch.empty(0, dtype=torch.uint8, device=anchor.device)
-    return raw.set_(anchor.untyped_storage(), start, (length,), (1,))
-
-
-def _moved(anchor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The anchor's whole storage copied to ``device`` (pinned when it is host memory)."""
-    nbytes = anchor.untyped_storage().nbytes()
-    pin = device.type == "cpu" and torch.cuda.is_available()
-    copy = torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
-    copy.copy_(_raw_bytes(anchor, 0, nbytes))
-    return _anchor_over(copy.untyped_storage(), anchor.dtype, device)
 
 
 def _flat_tensors(result: Any) -> list[torch.Tensor]:
