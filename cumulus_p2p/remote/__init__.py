@@ -3,7 +3,11 @@
 Parts (the channels the op stream travels on are ``cumulus_p2p.channel``):
 
 - ``protocol``: the op-stream codec (sans-IO).
-- ``session``: the executor's per-session state machine (handles, quota, op execution).
+- ``session``: the executor's per-session state machine (op execution, graphs, blobs);
+  ``handles``: its handle table (storages, their views, the quota, poisoned handles).
+- ``transfer``: how a tensor of any size is cut into pieces, and transfer progress.
+- ``blobs`` and ``blobstore``: content-addressed upload pieces, and the host's capped,
+  least-recently-used store of them on disk.
 - ``executor``: the trio service that runs sessions; ``executor_main`` is its command.
 - ``client``: the consumer's session: batching, sync points, frees, failover.
 - ``failover``, ``checkpoint`` and ``hostcache``: surviving a lost host: the replay log and
