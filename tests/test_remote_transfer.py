@@ -131,6 +131,17 @@ def test_a_tensor_larger_than_a_piece_uploads_and_reads_back_exactly(
     assert torch.equal(layout(src.to(torch.float32)).to("cumulus").cpu(), layout(src.float()))
 
 
+def test_a_modules_parameter_larger_than_a_piece_moves_in_pieces(cumulus):
+    # module.to() copies each Parameter as itself, not as a plain tensor.
+    embedding = torch.nn.Embedding(5 * 2048, 1024)
+    weight = embedding.weight.detach().clone()
+    sent = cumulus.ops_sent
+    embedding.to("cumulus")
+    # Its allocation, then a copy per piece.
+    assert cumulus.ops_sent - sent > math.ceil(weight.nbytes / STREAM_CHUNK)
+    assert torch.equal(embedding.weight.cpu(), weight)
+
+
 def test_long_transfers_report_progress_until_done(cumulus):
     reports: list[tuple[str, int, int]] = []
     cumulus.progress_interval = 0.0

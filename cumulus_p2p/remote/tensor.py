@@ -686,7 +686,9 @@ def streams_upload(dst: Any, src: Any) -> bool:
     """Whether ``dst.copy_(src)`` uploads from the CPU in pieces (more than one piece's
     worth), or by content (``BLOB_MIN`` or more of the same shape, to a host that keeps
     blobs)."""
-    if not (type(dst) is RemoteTensor and type(src) is torch.Tensor and src.device.type == "cpu"):
+    # A module's parameters reach here as themselves (``module.to`` copies each one).
+    plain = type(src) is torch.Tensor or type(src) is torch.nn.Parameter
+    if not (type(dst) is RemoteTensor and plain and src.device.type == "cpu"):
         return False
     nbytes = src.numel() * src.element_size()
     if nbytes > STREAM_CHUNK:
