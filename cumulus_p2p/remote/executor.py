@@ -198,7 +198,7 @@ class Executor:
         except _ContextLost as exc:
             log.warning("session %d: op %s left the device context unusable", session_id, exc)
             why = f"its op {exc} left the device context unusable (caused by this session)"
-            await _send_last(channel, ["lost", why, "session"])
+            await send_last(channel, ["lost", why, "session"])
         except Exception as exc:  # whatever one session does, the others keep running
             log.exception("session %d: internal error", session_id)
             await _send_fatal(channel, f"executor internal error: {type(exc).__name__}: {exc}")
@@ -420,10 +420,10 @@ def _encode_reply(reply: Reply) -> list:
 
 
 async def _send_fatal(channel: AsyncFrameChannel, message: str) -> None:
-    await _send_last(channel, ["fatal", message])
+    await send_last(channel, ["fatal", message])
 
 
-async def _send_last(channel: AsyncFrameChannel, header: list) -> None:
+async def send_last(channel: AsyncFrameChannel, header: list) -> None:
     """Send a session's last message, if its consumer is still there to read it."""
     try:
         with trio.move_on_after(5):

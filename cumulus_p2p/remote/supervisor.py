@@ -66,9 +66,9 @@ import trio
 
 from .._errors import FrameTooLargeError, RemoteProtocolError, SessionClosedError
 from ..channel.transport import AsyncFrameChannel, Handover, HandoverError, frame_header
-from .executor import ExecutorConfig, pick_device, serve_plain_tcp
+from .executor import ExecutorConfig, pick_device, send_last, serve_plain_tcp
 from .health import CHECK_TIMEOUT_S, DeviceHealth
-from .protocol import decode_frame, encode_frame
+from .protocol import decode_frame
 from .scheduler import DEFAULT_RANK, DeviceQueue
 from .session import SessionStats
 from .worker import EXIT_POISONED, WorkerSpec
@@ -577,7 +577,7 @@ class WorkerSupervisor:
                 )
             worker = await self._route(first, rank)
         except (RemoteProtocolError, FrameTooLargeError, _Unavailable) as exc:
-            await _send(channel, ["fatal", str(exc)])
+            await send_last(channel, ["fatal", str(exc)])
             await channel.aclose()
             return
         except SessionClosedError:
@@ -594,7 +594,7 @@ class WorkerSupervisor:
         try:
             handover = channel.hand_over(handed)  # type: ignore[attr-defined]
         except HandoverError as exc:
-            await _send(channel, ["fatal", f"the session could not reach its worker: {exc}"])
+            await send_last(channel, ["fatal", f"the session could not reach its worker: {exc}"])
             await channel.aclose()
             return
         self.sessions[handed.number] = handed.view
@@ -729,14 +729,6 @@ async def _reap(process: subprocess.Popen) -> None:
     if process.poll() is None:
         process.kill()
         await trio.to_thread.run_sync(process.wait)
-
-
-async def _send(channel: AsyncFrameChannel, header: list) -> None:
-    try:
-        with trio.move_on_after(5):
-            await channel.send_frame(encode_frame(header))
-    except SessionClosedError:
-        pass
 
 
 async def _namespaces_work() -> bool:

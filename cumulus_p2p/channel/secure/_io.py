@@ -13,6 +13,23 @@ from .record import DEFAULT_MAX_RECORD, HEADER_SIZE, RECORD_LIMIT, TAG_SIZE
 CONNECTION_LOST = (OSError, trio.BrokenResourceError, trio.ClosedResourceError, EOFError)
 
 
+def make_room(view: memoryview, start: int, end: int, n: int) -> tuple[int, int]:
+    """Make room in a read buffer for ``n`` bytes from ``start``; return the new bounds.
+
+    ``view[start:end]`` holds the bytes read and not consumed yet.
+    """
+    have = end - start
+    if have == 0:
+        # Nothing buffered: start over at the front, so request/response traffic
+        # keeps using the same few (cache-hot) bytes of the buffer.
+        return 0, 0
+    if start + n > len(view):
+        # Slide the partial record to the front (memoryview assignment is a memmove).
+        view[:have] = view[start:end]
+        return 0, have
+    return start, end
+
+
 class StreamReader:
     """Reads exact byte counts from a trio stream through one reusable buffer.
 
@@ -89,15 +106,7 @@ class StreamReader:
     async def _fill(self, n: int) -> None:
         if self._interrupted:
             raise trio.ClosedResourceError("connection was replaced or ended")
-        have = self._end - self._start
-        if have == 0:
-            # Nothing buffered: start over at the front, so request/response traffic
-            # keeps using the same few (cache-hot) bytes of the buffer.
-            self._start = self._end = 0
-        elif self._start + n > len(self._buf):
-            # Slide the partial record to the front (memoryview assignment is a memmove).
-            self._view[:have] = self._view[self._start : self._end]
-            self._start, self._end = 0, have
+        self._start, self._end = make_room(self._view, self._start, self._end, n)
         while self._end - self._start < n:
             self.reads += 1
             if self._recv_into is not None:

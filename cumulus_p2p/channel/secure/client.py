@@ -32,7 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 from ..._errors import (
     HandshakeError,
@@ -42,6 +42,7 @@ from ..._errors import (
 )
 from ..transport import DEFAULT_MAX_FRAME, Buffer, ReadySpinner, nbytes, sendmsg_all
 from . import handshake as hs
+from ._io import make_room
 from .record import (
     DEFAULT_MAX_RECORD,
     DEFAULT_REKEY_BYTES,
@@ -155,14 +156,7 @@ class _Reader:
         return view
 
     def _fill(self, n: int) -> None:
-        have = self._end - self._start
-        if have == 0:
-            # Nothing buffered: start over at the front, so request/response traffic
-            # keeps using the same few (cache-hot) bytes of the buffer.
-            self._start = self._end = 0
-        elif self._start + n > len(self._buf):
-            self._view[:have] = self._view[self._start : self._end]
-            self._start, self._end = 0, have
+        self._start, self._end = make_room(self._view, self._start, self._end, n)
         while self._end - self._start < n:
             if self._spinner is not None:
                 self._spinner.spin()
@@ -279,19 +273,11 @@ class SecureClientChannel:
                     return self._inbox.popleft()
                 self._check_open()
                 generation = self._generation
-                try:
-                    event = self._read_record()
-                except _ConnectionLost as exc:
-                    lost: _ConnectionLost | None = exc
-                else:
-                    lost = None
-                    if type(event) is bytearray:
-                        self._maybe_ack()
-                        return event
-                    if type(event) is Closed:
-                        self._mark_closed(f"provider closed the session: {event.reason}")
-                        raise SessionClosedError(self._closed)
+                frame, lost = self._read_event()
+                if lost is None:
                     self._maybe_ack()
+                    if frame is not None:
+                        return frame
             if lost is not None:
                 self._recover(generation, lost)
 
@@ -333,6 +319,22 @@ class SecureClientChannel:
             on_close, self._on_close = self._on_close, None
             on_close()
 
+    def _read_event(self) -> tuple[bytearray | None, _ConnectionLost | None]:
+        """Read one record (caller holds ``_recv_lock``): the frame it completed, if any,
+        or the link's failure (the caller resumes once it lets go of the lock).
+
+        Raises:
+            SessionClosedError: the provider closed the session.
+        """
+        try:
+            event = self._read_record()
+        except _ConnectionLost as exc:
+            return None, exc
+        if type(event) is Closed:
+            self._mark_closed(f"provider closed the session: {event.reason}")
+            raise SessionClosedError(self._closed)
+        return cast("bytearray | None", event), None
+
     def _read_record(self) -> bytearray | Closed | None:
         """Read and absorb one record (caller holds ``_recv_lock``)."""
         reader = self._reader
@@ -373,17 +375,10 @@ class SecureClientChannel:
             with self._recv_lock:
                 self._check_open()
                 generation = self._generation
-                try:
-                    event = self._read_record()
-                except _ConnectionLost as exc:
-                    lost: _ConnectionLost | None = exc
-                else:
-                    lost = None
-                    if type(event) is bytearray:
-                        self._inbox.append(event)
-                    elif type(event) is Closed:
-                        self._mark_closed(f"provider closed the session: {event.reason}")
-                        raise SessionClosedError(self._closed)
+                frame, lost = self._read_event()
+                if lost is None:
+                    if frame is not None:
+                        self._inbox.append(frame)
                     if self._core.ack_due:
                         with self._core_lock:
                             record = self._core.seal_ack()
@@ -463,6 +458,9 @@ def _set_timeout(link: Link, timeout: float | None) -> None:
         settimeout(timeout)
 
 
+_Handshaken = tuple[_Reader, hs.SessionKeys]
+
+
 def handshake_new(
     link: Link,
     *,
@@ -470,7 +468,7 @@ def handshake_new(
     expected_peer_public_key: bytes,
     lease: bytes | None,
     max_record: int,
-) -> tuple[_Reader, hs.SessionKeys]:
+) -> _Handshaken:
     """Run the new-session handshake on a fresh link (blocking)."""
     reader = _Reader(link, max_record)
     shake = hs.ClientHandshake(identity.public_key, identity.sign, expected_peer_public_key, lease)
@@ -527,20 +525,58 @@ def connect_secure(
         link = SocketLink.dial(host, port, timeout)
         return link
 
-    link = dial()
-    try:
-        reader, keys = handshake_new(
+    return open_channel(
+        dial,
+        dial(),
+        identity=identity,
+        expected_peer_public_key=expected_peer_public_key,
+        lease=lease,
+        max_frame=max_frame,
+        max_record=max_record,
+        rekey_bytes=rekey_bytes,
+        max_unacked=max_unacked,
+        resume_timeout=resume_timeout,
+    )
+
+
+def open_channel(
+    dial: Callable[[], Link],
+    link: Link,
+    *,
+    identity,
+    expected_peer_public_key: bytes,
+    lease: bytes | None,
+    max_frame: int,
+    max_record: int,
+    rekey_bytes: int,
+    max_unacked: int,
+    resume_timeout: float,
+    guard: Callable[[Callable[[], _Handshaken]], _Handshaken] | None = None,
+    on_close: Callable[[], None] | None = None,
+) -> SecureClientChannel:
+    """Run the new-session handshake on ``link`` (fresh from ``dial``) and wrap it in a
+    channel; the arguments are ``connect_secure``'s and ``SecureClientChannel``'s.
+
+    ``guard``, if given, runs the handshake (for example under a watchdog). A failed
+    handshake shuts the link down and closes it.
+    """
+
+    def shake() -> _Handshaken:
+        return handshake_new(
             link,
             identity=identity,
             expected_peer_public_key=expected_peer_public_key,
             lease=lease,
             max_record=max_record,
         )
+
+    try:
+        reader, keys = shake() if guard is None else guard(shake)
     except BaseException:
         link.shutdown()
         link.close()
         raise
-    link.settimeout(None)
+    _set_timeout(link, None)
     return SecureClientChannel(
         dial,
         link,
@@ -551,4 +587,5 @@ def connect_secure(
         rekey_bytes=rekey_bytes,
         max_unacked=max_unacked,
         resume_timeout=resume_timeout,
+        on_close=on_close,
     )

@@ -32,7 +32,7 @@ from libp2p.stream_muxer.exceptions import MuxedStreamEOF
 
 from ...dht.host import connect, listen_addrs_with_id, new_mesh_host, parse_peer_addr
 from ..transport import DEFAULT_MAX_FRAME, Buffer
-from .client import Link, SecureClientChannel, handshake_new
+from .client import Link, SecureClientChannel, open_channel
 from .record import DEFAULT_MAX_RECORD, DEFAULT_REKEY_BYTES
 from .resume import DEFAULT_MAX_UNACKED
 from .server import Authorize, Handler, SecureServer, open_secure_server
@@ -266,37 +266,23 @@ def connect_secure_libp2p(
     """
     bridge = _Bridge(identity, peer_addr, timeout)
     try:
-        link = bridge.dial()
-        try:
-            reader, keys = _with_timeout(
-                bridge,
-                timeout,
-                lambda: handshake_new(
-                    link,
-                    identity=identity,
-                    expected_peer_public_key=expected_peer_public_key,
-                    lease=lease,
-                    max_record=max_record,
-                ),
-            )
-        except BaseException:
-            link.close()
-            raise
+        return open_channel(
+            bridge.dial,
+            bridge.dial(),
+            identity=identity,
+            expected_peer_public_key=expected_peer_public_key,
+            lease=lease,
+            max_frame=max_frame,
+            max_record=max_record,
+            rekey_bytes=rekey_bytes,
+            max_unacked=max_unacked,
+            resume_timeout=resume_timeout,
+            guard=lambda shake: _with_timeout(bridge, timeout, shake),
+            on_close=bridge.close,
+        )
     except BaseException:
         bridge.close()
         raise
-    return SecureClientChannel(
-        bridge.dial,
-        link,
-        reader,
-        keys,
-        max_frame=max_frame,
-        max_record=max_record,
-        rekey_bytes=rekey_bytes,
-        max_unacked=max_unacked,
-        resume_timeout=resume_timeout,
-        on_close=bridge.close,
-    )
 
 
 def _with_timeout(bridge: _Bridge, timeout: float, fn):
