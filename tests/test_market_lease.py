@@ -13,10 +13,10 @@ from cumulus_p2p.market.messages import (
     Lease,
     LeaseProposal,
     Offer,
-    PriorityClass,
     encode_message,
     seal_message,
 )
+from cumulus_p2p.testing.market import lease_proposal
 
 NOW = 1_700_000_000.0
 HOST = NodeIdentity.generate()
@@ -54,19 +54,17 @@ def proposal(
     consumer=ALICE,
     ttl=30.0,
 ):
-    return LeaseProposal(
-        lease_id,
-        consumer.peer_id.to_base58(),
-        host.peer_id.to_base58(),
-        offer_id,
-        1,
-        shares,
-        price,
-        start,
-        duration,
-        PriorityClass.ON_DEMAND,
-        NOW + ttl,
-        nonce,
+    return lease_proposal(
+        consumer,
+        host,
+        start_at=start,
+        duration_s=duration,
+        lease_id=lease_id,
+        offer_id=offer_id,
+        shares=shares,
+        price=price,
+        expires_at=NOW + ttl,
+        nonce=nonce,
     )
 
 

@@ -7,29 +7,15 @@ from cumulus_p2p.envelope import Rejection
 from cumulus_p2p.identity import NodeIdentity
 from cumulus_p2p.market.messages import (
     CountersignedReceipt,
-    LeaseProposal,
-    PriorityClass,
     Receipt,
     seal_message,
 )
 from cumulus_p2p.market.metering import Meter, Standing, check_receipt, payment_standing
+from cumulus_p2p.testing.market import lease_proposal
 
 NOW = 1_700_000_000.0
 HOST, CONSUMER, MALLORY = (NodeIdentity.generate() for _ in range(3))
-LEASE = LeaseProposal(
-    "L1",
-    CONSUMER.peer_id.to_base58(),
-    HOST.peer_id.to_base58(),
-    "gpu0",
-    1,
-    2,
-    1000,
-    NOW,
-    150,
-    PriorityClass.ON_DEMAND,
-    NOW + 30,
-    1,
-)
+LEASE = lease_proposal(CONSUMER, HOST, start_at=NOW, duration_s=150, shares=2)
 
 
 def test_receipts_cover_the_lease_in_intervals_and_countersign():

@@ -5,27 +5,15 @@ import pytest
 from cumulus_p2p._errors import EnvelopeRejectedError, MalformedMessageError, ReceiptRejectedError
 from cumulus_p2p.identity import NodeIdentity
 from cumulus_p2p.market.ledger import Ledger
-from cumulus_p2p.market.messages import LeaseProposal, PriorityClass, Receipt, seal_message
+from cumulus_p2p.market.messages import Receipt, seal_message
 from cumulus_p2p.market.metering import Meter
 from cumulus_p2p.market.settlement import ReceiptDesk
+from cumulus_p2p.testing.market import lease_proposal
 
 NOW = 1_700_000_000.0
 HOST, CONSUMER, MALLORY = (NodeIdentity.generate() for _ in range(3))
 HOST_ID = HOST.peer_id.to_base58()
-LEASE = LeaseProposal(
-    "L1",
-    CONSUMER.peer_id.to_base58(),
-    HOST_ID,
-    "gpu0",
-    1,
-    2,
-    1000,
-    NOW,
-    150,
-    PriorityClass.ON_DEMAND,
-    NOW + 30,
-    1,
-)
+LEASE = lease_proposal(CONSUMER, HOST, start_at=NOW, duration_s=150, shares=2)
 
 
 @pytest.fixture
@@ -53,19 +41,8 @@ def test_receipts_must_follow_each_other(desk):
 
 
 def test_a_receipt_for_a_lease_never_opened_is_refused(desk):
-    other = LeaseProposal(
-        "L2",
-        LEASE.consumer,
-        HOST_ID,
-        "gpu0",
-        1,
-        2,
-        1000,
-        NOW,
-        150,
-        PriorityClass.ON_DEMAND,
-        NOW + 30,
-        2,
+    other = lease_proposal(
+        CONSUMER, HOST, start_at=NOW, duration_s=150, lease_id="L2", shares=2, nonce=2
     )
     raw = Meter(HOST, other, interval=60).issue(NOW + 60, nonce=1).to_bytes()
     with pytest.raises(ReceiptRejectedError, match="no lease"):

@@ -12,27 +12,15 @@ import pytest
 from cumulus_p2p._errors import ReceiptRejectedError
 from cumulus_p2p.identity import NodeIdentity
 from cumulus_p2p.market.ledger import Ledger
-from cumulus_p2p.market.messages import LeaseProposal, PriorityClass, Receipt, seal_message
+from cumulus_p2p.market.messages import LeaseProposal, Receipt, seal_message
 from cumulus_p2p.market.metering import Meter
 from cumulus_p2p.market.settlement import ReceiptDesk, serve_receipts, settle_receipt
 from cumulus_p2p.testing.hosts import connect, noise_hosts
+from cumulus_p2p.testing.market import lease_proposal
 
 
 def lease(consumer: NodeIdentity, host: NodeIdentity, start: float) -> LeaseProposal:
-    return LeaseProposal(
-        lease_id="L1",
-        consumer=consumer.peer_id.to_base58(),
-        host=host.peer_id.to_base58(),
-        offer_id="gpu0",
-        offer_nonce=1,
-        shares=1,
-        price=1000,
-        start_at=start,
-        duration_s=600,
-        priority=PriorityClass.ON_DEMAND,
-        expires_at=start + 30,
-        nonce=1,
-    )
+    return lease_proposal(consumer, host, start_at=start, duration_s=600)
 
 
 def overcharge(host: NodeIdentity, terms: LeaseProposal, **claims) -> Receipt:
