@@ -29,6 +29,14 @@ def searching(now: float = 0.0, *, patience_s: float = 1800.0, policy=POLICY) ->
     return choice
 
 
+def failed_after_offering() -> HostChoice:
+    """A search in which host A offered (nonce 5) and then failed, both at time 0."""
+    choice = searching()
+    choice.see_offer(A, 5, now=0.0)
+    choice.failed(A, now=0.0)
+    return choice
+
+
 def test_a_host_never_seen_failing_is_proposed_in_rank_order():
     choice = searching()
     assert choice.next_step([B, A, C], now=1.0) == Propose((B, A, C))
@@ -65,9 +73,7 @@ def test_evidence_decays_with_its_half_life():
 
 
 def test_a_host_whose_backoff_ended_waits_for_a_fresh_offer():
-    choice = searching()
-    choice.see_offer(A, 5, now=0.0)
-    choice.failed(A, now=0.0)
+    choice = failed_after_offering()
     # The offer from before the failure still rests in the book: not a sign of life.
     choice.see_offer(A, 5, now=50.0)
     assert choice.standing(A, now=50.0) is HostStanding.SILENT
@@ -75,9 +81,7 @@ def test_a_host_whose_backoff_ended_waits_for_a_fresh_offer():
 
 
 def test_a_host_back_with_a_fresh_offer_is_readmitted_once_its_backoff_ends():
-    choice = searching()
-    choice.see_offer(A, 5, now=0.0)
-    choice.failed(A, now=0.0)
+    choice = failed_after_offering()
     choice.see_offer(A, 6, now=3.0)
     assert choice.standing(A, now=3.0) is HostStanding.RETURNED
     held = choice.next_step([A], now=9.0)
@@ -86,9 +90,7 @@ def test_a_host_back_with_a_fresh_offer_is_readmitted_once_its_backoff_ends():
 
 
 def test_a_fresh_offer_after_the_backoff_readmits_at_once():
-    choice = searching()
-    choice.see_offer(A, 5, now=0.0)
-    choice.failed(A, now=0.0)
+    choice = failed_after_offering()
     assert choice.standing(A, now=60.0) is HostStanding.SILENT
     choice.see_offer(A, 9, now=60.0)
     assert choice.next_step([A], now=60.0) == Propose((A,))

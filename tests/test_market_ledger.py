@@ -1,5 +1,7 @@
 """Specs for cumulus_p2p.market.ledger: durable, deduplicated receipts."""
 
+from pathlib import Path
+
 import pytest
 
 from cumulus_p2p._errors import LedgerCorruptError
@@ -34,6 +36,14 @@ class RecordingRail:
         self.seen.append(entry.receipt_id)
 
 
+def ledger_of_two_receipts(tmp_path: Path) -> Path:
+    """Append receipts 0 and 1 to a ledger under ``tmp_path``, close it; its file."""
+    with Ledger.open(tmp_path) as ledger:
+        ledger.append(receipt(0))
+        ledger.append(receipt(1))
+    return tmp_path / LEDGER_FILE_NAME
+
+
 def test_receipts_survive_a_restart(tmp_path):
     with Ledger.open(tmp_path) as ledger:
         assert all(ledger.append(receipt(seq)) for seq in range(3))
@@ -53,10 +63,7 @@ def test_a_receipt_appended_twice_counts_once_even_across_restarts(tmp_path):
 
 
 def test_a_torn_last_line_is_dropped_and_nothing_acknowledged_is_lost(tmp_path):
-    with Ledger.open(tmp_path) as ledger:
-        ledger.append(receipt(0))
-        ledger.append(receipt(1))
-    path = tmp_path / LEDGER_FILE_NAME
+    path = ledger_of_two_receipts(tmp_path)
     acknowledged = path.read_bytes()
     # A crash mid-write: half of the third receipt's line reached the disk.
     with Ledger.open(tmp_path) as ledger:
@@ -72,10 +79,7 @@ def test_a_torn_last_line_is_dropped_and_nothing_acknowledged_is_lost(tmp_path):
 
 
 def test_damage_before_the_last_line_is_refused_untouched(tmp_path):
-    with Ledger.open(tmp_path) as ledger:
-        ledger.append(receipt(0))
-        ledger.append(receipt(1))
-    path = tmp_path / LEDGER_FILE_NAME
+    path = ledger_of_two_receipts(tmp_path)
     damaged = path.read_bytes().replace(b'"id":"L1/0"', b'"id":"L1/9"')
     path.write_bytes(damaged)
     with pytest.raises(LedgerCorruptError, match="line 1"):
