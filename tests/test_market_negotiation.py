@@ -1,6 +1,7 @@
 """Specs for cumulus_p2p.market.negotiation: the lease protocol over real libp2p streams."""
 
 import secrets
+from contextlib import asynccontextmanager
 
 import msgpack
 import pytest
@@ -57,13 +58,29 @@ def make_proposal(consumer, host_identity, *, shares=1, price=1000, nonce=1):
     return seal_message(consumer, proposal, now=NOW)
 
 
-async def test_a_proposal_over_libp2p_returns_a_verified_lease():
-    host_id, consumer_id = NodeIdentity.generate(), NodeIdentity.generate()
+def offering_book(host_id, shares=2):
+    """The host's lease book with one offer of ``shares`` published."""
     book = LeaseBook(host_id)
-    book.publish(make_offer(host_id, shares=2))
+    book.publish(make_offer(host_id, shares=shares))
+    return book
+
+
+@asynccontextmanager
+async def lease_server_and_consumer(**server_options):
+    """A host serving leases from an ``offering_book`` and a consumer connected to it.
+
+    Yields ``(host_id, consumer_id, book, host, consumer)``.
+    """
+    host_id, consumer_id = NodeIdentity.generate(), NodeIdentity.generate()
+    book = offering_book(host_id)
     async with noise_hosts([host_id, consumer_id]) as (host, consumer):
-        serve_leases(host, LeaseServer(book, clock=lambda: NOW))
+        serve_leases(host, LeaseServer(book, clock=lambda: NOW, **server_options))
         await connect(consumer, host)
+        yield host_id, consumer_id, book, host, consumer
+
+
+async def test_a_proposal_over_libp2p_returns_a_verified_lease():
+    async with lease_server_and_consumer() as (host_id, consumer_id, book, host, consumer):
         proposal = make_proposal(consumer_id, host_id)
         grant = await call_propose_lease(consumer, host.get_id(), proposal)
     assert grant.lease.envelope == proposal
@@ -72,13 +89,14 @@ async def test_a_proposal_over_libp2p_returns_a_verified_lease():
 
 
 async def test_a_granted_lease_names_the_session_endpoints():
-    host_id, consumer_id = NodeIdentity.generate(), NodeIdentity.generate()
-    book = LeaseBook(host_id)
-    book.publish(make_offer(host_id, shares=2))
-    async with noise_hosts([host_id, consumer_id]) as (host, consumer):
-        endpoints = lambda: ["127.0.0.1:7001", "127.0.0.2:7001"]  # noqa: E731
-        serve_leases(host, LeaseServer(book, clock=lambda: NOW, endpoints=endpoints))
-        await connect(consumer, host)
+    endpoints = lambda: ["127.0.0.1:7001", "127.0.0.2:7001"]  # noqa: E731
+    async with lease_server_and_consumer(endpoints=endpoints) as (
+        host_id,
+        consumer_id,
+        _,
+        host,
+        consumer,
+    ):
         grant = await call_propose_lease(
             consumer, host.get_id(), make_proposal(consumer_id, host_id)
         )
@@ -88,8 +106,7 @@ async def test_a_granted_lease_names_the_session_endpoints():
 async def test_concurrent_consumers_lease_exactly_the_free_shares_and_the_rest_are_refused():
     host_id = NodeIdentity.generate()
     consumer_ids = [NodeIdentity.generate() for _ in range(3)]
-    book = LeaseBook(host_id)
-    book.publish(make_offer(host_id, shares=5))
+    book = offering_book(host_id, shares=5)
     granted, refused = [], []
     async with noise_hosts([host_id, *consumer_ids]) as (host, *consumers):
         serve_leases(host, LeaseServer(book, clock=lambda: NOW))
@@ -120,12 +137,8 @@ async def test_concurrent_consumers_lease_exactly_the_free_shares_and_the_rest_a
 
 
 async def test_a_proposal_relayed_by_another_peer_is_refused_as_wrong_sender():
-    host_id, alice_id, mallory_id = (NodeIdentity.generate() for _ in range(3))
-    book = LeaseBook(host_id)
-    book.publish(make_offer(host_id, shares=2))
-    async with noise_hosts([host_id, mallory_id]) as (host, mallory):
-        serve_leases(host, LeaseServer(book, clock=lambda: NOW))
-        await connect(mallory, host)
+    alice_id = NodeIdentity.generate()
+    async with lease_server_and_consumer() as (host_id, _, book, host, mallory):
         with pytest.raises(LeaseRefusedError) as info:
             await call_propose_lease(mallory, host.get_id(), make_proposal(alice_id, host_id))
     assert info.value.reason is RefusalReason.WRONG_SENDER
@@ -133,12 +146,7 @@ async def test_a_proposal_relayed_by_another_peer_is_refused_as_wrong_sender():
 
 
 async def test_refusals_over_the_wire_carry_the_reason_and_change_nothing():
-    host_id, consumer_id = NodeIdentity.generate(), NodeIdentity.generate()
-    book = LeaseBook(host_id)
-    book.publish(make_offer(host_id, shares=2))
-    async with noise_hosts([host_id, consumer_id]) as (host, consumer):
-        serve_leases(host, LeaseServer(book, clock=lambda: NOW))
-        await connect(consumer, host)
+    async with lease_server_and_consumer() as (host_id, consumer_id, book, host, consumer):
         cheap = make_proposal(consumer_id, host_id, price=999, nonce=1)
         with pytest.raises(LeaseRefusedError) as info:
             await call_propose_lease(consumer, host.get_id(), cheap)
@@ -151,12 +159,7 @@ async def test_refusals_over_the_wire_carry_the_reason_and_change_nothing():
 
 
 async def test_a_garbage_or_oversized_frame_drops_only_that_stream():
-    host_id, consumer_id = NodeIdentity.generate(), NodeIdentity.generate()
-    book = LeaseBook(host_id)
-    book.publish(make_offer(host_id, shares=2))
-    async with noise_hosts([host_id, consumer_id]) as (host, consumer):
-        serve_leases(host, LeaseServer(book, clock=lambda: NOW))
-        await connect(consumer, host)
+    async with lease_server_and_consumer() as (host_id, consumer_id, book, host, consumer):
         for frame in [b"\xff\xff\xff\xff", b"\x00\x00\x00\x03abc", b"\x00\x00"]:
             stream = await consumer.new_stream(host.get_id(), [LEASE_PROTOCOL])
             await stream.write(frame)
@@ -180,8 +183,7 @@ def test_a_grant_with_malformed_endpoints_is_refused(endpoints):
     from cumulus_p2p.market.negotiation import _decode_response
 
     host_id, consumer_id = NodeIdentity.generate(), NodeIdentity.generate()
-    book = LeaseBook(host_id)
-    book.publish(make_offer(host_id, shares=2))
+    book = offering_book(host_id)
     lease = book.propose(make_proposal(consumer_id, host_id).to_bytes(), now=NOW)
     response = msgpack.packb([True, lease.to_bytes(), endpoints])
     with pytest.raises(MalformedMessageError, match="endpoint"):
@@ -190,8 +192,7 @@ def test_a_grant_with_malformed_endpoints_is_refused(endpoints):
 
 async def test_a_screened_out_consumer_is_refused_with_the_hosts_reason_and_nothing_reserved():
     host_id, consumer_id = NodeIdentity.generate(), NodeIdentity.generate()
-    book = LeaseBook(host_id)
-    book.publish(make_offer(host_id, shares=2))
+    book = offering_book(host_id)
     screened = consumer_id.peer_id.to_base58()
     server = LeaseServer(
         book,
