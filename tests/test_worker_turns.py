@@ -46,6 +46,17 @@ async def nothing_arrives(link: WorkerLink) -> bool:
     return True
 
 
+async def holding_a_turn() -> tuple[WorkerLink, SupervisorTurns]:
+    """A worker whose on-demand acquire the supervisor granted: (supervisor end, turns)."""
+    supervisor, worker = link_pair()
+    turns = SupervisorTurns(worker)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(turns.acquire, ON_DEMAND)
+        assert (await supervisor.receive())[0] == ["acquire", 1]
+        turns.granted(1)
+    return supervisor, turns
+
+
 # --- the link ----------------------------------------------------------------------------
 
 
@@ -80,12 +91,7 @@ async def test_a_packet_that_is_not_a_named_message_is_refused(packet):
 
 
 async def test_a_granted_turn_is_kept_across_batches_without_a_message():
-    supervisor, worker = link_pair()
-    turns = SupervisorTurns(worker)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(turns.acquire, ON_DEMAND)
-        assert (await supervisor.receive())[0] == ["acquire", 1]
-        turns.granted(1)
+    supervisor, turns = await holding_a_turn()
     turns.release()
     await turns.acquire(ON_DEMAND)
     turns.release()
@@ -93,12 +99,7 @@ async def test_a_granted_turn_is_kept_across_batches_without_a_message():
 
 
 async def test_a_yield_asked_during_a_batch_hands_the_turn_back_when_it_ends():
-    supervisor, worker = link_pair()
-    turns = SupervisorTurns(worker)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(turns.acquire, ON_DEMAND)
-        await supervisor.receive()
-        turns.granted(1)
+    supervisor, turns = await holding_a_turn()
     turns.yield_asked()
     assert await nothing_arrives(supervisor)
     turns.release()
@@ -106,12 +107,7 @@ async def test_a_yield_asked_during_a_batch_hands_the_turn_back_when_it_ends():
 
 
 async def test_a_yield_asked_between_batches_hands_the_turn_back_at_once():
-    supervisor, worker = link_pair()
-    turns = SupervisorTurns(worker)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(turns.acquire, ON_DEMAND)
-        await supervisor.receive()
-        turns.granted(1)
+    supervisor, turns = await holding_a_turn()
     turns.release()
     turns.yield_asked()
     assert (await supervisor.receive())[0] == ["release"]
