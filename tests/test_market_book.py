@@ -66,15 +66,20 @@ def bid(
     )
 
 
+#: When a generated offer or bid was made, when it expires and its nonce: few values, so
+#: that replacements, expiries and replays collide often.
+LIFETIMES = dict(
+    created=st.sampled_from([0.0, 1.0, 2.0]),
+    expires=st.sampled_from([10.0, 20.0, 30.0]),
+    nonce=st.integers(0, 4),
+)
 offers = st.builds(
     offer,
     st.sampled_from(HOSTS),
     st.sampled_from(["o0", "o1"]),
     price=st.integers(1, 6),
     shares=st.integers(1, 4),
-    created=st.sampled_from([0.0, 1.0, 2.0]),
-    expires=st.sampled_from([10.0, 20.0, 30.0]),
-    nonce=st.integers(0, 4),
+    **LIFETIMES,
     model=st.sampled_from(["A100", "H100"]),
     vram=st.sampled_from([40, 80]),
     perf=st.sampled_from([5, 10]),
@@ -86,9 +91,7 @@ bids = st.builds(
     st.sampled_from(["b0", "b1"]),
     max_price=st.integers(0, 7),
     shares=st.integers(1, 6),
-    created=st.sampled_from([0.0, 1.0, 2.0]),
-    expires=st.sampled_from([10.0, 20.0, 30.0]),
-    nonce=st.integers(0, 4),
+    **LIFETIMES,
     models=st.sampled_from([(), ("A100",), ("H100",), ("A100", "H100")]),
     min_vram=st.sampled_from([0, 80]),
     min_perf=st.sampled_from([0, 10]),

@@ -222,19 +222,18 @@ def test_a_restore_takes_its_pieces_in_order():
     assert handles.get(1).anchor.tolist() == [1, 2, 3, 4]
 
 
-def test_a_restore_piece_out_of_order_is_refused():
+@pytest.mark.parametrize(
+    ("first_piece", "refusal"),
+    [
+        pytest.param(b"\x01", "starts at byte 1, not 2", id="out-of-order"),
+        pytest.param(b"\x01\x02\x03\x04", "storage 1 is not being restored", id="storage-full"),
+    ],
+)
+def test_a_restore_piece_that_does_not_continue_the_restore_is_refused(first_piece, refusal):
     handles = table()
     handles.add(1, torch.zeros(4, dtype=torch.uint8))
-    restored(handles, 1, 0, b"\x01")
-    with fails(ErrorKind.PROTOCOL_ERROR, "starts at byte 1, not 2"):
-        handles.restore_target(1, torch.uint8, 4, 2)
-
-
-def test_a_full_storage_is_no_longer_being_restored():
-    handles = table()
-    handles.add(1, torch.zeros(4, dtype=torch.uint8))
-    restored(handles, 1, 0, b"\x01\x02\x03\x04")
-    with fails(ErrorKind.PROTOCOL_ERROR, "storage 1 is not being restored"):
+    restored(handles, 1, 0, first_piece)
+    with fails(ErrorKind.PROTOCOL_ERROR, refusal):
         handles.restore_target(1, torch.uint8, 4, 2)
 
 
