@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from cumulus_p2p.market.ledger import Ledger
-from cumulus_p2p.testing import nodes
+from cumulus_p2p.testing import loopback, nodes
 
 # Starts real cumulus-node processes: scripts/test --fast skips it.
 pytestmark = pytest.mark.slow
@@ -28,7 +28,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "cuda_train.py"
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
     root = tmp_path_factory.mktemp("mesh")
-    boot = nodes.start_node(root / "boot", "--listen", nodes.LOOPBACK_LISTEN)
+    boot = loopback.start_boot(root)
     providers = {
         price: nodes.start_provider(root / f"p{price}", boot.addr, "--price", price)
         for price in ("0.3", "0.7")
@@ -110,7 +110,7 @@ def test_a_job_outlasting_its_lease_renews_it_and_finishes_with_the_same_losses(
 
 
 def test_a_job_survives_its_provider_being_killed_and_finishes_on_the_other(tmp_path):
-    boot = nodes.start_node(tmp_path / "boot", "--listen", nodes.LOOPBACK_LISTEN)
+    boot = loopback.start_boot(tmp_path)
     providers = [
         nodes.start_provider(tmp_path / f"p{i}", boot.addr, "--price", price)
         for i, price in enumerate(("0.3", "0.7"))
@@ -166,7 +166,7 @@ def run_one_epoch_through_libp2p(tmp_path: Path, boot, provider) -> None:
 
 
 def test_a_provider_whose_session_port_cannot_be_dialed_is_reached_over_libp2p(tmp_path):
-    boot = nodes.start_node(tmp_path / "boot", "--listen", nodes.LOOPBACK_LISTEN)
+    boot = loopback.start_boot(tmp_path)
     # It listens for sessions on 127.0.0.1 but advertises 127.0.0.9, where nothing
     # answers: as a host behind NAT advertising an address nobody can dial.
     provider = nodes.start_provider(
@@ -175,24 +175,16 @@ def test_a_provider_whose_session_port_cannot_be_dialed_is_reached_over_libp2p(t
         "--session-host",
         "127.0.0.1",
         "--advertise-host",
-        "127.0.0.9",
+        loopback.UNDIALABLE_HOST,
     )
     run_one_epoch_through_libp2p(tmp_path, boot, provider)
 
 
 def test_a_provider_behind_nat_is_leased_and_used_through_a_relay(tmp_path):
-    boot = nodes.start_node(tmp_path / "boot", "--listen", nodes.LOOPBACK_LISTEN)
+    boot = loopback.start_boot(tmp_path)
     # No listen address at all, and a session port nobody can dial: reachable only
     # through the relay reservation it keeps on the bootstrap node.
-    provider = nodes.start_provider(
-        tmp_path / "hidden",
-        boot.addr,
-        "--relay",
-        boot.addr,
-        "--advertise-host",
-        "127.0.0.9",
-        listen="none",
-    )
+    provider = loopback.start_hidden_provider(tmp_path / "hidden", boot)
     run_one_epoch_through_libp2p(tmp_path, boot, provider)
 
 

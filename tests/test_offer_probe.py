@@ -14,7 +14,7 @@ import json
 import pytest
 
 from cumulus_p2p.market.ledger import Ledger
-from cumulus_p2p.testing import nodes
+from cumulus_p2p.testing import loopback, nodes
 
 # Starts real cumulus-node processes: scripts/test --fast skips it.
 pytestmark = pytest.mark.slow
@@ -23,12 +23,7 @@ SCRIPT = ["-m", "cumulus_p2p.demo_train", "--steps", "20", "--log-every", "5"]
 
 
 def test_a_host_claiming_a_gpu_it_lacks_is_dropped_after_the_probe_and_reported(tmp_path):
-    boot = nodes.start_node(tmp_path / "boot", "--listen", nodes.LOOPBACK_LISTEN)
-    liar = nodes.start_liar(tmp_path / "liar", boot.addr, "device")
-    honest = nodes.start_provider(tmp_path / "honest", boot.addr, "--price", "0.7")
-    try:
-        liar.wait_for("providing")
-        honest.wait_for("providing")
+    with loopback.liar_and_honest_provider(tmp_path, "device") as (boot, _, _):
         consumer = nodes.start_consumer(
             tmp_path / "consumer",
             boot.addr,
@@ -39,9 +34,6 @@ def test_a_host_claiming_a_gpu_it_lacks_is_dropped_after_the_probe_and_reported(
             command=SCRIPT,
         )
         assert consumer.proc.wait(timeout=240) == 0, consumer.output()
-    finally:
-        for node in (liar, honest, boot):
-            node.stop()
     assert "misrepresents its device" in consumer.output()
     assert nodes.final_json(consumer.lines)["final_loss"] == nodes.local_final_loss(SCRIPT)
     state = json.loads((tmp_path / "consumer" / "state.json").read_text())

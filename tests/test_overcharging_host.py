@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from cumulus_p2p.market.ledger import Ledger
-from cumulus_p2p.testing import nodes
+from cumulus_p2p.testing import loopback, nodes
 
 # Starts real cumulus-node processes: scripts/test --fast skips it.
 pytestmark = pytest.mark.slow
@@ -35,16 +35,11 @@ def disputes(data_dir) -> list:
     [("bytes", "bytes receipted under this lease"), ("share-seconds", "share-seconds, at most")],
 )
 def test_an_overcharging_hosts_receipts_are_refused_and_disputed_on_both_sides(tmp_path, lie, why):
-    boot = nodes.start_node(tmp_path / "boot", "--listen", nodes.LOOPBACK_LISTEN)
-    liar = nodes.start_liar(tmp_path / "liar", boot.addr, lie)
-    honest = nodes.start_provider(tmp_path / "honest", boot.addr, "--price", "0.7")
     # The job holds after step 10 until the liar has paused the unpaid session, so it
     # cannot finish on the liar however fast the machine.
     gate = tmp_path / "gate"
     script = [str(SCRIPTS / "gated_train.py"), STEPS, "10", str(gate)]
-    try:
-        liar.wait_for("providing")
-        honest.wait_for("providing")
+    with loopback.liar_and_honest_provider(tmp_path, lie) as (boot, liar, _):
         consumer = nodes.start_consumer(
             tmp_path / "consumer",
             boot.addr,
@@ -61,9 +56,6 @@ def test_an_overcharging_hosts_receipts_are_refused_and_disputed_on_both_sides(t
         )
         gate.touch()
         assert consumer.proc.wait(timeout=240) == 0, consumer.output()
-    finally:
-        for node in (liar, honest, boot):
-            node.stop()
     expected = nodes.local_final_loss(["-m", "cumulus_p2p.demo_train", "--steps", STEPS])
     assert nodes.final_json(consumer.lines)["final_loss"] == expected
     state = json.loads((tmp_path / "consumer" / "state.json").read_text())

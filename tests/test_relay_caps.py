@@ -16,7 +16,7 @@ import json
 import pytest
 
 from cumulus_p2p.market.ledger import Ledger
-from cumulus_p2p.testing import nodes
+from cumulus_p2p.testing import loopback, nodes
 
 # Starts real cumulus-node processes: scripts/test --fast skips it.
 pytestmark = pytest.mark.slow
@@ -25,18 +25,8 @@ SCRIPT = ["-m", "cumulus_p2p.demo_train", "--steps", "300", "--log-every", "50"]
 
 
 def test_a_relayed_job_longer_than_the_circuit_cap_finishes_without_blame(tmp_path):
-    boot = nodes.start_node(
-        tmp_path / "boot", "--listen", nodes.LOOPBACK_LISTEN, "--circuit-duration", "4s"
-    )
-    provider = nodes.start_provider(
-        tmp_path / "hidden",
-        boot.addr,
-        "--relay",
-        boot.addr,
-        "--advertise-host",
-        "127.0.0.9",
-        listen="none",
-    )
+    boot = loopback.start_boot(tmp_path, "--circuit-duration", "4s")
+    provider = loopback.start_hidden_provider(tmp_path / "hidden", boot)
     try:
         provider.wait_for("providing")
         # The consumer cannot be dialed either: every byte between the two goes through
