@@ -42,7 +42,43 @@ _LENGTH = struct.Struct(">I")
 _SMALL = 65536  # frames up to this size are read through a reusable buffer
 
 
-class _PlainTrioChannel:
+def _frame_views(parts) -> list[memoryview]:
+    """One frame as views for ``sendmsg``: its length prefix, then its parts."""
+    views = [memoryview(_LENGTH.pack(sum(len(p) for p in parts)))]
+    return views + [memoryview(p).cast("B") for p in parts]
+
+
+class _FrameBuffer:
+    """The read buffer both plain channels share; each adds its own (a)synchronous I/O."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray(4 * _SMALL)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+
+    def _make_room(self, n: int) -> None:
+        """Make room for ``n`` buffered bytes from ``_start`` before reading more."""
+        have = self._end - self._start
+        if have == 0:
+            self._start = self._end = 0  # as the secure channel does: reuse hot bytes
+        elif self._start + n > len(self._buf):
+            self._view[:have] = self._view[self._start : self._end]
+            self._start, self._end = 0, have
+
+    def _begin_large_frame(self, n: int) -> tuple[bytearray, memoryview, int]:
+        """Past the length prefix, a frame of ``n`` bytes holding those already buffered:
+        the frame, a view of it and how many bytes it has; read the rest into the view."""
+        self._start += 4
+        frame = bytearray(n)
+        out = memoryview(frame)
+        have = min(n, self._end - self._start)
+        out[:have] = self._view[self._start : self._start + have]
+        self._start += have
+        return frame, out, have
+
+
+class _PlainTrioChannel(_FrameBuffer):
     """The plain-TCP baseline, provider side: length-prefixed frames, no crypto.
 
     Built like the secure server so the comparison is about the cryptography, not the
@@ -54,18 +90,14 @@ class _PlainTrioChannel:
 
     def __init__(self, stream) -> None:
         self._sock = stream.socket
-        self._buf = bytearray(4 * _SMALL)
-        self._view = memoryview(self._buf)
-        self._start = 0
-        self._end = 0
+        super().__init__()
 
     async def send_frame(self, parts) -> None:
         import trio
 
         from cumulus_p2p._errors import SessionClosedError
 
-        views = [memoryview(_LENGTH.pack(sum(len(p) for p in parts)))]
-        views += [memoryview(p).cast("B") for p in parts]
+        views = _frame_views(parts)
         try:
             while views:
                 sent = await self._sock.sendmsg(views)
@@ -82,24 +114,14 @@ class _PlainTrioChannel:
             view = await self._peek(4 + n)
             self._start += 4 + n
             return bytearray(view[4:])
-        self._start += 4
-        frame = bytearray(n)
-        out = memoryview(frame)
-        have = min(n, self._end - self._start)
-        out[:have] = self._view[self._start : self._start + have]
-        self._start += have
+        frame, out, have = self._begin_large_frame(n)
         while have < n:
             have += await self._recv_into(out[have:])
         return frame
 
     async def _peek(self, n: int) -> memoryview:
         if self._end - self._start < n:
-            have = self._end - self._start
-            if have == 0:
-                self._start = self._end = 0  # as the secure channel does: reuse hot bytes
-            elif self._start + n > len(self._buf):
-                self._view[:have] = self._view[self._start : self._end]
-                self._start, self._end = 0, have
+            self._make_room(n)
             while self._end - self._start < n:
                 self._end += await self._recv_into(self._view[self._end :])
         return self._view[self._start : self._start + n]
@@ -118,7 +140,7 @@ class _PlainTrioChannel:
         return got
 
 
-class _PlainSocketChannel:
+class _PlainSocketChannel(_FrameBuffer):
     """The plain-TCP baseline, consumer side: blocking socket, built like the secure client.
 
     One ``sendmsg`` per frame; small frames are read through a reusable buffer (one
@@ -134,10 +156,7 @@ class _PlainSocketChannel:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
         self._spinner = ReadySpinner(sock)
-        self._buf = bytearray(4 * _SMALL)
-        self._view = memoryview(self._buf)
-        self._start = 0
-        self._end = 0
+        super().__init__()
 
     @classmethod
     def connect(cls, host: str, port: int):
@@ -148,8 +167,7 @@ class _PlainSocketChannel:
         return cls(sock)
 
     def send_frame(self, parts) -> None:
-        views = [memoryview(_LENGTH.pack(sum(len(p) for p in parts)))]
-        views += [memoryview(p).cast("B") for p in parts]
+        views = _frame_views(parts)
         while views:
             sent = self._sock.sendmsg(views)
             while views and sent >= views[0].nbytes:
@@ -163,24 +181,14 @@ class _PlainSocketChannel:
             view = self._peek(4 + n)
             self._start += 4 + n
             return bytearray(view[4:])
-        self._start += 4
-        frame = bytearray(n)
-        out = memoryview(frame)
-        have = min(n, self._end - self._start)
-        out[:have] = self._view[self._start : self._start + have]
-        self._start += have
+        frame, out, have = self._begin_large_frame(n)
         while have < n:
             have += self._recv_into(out[have:])
         return frame
 
     def _peek(self, n: int) -> memoryview:
         if self._end - self._start < n:
-            have = self._end - self._start
-            if have == 0:
-                self._start = self._end = 0  # as the secure channel does: reuse hot bytes
-            elif self._start + n > len(self._buf):
-                self._view[:have] = self._view[self._start : self._end]
-                self._start, self._end = 0, have
+            self._make_room(n)
             while self._end - self._start < n:
                 self._end += self._recv_into(self._view[self._end :])
         return self._view[self._start : self._start + n]
