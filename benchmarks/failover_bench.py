@@ -24,7 +24,6 @@ Keys:
 
 from __future__ import annotations
 
-import argparse
 import json
 import socket
 import statistics
@@ -37,6 +36,7 @@ import torch
 import cumulus_p2p.remote as remote
 from cumulus_p2p.channel.transport import SocketFrameChannel
 from cumulus_p2p.remote.client import CURRENT, RemoteSession
+from cumulus_p2p.testing.benchargs import executor_bench_args
 from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.testing.models import MLP
 
@@ -189,10 +189,7 @@ def cache_versus_cold(address: str, fresh: str, repeats: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions (< 60 s)")
-    parser.add_argument("--device", default="cpu", help="executor device: cpu, cuda or auto")
-    args = parser.parse_args()
+    args = executor_bench_args(__doc__)
     q = args.quick
     interval = 1.0 if q else 5.0
     with ExitStack() as stack:

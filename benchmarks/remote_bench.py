@@ -12,7 +12,6 @@ round trip can be read against both.
 
 from __future__ import annotations
 
-import argparse
 import json
 import socket
 import statistics
@@ -25,6 +24,7 @@ import torch
 
 import cumulus_p2p.remote as remote
 from cumulus_p2p.channel.transport import DEFAULT_SPIN_S, ReadySpinner
+from cumulus_p2p.testing.benchargs import executor_bench_args
 from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.testing.models import TASKS, WORKLOADS, Task
 
@@ -155,10 +155,7 @@ def step_ratio(spec: Task, steps: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions (< 60 s)")
-    parser.add_argument("--device", default="cpu", help="executor device: cpu, cuda or auto")
-    args = parser.parse_args()
+    args = executor_bench_args(__doc__)
     q = args.quick
     with executor_process(device=args.device) as (address, _):
         with remote.attach(address) as session:
