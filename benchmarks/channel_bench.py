@@ -229,30 +229,21 @@ def _serve(kind: str) -> None:
 
                 listeners = await nursery.start(trio.serve_tcp, plain, 0)
                 print(listeners[0].socket.getsockname()[1], flush=True)
-            elif kind == "direct":
-                from cumulus_p2p.channel.secure.server import serve_secure
-
-                server = await nursery.start(
-                    lambda task_status: serve_secure(
-                        identity,
-                        authorize=lambda key, lease: None,
-                        handler=echo,
-                        task_status=task_status,
-                    )
-                )
-                print(server.port, flush=True)
             else:
                 from cumulus_p2p.channel.secure.libp2p_path import serve_secure_libp2p
+                from cumulus_p2p.channel.secure.server import serve_secure
 
-                addr = await nursery.start(
-                    lambda task_status: serve_secure_libp2p(
+                serve = serve_secure if kind == "direct" else serve_secure_libp2p
+                served = await nursery.start(
+                    lambda task_status: serve(
                         identity,
                         authorize=lambda key, lease: None,
                         handler=echo,
                         task_status=task_status,
                     )
                 )
-                print(addr, flush=True)
+                # The direct server says its port, the libp2p one its address.
+                print(served.port if kind == "direct" else served, flush=True)
             # Exit when the parent closes our stdin.
             await trio.to_thread.run_sync(sys.stdin.read, abandon_on_cancel=True)
             nursery.cancel_scope.cancel()

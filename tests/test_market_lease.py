@@ -44,27 +44,23 @@ def offer(shares=4, *, price=1000, min_lease=60, expires=NOW + 600, nonce=1):
 def proposal(
     lease_id="L1",
     *,
-    shares=1,
-    price=1000,
     duration=3600,
     start=NOW,
-    nonce=1,
-    offer_id="gpu0",
     host=HOST,
     consumer=ALICE,
     ttl=30.0,
+    **terms,
 ):
+    """Alice's proposal of one share of ``gpu0`` at 1000 for an hour (``terms`` add
+    ``shares``, ``price``, ``nonce`` or ``offer_id``), expiring ``ttl`` after NOW."""
     return lease_proposal(
         consumer,
         host,
         start_at=start,
         duration_s=duration,
         lease_id=lease_id,
-        offer_id=offer_id,
-        shares=shares,
-        price=price,
         expires_at=NOW + ttl,
-        nonce=nonce,
+        **terms,
     )
 
 
