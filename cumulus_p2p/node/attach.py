@@ -17,7 +17,12 @@ import os
 from typing import Any
 
 from .. import remote
-from .._errors import HandshakeError, PeerAuthenticationError, PeerUnreachableError
+from .._errors import (
+    CumulusError,
+    HandshakeError,
+    PeerAuthenticationError,
+    PeerUnreachableError,
+)
 from ..channel.secure import connect_secure
 from ..channel.transport import CountingFrameChannel
 from ..identity import NodeIdentity
@@ -128,10 +133,21 @@ def attach_leased(client: ControlClient):
         client.report_path(ticket, path)
         return USAGE.count(channel, ticket)
 
+    def _first(ticket: SessionTicket):
+        try:
+            return ticket, _open(ticket)
+        except (OSError, CumulusError) as exc:
+            # A short lease can run out before its session opens on a busy machine: the
+            # node then leases again without blame (the term is over); a host that
+            # refused a live lease is failed over.
+            log.warning("cannot open the leased session (%s); asking the node again", exc)
+            ticket = client.failover(f"the session could not open: {exc}")
+            return ticket, _open(ticket)
+
     for _ in range(MAX_PROBED_HOSTS):
-        ticket = client.session()
+        ticket, channel = _first(client.session())
         attached = remote.attach(
-            channel=_open(ticket),
+            channel=channel,
             reconnect=reconnect,
             checkpoint_interval=interval,
         )

@@ -252,7 +252,10 @@ class Consumer:
                 raise NoMatchError(self._no_match_reason(waited, decision.reason))
             if type(decision) is Wait:
                 if not self.waiting_for:
-                    log.warning("no usable host: holding the job (%s)", decision.reason)
+                    # Before the first lease, waiting for offers is the normal start (the
+                    # status says so); a job that had a host and lost it is news.
+                    say = log.warning if self.held else log.info
+                    say("no usable host: holding the job (%s)", decision.reason)
                 self.waiting_for = decision.reason
                 self.status = (
                     f"waiting for a host: {decision.reason}; gives up in "
