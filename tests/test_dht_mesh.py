@@ -39,7 +39,7 @@ from cumulus_p2p.testing.mesh import (
 )
 
 # Starts meshes of real libp2p hosts: scripts/test --fast skips it.
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timing]
 
 N = 10
 OFFER = "market/offer"

@@ -32,6 +32,7 @@ def receipt_ids(data_dir) -> set[str]:
         return {e.receipt_id for e in ledger.entries()}
 
 
+@pytest.mark.timing  # the job moves within 10 s
 def test_a_provider_stopped_with_sigterm_hands_the_job_over_without_blame(tmp_path):
     boot = nodes.start_node(tmp_path / "boot", "--listen", nodes.LOOPBACK_LISTEN)
     cheap, dear = (

@@ -159,6 +159,7 @@ def test_new_sessions_succeed_after_a_worker_was_killed(isolated, reference):
     assert Tenant(address, "mlp", 6).finish()["losses"] == reference
 
 
+@pytest.mark.timing  # a lease reaches its first op within 1 s
 def test_a_warm_pool_serves_a_lease_with_a_worker_started_before_it(isolated):
     address, _ = isolated
     time.sleep(1.0)  # let the pool refill after earlier tests
