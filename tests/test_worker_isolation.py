@@ -162,7 +162,9 @@ def test_new_sessions_succeed_after_a_worker_was_killed(isolated, reference):
 @pytest.mark.timing  # a lease reaches its first op within 1 s
 def test_a_warm_pool_serves_a_lease_with_a_worker_started_before_it(isolated):
     address, _ = isolated
-    time.sleep(1.0)  # let the pool refill after earlier tests
+    # Let the pool's worker finish starting (exec and torch's import take seconds here):
+    # run alone in the timing tier, no earlier test has warmed it.
+    time.sleep(5.0)
     asked = time.time()
     with remote.attach(address) as session:
         started = _process_start_time(session.info["worker_pid"])
