@@ -61,6 +61,7 @@ from torch import nn
 
 import cumulus_p2p.remote as remote
 from cumulus_p2p.channel.transport import SocketFrameChannel
+from cumulus_p2p.testing.executor import stop
 from cumulus_p2p.testing.linkrate import measure_mbit
 from cumulus_p2p.testing.netns import interface_bytes, shaped_mesh
 
@@ -164,16 +165,6 @@ def wait_listening(proc: subprocess.Popen, log: Path, timeout: float = 120.0) ->
                 return line.split("listening on ")[1].split()[0]
         time.sleep(0.1)  # the executor's start-up (importing torch) takes seconds
     raise RuntimeError(f"executor did not start: {log.read_text()}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    proc.wait()
 
 
 def run_consumer(consumer, plan: dict) -> dict:

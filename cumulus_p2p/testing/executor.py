@@ -37,12 +37,7 @@ def executor_process(
         proc.provider_key = bytes.fromhex(key.group(1)) if key else None
         yield f"{match.group(1)}:{match.group(2)}", proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 @contextmanager
@@ -60,3 +55,14 @@ def secure_executor_channel(
             host, int(port), identity=consumer, expected_peer_public_key=proc.provider_key
         )
         yield channel, proc
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """End a process: SIGTERM, then SIGKILL if it has not exited within 10 s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    proc.wait()
