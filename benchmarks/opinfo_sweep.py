@@ -1,12 +1,15 @@
-"""Op coverage: run PyTorch's own OpInfo samples on ``cumulus`` and on the CPU, compare.
+"""Op coverage: run PyTorch's own OpInfo samples on ``cumulus`` and natively, compare.
 
-Every float32 sample of every op in ``op_db`` that runs on the CPU is run again on a
-``cumulus`` device served by a CPU executor process, seeded the same way, and the results
-are compared (same structure, dtypes and shapes; values equal within float32 tolerance,
-NaNs equal). Writes ``benchmarks/results/opinfo.json`` with ``passed`` and ``total``
-(samples) and ``failures`` (per op: count and first error)::
+Every float32 sample of every op in ``op_db`` that runs on the reference device is run
+again on a ``cumulus`` device served by an executor process on that device, seeded the
+same way, and the results are compared (same structure, dtypes and shapes; values equal
+within float32 tolerance, NaNs equal). ``--device cuda`` puts both the executor and the
+reference on CUDA. Writes ``benchmarks/results/opinfo[_cuda].json`` with ``passed`` and
+``total`` (samples), ``ops_swept`` (``--budget-s`` can stop early) and ``failures`` (per
+op: count and first error)::
 
-    python benchmarks/opinfo_sweep.py [--ops add,mul,...] [--out PATH]
+    python benchmarks/opinfo_sweep.py [--device cpu|cuda] [--ops add,mul,...]
+                                      [--budget-s SECONDS] [--out PATH]
 """
 
 from __future__ import annotations
@@ -41,10 +44,8 @@ def _same(expected, got) -> str | None:
         if isinstance(e, torch.Tensor):
             if not isinstance(g, torch.Tensor):
                 return f"expected a tensor, got {type(g).__name__}"
-            if g.device.type != "cpu":
-                g = g.cpu()
             try:
-                torch.testing.assert_close(g, e, equal_nan=True, check_stride=False)
+                torch.testing.assert_close(g.cpu(), e.cpu(), equal_nan=True, check_stride=False)
             except AssertionError as exc:
                 return str(exc).splitlines()[0]
         elif e != g and not (e != e and g != g):  # NaN scalars compare equal
@@ -52,11 +53,16 @@ def _same(expected, got) -> str | None:
     return None
 
 
-def run_op(op, failures: dict) -> tuple[int, int]:
-    """Run every float32 CPU sample of ``op``; return (passed, total)."""
+def _to_cumulus(x):
+    # Through the CPU: the client uploads host memory, whatever device a sample was built on.
+    return x.cpu().to("cumulus") if isinstance(x, torch.Tensor) else x
+
+
+def run_op(op, failures: dict, reference: str) -> tuple[int, int]:
+    """Run every float32 sample of ``op`` on ``reference`` and on cumulus; (passed, total)."""
     passed = total = 0
     try:
-        samples = list(op.sample_inputs("cpu", torch.float32, requires_grad=False))
+        samples = list(op.sample_inputs(reference, torch.float32, requires_grad=False))
     except Exception:  # an OpInfo that cannot build float32 samples is not a cumulus result
         return 0, 0
     for sample in samples:
@@ -68,8 +74,8 @@ def run_op(op, failures: dict) -> tuple[int, int]:
             continue  # the sample is invalid on the CPU too
         total += 1
         try:
-            moved_args = tree_map(_to("cumulus"), args)
-            moved_kwargs = tree_map(_to("cumulus"), sample.kwargs)
+            moved_args = tree_map(_to_cumulus, args)
+            moved_kwargs = tree_map(_to_cumulus, sample.kwargs)
             torch.manual_seed(0)
             got = op(*moved_args, **moved_kwargs)
             why = _same(expected, tree_map(_to("cpu"), got))
@@ -83,19 +89,25 @@ def run_op(op, failures: dict) -> tuple[int, int]:
     return passed, total
 
 
-def sweep(address: str, names: set[str] | None, progress: bool) -> dict:
+def sweep(
+    address: str, names: set[str] | None, progress: bool, reference: str = "cpu", budget_s=None
+) -> dict:
+    """Every op's samples on ``reference`` and on the session at ``address``; stops at the
+    first op that starts after ``budget_s`` seconds (``ops_swept`` says how far it got)."""
     from torch.testing._internal.common_methods_invocations import op_db
 
-    ops = [op for op in op_db if torch.float32 in op.supported_dtypes("cpu")]
+    ops = [op for op in op_db if torch.float32 in op.supported_dtypes(reference)]
     if names:
         ops = [op for op in ops if op.name in names or op.full_name in names]
     failures: dict = {}
-    passed = total = 0
+    passed = total = swept = 0
     started = time.perf_counter()
     with remote.attach(address):
         for i, op in enumerate(ops):
-            p, t = run_op(op, failures)
-            passed, total = passed + p, total + t
+            if budget_s is not None and time.perf_counter() - started > budget_s:
+                break
+            p, t = run_op(op, failures, reference)
+            passed, total, swept = passed + p, total + t, swept + 1
             if progress and (i % 25 == 0 or i == len(ops) - 1):
                 print(
                     f"[{i + 1}/{len(ops)} ops] {passed}/{total} samples identical "
@@ -108,6 +120,8 @@ def sweep(address: str, names: set[str] | None, progress: bool) -> dict:
         "total": total,
         "pass_rate": round(passed / total, 4) if total else 0.0,
         "ops": len(ops),
+        "ops_swept": swept,
+        "reference_device": reference,
         "failures": dict(sorted(failures.items())),
     }
 
@@ -115,13 +129,17 @@ def sweep(address: str, names: set[str] | None, progress: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--ops", help="comma-separated op names (default: all of op_db)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "opinfo.json"))
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--budget-s", type=float, help="start no new op after this many seconds")
+    parser.add_argument("--out", help="default: results/opinfo[_cuda].json")
     args = parser.parse_args()
     names = set(args.ops.split(",")) if args.ops else None
-    with executor_process(device="cpu") as (address, _):
-        result = sweep(address, names, progress=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    summary = {k: result[k] for k in ("passed", "total", "pass_rate", "ops")}
+    suffix = "" if args.device == "cpu" else f"_{args.device}"
+    out = args.out or str(Path(__file__).parent / "results" / f"opinfo{suffix}.json")
+    with executor_process(device=args.device) as (address, _):
+        result = sweep(address, names, True, reference=args.device, budget_s=args.budget_s)
+    Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    summary = {k: result[k] for k in ("passed", "total", "pass_rate", "ops", "ops_swept")}
     summary["failed_ops"] = len(result["failures"])
     print(json.dumps(summary))
 

@@ -25,7 +25,9 @@ Per workload:
 
 With ``--device cuda`` the executor runs on CUDA and native CUDA is timed in a separate
 process that never imports ``cumulus_p2p.remote``: ``<name>_native_cuda_ms``,
-``<name>_remote_ms`` and ``<name>_cuda_ratio``.
+``<name>_remote_ms`` and ``<name>_cuda_ratio``; with ``--compile`` each compiled arm has its
+native counterpart, compiled the same way (``<name>_compiled_cuda_ratio``,
+``<name>_compiled_opt_cuda_ratio``).
 
 ``--compile`` also trains each workload with ``torch.compile(model)`` (issue 13), locally
 too, and adds the same keys with ``compiled_`` after the name: ``<name>_compiled_client_ms``,
@@ -106,11 +108,12 @@ def trainer(name: str, device: str, compiled: str = ""):
     return step
 
 
-def native_cuda_ms(name: str, steps: int) -> float:
-    """Median native CUDA step of ``name``, timed in a fresh process without cumulus."""
+def native_cuda_ms(name: str, steps: int, compiled: str = "") -> float:
+    """Median native CUDA step of ``name`` (compiled as ``compiled`` says), timed in a fresh
+    process without cumulus."""
     code = (
         "import json, statistics, sys; sys.path.insert(0, 'benchmarks'); import step_bench; "
-        f"step = step_bench.trainer({name!r}, 'cuda'); [step() for _ in range(3)]; "
+        f"step = step_bench.trainer({name!r}, 'cuda', {compiled!r}); [step() for _ in range(3)]; "
         f"ms = [step()[1] * 1e3 for _ in range({steps})]; "
         "assert 'cumulus_p2p.remote' not in sys.modules; "
         "print(json.dumps(statistics.median(ms)))"
@@ -120,6 +123,17 @@ def native_cuda_ms(name: str, steps: int) -> float:
         [sys.executable, "-c", code], cwd=root, check=True, capture_output=True, text=True
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def native_cuda_arms(name: str, steps: int, arms, remote_keys: dict) -> dict:
+    """Each arm's native CUDA step (in processes of their own) and remote over native."""
+    out = {}
+    for compiled in arms:
+        prefix = f"{name}_{COMPILED[compiled]}"
+        native = native_cuda_ms(name, steps, compiled)
+        out[f"{prefix}native_cuda_ms"] = round(native, 2)
+        out[f"{prefix}cuda_ratio"] = round(remote_keys[f"{prefix}remote_ms"] / native, 3)
+    return out
 
 
 @contextmanager
@@ -230,19 +244,21 @@ def main() -> None:
     }
     mode = "--worker-per-session" if args.isolation == "worker" else "--shared-process"
     extra = [mode, "--graph-compiler", args.graph_compiler]
+    arms = ("", "model", "step") if args.compile else ("",)
     with executor_process(device=args.device, quota="64GiB", extra=extra) as (address, _):
         with remote.attach(address):
             for name in names:
                 steps = 5 if args.quick or name.startswith("gpt") else 20
-                result.update(measure(name, steps, args.device))
-                for compiled in ("model", "step") if args.compile else ():
-                    result.update(measure(name, steps, args.device, compiled))
-                print(f"step_bench: {name} done", file=sys.stderr, flush=True)
-    if args.device == "cuda":
-        for name in names:
-            native = native_cuda_ms(name, 10 if args.quick else 30)
-            result[f"{name}_native_cuda_ms"] = round(native, 2)
-            result[f"{name}_cuda_ratio"] = round(result[f"{name}_remote_ms"] / native, 3)
+                workload: dict = {}
+                for compiled in arms:
+                    workload.update(measure(name, steps, args.device, compiled))
+                if args.device == "cuda":
+                    workload.update(
+                        native_cuda_arms(name, 10 if args.quick else 30, arms, workload)
+                    )
+                result.update(workload)
+                # Each workload as it ends: a run cut short still shows what it measured.
+                print(f"step_bench: {name} {json.dumps(workload)}", file=sys.stderr, flush=True)
     print(json.dumps(result, indent=2))
     suffix = "" if args.device == "cpu" else f"_{args.device}"
     suffix += "_worker" if args.isolation == "worker" else ""

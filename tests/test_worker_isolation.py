@@ -38,6 +38,7 @@ from cumulus_p2p.testing.nodes import (
     start_node,
     start_provider,
 )
+from cumulus_p2p.testing.tenant import Tenant
 
 # Starts supervisors and their worker processes: scripts/test --fast skips it.
 pytestmark = pytest.mark.slow
@@ -45,33 +46,6 @@ pytestmark = pytest.mark.slow
 WORKERS = ["--worker-per-session", "--pool", "2"]
 
 SCRIPTS = Path(__file__).parent / "scripts"
-
-
-class Tenant:
-    """A tenant process: ``cumulus_p2p.testing.tenant``, read line by line."""
-
-    def __init__(self, address: str, task: str, steps: int, pause_after: int | None = None):
-        cmd = [sys.executable, "-m", "cumulus_p2p.testing.tenant", address, task, str(steps)]
-        if pause_after is not None:
-            cmd += ["--pause-after", str(pause_after)]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-    def read(self) -> dict:
-        line = self.proc.stdout.readline()
-        assert line, f"the tenant exited early (status {self.proc.wait()})"
-        return json.loads(line)
-
-    def go_on(self) -> None:
-        self.proc.stdin.write("\n")
-        self.proc.stdin.flush()
-
-    def finish(self) -> dict:
-        """The tenant's last line (its losses), once it exited cleanly."""
-        result = self.read()
-        while "losses" not in result and "error" not in result:
-            result = self.read()
-        assert self.proc.wait(timeout=60) == 0, result
-        return result
 
 
 def kill(pid: int) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 
 import cumulus_p2p.remote as remote
@@ -44,6 +45,33 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     _say(losses=losses)
     return 0
+
+
+class Tenant:
+    """A tenant process (this module's ``main``), driven by a test line by line."""
+
+    def __init__(self, address: str, task: str, steps: int, pause_after: int | None = None):
+        cmd = [sys.executable, "-m", "cumulus_p2p.testing.tenant", address, task, str(steps)]
+        if pause_after is not None:
+            cmd += ["--pause-after", str(pause_after)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def read(self) -> dict:
+        line = self.proc.stdout.readline()
+        assert line, f"the tenant exited early (status {self.proc.wait()})"
+        return json.loads(line)
+
+    def go_on(self) -> None:
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+
+    def finish(self) -> dict:
+        """The tenant's last line (its losses), once it exited cleanly."""
+        result = self.read()
+        while "losses" not in result and "error" not in result:
+            result = self.read()
+        assert self.proc.wait(timeout=60) == 0, result
+        return result
 
 
 if __name__ == "__main__":

@@ -4,14 +4,17 @@ Nothing here knows about cumulus: a GPT with tied embeddings and causal
 ``scaled_dot_product_attention``, fused AdamW, a learning rate set every step (warm-up,
 then cosine decay), gradient clipping, ``torch.compile(model)`` and, for a lower-precision
 dtype on CUDA, an autocast context, as train.py sets them up. With ``compile-step`` the
-optimizer step is compiled too (PyTorch's compiled-optimizer recipe).
-Usage: ``python nanogpt_train.py [steps] [float32|bfloat16] [compile-step]``; prints one
-JSON line.
+optimizer step is compiled too (PyTorch's compiled-optimizer recipe); with ``eager`` the
+model is not compiled (nanoGPT's ``compile = False``).
+Usage: ``python nanogpt_train.py [steps] [float32|bfloat16] [compile-step|eager]``; prints
+one JSON line: the device, every step's loss, and the median step time after two warm-ups.
 """
 
 import json
 import math
+import statistics
 import sys
+import time
 from contextlib import nullcontext
 
 import torch
@@ -22,7 +25,8 @@ steps = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 dtype = sys.argv[2] if len(sys.argv) > 2 else "float32"
 device = "cuda" if torch.cuda.is_available() else "cpu"
 ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-compile_step = sys.argv[3:] == ["compile-step"]
+compile_step = "compile-step" in sys.argv[3:]
+eager = "eager" in sys.argv[3:]
 ctx = (
     nullcontext()
     if device == "cpu" or dtype == "float32"
@@ -71,7 +75,7 @@ class GPT(nn.Module):
 torch.manual_seed(1337)
 model = GPT().to(device)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
-model = torch.compile(model)
+model = model if eager else torch.compile(model)
 optimizer_step = torch.compile(optimizer.step) if compile_step else optimizer.step
 
 
@@ -83,8 +87,9 @@ def get_lr(it, warmup=2, max_lr=1e-3, min_lr=1e-4, decay=20):
 
 
 data = torch.randint(0, vocab, (2000,), generator=torch.Generator().manual_seed(0))
-losses = []
+losses, times = [], []
 for step in range(steps):
+    started = time.perf_counter()
     for param_group in optimizer.param_groups:
         param_group["lr"] = get_lr(step)
     ix = torch.randint(len(data) - block, (8,), generator=torch.Generator().manual_seed(step))
@@ -96,5 +101,8 @@ for step in range(steps):
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer_step()
     optimizer.zero_grad(set_to_none=True)
-    losses.append(loss.item())
-print(json.dumps({"device": str(next(model.parameters()).device), "losses": losses}))
+    losses.append(loss.item())  # a sync point every step, as nanoGPT's logging is
+    times.append(time.perf_counter() - started)
+step_ms = statistics.median(times[2:] or times) * 1e3
+device_used = str(next(model.parameters()).device)
+print(json.dumps({"device": device_used, "losses": losses, "step_ms": round(step_ms, 3)}))
