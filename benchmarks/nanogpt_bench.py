@@ -68,9 +68,12 @@ def main() -> None:
         for eager in (True, False):
             for dtype in dtypes:
                 prefix = f"{'eager' if eager else 'compiled'}_{dtype}_"
-                for key, value in arm(address, steps, dtype, eager).items():
-                    result[prefix + key] = value
-                print(f"nanogpt_bench: {prefix[:-1]} done", file=sys.stderr, flush=True)
+                measured = {
+                    prefix + key: value for key, value in arm(address, steps, dtype, eager).items()
+                }
+                result.update(measured)
+                # Each arm as it ends: a run cut short still shows what it measured.
+                print(f"nanogpt_bench: {json.dumps(measured)}", file=sys.stderr, flush=True)
     print(json.dumps(result, indent=2))
     suffix = "" if args.device == "cpu" else f"_{args.device}"
     out = Path(__file__).parent / "results" / f"nanogpt{suffix}.json"
