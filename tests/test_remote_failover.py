@@ -5,7 +5,6 @@ consumer vanished. Hosts are real executor processes; "vanishing" is SIGKILL or 
 from __future__ import annotations
 
 import socket
-import struct
 from contextlib import contextmanager
 
 import pytest
@@ -22,6 +21,7 @@ from cumulus_p2p._errors import (
 from cumulus_p2p.channel.secure import connect_secure
 from cumulus_p2p.channel.transport import SocketFrameChannel
 from cumulus_p2p.identity import NodeIdentity
+from cumulus_p2p.remote.blobs import PIECE, digest
 from cumulus_p2p.remote.checkpoint import (
     Checkpoint,
     DirectoryCheckpointStore,
@@ -30,8 +30,10 @@ from cumulus_p2p.remote.checkpoint import (
 from cumulus_p2p.remote.client import RemoteSession
 from cumulus_p2p.remote.failover import (
     CheckpointPolicy,
+    ImageAssembler,
     Manifest,
     ReplayLog,
+    StorageEntry,
     plan_reads,
 )
 from cumulus_p2p.remote.hostcache import HostCache
@@ -629,8 +631,9 @@ def test_executor_session_checkpoint_and_restore_round_trip():
     source = ExecutorSession(ctx, quota_bytes=1 << 20)
     source.run_batch(_batch(1, [["aten.randn.default", [[5]], {}, [[3, [5], [1], 0]]]]))
     manifest = source.run_batch(_batch(2, [], ["checkpoint"]))
-    ((handle, dtype, nbytes),) = manifest.result["storages"]
+    ((handle, dtype, nbytes, (name,)),) = manifest.result["storages"]
     data = source.run_batch(_batch(3, [], ["read", [[handle, 0, nbytes]]])).blobs[0]
+    assert digest(data) == name
     after = source.run_batch(_batch(4, [["aten.rand.default", [[3]], {}, [[4, [3], [1], 0]]]]))
     assert after is None
 
@@ -727,36 +730,146 @@ def test_checkpoint_policy_forces_a_checkpoint_when_the_log_is_full():
     assert policy.due(now=0, log_bytes=1000, at_sync_point=False)
 
 
+def _entry(handle: int, data: bytes) -> StorageEntry:
+    image = StorageImage.of(handle, torch.uint8, data)
+    return StorageEntry(handle, torch.uint8, len(data), image.digests)
+
+
 def test_reads_are_planned_within_the_budget_and_cover_every_byte():
-    manifest = Manifest("cpu", memoryview(b""), ((1, torch.float32, 10), (2, torch.uint8, 25)))
-    plan = plan_reads(manifest, budget=8)
+    manifest = Manifest("cpu", memoryview(b""), (_entry(1, bytes(10)), _entry(2, bytes(25))))
+    plan = plan_reads(manifest, lambda name: False, budget=8)
     assert all(sum(length for _, _, length in query) <= 8 for query in plan)
     covered = {(h, s + i) for query in plan for h, s, n in query for i in range(n)}
     assert covered == {(1, i) for i in range(10)} | {(2, i) for i in range(25)}
 
 
+def test_reads_leave_out_the_pieces_already_held():
+    frozen, changed = bytes(PIECE) + b"\x01" * 10, b"\x02" * 10
+    manifest = Manifest("cpu", memoryview(b""), (_entry(1, frozen), _entry(2, changed)))
+    held = set(manifest.storages[0].digests[:1])  # the frozen storage's first piece
+    plan = plan_reads(manifest, held.__contains__, budget=PIECE)
+    assert plan == [[[1, PIECE, 10], [2, 0, 10]]]
+
+
+def test_a_read_piece_that_does_not_match_its_digest_is_refused():
+    manifest = Manifest("cpu", memoryview(b""), (_entry(1, b"honest bytes"),))
+    images = ImageAssembler(manifest, lambda name: None)
+    with pytest.raises(RemoteProtocolError, match="do not match their digest"):
+        images.add([[1, 0, 12]], [memoryview(b"forged bytes")])
+
+
+def test_an_image_reuses_held_pieces_without_copying_them():
+    data = bytes(range(256)) * 10
+    manifest = Manifest("cpu", memoryview(b""), (_entry(1, data),))
+    held = memoryview(data)
+    images = ImageAssembler(manifest, {digest(data): held}.get)
+    (image,) = images.checkpoint(5).storages
+    assert image.pieces[0].obj is held.obj
+
+
+def test_checkpoints_read_only_what_changed_since_the_last_one(executor_address):
+    with remote.attach(
+        channel=dial(executor_address)(), reconnect=dial(executor_address)
+    ) as session:
+        frozen = torch.randn(3 * PIECE // 4, device="cumulus")  # 3 pieces, never written
+        adapter = torch.zeros(1000, device="cumulus")
+        session.checkpoint()
+        first = session.failover_statistics()
+        adapter += 1
+        session.checkpoint()
+        second = session.failover_statistics()
+        assert first.checkpoint_read_bytes == first.checkpoint_bytes >= 3 * PIECE
+        assert second.checkpoint_read_bytes == 4000
+        assert (frozen.sum() * 0 + adapter.sum()).item() == 1000
+
+
+def test_a_second_session_on_the_same_checkpoint_directory_reads_nothing_it_holds(
+    executor_address, tmp_path
+):
+    data = torch.arange(PIECE // 4, dtype=torch.float32)
+    read = []
+    for _ in range(2):
+        with remote.attach(
+            channel=dial(executor_address)(),
+            reconnect=dial(executor_address),
+            checkpoint_store=DirectoryCheckpointStore(tmp_path),
+        ) as session:
+            weights = data.to("cumulus")
+            session.checkpoint()
+            read.append(session.failover_statistics().checkpoint_read_bytes)
+            assert weights.sum().item() == data.sum().item()
+    assert read == [PIECE, 0]
+
+
+def test_directory_store_keeps_only_the_pieces_a_manifest_names(tmp_path):
+    store = DirectoryCheckpointStore(tmp_path)
+    old, new = StorageImage.of(1, torch.uint8, b"old"), StorageImage.of(1, torch.uint8, b"new")
+    store.save(Checkpoint(1, "cpu", memoryview(b"r"), (old,)))
+    store.save(Checkpoint(2, "cpu", memoryview(b"r"), (new,)))
+    assert sorted(p.name for p in store.pieces_dir.iterdir()) == [new.digests[0]]
+
+
+def test_directory_store_keeps_pieces_another_session_names(tmp_path):
+    mine = DirectoryCheckpointStore(tmp_path, name="mine")
+    theirs = DirectoryCheckpointStore(tmp_path, name="theirs")
+    shared = StorageImage.of(1, torch.uint8, b"shared")
+    theirs.save(Checkpoint(1, "cpu", memoryview(b"r"), (shared,)))
+    mine.save(Checkpoint(1, "cpu", memoryview(b"r"), (shared,)))
+    mine.save(Checkpoint(2, "cpu", memoryview(b"r"), ()))
+    assert theirs.load().storages[0].tobytes() == b"shared"
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    store = DirectoryCheckpointStore(tmp_path)
+    store.save(Checkpoint(1, "cpu", memoryview(b"r"), (StorageImage.of(1, torch.uint8, b"a"),)))
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("cumulus_p2p.remote.checkpoint._replace", no_space)
+    with pytest.raises(OSError):
+        store.save(Checkpoint(2, "cpu", memoryview(b"r"), (StorageImage.of(1, torch.uint8, b"b"),)))
+    monkeypatch.undo()
+    loaded = store.load()
+    assert (loaded.seq, loaded.storages[0].tobytes()) == (1, b"a")
+
+
 def test_directory_store_reads_back_what_it_saved(tmp_path):
     store = DirectoryCheckpointStore(tmp_path)
     assert store.load() is None
-    image = StorageImage(7, torch.float16, memoryview(bytes(range(10))))
+    image = StorageImage.of(7, torch.float16, bytes(range(10)))
     store.save(Checkpoint(42, "cpu", memoryview(b"rng"), (image,)))
     loaded = store.load()
     assert (loaded.seq, loaded.device, bytes(loaded.rng_state)) == (42, "cpu", b"rng")
-    ((handle, dtype, data),) = [(s.handle, s.dtype, bytes(s.data)) for s in loaded.storages]
+    ((handle, dtype, data),) = [(s.handle, s.dtype, s.tobytes()) for s in loaded.storages]
     assert (handle, dtype, data) == (7, torch.float16, bytes(range(10)))
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])
-def test_directory_store_reports_a_damaged_file(tmp_path, damage):
+def test_directory_store_reports_a_damaged_manifest(tmp_path, damage):
     store = DirectoryCheckpointStore(tmp_path)
-    image = StorageImage(7, torch.float32, memoryview(bytes(16)))
+    image = StorageImage.of(7, torch.float32, bytes(16))
     store.save(Checkpoint(1, "cpu", memoryview(b"r"), (image,)))
     content = store.path.read_bytes()
     damaged = {
         "truncate": content[:-3],
-        "garbage": b"CUMCKPT1" + struct.pack("<I", 4) + b"\xc1\xc1\xc1\xc1",
+        "garbage": content[:8] + b"\xc1\xc1\xc1\xc1",
         "empty": b"",
     }[damage]
     store.path.write_bytes(damaged)
     with pytest.raises(CheckpointCorruptError):
+        store.load()
+
+
+@pytest.mark.parametrize("damage", ["altered", "missing"])
+def test_directory_store_reports_a_damaged_piece(tmp_path, damage):
+    store = DirectoryCheckpointStore(tmp_path)
+    image = StorageImage.of(7, torch.float32, bytes(16))
+    store.save(Checkpoint(1, "cpu", memoryview(b"r"), (image,)))
+    piece = store.pieces_dir / image.digests[0]
+    if damage == "altered":
+        piece.write_bytes(b"\x01" * 16)
+    else:
+        piece.unlink()
+    with pytest.raises(CheckpointCorruptError, match=image.digests[0]):
         store.load()

@@ -34,6 +34,9 @@ DIGEST_SIZE = 32
 BLOB_MIN = 1024 * 1024
 #: Most digests one ``have`` may ask about (and so, blobs a session holds pinned).
 MAX_HAVE = 1024
+#: Bytes per named piece of a checkpointed storage: a checkpoint names each storage as the
+#: digests of its pieces, so a piece unchanged since the last one is never read again.
+PIECE = 16 * 1024 * 1024
 #: Blob bytes queued before a batch of ``@blob`` records leaves: each such batch costs one
 #: question, and the pieces whose bytes must go stay within a frame's limit.
 NAMED_WINDOW = 64 * 1024 * 1024
@@ -46,6 +49,11 @@ def digest(data) -> str:
     an upload costs far less than sending it.
     """
     return blake3.blake3(memoryview(data).cast("B")).hexdigest()
+
+
+def piece_count(nbytes: int) -> int:
+    """How many ``PIECE``-sized pieces name a storage of ``nbytes`` (an empty one: none)."""
+    return -(-nbytes // PIECE)
 
 
 _HEX = frozenset("0123456789abcdef")

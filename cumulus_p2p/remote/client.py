@@ -160,6 +160,7 @@ class RemoteSession:
         self._cache_resumes = 0
         self._checkpoints = 0
         self._checkpoint_bytes = 0
+        self._checkpoint_read_bytes = 0
         self._last_checkpoint_s: float | None = None
         self._streaming = 0
         #: Called with a ``TransferProgress`` every few seconds of a long transfer (upload,
@@ -519,12 +520,14 @@ class RemoteSession:
         frees, self._frees = self._frees, []
         seq, parts = self._encode([], frees, ["checkpoint"], [])
         manifest = parse_manifest(*self._read_reply(self._exchange(parts, seq), seq))
-        images = ImageAssembler(manifest)
-        progress = self.progress("checkpoint", sum(n for _, _, n in manifest.storages))
+        images = ImageAssembler(manifest, self._store.piece)
+        reads = plan_reads(manifest, images.holds, budget=_chunk(self._channel))
+        read_bytes = sum(length for query in reads for _, _, length in query)
+        progress = self.progress("checkpoint", read_bytes)
         try:
-            for reads in plan_reads(manifest, budget=_chunk(self._channel)):
-                images.add(reads, self._ask(["read", reads])[1][1])
-                self.advance(progress, sum(length for _, _, length in reads))
+            for query in reads:
+                images.add(query, self._ask(["read", query])[1][1])
+                self.advance(progress, sum(length for _, _, length in query))
         except _ChannelLost as lost:
             self._fail_over(lost.cause, None)
             return None
@@ -534,6 +537,7 @@ class RemoteSession:
         self._policy.taken(now=time.monotonic())
         self._checkpoints += 1
         self._checkpoint_bytes = checkpoint.nbytes
+        self._checkpoint_read_bytes = read_bytes
         self._last_checkpoint_s = time.perf_counter() - started
         return checkpoint
 
@@ -689,6 +693,7 @@ class RemoteSession:
             checkpoints=self._checkpoints,
             last_checkpoint_s=self._last_checkpoint_s,
             checkpoint_bytes=self._checkpoint_bytes,
+            checkpoint_read_bytes=self._checkpoint_read_bytes,
             log_frames=0 if log_ is None else len(log_),
             log_bytes=0 if log_ is None else log_.nbytes,
         )

@@ -28,13 +28,14 @@ Nothing here does I/O or reads the clock.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .._errors import RemoteProtocolError
+from .blobs import PIECE, digest, is_digest, piece_count
 from .checkpoint import Checkpoint, StorageImage
 from .protocol import CpuTensorRef
 
@@ -129,6 +130,9 @@ class FailoverStatistics:
     checkpoints: int
     last_checkpoint_s: float | None
     checkpoint_bytes: int
+    #: Of ``checkpoint_bytes``, what the last checkpoint read from the host: the pieces
+    #: its store did not hold already.
+    checkpoint_read_bytes: int
     log_frames: int
     log_bytes: int
 
@@ -137,12 +141,22 @@ class FailoverStatistics:
 
 
 @dataclass(frozen=True)
+class StorageEntry:
+    """One storage in a manifest: its handle, dtype, size and its pieces' digests."""
+
+    handle: int
+    dtype: torch.dtype
+    nbytes: int
+    digests: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Manifest:
     """The executor's answer to a ``checkpoint`` query: what to read, and the RNG state."""
 
     device: str
     rng_state: memoryview
-    storages: tuple[tuple[int, torch.dtype, int], ...]  # handle, dtype, nbytes
+    storages: tuple[StorageEntry, ...]
 
 
 def parse_manifest(result: Any, blobs: list[memoryview]) -> Manifest:
@@ -156,75 +170,119 @@ def parse_manifest(result: Any, blobs: list[memoryview]) -> Manifest:
     device = result.get("device")
     if not isinstance(device, str) or len(blobs) != 1:
         raise RemoteProtocolError("checkpoint reply needs a device name and one RNG blob")
-    storages = []
-    for entry in result["storages"]:
-        ok = isinstance(entry, list) and len(entry) == 3
-        if not ok or type(entry[0]) is not int or not isinstance(entry[1], torch.dtype):
-            raise RemoteProtocolError(f"bad storage entry in a checkpoint reply: {entry!r}")
-        if type(entry[2]) is not int or entry[2] < 0:
-            raise RemoteProtocolError(f"bad storage size in a checkpoint reply: {entry!r}")
-        storages.append((entry[0], entry[1], entry[2]))
-    return Manifest(device, blobs[0], tuple(storages))
+    return Manifest(device, blobs[0], tuple(_storage_entry(e) for e in result["storages"]))
 
 
-def plan_reads(manifest: Manifest, *, budget: int = TRANSFER_CHUNK) -> list[list[list[int]]]:
-    """Split the storages' bytes into ``read`` queries of at most ``budget`` bytes each.
+def _storage_entry(entry: Any) -> StorageEntry:
+    ok = isinstance(entry, list) and len(entry) == 4
+    if not ok or type(entry[0]) is not int or not isinstance(entry[1], torch.dtype):
+        raise RemoteProtocolError(f"bad storage entry in a checkpoint reply: {entry!r}")
+    handle, dtype, nbytes, digests = entry
+    if type(nbytes) is not int or nbytes < 0:
+        raise RemoteProtocolError(f"bad storage size in a checkpoint reply: {entry!r}")
+    if not isinstance(digests, list) or len(digests) != piece_count(nbytes):
+        raise RemoteProtocolError(f"storage {handle} needs one digest per piece")
+    if not all(is_digest(d) for d in digests):
+        raise RemoteProtocolError(f"storage {handle} has a malformed piece digest")
+    return StorageEntry(handle, dtype, nbytes, tuple(digests))
 
-    Each query is a list of ``[handle, start, length]``; a storage larger than ``budget``
-    spans several queries.
+
+def plan_reads(
+    manifest: Manifest, held: Callable[[str], bool], *, budget: int = TRANSFER_CHUNK
+) -> list[list[list[int]]]:
+    """Split the bytes of the pieces not ``held`` into ``read`` queries of at most
+    ``budget`` bytes each.
+
+    Each query is a list of ``[handle, start, length]``; a piece larger than ``budget``
+    spans several queries, and no range crosses a piece's end.
     """
     queries: list[list[list[int]]] = []
     current: list[list[int]] = []
     size = 0
-    for handle, _dtype, nbytes in manifest.storages:
-        for start in range(0, nbytes, budget):
-            length = min(budget, nbytes - start)
-            if current and size + length > budget:
-                queries.append(current)
-                current, size = [], 0
-            current.append([handle, start, length])
-            size += length
+    for entry in manifest.storages:
+        for index, name in enumerate(entry.digests):
+            if held(name):
+                continue
+            piece_start = index * PIECE
+            piece_end = min(piece_start + PIECE, entry.nbytes)
+            for start in range(piece_start, piece_end, budget):
+                length = min(budget, piece_end - start)
+                if current and size + length > budget:
+                    queries.append(current)
+                    current, size = [], 0
+                current.append([entry.handle, start, length])
+                size += length
     if current:
         queries.append(current)
     return queries
 
 
 class ImageAssembler:
-    """Collects ``read`` replies into the storages' images.
+    """Builds a checkpoint's images from the pieces a store holds and ``read`` replies.
 
-    A storage read in one piece keeps that piece (a view of its reply frame); one read in
-    several is copied, piece by piece, into a buffer of its size made at its first piece,
-    so taking a checkpoint holds the checkpoint plus one reply, never a storage twice.
+    A held piece is the store's own bytes, never copied. A piece read in one range keeps
+    that range (a view of its reply frame); one read in several is copied into a buffer
+    of its size made at its first range. Every piece read is checked against its digest.
     """
 
-    def __init__(self, manifest: Manifest) -> None:
+    def __init__(self, manifest: Manifest, known: Callable[[str], memoryview | None]) -> None:
         self._manifest = manifest
-        self._sizes = {h: n for h, _, n in manifest.storages}
-        self._images: dict[int, memoryview] = {}
-        self._filled: dict[int, int] = dict.fromkeys(self._sizes, 0)
+        self._pieces: dict[tuple[int, int], memoryview] = {}
+        self._filled: dict[tuple[int, int], int] = {}
+        self._names = {e.handle: e.digests for e in manifest.storages}
+        self._sizes = {e.handle: e.nbytes for e in manifest.storages}
+        self._held: set[str] = set()
+        for entry in manifest.storages:
+            for index, name in enumerate(entry.digests):
+                held = known(name)
+                if held is not None and len(held) == min(PIECE, entry.nbytes - index * PIECE):
+                    self._pieces[entry.handle, index] = held
+                    self._held.add(name)
+
+    def holds(self, name: str) -> bool:
+        """Whether the piece ``name`` came from the store (and needs no read)."""
+        return name in self._held
 
     def add(self, query: list[list[int]], blobs: list[memoryview]) -> None:
-        """Take one ``read`` reply. Raises ``RemoteProtocolError`` if it does not match."""
+        """Take one ``read`` reply.
+
+        Raises:
+            RemoteProtocolError: it does not match the query, or a piece's bytes do not
+                match its digest.
+        """
         if len(blobs) != len(query):
             raise RemoteProtocolError("read reply has the wrong number of blobs")
         for (handle, start, length), blob in zip(query, blobs, strict=True):
-            if len(blob) != length or start != self._filled[handle]:
+            index, offset = divmod(start, PIECE)
+            key = (handle, index)
+            size = min(PIECE, self._sizes[handle] - index * PIECE)
+            if len(blob) != length or offset != self._filled.get(key, 0):
                 raise RemoteProtocolError(f"read of storage {handle} returned the wrong size")
-            if start == 0 and length == self._sizes[handle]:
-                self._images[handle] = blob
+            if offset == 0 and length == size:
+                self._pieces[key] = blob
             else:
-                if start == 0:
-                    self._images[handle] = memoryview(bytearray(self._sizes[handle]))
-                self._images[handle][start : start + length] = blob
-            self._filled[handle] = start + length
+                if offset == 0:
+                    self._pieces[key] = memoryview(bytearray(size))
+                self._pieces[key][offset : offset + length] = blob
+            self._filled[key] = offset + length
+            if (
+                self._filled[key] == size
+                and digest(self._pieces[key]) != self._names[handle][index]
+            ):
+                raise RemoteProtocolError(f"storage {handle}'s bytes do not match their digest")
 
     def checkpoint(self, seq: int) -> Checkpoint:
         images = []
-        for handle, dtype, nbytes in self._manifest.storages:
-            if self._filled[handle] != nbytes:
-                raise RemoteProtocolError(f"storage {handle} was not read in full")
-            data = self._images.get(handle, memoryview(b""))
-            images.append(StorageImage(handle, dtype, data))
+        for entry in self._manifest.storages:
+            try:
+                pieces = tuple(self._pieces[entry.handle, i] for i in range(len(entry.digests)))
+            except KeyError:
+                raise RemoteProtocolError(f"storage {entry.handle} was not read in full") from None
+            if any(
+                self._filled.get((entry.handle, i), len(p)) != len(p) for i, p in enumerate(pieces)
+            ):
+                raise RemoteProtocolError(f"storage {entry.handle} was not read in full")
+            images.append(StorageImage(entry.handle, entry.dtype, pieces, entry.digests))
         return Checkpoint(seq, self._manifest.device, self._manifest.rng_state, tuple(images))
 
 
@@ -243,8 +301,7 @@ def restore_batches(
     blobs: list[memoryview] = []
     size = 0
     for image in checkpoint.storages:
-        for start in range(0, max(image.nbytes, 1), budget):
-            piece = image.data[start : start + budget]
+        for start, piece in _ranges(image, budget):
             if ops and size + len(piece) > budget:
                 yield ops, blobs
                 ops, blobs, size = [], [], 0
@@ -256,6 +313,16 @@ def restore_batches(
         ops.append(["@rng", [CpuTensorRef(torch.uint8, (len(rng),), len(blobs))], {}, None])
         blobs.append(rng)
     yield ops, blobs
+
+
+def _ranges(image: StorageImage, budget: int) -> Iterator[tuple[int, memoryview]]:
+    """``(start, bytes)`` of an image in ranges of at most ``budget`` bytes; an empty
+    storage still has one (empty) range, so its handle exists."""
+    if not image.pieces:
+        yield 0, memoryview(b"")
+    for index, piece in enumerate(image.pieces):
+        for offset in range(0, len(piece), budget):
+            yield index * PIECE + offset, piece[offset : offset + budget]
 
 
 def _restore_record(image: StorageImage, start: int, piece: memoryview, blob: int) -> list:

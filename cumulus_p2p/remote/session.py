@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from .._errors import BlobMismatchError, RemoteProtocolError
-from .blobs import MAX_HAVE, digest, is_digest
+from .blobs import MAX_HAVE, PIECE, digest, is_digest
 from .blobstore import BlobStore, PinnedBlob
 from .graph_compiler import GraphRunner
 from .graphs import (
@@ -713,7 +713,12 @@ class ExecutorSession:
         return tensor
 
     def _manifest(self) -> dict:
-        storages = [[h, e.anchor.dtype, e.capacity] for h, e in self._handles.items()]
+        """Every live storage: handle, dtype, size and the digests of its ``PIECE``s, so
+        the client reads only the pieces it does not hold from an earlier checkpoint."""
+        storages = [
+            [h, e.anchor.dtype, e.capacity, _piece_digests(e.anchor, e.capacity)]
+            for h, e in self._handles.items()
+        ]
         return {"device": str(self.device), "storages": storages}
 
     def _read(self, ranges: Any) -> list[memoryview]:
@@ -845,6 +850,14 @@ def _inline_tensor(ref: CpuTensorRef, blobs: list[memoryview]) -> torch.Tensor:
     if numel == 0:
         return torch.empty(ref.sizes, dtype=ref.dtype)
     return aligned_bytes(blob).view(ref.dtype).reshape(ref.sizes)
+
+
+def _piece_digests(anchor: torch.Tensor, nbytes: int) -> list[str]:
+    # One piece at a time: a GPU storage crosses to host memory a piece at a time too.
+    return [
+        digest(_tensor_bytes(raw_bytes(anchor, start, min(PIECE, nbytes - start))))
+        for start in range(0, nbytes, PIECE)
+    ]
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
