@@ -127,6 +127,18 @@ class Defences:
 
 ON = Defences()
 OFF = Defences(gate=False, book_limits=None, entry=False, batch=False, set_aside_host=False)
+#: ``--max-book-orders`` for the row where the book bound, not the cap, is reached.
+SMALL_BOOK = 400
+#: One defence off at a time, against the largest flood: which one carries the load. (The
+#: gate is not among them: the attacker sends at the rate it accepts, so it refuses
+#: nothing here; its part is that sending faster earns a penalty, not more junk.)
+ABLATIONS = {
+    "on, no per-author cap": replace(ON, book_limits=UNBOUNDED),
+    "on, ranked by price alone": replace(ON, entry=False),
+    "on, one proposal at a time": replace(ON, batch=False),
+    "on, offer set aside, not host": replace(ON, set_aside_host=False),
+    f"on, book bound {SMALL_BOOK}": replace(ON, book_limits=BookLimits(max_orders=SMALL_BOOK)),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,8 +160,6 @@ class Size:
 QUICK = Size(horizon_s=150.0)
 FULL = Size(horizon_s=600.0)
 IDENTITIES = (0, 10, 50, 200)
-#: ``--max-book-orders`` for the row where the book bound, not the cap, is reached.
-SMALL_BOOK = 400
 
 
 @dataclass(eq=False)
@@ -197,7 +207,9 @@ class Counters:
 class Market:
     """The node's book and gate, the honest hosts and the attacker, on one SimPy clock."""
 
-    def __init__(self, seed: int, identities: int, defences: Defences, size: Size) -> None:
+    def __init__(
+        self, seed: int, identities: int, defences: Defences, size: Size, *, near_market: bool
+    ) -> None:
         # One stream per purpose, so that the same seed gives the same hosts and the same
         # consumers arriving at the same times, whatever the flood and the defences.
         self.rng = random.Random(f"{seed}/world")
@@ -219,7 +231,7 @@ class Market:
         for i in range(size.record_hosts + size.newcomer_hosts):
             self._add_host(record=i < size.record_hosts)
         for i in range(identities):
-            junk_low = i % 2 == 0
+            junk_low = i % 2 == 0 or not near_market
             cls = (JUNK_CLASS if i % 4 == 0 else CLASS) if junk_low else CLASS
             price = JUNK_LOW_PRICE if junk_low else int(NEAR_MARKET * MARKET_PRICE)
             peer = self._key().peer_id.to_base58()
@@ -465,9 +477,20 @@ class Market:
         self.env.run(until=self.size.horizon_s)
 
 
-def simulate(seed: int, identities: int, defences: Defences = ON, size: Size = QUICK) -> dict:
-    """One flood of ``identities`` junk identities on ``size``'s world; the row."""
-    market = Market(seed, identities, defences, size)
+def simulate(
+    seed: int,
+    identities: int,
+    defences: Defences = ON,
+    size: Size = QUICK,
+    *,
+    near_market: bool = True,
+    label: str | None = None,
+) -> dict:
+    """One flood of ``identities`` junk identities on ``size``'s world; the row.
+
+    ``near_market``: half the identities ask 90% of the market (else all junk-low).
+    """
+    market = Market(seed, identities, defences, size, near_market=near_market)
     market.run()
     c = market.count
     rows = c.consumers
@@ -477,8 +500,14 @@ def simulate(seed: int, identities: int, defences: Defences = ON, size: Size = Q
     stats = market.book.statistics()
     return {
         "identities": identities,
-        "defences": "on" if defences == ON else ("off" if defences == OFF else "custom"),
-        "max_book_orders": (defences.book_limits or UNBOUNDED).max_orders,
+        "defences": label or ("on" if defences == ON else "off" if defences == OFF else "custom"),
+        "attackers": "half junk-low, half near the market" if near_market else "all junk-low",
+        "max_book_orders": None
+        if defences.book_limits in (None, UNBOUNDED)
+        else defences.book_limits.max_orders,
+        "max_offers_per_author_cap": None
+        if defences.book_limits in (None, UNBOUNDED)
+        else defences.book_limits.max_orders_per_author,
         "consumers": len(rows),
         "leased_share": round(len(leased) / len(rows), 4) if rows else None,
         "lease_s_median": round(statistics.median(waits), 3) if waits else None,
@@ -509,10 +538,10 @@ def run(seed: int, *, quick: bool, identities: tuple[int, ...] = IDENTITIES) -> 
     for n in identities:
         for defences in (ON, OFF):
             rows.append(simulate(seed, n, defences, size))
-    # A book bound the largest flood reaches (200 identities hold up to 1,600 offers):
-    # eviction, not the per-author cap, then decides who stays.
-    small = replace(ON, book_limits=BookLimits(max_orders=SMALL_BOOK))
-    rows.append(simulate(seed, max(identities), small, size))
+    largest = max(identities)
+    for label, defences in ABLATIONS.items():
+        rows.append(simulate(seed, largest, defences, size, label=label))
+    rows.append(simulate(seed, largest, ON, size, near_market=False))
     return {
         "scenario": "spam",
         "seed": seed,
@@ -536,7 +565,7 @@ def run(seed: int, *, quick: bool, identities: tuple[int, ...] = IDENTITIES) -> 
 def report(result: dict) -> str:
     """The rows as a markdown table."""
     header = (
-        "| identities | defences | book bound | leased | time to lease, median / p90 / max (s) "
+        "| identities | attackers | defences | leased | time to lease, median / p90 / max (s) "
         "| proposals to attackers | junk-low ranked first | peak book (junk) "
         "| max per author | evicted | newcomer leases |"
     )
@@ -553,7 +582,7 @@ def report(result: dict) -> str:
             for k in ("lease_s_median", "lease_s_p90", "lease_s_max")
         )
         lines.append(
-            f"| {r['identities']} | {r['defences']} | {r['max_book_orders']:,} "
+            f"| {r['identities']} | {r['attackers']} | {r['defences']} "
             f"| {r['leased_share']:.0%} of {r['consumers']} | {times} "
             f"| {r['attacker_proposal_share']:.0%} | {r['junk_low_first_share']:.0%} "
             f"| {r['peak_book_offers']:,} ({r['peak_junk_offers']:,}) "

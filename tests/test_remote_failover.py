@@ -4,6 +4,7 @@ consumer vanished. Hosts are real executor processes; "vanishing" is SIGKILL or 
 
 from __future__ import annotations
 
+import os
 import socket
 from contextlib import contextmanager
 
@@ -873,3 +874,16 @@ def test_directory_store_reports_a_damaged_piece(tmp_path, damage):
         piece.unlink()
     with pytest.raises(CheckpointCorruptError, match=image.digests[0]):
         store.load()
+
+
+def test_directory_store_keeps_the_newest_other_runs_and_drops_older_ones(tmp_path):
+    for run, mtime in (("oldest", 1.0), ("previous", 2.0)):
+        other = DirectoryCheckpointStore(tmp_path, name=run)
+        image = StorageImage.of(1, torch.uint8, run.encode())
+        other.save(Checkpoint(1, "cpu", memoryview(b"r"), (image,)))
+        os.utime(other.path, (mtime, mtime))
+    now = DirectoryCheckpointStore(tmp_path, name="now", keep_others=1)
+    now.save(Checkpoint(1, "cpu", memoryview(b"r"), (StorageImage.of(1, torch.uint8, b"x"),)))
+    left = sorted(p.name for p in tmp_path.glob("*.cumulus-checkpoint"))
+    assert left == ["now.cumulus-checkpoint", "previous.cumulus-checkpoint"]
+    assert len(list((tmp_path / "pieces").iterdir())) == 2

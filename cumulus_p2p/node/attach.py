@@ -26,6 +26,7 @@ from .._errors import (
 from ..channel.secure import connect_secure
 from ..channel.transport import CountingFrameChannel
 from ..identity import NodeIdentity
+from ..remote.checkpoint import DirectoryCheckpointStore
 from .control import ControlClient, SessionTicket, Usage
 from .datadir import DataDir, default_data_dir
 from .probe import measure
@@ -119,7 +120,13 @@ def attach_leased(client: ControlClient):
     handle. From the environment: ``CUMULUS_CHECKPOINT_INTERVAL`` (seconds between
     checkpoints) and ``CUMULUS_RESUME_TIMEOUT`` (how long a dropped connection is retried
     before the host counts as gone)."""
-    identity = DataDir(default_data_dir()).identity()
+    data = DataDir(default_data_dir())
+    identity = data.identity()
+    # On disk, shared by this consumer's runs: a second run of a script on the same model
+    # reads back only what changed, and the consumer's memory stays free.
+    store = DirectoryCheckpointStore(
+        data.path / "checkpoints", name=f"run-{os.getpid()}", keep_others=1
+    )
     interval = float(os.environ.get("CUMULUS_CHECKPOINT_INTERVAL", "30"))
     resume = float(os.environ.get("CUMULUS_RESUME_TIMEOUT", "10"))
 
@@ -150,6 +157,7 @@ def attach_leased(client: ControlClient):
             channel=channel,
             reconnect=reconnect,
             checkpoint_interval=interval,
+            checkpoint_store=store,
         )
         why = client.probe(measure(attached.session, ticket.claimed_perf).to_wire())
         if why is None:

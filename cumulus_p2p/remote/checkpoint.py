@@ -136,9 +136,16 @@ class DirectoryCheckpointStore:
         directory: created if missing. One session per ``name`` in a directory; sessions
             sharing a directory share its pieces.
         name: the manifest's name, so several sessions can share a directory.
+        keep_others: when set, each save also removes all but the newest ``keep_others``
+            manifests of other sessions (their pieces go with them), so a directory that
+            every run of a script uses stays bounded: the previous run's pieces stay for
+            the next, older ones go.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, name: str = "session") -> None:
+    def __init__(
+        self, directory: str | os.PathLike, *, name: str = "session", keep_others: int | None = None
+    ) -> None:
+        self.keep_others = keep_others
         self.directory = Path(directory)
         self.pieces_dir = self.directory / "pieces"
         self.pieces_dir.mkdir(parents=True, exist_ok=True)
@@ -165,6 +172,8 @@ class DirectoryCheckpointStore:
         # No fsync: the replay log lives in this process's memory, so a checkpoint only has
         # to outlive the executor, not the consumer. The renames keep each file whole.
         _replace(self.path, _MAGIC + msgpack.packb(header))
+        if self.keep_others is not None:
+            self._prune_manifests(self.keep_others)
         self._collect_garbage()
 
     def load(self) -> Checkpoint | None:
@@ -198,6 +207,12 @@ class DirectoryCheckpointStore:
         if digest(data) != name:
             raise CheckpointCorruptError(f"{path} does not hold the bytes its name says")
         return data
+
+    def _prune_manifests(self, keep: int) -> None:
+        others = [m for m in self.directory.glob("*.cumulus-checkpoint") if m != self.path]
+        others.sort(key=lambda m: m.stat().st_mtime, reverse=True)
+        for manifest in others[keep:]:
+            manifest.unlink(missing_ok=True)
 
     def _collect_garbage(self) -> None:
         named: set[str] = set()
