@@ -784,6 +784,26 @@ def test_checkpoints_read_only_what_changed_since_the_last_one(executor_address)
         assert (frozen.sum() * 0 + adapter.sum()).item() == 1000
 
 
+@pytest.mark.parametrize("on_disk", [False, True], ids=["memory", "disk"])
+def test_a_checkpoint_after_an_upload_reads_back_only_what_changed_since(
+    executor_address, tmp_path, on_disk
+):
+    store = DirectoryCheckpointStore(tmp_path) if on_disk else None
+    with remote.attach(
+        channel=dial(executor_address)(),
+        reconnect=dial(executor_address),
+        checkpoint_store=store,
+    ) as session:
+        weights = torch.ones(5 * PIECE // 16).to("cumulus")  # 1.25 pieces
+        session.checkpoint()
+        untouched = session.failover_statistics().checkpoint_read_bytes
+        weights[-10:] += 1  # the second piece only
+        session.checkpoint()
+        second = session.failover_statistics().checkpoint_read_bytes
+        assert weights.sum().item() == 5 * PIECE // 16 + 10
+    assert (untouched, second) == (0, PIECE // 4)
+
+
 def test_a_second_session_on_the_same_checkpoint_directory_reads_nothing_it_holds(
     executor_address, tmp_path
 ):

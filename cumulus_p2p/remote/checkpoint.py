@@ -99,6 +99,10 @@ class CheckpointStore(Protocol):
     def piece(self, name: str) -> memoryview | None:
         """The bytes of the piece named ``name``, if this store holds them."""
 
+    def offer(self, name: str, data: memoryview) -> None:
+        """Bytes the consumer has anyway (an upload's), named: kept until the next save,
+        so that checkpoint need not read them back."""
+
 
 class MemoryCheckpointStore:
     """Keeps the latest checkpoint in the consumer's memory (the default)."""
@@ -106,9 +110,11 @@ class MemoryCheckpointStore:
     def __init__(self) -> None:
         self._latest: Checkpoint | None = None
         self._pieces: dict[str, memoryview] = {}
+        self._offered: dict[str, memoryview] = {}
 
     def save(self, checkpoint: Checkpoint) -> None:
         self._latest = checkpoint
+        self._offered = {}
         self._pieces = {
             name: data
             for image in checkpoint.storages
@@ -119,7 +125,11 @@ class MemoryCheckpointStore:
         return self._latest
 
     def piece(self, name: str) -> memoryview | None:
-        return self._pieces.get(name)
+        return self._pieces.get(name) or self._offered.get(name)
+
+    def offer(self, name: str, data: memoryview) -> None:
+        # A copy: the caller's buffer may change after its upload returns.
+        self._offered[name] = memoryview(bytes(data))
 
 
 class DirectoryCheckpointStore:
@@ -193,6 +203,9 @@ class DirectoryCheckpointStore:
         if not is_digest(name) or not path.exists():
             return None
         return _mapped(path)
+
+    def offer(self, name: str, data: memoryview) -> None:
+        self._write_piece(name, data)
 
     def _write_piece(self, name: str, data: memoryview) -> None:
         path = self.pieces_dir / name

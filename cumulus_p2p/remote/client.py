@@ -35,7 +35,7 @@ import torch
 
 from .._errors import CumulusError, FailoverError, RemoteProtocolError, SessionClosedError
 from ..channel.transport import FrameChannel
-from .blobs import MAX_HAVE, NAMED_WINDOW, digest
+from .blobs import MAX_HAVE, NAMED_WINDOW, PIECE, digest
 from .checkpoint import Checkpoint, CheckpointStore, MemoryCheckpointStore
 from .errors import remote_error
 from .failover import (
@@ -479,6 +479,19 @@ class RemoteSession:
         self.submit(["@seed", [int(seed) & (2**64 - 1)], {}, None])
 
     # --- checkpoints --------------------------------------------------------------------
+
+    def offer_checkpoint_bytes(self, data: memoryview) -> None:
+        """``data`` is now a whole remote storage's bytes (an upload that filled it): hand
+        its pieces to the checkpoint store, so the next checkpoint does not read back
+        what the consumer just sent. Nothing to do without failover."""
+        if self._reconnect is None:
+            return
+        try:
+            for start in range(0, len(data), PIECE):
+                piece = data[start : start + PIECE]
+                self._store.offer(digest(piece), piece)
+        except OSError as exc:  # the store's disk: the checkpoint reads them instead
+            log.warning("cumulus: could not keep an upload for checkpoints: %s", exc)
 
     def checkpoint(self) -> Checkpoint:
         """Take a checkpoint now (a sync point), keep it in the store and return it.

@@ -8,7 +8,10 @@ state after batch ``n`` is a function of the batches up to ``n``, and a session 
 rebuilt anywhere from
 
 - a *checkpoint* taken after some batch ``c`` (``checkpoint.py``: every live storage's
-  bytes under its handle, plus the RNG state), and
+  bytes under its handle, plus the RNG state), named piece by piece: the executor's
+  manifest gives each storage's ``blobs.PIECE`` digests, and the client reads only the
+  pieces its store does not hold (from the last checkpoint, or an upload that filled a
+  storage), checking each against its digest; and
 - the *replay log*: every frame sent after ``c``, kept verbatim.
 
 When the host vanishes, the client (``client.py``) dials a new one through the consumer's

@@ -627,7 +627,8 @@ def upload_into(dst: RemoteTensor, src: torch.Tensor) -> None:
 
     The first piece is a sync point, so a destination the executor could not allocate (over
     quota) fails before the rest is sent. Returns once every piece has left, so the caller
-    may reuse ``src``.
+    may reuse ``src``. An upload that fills its whole storage also hands its bytes to the
+    checkpoint store, so the next checkpoint need not read them back.
     """
     session = dst._rs.session
     src = src.detach().expand(dst.shape)
@@ -636,10 +637,27 @@ def upload_into(dst: RemoteTensor, src: torch.Tensor) -> None:
     budget = stream_chunk(session._channel)
     if session.names_blobs:
         _upload_named(session, dst, src, list(pieces(sizes, strides, offset, itemsize, budget)))
-        return
+    else:
+        _upload_in_pieces(session, dst, src, list(pieces(sizes, strides, offset, itemsize, budget)))
+    if _fills_its_storage(dst, src):
+        session.offer_checkpoint_bytes(_contiguous_bytes(src))
+
+
+def _fills_its_storage(dst: RemoteTensor, src: torch.Tensor) -> bool:
+    """Whether ``src``'s bytes, in order, are now all of ``dst``'s storage."""
+    return (
+        src.dtype == dst.dtype
+        and dst.is_contiguous()
+        and dst.storage_offset() == 0
+        and dst.numel() * dst.element_size() == dst._rs.nbytes
+    )
+
+
+def _upload_in_pieces(session: RemoteSession, dst: RemoteTensor, src: torch.Tensor, plan) -> None:
+    dtype = dst.dtype
     progress = session.progress("upload", dst.numel() * dst.element_size())
     with session.streaming():
-        for number, piece in enumerate(pieces(sizes, strides, offset, itemsize, budget)):
+        for number, piece in enumerate(plan):
             target = RemoteTensor(dst._rs, dtype, piece.sizes, piece.strides, piece.offset)
             args = wire_arguments(session, [target, src[piece.index]], {})
             session.submit(["aten.copy_.default", *args, [None]])
