@@ -293,8 +293,7 @@ class Market:
         """Every identity publishes a fresh offer id at the rate the gate accepts."""
         if not self.attackers:
             return
-        name_of = {a.peer: a for a in self.attackers.values()}
-        attackers = list(name_of.values())
+        attackers = list(self.attackers.values())
         burst = True
         while True:
             now = self.now()
