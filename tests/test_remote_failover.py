@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from contextlib import contextmanager
 
 import pytest
@@ -256,6 +257,21 @@ def test_checkpoints_kept_on_disk_restore_the_session(doomed, standby, tmp_path)
         kill(proc)
         assert (weights * 2).sum().item() == pytest.approx(1000.0)
         assert session.failovers == 1
+
+
+def test_a_cold_restore_starts_the_checkpoint_interval_over(doomed, standby):
+    address, proc = doomed
+    with remote.attach(
+        channel=dial(address)(), reconnect=dial(standby), checkpoint_interval=1.0
+    ) as session:
+        weights = torch.ones(1000, device="cumulus")
+        session.checkpoint()
+        weights += 1
+        time.sleep(1.1)  # the interval has passed when the host dies
+        kill(proc)
+        assert weights.sum().item() == 2000  # fails over: restore, replay, this sync point
+        stats = session.failover_statistics()
+        assert (stats.cold_restores, stats.checkpoints) == (1, 1)
 
 
 def test_without_reconnect_a_killed_host_raises_session_closed(doomed):

@@ -613,6 +613,9 @@ class RemoteSession:
                 info = self._handshake(channel, self._options)
                 self._restore(channel, info)
                 reply = self._replay(channel, self._log.after_seq, awaiting, resumed=False)
+                # The checkpoint and the log just rebuilt the session, as they would again:
+                # a checkpoint now would protect nothing more, so the interval starts over.
+                self._policy.taken(now=time.monotonic())
         except BaseException:
             channel.close()
             raise
