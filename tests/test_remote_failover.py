@@ -820,6 +820,19 @@ def test_a_checkpoint_after_an_upload_reads_back_only_what_changed_since(
     assert (untouched, second) == (0, PIECE // 4)
 
 
+def test_a_checkpoint_due_during_an_upload_is_taken_as_it_ends_reading_nothing_back(
+    executor_address,
+):
+    with remote.attach(
+        channel=dial(executor_address)(), reconnect=dial(executor_address), checkpoint_interval=0
+    ) as session:
+        weights = torch.ones(5 * PIECE // 16).to("cumulus")
+        stats = session.failover_statistics()  # before any op that could change the weights
+        assert (stats.checkpoints, stats.checkpoint_read_bytes) == (1, 0)
+        assert stats.checkpoint_bytes == 5 * PIECE // 4
+        assert weights.sum().item() == 5 * PIECE // 16
+
+
 def test_a_second_session_on_the_same_checkpoint_directory_reads_nothing_it_holds(
     executor_address, tmp_path
 ):

@@ -422,8 +422,10 @@ class RemoteSession:
         """Hold the session (and its checkpoints) for the pieces of one streamed transfer.
 
         A checkpoint taken between two pieces would read back a half-written storage, and
-        one per piece would read the whole session back per piece; the checkpoint policy
-        is asked again at the first batch after the transfer.
+        one per piece would read the whole session back per piece. The policy is asked as
+        soon as the transfer ends, as at a sync point: after an upload, the checkpoint
+        holds what the consumer just sent and reads none of it back, where at the next
+        batch a training step may already have changed it all.
         """
         with self._lock:
             self._streaming += 1
@@ -431,6 +433,9 @@ class RemoteSession:
                 yield
             finally:
                 self._streaming -= 1
+            if not self._streaming and self._log is not None:
+                self.flush()
+                self._maybe_checkpoint(at_sync_point=True)
 
     def progress(self, what: str, total: int) -> TransferProgress:
         """Start counting a transfer of ``total`` bytes for ``advance``."""

@@ -635,12 +635,14 @@ def upload_into(dst: RemoteTensor, src: torch.Tensor) -> None:
     dtype, sizes, strides, offset = dst._sig
     itemsize = max(dtype.itemsize, src.element_size())
     budget = stream_chunk(session._channel)
-    if session.names_blobs:
-        _upload_named(session, dst, src, list(pieces(sizes, strides, offset, itemsize, budget)))
-    else:
-        _upload_in_pieces(session, dst, src, list(pieces(sizes, strides, offset, itemsize, budget)))
-    if _fills_its_storage(dst, src):
-        session.offer_checkpoint_bytes(_contiguous_bytes(src))
+    plan = list(pieces(sizes, strides, offset, itemsize, budget))
+    with session.streaming():  # one transfer for the checkpoint policy, the offer included
+        if session.names_blobs:
+            _upload_named(session, dst, src, plan)
+        else:
+            _upload_in_pieces(session, dst, src, plan)
+        if _fills_its_storage(dst, src):
+            session.offer_checkpoint_bytes(_contiguous_bytes(src))
 
 
 def _fills_its_storage(dst: RemoteTensor, src: torch.Tensor) -> bool:
