@@ -271,7 +271,9 @@ def test_600_mib_survives_a_checkpoint_a_restore_and_a_failover_bit_identically(
 
             checkpoint = session.checkpoint()
             (image,) = [i for i in checkpoint.storages if i.nbytes == BIG]
-            saved = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.float32).view(src.shape)
+            saved = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.float32).view(
+                src.shape
+            )
             assert torch.equal(saved, expected)
             del checkpoint, image, saved
 
