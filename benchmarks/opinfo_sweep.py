@@ -58,7 +58,7 @@ def _to_cumulus(x):
     return x.cpu().to("cumulus") if isinstance(x, torch.Tensor) else x
 
 
-def run_op(op, failures: dict, reference: str) -> tuple[int, int]:
+def run_op(op, failures: dict, reference: str = "cpu") -> tuple[int, int]:
     """Run every float32 sample of ``op`` on ``reference`` and on cumulus; (passed, total)."""
     passed = total = 0
     try:
