@@ -76,6 +76,11 @@ def add_blob_flags(parser, *, default_dir: str | None = None) -> None:
         + ("none: no store" if default_dir is None else default_dir)
         + ")",
     )
+    add_blob_cap_flag(parser)
+
+
+def add_blob_cap_flag(parser) -> None:
+    """``--blob-cap`` on ``parser``: how much disk the blob store may take."""
     parser.add_argument(
         "--blob-cap",
         type=parse_size,

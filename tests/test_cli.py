@@ -14,10 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from cumulus_p2p.cli._parser import build_parser
+from cumulus_p2p.cli._run import _provider_options
 from cumulus_p2p.identity import KEY_FILE_NAME, NodeIdentity
 from cumulus_p2p.market.ledger import Dispute, Ledger
 from cumulus_p2p.market.messages import Receipt, seal_message
+from cumulus_p2p.node.datadir import DataDir
 from cumulus_p2p.node.hardware import Detection, DeviceFacts, offered_devices, offered_gpu
+from cumulus_p2p.node.provider import OfferedDevice, _executor_for
 from cumulus_p2p.testing.nodes import (
     LOOPBACK_LISTEN,
     NodeProcess,
@@ -54,6 +58,20 @@ def test_an_unknown_graph_compiler_is_a_usage_error_listing_the_choices(tmp_path
     result = run("--data-dir", str(tmp_path), "--provide", "--graph-compiler", "tvm")
     assert result.returncode == 2
     assert "invalid choice: 'tvm' (choose from 'loop', 'inductor')" in result.stderr
+
+
+def test_a_blob_cap_that_is_not_a_size_is_a_usage_error(tmp_path):
+    result = run("--data-dir", str(tmp_path), "--provide", "--blob-cap", "lots")
+    assert result.returncode == 2
+    assert "--blob-cap" in result.stderr and "'lots'" in result.stderr
+
+
+def test_the_blob_cap_reaches_the_providers_executor(tmp_path):
+    args = build_parser().parse_args(["--provide", "--blob-cap", "3GiB"])
+    device = OfferedDevice(DeviceFacts("cpu", 0, "cpu", 4096, None, ""), perf_units=100)
+    options = _provider_options(args, devices=(device,))
+    executor = _executor_for(device, options, DataDir(tmp_path))
+    assert executor.config.blob_cap == 3 * 1024**3
 
 
 def test_a_gpu_this_machine_lacks_is_a_usage_error(tmp_path):
@@ -134,6 +152,7 @@ def test_help_documents_every_flag():
         "--priority",
         "--match-timeout",
         "--graph-compiler",
+        "--blob-cap",
         "--data-dir",
         "status|peers|offers|reputation|ledger",
     ):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from .._errors import CumulusError, NodeConfigError
-from ..executor_options import add_graph_compiler_flag, add_isolation_flags
+from ..executor_options import add_blob_cap_flag, add_graph_compiler_flag, add_isolation_flags
 from ..node import hardware
 from ..node.datadir import DataDir
 from . import _explore, _views
@@ -201,6 +201,7 @@ def _add_provide_flags(provide) -> None:
     _add_lease_terms(provide)
     add_isolation_flags(provide, where="the node's process")
     add_graph_compiler_flag(provide)
+    add_blob_cap_flag(provide)  # the store itself is <data dir>/blobs
     provide.add_argument(
         "--bench-seconds",
         type=float,

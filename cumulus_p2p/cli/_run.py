@@ -168,6 +168,7 @@ def _provider_options(args, devices):
         workers=args.workers,
         pool=args.pool,
         graph_compiler=GraphCompiler(args.graph_compiler),
+        blob_cap=args.blob_cap,
     )
 
 

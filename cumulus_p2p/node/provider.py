@@ -66,7 +66,7 @@ from ..market import (
 from ..market.lease_state import LeaseEvent, LeaseState
 from ..market.messages import encode_message, peer_id_of, seal_message
 from ..market.settlement import NOTICE_LEAVING, call_lease_notice, serve_lease_close
-from ..remote.executor import Executor, ExecutorConfig
+from ..remote.executor import DEFAULT_BLOB_CAP, Executor, ExecutorConfig
 from ..remote.executor_main import build_executor
 from ..remote.scheduler import lease_rank
 from ..remote.session import SessionStats
@@ -120,6 +120,7 @@ class ProviderOptions:
         workers: A worker process per session (None: when a device is a GPU).
         pool: Worker processes kept started for the next lease, per device.
         graph_compiler: How the executor runs compiled graphs (``graph_compiler.py``).
+        blob_cap: Bytes of disk the blob store (``<data dir>/blobs``) may take.
     """
 
     devices: tuple[OfferedDevice, ...]
@@ -138,6 +139,7 @@ class ProviderOptions:
     workers: bool | None = None
     pool: int = 1
     graph_compiler: GraphCompiler = GraphCompiler.LOOP
+    blob_cap: int = DEFAULT_BLOB_CAP
 
     @property
     def unpaid_grace(self) -> float:
@@ -583,6 +585,7 @@ def _executor_for(
         quota_bytes=device.facts.memory_mib * 2**20,
         graph_compiler=options.graph_compiler,
         blob_dir=str(data.path / "blobs"),
+        blob_cap=options.blob_cap,
     )
     return build_executor(
         config, workers=options.uses_workers, pool=options.pool, hidden=[data.path]
