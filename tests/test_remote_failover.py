@@ -936,3 +936,10 @@ def test_directory_store_keeps_the_newest_other_runs_and_drops_older_ones(tmp_pa
     left = sorted(p.name for p in tmp_path.glob("*.cumulus-checkpoint"))
     assert left == ["now.cumulus-checkpoint", "previous.cumulus-checkpoint"]
     assert len(list((tmp_path / "pieces").iterdir())) == 2
+
+
+def test_directory_store_never_drops_a_manifest_another_running_session_saved_lately(tmp_path):
+    for run in ("one", "two", "three"):  # three sessions running at once, saved just now
+        store = DirectoryCheckpointStore(tmp_path, name=run, keep_others=1)
+        store.save(Checkpoint(1, "cpu", memoryview(b"r"), (StorageImage.of(1, torch.uint8, b"x"),)))
+    assert len(list(tmp_path.glob("*.cumulus-checkpoint"))) == 3

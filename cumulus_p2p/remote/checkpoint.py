@@ -24,6 +24,7 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -149,8 +150,11 @@ class DirectoryCheckpointStore:
         keep_others: when set, each save also removes all but the newest ``keep_others``
             manifests of other sessions (their pieces go with them), so a directory that
             every run of a script uses stays bounded: the previous run's pieces stay for
-            the next, older ones go.
+            the next, older ones go. A manifest saved within ``ACTIVE_S`` stays whatever
+            its rank: a session still running rewrites its own at every checkpoint.
     """
+
+    ACTIVE_S = 3600.0
 
     def __init__(
         self, directory: str | os.PathLike, *, name: str = "session", keep_others: int | None = None
@@ -223,9 +227,12 @@ class DirectoryCheckpointStore:
 
     def _prune_manifests(self, keep: int) -> None:
         others = [m for m in self.directory.glob("*.cumulus-checkpoint") if m != self.path]
-        others.sort(key=lambda m: m.stat().st_mtime, reverse=True)
+        saved = {m: m.stat().st_mtime for m in others}
+        others.sort(key=saved.__getitem__, reverse=True)
+        active_since = time.time() - self.ACTIVE_S
         for manifest in others[keep:]:
-            manifest.unlink(missing_ok=True)
+            if saved[manifest] < active_since:
+                manifest.unlink(missing_ok=True)
 
     def _collect_garbage(self) -> None:
         named: set[str] = set()
