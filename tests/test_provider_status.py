@@ -13,7 +13,7 @@ from cumulus_p2p.market import Meter
 from cumulus_p2p.market.lease_state import LeaseEvent
 from cumulus_p2p.node.hardware import DeviceFacts
 from cumulus_p2p.node.payment import ActiveLease
-from cumulus_p2p.node.provider import OfferedDevice, Provider, ProviderOptions
+from cumulus_p2p.node.provider import FINISHED_KEPT, OfferedDevice, Provider, ProviderOptions
 from cumulus_p2p.remote.session import SessionStats
 from cumulus_p2p.reputation.testing import Minter
 
@@ -79,3 +79,16 @@ def test_a_lease_row_shows_its_state_by_name():
     provider, _, active = provider_with_a_lease()
     active.lifecycle.process(LeaseEvent.RECEIPT_OVERDUE)
     assert provider.snapshot()["leases"][0]["state"] == "paused"
+
+
+def test_a_provider_remembers_a_bounded_number_of_ended_leases():
+    provider, _, _ = provider_with_a_lease()
+    ended = []
+    for _ in range(FINISHED_KEPT + 5):
+        lease = Minter().lease(CONSUMER, HOST, start=NOW, offer_id=DEVICE.offer_id)
+        active = ActiveLease(lease, lease.proposal, Meter(HOST, lease.proposal), NOW)
+        provider.active[lease.proposal.lease_id] = active
+        provider._on_final(active)
+        ended.append(active)
+    assert list(provider.finished) == ended[-FINISHED_KEPT:]
+    assert len(provider.snapshot()["leases"]) == 10  # status shows the last ten

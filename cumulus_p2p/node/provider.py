@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -80,6 +81,9 @@ log = logging.getLogger("cumulus_p2p.node.provider")
 
 #: Seconds between samples of each session's op count, the op rate's time base.
 OP_SAMPLE_INTERVAL = 1.0
+#: Ended leases a provider remembers (for a late close, and status's last rows): a node that
+#: serves for months would otherwise keep every lease it ever served.
+FINISHED_KEPT = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +193,7 @@ class Provider:
         }
         self.book = LeaseBook(runtime.identity)
         self.active: dict[str, ActiveLease] = {}
-        self.finished: list[ActiveLease] = []
+        self.finished: deque[ActiveLease] = deque(maxlen=FINISHED_KEPT)
         self.payments = PaymentEnforcer(
             runtime, grace=options.unpaid_grace, on_final=self._on_final
         )
@@ -418,7 +422,7 @@ class Provider:
 
     def snapshot(self) -> dict:
         """What ``cumulus-node status`` shows: totals, then a row per device."""
-        leases = [*self.active.values(), *self.finished[-10:]]
+        leases = [*self.active.values(), *list(self.finished)[-10:]]
         executors = [s.executor for s in self.served.values()]
         return self.runtime.snapshot() | {
             "role": "provider",
