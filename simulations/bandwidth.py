@@ -73,7 +73,7 @@ from pathlib import Path
 
 import simpy
 
-from cumulus_p2p.market.hostchoice import BackoffPolicy, GiveUp, HostChoice, Wait
+from cumulus_p2p.market.hostchoice import BackoffPolicy, HostChoice
 from cumulus_p2p.market.messages import PriorityClass
 from cumulus_p2p.node.consumer import ConsumerOptions
 from cumulus_p2p.remote.blobs import PIECE, piece_count
@@ -81,7 +81,7 @@ from cumulus_p2p.remote.failover import CheckpointPolicy
 from cumulus_p2p.remote.scheduler import lease_rank
 from cumulus_p2p.simulation.churn import LONG_TRAINING, MEAN_DOWNTIME_S
 from cumulus_p2p.simulation.gpu import DeviceGone
-from cumulus_p2p.simulation.jobs import RETRY_S, Job
+from cumulus_p2p.simulation.jobs import Job, find_lease, set_aside
 from cumulus_p2p.simulation.market import Granted, Market, SimHost
 from cumulus_p2p.simulation.population import add_hosts, job_trace, mean_hold_s
 from cumulus_p2p.simulation.world import FAILOVER_S
@@ -432,43 +432,15 @@ def _job(world: World, job: Job, traffic: Traffic):
     """A job's life, as ``simulation.jobs.run`` leads it, with its bytes on links."""
     env, market = world.env, world.market
     identity = market.identity()
-    consumer = identity.peer_id.to_base58()
     link = Links.of(env)
     copy = Copy()
     job.remaining_s = job.saved_s = job.compute_s
     choice = HostChoice(job.host_policy, job.patience_s)
     choice.search(now=market.now(), patience_s=math.inf)
-    held_since: float | None = None
     while job.remaining_s > 0:
-        bid = market.bid(consumer, shares=job.shares, max_price=job.max_price)
-        now = market.now()
-        offers = {}
-        for candidate in market.rank(job.region, bid):
-            choice.see_offer(candidate.offer.host, candidate.offer.nonce, now=now)
-            offers.setdefault(candidate.offer.host, candidate.offer)
-        decision = choice.next_step(list(offers), now=now)
-        if type(decision) is GiveUp:
-            job.gave_up_s = env.now
-            break
-        granted = None
-        if type(decision) is not Wait:
-            granted = yield from market.lease(
-                identity,
-                job.region,
-                bid,
-                [offers[h] for h in decision.hosts],
-                unreachable=lambda host: choice.failed(host, now=market.now()),
-            )
+        granted = yield from find_lease(env, market, job, choice, identity, world.rng)
         if granted is None:
-            held_since = env.now if held_since is None else held_since
-            yield env.timeout(RETRY_S * world.rng.uniform(0.5, 1.5))
-            continue
-        choice.leased(granted.host.peer, now=market.now())
-        if job.leased_s is None:
-            job.leased_s = env.now
-        elif held_since is not None:
-            job.held_s += env.now - held_since
-        held_since = None
+            break
         host = granted.host
         host.jobs[env.active_process] = None
         traffic.leased_since = env.now
@@ -478,7 +450,7 @@ def _job(world: World, job: Job, traffic: Traffic):
             yield from _work(world, job, traffic, link, host, granted, copy)
         except (simpy.Interrupt, DeviceGone):
             lost = True
-            _set_aside(choice, market, host.peer, granted.proposal.offer_nonce)
+            set_aside(choice, market, host.peer, granted.proposal.offer_nonce)
             job.failovers += 1
             job.lost_device_s += job.saved_s - job.remaining_s
             job.remaining_s = job.saved_s
@@ -492,16 +464,6 @@ def _job(world: World, job: Job, traffic: Traffic):
             choice.search(now=market.now())
     if job.gave_up_s is None:
         job.done_s = env.now
-
-
-def _set_aside(choice: HostChoice, market: Market, peer: str, nonce: int) -> None:
-    """Tell the choice ``peer`` failed, after every offer of its the book still holds,
-    as the node's shell does (and ``simulation.jobs`` does)."""
-    now = market.now()
-    for resting in market.book.offers():
-        if resting.order.host == peer:
-            choice.see_offer(peer, resting.order.nonce, now=now)
-    choice.failed(peer, now=now, nonce=nonce)
 
 
 def _resume(world: World, job: Job, traffic: Traffic, link: Links, host: SimHost, copy: Copy):

@@ -87,12 +87,46 @@ class Job:
 def run(env: simpy.Environment, market: Market, job: Job, rng: random.Random):
     """The job's life, as a simpy process."""
     identity = market.identity()
-    consumer = identity.peer_id.to_base58()
     job.remaining_s = job.saved_s = job.compute_s
     choice = HostChoice(job.host_policy, job.patience_s)
     choice.search(now=market.now(), patience_s=math.inf)
-    held_since: float | None = None
     while job.remaining_s > 0:
+        granted = yield from find_lease(env, market, job, choice, identity, rng)
+        if granted is None:
+            break
+        job.paid_share_price.append(granted.proposal.price)
+        host = granted.host
+        host.jobs[env.active_process] = None
+        lost = False
+        try:
+            yield from _work(env, job, host, granted, rng)
+        except (simpy.Interrupt, DeviceGone):
+            lost = True
+            set_aside(choice, market, host.peer, granted.proposal.offer_nonce)
+            if job.checkpoint_every_s is None:
+                job.restarts += 1
+                job.saved_s = job.compute_s
+            else:
+                job.failovers += 1
+            job.lost_device_s += job.saved_s - job.remaining_s
+            job.remaining_s = job.saved_s
+        finally:
+            host.jobs.pop(env.active_process, None)
+            job.cost += market.settle(granted)
+        if lost:  # noticing the loss and reattaching (measured; a restart pays it too)
+            yield env.timeout(FAILOVER_S)
+            choice.search(now=market.now())
+    if job.gave_up_s is None:
+        job.done_s = env.now
+
+
+def find_lease(env, market: Market, job: Job, choice: HostChoice, identity, rng: random.Random):
+    """Bid, rank and propose as ``choice`` says until a host grants (a generator):
+    returns the ``Granted``, or None once the job gave up (``job.gave_up_s`` set). Counts
+    the job's first lease (``leased_s``) and the time it was held waiting (``held_s``)."""
+    consumer = identity.peer_id.to_base58()
+    held_since: float | None = None
+    while True:
         bid = market.bid(
             consumer, shares=job.shares, max_price=job.max_price, priority=job.priority
         )
@@ -105,7 +139,7 @@ def run(env: simpy.Environment, market: Market, job: Job, rng: random.Random):
         decision = choice.next_step(list(offers), now=now)
         if type(decision) is GiveUp:
             job.gave_up_s = env.now
-            break
+            return None
         granted = None
         if type(decision) is not Wait:
             granted = yield from market.lease(
@@ -125,34 +159,10 @@ def run(env: simpy.Environment, market: Market, job: Job, rng: random.Random):
             job.leased_s = env.now
         elif held_since is not None:
             job.held_s += env.now - held_since
-        held_since = None
-        job.paid_share_price.append(granted.proposal.price)
-        host = granted.host
-        host.jobs[env.active_process] = None
-        lost = False
-        try:
-            yield from _work(env, job, host, granted, rng)
-        except (simpy.Interrupt, DeviceGone):
-            lost = True
-            _set_aside(choice, market, host.peer, granted.proposal.offer_nonce)
-            if job.checkpoint_every_s is None:
-                job.restarts += 1
-                job.saved_s = job.compute_s
-            else:
-                job.failovers += 1
-            job.lost_device_s += job.saved_s - job.remaining_s
-            job.remaining_s = job.saved_s
-        finally:
-            host.jobs.pop(env.active_process, None)
-            job.cost += market.settle(granted)
-        if lost:  # noticing the loss and reattaching (measured; a restart pays it too)
-            yield env.timeout(FAILOVER_S)
-            choice.search(now=market.now())
-    if job.gave_up_s is None:
-        job.done_s = env.now
+        return granted
 
 
-def _set_aside(choice: HostChoice, market: Market, peer: str, nonce: int) -> None:
+def set_aside(choice: HostChoice, market: Market, peer: str, nonce: int) -> None:
     """Tell the choice ``peer`` failed, after every offer of its the book still holds
     (they are from before the failure), as the node's shell does."""
     now = market.now()
