@@ -59,17 +59,13 @@ job starts over from the consumer's initial upload.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import random
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 
 import simpy
 
@@ -80,13 +76,12 @@ from cumulus_p2p.remote.blobs import PIECE, piece_count
 from cumulus_p2p.remote.failover import CheckpointPolicy
 from cumulus_p2p.remote.scheduler import lease_rank
 from cumulus_p2p.simulation.churn import LONG_TRAINING, MEAN_DOWNTIME_S
+from cumulus_p2p.simulation.cli import save_run, scenario_parser
 from cumulus_p2p.simulation.gpu import DeviceGone
 from cumulus_p2p.simulation.jobs import Job, find_lease, set_aside
 from cumulus_p2p.simulation.market import Granted, Market, SimHost
 from cumulus_p2p.simulation.population import add_hosts, job_trace, mean_hold_s
 from cumulus_p2p.simulation.world import FAILOVER_S
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 GB = 1e9
 MBIT = 1e6 / 8  # bytes per second
@@ -711,22 +706,11 @@ def report(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seed", type=int, default=1, help="the run's seed (default 1)")
-    parser.add_argument("--quick", action="store_true", help="a smaller churn run")
-    parser.add_argument(
-        "--out", type=Path, default=RESULTS, help=f"where results go (default {RESULTS})"
-    )
-    args = parser.parse_args(argv)
+    args = scenario_parser(__doc__).parse_args(argv)
     started = time.perf_counter()
     result = run(args.seed, quick=args.quick)
     result["runtime_s"] = round(time.perf_counter() - started, 1)
-    name = "bandwidth_quick" if args.quick else "bandwidth"
-    args.out.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(result, indent=2) + "\n"
-    (args.out / f"{name}.json").write_text(text)
-    (args.out / f"{name}.md").write_text(report(result))
-    sys.stdout.write(text)
+    save_run(result, "bandwidth", args, report)
     return result
 
 

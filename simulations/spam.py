@@ -48,16 +48,12 @@ holds its lease for its whole term.
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import random
 import statistics
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from types import SimpleNamespace
 
 import simpy
@@ -88,8 +84,8 @@ from cumulus_p2p.node.consumer import (
     RANKED_OFFERS,
     Consumer,
 )
+from cumulus_p2p.simulation.cli import save_run, scenario_parser
 
-RESULTS = Path(__file__).resolve().parent / "results"
 #: Simulated time zero, as Unix time (signatures and books want real timestamps).
 EPOCH = 1_700_000_000.0
 MICRO = 1_000_000
@@ -591,12 +587,7 @@ def report(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seed", type=int, default=1, help="the run's seed (default 1)")
-    parser.add_argument("--quick", action="store_true", help="the small run the tests use")
-    parser.add_argument(
-        "--out", type=Path, default=RESULTS, help=f"where results go (default {RESULTS})"
-    )
+    parser = scenario_parser(__doc__)
     parser.add_argument(
         "--identities",
         type=lambda text: tuple(int(n) for n in text.split(",")),
@@ -607,12 +598,7 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     result = run(args.seed, quick=args.quick, identities=args.identities)
     result["runtime_s"] = round(time.perf_counter() - started, 1)
-    name = "spam_quick" if args.quick else "spam"
-    args.out.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(result, indent=2) + "\n"
-    (args.out / f"{name}.json").write_text(text)
-    (args.out / f"{name}.md").write_text(report(result))
-    sys.stdout.write(text)
+    save_run(result, "spam", args, report)
     return result
 
 

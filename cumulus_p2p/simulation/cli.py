@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -21,16 +24,34 @@ SCENARIOS = {
 RESULTS = Path(__file__).resolve().parents[2] / "simulations" / "results"
 
 
-def main(scenario: str, argv: list[str] | None = None) -> dict:
-    """Run ``scenario`` from the command line; returns its result."""
-    module = SCENARIOS[scenario]
-    parser = argparse.ArgumentParser(description=module.__doc__.splitlines()[0])
+def scenario_parser(doc: str) -> argparse.ArgumentParser:
+    """The flags every scenario's script takes: ``--seed``, ``--quick`` and ``--out``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--seed", type=int, default=1, help="the run's seed (default 1)")
     parser.add_argument("--quick", action="store_true", help="the small run the tests use")
     parser.add_argument(
         "--out", type=Path, default=RESULTS, help=f"where results go (default {RESULTS})"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def save_run(
+    result: dict, name: str, args: argparse.Namespace, markdown: Callable[[dict], str]
+) -> None:
+    """Write a standalone script's ``result`` as ``<name>[_quick].json`` and ``.md`` under
+    ``--out``, and print the JSON."""
+    name += "_quick" if args.quick else ""
+    args.out.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(result, indent=2) + "\n"
+    (args.out / f"{name}.json").write_text(text)
+    (args.out / f"{name}.md").write_text(markdown(result))
+    sys.stdout.write(text)
+
+
+def main(scenario: str, argv: list[str] | None = None) -> dict:
+    """Run ``scenario`` from the command line; returns its result."""
+    module = SCENARIOS[scenario]
+    args = scenario_parser(module.__doc__).parse_args(argv)
     console = Console()
     started = time.perf_counter()
     with console.status(f"simulating {scenario} (seed {args.seed})..."):
