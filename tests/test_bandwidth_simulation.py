@@ -6,25 +6,13 @@ about it, not what code does."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "simulations" / "bandwidth.py"
+from cumulus_p2p.testing.scripts import load_script
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("simulations_bandwidth", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while defining
-    spec.loader.exec_module(module)
-    return module
-
-
-bw = _load()
+bw = load_script("simulations/bandwidth.py", "simulations_bandwidth")
 GB = bw.GB
 
 #: The quick churn world: 32 hosts, 36 h, 31 jobs of 2-6 h, hosts leaving at 10% per hour.

@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-_spec = importlib.util.spec_from_file_location(
-    "opinfo_sweep", Path(__file__).parent.parent / "benchmarks" / "opinfo_sweep.py"
-)
-opinfo_sweep = importlib.util.module_from_spec(_spec)
-sys.modules["opinfo_sweep"] = opinfo_sweep
-_spec.loader.exec_module(opinfo_sweep)
+from cumulus_p2p.testing.scripts import load_script
+
+opinfo_sweep = load_script("benchmarks/opinfo_sweep.py", "opinfo_sweep")
 
 SUBSET = [
     "add",

@@ -3,28 +3,15 @@ gate, book, matcher and host choice, with time passed in."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from cumulus_p2p.market.book import BookLimits
 from cumulus_p2p.node.consumer import PROPOSE_TIMEOUT_S
+from cumulus_p2p.testing.scripts import load_script
 
-_PATH = Path(__file__).resolve().parents[1] / "simulations" / "spam.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("simulations_spam", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while defining
-    spec.loader.exec_module(module)
-    return module
-
-
-spam = _load()
+spam = load_script("simulations/spam.py", "simulations_spam")
 
 #: A short world with enough consumers in it: two minutes, a dozen matches.
 SMALL = spam.Size(horizon_s=120.0, arrivals_per_min=20.0)
