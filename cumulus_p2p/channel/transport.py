@@ -171,6 +171,13 @@ class SocketFrameChannel:
         """The socket's descriptor (for ``select``)."""
         return self._sock.fileno()
 
+    @property
+    def peer_address(self) -> str:
+        """``host:port`` of the other end, as this side dialled it (a standby dials the
+        same address: ``remote/standby.py``)."""
+        host, port = self._sock.getpeername()[:2]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
     def send_frame(self, parts: Sequence[Buffer]) -> None:
         views = [memoryview(frame_header(parts, self.max_frame))]
         views.extend(memoryview(p).cast("B") for p in parts)

@@ -47,19 +47,23 @@ from .checkpoint import (
 from .client import CURRENT, RemoteSession, current_session
 from .errors import RemoteOutOfMemoryError
 from .failover import FailoverStatistics
+from .standby import CheckpointPlacement, HostCheckpoint, StandbyLink
 from .tensor import RemoteTensor
 
 __all__ = [
     "Checkpoint",
     "CheckpointCorruptError",
+    "CheckpointPlacement",
     "CheckpointStore",
     "DirectoryCheckpointStore",
     "FailoverError",
     "FailoverStatistics",
+    "HostCheckpoint",
     "MemoryCheckpointStore",
     "RemoteOutOfMemoryError",
     "RemoteSession",
     "RemoteTensor",
+    "StandbyLink",
     "attach",
     "current_session",
     "detach",
@@ -92,6 +96,8 @@ def attach(
     checkpoint_interval: float | None = None,
     checkpoint_store: CheckpointStore | None = None,
     private: bool = False,
+    standby: str | None = None,
+    checkpoint_to: str | None = None,
 ) -> _Attached:
     """Open a session with an executor and make it the ``cumulus`` device.
 
@@ -113,6 +119,11 @@ def attach(
             ``DirectoryCheckpointStore(path)`` for disk).
         private: the host keeps none of this session's uploads once it ends (nothing of
             it enters the host's blob store).
+        standby: ``"host:port"`` of a second executor that keeps the checkpoints, copied
+            there host to host (``standby.py``): they stay off the consumer's link, and a
+            failover pulls the state from there. Needs ``reconnect``.
+        checkpoint_to: ``"standby"`` (the default with a standby), ``"consumer"`` (the
+            default without: ``checkpoint_store``) or ``"both"``.
 
     Returns:
         A handle whose ``.session`` is the ``RemoteSession``; use it in a ``with`` block
@@ -122,10 +133,10 @@ def attach(
     if (address is None) == (channel is None):
         raise ValueError("pass exactly one of address='host:port' or channel=...")
     if channel is None:
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"executor address must look like host:port, got {address!r}")
-        channel = SocketFrameChannel.connect(host, int(port))
+        channel = SocketFrameChannel.connect(*_host_port(address))
+    link = None
+    if standby is not None:
+        link = StandbyLink(SocketFrameChannel.connect(*_host_port(standby)), address=standby)
     _device.register()
     detach()
     session = RemoteSession(
@@ -135,6 +146,8 @@ def attach(
         checkpoint_interval=checkpoint_interval,
         checkpoint_store=checkpoint_store,
         private=private,
+        standby=link,
+        checkpoint_to=checkpoint_to,
     )
     CURRENT.session = session
     _run_backward_on_this_thread()
@@ -142,6 +155,13 @@ def attach(
     if pending is not None:
         session.seed(pending)
     return _Attached(session)
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"executor address must look like host:port, got {address!r}")
+    return host.strip("[]"), int(port)
 
 
 def detach() -> None:

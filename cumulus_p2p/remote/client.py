@@ -36,6 +36,7 @@ import torch
 from .._errors import CumulusError, FailoverError, RemoteProtocolError, SessionClosedError
 from ..channel.transport import FrameChannel
 from .blobs import MAX_HAVE, NAMED_WINDOW, PIECE, digest
+from .blobservice import Source, grant_of
 from .checkpoint import Checkpoint, CheckpointStore, MemoryCheckpointStore
 from .errors import remote_error
 from .failover import (
@@ -48,6 +49,7 @@ from .failover import (
     parse_manifest,
     plan_reads,
     restore_batches,
+    restore_named_batches,
 )
 from .protocol import (
     PROTOCOL_VERSION,
@@ -58,6 +60,7 @@ from .protocol import (
     lost_reason,
     split_blobs,
 )
+from .standby import CheckpointPlacement, HostCheckpoint, StandbyLink
 from .transfer import PROGRESS_INTERVAL, STREAM_CHUNK, TransferProgress
 
 log = logging.getLogger(__name__)
@@ -98,6 +101,13 @@ class RemoteSession:
         failover_attempts: ``reconnect()`` calls per failover before ``FailoverError``.
         private: the host keeps none of this session's uploads after it ends (they are
             not added to its blob store); uploads still skip bytes the host already holds.
+        standby: a second host that keeps the checkpoints (``standby.py``): the host
+            copies them there itself, and a failover pulls them from there, so neither
+            crosses the consumer's link. Needs ``reconnect`` and a channel that knows its
+            peer's address (``peer_address``).
+        checkpoint_to: where checkpoints go (``CheckpointPlacement`` or its value):
+            ``"standby"`` (the default with a standby), ``"consumer"`` (the default
+            without one: ``checkpoint_store``) or ``"both"``.
 
     Raises:
         ValueError: a checkpoint option was given without ``reconnect``, or is invalid.
@@ -115,9 +125,12 @@ class RemoteSession:
         max_log_bytes: int = DEFAULT_MAX_LOG_BYTES,
         failover_attempts: int = DEFAULT_FAILOVER_ATTEMPTS,
         private: bool = False,
+        standby: StandbyLink | None = None,
+        checkpoint_to: CheckpointPlacement | str | None = None,
     ) -> None:
-        if reconnect is None and (checkpoint_interval, checkpoint_store) != (None, None):
+        if reconnect is None and (checkpoint_interval, checkpoint_store, standby) != (None,) * 3:
             raise ValueError("checkpoints serve failover: pass reconnect= to use them")
+        self._placement = _placement(checkpoint_to, standby)
         if failover_attempts < 1:
             raise ValueError("failover_attempts must be at least 1")
         self._channel = channel
@@ -162,6 +175,11 @@ class RemoteSession:
         self._checkpoint_bytes = 0
         self._checkpoint_read_bytes = 0
         self._last_checkpoint_s: float | None = None
+        self._standby = standby
+        #: The latest checkpoint the standby holds, once one is copied there.
+        self._hosted: HostCheckpoint | None = None
+        #: Bytes the new host pulled from other hosts at the last failover's restore.
+        self._restore_pulled_bytes = 0
         self._streaming = 0
         #: Called with a ``TransferProgress`` every few seconds of a long transfer (upload,
         #: read, checkpoint, restore); None prints a status line (``print_progress``).
@@ -498,8 +516,10 @@ class RemoteSession:
         except OSError as exc:  # the store's disk: the checkpoint reads them instead
             log.warning("cumulus: could not keep an upload for checkpoints: %s", exc)
 
-    def checkpoint(self) -> Checkpoint:
-        """Take a checkpoint now (a sync point), keep it in the store and return it.
+    def checkpoint(self) -> Checkpoint | HostCheckpoint:
+        """Take a checkpoint now (a sync point), keep it where the placement says and
+        return it: a ``Checkpoint`` of the consumer's store, or with a standby only, the
+        ``HostCheckpoint`` once the standby holds it.
 
         The replay log restarts empty. Needs failover on (``reconnect=``).
 
@@ -511,14 +531,26 @@ class RemoteSession:
             raise ValueError("checkpoints serve failover: create the session with reconnect=")
         with self._lock:
             self.synchronize()
+            if self._standby is not None:
+                self._standby.wait()
+                self._take_hosted()
             checkpoint = None
             while checkpoint is None:  # a host lost mid-way: the next one is checkpointed
                 checkpoint = self._take_checkpoint()
+            if isinstance(checkpoint, HostCheckpoint):
+                self._standby.wait()
+                self._take_hosted()
             return checkpoint
 
     def _maybe_checkpoint(self, *, at_sync_point: bool) -> None:
         if self._streaming:
             return
+        self._take_hosted()
+        if self._standby is not None and self._standby.busy:
+            if self._log.nbytes < self._policy.max_log_bytes:
+                return  # the next checkpoint waits for the standby to hold the last one
+            self._standby.wait()
+            self._take_hosted()
         now = time.monotonic()
         if self._policy.due(now=now, log_bytes=self._log.nbytes, at_sync_point=at_sync_point):
             try:
@@ -527,7 +559,49 @@ class RemoteSession:
                 log.warning("cumulus: could not store a checkpoint: %s", exc)
                 self._policy.taken(now=now)
 
-    def _take_checkpoint(self) -> Checkpoint | None:
+    def _take_hosted(self) -> None:
+        """Count the checkpoint the standby finished copying: the log restarts from it."""
+        finished = None if self._standby is None else self._standby.take_finished()
+        if finished is None:
+            return
+        self._hosted = finished
+        if finished.seq > self._log.after_seq:
+            self._log.reset(finished.seq)
+
+    def _take_checkpoint(self) -> Checkpoint | HostCheckpoint | None:
+        """Take a checkpoint where the placement says; None if the host was lost meanwhile."""
+        hosted = None
+        if self._placement.on_standby:
+            hosted = self._keep_on_host()
+        if self._placement.on_consumer or (hosted is None and not self._standby_usable()):
+            return self._read_checkpoint()
+        return hosted
+
+    def _standby_usable(self) -> bool:
+        return self._standby is not None and self._standby.failures == 0
+
+    def _keep_on_host(self) -> HostCheckpoint | None:
+        """Have the host keep a checkpoint and the standby copy it, in the background.
+        None when that cannot be done here (the consumer's disk takes it instead)."""
+        address = getattr(self._channel, "peer_address", None)
+        token = self.info.get("token")
+        if self._standby is None or address is None or not isinstance(token, str):
+            log.warning("cumulus: this channel cannot name its host to a standby")
+            return None
+        started = time.perf_counter()
+        frees, self._frees = self._frees, []
+        seq, parts = self._encode([], frees, ["checkpoint", {"keep": True}], [])
+        manifest = parse_manifest(*self._read_reply(self._exchange(parts, seq), seq))
+        hosted = HostCheckpoint(seq, manifest, (Source(address, grant_of(token)),))
+        self._standby.replicate(hosted)
+        self._policy.taken(now=time.monotonic())
+        self._checkpoints += 1
+        self._checkpoint_bytes = hosted.nbytes
+        self._checkpoint_read_bytes = 0
+        self._last_checkpoint_s = time.perf_counter() - started
+        return hosted
+
+    def _read_checkpoint(self) -> Checkpoint | None:
         """Read every storage and the RNG state; None if the host was lost meanwhile.
 
         Runs right after a reply, when no op is queued, so the frees still pending can go
@@ -657,20 +731,40 @@ class RemoteSession:
         self.info = {**self.info, "token": None}
 
     def _restore(self, channel: FrameChannel, info: dict) -> None:
-        """Upload the latest checkpoint into the fresh session on ``channel``."""
+        """Rebuild the latest checkpoint in the fresh session on ``channel``: from the
+        hosts that keep it when the standby holds it, else uploaded from the store."""
         if self._log.after_seq == 0:
             return  # no checkpoint yet: the log replays the session from its start
+        hosted = self._hosted
+        if hosted is not None and hosted.seq == self._log.after_seq:
+            self._pull_hosted(channel, hosted)
+            with_rng = _rng_fits(info, hosted.manifest.device)
+            batches = restore_named_batches(hosted.manifest, with_rng=with_rng)
+            self._send_restore(channel, hosted.seq, batches, total=0)
+            return
         checkpoint = self._store.load()
         if checkpoint is None or checkpoint.seq != self._log.after_seq:
             raise FailoverError("the checkpoint store no longer holds the latest checkpoint")
-        same_rng = info.get("device") == checkpoint.device
-        if not same_rng:
-            why = "cumulus: a %s executor cannot take a %s RNG state; random draws will differ"
-            log.warning(why, info.get("device"), checkpoint.device)
-        seq = checkpoint.seq
-        budget = _chunk(channel)
-        progress = self.progress("restore", checkpoint.nbytes)
-        for ops, blobs in restore_batches(checkpoint, with_rng=same_rng, budget=budget):
+        with_rng = _rng_fits(info, checkpoint.device)
+        batches = restore_batches(checkpoint, with_rng=with_rng, budget=_chunk(channel))
+        self._send_restore(channel, checkpoint.seq, batches, total=checkpoint.nbytes)
+
+    def _pull_hosted(self, channel: FrameChannel, hosted: HostCheckpoint) -> None:
+        """Have the fresh host pull ``hosted``'s pieces from the hosts that keep it."""
+        sources = [[s.address, s.grant] for s in hosted.sources]
+        channel.send_frame(encode_frame(["pull", {"sources": sources, "digests": hosted.digests}]))
+        header, _ = decode_frame(channel.recv_frame())
+        result = header[1] if header[0] == "pulled" and len(header) == 2 else None
+        if not isinstance(result, dict) or result.get("error") is not None:
+            why = result.get("error") if isinstance(result, dict) else header
+            raise FailoverError(f"the new host could not pull the checkpoint: {why}")
+        self._restore_pulled_bytes = result.get("fetched_bytes", 0)
+
+    def _send_restore(
+        self, channel: FrameChannel, seq: int, batches: Iterator, *, total: int
+    ) -> None:
+        progress = self.progress("restore", total)
+        for ops, blobs in batches:
             header = ["batch", seq, ops, [], None, [len(b) for b in blobs]]
             channel.send_frame(encode_frame(header, blobs))
             self.advance(progress, sum(len(b) for b in blobs))
@@ -706,6 +800,7 @@ class RemoteSession:
     def failover_statistics(self) -> FailoverStatistics:
         """Failovers and checkpoints so far, and the replay log's size now."""
         log_ = self._log
+        copies = [] if self._standby is None else self._standby.replications
         return FailoverStatistics(
             failovers=self.failovers,
             cache_resumes=self._cache_resumes,
@@ -717,6 +812,10 @@ class RemoteSession:
             checkpoint_read_bytes=self._checkpoint_read_bytes,
             log_frames=0 if log_ is None else len(log_),
             log_bytes=0 if log_ is None else log_.nbytes,
+            replicated_checkpoints=len(copies),
+            last_replication_bytes=copies[-1].fetched_bytes if copies else 0,
+            last_replication_s=copies[-1].seconds if copies else None,
+            restore_pulled_bytes=self._restore_pulled_bytes,
         )
 
     def close(self) -> None:
@@ -733,6 +832,8 @@ class RemoteSession:
             finally:
                 self.closed = True
                 self._channel.close()
+                if self._standby is not None:
+                    self._standby.close()
 
 
 class _Named:
@@ -775,6 +876,26 @@ def stream_chunk(channel: FrameChannel) -> int:
 def _chunk(channel: FrameChannel) -> int:
     """Tensor bytes per frame while moving a checkpoint: well inside the frame limit."""
     return max(1, min(TRANSFER_CHUNK, channel.max_frame // 2))
+
+
+def _rng_fits(info: dict, device: str) -> bool:
+    """Whether a checkpoint's RNG state, from ``device``, fits the executor of ``info``."""
+    if info.get("device") == device:
+        return True
+    why = "cumulus: a %s executor cannot take a %s RNG state; random draws will differ"
+    log.warning(why, info.get("device"), device)
+    return False
+
+
+def _placement(
+    choice: CheckpointPlacement | str | None, standby: StandbyLink | None
+) -> CheckpointPlacement:
+    if choice is None:
+        return CheckpointPlacement.CONSUMER if standby is None else CheckpointPlacement.STANDBY
+    placement = CheckpointPlacement(choice)
+    if placement.on_standby and standby is None:
+        raise ValueError(f"checkpoint_to={placement.value!r} needs a standby=")
+    return placement
 
 
 def _welcome_info(header: list) -> dict:

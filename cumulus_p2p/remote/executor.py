@@ -31,6 +31,7 @@ import trio
 from .._errors import FrameTooLargeError, RemoteProtocolError, SessionClosedError
 from ..channel.transport import DEFAULT_MAX_FRAME, AsyncFrameChannel, TrioFrameChannel
 from ..executor_options import GraphCompiler
+from . import blobservice
 from .blobstore import BlobStore
 from .graph_compiler import GraphRunner
 from .health import DeviceHealth
@@ -139,6 +140,8 @@ class Executor:
             max_bytes=self.config.cache_bytes, grace=self.config.cache_grace
         )
         self._attached: dict[str, _Attached] = {}
+        #: Each live or parked session by its grant (``blobservice.grant_of`` its token).
+        self._grants: dict[str, ExecutorSession] = {}
         self.scheduler = scheduler if scheduler is not None else DeviceScheduler()
         self._welcome_extra = welcome_extra or {}
         self._context_lost = context_lost
@@ -186,9 +189,14 @@ class Executor:
         session: ExecutorSession | None = None
         park = False
         try:
+            header, _ = decode_frame(await channel.receive_frame())
+            if header[0] == blobservice.HELLO:
+                await blobservice.serve_blobs(channel, header, self._granted)
+                return
             limit = min(quota_bytes or self.config.quota_bytes, self.config.quota_bytes)
-            token, session = await self._open(channel, session_id, limit)
+            token, session = await self._open(channel, header, session_id, limit)
             self.sessions[session_id] = session
+            self._grants[blobservice.grant_of(token)] = session
             park = await self._serve_attached(channel, token, session, rank, until)
         except RemoteProtocolError as exc:
             log.info("session %d: protocol error: %s", session_id, exc)
@@ -212,10 +220,11 @@ class Executor:
     # --- opening: hello or resume ---------------------------------------------------------
 
     async def _open(
-        self, channel: AsyncFrameChannel, session_id: int, limit: int
+        self, channel: AsyncFrameChannel, header: list, session_id: int, limit: int
     ) -> tuple[str, ExecutorSession]:
-        for _ in range(MAX_REFUSALS + 1):
-            header, _ = decode_frame(await channel.receive_frame())
+        for refused in range(MAX_REFUSALS + 1):
+            if refused:
+                header, _ = decode_frame(await channel.receive_frame())
             if header[0] == "resume":
                 token = _resume_token(header)
                 session = await self._take(token, _owner(channel))
@@ -236,6 +245,16 @@ class Executor:
             await channel.send_frame(encode_frame(["welcome", PROTOCOL_VERSION, info]))
             return token, session
         raise RemoteProtocolError(f"more than {MAX_REFUSALS} refused resumes on one connection")
+
+    def _granted(self, grant: str) -> Callable[[str], memoryview | None] | None:
+        """The kept pieces of the session ``grant`` opens (``blobservice.py``)."""
+        session = self._grants.get(grant)
+        return None if session is None else session.kept.piece
+
+    def _forget(self, session: ExecutorSession) -> None:
+        """A session is gone for good: release it and close its grant."""
+        session.close()
+        self._grants = {g: s for g, s in self._grants.items() if s is not session}
 
     def _info(self, session_id: int, session: ExecutorSession, token: str) -> dict:
         return {
@@ -308,6 +327,13 @@ class Executor:
                 # A sync point's short tail: a thread hop would cost more than the ops.
                 inline = batch.light
                 reply = await self._on_device(session.run_batch, batch, inline=inline, rank=rank)
+            elif header[0] == "pull":
+                if len(header) != 2:
+                    raise RemoteProtocolError("pull takes one map of sources and digests")
+                await channel.send_frame(
+                    encode_frame(["pulled", await self._pull(session, header[1])])
+                )
+                continue
             elif header[0] == "have":
                 if len(header) != 2:
                     raise RemoteProtocolError("have takes one list of digests")
@@ -321,6 +347,22 @@ class Executor:
                 await channel.send_frame(_encode_reply(reply))
                 if reply.error is not None and self._context_lost and self._context_lost():
                     raise _ContextLost(reply.error[2])
+
+    async def _pull(self, session: ExecutorSession, options: Any) -> dict:
+        """Fetch pieces from other hosts into this host's store and hold them for the
+        session (a standby's checkpoint; a failover's state); what it did, or why not."""
+        sources, names = blobservice.parse_pull(options)
+        store = self.ctx.blobs
+        if store is None:
+            return {"error": "this host keeps no blob store (start it with --blob-dir)"}
+        try:
+            pulled = await blobservice.pull(store, sources, names, max_frame=self.config.max_frame)
+            error = None
+        except blobservice.PullError as exc:
+            pulled, error = exc.pulled, f"{exc}; {'; '.join(exc.pulled.dropped) or 'no source'}"
+        held = await trio.to_thread.run_sync(session.hold, names)
+        result = {"fetched_bytes": pulled.fetched_bytes, "fetched": pulled.fetched, "held": held}
+        return result | {"dropped": pulled.dropped, "error": error}
 
     async def _on_device(self, fn, *args, inline: bool = False, rank: tuple = DEFAULT_RANK) -> Any:
         # A free device is taken without a checkpoint, which saves a trip through trio's
@@ -344,9 +386,9 @@ class Executor:
             now = trio.current_time()
             dropped = self.cache.park(token, session, nbytes, now=now, owner=_owner(channel))
             for old in dropped:
-                old.close()
+                self._forget(old)
         else:
-            session.close()
+            self._forget(session)
         if attached is not None and attached.session is session:
             del self._attached[token]
             attached.released.set()
@@ -354,7 +396,7 @@ class Executor:
 
     def _expire_parked(self) -> None:
         for session in self.cache.expire(now=trio.current_time()):
-            session.close()
+            self._forget(session)
 
     async def expire_parked_forever(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED

@@ -138,6 +138,13 @@ class FailoverStatistics:
     checkpoint_read_bytes: int
     log_frames: int
     log_bytes: int
+    #: Checkpoints the standby finished copying, and what the last copy fetched (only the
+    #: pieces it lacked) and took (seconds; the session trained on meanwhile).
+    replicated_checkpoints: int = 0
+    last_replication_bytes: int = 0
+    last_replication_s: float | None = None
+    #: Bytes the new host pulled from other hosts for the last failover's restore.
+    restore_pulled_bytes: int = 0
 
 
 # --- taking a checkpoint -----------------------------------------------------------------
@@ -313,6 +320,35 @@ def restore_batches(
             size += len(piece)
     if with_rng:
         rng = checkpoint.rng_state
+        ops.append(["@rng", [CpuTensorRef(torch.uint8, (len(rng),), len(blobs))], {}, None])
+        blobs.append(rng)
+    yield ops, blobs
+
+
+def restore_named_batches(
+    manifest: Manifest, *, with_rng: bool, per_batch: int = 64
+) -> Iterator[tuple[list, list[memoryview]]]:
+    """The op records that rebuild a checkpoint kept by hosts, from the pieces the fresh
+    host's store holds (pulled there first), per frame of at most ``per_batch`` pieces.
+
+    Each piece becomes an ``@restore`` record naming it by digest; an empty storage gets
+    one with empty inline bytes, so its handle exists; ``@rng`` comes last, inline.
+    """
+    ops: list = []
+    blobs: list[memoryview] = []
+    for entry in manifest.storages:
+        if not entry.digests:
+            data = CpuTensorRef(torch.uint8, (0,), len(blobs))
+            blobs.append(memoryview(b""))
+            ops.append(["@restore", [entry.handle, entry.dtype, 0, 0, data], {}, None])
+        for index, name in enumerate(entry.digests):
+            if len(ops) >= per_batch:
+                yield ops, blobs
+                ops, blobs = [], []
+            args = [entry.handle, entry.dtype, entry.nbytes, index * PIECE, name]
+            ops.append(["@restore", args, {}, None])
+    if with_rng:
+        rng = manifest.rng_state
         ops.append(["@rng", [CpuTensorRef(torch.uint8, (len(rng),), len(blobs))], {}, None])
         blobs.append(rng)
     yield ops, blobs

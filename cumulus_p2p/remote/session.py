@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,7 @@ from .handles import (
     anchor_over,
     raw_bytes,
 )
+from .kept import KeptPieces
 from .ops import UnknownOpError, resolve_op
 from .protocol import (
     CpuTensorRef,
@@ -168,6 +170,8 @@ class SessionStats:
     #: Graph calls that ran code compiled for the device (``graph_compiler.py``).
     compiled_graph_runs: int = 0
     storages: int = 0
+    #: Bytes checkpoints kept here copied: the pieces changed since the previous one.
+    kept_copied_bytes: int = 0
 
 
 class ExecutorSession:
@@ -179,6 +183,8 @@ class ExecutorSession:
         #: A private session's blobs are used, never kept in the host's store.
         self.private = private
         self._pins: dict[str, PinnedBlob] = {}  # what the last ``have`` found, held
+        #: Checkpoint pieces kept for a standby to pull, or pulled for this session.
+        self.kept = KeptPieces()
         self.rng_state: torch.Tensor | None = None
         self.stats = SessionStats()
         self._handles = HandleTable(self.device, self.stats, quota_bytes=quota_bytes)
@@ -369,7 +375,9 @@ class ExecutorSession:
         """``@restore [handle, dtype, nbytes, start, data]``: one piece of a storage's bytes.
 
         The piece at ``start`` 0 creates the storage (a new handle, within quota); later
-        pieces fill the same storage and must repeat its dtype and size.
+        pieces fill the same storage and must repeat its dtype and size. ``data`` is the
+        bytes (inline uint8), or the digest of a whole ``PIECE`` that this host's store
+        holds (a standby's checkpoint, pulled here before the restore).
         """
         if not (isinstance(args, list) and len(args) == 5):
             raise OpFailed(
@@ -384,9 +392,15 @@ class ExecutorSession:
             raise OpFailed(
                 ErrorKind.VALUE, "@restore: size and start must be non-negative integers"
             )
-        if type(data) is not CpuTensorRef or data.dtype != torch.uint8 or len(data.sizes) != 1:
-            raise OpFailed(ErrorKind.PROTOCOL_ERROR, "@restore: data must be inline uint8 bytes")
-        piece = _inline_tensor(data, blobs)
+        if is_digest(data) and start % PIECE == 0 and start < nbytes:
+            piece = self._stored_blob(data, min(PIECE, nbytes - start))
+        elif type(data) is CpuTensorRef and data.dtype == torch.uint8 and len(data.sizes) == 1:
+            piece = _inline_tensor(data, blobs)
+        else:
+            raise OpFailed(
+                ErrorKind.PROTOCOL_ERROR,
+                "@restore: data must be inline uint8 bytes or the digest of a whole piece",
+            )
         if start + piece.numel() > nbytes:
             raise OpFailed(
                 ErrorKind.INDEX,
@@ -449,6 +463,18 @@ class ExecutorSession:
                 if pinned is not None:
                     self._pins[value] = pinned
         return [v in self._pins for v in values]
+
+    def hold(self, names: list[str]) -> int:
+        """Pin the blobs ``names`` of the host's store for this session, in place of those
+        held before (a standby keeps its latest checkpoint so); returns how many it holds."""
+        store = self.ctx.blobs
+        pins = {}
+        for name in names:
+            pinned = None if store is None else store.pin(name)
+            if pinned is not None:
+                pins[name] = pinned
+        self.kept.hold(pins)
+        return len(pins)
 
     def _unpin(self) -> None:
         for pinned in self._pins.values():
@@ -695,8 +721,9 @@ class ExecutorSession:
             return None, []
         if kind == "rng" and len(query) == 1:
             return None, [_tensor_bytes(self.ctx.generator().get_state())]
-        if kind == "checkpoint" and len(query) == 1:
-            return self._manifest(), [_tensor_bytes(self.ctx.generator().get_state())]
+        if kind == "checkpoint" and len(query) in (1, 2):
+            keep = len(query) == 2 and query[1] == {"keep": True}
+            return self._manifest(keep=keep), [_tensor_bytes(self.ctx.generator().get_state())]
         if kind == "read" and len(query) == 2:
             return None, self._read(query[1])
         raise OpFailed(ErrorKind.PROTOCOL_ERROR, f"unknown query {query!r}")
@@ -712,14 +739,34 @@ class ExecutorSession:
             )
         return tensor
 
-    def _manifest(self) -> dict:
+    def _manifest(self, *, keep: bool = False) -> dict:
         """Every live storage: handle, dtype, size and the digests of its ``PIECE``s, so
-        the client reads only the pieces it does not hold from an earlier checkpoint."""
-        storages = [
-            [h, e.anchor.dtype, e.capacity, _piece_digests(e.anchor, e.capacity)]
-            for h, e in self._handles.items()
-        ]
+        the client reads only the pieces it does not hold from an earlier checkpoint.
+
+        ``keep``: the pieces stay here too (``kept.py``), copied now, for a standby to
+        pull while the op stream goes on; the grant to them is in the reply.
+        """
+        storages: list[list] = []
+        pieces = self._named_pieces(storages)
+        if keep:
+            self.stats.kept_copied_bytes += self.kept.snapshot(pieces)
+        else:
+            for _ in pieces:  # digests only: each piece's bytes go as soon as it is named
+                pass
         return {"device": str(self.device), "storages": storages}
+
+    def _named_pieces(self, storages: list[list]) -> Iterator[tuple[str, memoryview]]:
+        """Each live storage's ``PIECE``s with their digests, one at a time (a GPU
+        storage crosses to host memory a piece at a time); ``storages`` gets the manifest
+        entry of each, its digests complete once its last piece is out."""
+        for handle, entry in self._handles.items():
+            names: list[str] = []
+            storages.append([handle, entry.anchor.dtype, entry.capacity, names])
+            for start in range(0, entry.capacity, PIECE):
+                length = min(PIECE, entry.capacity - start)
+                data = _tensor_bytes(raw_bytes(entry.anchor, start, length))
+                names.append(digest(data))
+                yield names[-1], data
 
     def _read(self, ranges: Any) -> list[memoryview]:
         """The bytes ``[[handle, start, length], ...]`` of whole storages, for a checkpoint."""
@@ -808,6 +855,7 @@ class ExecutorSession:
         self._handles.clear()
         self._graphs.clear()
         self._unpin()
+        self.kept.close()
         self.ctx.forget(self)
 
 
@@ -850,14 +898,6 @@ def _inline_tensor(ref: CpuTensorRef, blobs: list[memoryview]) -> torch.Tensor:
     if numel == 0:
         return torch.empty(ref.sizes, dtype=ref.dtype)
     return aligned_bytes(blob).view(ref.dtype).reshape(ref.sizes)
-
-
-def _piece_digests(anchor: torch.Tensor, nbytes: int) -> list[str]:
-    # One piece at a time: a GPU storage crosses to host memory a piece at a time too.
-    return [
-        digest(_tensor_bytes(raw_bytes(anchor, start, min(PIECE, nbytes - start))))
-        for start in range(0, nbytes, PIECE)
-    ]
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:

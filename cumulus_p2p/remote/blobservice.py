@@ -1,0 +1,275 @@
+"""Blobs between hosts: serving a session's kept pieces to a grant, and pulling them.
+
+Theory of operation
+-------------------
+A checkpoint kept on the host side (``kept.py``) reaches another host without touching
+the consumer's link: the consumer tells the other host to *pull* it (the ``pull`` message
+of a session, handled by ``executor.py``) from the hosts that keep it, naming each piece
+by digest. The puller dials each source's executor port and opens a blob connection::
+
+    -> ["blobs", version, {"grant": grant}]
+    <- ["ready"]                      or ["refused", why] and the connection ends
+    -> ["get", [digest, ...]]         at most GET_PIECES digests
+    <- ["blobs", [length, ...]] + the pieces' bytes
+                                      or ["refused", why]: some piece is not granted
+    -> ["bye"]
+
+A grant names one session (``grant_of`` its token, which only its consumer knows), and a
+source serves only the pieces that session keeps: a peer without the grant, or asking for
+pieces the grant does not cover, gets nothing.
+
+The puller trusts no source: every piece is checked against its digest before the store
+keeps it (``BlobStore.put``). A source that refuses, fails or sends bytes that are not
+what they are named is dropped, and the pieces still missing are asked of the next one.
+Pieces are written to the store in a thread while the next ones arrive, so the disk and
+the link work at once; memory in flight is bounded by two windows of ``GET_PIECES``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import blake3
+import trio
+
+from .._errors import BlobMismatchError, RemoteProtocolError, SessionClosedError
+from ..channel.transport import AsyncFrameChannel, TrioFrameChannel
+from .blobs import PIECE, is_digest
+from .blobstore import BlobStore
+from .protocol import PROTOCOL_VERSION, decode_frame, encode_frame, split_blobs
+
+log = logging.getLogger(__name__)
+
+#: What a source may do wrong: be unreachable, refuse, stall, or send garbage.
+_SOURCE_ERRORS = (OSError, RemoteProtocolError, SessionClosedError, trio.TooSlowError)
+
+#: First word of a blob connection, where a session's would be ``hello`` or ``resume``.
+HELLO = "blobs"
+#: Pieces asked for in one ``get``: 64 MiB, a quarter of the default frame limit.
+GET_PIECES = 4
+#: Most digests one ``pull`` may name: a 16 TiB state.
+MAX_PULL = 1024 * 1024
+#: Seconds a source may take to answer a ``get`` before the puller moves on.
+GET_TIMEOUT = 120.0
+
+
+def grant_of(token: str) -> str:
+    """The grant that opens a session's kept pieces to another host: derived from the
+    session's token, so it names the session without letting anyone resume it."""
+    return blake3.blake3(b"cumulus-grant\x00" + token.encode()).hexdigest()
+
+
+# --- serving ---------------------------------------------------------------------------
+
+
+async def serve_blobs(
+    channel: AsyncFrameChannel, header: list, find: Callable[[str], Callable | None]
+) -> None:
+    """Serve one blob connection whose first message was ``header``.
+
+    ``find(grant)`` is the ``piece(digest) -> bytes | None`` of the session the grant
+    names, or None when no session here has it.
+    """
+    grant = _hello_grant(header)
+    piece = find(grant)
+    if piece is None:
+        await channel.send_frame(encode_frame(["refused", "no session here has that grant"]))
+        return
+    await channel.send_frame(encode_frame(["ready"]))
+    while True:
+        request, _ = decode_frame(await channel.receive_frame())
+        if request == ["bye"]:
+            return
+        names = _get_names(request)
+        found = await trio.to_thread.run_sync(_look_up, piece, names)
+        missing = sum(f is None for f in found)
+        if missing:
+            why = f"{missing} of the {len(names)} pieces asked for are not granted to you"
+            await channel.send_frame(encode_frame(["refused", why]))
+            continue
+        await channel.send_frame(encode_frame(["blobs", [len(f) for f in found]], found))
+
+
+def _look_up(piece: Callable, names: list[str]) -> list[memoryview | None]:
+    found = []
+    for name in names:
+        try:
+            found.append(piece(name))
+        except BlobMismatchError as exc:  # damaged on disk: dropped, never served
+            log.warning("blob service: %s", exc)
+            found.append(None)
+    return found
+
+
+def _hello_grant(header: list) -> str:
+    ok = len(header) == 3 and header[1] == PROTOCOL_VERSION and isinstance(header[2], dict)
+    grant = header[2].get("grant") if ok else None
+    if not is_digest(grant):
+        raise RemoteProtocolError(
+            f'a blob connection opens with ["blobs", {PROTOCOL_VERSION}, {{"grant": hex}}]'
+        )
+    return grant
+
+
+def _get_names(request: list) -> list[str]:
+    ok = len(request) == 2 and request[0] == "get" and isinstance(request[1], list)
+    if not ok or not 0 < len(request[1]) <= GET_PIECES or not all(map(is_digest, request[1])):
+        raise RemoteProtocolError(f'expected ["get", [1 to {GET_PIECES} digests]] or ["bye"]')
+    return request[1]
+
+
+# --- pulling ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Source:
+    """A host that keeps pieces of a session, and the grant that opens them."""
+
+    address: str  # host:port of its executor
+    grant: str
+
+
+@dataclass
+class Pulled:
+    """What a pull did: bytes fetched and kept, and why sources were dropped."""
+
+    fetched_bytes: int = 0
+    fetched: int = 0
+    already_held: int = 0
+    dropped: list[str] = field(default_factory=list)
+
+
+class PullError(Exception):
+    """Some pieces could be had from no source; ``pulled`` says what was done."""
+
+    def __init__(self, message: str, pulled: Pulled) -> None:
+        super().__init__(message)
+        self.pulled = pulled
+
+
+def parse_pull(options: object) -> tuple[list[Source], list[str]]:
+    """Validate a ``pull`` message's ``{"sources": [[address, grant], ...], "digests":
+    [...]}``.
+
+    Raises:
+        RemoteProtocolError: it is not that shape.
+    """
+    ok = isinstance(options, dict) and isinstance(options.get("sources"), list)
+    names = options.get("digests") if ok else None
+    if not ok or not isinstance(names, list) or len(names) > MAX_PULL:
+        raise RemoteProtocolError(
+            f'pull takes {{"sources": [[host:port, grant], ...], "digests": [...]}} with at '
+            f"most {MAX_PULL} digests"
+        )
+    sources = []
+    for entry in options["sources"]:
+        good = isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
+        if not good or not is_digest(entry[1]) or ":" not in entry[0]:
+            raise RemoteProtocolError(f"a pull source is [host:port, grant], not {entry!r}")
+        sources.append(Source(entry[0], entry[1]))
+    if not all(is_digest(n) for n in names):
+        raise RemoteProtocolError("pull names pieces by digest: 64 lower-case hex digits each")
+    return sources, list(dict.fromkeys(names))
+
+
+async def pull(
+    store: BlobStore, sources: Sequence[Source], names: Sequence[str], *, max_frame: int
+) -> Pulled:
+    """Fetch into ``store`` every piece of ``names`` it lacks, from ``sources`` in order.
+
+    Raises:
+        PullError: some pieces are in no source (its ``pulled`` says what was kept).
+    """
+    pulled = Pulled()
+    missing = [n for n in names if n not in store]
+    pulled.already_held = len(names) - len(missing)
+    for source in sources:
+        if not missing:
+            break
+        try:
+            missing = await _pull_from(store, source, missing, pulled, max_frame)
+        except _SOURCE_ERRORS as exc:
+            why = f"{source.address}: {exc}"
+            log.warning("blob pull: dropped source %s", why)
+            pulled.dropped.append(why)
+    if missing:
+        raise PullError(f"{len(missing)} pieces could be had from no source", pulled)
+    return pulled
+
+
+async def _pull_from(
+    store: BlobStore, source: Source, names: list[str], pulled: Pulled, max_frame: int
+) -> list[str]:
+    """Fetch ``names`` from one source; returns those still missing."""
+    host, _, port = source.address.rpartition(":")
+    stream = await trio.open_tcp_stream(host.strip("[]"), int(port))
+    channel = TrioFrameChannel(stream, max_frame=max_frame)
+    kept: set[str] = set()
+    try:
+        await channel.send_frame(encode_frame([HELLO, PROTOCOL_VERSION, {"grant": source.grant}]))
+        answer, _ = decode_frame(await channel.receive_frame())
+        if answer != ["ready"]:
+            raise RemoteProtocolError(f"refused the grant: {answer[1:]}")
+        # Errors are collected, not raised, inside the nursery: a source's failure is an
+        # answer to act on (the next source), not a crash to unwind.
+        errors: list[Exception] = []
+        send, receive = trio.open_memory_channel[list](1)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_keep_pieces, store, receive, kept, pulled, errors)
+            async with send:
+                try:
+                    for start in range(0, len(names), GET_PIECES):
+                        window = names[start : start + GET_PIECES]
+                        blobs = await _get(channel, window)
+                        if errors:
+                            break
+                        await send.send(list(zip(window, blobs, strict=True)))
+                except _SOURCE_ERRORS as exc:
+                    errors.append(exc)
+        if errors:
+            raise errors[0]
+        await channel.send_frame(encode_frame(["bye"]))
+    finally:
+        await channel.aclose()
+    return [n for n in names if n not in kept]
+
+
+async def _get(channel: AsyncFrameChannel, names: list[str]) -> list[memoryview]:
+    with trio.fail_after(GET_TIMEOUT):
+        await channel.send_frame(encode_frame(["get", names]))
+        header, area = decode_frame(await channel.receive_frame())
+    if header[0] != "blobs" or len(header) != 2:
+        raise RemoteProtocolError(f"refused a get: {header[1:]}")
+    blobs = split_blobs(area, header[1])
+    if len(blobs) != len(names) or any(len(b) > PIECE for b in blobs):
+        raise RemoteProtocolError("answered a get with the wrong number or size of pieces")
+    return blobs
+
+
+async def _keep_pieces(
+    store: BlobStore,
+    receive: trio.MemoryReceiveChannel,
+    kept: set[str],
+    pulled: Pulled,
+    errors: list[Exception],
+) -> None:
+    """Check and store the pieces that arrive, in a thread, while the next ones do; after
+    an error, only drain what arrives."""
+    async with receive:
+        async for window in receive:
+            for name, data in window:
+                if errors:
+                    break
+                try:
+                    if not await trio.to_thread.run_sync(store.put, name, data):
+                        raise OSError(f"this host's blob store has no room for piece {name[:16]}")
+                except BlobMismatchError as exc:
+                    errors.append(RemoteProtocolError(f"sent bytes that are not their name: {exc}"))
+                except OSError as exc:
+                    errors.append(exc)
+                else:
+                    kept.add(name)
+                    pulled.fetched += 1
+                    pulled.fetched_bytes += len(data)

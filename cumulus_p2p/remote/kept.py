@@ -1,0 +1,100 @@
+"""What a host keeps of one session for other hosts: checkpoint pieces, served by grant.
+
+Theory of operation
+-------------------
+With a standby (``standby.py``), a checkpoint stays on the host side: the consumer's link
+carries only the manifest of digests. Two hosts keep pieces for a session:
+
+- The **primary**, the host that runs the session, keeps its latest checkpoint's pieces in
+  memory (``snapshot``), copied at the checkpoint's sync point: the op stream then goes on
+  writing the live storages while the standby pulls the copy. A piece unchanged since the
+  last checkpoint is the same bytes and is not copied again, so a frozen base costs its
+  hashing only.
+- The **standby** pulls them into its blob store and keeps them pinned there (``hold``),
+  so its store's cap never evicts the checkpoint it stands by for.
+
+Either serves a piece only to a peer that presents the session's *grant*
+(``blobservice.grant_of``), which only the consumer can hand out: these pieces are the
+consumer's private state, never announced, and a peer asking for one without the grant
+gets nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+from .blobstore import PinnedBlob
+
+
+class KeptPieces:
+    """A session's pieces kept for other hosts: a snapshot in memory, and pinned blobs.
+
+    Read from the blob service's threads while the session's thread replaces them, so the
+    maps are swapped whole under a lock and never changed in place.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._memory: dict[str, memoryview] = {}
+        self._pins: dict[str, PinnedBlob] = {}
+
+    def snapshot(self, pieces: Iterable[tuple[str, memoryview]]) -> int:
+        """Keep ``(digest, bytes)`` pieces in place of the previous snapshot; bytes are
+        copied unless the previous snapshot held the piece. Returns the bytes copied."""
+        with self._lock:
+            old = self._memory
+        new: dict[str, memoryview] = {}
+        copied = 0
+        for name, data in pieces:
+            if name in new:
+                continue
+            held = old.get(name)
+            if held is None:
+                held = memoryview(bytearray(data))
+                copied += len(held)
+            new[name] = held
+        with self._lock:
+            self._memory = new
+        return copied
+
+    def hold(self, pins: dict[str, PinnedBlob]) -> None:
+        """Keep ``pins`` (blobs in the host's store) in place of those held before."""
+        with self._lock:
+            old, self._pins = self._pins, dict(pins)
+        for name, pinned in old.items():
+            if self._pins.get(name) is not pinned:
+                pinned.close()
+
+    def names(self) -> set[str]:
+        """Every piece kept, in memory or pinned."""
+        with self._lock:
+            return set(self._memory) | set(self._pins)
+
+    def nbytes(self) -> int:
+        """Bytes of the snapshot in memory."""
+        with self._lock:
+            return sum(len(v) for v in self._memory.values())
+
+    def piece(self, name: str) -> memoryview | None:
+        """The bytes of piece ``name`` if it is kept here, checked when read from disk.
+
+        Raises:
+            BlobMismatchError: the pinned blob is damaged on disk.
+        """
+        with self._lock:
+            data = self._memory.get(name)
+            pinned = self._pins.get(name)
+        if data is not None:
+            return data
+        if pinned is None:
+            return None
+        buffer = memoryview(bytearray(pinned.size))
+        pinned.read_into(buffer)
+        return buffer
+
+    def close(self) -> None:
+        """Let go of everything kept."""
+        self.hold({})
+        with self._lock:
+            self._memory = {}

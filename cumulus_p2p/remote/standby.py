@@ -1,0 +1,182 @@
+"""A standby: a second host that keeps a session's checkpoints off the consumer's link.
+
+Theory of operation
+-------------------
+Without a standby, every checkpoint's changed pieces cross the consumer's link to its
+disk, and a failover uploads them again to the new host (``failover.py``). A home uplink
+makes both slow: a gigabyte of state takes minutes each way.
+
+With one, the consumer keeps only the manifest of digests:
+
+1. At a checkpoint the primary host copies the pieces that changed into memory and names
+   every piece (``["checkpoint", {"keep": true}]``, ``kept.py``); the op stream goes on.
+2. The consumer tells the standby to pull them from the primary, host to host
+   (``blobservice.py``), in the background. The standby keeps them pinned in its store.
+3. Only when the standby has them all does the checkpoint count: the replay log is cut
+   there (``HostCheckpoint.seq``). Until then the previous one stands, so a host lost
+   mid-copy costs a longer replay, never the state. A checkpoint does not start while
+   the previous one is still being copied.
+4. At failover, the consumer tells the fresh host to pull the state from the standby
+   (from nowhere, if the fresh host is the standby), then restores it by digest.
+
+``CheckpointPlacement`` is the consumer's choice (``--checkpoint-to``): the consumer's
+disk, the standby, or both (then either may restore the session, whichever holds the
+latest checkpoint).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from .._errors import CumulusError, SessionClosedError
+from ..channel.transport import FrameChannel
+from .blobservice import Source, grant_of
+from .failover import Manifest
+from .protocol import PROTOCOL_VERSION, decode_frame, encode_frame
+
+log = logging.getLogger(__name__)
+
+#: Memory a standby's session asks for: it holds blobs on disk, never tensors.
+STANDBY_QUOTA = 1
+
+
+class CheckpointPlacement(enum.Enum):
+    """Where a session's checkpoints are kept."""
+
+    CONSUMER = "consumer"
+    STANDBY = "standby"
+    BOTH = "both"
+
+    @property
+    def on_standby(self) -> bool:
+        return self is not CheckpointPlacement.CONSUMER
+
+    @property
+    def on_consumer(self) -> bool:
+        return self is not CheckpointPlacement.STANDBY
+
+
+@dataclass(frozen=True)
+class HostCheckpoint:
+    """A checkpoint kept on the host side: what the consumer keeps of it is this."""
+
+    seq: int
+    manifest: Manifest
+    #: Hosts that keep its pieces, and the grants that open them.
+    sources: tuple[Source, ...]
+
+    @property
+    def digests(self) -> list[str]:
+        return [name for entry in self.manifest.storages for name in entry.digests]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(entry.nbytes for entry in self.manifest.storages)
+
+
+@dataclass(frozen=True)
+class Replication:
+    """One finished copy to the standby: how many bytes it fetched, and how long it took."""
+
+    seq: int
+    fetched_bytes: int
+    seconds: float
+
+
+class StandbyError(CumulusError):
+    """The standby could not keep a checkpoint."""
+
+
+class StandbyLink:
+    """The consumer's session with its standby host: it copies checkpoints there.
+
+    Each copy runs in a thread of its own (the standby pulls while training goes on);
+    ``close`` waits for it.
+    """
+
+    def __init__(self, channel: FrameChannel, *, address: str) -> None:
+        """``channel``: a fresh connection to the standby's executor, at ``address``
+        (``host:port``, as the other hosts reach it)."""
+        self.address = address
+        self._channel = channel
+        channel.send_frame(encode_frame(["hello", PROTOCOL_VERSION, {"quota": STANDBY_QUOTA}]))
+        header, _ = decode_frame(channel.recv_frame())
+        if header[0] != "welcome" or not isinstance(header[2], dict):
+            raise StandbyError(f"the standby at {address} refused the session: {header[1:]}")
+        self.source = Source(address, grant_of(header[2]["token"]))
+        self._thread: threading.Thread | None = None
+        self._finished: HostCheckpoint | None = None
+        self.replications: list[Replication] = []
+        self.failures = 0
+
+    @property
+    def busy(self) -> bool:
+        """A copy is under way."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def replicate(self, checkpoint: HostCheckpoint) -> None:
+        """Start copying ``checkpoint``'s pieces to the standby.
+
+        Raises:
+            StandbyError: the previous copy has not finished.
+        """
+        if self.busy:
+            raise StandbyError("the previous checkpoint is still being copied")
+        self._thread = threading.Thread(
+            target=self._copy, args=(checkpoint,), name="cumulus-standby", daemon=True
+        )
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Wait for the copy under way, if any."""
+        if self._thread is not None:
+            self._thread.join()
+
+    def take_finished(self) -> HostCheckpoint | None:
+        """The latest checkpoint the standby now holds, once: None if none finished since
+        the last call. Its only source is the standby."""
+        if self.busy:
+            return None
+        finished, self._finished = self._finished, None
+        return finished
+
+    def close(self) -> None:
+        """Wait for the copy under way, then end the standby's session."""
+        self.wait()
+        try:
+            self._channel.send_frame(encode_frame(["bye"]))
+        except SessionClosedError:
+            pass
+        self._channel.close()
+
+    def _copy(self, checkpoint: HostCheckpoint) -> None:
+        started = time.perf_counter()
+        sources = [[s.address, s.grant] for s in checkpoint.sources]
+        request = {"sources": sources, "digests": checkpoint.digests}
+        try:
+            self._channel.send_frame(encode_frame(["pull", request]))
+            header, _ = decode_frame(self._channel.recv_frame())
+        except (SessionClosedError, CumulusError) as exc:
+            self._failed(checkpoint, f"lost the standby: {exc}")
+            return
+        result = header[1] if header[0] == "pulled" and len(header) == 2 else None
+        if not isinstance(result, dict) or result.get("error") is not None:
+            why = result.get("error") if isinstance(result, dict) else header
+            self._failed(checkpoint, str(why))
+            return
+        seconds = time.perf_counter() - started
+        self.replications.append(Replication(checkpoint.seq, result["fetched_bytes"], seconds))
+        self._finished = HostCheckpoint(checkpoint.seq, checkpoint.manifest, (self.source,))
+
+    def _failed(self, checkpoint: HostCheckpoint, why: str) -> None:
+        self.failures += 1
+        log.warning(
+            "cumulus: the standby at %s did not keep checkpoint %d (%s); the previous one stands",
+            self.address,
+            checkpoint.seq,
+            why,
+        )
