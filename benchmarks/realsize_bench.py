@@ -98,6 +98,12 @@ QUICK = Size(vocab=12_288, dim=1024, checkpoint_interval_s=3.0)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="48 MiB instead of 1 GiB (~2 min)")
+    parser.add_argument(
+        "--checkpoint-to",
+        choices=["standby", "consumer", "both"],
+        default="standby",
+        help="where checkpoints go (consumer: the placement before standbys existed)",
+    )
     parser.add_argument("--consumer", help=argparse.SUPPRESS)  # the consumer's role: JSON
     args = parser.parse_args()
     if args.consumer:
@@ -105,16 +111,17 @@ def main() -> None:
         return
     # SIGTERM unwinds like Ctrl-C, so the executors stop and the namespaces go.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    result = run(QUICK if args.quick else FULL, quick=args.quick)
+    result = run(QUICK if args.quick else FULL, quick=args.quick, checkpoint_to=args.checkpoint_to)
     text = json.dumps(result, indent=2)
     print(text)
-    name = "realsize_quick.json" if args.quick else "realsize.json"
+    placement = "" if args.checkpoint_to == "standby" else f"_{args.checkpoint_to}"
+    name = f"realsize{placement}{'_quick' if args.quick else ''}.json"
     (RESULTS / name).write_text(text + "\n")
 
 
-def run(size: Size, *, quick: bool) -> dict:
-    with shaped_mesh(hosts=2, consumer_mbit=100, host_mbit=1000) as mesh:
-        c, (a, b) = mesh.consumer, mesh.hosts
+def run(size: Size, *, quick: bool, checkpoint_to: str) -> dict:
+    with shaped_mesh(hosts=3, consumer_mbit=100, host_mbit=1000) as mesh:
+        c, (a, b, fresh) = mesh.consumer, mesh.hosts
         progress("checking the shaping with one TCP stream per link")
         result = {
             "quick": quick,
@@ -123,14 +130,18 @@ def run(size: Size, *, quick: bool) -> dict:
             "consumer_link_mbit_measured": round(measure_mbit(c, a, seconds=2.0), 1),
             "host_link_mbit_measured": round(measure_mbit(a, b, seconds=2.0), 1),
             "checkpoint_interval_s": size.checkpoint_interval_s,
+            "checkpoint_to": checkpoint_to,
         }
         with tempfile.TemporaryDirectory() as work, ExitStack() as stack:
             address_a, proc_a = stack.enter_context(executor_in(a, Path(work) / "a"))
             address_b, _ = stack.enter_context(executor_in(b, Path(work) / "b"))
+            address_c, _ = stack.enter_context(executor_in(fresh, Path(work) / "c"))
             plan = {
                 "size": asdict(size),
+                "checkpoint_to": checkpoint_to,
                 "host_a": address_a,
-                "host_b": address_b,
+                "standby": address_b,
+                "host_c": address_c,
                 "kill_pid": proc_a.pid,
                 "consumer_mbit": mesh.consumer_mbit,
                 "host_mbit": mesh.host_mbit,
@@ -191,23 +202,63 @@ def progress(message: str) -> None:
 # --- the consumer (its own namespace) ------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Hosts:
+    """Where the consumer's sessions go: host A runs sessions 1 and 2, the standby keeps
+    checkpoints (with ``--checkpoint-to standby`` or ``both``), host C takes the failover
+    and session 3. ``checkpoints`` is the consumer's checkpoint directory."""
+
+    a: str
+    standby: str
+    c: str
+    checkpoint_to: str
+    checkpoints: Path
+
+    def attach(self, address: str, interval: float, name: str):
+        """``remote.attach`` as a consumer node does it: failover on (to host C),
+        checkpoints on a clock, the consumer's in a directory shared with the previous
+        session (``node.attach.attach_leased``)."""
+        store = DirectoryCheckpointStore(self.checkpoints, name=name, keep_others=1)
+
+        def dial():
+            host, port = self.c.split(":")
+            return SocketFrameChannel.connect(host, int(port))
+
+        on_standby = self.checkpoint_to != "consumer"
+        return remote.attach(
+            address,
+            reconnect=dial,
+            checkpoint_interval=interval,
+            checkpoint_store=store,
+            standby=self.standby if on_standby else None,
+            checkpoint_to=self.checkpoint_to,
+        )
+
+
 def consume(
-    *, size: dict, host_a: str, host_b: str, kill_pid: int, consumer_mbit: float, host_mbit: float
+    *,
+    size: dict,
+    checkpoint_to: str,
+    host_a: str,
+    standby: str,
+    host_c: str,
+    kill_pid: int,
+    consumer_mbit: float,
+    host_mbit: float,
 ) -> dict:
     interface_bytes()  # fail now, not mid-run, if this is not the mesh's namespace
     checkpoints = Path(tempfile.mkdtemp(prefix="realsize-consumer-"))
+    hosts = Hosts(host_a, standby, host_c, checkpoint_to, checkpoints)
     size = Size(**size)
     param_bytes = model_bytes(size)
     result = {"param_bytes": param_bytes, "largest_tensor_bytes": size.vocab * size.dim * 4}
     floor_s = param_bytes * 8 / (consumer_mbit * 1e6)
-    first, losses = fresh_host(size, host_a, host_b, checkpoints)
+    first, losses = fresh_host(size, hosts)
     result |= {"first_step_floor_s": round(floor_s, 2), **first}
     result["first_step_over_floor"] = round(first["first_step_s"] / floor_s, 3)
     result["first_step_upload_over_floor"] = round(first["first_step_upload_s"] / floor_s, 3)
-    result |= second_session(
-        size, host_a, host_b, kill_pid, losses, param_bytes, host_mbit, checkpoints
-    )
-    result |= adapters(size, host_b, checkpoints)
+    result |= second_session(size, hosts, kill_pid, losses, param_bytes, host_mbit)
+    result |= adapters(size, hosts)
     shutil.rmtree(checkpoints, ignore_errors=True)
     return result
 
@@ -350,29 +401,12 @@ def checkpoint_link_bytes(cycle: list[Step]) -> int:
     return cycle[-1].link_bytes - ordinary[len(ordinary) // 2]
 
 
-def attach(address: str, reconnect_to: str, interval: float, checkpoints: Path, name: str):
-    """``remote.attach`` as a consumer node does it: failover on, checkpoints on a clock, in
-    a directory shared with the previous session (``node.attach.attach_leased``)."""
-    store = DirectoryCheckpointStore(checkpoints, name=name, keep_others=1)
-
-    def dial(where: str):
-        host, port = where.split(":")
-        return SocketFrameChannel.connect(host, int(port))
-
-    return remote.attach(
-        channel=dial(address),
-        reconnect=lambda: dial(reconnect_to),
-        checkpoint_interval=interval,
-        checkpoint_store=store,
-    )
-
-
-def fresh_host(size: Size, host_a: str, host_b: str, checkpoints: Path) -> tuple[dict, list[float]]:
+def fresh_host(size: Size, hosts: Hosts) -> tuple[dict, list[float]]:
     """Session 1: the first step on a host that never saw the model, then a checkpoint
     cycle. Returns its figures and every step's loss (session 2's reference)."""
     progress(f"session 1 on a fresh host: uploading {size.vocab * size.dim * 4 / 2**20:.0f} MiB")
     trainer = Trainer(size)
-    with attach(host_a, host_b, size.checkpoint_interval_s, checkpoints, "one") as session:
+    with hosts.attach(hosts.a, size.checkpoint_interval_s, "one") as session:
         start = time.perf_counter()
         trainer.place()
         upload_s = time.perf_counter() - start
@@ -395,20 +429,18 @@ def fresh_host(size: Size, host_a: str, host_b: str, checkpoints: Path) -> tuple
 
 def second_session(
     size: Size,
-    host_a: str,
-    host_b: str,
+    hosts: Hosts,
     kill_pid: int,
     reference: list[float],
     param_bytes: int,
     host_mbit: float,
-    checkpoints: Path,
 ) -> dict:
     """Session 2 on the same host: its first step's link bytes; then SIGKILL of the host a
     few steps after a checkpoint, and the failover to host B."""
     progress("session 2 on the same host")
     trainer = Trainer(size)
     rx0, tx0 = interface_bytes()
-    with attach(host_a, host_b, size.checkpoint_interval_s, checkpoints, "two") as session:
+    with hosts.attach(hosts.a, size.checkpoint_interval_s, "two") as session:
         start = time.perf_counter()
         trainer.place()
         steps = [metered_step(trainer, session)]
@@ -423,6 +455,7 @@ def second_session(
         "second_session_consumer_tx_share": round(tx / param_bytes, 4),
         "second_session_consumer_rx_share": round(rx / param_bytes, 4),
         "failover_cold_restores": stats.cold_restores,
+        "failover_restore_pulled_bytes": stats.restore_pulled_bytes,
         **failover_figures(failed_over, stats.last_failover_s, host_mbit),
         "losses_identical": int([s.loss for s in steps[:compared]] == reference[:compared]),
         "losses_compared": compared,
@@ -434,6 +467,9 @@ def kill_mid_run(trainer: Trainer, session, kill_pid: int, steps: list[Step]) ->
     the step that failed over (``steps`` gets every step)."""
     if steps[-1].checkpoint_s is None:
         steps += until_checkpoint(trainer, session)
+    # A checkpoint counts once the standby holds it; a host lost while it copies would
+    # restore from the one before (and replay longer). Not timed: no step runs meanwhile.
+    session.wait_for_standby()
     steps += [metered_step(trainer, session) for _ in range(STEPS_BEFORE_KILL)]
     progress(f"SIGKILL of host A (pid {kill_pid}), {STEPS_BEFORE_KILL} steps after a checkpoint")
     os.kill(kill_pid, signal.SIGKILL)
@@ -458,20 +494,26 @@ def failover_figures(failed_over: Step, resume_s: float, host_mbit: float) -> di
     }
 
 
-def adapters(size: Size, host_b: str, checkpoints: Path) -> dict:
-    """Session 3: the base frozen, LoRA adapters trained with Adam; one checkpoint cycle."""
+def adapters(size: Size, hosts: Hosts) -> dict:
+    """Session 3: the base frozen, LoRA adapters trained with Adam; one checkpoint cycle.
+    Its checkpoint's bytes are those moved anywhere: read to the consumer, copied to the
+    standby (only the pieces it lacked)."""
     progress("session 3: frozen base, small adapters")
     trainer = Trainer(size, adapters=True)
-    with attach(host_b, host_b, size.checkpoint_interval_s, checkpoints, "three") as session:
+    with hosts.attach(hosts.c, size.checkpoint_interval_s, "three") as session:
         trainer.place()
         cycle, _ = checkpoint_cycle(trainer, session, [metered_step(trainer, session)])
+        session.wait_for_standby()
+        copied = session.failover_statistics().last_replication_bytes
         trained = trainer.trained_state_bytes()
+    moved = cycle[-1].checkpoint_read_bytes + copied
     return {
         "adapter_state_bytes": trained,
         "adapter_checkpoint_bytes": cycle[-1].checkpoint_bytes,
         "adapter_checkpoint_read_bytes": cycle[-1].checkpoint_read_bytes,
+        "adapter_checkpoint_copied_bytes": copied,
         "adapter_checkpoint_link_bytes": checkpoint_link_bytes(cycle),
-        "adapter_checkpoint_bytes_ratio": round(cycle[-1].checkpoint_read_bytes / trained, 2),
+        "adapter_checkpoint_bytes_ratio": round(moved / trained, 2),
     }
 
 

@@ -79,7 +79,10 @@ async def serve_blobs(
         return
     await channel.send_frame(encode_frame(["ready"]))
     while True:
-        request, _ = decode_frame(await channel.receive_frame())
+        try:
+            request, _ = decode_frame(await channel.receive_frame())
+        except SessionClosedError:  # a puller that has what it came for may just hang up
+            return
         if request == ["bye"]:
             return
         names = _get_names(request)

@@ -531,26 +531,36 @@ class RemoteSession:
             raise ValueError("checkpoints serve failover: create the session with reconnect=")
         with self._lock:
             self.synchronize()
-            if self._standby is not None:
-                self._standby.wait()
-                self._take_hosted()
+            self.wait_for_standby()
             checkpoint = None
             while checkpoint is None:  # a host lost mid-way: the next one is checkpointed
                 checkpoint = self._take_checkpoint()
-            if isinstance(checkpoint, HostCheckpoint):
+            kept = self.wait_for_standby() if isinstance(checkpoint, HostCheckpoint) else None
+            if isinstance(checkpoint, HostCheckpoint) and (
+                kept is None or kept.seq != checkpoint.seq
+            ):
+                checkpoint = None  # the standby could not keep it: the consumer does
+                while checkpoint is None:
+                    checkpoint = self._read_checkpoint()
+            return checkpoint
+
+    def wait_for_standby(self) -> HostCheckpoint | None:
+        """Wait until the standby holds the latest checkpoint taken; return the latest it
+        holds (None: none yet, or no standby)."""
+        with self._lock:
+            if self._standby is not None:
                 self._standby.wait()
                 self._take_hosted()
-            return checkpoint
+            return self._hosted
 
     def _maybe_checkpoint(self, *, at_sync_point: bool) -> None:
         if self._streaming:
             return
         self._take_hosted()
         if self._standby is not None and self._standby.busy:
-            if self._log.nbytes < self._policy.max_log_bytes:
-                return  # the next checkpoint waits for the standby to hold the last one
-            self._standby.wait()
-            self._take_hosted()
+            # The next checkpoint waits for the standby to hold this one, and the log
+            # cannot be cut before: it grows by what the stream sends during one copy.
+            return
         now = time.monotonic()
         if self._policy.due(now=now, log_bytes=self._log.nbytes, at_sync_point=at_sync_point):
             try:
@@ -571,14 +581,12 @@ class RemoteSession:
     def _take_checkpoint(self) -> Checkpoint | HostCheckpoint | None:
         """Take a checkpoint where the placement says; None if the host was lost meanwhile."""
         hosted = None
-        if self._placement.on_standby:
+        # A standby that failed once gets no more checkpoints: the consumer keeps them.
+        if self._placement.on_standby and self._standby.failures == 0:
             hosted = self._keep_on_host()
-        if self._placement.on_consumer or (hosted is None and not self._standby_usable()):
+        if self._placement.on_consumer or hosted is None:
             return self._read_checkpoint()
         return hosted
-
-    def _standby_usable(self) -> bool:
-        return self._standby is not None and self._standby.failures == 0
 
     def _keep_on_host(self) -> HostCheckpoint | None:
         """Have the host keep a checkpoint and the standby copy it, in the background.
@@ -819,21 +827,23 @@ class RemoteSession:
         )
 
     def close(self) -> None:
-        """End the session; the executor releases all of its memory. Idempotent."""
+        """End the session; the executor releases all of its memory. With a standby, a
+        checkpoint still being copied is copied first. Idempotent."""
         with self._lock:
             if self.closed:
                 return
             self._reconnect = None  # leaving: a lost host just ends the session now
             try:
                 self.flush()
+                if self._standby is not None:
+                    # The copy under way reads from this session: let it finish first.
+                    self._standby.close()
                 self._channel.send_frame(encode_frame(["bye"]))
             except SessionClosedError:
                 pass
             finally:
                 self.closed = True
                 self._channel.close()
-                if self._standby is not None:
-                    self._standby.close()
 
 
 class _Named:

@@ -1,0 +1,256 @@
+"""Checkpoints kept off the consumer's link: the host keeps them, a standby host copies
+them host to host, and a failover pulls the state from the standby. Hosts are real
+executor processes with blob stores; "vanishing" is SIGKILL."""
+
+from __future__ import annotations
+
+import secrets
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+
+import cumulus_p2p.remote as remote
+from cumulus_p2p.channel.transport import SocketFrameChannel, TrioFrameChannel
+from cumulus_p2p.remote.blobs import digest
+from cumulus_p2p.remote.blobservice import (
+    HELLO,
+    PullError,
+    Source,
+    grant_of,
+    pull,
+    serve_blobs,
+)
+from cumulus_p2p.remote.blobstore import BlobStore
+from cumulus_p2p.remote.checkpoint import Checkpoint
+from cumulus_p2p.remote.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
+from cumulus_p2p.remote.standby import HostCheckpoint
+from cumulus_p2p.testing.executor import executor_process
+from cumulus_p2p.testing.models import TASKS
+
+MiB = 1024 * 1024
+
+
+def host(tmp_path: Path, name: str):
+    """A real executor process with a blob store of its own."""
+    return executor_process(quota="2GiB", extra=["--blob-dir", str(tmp_path / name)])
+
+
+def dial(address: str):
+    host_, port = address.split(":")
+    return lambda: SocketFrameChannel.connect(host_, int(port))
+
+
+def train(steps: int, on_step=lambda i: None):
+    """The transformer task on cumulus for ``steps`` steps; losses and final weights."""
+    spec = TASKS["transformer"]
+    torch.manual_seed(0)
+    model = spec.make_model().to("cumulus")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(2)
+    losses = []
+    for i in range(steps):
+        x, y = spec.make_batch(gen)
+        opt.zero_grad()
+        loss = spec.loss(model(x.to("cumulus")), y.to("cumulus"))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        on_step(i)
+    return losses, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def assert_same_run(got, expected) -> None:
+    (losses, params), (ref_losses, ref_params) = got, expected
+    assert losses == ref_losses
+    for name, value in ref_params.items():
+        assert torch.equal(params[name], value), name
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    """Three hosts: the primary (killed by tests that need it dead: so per test below),
+    a standby and a fresh one, and the uninterrupted run to compare with."""
+    root = tmp_path_factory.mktemp("standby-hosts")
+    with host(root, "standby") as (standby, _), host(root, "fresh") as (fresh, _):
+        with remote.attach(standby):
+            reference = train(10)
+        yield standby, fresh, reference
+
+
+def checkpoint_then_kill(session, primary, *, at: int = 3, kill_at: int = 6):
+    def on_step(i: int) -> None:
+        if i == at:
+            assert isinstance(session.checkpoint(), HostCheckpoint)
+        if i == kill_at:
+            primary.kill()
+            primary.wait()
+
+    return on_step
+
+
+# --- failover through the standby ------------------------------------------------------------
+
+
+def test_a_host_killed_mid_run_resumes_on_a_fresh_host_from_the_standby(tmp_path, hosts):
+    standby, fresh, reference = hosts
+    with host(tmp_path, "primary") as (primary, proc):
+        with remote.attach(primary, reconnect=dial(fresh), standby=standby) as session:
+            got = train(10, checkpoint_then_kill(session, proc))
+            stats = session.failover_statistics()
+    assert_same_run(got, reference)
+    assert stats.cold_restores == 1
+    assert stats.checkpoint_read_bytes == 0  # nothing of the state came to the consumer
+    assert stats.restore_pulled_bytes == stats.checkpoint_bytes  # the fresh host pulled it all
+
+
+def test_failing_over_to_the_standby_itself_pulls_nothing(tmp_path, hosts):
+    standby, _, reference = hosts
+    with host(tmp_path, "primary") as (primary, proc):
+        with remote.attach(primary, reconnect=dial(standby), standby=standby) as session:
+            got = train(10, checkpoint_then_kill(session, proc))
+            stats = session.failover_statistics()
+    assert_same_run(got, reference)
+    assert stats.cold_restores == 1
+    assert stats.restore_pulled_bytes == 0
+
+
+def test_the_standby_copies_only_the_pieces_it_lacks(tmp_path, hosts):
+    standby, fresh, _ = hosts
+    with remote.attach(fresh, reconnect=dial(fresh), standby=standby) as session:
+        frozen = torch.randn(6 * MiB).to("cumulus")  # 24 MiB: two pieces, never written
+        trained = torch.zeros(1024).to("cumulus")
+        session.checkpoint()
+        first = session.failover_statistics().last_replication_bytes
+        trained += 1.0
+        session.checkpoint()
+        second = session.failover_statistics().last_replication_bytes
+        assert frozen.cpu().shape == (6 * MiB,)
+    assert first >= 24 * MiB
+    assert second <= 4096  # the one storage that changed
+
+
+def test_a_checkpoint_counts_only_once_the_standby_holds_it(tmp_path, hosts):
+    _, fresh, _ = hosts
+    with host(tmp_path, "primary") as (primary, _), host(tmp_path, "standby") as (standby, sp):
+        with remote.attach(primary, reconnect=dial(fresh), standby=standby) as session:
+            x = torch.ones(4).to("cumulus")
+            session.checkpoint()
+            kept = session.failover_statistics().replicated_checkpoints
+            sp.kill()
+            sp.wait()
+            x += 1
+            # The standby is gone: this checkpoint goes to the consumer's store instead.
+            assert isinstance(session.checkpoint(), Checkpoint)
+            assert session.failover_statistics().replicated_checkpoints == kept == 1
+            assert x.cpu().tolist() == [2.0] * 4
+
+
+def test_checkpoints_on_a_standby_need_one():
+    with pytest.raises(ValueError, match="needs a standby"):
+        remote.RemoteSession(None, reconnect=lambda: None, checkpoint_to="standby")
+
+
+# --- who may fetch what ----------------------------------------------------------------------
+
+
+def _blob_connection(address: str, grant: str) -> tuple[SocketFrameChannel, list]:
+    channel = dial(address)()
+    channel.send_frame(encode_frame([HELLO, PROTOCOL_VERSION, {"grant": grant}]))
+    header, _ = decode_frame(channel.recv_frame())
+    return channel, header
+
+
+def test_a_peer_without_the_grant_gets_nothing(tmp_path, hosts):
+    standby, fresh, _ = hosts
+    with remote.attach(fresh, reconnect=dial(fresh), standby=standby) as session:
+        x = torch.arange(1024, dtype=torch.float32).to("cumulus")
+        checkpoint = session.checkpoint()
+        (kept,) = checkpoint.digests
+        channel, header = _blob_connection(fresh, secrets.token_hex(32))
+        assert header[0] == "refused"
+        channel.close()
+
+        channel, header = _blob_connection(fresh, grant_of(session.info["token"]))
+        assert header == ["ready"]
+        channel.send_frame(encode_frame(["get", [digest(b"not kept here")]]))
+        refused, _ = decode_frame(channel.recv_frame())
+        assert refused[0] == "refused"
+        channel.send_frame(encode_frame(["get", [kept]]))
+        answer, area = decode_frame(channel.recv_frame())
+        assert answer[0] == "blobs" and digest(area[: answer[1][0]]) == kept
+        channel.close()
+        assert x.cpu()[-1] == 1023
+
+
+def test_a_malformed_pull_ends_only_that_session_with_a_reason(hosts):
+    standby, _, _ = hosts
+    channel = dial(standby)()
+    channel.send_frame(encode_frame(["hello", PROTOCOL_VERSION, {}]))
+    assert decode_frame(channel.recv_frame())[0][0] == "welcome"
+    channel.send_frame(encode_frame(["pull", {"sources": [["nowhere", "x"]], "digests": []}]))
+    header, _ = decode_frame(channel.recv_frame())
+    assert header[0] == "fatal" and "pull source" in header[1]
+    channel.close()
+    with remote.attach(standby):  # the host serves on
+        assert torch.ones(2).to("cumulus").cpu().tolist() == [1.0, 1.0]
+
+
+# --- pulling from untrusted sources ----------------------------------------------------------
+
+
+PIECES = {digest(data): data for data in (b"a" * 5000, b"b" * 7000, b"c" * 3)}
+GRANT = digest(b"the grant")
+
+
+async def _source(nursery: trio.Nursery, serve) -> str:
+    """A blob source on loopback; ``serve(name)`` says what it answers for a piece."""
+
+    async def handler(stream: trio.SocketStream) -> None:
+        channel = TrioFrameChannel(stream)
+        header, _ = decode_frame(await channel.receive_frame())
+        await serve_blobs(channel, header, lambda grant: serve if grant == GRANT else None)
+
+    listeners = await nursery.start(partial(trio.serve_tcp, host="127.0.0.1"), handler, 0)
+    return f"127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+
+
+async def test_a_source_sending_garbage_is_dropped_and_the_next_one_serves(tmp_path):
+    store = BlobStore(tmp_path, cap=MiB)
+    async with trio.open_nursery() as nursery:
+        liar = await _source(nursery, lambda name: memoryview(b"x" * len(PIECES[name])))
+        honest = await _source(nursery, lambda name: memoryview(PIECES[name]))
+        sources = [Source(liar, GRANT), Source(honest, GRANT)]
+        pulled = await pull(store, sources, list(PIECES), max_frame=8 * MiB)
+        nursery.cancel_scope.cancel()
+    assert pulled.fetched == len(PIECES)
+    assert len(pulled.dropped) == 1 and liar in pulled.dropped[0]
+    for name, data in PIECES.items():
+        pinned = store.pin(name)
+        buffer = memoryview(bytearray(pinned.size))
+        pinned.read_into(buffer)
+        pinned.close()
+        assert bytes(buffer) == data
+
+
+async def test_a_pull_no_source_can_serve_fails_and_keeps_no_garbage(tmp_path):
+    store = BlobStore(tmp_path, cap=MiB)
+    async with trio.open_nursery() as nursery:
+        liar = await _source(nursery, lambda name: memoryview(b"x" * len(PIECES[name])))
+        with pytest.raises(PullError, match="no source"):
+            await pull(store, [Source(liar, GRANT)], list(PIECES), max_frame=8 * MiB)
+        nursery.cancel_scope.cancel()
+    assert store.statistics().blobs == 0
+
+
+async def test_a_source_refuses_a_wrong_grant(tmp_path):
+    store = BlobStore(tmp_path, cap=MiB)
+    async with trio.open_nursery() as nursery:
+        honest = await _source(nursery, lambda name: memoryview(PIECES[name]))
+        with pytest.raises(PullError) as failed:
+            await pull(store, [Source(honest, digest(b"guess"))], list(PIECES), max_frame=MiB)
+        nursery.cancel_scope.cancel()
+    assert "refused the grant" in failed.value.pulled.dropped[0]
+    assert store.statistics().blobs == 0
