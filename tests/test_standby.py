@@ -33,9 +33,10 @@ from cumulus_p2p.testing.models import TASKS
 MiB = 1024 * 1024
 
 
-def host(tmp_path: Path, name: str):
+def host(tmp_path: Path, name: str, *flags: str):
     """A real executor process with a blob store of its own."""
-    return executor_process(quota="2GiB", extra=["--blob-dir", str(tmp_path / name)])
+    extra = ["--blob-dir", str(tmp_path / name), *flags]
+    return executor_process(quota="2GiB", extra=extra)
 
 
 def dial(address: str):
@@ -104,6 +105,19 @@ def test_a_host_killed_mid_run_resumes_on_a_fresh_host_from_the_standby(tmp_path
     assert stats.cold_restores == 1
     assert stats.checkpoint_read_bytes == 0  # nothing of the state came to the consumer
     assert stats.restore_pulled_bytes == stats.checkpoint_bytes  # the fresh host pulled it all
+
+
+def test_a_host_running_each_session_in_a_worker_serves_its_pieces_from_that_worker(
+    tmp_path, hosts
+):
+    standby, fresh, reference = hosts
+    with host(tmp_path, "primary", "--worker-per-session") as (primary, proc):
+        with remote.attach(primary, reconnect=dial(fresh), standby=standby) as session:
+            got = train(10, checkpoint_then_kill(session, proc))
+            stats = session.failover_statistics()
+    assert_same_run(got, reference)
+    assert stats.replicated_checkpoints == 1
+    assert stats.restore_pulled_bytes == stats.checkpoint_bytes
 
 
 def test_failing_over_to_the_standby_itself_pulls_nothing(tmp_path, hosts):

@@ -16,7 +16,9 @@ else.
 - **Routing.** A ``hello`` goes to a pooled worker. A ``resume`` goes to the worker that
   welcomed that session token (the worker reports each token it welcomes); an unknown
   token goes to a pooled worker, which refuses it as an executor would, and the consumer
-  says ``hello`` on the same connection.
+  says ``hello`` on the same connection. A blob connection (``blobservice.py``: another
+  host pulling a session's checkpoint) goes to the worker of the session its grant
+  names, which keeps the pieces.
 - **What the supervisor still answers for** (``_Handed``). A secure-channel resume that
   reaches the node is passed to the session's worker with its new connection, and a
   provider's close (a paused lease) is passed on as a message. The worker reports the
@@ -66,6 +68,7 @@ import trio
 
 from .._errors import FrameTooLargeError, RemoteProtocolError, SessionClosedError
 from ..channel.transport import AsyncFrameChannel, Handover, HandoverError, frame_header
+from . import blobservice
 from .executor import ExecutorConfig, pick_device, send_last, serve_plain_tcp
 from .health import CHECK_TIMEOUT_S, DeviceHealth
 from .protocol import decode_frame
@@ -611,6 +614,12 @@ class WorkerSupervisor:
             if owner is not None:
                 owner.rank = rank  # a renewed lease may rank differently
                 return owner
+        if header[0] == blobservice.HELLO and len(header) == 3 and isinstance(header[2], dict):
+            # Another host pulling a session's kept pieces: they live in its worker.
+            grant = header[2].get("grant")
+            for token, owner in self._tokens.items():
+                if blobservice.grant_of(token) == grant:
+                    return owner
         return await self._take_worker(rank)
 
     async def _take_worker(self, rank: tuple) -> _Worker:
