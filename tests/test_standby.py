@@ -1,6 +1,7 @@
 """Checkpoints kept off the consumer's link: the host keeps them, a standby host copies
 them host to host, and a failover pulls the state from the standby. Hosts are real
-executor processes with blob stores; "vanishing" is SIGKILL."""
+executor processes with blob stores (the slow tier: each test starts several); "vanishing"
+is SIGKILL."""
 
 from __future__ import annotations
 
@@ -95,10 +96,15 @@ def checkpoint_then_kill(session, primary, *, at: int = 3, kill_at: int = 6):
 # --- failover through the standby ------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_host_killed_mid_run_resumes_on_a_fresh_host_from_the_standby(tmp_path, hosts):
-    standby, fresh, reference = hosts
-    with host(tmp_path, "primary") as (primary, proc):
-        with remote.attach(primary, reconnect=dial(fresh), standby=standby) as session:
+    *_, reference = hosts
+    # Hosts of its own: the shared ones may already hold these pieces from another test.
+    with host(tmp_path, "primary") as (primary, proc), host(tmp_path, "standby") as (standby, _):
+        with (
+            host(tmp_path, "fresh") as (fresh, _),
+            remote.attach(primary, reconnect=dial(fresh), standby=standby) as session,
+        ):
             got = train(10, checkpoint_then_kill(session, proc))
             stats = session.failover_statistics()
     assert_same_run(got, reference)
@@ -107,12 +113,19 @@ def test_a_host_killed_mid_run_resumes_on_a_fresh_host_from_the_standby(tmp_path
     assert stats.restore_pulled_bytes == stats.checkpoint_bytes  # the fresh host pulled it all
 
 
+@pytest.mark.slow
 def test_a_host_running_each_session_in_a_worker_serves_its_pieces_from_that_worker(
     tmp_path, hosts
 ):
-    standby, fresh, reference = hosts
-    with host(tmp_path, "primary", "--worker-per-session") as (primary, proc):
-        with remote.attach(primary, reconnect=dial(fresh), standby=standby) as session:
+    *_, reference = hosts
+    with (
+        host(tmp_path, "primary", "--worker-per-session") as (primary, proc),
+        host(tmp_path, "standby") as (standby, _),
+    ):
+        with (
+            host(tmp_path, "fresh") as (fresh, _),
+            remote.attach(primary, reconnect=dial(fresh), standby=standby) as session,
+        ):
             got = train(10, checkpoint_then_kill(session, proc))
             stats = session.failover_statistics()
     assert_same_run(got, reference)
@@ -120,6 +133,7 @@ def test_a_host_running_each_session_in_a_worker_serves_its_pieces_from_that_wor
     assert stats.restore_pulled_bytes == stats.checkpoint_bytes
 
 
+@pytest.mark.slow
 def test_failing_over_to_the_standby_itself_pulls_nothing(tmp_path, hosts):
     standby, _, reference = hosts
     with host(tmp_path, "primary") as (primary, proc):
@@ -131,6 +145,7 @@ def test_failing_over_to_the_standby_itself_pulls_nothing(tmp_path, hosts):
     assert stats.restore_pulled_bytes == 0
 
 
+@pytest.mark.slow
 def test_the_standby_copies_only_the_pieces_it_lacks(tmp_path, hosts):
     standby, fresh, _ = hosts
     with remote.attach(fresh, reconnect=dial(fresh), standby=standby) as session:
@@ -146,6 +161,7 @@ def test_the_standby_copies_only_the_pieces_it_lacks(tmp_path, hosts):
     assert second <= 4096  # the one storage that changed
 
 
+@pytest.mark.slow
 def test_a_checkpoint_counts_only_once_the_standby_holds_it(tmp_path, hosts):
     _, fresh, _ = hosts
     with host(tmp_path, "primary") as (primary, _), host(tmp_path, "standby") as (standby, sp):
@@ -177,6 +193,7 @@ def _blob_connection(address: str, grant: str) -> tuple[SocketFrameChannel, list
     return channel, header
 
 
+@pytest.mark.slow
 def test_a_peer_without_the_grant_gets_nothing(tmp_path, hosts):
     standby, fresh, _ = hosts
     with remote.attach(fresh, reconnect=dial(fresh), standby=standby) as session:
@@ -199,6 +216,7 @@ def test_a_peer_without_the_grant_gets_nothing(tmp_path, hosts):
         assert x.cpu()[-1] == 1023
 
 
+@pytest.mark.slow
 def test_a_malformed_pull_ends_only_that_session_with_a_reason(hosts):
     standby, _, _ = hosts
     channel = dial(standby)()

@@ -21,8 +21,10 @@ pieces the grant does not cover, gets nothing.
 The puller trusts no source: every piece is checked against its digest before the store
 keeps it (``BlobStore.put``). A source that refuses, fails or sends bytes that are not
 what they are named is dropped, and the pieces still missing are asked of the next one.
-Pieces are written to the store in a thread while the next ones arrive, so the disk and
-the link work at once; memory in flight is bounded by two windows of ``GET_PIECES``.
+Both ends overlap their disks with the link: the source reads the next window of pieces
+while it sends one, and the puller keeps ``IN_FLIGHT`` requests unanswered and writes
+what arrived in a thread while the next window arrives. Memory in flight is bounded by a
+few windows of ``GET_PIECES`` on each side, never by the state's size.
 """
 
 from __future__ import annotations
@@ -47,8 +49,10 @@ _SOURCE_ERRORS = (OSError, RemoteProtocolError, SessionClosedError, trio.TooSlow
 
 #: First word of a blob connection, where a session's would be ``hello`` or ``resume``.
 HELLO = "blobs"
-#: Pieces asked for in one ``get``: 64 MiB, a quarter of the default frame limit.
-GET_PIECES = 4
+#: Pieces asked for in one ``get`` (32 MiB), and ``get``s a puller keeps unanswered: the
+#: source reads the next while it sends one, and the link never waits for a request.
+GET_PIECES = 2
+IN_FLIGHT = 2
 #: Most digests one ``pull`` may name: a 16 TiB state.
 MAX_PULL = 1024 * 1024
 #: Seconds a source may take to answer a ``get`` before the puller moves on.
@@ -78,6 +82,23 @@ async def serve_blobs(
         await channel.send_frame(encode_frame(["refused", "no session here has that grant"]))
         return
     await channel.send_frame(encode_frame(["ready"]))
+    # The next request's pieces are read from disk while this one's are sent.
+    failures: list[RemoteProtocolError] = []
+    send, receive = trio.open_memory_channel[tuple](1)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_send_answers, channel, receive, nursery.cancel_scope)
+        async with send:
+            try:
+                await _read_requests(channel, piece, send)
+            except RemoteProtocolError as exc:  # raised after the nursery, as it came
+                failures.append(exc)
+    if failures:
+        raise failures[0]
+
+
+async def _read_requests(
+    channel: AsyncFrameChannel, piece: Callable, send: trio.MemorySendChannel
+) -> None:
     while True:
         try:
             request, _ = decode_frame(await channel.receive_frame())
@@ -86,13 +107,25 @@ async def serve_blobs(
         if request == ["bye"]:
             return
         names = _get_names(request)
-        found = await trio.to_thread.run_sync(_look_up, piece, names)
-        missing = sum(f is None for f in found)
-        if missing:
-            why = f"{missing} of the {len(names)} pieces asked for are not granted to you"
-            await channel.send_frame(encode_frame(["refused", why]))
-            continue
-        await channel.send_frame(encode_frame(["blobs", [len(f) for f in found]], found))
+        await send.send((names, await trio.to_thread.run_sync(_look_up, piece, names)))
+
+
+async def _send_answers(
+    channel: AsyncFrameChannel, receive: trio.MemoryReceiveChannel, scope: trio.CancelScope
+) -> None:
+    async with receive:
+        async for names, found in receive:
+            missing = sum(f is None for f in found)
+            if missing:
+                why = f"{missing} of the {len(names)} pieces asked for are not granted to you"
+                answer = encode_frame(["refused", why])
+            else:
+                answer = encode_frame(["blobs", [len(f) for f in found]], found)
+            try:
+                await channel.send_frame(answer)
+            except SessionClosedError:
+                scope.cancel()  # the puller is gone: stop reading for it too
+                return
 
 
 def _look_up(piece: Callable, names: list[str]) -> list[memoryview | None]:
@@ -223,12 +256,7 @@ async def _pull_from(
             nursery.start_soon(_keep_pieces, store, receive, kept, pulled, errors)
             async with send:
                 try:
-                    for start in range(0, len(names), GET_PIECES):
-                        window = names[start : start + GET_PIECES]
-                        blobs = await _get(channel, window)
-                        if errors:
-                            break
-                        await send.send(list(zip(window, blobs, strict=True)))
+                    await _get_all(channel, names, send, errors)
                 except _SOURCE_ERRORS as exc:
                     errors.append(exc)
         if errors:
@@ -239,9 +267,28 @@ async def _pull_from(
     return [n for n in names if n not in kept]
 
 
-async def _get(channel: AsyncFrameChannel, names: list[str]) -> list[memoryview]:
+async def _get_all(
+    channel: AsyncFrameChannel,
+    names: list[str],
+    send: trio.MemorySendChannel,
+    errors: list[Exception],
+) -> None:
+    """Ask for ``names`` a window at a time, ``IN_FLIGHT`` windows ahead, and pass each
+    answer on to be kept, until done or an error is recorded."""
+    windows = [names[i : i + GET_PIECES] for i in range(0, len(names), GET_PIECES)]
+    for window in windows[:IN_FLIGHT]:
+        await channel.send_frame(encode_frame(["get", window]))
+    for index, window in enumerate(windows):
+        blobs = await _answer(channel, window)
+        if index + IN_FLIGHT < len(windows):
+            await channel.send_frame(encode_frame(["get", windows[index + IN_FLIGHT]]))
+        if errors:
+            return
+        await send.send(list(zip(window, blobs, strict=True)))
+
+
+async def _answer(channel: AsyncFrameChannel, names: list[str]) -> list[memoryview]:
     with trio.fail_after(GET_TIMEOUT):
-        await channel.send_frame(encode_frame(["get", names]))
         header, area = decode_frame(await channel.receive_frame())
     if header[0] != "blobs" or len(header) != 2:
         raise RemoteProtocolError(f"refused a get: {header[1:]}")
