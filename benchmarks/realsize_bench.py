@@ -1,26 +1,31 @@
 """Real sizes on shaped links (issue 28): what a model of a gigabyte costs over a home uplink.
 
-A consumer and two hosts (A, B) are network namespaces on one switch (``netns.shaped_mesh``):
-the consumer's link is shaped to 100 Mbit/s each way, the hosts' to 1 Gbit/s, and a one-stream
-TCP transfer checks both first. Real ``cumulus-executor`` processes serve in the host
-namespaces; the consumer's training loop runs in the consumer's namespace (this file, with
-``--consumer``) and reads its link's bytes from the kernel's interface counters, never from
-its own. The model is a large embedding and two small layers: bytes without compute.
+A consumer and three hosts (A, B, C) are network namespaces on one switch
+(``netns.shaped_mesh``): the consumer's link is shaped to 100 Mbit/s each way, the hosts' to
+1 Gbit/s, and a one-stream TCP transfer checks both first. Real ``cumulus-executor``
+processes, each with a blob store, serve in the host namespaces; the consumer's training
+loop runs in the consumer's namespace (this file, with ``--consumer``) and reads its link's
+bytes from the kernel's interface counters, never from its own. The model is a large
+embedding and two small layers: bytes without compute.
 
 Prints one JSON object and writes ``benchmarks/results/realsize.json`` (``realsize_quick.json``
-with ``--quick``: the same at 48 MiB, a checkpoint interval of 3 s, in about 2 minutes)::
+with ``--quick``: the same at 48 MiB, a checkpoint interval of 3 s, in about a minute)::
 
-    sudo .venv/bin/python benchmarks/realsize_bench.py [--quick]
+    sudo .venv/bin/python benchmarks/realsize_bench.py [--quick] [--checkpoint-to PLACE]
 
-The sessions, in order (every one with failover on, as ``cumulus-node --consume`` runs them:
-``reconnect`` set, the consumer's default checkpoint interval, checkpoints in one directory
-on the consumer's disk that each run shares with the previous one):
+``--checkpoint-to`` is where checkpoints go: ``standby`` (the default: host B keeps them,
+copied from the session's host, host to host), ``consumer`` (the consumer's disk, as before
+standbys existed; writes ``realsize_consumer[_quick].json``) or ``both``.
+
+The sessions, in order (every one with failover on to host C, the consumer's default
+checkpoint interval, and its own checkpoint directory shared with the previous session):
 
 1. On host A, fresh: the first step, then one checkpoint cycle (from just after a checkpoint
    to just after the next).
-2. On host A again, the same model: the first step; then, a few steps after a checkpoint,
-   SIGKILL of host A. The session fails over to host B and carries on.
-3. On host B: the base frozen, small LoRA adapters trained with Adam; one checkpoint cycle.
+2. On host A again, the same model: the first step; then, a few steps after a checkpoint
+   that the standby holds, SIGKILL of host A. The session fails over to host C, which
+   pulls the state from the standby (or the consumer uploads it, with ``consumer``).
+3. On host C: the base frozen, small LoRA adapters trained with Adam; one checkpoint cycle.
 
 Keys (targets from the issue; "link" is the consumer's, both directions, headers included):
 
@@ -29,12 +34,13 @@ Keys (targets from the issue; "link" is the consumer's, both directions, headers
 - ``second_session_consumer_bytes_share``: link bytes of session 2, from attaching to the end of
   its first step, over the parameter bytes. Target: at most 0.01. ``..._tx_share`` and
   ``..._rx_share`` split it: rx is checkpoint data pulled back in that step.
-- ``checkpoint_time_share``: session 1's checkpoint time over its cycle's time. Target: 0.05.
+- ``checkpoint_time_share``: session 1's checkpoint time (the pause the op stream sees) over
+  its cycle's time. Target: 0.05.
 - ``checkpoint_consumer_bytes_share``: link bytes of that checkpoint (less an ordinary step's)
   over the checkpoint's bytes. Target: at most 0.05.
-- ``adapter_checkpoint_bytes_ratio``: session 3's checkpoint bytes per interval (what its
-  checkpoint read from the host: the pieces that changed) over the adapters' bytes and their
-  Adam state's. Target: at most 2.
+- ``adapter_checkpoint_bytes_ratio``: session 3's checkpoint bytes per interval (what it moved
+  anywhere: read to the consumer, copied to the standby; only the pieces that changed) over
+  the adapters' bytes and their Adam state's. Target: at most 2.
 - ``failover_consumer_bytes_share``: link bytes of the step that failed over, over the session's
   state (its latest checkpoint's bytes). Target: at most 0.05.
 - ``failover_resume_over_floor``: the failover's pause over the state's time at the hosts'
