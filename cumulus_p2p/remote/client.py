@@ -506,8 +506,9 @@ class RemoteSession:
     def offer_checkpoint_bytes(self, data: memoryview) -> None:
         """``data`` is now a whole remote storage's bytes (an upload that filled it): hand
         its pieces to the checkpoint store, so the next checkpoint does not read back
-        what the consumer just sent. Nothing to do without failover."""
-        if self._reconnect is None:
+        what the consumer just sent. Nothing to do without failover, or when checkpoints
+        stay on the host side (a standby)."""
+        if self._reconnect is None or not self._placement.on_consumer:
             return
         try:
             for start in range(0, len(data), PIECE):
