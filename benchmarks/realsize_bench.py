@@ -462,6 +462,7 @@ def second_session(
         "second_session_consumer_rx_share": round(rx / param_bytes, 4),
         "failover_cold_restores": stats.cold_restores,
         "failover_restore_pulled_bytes": stats.restore_pulled_bytes,
+        "failover_restore_pull_s": stats.restore_pull_s and round(stats.restore_pull_s, 2),
         **failover_figures(failed_over, stats.last_failover_s, host_mbit),
         "losses_identical": int([s.loss for s in steps[:compared]] == reference[:compared]),
         "losses_compared": compared,

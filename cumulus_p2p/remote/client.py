@@ -180,6 +180,7 @@ class RemoteSession:
         self._hosted: HostCheckpoint | None = None
         #: Bytes the new host pulled from other hosts at the last failover's restore.
         self._restore_pulled_bytes = 0
+        self._restore_pull_s: float | None = None
         self._streaming = 0
         #: Called with a ``TransferProgress`` every few seconds of a long transfer (upload,
         #: read, checkpoint, restore); None prints a status line (``print_progress``).
@@ -760,6 +761,7 @@ class RemoteSession:
 
     def _pull_hosted(self, channel: FrameChannel, hosted: HostCheckpoint) -> None:
         """Have the fresh host pull ``hosted``'s pieces from the hosts that keep it."""
+        started = time.perf_counter()
         sources = [[s.address, s.grant] for s in hosted.sources]
         channel.send_frame(encode_frame(["pull", {"sources": sources, "digests": hosted.digests}]))
         header, _ = decode_frame(channel.recv_frame())
@@ -768,6 +770,13 @@ class RemoteSession:
             why = result.get("error") if isinstance(result, dict) else header
             raise FailoverError(f"the new host could not pull the checkpoint: {why}")
         self._restore_pulled_bytes = result.get("fetched_bytes", 0)
+        self._restore_pull_s = time.perf_counter() - started
+        log.info(
+            "cumulus: the new host pulled %.1f MB of the checkpoint from %s in %.2f s",
+            self._restore_pulled_bytes / 1e6,
+            ", ".join(s.address for s in hosted.sources),
+            self._restore_pull_s,
+        )
 
     def _send_restore(
         self, channel: FrameChannel, seq: int, batches: Iterator, *, total: int
@@ -825,6 +834,7 @@ class RemoteSession:
             last_replication_bytes=copies[-1].fetched_bytes if copies else 0,
             last_replication_s=copies[-1].seconds if copies else None,
             restore_pulled_bytes=self._restore_pulled_bytes,
+            restore_pull_s=self._restore_pull_s,
         )
 
     def close(self) -> None:

@@ -143,8 +143,10 @@ class FailoverStatistics:
     replicated_checkpoints: int = 0
     last_replication_bytes: int = 0
     last_replication_s: float | None = None
-    #: Bytes the new host pulled from other hosts for the last failover's restore.
+    #: Bytes the new host pulled from other hosts for the last failover's restore, and
+    #: the seconds that took (of ``last_failover_s``).
     restore_pulled_bytes: int = 0
+    restore_pull_s: float | None = None
 
 
 # --- taking a checkpoint -----------------------------------------------------------------
