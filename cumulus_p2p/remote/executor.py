@@ -360,7 +360,8 @@ class Executor:
             error = None
         except blobservice.PullError as exc:
             pulled, error = exc.pulled, f"{exc}; {'; '.join(exc.pulled.dropped) or 'no source'}"
-        held = await trio.to_thread.run_sync(session.hold, names)
+        # A failed pull keeps the pieces held before: they are the checkpoint that stands.
+        held = 0 if error else await trio.to_thread.run_sync(session.hold, names)
         result = {"fetched_bytes": pulled.fetched_bytes, "fetched": pulled.fetched, "held": held}
         return result | {"dropped": pulled.dropped, "error": error}
 

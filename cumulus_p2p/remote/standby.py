@@ -13,9 +13,11 @@ With one, the consumer keeps only the manifest of digests:
 2. The consumer tells the standby to pull them from the primary, host to host
    (``blobservice.py``), in the background. The standby keeps them pinned in its store.
 3. Only when the standby has them all does the checkpoint count: the replay log is cut
-   there (``HostCheckpoint.seq``). Until then the previous one stands, so a host lost
-   mid-copy costs a longer replay, never the state. A checkpoint does not start while
-   the previous one is still being copied.
+   there (``HostCheckpoint.seq``). Until then the previous one stands (the standby keeps
+   its pieces pinned until a copy succeeds), so a host lost mid-copy costs a longer
+   replay, never the state. A checkpoint does not start while the previous one is still
+   being copied. A standby that fails a copy gets no more: the consumer's store takes
+   the checkpoints from then on.
 4. At failover, the consumer tells the fresh host to pull the state from the standby
    (from nowhere, if the fresh host is the standby), then restores it by digest.
 
