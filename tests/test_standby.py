@@ -217,6 +217,43 @@ def test_a_peer_without_the_grant_gets_nothing(tmp_path, hosts):
         assert x.cpu()[-1] == 1023
 
 
+def _raw_session(address: str) -> tuple[SocketFrameChannel, str]:
+    channel = dial(address)()
+    channel.send_frame(encode_frame(["hello", PROTOCOL_VERSION, {}]))
+    header, _ = decode_frame(channel.recv_frame())
+    return channel, header[2]["token"]
+
+
+def _pull(channel: SocketFrameChannel, source: str, grant: str, names: list[str]) -> dict:
+    request = {"sources": [[source, grant]], "digests": names}
+    channel.send_frame(encode_frame(["pull", request]))
+    header, _ = decode_frame(channel.recv_frame())
+    assert header[0] == "pulled"
+    return header[1]
+
+
+@pytest.mark.slow
+def test_a_failed_pull_keeps_the_pieces_the_standby_held(hosts):
+    standby, fresh, _ = hosts
+    with remote.attach(fresh, reconnect=dial(fresh), standby=standby) as session:
+        x = torch.full((1024,), 7.0).to("cumulus")
+        (name,) = session.checkpoint().digests
+        source = (fresh, grant_of(session.info["token"]))
+        channel, token = _raw_session(standby)
+        assert _pull(channel, *source, [name])["error"] is None
+        failed = _pull(channel, *source, [digest(b"the primary never had this")])
+        assert "no source" in failed["error"]
+        # The first pull's piece is still held for this session, and served by its grant.
+        reader, header = _blob_connection(standby, grant_of(token))
+        assert header == ["ready"]
+        reader.send_frame(encode_frame(["get", [name]]))
+        answer, area = decode_frame(reader.recv_frame())
+        assert answer[0] == "blobs" and digest(area[: answer[1][0]]) == name
+        reader.close()
+        channel.close()
+        assert x.cpu()[0] == 7.0
+
+
 @pytest.mark.slow
 def test_a_malformed_pull_ends_only_that_session_with_a_reason(hosts):
     standby, _, _ = hosts
