@@ -112,6 +112,21 @@ def ask(address: str, request: list) -> object:
         channel.close()
 
 
+async def test_a_transfer_under_way_reaches_the_node_with_the_counts():
+    node = Node()
+    transfer = {"what": "checkpoint", "done": 5, "total": 10, "s": 2.5}
+    async with trio.open_nursery() as nursery:
+        address = await serve(node, nursery)
+        report = {"bytes": {"L1": 1}, "ops": 2, "transfer": transfer}
+        assert await trio.to_thread.run_sync(ask, address, ["usage", "t" * 32, report]) == [
+            "ok",
+            None,
+        ]
+        nursery.cancel_scope.cancel()
+    moving = control.Transfer("checkpoint", 5, 10, 2.5)
+    assert node.counts == [control.Usage({"L1": 1}, ops=2, transfer=moving)]
+
+
 async def test_the_shims_final_counts_and_path_reach_the_node():
     node = Node()
     async with trio.open_nursery() as nursery:
@@ -136,6 +151,12 @@ async def test_the_shims_final_counts_and_path_reach_the_node():
         ["usage", "t" * 32, {"bytes": {"L1": 1}, "ops": 1.5}],
         ["usage", "t" * 32, {"L1": 1}],
         ["usage", "t" * 32, 7],
+        ["usage", "t" * 32, {"bytes": {}, "ops": 0, "transfer": {"what": "upload"}}],
+        [
+            "usage",
+            "t" * 32,
+            {"bytes": {}, "ops": 0, "transfer": {"what": "x", "done": -1, "total": 9, "s": 1}},
+        ],
         ["path", "t" * 32, "L1", 5],
         ["probe", "t" * 32, "fast"],
         ["usage", "x" * 32, {"bytes": {"L1": 1}, "ops": 0}],
@@ -147,6 +168,8 @@ async def test_the_shims_final_counts_and_path_reach_the_node():
         "fractional-ops",
         "bare-byte-map",
         "not-a-map",
+        "transfer-missing-fields",
+        "transfer-negative",
         "path-not-text",
         "probe-not-facts",
         "bad-token",

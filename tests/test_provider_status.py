@@ -75,6 +75,14 @@ def test_the_op_rate_follows_the_samples_not_the_readers():
     assert provider.snapshot()["leases"][0]["ops"] == 500
 
 
+def test_a_transfer_under_way_shows_as_the_sessions_byte_rate():
+    provider, _, active = provider_with_a_lease()
+    provider.sample_ops(10.0)
+    active.count_bytes(24_000_000)  # 2 s of an upload at 12 MB/s
+    provider.sample_ops(12.0)
+    assert provider.snapshot()["leases"][0]["bytes_per_s"] == 12_000_000
+
+
 def test_a_lease_row_shows_its_state_by_name():
     provider, _, active = provider_with_a_lease()
     active.lifecycle.process(LeaseEvent.RECEIPT_OVERDUE)

@@ -81,6 +81,21 @@ def test_a_rig_shows_a_row_per_device_and_the_device_each_lease_runs_on():
     assert "device1: 60 ops/s, 120 ops" in text
 
 
+def test_a_provider_shows_the_byte_rate_of_a_session_moving_data():
+    moving = lease("device0") | {"bytes_per_s": 11_700_000}
+    assert "moving 11.7 MB/s" in shown(provider_state([device(0)], [moving]))
+    assert "moving" not in shown(provider_state([device(0)], [lease("device0")]))
+
+
+def test_a_consumer_shows_its_transfer_under_way():
+    state = {
+        "role": "consumer",
+        "status": "running",
+        "transfer": {"what": "upload", "done": 288 * 2**20, "total": 393 * 2**20, "s": 25.0},
+    }
+    assert "upload: 288 of 393 MiB (73%), 12.1 MB/s, 25 s" in row(shown(state), "transfer")
+
+
 def test_an_unhealthy_device_says_why_on_its_own_row():
     sick = device(1, health="the device check failed: CUDA error")
     text = shown(provider_state([device(0), sick], []))

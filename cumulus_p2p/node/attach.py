@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 from .. import remote
@@ -27,7 +28,7 @@ from ..channel.secure import connect_secure
 from ..channel.transport import CountingFrameChannel
 from ..identity import NodeIdentity
 from ..remote.checkpoint import DirectoryCheckpointStore
-from .control import ControlClient, SessionTicket, Usage
+from .control import ControlClient, SessionTicket, Transfer, Usage
 from .datadir import DataDir, default_data_dir
 from .probe import measure
 
@@ -108,7 +109,14 @@ class LeaseUsage:
     def snapshot(self) -> Usage:
         """The counts now (safe from another thread)."""
         session = self.session
-        return Usage(dict(self._bytes), 0 if session is None else session.ops_sent)
+        if session is None:
+            return Usage(dict(self._bytes))
+        moving = session.transfer
+        transfer = None
+        if moving is not None:
+            seconds = max(0.0, time.monotonic() - moving.started)
+            transfer = Transfer(moving.what, moving.done, moving.total, seconds)
+        return Usage(dict(self._bytes), session.ops_sent, transfer)
 
 
 #: This process's counts (one process, one script, one node).

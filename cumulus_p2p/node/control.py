@@ -128,15 +128,23 @@ class Usage:
 
     bytes_by_lease: dict[str, int]
     ops: int = 0
+    #: The transfer under way, once it has run long enough to report its progress.
+    transfer: Transfer | None = None
 
     def to_wire(self) -> dict:
-        return {"bytes": self.bytes_by_lease, "ops": self.ops}
+        wire: dict = {"bytes": self.bytes_by_lease, "ops": self.ops}
+        if self.transfer is not None:
+            wire["transfer"] = self.transfer.to_wire()
+        return wire
 
     @classmethod
     def from_wire(cls, value: object) -> Usage:
         """Raises RemoteProtocolError: not a usage report of non-negative counts."""
-        if not (isinstance(value, dict) and set(value) == {"bytes", "ops"}):
-            raise RemoteProtocolError('a usage report is {"bytes": {lease: n}, "ops": n}')
+        fields = {"bytes", "ops"}
+        if not (isinstance(value, dict) and fields <= set(value) <= fields | {"transfer"}):
+            raise RemoteProtocolError(
+                'a usage report is {"bytes": {lease: n}, "ops": n[, "transfer": {...}]}'
+            )
         counts, ops = value["bytes"], value["ops"]
         if not isinstance(counts, dict) or not all(
             isinstance(k, str) and _count(v) for k, v in counts.items()
@@ -144,7 +152,35 @@ class Usage:
             raise RemoteProtocolError("a usage report maps lease ids to byte counts")
         if not _count(ops):
             raise RemoteProtocolError("a usage report's op count is a non-negative integer")
-        return cls(counts, ops)
+        transfer = value.get("transfer")
+        return cls(counts, ops, None if transfer is None else Transfer.from_wire(transfer))
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """How far the session's current long transfer has come (an upload, a checkpoint...)."""
+
+    what: str
+    done: int
+    total: int
+    seconds: float
+
+    def to_wire(self) -> dict:
+        return {"what": self.what, "done": self.done, "total": self.total, "s": self.seconds}
+
+    @classmethod
+    def from_wire(cls, value: object) -> Transfer:
+        """Raises RemoteProtocolError: not a transfer's progress."""
+        ok = isinstance(value, dict) and set(value) == {"what", "done", "total", "s"}
+        if not ok or not (isinstance(value["what"], str) and len(value["what"]) <= 32):
+            raise RemoteProtocolError(
+                'a transfer is {"what": str, "done": n, "total": n, "s": seconds}'
+            )
+        seconds = value["s"]
+        counts = _count(value["done"]) and _count(value["total"])
+        if not counts or not isinstance(seconds, int | float) or not seconds >= 0:
+            raise RemoteProtocolError("a transfer counts bytes and seconds, none negative")
+        return cls(value["what"], value["done"], value["total"], float(seconds))
 
 
 def _count(value: object) -> bool:

@@ -88,8 +88,9 @@ class ActiveLease:
     session_over: bool = False
     #: Bytes its sessions moved so far (receipts carry them interval by interval).
     bytes_moved: int = 0
-    #: The last two ``(time, op count)`` samples of its session, for the op rate.
-    op_samples: tuple[tuple[float, int], ...] = ()
+    #: The last two ``(time, op count, bytes moved)`` samples of its session, for the
+    #: op rate and the byte rate (a transfer under way shows as the latter).
+    op_samples: tuple[tuple[float, int, int], ...] = ()
 
     @property
     def state(self) -> LeaseState:
@@ -108,16 +109,26 @@ class ActiveLease:
         self.meter.record_bytes(n)
 
     def record_ops(self, now: float, ops: int) -> None:
-        """Sample the session's op count (the serving path does, on a tick)."""
-        self.op_samples = (*self.op_samples[-1:], (now, ops))
+        """Sample the session's op count and bytes moved (the serving path does, on a
+        tick)."""
+        self.op_samples = (*self.op_samples[-1:], (now, ops, self.bytes_moved))
 
     @property
     def ops_per_s(self) -> float:
         """Ops per second between the last two samples (0 before there are two)."""
+        return self._rate(1)
+
+    @property
+    def bytes_per_s(self) -> float:
+        """Bytes moved per second, both ways, between the last two samples."""
+        return self._rate(2)
+
+    def _rate(self, field: int) -> float:
         if len(self.op_samples) < 2:
             return 0.0
-        (before_t, before_ops), (t, ops) = self.op_samples
-        return max(0.0, (ops - before_ops) / (t - before_t)) if t > before_t else 0.0
+        before, after = self.op_samples
+        elapsed = after[0] - before[0]
+        return max(0.0, (after[field] - before[field]) / elapsed) if elapsed > 0 else 0.0
 
     @property
     def earned(self) -> int:

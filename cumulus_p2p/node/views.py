@@ -68,6 +68,8 @@ def status_table(state: dict) -> Group:
         if live and live[-1].get("path"):
             summary.add_row("session path", live[-1]["path"])
         summary.add_row("ops sent", f"{state.get('ops', 0):,}")
+        if state.get("transfer"):
+            summary.add_row("transfer", _transfer(state["transfer"]))
         summary.add_row("failovers", str(state.get("failovers", 0)))
         summary.add_row("cost", credits(state.get("cost", 0)))
     summary.add_row("peers", str(len(state.get("peers", []))))
@@ -101,12 +103,25 @@ def leases_table(rows: Iterable[dict], role: str) -> Table:
     return table
 
 
+def _transfer(transfer: dict) -> str:
+    """A long transfer's progress, as the shim's console line says it."""
+    done, total, seconds = transfer["done"], transfer["total"], transfer["s"]
+    percent = 100 * done / total if total else 100
+    rate = f", {done / seconds / 1e6:.1f} MB/s" if seconds > 0 else ""
+    return (
+        f"{transfer['what']}: {done / 2**20:.0f} of {total / 2**20:.0f} MiB "
+        f"({percent:.0f}%){rate}, {seconds:.0f} s"
+    )
+
+
 def _session(row: dict) -> str:
     # A provider's lease names the offer (its device) the session runs on.
     on = f"{row['offer_id']}: " if "offer_id" in row else ""
     if "ops" in row:
         memory = f"{_bytes(row['memory'])} of {_bytes(row['quota'])}"
-        return f"{on}{row['ops_per_s']:.0f} ops/s, {row['ops']} ops, {memory}"
+        moving = row.get("bytes_per_s", 0)
+        rate = f", moving {moving / 1e6:.1f} MB/s" if moving >= 1e6 else ""
+        return f"{on}{row['ops_per_s']:.0f} ops/s, {row['ops']} ops{rate}, {memory}"
     return on + row.get("path", "")
 
 

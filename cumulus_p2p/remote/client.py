@@ -187,6 +187,8 @@ class RemoteSession:
         self.on_progress: Callable[[TransferProgress], None] | None = None
         #: Seconds between two progress reports of one transfer.
         self.progress_interval = PROGRESS_INTERVAL
+        #: The transfer under way, once it has reported progress (for the node's status).
+        self.transfer: TransferProgress | None = None
         self.info = self._handshake(channel, self._options)
 
     def _handshake(self, channel: FrameChannel, options: dict) -> dict:
@@ -465,6 +467,7 @@ class RemoteSession:
         now = time.monotonic()
         if progress.advance(nbytes, now=now):
             (self.on_progress or print_progress)(progress)
+            self.transfer = progress if progress.done < progress.total else None
 
     # --- sync points --------------------------------------------------------------------
 
