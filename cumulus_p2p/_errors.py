@@ -114,6 +114,21 @@ class InvalidCountersignatureError(RemoteProtocolError):
     """
 
 
+class LivenessProofError(RemoteProtocolError):
+    """A host's answer to a liveness probe was refused: malformed, signed by another
+    key than the host's, for another prober or challenge (replayed), or expired.
+
+    ``reason`` is a ``cumulus_p2p.market.liveness.ProofRefusal`` and ``detail`` a
+    sentence for logs. The host counts as not having answered: it is set aside like a
+    host that ignores probes.
+    """
+
+    def __init__(self, reason: object, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
 class ReceiptRejectedError(RemoteProtocolError):
     """A usage receipt from a host is inconsistent with its lease (wrong lease, interval
     outside the lease, more share-seconds than leased). Do not countersign it.
