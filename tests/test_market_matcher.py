@@ -11,6 +11,7 @@ from cumulus_p2p.market.matcher import (
     RankingPolicy,
     effective_price,
     entry_of,
+    proposal_batch,
     rank_offers,
 )
 from cumulus_p2p.market.messages import Bid, Offer, PriorityClass
@@ -127,3 +128,37 @@ def test_an_unknown_host_at_any_price_never_outranks_a_host_with_a_record(price)
     book = book_of(offer("recorded", 500), junk("spam", "j", price))
     entry = entry_of(book, bid(), {"recorded"}.__contains__)
     assert rank_offers(book, bid(), entry=entry)[0].offer.host == "recorded"
+
+
+# -- liveness: an offer counts once its host has answered a probe ---------------------------
+
+
+def test_a_newcomer_that_answered_no_probe_ranks_after_one_that_did_even_when_cheaper():
+    book = book_of(offer("unproven", 550), offer("proven", 600), offer("recorded", 500))
+    entry = entry_of(book, bid(), {"recorded"}.__contains__, alive={"proven"}.__contains__)
+    ranked = rank_offers(book, bid(), entry=entry)
+    assert [r.offer.host for r in ranked] == ["recorded", "proven", "unproven"]
+    assert entry(ranked[2].offer) is Entry.UNPROVEN
+
+
+def test_a_host_with_a_record_needs_no_probe():
+    book = book_of(offer("recorded", 500))
+    entry = entry_of(book, bid(), {"recorded"}.__contains__, alive=lambda host: False)
+    assert entry(offer("recorded", 500)) is Entry.RECORD
+
+
+def test_an_unproven_host_is_never_proposed_to():
+    entries = {"unproven": Entry.UNPROVEN, "recorded": Entry.RECORD}
+    assert proposal_batch(["unproven", "recorded"], entries, at_once=4) == ["recorded"]
+    assert proposal_batch(["unproven"], entries, at_once=4) == []
+
+
+def test_an_unproven_host_never_takes_the_newcomer_slot_from_a_proven_one():
+    hosts = ["r1", "r2", "r3", "r4", "unproven", "proven"]
+    entries = dict.fromkeys(hosts[:4], Entry.RECORD) | {
+        "unproven": Entry.UNPROVEN,
+        "proven": Entry.NEWCOMER,
+    }
+    assert proposal_batch(hosts, entries, at_once=4) == ["r1", "r2", "r3", "proven"]
+    first = proposal_batch(hosts, entries, at_once=4, newcomers_first=True)
+    assert first[0] == "proven" and "unproven" not in first

@@ -14,12 +14,18 @@ Parts, lowest first (each imports only those above it):
 - ``hostchoice``: the consumer's choice of host after failures (sans-IO): failure is
   evidence with a half-life, a failed host is set aside for a backoff and tried again
   once it announces afresh; a job with no usable host waits, within its patience.
+- ``liveness``: the cost of entry (sans-IO): a host with no record counts for matching
+  once it has signed a fresh challenge with its offer's key (``Liveness``, a transition
+  table per host, ``answer_probe`` on the host's side); a host that answers nothing is
+  set aside for a backoff that doubles with each miss.
 - ``lease``: the host's reservation core (sans-IO): reserve atomically and
   countersign, or refuse with a ``RefusalReason``.
 - ``rpc``: one request, one response per direct libp2p stream, the shell the
   protocols below share.
 - ``negotiation``: the thin trio shell speaking ``/cumulus/lease/1.0.0``
   (``call_propose_lease`` / ``rpc_propose_lease``), returning a ``LeaseGrant``.
+- ``probing``: the thin trio shell speaking ``/cumulus/liveness/1.0.0``
+  (``call_probe`` / ``serve_liveness``).
 - ``metering``: the host's ``Meter`` issuing signed receipts, the consumer's
   ``check_receipt``.
 - ``lease_state``: a served lease's lifecycle on the host as a transition table
@@ -31,7 +37,7 @@ Parts, lowest first (each imports only those above it):
   consumer's ``ReceiptDesk``) and lease settlement over ``/cumulus/lease-close/1.0.0``.
 
 Cores take the time as an argument and never read a clock; only ``rpc``,
-``negotiation``, ``settlement`` (trio, libp2p) and ``ledger`` (files) do I/O.
+``negotiation``, ``probing``, ``settlement`` (trio, libp2p) and ``ledger`` (files) do I/O.
 """
 
 from .book import BookLimits as BookLimits
@@ -62,9 +68,18 @@ from .ledger import Ledger as Ledger
 from .ledger import LedgerEntry as LedgerEntry
 from .ledger import LedgerTotals as LedgerTotals
 from .ledger import PaymentRail as PaymentRail
+from .liveness import Liveness as Liveness
+from .liveness import LivenessEvidence as LivenessEvidence
+from .liveness import LivenessPolicy as LivenessPolicy
+from .liveness import LivenessState as LivenessState
+from .liveness import ProofRefusal as ProofRefusal
+from .liveness import answer_probe as answer_probe
+from .matcher import Entry as Entry
 from .matcher import RankedOffer as RankedOffer
 from .matcher import RankingPolicy as RankingPolicy
 from .matcher import effective_price as effective_price
+from .matcher import entry_of as entry_of
+from .matcher import proposal_batch as proposal_batch
 from .matcher import rank_offers as rank_offers
 from .messages import KINDS as KINDS
 from .messages import Bid as Bid
@@ -90,3 +105,6 @@ from .negotiation import LeaseServer as LeaseServer
 from .negotiation import RpcContext as RpcContext
 from .negotiation import call_propose_lease as call_propose_lease
 from .negotiation import serve_leases as serve_leases
+from .probing import LIVENESS_PROTOCOL as LIVENESS_PROTOCOL
+from .probing import call_probe as call_probe
+from .probing import serve_liveness as serve_liveness

@@ -27,6 +27,13 @@ priced far below it (``EntryPolicy``: under a fraction of the median recorded pr
 their resource class, or with no recorded offer in the class, of the bid's own limit).
 Within an entry tier, the effective price decides as before. Ranking by entry walks
 every candidate (O(n), n bounded by the book's ``BookLimits``).
+
+A newcomer's offer counts for matching only once its host has answered a liveness probe
+(``market.liveness``): given ``alive``, ``entry_of`` puts a newcomer that has not
+(``Entry.UNPROVEN``) after every other, and ``proposal_batch`` never proposes to it. The
+consumer's batch of proposals (``proposal_batch``) keeps one slot for the best proven
+newcomer, and a share of matches try proven newcomers first, so the market stays open to
+hosts with no record while a flood of hosts that answer nothing takes no slot at all.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from __future__ import annotations
 import enum
 import heapq
 import statistics
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .._errors import InvalidMessageError
@@ -48,6 +55,7 @@ __all__ = [
     "RankingPolicy",
     "effective_price",
     "entry_of",
+    "proposal_batch",
     "rank_offers",
 ]
 
@@ -108,6 +116,8 @@ class Entry(enum.IntEnum):
     NEWCOMER = 1
     #: No record, priced far below the market for its class.
     SUSPECT = 2
+    #: No record, and no answer to a liveness probe yet: it does not count for matching.
+    UNPROVEN = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +141,8 @@ def entry_of(
     bid: Bid,
     has_record: Callable[[str], bool],
     policy: EntryPolicy | None = None,
+    *,
+    alive: Callable[[str], bool] | None = None,
 ) -> Callable[[Offer], Entry]:
     """Return ``entry(offer)`` for the offers that meet ``bid``.
 
@@ -139,6 +151,8 @@ def entry_of(
         bid: The bid being matched.
         has_record: Whether a host has a record (evidence of paid leases).
         policy: The thresholds; the defaults if omitted.
+        alive: Whether a host with no record has answered a liveness probe; a newcomer
+            that has not is ``Entry.UNPROVEN``. Omitted: every newcomer counts.
     """
     policy = policy or EntryPolicy()
     recorded: dict[tuple[str, int], list[int]] = {}
@@ -151,10 +165,47 @@ def entry_of(
     def entry(offer: Offer) -> Entry:
         if has_record(offer.host):
             return Entry.RECORD
+        if alive is not None and not alive(offer.host):
+            return Entry.UNPROVEN
         floor = floors.get(offer.resource_class, floor_without)
         return Entry.SUSPECT if offer.price < floor else Entry.NEWCOMER
 
     return entry
+
+
+def proposal_batch(
+    hosts: Sequence[str],
+    entries: Mapping[str, Entry],
+    *,
+    at_once: int,
+    newcomers_first: bool = False,
+) -> list[str]:
+    """The hosts to propose to at once, best first.
+
+    The first ``at_once`` of ``hosts`` (usable, best first) that count for matching, with
+    the best proven newcomer in the last slot if none is among them. Unproven hosts never
+    enter a batch, so they never take the newcomer slot.
+
+    Args:
+        hosts: Usable hosts, best first (``HostChoice``'s ``Propose``).
+        entries: Each host's entry tier; a host missing counts as ``Entry.NEWCOMER``.
+        at_once: Proposals in flight at once.
+        newcomers_first: This match is one of the newcomers' share: hosts priced like the
+            market with no record (``Entry.NEWCOMER``) come first.
+    """
+
+    def tier(host: str) -> Entry:
+        return entries.get(host, Entry.NEWCOMER)
+
+    ordered = [h for h in hosts if tier(h) is not Entry.UNPROVEN]
+    if newcomers_first:
+        ordered.sort(key=lambda h: tier(h) is not Entry.NEWCOMER)
+    batch = ordered[:at_once]
+    if all(tier(h) is Entry.RECORD for h in batch):
+        newcomer = next((h for h in ordered if tier(h) is not Entry.RECORD), None)
+        if newcomer is not None:
+            batch = [*batch[: at_once - 1], newcomer]
+    return batch
 
 
 @dataclass(frozen=True, slots=True)
