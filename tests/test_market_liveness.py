@@ -228,7 +228,7 @@ def test_a_challenge_must_be_fresh_random_bytes_of_the_right_size():
 
 
 def test_every_state_can_get_back_to_unproven():
-    for state, moves in TRANSITIONS.items():
+    for state in TRANSITIONS:
         reached, frontier = {state}, [state]
         while frontier:
             for nxt in TRANSITIONS[frontier.pop()].values():
