@@ -6,7 +6,6 @@ executor refusing pieces that do not fit. Hosts are real executor processes.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from cumulus_p2p.remote.protocol import CpuTensorRef, TensorRef
 from cumulus_p2p.remote.session import MAX_READ_BYTES
 from cumulus_p2p.remote.transfer import STREAM_CHUNK, TransferProgress, pieces
 from cumulus_p2p.testing.executor import executor_process
+from cumulus_p2p.testing.memory import peak_since_reset, reset_peak
 
 MiB = 2**20
 #: 600 MiB of float32 rows as wide as a 2048-wide embedding's.
@@ -38,27 +38,6 @@ def dial(address: str):
 
 def big_tensor() -> torch.Tensor:
     return torch.empty(BIG_ROWS, BIG_COLS).uniform_(generator=torch.Generator().manual_seed(5))
-
-
-def _status(pid: int | str, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no {field} in /proc/{pid}/status")
-
-
-def rss(pid: int | str = "self") -> int:
-    return _status(pid, "VmRSS")
-
-
-def peak_since_reset(pid: int | str = "self") -> int:
-    return _status(pid, "VmHWM")
-
-
-def reset_peak(pid: int | str = "self") -> int:
-    """Make the process's peak RSS its current RSS (Linux ``clear_refs``); returns it."""
-    Path(f"/proc/{pid}/clear_refs").write_text("5")
-    return rss(pid)
 
 
 # --- the plan (sans-IO) ----------------------------------------------------------------------

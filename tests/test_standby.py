@@ -98,29 +98,13 @@ def checkpoint_then_kill(session, primary, *, at: int = 3, kill_at: int = 6):
 
 
 @pytest.mark.slow
-def test_a_host_killed_mid_run_resumes_on_a_fresh_host_from_the_standby(tmp_path, hosts):
+@pytest.mark.parametrize("isolation", ["--shared-process", "--worker-per-session"])
+def test_a_host_killed_mid_run_resumes_on_a_fresh_host_from_the_standby(tmp_path, hosts, isolation):
     *_, reference = hosts
     # Hosts of its own: the shared ones may already hold these pieces from another test.
-    with host(tmp_path, "primary") as (primary, proc), host(tmp_path, "standby") as (standby, _):
-        with (
-            host(tmp_path, "fresh") as (fresh, _),
-            remote.attach(primary, reconnect=dial(fresh), standby=standby) as session,
-        ):
-            got = train(10, checkpoint_then_kill(session, proc))
-            stats = session.failover_statistics()
-    assert_same_run(got, reference)
-    assert stats.cold_restores == 1
-    assert stats.checkpoint_read_bytes == 0  # nothing of the state came to the consumer
-    assert stats.restore_pulled_bytes == stats.checkpoint_bytes  # the fresh host pulled it all
-
-
-@pytest.mark.slow
-def test_a_host_running_each_session_in_a_worker_serves_its_pieces_from_that_worker(
-    tmp_path, hosts
-):
-    *_, reference = hosts
+    # With a worker per session, the primary's pieces are served from the session's worker.
     with (
-        host(tmp_path, "primary", "--worker-per-session") as (primary, proc),
+        host(tmp_path, "primary", isolation) as (primary, proc),
         host(tmp_path, "standby") as (standby, _),
     ):
         with (
@@ -130,8 +114,9 @@ def test_a_host_running_each_session_in_a_worker_serves_its_pieces_from_that_wor
             got = train(10, checkpoint_then_kill(session, proc))
             stats = session.failover_statistics()
     assert_same_run(got, reference)
-    assert stats.replicated_checkpoints == 1
-    assert stats.restore_pulled_bytes == stats.checkpoint_bytes
+    assert stats.cold_restores == 1 and stats.replicated_checkpoints == 1
+    assert stats.checkpoint_read_bytes == 0  # nothing of the state came to the consumer
+    assert stats.restore_pulled_bytes == stats.checkpoint_bytes  # the fresh host pulled it all
 
 
 @pytest.mark.slow
