@@ -12,9 +12,15 @@ One trio program composes:
   those hosts may be tried; propose to the best ``PROPOSALS_AT_ONCE`` at once, one slot
   kept for a newcomer (and a ``NEWCOMER_SHARE`` of matches trying newcomers first), each
   with ``PROPOSE_TIMEOUT_S`` to answer, and keep the best grant (extra grants are
-  closed). A host that refuses, fails or ignores a proposal is set aside with all its
-  offers, so a flood of cheap offers from hosts that never lease costs the job one try
-  per host, not its match window. The job is held while no host is usable (bounded by
+  closed). A newcomer counts only once its host has answered a liveness probe
+  (``market.liveness``: it signs a fresh challenge with its offer's key); the node probes
+  the newcomers whose offers meet the bid in the background (``keep_probing``), and
+  before a match that would otherwise have no host or no newcomer to try. A host that
+  answers no probe is set aside like one that ignores a proposal, and probed again only
+  after a backoff that doubles with each miss. A host that refuses, fails or ignores a
+  proposal is set aside with all its offers, so a flood of cheap offers from hosts that
+  never lease costs the job one try per host, not its match window. The job is held
+  while no host is usable (bounded by
   ``match_timeout`` for the first match, ``wait_for_host`` after a failure);
 - the control channel the shim in the script's process asks for its session, and for a
   new host when the current one vanished (``failover``): the vanished host gets a signed
@@ -29,6 +35,7 @@ One trio program composes:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import logging
@@ -41,7 +48,13 @@ from dataclasses import dataclass, field
 import trio
 from libp2p.exceptions import BaseLibp2pError
 
-from .._errors import CumulusError, LeaseRefusedError, NoMatchError, PeerUnreachableError
+from .._errors import (
+    CumulusError,
+    LeaseRefusedError,
+    LivenessProofError,
+    NoMatchError,
+    PeerUnreachableError,
+)
 from ..dht.host import connect
 from ..market import (
     Bid,
@@ -56,9 +69,11 @@ from ..market import (
 )
 from ..market.hostchoice import BackoffPolicy, GiveUp, HostChoice, Wait
 from ..market.lease import RefusalReason
-from ..market.matcher import Entry, entry_of
+from ..market.liveness import CHALLENGE_SIZE, Liveness
+from ..market.matcher import Entry, entry_of, proposal_batch
 from ..market.messages import encode_message, seal_message
 from ..market.negotiation import call_propose_lease
+from ..market.probing import call_probe
 from ..market.settlement import (
     NOTICE_LEAVING,
     ReceiptDesk,
@@ -104,6 +119,9 @@ PROPOSE_TIMEOUT_S = 3.0
 #: so that a newcomer gets its first leases while a flood of newcomers takes at most this
 #: share of the matches.
 NEWCOMER_SHARE = 0.2
+#: How often the node looks for newcomers to probe (``keep_probing``); each round waits
+#: for its probes' verdicts, at most ``LivenessPolicy.timeout_s``.
+PROBE_POLL_S = 1.0
 #: Refusals that say the offer moved on (the host re-announced): not held against it.
 _STALE_OFFER = frozenset({RefusalReason.UNKNOWN_OFFER, RefusalReason.OFFER_EXPIRED})
 #: A host may end a session this long before its lease ends (clocks differ) and still
@@ -198,6 +216,8 @@ class Consumer:
     failovers: int = 0
     #: Ops the script's session has sent, over every host (the shim's last report).
     ops: int = 0
+    #: The session's long transfer under way (an upload, a checkpoint), if any.
+    transfer: control.Transfer | None = None
     #: Set when the script's shim next reports its byte counts.
     counts_reported: trio.Event = field(default_factory=trio.Event)
     #: Where proposals still unanswered when a match is decided finish (and their
@@ -207,9 +227,12 @@ class Consumer:
     granted_by: set[str] = field(default_factory=set)
     #: Each ranked host's entry tier, as of the last look at the book.
     entries: dict[str, Entry] = field(default_factory=dict)
+    #: Which newcomers answered a liveness probe, which are set aside (sans-IO).
+    liveness: Liveness = field(init=False)
 
     def __post_init__(self) -> None:
         self.choice = HostChoice(self.options.backoff, self.options.wait_for_host)
+        self.liveness = Liveness(self.runtime.peer_id)
 
     # --- the bid --------------------------------------------------------------------
 
@@ -242,6 +265,7 @@ class Consumer:
         """
         choice = self.choice
         choice.search(now=self.runtime.clock(), patience_s=patience)
+        newcomers_first: bool | None = None
         while True:
             now = self.runtime.clock()
             offers = self._candidates(now)
@@ -264,7 +288,15 @@ class Consumer:
                 await trio.sleep(HOLD_POLL_S)
                 continue
             self.waiting_for = ""
-            batch = self._batch(decision.hosts, newcomers_first=random.random() < NEWCOMER_SHARE)
+            if newcomers_first is None:  # kept over a round of probes it asks for
+                newcomers_first = random.random() < NEWCOMER_SHARE
+            batch = self._batch(decision.hosts, newcomers_first=newcomers_first)
+            if self._wants_probes(batch, newcomers_first) and await self.probe_newcomers():
+                continue  # look at the book again, with the probes' verdicts
+            newcomers_first = None
+            if not batch:  # only unproven hosts, none left to probe now
+                await trio.sleep(HOLD_POLL_S)
+                continue
             held = await self._propose_batch([offers[h] for h in batch])
             if held is not None:
                 choice.leased(held.proposal.host, now=self.runtime.clock())
@@ -274,22 +306,69 @@ class Consumer:
             await trio.sleep(0.25)
 
     def _batch(self, hosts: tuple[str, ...], *, newcomers_first: bool) -> list[str]:
-        """The hosts to propose to at once, best first: the first ``PROPOSALS_AT_ONCE``
-        usable hosts, with the best newcomer in the last slot if none is among them.
+        """The hosts to propose to at once (``market.matcher.proposal_batch``).
         ``newcomers_first``: this match is one of the newcomers' share."""
+        return proposal_batch(
+            hosts, self.entries, at_once=PROPOSALS_AT_ONCE, newcomers_first=newcomers_first
+        )
 
-        def tier(host: str) -> Entry:
-            return self.entries.get(host, Entry.NEWCOMER)
+    def _wants_probes(self, batch: list[str], newcomers_first: bool) -> bool:
+        """Whether this match should wait for probes: it has no host to try, or it is one
+        of the newcomers' share and has no newcomer to try."""
+        if not batch:
+            return True
+        return newcomers_first and all(self.entries.get(h) is not Entry.NEWCOMER for h in batch)
 
-        ordered = list(hosts)
-        if newcomers_first:
-            ordered.sort(key=lambda h: tier(h) is not Entry.NEWCOMER)
-        batch = ordered[:PROPOSALS_AT_ONCE]
-        if all(tier(h) is Entry.RECORD for h in batch):
-            newcomer = next((h for h in ordered if tier(h) is not Entry.RECORD), None)
-            if newcomer is not None:
-                batch = [*batch[: PROPOSALS_AT_ONCE - 1], newcomer]
-        return batch
+    # --- liveness probes ------------------------------------------------------------
+
+    async def probe_newcomers(self) -> int:
+        """Probe the unproven hosts whose offers meet the bid, within the budget
+        (``market.liveness``), hosts priced like the market before those priced far
+        below it; wait for the verdicts.
+
+        Returns:
+            How many probes were sent.
+        """
+        if self.bid is None:
+            return 0
+        book, now = self.runtime.book, self.runtime.clock()
+        entry = entry_of(book, self.bid, self.has_record)
+        market_priced: dict[str, None] = {}
+        cheap: dict[str, None] = {}
+        for resting in book.candidates(self.bid):
+            host = resting.order.host
+            if host in market_priced or host in cheap or self.has_record(host):
+                continue
+            tier = entry(resting.order)
+            (market_priced if tier is Entry.NEWCOMER else cheap)[host] = None
+        due = self.liveness.due([*market_priced, *cheap], now=now)
+        async with trio.open_nursery() as nursery:
+            for host in due:
+                nursery.start_soon(self._probe, host)
+        return len(due)
+
+    async def keep_probing(self) -> None:
+        """Probe newcomers as their offers arrive, so that a proven one can take the
+        newcomer slot of any match."""
+        while True:
+            await self.probe_newcomers()
+            await trio.sleep(PROBE_POLL_S)
+
+    async def _probe(self, host: str) -> None:
+        rt = self.runtime
+        try:
+            evidence = await call_probe(
+                rt.mesh.host, peer_of(host), self.liveness, clock=rt.clock, reach=self._reach,
+                nonce=secrets.token_bytes(CHALLENGE_SIZE),
+            )  # fmt: skip
+        except LivenessProofError as exc:
+            log.warning("host %s: its answer to a liveness probe is refused: %s", host[:12], exc)
+        except (CumulusError, BaseLibp2pError, trio.TooSlowError, OSError) as exc:
+            log.info("host %s answered no liveness probe: %s", host[:12], exc or type(exc))
+        else:
+            log.info("host %s is alive: %d shares free", host[:12], evidence.free_shares)
+            return
+        self.choice.failed(host, now=rt.clock(), reason="answered no probe")
 
     async def _propose_batch(self, offers: list[Offer]) -> Held | None:
         """Propose to every offer's host at once; return the grant of the best one that
@@ -348,7 +427,9 @@ class Consumer:
         book = self.runtime.book
         hosts = {r.order.host for r in book.offers()}
         scores = self.runtime.reputation.scores_for_matcher(hosts, now=now)
-        entry = entry_of(book, self.bid, self.has_record)
+        entry = entry_of(
+            book, self.bid, self.has_record, alive=lambda h: self.liveness.alive(h, now=now)
+        )
         ranked = rank_offers(book, self.bid, reliability=scores, limit=RANKED_OFFERS, entry=entry)
         best: dict[str, Offer] = {}
         for r in ranked:
@@ -493,11 +574,12 @@ class Consumer:
                 held.path = path
 
     def take_usage(self, usage: control.Usage) -> None:
-        """The shim's byte counts per lease, which receipts are checked against, and
-        the ops its session has sent."""
+        """The shim's byte counts per lease, which receipts are checked against, the ops
+        its session has sent, and the transfer under way."""
         for lease_id, total in usage.bytes_by_lease.items():
             self.desk.count_bytes(lease_id, total)
         self.ops = max(self.ops, usage.ops)
+        self.transfer = usage.transfer
         self.counts_reported.set()
         self.counts_reported = trio.Event()
 
@@ -650,7 +732,9 @@ class Consumer:
             "failovers": self.failovers,
             "waiting_for": self.waiting_for,
             "hosts_set_aside": _set_aside_rows(self.choice, self.runtime.clock()),
+            "liveness": dataclasses.asdict(self.liveness.statistics(now=self.runtime.clock())),
             "ops": self.ops,
+            "transfer": None if self.transfer is None else self.transfer.to_wire(),
             "cost": self.cost(),
         }
 
@@ -736,6 +820,7 @@ async def run_consumer(
             )
             consumer.nursery = nursery
             nursery.start_soon(_tick, consumer, on_tick)
+            nursery.start_soon(consumer.keep_probing)
             await runtime.mesh.announce(BID_NAME, Bid.KIND, consumer.bid_body)
             consumer.status = "matching"
             await consumer.lease(options.match_timeout)

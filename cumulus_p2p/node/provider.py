@@ -66,6 +66,7 @@ from ..market import (
 )
 from ..market.lease_state import LeaseEvent, LeaseState
 from ..market.messages import encode_message, peer_id_of, seal_message
+from ..market.probing import serve_liveness
 from ..market.settlement import NOTICE_LEAVING, call_lease_notice, serve_lease_close
 from ..remote.executor import DEFAULT_BLOB_CAP, Executor, ExecutorConfig
 from ..remote.executor_main import build_executor
@@ -463,6 +464,7 @@ class Provider:
             row |= {
                 "ops": stats.ops,
                 "ops_per_s": round(active.ops_per_s, 1),
+                "bytes_per_s": round(active.bytes_per_s),
                 "memory": stats.bytes_in_use,
                 "quota": served.share_bytes * active.proposal.shares,
             }
@@ -555,6 +557,10 @@ async def run_provider(
             provider.book, endpoints=provider.current_endpoints, screen=provider.screen
         )
         serve_leases(runtime.mesh.host, server)
+        serve_liveness(
+            runtime.mesh.host, identity, free_shares=provider.free_shares,
+            next_nonce=runtime.mesh.next_nonce, clock=runtime.clock,
+        )  # fmt: skip
         serve_lease_close(runtime.mesh.host, provider.close_lease)
         with provider.meter:  # one NVML session for the status of every tick
             async with trio.open_nursery() as nursery:
