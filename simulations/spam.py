@@ -14,13 +14,21 @@ consumers who match through it. What is real, and whose defaults:
   (``--max-offers-per-author`` 8, ``--max-book-orders`` 20,000). Hosts with a record are
   ``vouch``-ed, as the node does once a report of paid leases arrives; an honest newcomer
   is vouched after its first lease settles.
+- **The cost of entry**: the node's real ``market.Liveness`` prober, with its default
+  ``LivenessPolicy`` (8 probes in flight, 2 s to answer, a backoff from 60 s doubling to an
+  hour for a host that misses), fed as ``Consumer.probe_newcomers`` feeds it every
+  ``PROBE_POLL_S``: the hosts with no record whose offers meet a bid, those priced like
+  the market first. An honest host answers each challenge with a real signed
+  ``answer_probe`` after one round trip; no attacker answers (its probes time out).
 - **The matcher**: ``rank_offers`` with ``entry_of`` (hosts with a record first, then
-  newcomers priced like the market, then newcomers far below it), ``RANKED_OFFERS`` deep.
+  proven newcomers priced like the market, then proven newcomers far below it, then hosts
+  that have answered no probe), ``RANKED_OFFERS`` deep.
 - **The choice**: each consumer's own ``market.HostChoice``, fed as the node feeds it; its
-  batch of proposals is the node's own ``Consumer._batch`` (``PROPOSALS_AT_ONCE`` at once,
-  a slot for a newcomer, ``NEWCOMER_SHARE`` of matches newcomers first), each host given
-  ``PROPOSE_TIMEOUT_S`` to answer; a host that ignores a proposal is set aside with all
-  its offers. The first match waits ``--match-timeout`` (60 s), then the consumer gives up.
+  batch of proposals is the node's own ``market.proposal_batch`` (``PROPOSALS_AT_ONCE`` at
+  once, never an unproven host, a slot for a proven newcomer, ``NEWCOMER_SHARE`` of
+  matches newcomers first), each host given ``PROPOSE_TIMEOUT_S`` to answer; a host that
+  ignores a proposal is set aside with all its offers. The first match waits
+  ``--match-timeout`` (60 s), then the consumer gives up.
 - **Leasing**: every proposal to an honest host is a real signed ``LeaseProposal``,
   granted or refused by the host's real ``LeaseBook``; grants that lose to a better one
   in the same batch are released, as the node closes them.
@@ -34,7 +42,8 @@ hosts' own class; the other half ask 90% of the market, just under the honest ho
 attacker ever answers a lease proposal: the costliest junk for a consumer.
 
 *Defences off* is the same world with each defence at the setting that switches it off
-in the real code (no rate limiters, ``book.UNBOUNDED``, ``rank_offers`` by price alone)
+in the real code (no rate limiters, ``book.UNBOUNDED``, ``rank_offers`` by price alone, no
+liveness probes: ``entry_of`` without ``alive``)
 and the consumer as it was before issue 36: one proposal at a time, and only the offer it
 tried set aside, not its host. The attacker sends at the same rate in both, so the
 undefended node sees no more junk than the defended one is offered.
@@ -43,7 +52,10 @@ Simplified: offers are not signed in the book (it takes authenticated messages, 
 checking a million signatures would only measure the signature library); honest
 re-announcements reach the book at once (no gossip delay); reliability scores are neutral
 and latency the matcher's default, so within an entry tier price decides; a consumer
-holds its lease for its whole term.
+holds its lease for its whole term. The probes' evidence is the node's, shared by the
+consumers that match through it (a real consumer node probes for itself, and probes
+inline before a newcomers' match that has no proven newcomer; here the node's prober is
+always running, so that is left out).
 """
 
 from __future__ import annotations
@@ -54,7 +66,6 @@ import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
-from types import SimpleNamespace
 
 import simpy
 
@@ -65,7 +76,14 @@ from cumulus_p2p.identity import NodeIdentity
 from cumulus_p2p.market.book import UNBOUNDED, BookLimits, InsertStatus, OrderBook
 from cumulus_p2p.market.hostchoice import HostChoice, Propose, Wait
 from cumulus_p2p.market.lease import LeaseBook, Refusal
-from cumulus_p2p.market.matcher import RankedOffer, entry_of, rank_offers
+from cumulus_p2p.market.liveness import CHALLENGE_SIZE, Liveness, LivenessPolicy, answer_probe
+from cumulus_p2p.market.matcher import (
+    Entry,
+    RankedOffer,
+    entry_of,
+    proposal_batch,
+    rank_offers,
+)
 from cumulus_p2p.market.messages import (
     Bid,
     Cancel,
@@ -79,10 +97,10 @@ from cumulus_p2p.node.consumer import (
     _STALE_OFFER,
     HOLD_POLL_S,
     NEWCOMER_SHARE,
+    PROBE_POLL_S,
     PROPOSALS_AT_ONCE,
     PROPOSE_TIMEOUT_S,
     RANKED_OFFERS,
-    Consumer,
 )
 from cumulus_p2p.simulation.cli import save_run, scenario_parser
 
@@ -119,16 +137,20 @@ class Defences:
     entry: bool = True  # rank by entry_of before price
     batch: bool = True  # PROPOSALS_AT_ONCE, a newcomer slot, NEWCOMER_SHARE
     set_aside_host: bool = True  # an ignored proposal sets aside the host, not the offer
+    probe: bool = True  # a newcomer counts once it answered a liveness probe
 
 
 ON = Defences()
-OFF = Defences(gate=False, book_limits=None, entry=False, batch=False, set_aside_host=False)
+OFF = Defences(
+    gate=False, book_limits=None, entry=False, batch=False, set_aside_host=False, probe=False
+)
 #: ``--max-book-orders`` for the row where the book bound, not the cap, is reached.
 SMALL_BOOK = 400
 #: One defence off at a time, against the largest flood: which one carries the load. (The
 #: gate is not among them: the attacker sends at the rate it accepts, so it refuses
 #: nothing here; its part is that sending faster earns a penalty, not more junk.)
 ABLATIONS = {
+    "on, no liveness probe": replace(ON, probe=False),
     "on, no per-author cap": replace(ON, book_limits=UNBOUNDED),
     "on, ranked by price alone": replace(ON, entry=False),
     "on, one proposal at a time": replace(ON, batch=False),
@@ -197,6 +219,10 @@ class Counters:
     junk_low_first: int = 0  # looks whose best candidate was a junk-low offer
     proposals: int = 0
     proposals_to_attackers: int = 0
+    probes: int = 0
+    probes_to_attackers: int = 0
+    #: When each honest newcomer first answered a probe (seconds into the run).
+    newcomer_proven_s: dict[str, float] = field(default_factory=dict)
     consumers: list[dict] = field(default_factory=list)
 
 
@@ -221,6 +247,10 @@ class Market:
         self.author_rate = gossip.author_limit.rate
         self.author_burst = int(gossip.author_limit.burst)
         self.count = Counters()
+        node_key = NodeIdentity.from_seed(random.Random(f"{seed}/node").randbytes(32))
+        self.node = node_key.peer_id.to_base58()
+        self.liveness = Liveness(self.node, LivenessPolicy())
+        self.probe_rng = random.Random(f"{seed}/probes")
         self.hosts: dict[str, Host] = {}
         self.attackers: dict[str, Attacker] = {}
         self._ids = itertools.count(1)
@@ -334,6 +364,48 @@ class Market:
             c.peak_per_author = max(c.peak_per_author, stats.most_per_author)
             yield self.env.timeout(TICK_S)
 
+    # --- the cost of entry ----------------------------------------------------------
+
+    def _prober(self) -> Iterator:
+        """``Consumer.keep_probing``: every ``PROBE_POLL_S``, probe the unproven hosts
+        whose offers meet a bid, within the ``Liveness`` budget."""
+        bid = self._bid(self.node)
+        while True:
+            now = self.now()
+            entry = entry_of(self.book, bid, self.book.vouched)
+            market_priced: dict[str, None] = {}
+            cheap: dict[str, None] = {}
+            for resting in self.book.candidates(bid):
+                host = resting.order.host
+                if host in market_priced or host in cheap or self.book.vouched(host):
+                    continue
+                tier = entry(resting.order)
+                (market_priced if tier is Entry.NEWCOMER else cheap)[host] = None
+            for host in self.liveness.due([*market_priced, *cheap], now=now):
+                probe = self.liveness.challenge(
+                    host, nonce=self.probe_rng.randbytes(CHALLENGE_SIZE), now=now
+                )
+                self.count.probes += 1
+                self.count.probes_to_attackers += host in self.attackers
+                self.env.process(self._answer(probe))
+            yield self.env.timeout(PROBE_POLL_S)
+
+    def _answer(self, probe) -> Iterator:
+        """An honest host signs the challenge after a round trip; an attacker never does."""
+        host = self.hosts.get(probe.host)
+        if host is None:
+            yield self.env.timeout(self.liveness.policy.timeout_s)
+            self.liveness.missed(probe.host, now=self.now())
+            return
+        yield self.env.timeout(RTT_S)
+        free = host.lease_book.free_shares("gpu0")
+        raw = answer_probe(
+            host.identity, probe.request, prober=self.node, now=self.now(),
+            free_shares=free, nonce=host.nonce,
+        )  # fmt: skip
+        self.liveness.answered(probe.host, raw, now=self.now())
+        self.count.newcomer_proven_s.setdefault(probe.host, round(self.env.now, 2))
+
     # --- consumers ------------------------------------------------------------------
 
     def _arrivals(self) -> Iterator:
@@ -376,11 +448,16 @@ class Market:
             if type(decision) is not Propose:
                 return  # gave up: no lease within the match window
             if self.defences.batch:
-                stand_in = SimpleNamespace(entries=entries)
                 newcomers_first = self.choice_rng.random() < NEWCOMER_SHARE
-                batch = Consumer._batch(stand_in, decision.hosts, newcomers_first=newcomers_first)
+                batch = proposal_batch(
+                    decision.hosts, entries, at_once=PROPOSALS_AT_ONCE,
+                    newcomers_first=newcomers_first,
+                )  # fmt: skip
             else:
-                batch = list(decision.hosts[:1])
+                batch = [h for h in decision.hosts if entries.get(h) is not Entry.UNPROVEN][:1]
+            if not batch:  # only hosts that answered no probe yet
+                yield self.env.timeout(HOLD_POLL_S)
+                continue
             winner = yield from self._propose(key, bid, [offers[h] for h in batch], choice, tried)
             row["proposals"] += len(batch)
             if winner is not None:
@@ -393,7 +470,10 @@ class Market:
 
     def _candidates(self, bid, has_record, choice, tried, now):
         """``Consumer._candidates``: each host's best ranked offer, best host first."""
-        entry = entry_of(self.book, bid, has_record) if self.defences.entry else None
+        alive = None
+        if self.defences.probe:
+            alive = lambda host: self.liveness.alive(host, now=now)  # noqa: E731
+        entry = entry_of(self.book, bid, has_record, alive=alive) if self.defences.entry else None
         ranked = rank_offers(self.book, bid, limit=RANKED_OFFERS, entry=entry)
         self._note_ranking(ranked)
         offers: dict[str, Offer] = {}
@@ -468,6 +548,8 @@ class Market:
             self.env.process(self._keep_announcing(host))
         self.env.process(self._flood())
         self.env.process(self._upkeep())
+        if self.defences.probe:
+            self.env.process(self._prober())
         self.env.process(self._arrivals())
         self.env.run(until=self.size.horizon_s)
 
@@ -515,6 +597,12 @@ def simulate(
         "junk_low_first_share": round(c.junk_low_first / c.looks, 4) if c.looks else 0.0,
         "newcomer_leases": newcomer_leases,
         "newcomer_leased": newcomer_leases > 0,
+        "newcomers_leased": sum(h.leases > 0 for h in market.hosts.values() if not h.record),
+        "newcomers": sum(not h.record for h in market.hosts.values()),
+        "newcomer_last_proven_s": max(c.newcomer_proven_s.values(), default=None),
+        "probes": c.probes,
+        "probes_to_attackers": c.probes_to_attackers,
+        "probes_per_attacker": round(c.probes_to_attackers / identities, 2) if identities else 0,
         "peak_book_offers": c.peak_offers,
         "peak_junk_offers": c.peak_junk_offers,
         "max_offers_per_author": c.peak_per_author,
@@ -551,6 +639,9 @@ def run(seed: int, *, quick: bool, identities: tuple[int, ...] = IDENTITIES) -> 
             "proposals_at_once": PROPOSALS_AT_ONCE,
             "propose_timeout_s": PROPOSE_TIMEOUT_S,
             "newcomer_share": NEWCOMER_SHARE,
+            "probes_at_once": LivenessPolicy().at_once,
+            "probe_timeout_s": LivenessPolicy().timeout_s,
+            "probe_backoff_s": LivenessPolicy().backoff_s,
             "match_timeout_s": MATCH_TIMEOUT_S,
         },
         "rows": rows,
@@ -562,14 +653,14 @@ def report(result: dict) -> str:
     header = (
         "| identities | attackers | defences | leased | time to lease, median / p90 / max (s) "
         "| proposals to attackers | junk-low ranked first | peak book (junk) "
-        "| max per author | evicted | newcomer leases |"
+        "| max per author | evicted | newcomer leases | probes per attacker |"
     )
     lines = [
         f"# Spam on the market, seed {result['seed']}, "
         f"{'quick' if result['quick'] else 'full'} run",
         "",
         header,
-        "|" + " --- |" * 11,
+        "|" + " --- |" * 12,
     ]
     for r in result["rows"]:
         times = " / ".join(
@@ -581,7 +672,9 @@ def report(result: dict) -> str:
             f"| {r['leased_share']:.0%} of {r['consumers']} | {times} "
             f"| {r['attacker_proposal_share']:.0%} | {r['junk_low_first_share']:.0%} "
             f"| {r['peak_book_offers']:,} ({r['peak_junk_offers']:,}) "
-            f"| {r['max_offers_per_author']:,} | {r['evicted']:,} | {r['newcomer_leases']} |"
+            f"| {r['max_offers_per_author']:,} | {r['evicted']:,} "
+            f"| {r['newcomer_leases']} ({r['newcomers_leased']} of {r['newcomers']} hosts) "
+            f"| {r['probes_per_attacker']:g} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -44,6 +44,25 @@ def test_the_attacker_sends_no_faster_than_the_gate_accepts(flood_200):
     assert flood_200["junk_gate_refused"] == 0
 
 
+def test_honest_newcomers_still_lease_under_a_200_identity_flood(flood_200):
+    quiet = spam.simulate(1, 0, spam.ON, SMALL)
+    assert flood_200["newcomer_leases"] == quiet["newcomer_leases"] > 0
+
+
+def test_no_proposal_goes_to_a_host_that_answered_no_probe(flood_200):
+    assert flood_200["attacker_proposal_share"] == 0.0
+
+
+def test_without_the_liveness_probe_near_market_junk_takes_every_newcomer_lease():
+    row = spam.simulate(1, 200, spam.ABLATIONS["on, no liveness probe"], SMALL)
+    assert row["newcomer_leases"] == 0 and row["attacker_proposal_share"] > 0
+
+
+def test_an_identity_that_answers_no_probe_costs_a_bounded_number_of_probes(flood_200):
+    # Missed at once, then again after the 60 s backoff; the next waits 120 s more.
+    assert flood_200["probes_per_attacker"] <= 2
+
+
 def test_without_the_defences_a_10_identity_flood_keeps_every_consumer_from_a_lease():
     row = spam.simulate(1, 10, spam.OFF, SMALL)
     assert row["consumers"] > 0 and row["leased_share"] == 0.0
