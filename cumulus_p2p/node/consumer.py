@@ -266,6 +266,7 @@ class Consumer:
         choice = self.choice
         choice.search(now=self.runtime.clock(), patience_s=patience)
         newcomers_first: bool | None = None
+        probed_for_share = False
         while True:
             now = self.runtime.clock()
             offers = self._candidates(now)
@@ -291,9 +292,11 @@ class Consumer:
             if newcomers_first is None:  # kept over a round of probes it asks for
                 newcomers_first = random.random() < NEWCOMER_SHARE
             batch = self._batch(decision.hosts, newcomers_first=newcomers_first)
-            if self._wants_probes(batch, newcomers_first) and await self.probe_newcomers():
-                continue  # look at the book again, with the probes' verdicts
-            newcomers_first = None
+            if self._wants_probes(batch, newcomers_first and not probed_for_share):
+                probed_for_share = newcomers_first
+                if await self.probe_newcomers():
+                    continue  # look at the book again, with the probes' verdicts
+            newcomers_first, probed_for_share = None, False
             if not batch:  # only unproven hosts, none left to probe now
                 await trio.sleep(HOLD_POLL_S)
                 continue
@@ -313,8 +316,10 @@ class Consumer:
         )
 
     def _wants_probes(self, batch: list[str], newcomers_first: bool) -> bool:
-        """Whether this match should wait for probes: it has no host to try, or it is one
-        of the newcomers' share and has no newcomer to try."""
+        """Whether this match should wait for probes: it has no host to try (then it
+        probes round after round), or it is one of the newcomers' share and has no
+        newcomer to try (then it waits for one round at most: a flood of hosts that answer
+        nothing must not hold the match)."""
         if not batch:
             return True
         return newcomers_first and all(self.entries.get(h) is not Entry.NEWCOMER for h in batch)
