@@ -172,8 +172,8 @@ def test_a_host_that_never_answers_costs_a_bounded_number_of_probes():
             liveness.missed(HOST, now=now + POLICY.timeout_s)
             probes += 1
         now += 10
-    # 60 s, doubling to an hour: 7 probes in the first two hours, then one an hour.
-    assert probes <= 7 + 24
+    # 30 s, doubling to an hour: 8 probes in the first hour or so, then one an hour.
+    assert probes <= 8 + 24
 
 
 def test_a_probe_with_no_verdict_past_twice_its_timeout_counts_as_missed():
@@ -197,6 +197,15 @@ def test_due_hands_out_hosts_in_the_order_first_seen_within_the_budget():
     liveness.see("early", now=NOW)
     flood = [f"sybil{i}" for i in range(5)]
     assert liveness.due([*flood, "early"], now=NOW + 1) == ["early", "sybil0"]
+
+
+def test_a_silent_host_back_from_its_backoff_queues_behind_hosts_waiting_meanwhile():
+    liveness = Liveness(PROBER, LivenessPolicy(at_once=1))
+    liveness.challenge("sybil", nonce=nonce(), now=NOW)
+    liveness.missed("sybil", now=NOW + 1)
+    liveness.see("newcomer", now=NOW + 2)
+    back = NOW + 1 + POLICY.backoff_s
+    assert liveness.due(["sybil", "newcomer"], now=back) == ["newcomer"]
 
 
 def test_due_counts_probes_in_flight_against_the_budget():

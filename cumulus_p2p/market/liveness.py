@@ -38,9 +38,10 @@ number of probes (about ``log2(max/base) + 1`` and then one per ``max_backoff_s`
 probe with no verdict past twice its timeout counts as missed when time is passed in.
 
 Budget: at most ``at_once`` probes are in flight, and ``due`` hands out unproven hosts
-in the order the prober first saw them (ties in the order the shell prefers). A flood
-of fresh identities therefore queues behind the newcomer that was announcing before it
-rather than ahead of it. Memory is bounded by ``max_hosts``: past it, the host seen
+in the order they became unproven: first seen, or back from a backoff (ties in the order
+the shell prefers). A flood of fresh identities therefore queues behind the newcomer
+that was announcing before it, and a silent host back from its backoff queues behind
+every host that was waiting meanwhile. Memory is bounded by ``max_hosts``: past it, the host seen
 least recently that is neither alive nor being probed is forgotten.
 
 Nothing here reads a clock, draws randomness or does I/O: the shell passes the time and
@@ -150,7 +151,7 @@ class LivenessPolicy:
     timeout_s: float = 2.0
     at_once: int = 8
     alive_for_s: float = 600.0
-    backoff_s: float = 60.0
+    backoff_s: float = 30.0
     factor: float = 2.0
     max_backoff_s: float = 3600.0
     max_hosts: int = 4096
@@ -206,6 +207,7 @@ class _Host:
     state: LivenessState = LivenessState.UNPROVEN
     first_seen: float = 0.0
     last_seen: float = 0.0
+    queued_at: float = 0.0  # when it last became unproven: first seen, or lapsed
     order: int = 0  # ties on first sight: the shell's preference
     until: float = math.inf  # ALIVE, SILENT: when it lapses; PROBING: the deadline
     challenge: bytes = b""
@@ -258,14 +260,15 @@ class Liveness:
             if len(self._hosts) >= self.policy.max_hosts and not self._forget_one():
                 return  # every remembered host is alive or being probed
             self._seen += 1
-            record = self._hosts[host] = _Host(first_seen=now, order=self._seen)
+            record = self._hosts[host] = _Host(first_seen=now, queued_at=now, order=self._seen)
         record.last_seen = now
 
     def due(self, hosts: Iterable[str], *, now: float) -> list[str]:
         """The hosts among ``hosts`` to probe now, at most the free part of the budget.
 
-        Each host is seen (``see``) first. Unproven hosts come out in the order they were
-        first seen; ties in the order of ``hosts`` (put those you prefer first).
+        Each host is seen (``see``) first. Unproven hosts come out in the order they
+        became unproven (first seen, or their evidence or backoff lapsed); ties in the
+        order of ``hosts`` (put those you prefer first).
         """
         for host in hosts:
             self.see(host, now=now)
@@ -274,7 +277,7 @@ class Liveness:
         if room <= 0:
             return []
         unproven = [
-            (r.first_seen, r.order, h)
+            (r.queued_at, r.order, h)
             for h, r in self._hosts.items()
             if r.state is LivenessState.UNPROVEN and r.last_seen == now
         ]
@@ -420,7 +423,7 @@ class Liveness:
         return LivenessEvidence(host, prober, challenge, answered_at, now, free_shares, proof)
 
     def _record(self, host: str, now: float) -> _Host:
-        record = self._hosts.setdefault(host, _Host(first_seen=now, last_seen=now))
+        record = self._hosts.setdefault(host, _Host(first_seen=now, last_seen=now, queued_at=now))
         self._advance(record, now)
         return record
 
@@ -432,7 +435,7 @@ class Liveness:
                 self._miss(record, host, now)
         elif record.state in (LivenessState.ALIVE, LivenessState.SILENT) and now >= record.until:
             self._move(record, LivenessEvent.LAPSED)
-            record.until = math.inf
+            record.queued_at, record.until = record.until, math.inf
 
     def _expire(self, now: float) -> None:
         for host in list(self._probing):
