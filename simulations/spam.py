@@ -18,8 +18,8 @@ consumers who match through it. What is real, and whose defaults:
   ``LivenessPolicy`` (8 probes in flight, 2 s to answer, a backoff from 30 s doubling to an
   hour for a host that misses), fed as ``Consumer.probe_newcomers`` feeds it every
   ``PROBE_POLL_S``: the hosts with no record whose offers meet a bid, those priced like
-  the market first. An honest host answers each challenge with a real signed
-  ``answer_probe`` after one round trip; no attacker answers (its probes time out).
+  the market before those far below it. An honest host answers each challenge with a real
+  signed ``answer_probe`` after one round trip; no attacker answers (its probes time out).
 - **The matcher**: ``rank_offers`` with ``entry_of`` (hosts with a record first, then
   proven newcomers priced like the market, then proven newcomers far below it, then hosts
   that have answered no probe), ``RANKED_OFFERS`` deep.
@@ -373,15 +373,12 @@ class Market:
         while True:
             now = self.now()
             entry = entry_of(self.book, bid, self.book.vouched)
-            market_priced: dict[str, None] = {}
-            cheap: dict[str, None] = {}
+            tiers: dict[str, int] = {}  # priced like the market 0, far below it 1
             for resting in self.book.candidates(bid):
                 host = resting.order.host
-                if host in market_priced or host in cheap or self.book.vouched(host):
-                    continue
-                tier = entry(resting.order)
-                (market_priced if tier is Entry.NEWCOMER else cheap)[host] = None
-            for host in self.liveness.due([*market_priced, *cheap], now=now):
+                if host not in tiers and not self.book.vouched(host):
+                    tiers[host] = int(entry(resting.order) is not Entry.NEWCOMER)
+            for host in self.liveness.due(tiers, now=now, tier=tiers):
                 probe = self.liveness.challenge(
                     host, nonce=self.probe_rng.randbytes(CHALLENGE_SIZE), now=now
                 )

@@ -199,6 +199,13 @@ def test_due_hands_out_hosts_in_the_order_first_seen_within_the_budget():
     assert liveness.due([*flood, "early"], now=NOW + 1) == ["early", "sybil0"]
 
 
+def test_due_hands_out_a_lower_tier_first_whenever_it_was_seen():
+    liveness = Liveness(PROBER, LivenessPolicy(at_once=1))
+    liveness.see("cheap junk", now=NOW)
+    tier = {"cheap junk": 1, "fair": 0}
+    assert liveness.due(["cheap junk", "fair"], now=NOW + 1, tier=tier) == ["fair"]
+
+
 def test_a_silent_host_back_from_its_backoff_queues_behind_hosts_waiting_meanwhile():
     liveness = Liveness(PROBER, LivenessPolicy(at_once=1))
     liveness.challenge("sybil", nonce=nonce(), now=NOW)

@@ -38,8 +38,9 @@ number of probes (about ``log2(max/base) + 1`` and then one per ``max_backoff_s`
 probe with no verdict past twice its timeout counts as missed when time is passed in.
 
 Budget: at most ``at_once`` probes are in flight, and ``due`` hands out unproven hosts
-in the order they became unproven: first seen, or back from a backoff (ties in the order
-the shell prefers). A flood of fresh identities therefore queues behind the newcomer
+by the tier the shell gives them (a consumer puts hosts priced like the market before
+those priced far below it), then in the order they became unproven: first seen, or
+back from a backoff. A flood of fresh identities therefore queues behind the newcomer
 that was announcing before it, and a silent host back from its backoff queues behind
 every host that was waiting meanwhile. Memory is bounded by ``max_hosts``: past it, the host seen
 least recently that is neither alive nor being probed is forgotten.
@@ -52,7 +53,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import msgpack
@@ -263,13 +264,16 @@ class Liveness:
             record = self._hosts[host] = _Host(first_seen=now, queued_at=now, order=self._seen)
         record.last_seen = now
 
-    def due(self, hosts: Iterable[str], *, now: float) -> list[str]:
+    def due(
+        self, hosts: Iterable[str], *, now: float, tier: Mapping[str, int] | None = None
+    ) -> list[str]:
         """The hosts among ``hosts`` to probe now, at most the free part of the budget.
 
-        Each host is seen (``see``) first. Unproven hosts come out in the order they
-        became unproven (first seen, or their evidence or backoff lapsed); ties in the
-        order of ``hosts`` (put those you prefer first).
+        Each host is seen (``see``) first. Unproven hosts come out by ``tier`` (lower
+        first; 0 if missing), then in the order they became unproven (first seen, or
+        their evidence or backoff lapsed), then in the order of ``hosts``.
         """
+        tier = tier or {}
         for host in hosts:
             self.see(host, now=now)
         self._expire(now)
@@ -277,11 +281,11 @@ class Liveness:
         if room <= 0:
             return []
         unproven = [
-            (r.queued_at, r.order, h)
+            (tier.get(h, 0), r.queued_at, r.order, h)
             for h, r in self._hosts.items()
             if r.state is LivenessState.UNPROVEN and r.last_seen == now
         ]
-        return [h for _, _, h in sorted(unproven)[:room]]
+        return [row[-1] for row in sorted(unproven)[:room]]
 
     def challenge(self, host: str, *, nonce: bytes, now: float) -> Probe:
         """Start probing ``host`` with the random ``nonce``; return the request to send.

@@ -338,15 +338,12 @@ class Consumer:
             return 0
         book, now = self.runtime.book, self.runtime.clock()
         entry = entry_of(book, self.bid, self.has_record)
-        market_priced: dict[str, None] = {}
-        cheap: dict[str, None] = {}
+        tiers: dict[str, int] = {}  # priced like the market 0, far below it 1
         for resting in book.candidates(self.bid):
             host = resting.order.host
-            if host in market_priced or host in cheap or self.has_record(host):
-                continue
-            tier = entry(resting.order)
-            (market_priced if tier is Entry.NEWCOMER else cheap)[host] = None
-        due = self.liveness.due([*market_priced, *cheap], now=now)
+            if host not in tiers and not self.has_record(host):
+                tiers[host] = int(entry(resting.order) is not Entry.NEWCOMER)
+        due = self.liveness.due(tiers, now=now, tier=tiers)
         async with trio.open_nursery() as nursery:
             for host in due:
                 nursery.start_soon(self._probe, host)
