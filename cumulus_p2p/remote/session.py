@@ -393,25 +393,33 @@ class ExecutorSession:
                 ErrorKind.VALUE, "@restore: size and start must be non-negative integers"
             )
         if is_digest(data) and start % PIECE == 0 and start < nbytes:
-            piece = self._stored_blob(data, min(PIECE, nbytes - start))
+            length = min(PIECE, nbytes - start)
+            target = self._restore_target(handle, dtype, nbytes, start, length)
+            self._stored_blob(data, length, into=target)
         elif type(data) is CpuTensorRef and data.dtype == torch.uint8 and len(data.sizes) == 1:
             piece = _inline_tensor(data, blobs)
+            target = self._restore_target(handle, dtype, nbytes, start, piece.numel())
+            target.copy_(piece)
         else:
             raise OpFailed(
                 ErrorKind.PROTOCOL_ERROR,
                 "@restore: data must be inline uint8 bytes or the digest of a whole piece",
             )
-        if start + piece.numel() > nbytes:
+        self._handles.restored(handle, start + target.numel())
+
+    def _restore_target(
+        self, handle: int, dtype: torch.dtype, nbytes: int, start: int, length: int
+    ) -> torch.Tensor:
+        """The bytes a restored piece goes into; its first piece creates the storage."""
+        if start + length > nbytes:
             raise OpFailed(
                 ErrorKind.INDEX,
-                f"@restore: bytes [{start}, {start + piece.numel()}) are out of bounds for a "
+                f"@restore: bytes [{start}, {start + length}) are out of bounds for a "
                 f"storage of {nbytes} bytes",
             )
         if start == 0:
             self._create_storage(handle, dtype, nbytes)
-        anchor = self._handles.restore_target(handle, dtype, nbytes, start)
-        raw_bytes(anchor, start, piece.numel()).copy_(piece)
-        self._handles.restored(handle, start + piece.numel())
+        return raw_bytes(self._handles.restore_target(handle, dtype, nbytes, start), start, length)
 
     def _create_storage(self, handle: int, dtype: torch.dtype, nbytes: int) -> None:
         if handle in self._handles:
@@ -520,7 +528,12 @@ class ExecutorSession:
         except Exception as exc:  # a shape or dtype the target cannot take
             raise OpFailed(type(exc).__name__, f"@blob: {exc}") from None
 
-    def _stored_blob(self, value: str, nbytes: int) -> torch.Tensor:
+    def _stored_blob(
+        self, value: str, nbytes: int, *, into: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The blob ``value`` of the host's store, checked, as ``nbytes`` uint8; read
+        straight ``into`` a contiguous uint8 tensor when given (staged through host
+        memory when that lives on a GPU)."""
         pinned = self._pins.get(value)
         store = self.ctx.blobs
         if pinned is None and store is not None:
@@ -537,11 +550,14 @@ class ExecutorSession:
                 ErrorKind.VALUE,
                 f"@blob: blob {value[:16]} holds {pinned.size} bytes, not {nbytes}",
             )
-        raw = torch.empty(nbytes, dtype=torch.uint8)
+        direct = into is not None and into.device.type == "cpu"
+        raw = into if direct else torch.empty(nbytes, dtype=torch.uint8)
         try:
             pinned.read_into(memoryview(raw.numpy()) if nbytes else memoryview(bytearray()))
         except BlobMismatchError as exc:
             raise OpFailed(ErrorKind.BLOB_MISMATCH, str(exc)) from None
+        if into is not None and not direct:
+            into.copy_(raw)
         return raw
 
     def _keep_blob(self, value: str, raw: torch.Tensor) -> None:
