@@ -38,8 +38,10 @@ from cumulus_p2p.testing.mesh import (
     wait_for,
 )
 
-# Starts meshes of real libp2p hosts: scripts/test --fast skips it.
-pytestmark = [pytest.mark.slow, pytest.mark.timing]
+# Starts meshes of real libp2p hosts: scripts/test --fast skips it. The tests that bound
+# how long gossip, expiry or a rejection may take are marked timing: scripts/test runs
+# them alone, after the parallel workers, whose load would stretch those bounds.
+pytestmark = pytest.mark.slow
 
 N = 10
 OFFER = "market/offer"
@@ -52,6 +54,7 @@ def has_offer_from(mesh: Mesh, index: int, author: bytes) -> bool:
     return author in mesh.books[index].authors(time.time(), kind=OFFER)
 
 
+@pytest.mark.timing  # every book within 2 s
 async def test_offer_reaches_every_node_within_two_seconds() -> None:
     async with open_mesh(N) as mesh:
         env = await mesh.nodes[N // 2].announce("gpu0", OFFER, b"rtx4090 x1")
@@ -82,6 +85,7 @@ async def test_an_announcement_built_per_seal_repeats_each_envelopes_nonce_and_e
         assert (env.nonce, env.expires_at) in built
 
 
+@pytest.mark.timing  # gossip history rolls over in 3 heartbeats
 async def test_late_joiner_reads_every_live_offer_from_the_dht() -> None:
     # Re-announce rarely and keep little gossip history, so the joiner cannot get the
     # offers from fresh or replayed gossip: only the DHT has them.
@@ -135,6 +139,7 @@ async def test_late_joiner_reads_every_live_offer_from_the_dht() -> None:
         assert len(mesh.received(j)) == len(hosts)
 
 
+@pytest.mark.timing  # gone within the TTL
 async def test_offers_of_a_departed_host_expire_everywhere_within_the_ttl() -> None:
     config = fast_config(announce_interval=0.5, offer_ttl=2.0)
     async with open_mesh(N, config=config) as mesh:
@@ -186,6 +191,7 @@ async def _assert_dropped_everywhere(mesh: Mesh, payload: bytes, reason: str) ->
             assert score < 0, "the sender of an invalid message loses gossip score"
 
 
+@pytest.mark.timing  # rejected everywhere within 3 s
 async def test_forged_offer_is_dropped_by_every_node() -> None:
     async with open_mesh(N) as mesh:
         victim = NodeIdentity.generate()
@@ -196,6 +202,7 @@ async def test_forged_offer_is_dropped_by_every_node() -> None:
         await _assert_dropped_everywhere(mesh, forged.to_bytes(), "BAD_SIGNATURE")
 
 
+@pytest.mark.timing  # delivered within 3 s
 async def test_gossip_drained_before_a_node_stops_still_arrives() -> None:
     async with open_mesh(3) as mesh:
         envs = [mesh.nodes[2].seal("market/bid", f"last words {i}".encode()) for i in range(5)]
@@ -227,6 +234,7 @@ async def test_a_leaving_node_hangs_up_and_resets_every_new_gossip_stream() -> N
         assert "protocols not supported" not in str(died.value.__cause__)
 
 
+@pytest.mark.timing  # rejected everywhere within 3 s
 async def test_replayed_offer_is_dropped_by_every_node() -> None:
     async with open_mesh(N) as mesh:
         # A long TTL, so the copy is still live (a replay, not merely expired) when resent.
@@ -240,6 +248,7 @@ async def test_replayed_offer_is_dropped_by_every_node() -> None:
             assert sum(m.envelope.digest == env.digest for m in mesh.received(i)) == 1
 
 
+@pytest.mark.timing  # rejected everywhere within 3 s
 async def test_expired_offer_is_dropped_by_every_node() -> None:
     async with open_mesh(N) as mesh:
         author = NodeIdentity.generate()
@@ -247,6 +256,7 @@ async def test_expired_offer_is_dropped_by_every_node() -> None:
         await _assert_dropped_everywhere(mesh, stale.to_bytes(), "EXPIRED")
 
 
+@pytest.mark.timing  # rejected everywhere within 3 s
 async def test_oversized_offer_is_dropped_by_every_node() -> None:
     async with open_mesh(N) as mesh:
         author = NodeIdentity.generate()
@@ -254,6 +264,7 @@ async def test_oversized_offer_is_dropped_by_every_node() -> None:
         await _assert_dropped_everywhere(mesh, huge.to_bytes(), "OVERSIZED")
 
 
+@pytest.mark.timing  # rejected everywhere within 3 s
 async def test_malformed_payload_is_dropped_by_every_node() -> None:
     async with open_mesh(N) as mesh:
         await _assert_dropped_everywhere(mesh, b"\x96not an envelope", "MALFORMED")
