@@ -164,6 +164,22 @@ def test_a_checkpoint_counts_only_once_the_standby_holds_it(tmp_path, hosts):
             assert x.cpu().tolist() == [2.0] * 4
 
 
+@pytest.mark.slow
+def test_a_standby_whose_store_is_full_keeps_the_previous_checkpoint(tmp_path, hosts, caplog):
+    _, fresh, _ = hosts
+    with host(tmp_path, "standby", "--blob-cap", "8MiB") as (standby, _):
+        with remote.attach(fresh, reconnect=dial(fresh), standby=standby) as session:
+            small = torch.ones(1024).to("cumulus")
+            first = session.checkpoint()
+            big = torch.randn(4 * MiB).to("cumulus")  # 16 MiB: more than the standby's cap
+            # The copy fails for want of room: the consumer's store takes this checkpoint.
+            assert isinstance(session.checkpoint(), Checkpoint)
+            stats = session.failover_statistics()
+            assert stats.replicated_checkpoints == 1 and isinstance(first, HostCheckpoint)
+            assert small.cpu()[0] == 1.0 and big.cpu().shape == (4 * MiB,)
+    assert "has no room" in caplog.text
+
+
 def test_checkpoints_on_a_standby_need_one():
     with pytest.raises(ValueError, match="needs a standby"):
         remote.RemoteSession(None, reconnect=lambda: None, checkpoint_to="standby")
