@@ -180,6 +180,34 @@ def test_a_standby_whose_store_is_full_keeps_the_previous_checkpoint(tmp_path, h
     assert "has no room" in caplog.text
 
 
+@pytest.mark.slow
+def test_with_both_placements_a_lost_standby_restores_the_consumers_copy(tmp_path, hosts):
+    *_, reference = hosts
+    with (
+        host(tmp_path, "primary") as (primary, proc),
+        host(tmp_path, "standby") as (standby, standby_proc),
+        host(tmp_path, "fresh") as (fresh, _),
+    ):
+        attached = remote.attach(
+            primary, reconnect=dial(fresh), standby=standby, checkpoint_to="both"
+        )
+        with attached as session:
+
+            def on_step(i: int) -> None:
+                if i == 3:
+                    assert isinstance(session.checkpoint(), Checkpoint)
+                    assert session.wait_for_standby() is not None  # both hold it
+                if i == 6:
+                    for dying in (standby_proc, proc):
+                        dying.kill()
+                        dying.wait()
+
+            got = train(10, on_step)
+            stats = session.failover_statistics()
+    assert_same_run(got, reference)
+    assert stats.cold_restores == 1 and stats.restore_pulled_bytes == 0
+
+
 def test_checkpoints_on_a_standby_need_one():
     with pytest.raises(ValueError, match="needs a standby"):
         remote.RemoteSession(None, reconnect=lambda: None, checkpoint_to="standby")

@@ -586,8 +586,8 @@ class RemoteSession:
     def _take_checkpoint(self) -> Checkpoint | HostCheckpoint | None:
         """Take a checkpoint where the placement says; None if the host was lost meanwhile."""
         hosted = None
-        # A standby that failed once gets no more checkpoints: the consumer keeps them.
-        if self._placement.on_standby and self._standby.failures == 0:
+        # A standby gone or failing gets no more checkpoints: the consumer keeps them.
+        if self._placement.on_standby and self._standby.usable:
             hosted = self._keep_on_host()
         if self._placement.on_consumer or hosted is None:
             return self._read_checkpoint()
@@ -750,11 +750,17 @@ class RemoteSession:
             return  # no checkpoint yet: the log replays the session from its start
         hosted = self._hosted
         if hosted is not None and hosted.seq == self._log.after_seq:
-            self._pull_hosted(channel, hosted)
-            with_rng = _rng_fits(info, hosted.manifest.device)
-            batches = restore_named_batches(hosted.manifest, with_rng=with_rng)
-            self._send_restore(channel, hosted.seq, batches, total=0)
-            return
+            try:
+                self._pull_hosted(channel, hosted)
+            except FailoverError as exc:
+                if not self._placement.on_consumer:
+                    raise
+                log.warning("cumulus: %s; restoring the consumer's copy instead", exc)
+            else:
+                with_rng = _rng_fits(info, hosted.manifest.device)
+                batches = restore_named_batches(hosted.manifest, with_rng=with_rng)
+                self._send_restore(channel, hosted.seq, batches, total=0)
+                return
         checkpoint = self._store.load()
         if checkpoint is None or checkpoint.seq != self._log.after_seq:
             raise FailoverError("the checkpoint store no longer holds the latest checkpoint")

@@ -16,8 +16,10 @@ With one, the consumer keeps only the manifest of digests:
    there (``HostCheckpoint.seq``). Until then the previous one stands (the standby keeps
    its pieces pinned until a copy succeeds), so a host lost mid-copy costs a longer
    replay, never the state. A checkpoint does not start while the previous one is still
-   being copied. A standby that fails a copy gets no more: the consumer's store takes
-   the checkpoints from then on.
+   being copied. A standby that is lost, or fails ``MAX_FAILURES`` copies in a row
+   (its store full, say), gets no more: the consumer's store takes the checkpoints
+   from then on. One failure is forgiven: the source of that copy, the session's host,
+   may just have died, and the next copy comes from its replacement.
 4. At failover, the consumer tells the fresh host to pull the state from the standby
    (from nowhere, if the fresh host is the standby), then restores it by digest.
 
@@ -44,6 +46,8 @@ log = logging.getLogger(__name__)
 
 #: Memory a standby's session asks for: it holds blobs on disk, never tensors.
 STANDBY_QUOTA = 1
+#: Copies failed in a row after which checkpoints go to the consumer's store instead.
+MAX_FAILURES = 2
 
 
 class CheckpointPlacement(enum.Enum):
@@ -113,7 +117,15 @@ class StandbyLink:
         self._thread: threading.Thread | None = None
         self._finished: HostCheckpoint | None = None
         self.replications: list[Replication] = []
+        #: Copies that failed in a row, and whether the standby itself is gone.
         self.failures = 0
+        self.lost = False
+
+    @property
+    def usable(self) -> bool:
+        """Worth the next checkpoint: reachable, and not failing copy after copy. One
+        failed copy is forgiven (its source, the session's host, may just have died)."""
+        return not self.lost and self.failures < MAX_FAILURES
 
     @property
     def busy(self) -> bool:
@@ -163,6 +175,7 @@ class StandbyLink:
             self._channel.send_frame(encode_frame(["pull", request]))
             header, _ = decode_frame(self._channel.recv_frame())
         except (SessionClosedError, CumulusError) as exc:
+            self.lost = True
             self._failed(checkpoint, f"lost the standby: {exc}")
             return
         result = header[1] if header[0] == "pulled" and len(header) == 2 else None
@@ -171,6 +184,7 @@ class StandbyLink:
             self._failed(checkpoint, str(why))
             return
         seconds = time.perf_counter() - started
+        self.failures = 0
         self.replications.append(Replication(checkpoint.seq, result["fetched_bytes"], seconds))
         self._finished = HostCheckpoint(checkpoint.seq, checkpoint.manifest, (self.source,))
 
