@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import cumulus_p2p.remote as remote
+from cumulus_p2p.channel.transport import SocketFrameChannel
 from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.testing.models import train
 
@@ -64,3 +65,36 @@ def test_attention_runs_as_a_fused_op_on_a_gpu_not_its_math_decomposition(cuda_e
             ],
         )
     assert fused < math / 2
+
+
+def test_a_cuda_session_fails_over_through_a_standby(tmp_path):
+    """The standby path on GPUs: checkpoint pieces cross to host memory on the primary,
+    and land from the fresh host's store into device memory."""
+
+    def gpu_host(name: str):
+        extra = ["--blob-dir", str(tmp_path / name)]
+        return executor_process(device="cuda", quota="8GiB", extra=extra)
+
+    with gpu_host("primary") as (primary, proc), gpu_host("standby") as (standby, _):
+        with gpu_host("fresh") as (fresh, _):
+            with remote.attach(fresh):
+                reference, _ = train("transformer", "cumulus", steps=8)
+            host, port = fresh.split(":")
+            attached = remote.attach(
+                primary,
+                reconnect=lambda: SocketFrameChannel.connect(host, int(port)),
+                standby=standby,
+            )
+            with attached as session:
+
+                def on_step(i: int) -> None:
+                    if i == 2:
+                        session.checkpoint()
+                    if i == 5:
+                        proc.kill()
+                        proc.wait()
+
+                got, _ = train("transformer", "cumulus", steps=8, on_step=on_step)
+                stats = session.failover_statistics()
+    assert got == pytest.approx(reference, rel=1e-5)
+    assert stats.cold_restores == 1 and stats.restore_pulled_bytes == stats.checkpoint_bytes

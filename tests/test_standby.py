@@ -28,9 +28,9 @@ from cumulus_p2p.remote.blobstore import BlobStore
 from cumulus_p2p.remote.checkpoint import Checkpoint
 from cumulus_p2p.remote.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
 from cumulus_p2p.remote.standby import HostCheckpoint
+from cumulus_p2p.testing import models
 from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.testing.memory import peak_since_reset, reset_peak
-from cumulus_p2p.testing.models import TASKS
 
 MiB = 1024 * 1024
 
@@ -48,21 +48,7 @@ def dial(address: str):
 
 def train(steps: int, on_step=lambda i: None):
     """The transformer task on cumulus for ``steps`` steps; losses and final weights."""
-    spec = TASKS["transformer"]
-    torch.manual_seed(0)
-    model = spec.make_model().to("cumulus")
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(2)
-    losses = []
-    for i in range(steps):
-        x, y = spec.make_batch(gen)
-        opt.zero_grad()
-        loss = spec.loss(model(x.to("cumulus")), y.to("cumulus"))
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        on_step(i)
-    return losses, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return models.train("transformer", "cumulus", steps=steps, on_step=on_step)
 
 
 def assert_same_run(got, expected) -> None:
