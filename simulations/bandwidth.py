@@ -15,14 +15,15 @@ more between them. Two placements are compared:
   its store lacks, and pieces an upload filled count as held). A failover to a fresh host
   re-uploads the whole state over the consumer's *uplink*. Training waits while a
   checkpoint is read (it is taken at a sync point, in the op stream).
-- ``standby`` (NOT BUILT: issue 28's design, modelled here to size it): the changed
+- ``standby`` (issue 28's design, modelled here to size it): the changed
   pieces go host-to-host to a standby host the consumer leased for storage; a failover
   pulls the whole state from the standby over host links; the consumer's link carries the
   manifest of piece digests only. ``standby`` stalls training as today's checkpoints do;
   ``standby-background`` takes the snapshot at a sync point and streams it while training
-  goes on (copy-on-write, also not built): no stall, but the next checkpoint waits until
-  the previous one has arrived, so checkpoints are further apart when they take longer
-  than the interval.
+  goes on: no stall, but the next checkpoint waits until the previous one has arrived,
+  so checkpoints are further apart when they take longer than the interval. This is
+  what ``remote.attach(standby=...)`` does, but for the host's in-memory copy of the
+  changed pieces at the sync point, which the model leaves out.
 
 Two outputs:
 
@@ -660,7 +661,7 @@ def report(result: dict) -> str:
         f"# Bandwidth and checkpoint placement (seed {result['seed']}"
         f"{', quick' if result['quick'] else ''})",
         "",
-        "`standby` and `standby-background` model a design that is not built.",
+        "`standby-background` models `remote.attach(standby=...)` (less the host's copy).",
         "",
         "## Calibration: the closed form against `realsize_bench.py` (1 GiB, 100 Mbit/s)",
         "",
