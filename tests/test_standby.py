@@ -167,7 +167,7 @@ def test_a_standby_whose_store_is_full_keeps_the_previous_checkpoint(tmp_path, h
 
 
 @pytest.mark.slow
-def test_with_both_placements_a_lost_standby_restores_the_consumers_copy(tmp_path, hosts):
+def test_with_both_placements_a_lost_standby_restores_the_consumers_copy(tmp_path, hosts, caplog):
     *_, reference = hosts
     with (
         host(tmp_path, "primary") as (primary, proc),
@@ -192,6 +192,7 @@ def test_with_both_placements_a_lost_standby_restores_the_consumers_copy(tmp_pat
             stats = session.failover_statistics()
     assert_same_run(got, reference)
     assert stats.cold_restores == 1 and stats.restore_pulled_bytes == 0
+    assert "restoring the consumer's copy instead" in caplog.text  # the standby was tried
 
 
 def test_checkpoints_on_a_standby_need_one():

@@ -45,6 +45,7 @@ from .failover import (
     CheckpointPolicy,
     FailoverStatistics,
     ImageAssembler,
+    Manifest,
     ReplayLog,
     parse_manifest,
     plan_reads,
@@ -546,7 +547,7 @@ class RemoteSession:
             ):
                 checkpoint = None  # the standby could not keep it: the consumer does
                 while checkpoint is None:
-                    checkpoint = self._read_checkpoint()
+                    checkpoint = self._take_checkpoint(to_standby=False)
             return checkpoint
 
     def wait_for_standby(self) -> HostCheckpoint | None:
@@ -583,48 +584,60 @@ class RemoteSession:
         if finished.seq > self._log.after_seq:
             self._log.reset(finished.seq)
 
-    def _take_checkpoint(self) -> Checkpoint | HostCheckpoint | None:
-        """Take a checkpoint where the placement says; None if the host was lost meanwhile."""
-        hosted = None
-        # A standby gone or failing gets no more checkpoints: the consumer keeps them.
-        if self._placement.on_standby and self._standby.usable:
-            hosted = self._keep_on_host()
-        if self._placement.on_consumer or hosted is None:
-            return self._read_checkpoint()
-        return hosted
+    def _take_checkpoint(
+        self, *, to_standby: bool | None = None
+    ) -> Checkpoint | HostCheckpoint | None:
+        """Take a checkpoint where the placement says (``to_standby=False``: the consumer's
+        store only); None if the host was lost meanwhile.
 
-    def _keep_on_host(self) -> HostCheckpoint | None:
-        """Have the host keep a checkpoint and the standby copy it, in the background.
-        None when that cannot be done here (the consumer's disk takes it instead)."""
-        address = getattr(self._channel, "peer_address", None)
-        token = self.info.get("token")
-        if self._standby is None or address is None or not isinstance(token, str):
-            log.warning("cumulus: this channel cannot name its host to a standby")
-            return None
-        started = time.perf_counter()
-        frees, self._frees = self._frees, []
-        seq, parts = self._encode([], frees, ["checkpoint", {"keep": True}], [])
-        manifest = parse_manifest(*self._read_reply(self._exchange(parts, seq), seq))
-        hosted = HostCheckpoint(seq, manifest, (Source(address, grant_of(token)),))
-        self._standby.replicate(hosted)
-        self._policy.taken(now=time.monotonic())
-        self._checkpoints += 1
-        self._checkpoint_bytes = hosted.nbytes
-        self._checkpoint_read_bytes = 0
-        self._last_checkpoint_s = time.perf_counter() - started
-        return hosted
-
-    def _read_checkpoint(self) -> Checkpoint | None:
-        """Read every storage and the RNG state; None if the host was lost meanwhile.
-
-        Runs right after a reply, when no op is queued, so the frees still pending can go
-        first: the checkpoint then leaves out tensors that died during the last batch. That
-        batch changes state, so it is logged; the reads after it change nothing.
+        One ``checkpoint`` query names the pieces for both places: the host keeps them
+        for the standby to copy in the background, and the consumer reads those its store
+        lacks. The log is cut at once by the consumer's copy, by the standby's only once
+        it holds every piece (``_take_hosted``).
         """
         started = time.perf_counter()
+        source = self._standby_source() if to_standby is not False else None
         frees, self._frees = self._frees, []
-        seq, parts = self._encode([], frees, ["checkpoint"], [])
+        query = ["checkpoint", {"keep": True}] if source is not None else ["checkpoint"]
+        seq, parts = self._encode([], frees, query, [])
         manifest = parse_manifest(*self._read_reply(self._exchange(parts, seq), seq))
+        taken: Checkpoint | HostCheckpoint | None = None
+        if source is not None:
+            taken = HostCheckpoint(seq, manifest, (source,))
+            self._standby.replicate(taken)
+            self._checkpoint_read_bytes = 0
+        if source is None or self._placement.on_consumer:
+            taken = self._read_pieces(seq, manifest)
+            if taken is None:
+                return None
+        self._policy.taken(now=time.monotonic())
+        self._checkpoints += 1
+        self._checkpoint_bytes = sum(entry.nbytes for entry in manifest.storages)
+        self._last_checkpoint_s = time.perf_counter() - started
+        return taken
+
+    def _standby_source(self) -> Source | None:
+        """This host as the standby's source of the next checkpoint; None when checkpoints
+        go to the consumer only: by choice, with no standby left usable (gone, or failing
+        copy after copy), or on a channel that cannot name its host."""
+        standby = self._standby
+        if not self._placement.on_standby or standby is None or not standby.usable:
+            return None
+        address = getattr(self._channel, "peer_address", None)
+        token = self.info.get("token")
+        if address is None or not isinstance(token, str):
+            log.warning("cumulus: this channel cannot name its host to a standby")
+            return None
+        return Source(address, grant_of(token))
+
+    def _read_pieces(self, seq: int, manifest: Manifest) -> Checkpoint | None:
+        """Read the pieces of ``manifest`` the consumer's store lacks, and keep the whole
+        checkpoint there; the log restarts after it. None if the host was lost meanwhile.
+
+        Runs right after a reply, when no op is queued (the frees still pending went with
+        the checkpoint's query, so it leaves out tensors that died during the last batch).
+        That batch changes state, so it is logged; the reads after it change nothing.
+        """
         images = ImageAssembler(manifest, self._store.piece)
         reads = plan_reads(manifest, images.holds, budget=_chunk(self._channel))
         read_bytes = sum(length for query in reads for _, _, length in query)
@@ -639,11 +652,7 @@ class RemoteSession:
         checkpoint = images.checkpoint(seq)
         self._store.save(checkpoint)
         self._log.reset(seq)
-        self._policy.taken(now=time.monotonic())
-        self._checkpoints += 1
-        self._checkpoint_bytes = checkpoint.nbytes
         self._checkpoint_read_bytes = read_bytes
-        self._last_checkpoint_s = time.perf_counter() - started
         return checkpoint
 
     def _ask(self, query: list) -> tuple[int, tuple[Any, list[memoryview]]]:
