@@ -233,6 +233,33 @@ def test_a_peer_without_the_grant_gets_nothing(tmp_path, hosts):
         assert x.cpu()[-1] == 1023
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("hello", "then"),
+    [
+        ([HELLO, PROTOCOL_VERSION, {}], None),
+        ([HELLO, PROTOCOL_VERSION, {"grant": "not hex"}], None),
+        ("granted", ["get", [digest(b"x")] * 50]),
+        ("granted", ["get", "everything"]),
+    ],
+    ids=["no-grant", "malformed-grant", "too-many-pieces", "not-a-list"],
+)
+def test_a_malformed_blob_request_ends_that_connection_with_a_reason(hosts, hello, then):
+    standby, fresh, _ = hosts
+    with remote.attach(fresh) as session:
+        if hello == "granted":
+            hello = [HELLO, PROTOCOL_VERSION, {"grant": grant_of(session.info["token"])}]
+        channel = dial(fresh)()
+        channel.send_frame(encode_frame(hello))
+        if then is not None:
+            assert decode_frame(channel.recv_frame())[0] == ["ready"]
+            channel.send_frame(encode_frame(then))
+        header, _ = decode_frame(channel.recv_frame())
+        assert header[0] == "fatal" and ("blob connection" in header[1] or "get" in header[1])
+        channel.close()
+        assert torch.ones(2).to("cumulus").cpu().tolist() == [1.0, 1.0]  # the host serves on
+
+
 def _raw_session(address: str) -> tuple[SocketFrameChannel, str]:
     channel = dial(address)()
     channel.send_frame(encode_frame(["hello", PROTOCOL_VERSION, {}]))
