@@ -15,7 +15,7 @@ consumers who match through it. What is real, and whose defaults:
   ``vouch``-ed, as the node does once a report of paid leases arrives; an honest newcomer
   is vouched after its first lease settles.
 - **The cost of entry**: the node's real ``market.Liveness`` prober, with its default
-  ``LivenessPolicy`` (8 probes in flight, 2 s to answer, a backoff from 30 s doubling to an
+  ``LivenessPolicy`` (8 probes in flight, 3 s to answer, a backoff from 10 s doubling to an
   hour for a host that misses), fed as ``Consumer.probe_newcomers`` feeds it every
   ``PROBE_POLL_S``: the hosts with no record whose offers meet a bid, those priced like
   the market before those far below it. An honest host answers each challenge with a real

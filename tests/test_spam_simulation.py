@@ -44,9 +44,14 @@ def test_the_attacker_sends_no_faster_than_the_gate_accepts(flood_200):
     assert flood_200["junk_gate_refused"] == 0
 
 
-def test_honest_newcomers_still_lease_under_a_200_identity_flood(flood_200):
-    quiet = spam.simulate(1, 0, spam.ON, SMALL)
-    assert flood_200["newcomer_leases"] == quiet["newcomer_leases"] > 0
+def test_honest_newcomers_lease_under_a_200_identity_flood_as_often_as_without_it():
+    # Four minutes: the prober takes half a minute to get through 100 near-market Sybils
+    # seen at the same time as the newcomers, and consumers keep arriving after that.
+    longer = spam.Size(horizon_s=240.0, arrivals_per_min=20.0)
+    quiet = spam.simulate(1, 0, spam.ON, longer)
+    flooded = spam.simulate(1, 200, spam.ON, longer)
+    assert flooded["newcomer_leases"] == quiet["newcomer_leases"] > 0
+    assert flooded["leased_share"] == 1.0
 
 
 def test_no_proposal_goes_to_a_host_that_answered_no_probe(flood_200):
@@ -59,8 +64,8 @@ def test_without_the_liveness_probe_near_market_junk_takes_every_newcomer_lease(
 
 
 def test_an_identity_that_answers_no_probe_costs_a_bounded_number_of_probes(flood_200):
-    # Missed at once, then after the 30 s backoff, then after 60 s more: 2 minutes.
-    assert flood_200["probes_per_attacker"] <= 3
+    # Missed at once, then after backoffs of 10, 20 and 40 s: the next is past 2 minutes.
+    assert flood_200["probes_per_attacker"] <= 4
 
 
 def test_without_the_defences_a_10_identity_flood_keeps_every_consumer_from_a_lease():

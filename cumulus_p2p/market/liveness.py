@@ -138,21 +138,26 @@ class LivenessPolicy:
     """How hard a prober works, and how long a verdict lasts.
 
     Attributes:
-        timeout_s: Seconds a host gets to answer, dialing included. An honest host
-            answers within a round trip (tens of milliseconds on loopback or a LAN, under
-            a second across the internet).
+        timeout_s: Seconds a host gets to answer, dialing included: as long as a lease
+            proposal gets (``node.consumer.PROPOSE_TIMEOUT_S``). An honest host answers
+            within a round trip (tens of milliseconds on loopback or a LAN, under a second
+            across the internet), but a prober that a flood keeps busy takes seconds to
+            dial: with 2 s, a consumer under ``spam_bench``'s flood on a loaded 2-core
+            machine missed the honest host's first probe.
         at_once: Probes in flight at most.
         alive_for_s: How long an answer counts; then the host is probed again.
-        backoff_s: How long a host that missed its first probe is set aside.
+        backoff_s: How long a host that missed its first probe is set aside: short, so
+            that an honest host whose first probe was lost to a busy machine is soon
+            probed again; it doubles with each further miss.
         factor: The backoff's growth per further missed probe.
         max_backoff_s: The longest backoff.
         max_hosts: Hosts remembered at most.
     """
 
-    timeout_s: float = 2.0
+    timeout_s: float = 3.0
     at_once: int = 8
     alive_for_s: float = 600.0
-    backoff_s: float = 30.0
+    backoff_s: float = 10.0
     factor: float = 2.0
     max_backoff_s: float = 3600.0
     max_hosts: int = 4096

@@ -16,8 +16,8 @@ One trio program composes:
   (``market.liveness``: it signs a fresh challenge with its offer's key); the node probes
   the newcomers whose offers meet the bid in the background (``keep_probing``), and
   before a match that would otherwise have no host or no newcomer to try. A host that
-  answers no probe is set aside like one that ignores a proposal, and probed again only
-  after a backoff that doubles with each miss. A host that refuses, fails or ignores a
+  answers no probe is never proposed to, and probed again only after a backoff that
+  doubles with each miss. A host that refuses, fails or ignores a
   proposal is set aside with all its offers, so a flood of cheap offers from hosts that
   never lease costs the job one try per host, not its match window. The job is held
   while no host is usable (bounded by
@@ -369,8 +369,10 @@ class Consumer:
             log.info("host %s answered no liveness probe: %s", host[:12], exc or type(exc))
         else:
             log.info("host %s is alive: %d shares free", host[:12], evidence.free_shares)
-            return
-        self.choice.failed(host, now=rt.clock(), reason="answered no probe")
+        # A host that missed is set aside by ``self.liveness`` itself (it is never proposed
+        # to until it answers), for a backoff that doubles with each miss; the job's
+        # ``HostChoice`` is not told: its backoff and its wait for a fresh offer would
+        # hold an honest host whose probe was lost to a busy machine for 15 s or more.
 
     async def _propose_batch(self, offers: list[Offer]) -> Held | None:
         """Propose to every offer's host at once; return the grant of the best one that
