@@ -17,11 +17,10 @@ One trio program composes:
   the newcomers whose offers meet the bid in the background (``keep_probing``), and
   before a match that would otherwise have no host or no newcomer to try. A host that
   answers no probe is never proposed to, and probed again only after a backoff that
-  doubles with each miss. A host that refuses, fails or ignores a
-  proposal is set aside with all its offers, so a flood of cheap offers from hosts that
-  never lease costs the job one try per host, not its match window. The job is held
-  while no host is usable (bounded by
-  ``match_timeout`` for the first match, ``wait_for_host`` after a failure);
+  doubles with each miss. A host that refuses, fails or ignores a proposal is set aside
+  with all its offers, so a flood of cheap offers from hosts that never lease costs the
+  job one try per host, not its match window. The job is held while no host is usable
+  (bounded by ``match_timeout`` for the first match, ``wait_for_host`` after a failure);
 - the control channel the shim in the script's process asks for its session, and for a
   new host when the current one vanished (``failover``): the vanished host gets a signed
   ``LeaseFailure`` report gossiped against it and is set aside for a backoff that grows
