@@ -297,18 +297,51 @@ def test_a_failed_pull_keeps_the_pieces_the_standby_held(hosts):
         assert x.cpu()[0] == 7.0
 
 
+GOOD_SOURCE = [["127.0.0.1:1", "ab" * 32]]
+
+
 @pytest.mark.slow
-def test_a_malformed_pull_ends_only_that_session_with_a_reason(hosts):
+@pytest.mark.parametrize(
+    ("message", "reason"),
+    [
+        (["pull", {"sources": [["nowhere", "x"]], "digests": []}], "pull source"),
+        (["pull", {"sources": GOOD_SOURCE, "digests": ["not a digest"]}], "by digest"),
+        (["restore", {"sources": GOOD_SOURCE, "storages": "all"}], "storages"),
+        (["restore", {"sources": GOOD_SOURCE, "storages": [[1, 2, 3]]}], "bad storage entry"),
+        (["restore", {"sources": GOOD_SOURCE}], "storages"),
+    ],
+    ids=["bad-source", "bad-digest", "storages-not-a-list", "bad-entry", "no-storages"],
+)
+def test_a_malformed_pull_or_restore_ends_only_that_session_with_a_reason(hosts, message, reason):
     standby, _, _ = hosts
     channel = dial(standby)()
     channel.send_frame(encode_frame(["hello", PROTOCOL_VERSION, {}]))
     assert decode_frame(channel.recv_frame())[0][0] == "welcome"
-    channel.send_frame(encode_frame(["pull", {"sources": [["nowhere", "x"]], "digests": []}]))
+    channel.send_frame(encode_frame(message))
     header, _ = decode_frame(channel.recv_frame())
-    assert header[0] == "fatal" and "pull source" in header[1]
+    assert header[0] == "fatal" and reason in header[1]
     channel.close()
     with remote.attach(standby):  # the host serves on
         assert torch.ones(2).to("cumulus").cpu().tolist() == [1.0, 1.0]
+
+
+@pytest.mark.slow
+def test_a_restore_over_the_quota_is_refused_and_leaves_no_storage(hosts):
+    standby, _, _ = hosts
+    channel = dial(standby)()
+    channel.send_frame(encode_frame(["hello", PROTOCOL_VERSION, {"quota": MiB}]))
+    assert decode_frame(channel.recv_frame())[0][0] == "welcome"
+    names = [digest(b"a"), digest(b"b")]
+    storages = [[1, torch.uint8, 1024, [names[0]]], [2, torch.uint8, 2 * MiB, [names[1]]]]
+    channel.send_frame(encode_frame(["restore", {"sources": GOOD_SOURCE, "storages": storages}]))
+    header, _ = decode_frame(channel.recv_frame())
+    assert header[0] == "restored" and "quota" in header[1]["error"].lower()
+    # Storage 1 was made, then undone with the rest: its handle is free again.
+    again = [[1, torch.uint8, 0, []]]
+    channel.send_frame(encode_frame(["restore", {"sources": GOOD_SOURCE, "storages": again}]))
+    header, _ = decode_frame(channel.recv_frame())
+    assert header[0] == "restored" and header[1]["error"] is None
+    channel.close()
 
 
 # --- pulling from untrusted sources ----------------------------------------------------------

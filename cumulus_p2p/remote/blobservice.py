@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import blake3
 import trio
@@ -39,7 +40,6 @@ import trio
 from .._errors import BlobMismatchError, RemoteProtocolError, SessionClosedError
 from ..channel.transport import AsyncFrameChannel, TrioFrameChannel
 from .blobs import PIECE, is_digest
-from .blobstore import BlobStore
 from .protocol import PROTOCOL_VERSION, decode_frame, encode_frame, split_blobs
 
 log = logging.getLogger(__name__)
@@ -192,26 +192,51 @@ def parse_pull(options: object) -> tuple[list[Source], list[str]]:
     Raises:
         RemoteProtocolError: it is not that shape.
     """
-    ok = isinstance(options, dict) and isinstance(options.get("sources"), list)
-    names = options.get("digests") if ok else None
-    if not ok or not isinstance(names, list) or len(names) > MAX_PULL:
+    names = options.get("digests") if isinstance(options, dict) else None
+    if not isinstance(names, list) or len(names) > MAX_PULL:
         raise RemoteProtocolError(
             f'pull takes {{"sources": [[host:port, grant], ...], "digests": [...]}} with at '
             f"most {MAX_PULL} digests"
         )
+    if not all(is_digest(n) for n in names):
+        raise RemoteProtocolError("pull names pieces by digest: 64 lower-case hex digits each")
+    return parse_sources(options), list(dict.fromkeys(names))
+
+
+def parse_sources(options: object) -> list[Source]:
+    """Validate the ``"sources": [[address, grant], ...]`` of a ``pull`` or a ``restore``.
+
+    Raises:
+        RemoteProtocolError: they are not that shape.
+    """
+    if not (isinstance(options, dict) and isinstance(options.get("sources"), list)):
+        raise RemoteProtocolError('a pull needs "sources": [[host:port, grant], ...]')
     sources = []
     for entry in options["sources"]:
         good = isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
         if not good or not is_digest(entry[1]) or ":" not in entry[0]:
             raise RemoteProtocolError(f"a pull source is [host:port, grant], not {entry!r}")
         sources.append(Source(entry[0], entry[1]))
-    if not all(is_digest(n) for n in names):
-        raise RemoteProtocolError("pull names pieces by digest: 64 lower-case hex digits each")
-    return sources, list(dict.fromkeys(names))
+    return sources
+
+
+class Sink(Protocol):
+    """Where pulled pieces go: a host's ``BlobStore``, or the storages of a failover's
+    restore (``restoring.PieceTargets``)."""
+
+    def __contains__(self, name: object) -> bool: ...
+
+    def put(self, name: str, data: memoryview) -> bool:
+        """Check ``data`` against ``name`` and keep it; False when there is no room.
+
+        Raises:
+            BlobMismatchError: ``data`` is not what ``name`` says.
+        """
+        ...
 
 
 async def pull(
-    store: BlobStore, sources: Sequence[Source], names: Sequence[str], *, max_frame: int
+    store: Sink, sources: Sequence[Source], names: Sequence[str], *, max_frame: int
 ) -> Pulled:
     """Fetch into ``store`` every piece of ``names`` it lacks, from ``sources`` in order.
 
@@ -236,7 +261,7 @@ async def pull(
 
 
 async def _pull_from(
-    store: BlobStore, source: Source, names: list[str], pulled: Pulled, max_frame: int
+    store: Sink, source: Source, names: list[str], pulled: Pulled, max_frame: int
 ) -> list[str]:
     """Fetch ``names`` from one source; returns those still missing."""
     host, _, port = source.address.rpartition(":")
@@ -299,7 +324,7 @@ async def _answer(channel: AsyncFrameChannel, names: list[str]) -> list[memoryvi
 
 
 async def _keep_pieces(
-    store: BlobStore,
+    store: Sink,
     receive: trio.MemoryReceiveChannel,
     kept: set[str],
     pulled: Pulled,
@@ -314,7 +339,7 @@ async def _keep_pieces(
                     break
                 try:
                     if not await trio.to_thread.run_sync(store.put, name, data):
-                        raise OSError(f"this host's blob store has no room for piece {name[:16]}")
+                        raise OSError(f"this host has no room for piece {name[:16]}")
                 except BlobMismatchError as exc:
                     errors.append(RemoteProtocolError(f"sent bytes that are not their name: {exc}"))
                 except OSError as exc:

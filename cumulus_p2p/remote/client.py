@@ -28,7 +28,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -50,7 +50,7 @@ from .failover import (
     parse_manifest,
     plan_reads,
     restore_batches,
-    restore_named_batches,
+    rng_batch,
 )
 from .protocol import (
     PROTOCOL_VERSION,
@@ -766,8 +766,8 @@ class RemoteSession:
                     raise
                 log.warning("cumulus: %s; restoring the consumer's copy instead", exc)
             else:
-                with_rng = _rng_fits(info, hosted.manifest.device)
-                batches = restore_named_batches(hosted.manifest, with_rng=with_rng)
+                fits = _rng_fits(info, hosted.manifest.device)
+                batches = [rng_batch(hosted.manifest)] if fits else []
                 self._send_restore(channel, hosted.seq, batches, total=0)
                 return
         checkpoint = self._store.load()
@@ -778,12 +778,16 @@ class RemoteSession:
         self._send_restore(channel, checkpoint.seq, batches, total=checkpoint.nbytes)
 
     def _pull_hosted(self, channel: FrameChannel, hosted: HostCheckpoint) -> None:
-        """Have the fresh host pull ``hosted``'s pieces from the hosts that keep it."""
+        """Have the fresh host make ``hosted``'s storages and pull their pieces into them
+        from the hosts that keep it (``restoring.py``)."""
         started = time.perf_counter()
         sources = [[s.address, s.grant] for s in hosted.sources]
-        channel.send_frame(encode_frame(["pull", {"sources": sources, "digests": hosted.digests}]))
+        storages = [
+            [e.handle, e.dtype, e.nbytes, list(e.digests)] for e in hosted.manifest.storages
+        ]
+        channel.send_frame(encode_frame(["restore", {"sources": sources, "storages": storages}]))
         header, _ = decode_frame(channel.recv_frame())
-        result = header[1] if header[0] == "pulled" and len(header) == 2 else None
+        result = header[1] if header[0] == "restored" and len(header) == 2 else None
         if not isinstance(result, dict) or result.get("error") is not None:
             why = result.get("error") if isinstance(result, dict) else header
             raise FailoverError(f"the new host could not pull the checkpoint: {why}")
@@ -797,7 +801,7 @@ class RemoteSession:
         )
 
     def _send_restore(
-        self, channel: FrameChannel, seq: int, batches: Iterator, *, total: int
+        self, channel: FrameChannel, seq: int, batches: Iterable, *, total: int
     ) -> None:
         progress = self.progress("restore", total)
         for ops, blobs in batches:

@@ -33,7 +33,9 @@ from ..channel.transport import DEFAULT_MAX_FRAME, AsyncFrameChannel, TrioFrameC
 from ..executor_options import GraphCompiler
 from . import blobservice
 from .blobstore import BlobStore
+from .failover import parse_storage_entries
 from .graph_compiler import GraphRunner
+from .handles import OpFailed
 from .health import DeviceHealth
 from .hostcache import HostCache
 from .protocol import PROTOCOL_VERSION, decode_frame, encode_frame
@@ -334,6 +336,12 @@ class Executor:
                     encode_frame(["pulled", await self._pull(session, header[1])])
                 )
                 continue
+            elif header[0] == "restore":
+                if len(header) != 2:
+                    raise RemoteProtocolError("restore takes one map of sources and storages")
+                restored = await self._restore_pulled(session, header[1])
+                await channel.send_frame(encode_frame(["restored", restored]))
+                continue
             elif header[0] == "have":
                 if len(header) != 2:
                     raise RemoteProtocolError("have takes one list of digests")
@@ -363,6 +371,30 @@ class Executor:
         # A failed pull keeps the pieces held before: they are the checkpoint that stands.
         held = 0 if error else await trio.to_thread.run_sync(session.hold, names)
         result = {"fetched_bytes": pulled.fetched_bytes, "fetched": pulled.fetched, "held": held}
+        return result | {"dropped": pulled.dropped, "error": error}
+
+    async def _restore_pulled(self, session: ExecutorSession, options: Any) -> dict:
+        """A failover's restore (``restoring.py``): create the checkpoint's storages and
+        pull their pieces straight into them, from this host's store first, then from the
+        hosts that keep them; what it did, or why not (then no storage is left)."""
+        sources = blobservice.parse_sources(options)
+        entries = parse_storage_entries(options)
+        try:
+            targets = await self._on_device(session.open_pulled_restore, entries)
+        except OpFailed as exc:
+            return {"error": str(exc), "fetched_bytes": 0, "dropped": []}
+        store = self.ctx.blobs
+        local = 0 if store is None else await trio.to_thread.run_sync(targets.fill_from, store)
+        try:
+            missing = targets.missing()
+            pulled = await blobservice.pull(
+                targets, sources, missing, max_frame=self.config.max_frame
+            )
+            error = None
+        except blobservice.PullError as exc:
+            pulled, error = exc.pulled, f"{exc}; {'; '.join(exc.pulled.dropped) or 'no source'}"
+            await trio.to_thread.run_sync(session.drop_storages, [e.handle for e in entries])
+        result = {"fetched_bytes": pulled.fetched_bytes, "local_bytes": local}
         return result | {"dropped": pulled.dropped, "error": error}
 
     async def _on_device(self, fn, *args, inline: bool = False, rank: tuple = DEFAULT_RANK) -> Any:

@@ -182,10 +182,31 @@ def parse_manifest(result: Any, blobs: list[memoryview]) -> Manifest:
     device = result.get("device")
     if not isinstance(device, str) or len(blobs) != 1:
         raise RemoteProtocolError("checkpoint reply needs a device name and one RNG blob")
-    return Manifest(device, blobs[0], tuple(_storage_entry(e) for e in result["storages"]))
+    return Manifest(device, blobs[0], tuple(storage_entry(e) for e in result["storages"]))
 
 
-def _storage_entry(entry: Any) -> StorageEntry:
+def parse_storage_entries(options: Any) -> tuple[StorageEntry, ...]:
+    """Validate the ``"storages": [[handle, dtype, nbytes, digests], ...]`` of a
+    ``restore`` message (a manifest's, sent to a failover's fresh host).
+
+    Raises:
+        RemoteProtocolError: they are not that shape, or name a handle twice.
+    """
+    entries = options.get("storages") if isinstance(options, dict) else None
+    if not isinstance(entries, list):
+        raise RemoteProtocolError('a restore needs "storages": [[handle, dtype, nbytes, digests]]')
+    parsed = tuple(storage_entry(e) for e in entries)
+    if len({e.handle for e in parsed}) != len(parsed):
+        raise RemoteProtocolError("a restore names a storage twice")
+    return parsed
+
+
+def storage_entry(entry: Any) -> StorageEntry:
+    """Validate one ``[handle, dtype, nbytes, digests]`` manifest entry.
+
+    Raises:
+        RemoteProtocolError: it is not one.
+    """
     ok = isinstance(entry, list) and len(entry) == 4
     if not ok or type(entry[0]) is not int or not isinstance(entry[1], torch.dtype):
         raise RemoteProtocolError(f"bad storage entry in a checkpoint reply: {entry!r}")
@@ -327,33 +348,10 @@ def restore_batches(
     yield ops, blobs
 
 
-def restore_named_batches(
-    manifest: Manifest, *, with_rng: bool, per_batch: int = 64
-) -> Iterator[tuple[list, list[memoryview]]]:
-    """The op records that rebuild a checkpoint kept by hosts, from the pieces the fresh
-    host's store holds (pulled there first), per frame of at most ``per_batch`` pieces.
-
-    Each piece becomes an ``@restore`` record naming it by digest; an empty storage gets
-    one with empty inline bytes, so its handle exists; ``@rng`` comes last, inline.
-    """
-    ops: list = []
-    blobs: list[memoryview] = []
-    for entry in manifest.storages:
-        if not entry.digests:
-            data = CpuTensorRef(torch.uint8, (0,), len(blobs))
-            blobs.append(memoryview(b""))
-            ops.append(["@restore", [entry.handle, entry.dtype, 0, 0, data], {}, None])
-        for index, name in enumerate(entry.digests):
-            if len(ops) >= per_batch:
-                yield ops, blobs
-                ops, blobs = [], []
-            args = [entry.handle, entry.dtype, entry.nbytes, index * PIECE, name]
-            ops.append(["@restore", args, {}, None])
-    if with_rng:
-        rng = manifest.rng_state
-        ops.append(["@rng", [CpuTensorRef(torch.uint8, (len(rng),), len(blobs))], {}, None])
-        blobs.append(rng)
-    yield ops, blobs
+def rng_batch(manifest: Manifest) -> tuple[list, list[memoryview]]:
+    """The ``@rng`` record that sets a restored session's generator to the manifest's."""
+    rng = manifest.rng_state
+    return [["@rng", [CpuTensorRef(torch.uint8, (len(rng),), 0)], {}, None]], [rng]
 
 
 def _ranges(image: StorageImage, budget: int) -> Iterator[tuple[int, memoryview]]:

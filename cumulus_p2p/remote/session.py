@@ -43,6 +43,7 @@ import torch
 from .._errors import BlobMismatchError, RemoteProtocolError
 from .blobs import MAX_HAVE, PIECE, digest, is_digest
 from .blobstore import BlobStore, PinnedBlob
+from .failover import StorageEntry
 from .graph_compiler import GraphRunner
 from .graphs import (
     MAX_SESSION_GRAPHS,
@@ -69,6 +70,7 @@ from .protocol import (
     split_blobs,
     storage_extent,
 )
+from .restoring import PieceTargets
 
 #: torch's own default CPU seed, so an unseeded session draws what a fresh process draws.
 DEFAULT_SEED = 67280421310721
@@ -375,9 +377,7 @@ class ExecutorSession:
         """``@restore [handle, dtype, nbytes, start, data]``: one piece of a storage's bytes.
 
         The piece at ``start`` 0 creates the storage (a new handle, within quota); later
-        pieces fill the same storage and must repeat its dtype and size. ``data`` is the
-        bytes (inline uint8), or the digest of a whole ``PIECE`` that this host's store
-        holds (a standby's checkpoint, pulled here before the restore).
+        pieces fill the same storage and must repeat its dtype and size.
         """
         if not (isinstance(args, list) and len(args) == 5):
             raise OpFailed(
@@ -392,19 +392,11 @@ class ExecutorSession:
             raise OpFailed(
                 ErrorKind.VALUE, "@restore: size and start must be non-negative integers"
             )
-        if is_digest(data) and start % PIECE == 0 and start < nbytes:
-            length = min(PIECE, nbytes - start)
-            target = self._restore_target(handle, dtype, nbytes, start, length)
-            self._stored_blob(data, length, into=target)
-        elif type(data) is CpuTensorRef and data.dtype == torch.uint8 and len(data.sizes) == 1:
-            piece = _inline_tensor(data, blobs)
-            target = self._restore_target(handle, dtype, nbytes, start, piece.numel())
-            target.copy_(piece)
-        else:
-            raise OpFailed(
-                ErrorKind.PROTOCOL_ERROR,
-                "@restore: data must be inline uint8 bytes or the digest of a whole piece",
-            )
+        if type(data) is not CpuTensorRef or data.dtype != torch.uint8 or len(data.sizes) != 1:
+            raise OpFailed(ErrorKind.PROTOCOL_ERROR, "@restore: data must be inline uint8 bytes")
+        piece = _inline_tensor(data, blobs)
+        target = self._restore_target(handle, dtype, nbytes, start, piece.numel())
+        target.copy_(piece)
         self._handles.restored(handle, start + target.numel())
 
     def _restore_target(
@@ -420,6 +412,30 @@ class ExecutorSession:
         if start == 0:
             self._create_storage(handle, dtype, nbytes)
         return raw_bytes(self._handles.restore_target(handle, dtype, nbytes, start), start, length)
+
+    def open_pulled_restore(self, entries: tuple[StorageEntry, ...]) -> PieceTargets:
+        """Create a checkpoint's storages, within quota, for a pull to fill
+        (``restoring.py``); returns where each of their pieces goes.
+
+        Raises:
+            OpFailed: a handle is in use, or the storages do not fit the quota (then none
+                is left).
+        """
+        made: list[int] = []
+        try:
+            for entry in entries:
+                self._create_storage(entry.handle, entry.dtype, entry.nbytes)
+                made.append(entry.handle)
+        except OpFailed:
+            self.drop_storages(made)
+            raise
+        anchors = {h: self._handles.get(h).anchor for h in made}
+        return PieceTargets(entries, anchors)
+
+    def drop_storages(self, handles: list[int]) -> None:
+        """Release the storages of a restore that failed."""
+        for handle in handles:
+            self._handles.release(handle)
 
     def _create_storage(self, handle: int, dtype: torch.dtype, nbytes: int) -> None:
         if handle in self._handles:
