@@ -3,9 +3,11 @@
 Theory of operation
 -------------------
 A checkpoint kept on the host side (``kept.py``) reaches another host without touching
-the consumer's link: the consumer tells the other host to *pull* it (the ``pull`` message
-of a session, handled by ``executor.py``) from the hosts that keep it, naming each piece
-by digest. The puller dials each source's executor port and opens a blob connection::
+the consumer's link: the consumer tells the other host to *pull* it from the hosts that
+keep it, naming each piece by digest (a session's ``pull`` message, into the host's
+store, for a standby; or ``restore``, straight into the session's storages, for a
+failover; both handled by ``executor.py``). The puller dials each source's executor port
+and opens a blob connection::
 
     -> ["blobs", version, {"grant": grant}]
     <- ["ready"]                      or ["refused", why] and the connection ends

@@ -20,8 +20,9 @@ With one, the consumer keeps only the manifest of digests:
    (its store full, say), gets no more: the consumer's store takes the checkpoints
    from then on. One failure is forgiven: the source of that copy, the session's host,
    may just have died, and the next copy comes from its replacement.
-4. At failover, the consumer tells the fresh host to pull the state from the standby
-   (from nowhere, if the fresh host is the standby), then restores it by digest.
+4. At failover, the consumer sends the fresh host the manifest (a ``restore``): it
+   makes the storages and pulls their pieces from the standby straight into them
+   (``restoring.py``; from its own store, if it is the standby).
 
 ``CheckpointPlacement`` is the consumer's choice (``--checkpoint-to``): the consumer's
 disk, the standby, or both (then either may restore the session, whichever holds the
