@@ -27,7 +27,6 @@ from cumulus_p2p.testing.nodes import (
 pytestmark = pytest.mark.slow
 
 JOB = [str(Path(__file__).parents[1] / "benchmarks" / "spam_job.py")]
-EVERY_SECOND = ("--announce-interval", "1")
 
 
 @pytest.mark.parametrize("price", ["1", "400000"], ids=["junk-price", "near-market"])
@@ -39,7 +38,9 @@ def test_a_consumer_leases_the_honest_host_through_a_flood_of_offers(tmp_path, p
         # Its offer and the consumer's bid are re-announced every second, as before the
         # test nodes' default became 2 s: how often they are resent is part of how they
         # get through the flood.
-        honest = start_provider(tmp_path / "honest", boot.addr, "--price", "0.5", *EVERY_SECOND)
+        honest = start_provider(
+            tmp_path / "honest", boot.addr, "--price", "0.5", announce_interval="1"
+        )
         nodes.append(honest)
         honest.wait_for("providing", timeout=120)
         honest_id = honest.wait_for_state(lambda s: s.get("peer_id"))["peer_id"]
@@ -51,8 +52,10 @@ def test_a_consumer_leases_the_honest_host_through_a_flood_of_offers(tmp_path, p
         state = boot.wait_for_state(lambda s: len(s.get("offers", [])) > 100, timeout=180)
         per_author = Counter(row["host"] for row in state["offers"])
         assert max(per_author.values()) <= 8
-        flags = ["--max-price", "1", "--match-timeout", "60", *EVERY_SECOND]
-        consumer = start_consumer(tmp_path / "consumer", boot.addr, *flags, command=JOB)
+        flags = ["--max-price", "1", "--match-timeout", "60"]
+        consumer = start_consumer(
+            tmp_path / "consumer", boot.addr, *flags, command=JOB, announce_interval="1"
+        )
         nodes.append(consumer)
         assert consumer.proc.wait(timeout=120) == 0, consumer.output()
         (lease,) = json.loads((tmp_path / "consumer" / "state.json").read_text())["leases"]

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .nodes import (
+    ANNOUNCE_INTERVAL,
     LOOPBACK_LISTEN,
     NodeProcess,
     provider_command,
@@ -46,6 +47,7 @@ class ProviderPool:
         providers: The provider running under each name (replaced on ``restart``).
         name_of: Each provider's name, by peer id (a restart keeps the peer id).
         consumer: The consumer ``start_consumer`` started, if any.
+        announce_interval: Each node's ``--announce-interval``.
     """
 
     root: Path
@@ -54,11 +56,18 @@ class ProviderPool:
     providers: dict[str, NodeProcess] = field(default_factory=dict)
     name_of: dict[str, str] = field(default_factory=dict)
     consumer: NodeProcess | None = None
+    announce_interval: str = ANNOUNCE_INTERVAL
 
     def start_provider(self, name: str) -> NodeProcess:
         """Start provider ``name`` on its data directory without waiting for it; wait for
         its ``providing`` line (up to ``STARTUP_S``) before counting on it."""
-        command = provider_command(self.root / name, self.boot.addr, "--price", self.prices[name])
+        command = provider_command(
+            self.root / name,
+            self.boot.addr,
+            "--price",
+            self.prices[name],
+            announce_interval=self.announce_interval,
+        )
         self.providers[name] = start_process(command, self.root / name, listens=False)
         return self.providers[name]
 
@@ -68,7 +77,12 @@ class ProviderPool:
         """A consumer on ``root / "consumer"`` running ``python *command`` (``args`` add
         flags; see ``nodes.start_consumer``); stopped with the pool."""
         self.consumer = start_consumer(
-            self.root / "consumer", self.boot.addr, *args, command=command, env=env
+            self.root / "consumer",
+            self.boot.addr,
+            *args,
+            command=command,
+            env=env,
+            announce_interval=self.announce_interval,
         )
         return self.consumer
 
@@ -94,16 +108,22 @@ class ProviderPool:
 
 @contextmanager
 def open_provider_pool(
-    root: Path, prices: Mapping[str, str], *, startup_s: float = STARTUP_S
+    root: Path,
+    prices: Mapping[str, str],
+    *,
+    startup_s: float = STARTUP_S,
+    announce_interval: str = ANNOUNCE_INTERVAL,
 ) -> Iterator[ProviderPool]:
     """A bootstrap node and one CPU provider per name in ``prices``, each providing and
-    known by peer id when this yields; every node is stopped on exit.
+    known by peer id when this yields; every node is stopped on exit. The providers and
+    the consumer re-announce every ``announce_interval`` seconds.
 
     Raises:
         TimeoutError: a provider did not start within ``startup_s``.
         RuntimeError: a provider exited while starting.
     """
-    pool = ProviderPool(root, prices, start_node(root / "boot", "--listen", LOOPBACK_LISTEN))
+    boot = start_node(root / "boot", "--listen", LOOPBACK_LISTEN)
+    pool = ProviderPool(root, prices, boot, announce_interval=announce_interval)
     try:
         for name in prices:
             pool.start_provider(name)

@@ -88,9 +88,10 @@ def start_provider(
     listen: str = LOOPBACK_LISTEN,
     receipt_interval: str = "1s",
     bench_seconds: str = "0.1",
+    announce_interval: str = ANNOUNCE_INTERVAL,
 ) -> NodeProcess:
     """A CPU provider joined through ``bootstrap`` that re-announces its offer every
-    ``ANNOUNCE_INTERVAL`` seconds; ``args`` add flags (``--price``...). Wait for its
+    ``announce_interval`` seconds; ``args`` add flags (``--price``...). Wait for its
     ``providing`` line before leasing from it."""
     command = provider_command(
         data_dir,
@@ -99,6 +100,7 @@ def start_provider(
         listen=listen,
         receipt_interval=receipt_interval,
         bench_seconds=bench_seconds,
+        announce_interval=announce_interval,
     )
     return start_process(command, data_dir, listens=True)
 
@@ -110,23 +112,29 @@ def provider_command(
     listen: str = LOOPBACK_LISTEN,
     receipt_interval: str = "1s",
     bench_seconds: str = "0.1",
+    announce_interval: str = ANNOUNCE_INTERVAL,
 ) -> list[str]:
     """The command ``start_provider`` runs, for a caller that starts it its own way."""
     flags = ["--provide", "--listen", listen, "--bootstrap", bootstrap]
-    flags += ["--announce-interval", ANNOUNCE_INTERVAL]
+    flags += ["--announce-interval", announce_interval]
     flags += ["--receipt-interval", receipt_interval, "--bench-seconds", bench_seconds, "--no-live"]
     return node_command("--data-dir", str(data_dir), *flags, *args)
 
 
 def start_consumer(
-    data_dir: Path, bootstrap: str, *args: str, command: list[str], env: dict | None = None
+    data_dir: Path,
+    bootstrap: str,
+    *args: str,
+    command: list[str],
+    env: dict | None = None,
+    announce_interval: str = ANNOUNCE_INTERVAL,
 ) -> NodeProcess:
     """A consumer joined through ``bootstrap`` that re-announces its bid every
-    ``ANNOUNCE_INTERVAL`` seconds and runs ``python *command``; ``args`` add flags before
+    ``announce_interval`` seconds and runs ``python *command``; ``args`` add flags before
     the ``--``."""
     return start_node(
         data_dir, "--consume", "--listen", LOOPBACK_LISTEN, "--bootstrap", bootstrap,
-        "--announce-interval", ANNOUNCE_INTERVAL, *args, "--", "python", *command, env=env,
+        "--announce-interval", announce_interval, *args, "--", "python", *command, env=env,
     )  # fmt: skip
 
 
