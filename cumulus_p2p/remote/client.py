@@ -782,6 +782,11 @@ class RemoteSession:
         from the hosts that keep it (``restoring.py``)."""
         started = time.perf_counter()
         sources = [[s.address, s.grant] for s in hosted.sources]
+        log.info(
+            "cumulus: the new host pulls the checkpoint (%.1f MB) from %s",
+            hosted.nbytes / 1e6,
+            ", ".join(s.address for s in hosted.sources),
+        )
         storages = [
             [e.handle, e.dtype, e.nbytes, list(e.digests)] for e in hosted.manifest.storages
         ]
