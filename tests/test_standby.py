@@ -245,7 +245,7 @@ def test_a_peer_without_the_grant_gets_nothing(tmp_path, hosts):
     ids=["no-grant", "malformed-grant", "too-many-pieces", "not-a-list"],
 )
 def test_a_malformed_blob_request_ends_that_connection_with_a_reason(hosts, hello, then):
-    standby, fresh, _ = hosts
+    _, fresh, _ = hosts
     with remote.attach(fresh) as session:
         if hello == "granted":
             hello = [HELLO, PROTOCOL_VERSION, {"grant": grant_of(session.info["token"])}]

@@ -15,16 +15,19 @@ rebuilt anywhere from
 - the *replay log*: every frame sent after ``c``, kept verbatim.
 
 When the host vanishes, the client (``client.py``) dials a new one through the consumer's
-``reconnect`` callable, uploads the checkpoint with ``@restore`` and ``@rng`` records,
-sends the logged frames again (reading and discarding the replies to those that asked
-something, except the one it was waiting for) and carries on. If it dials the *same* host
-and that host kept the session in its cache (``hostcache.py``), it presents the session
-token instead and resends only what the host never ran: nothing is uploaded.
+``reconnect`` callable, uploads the checkpoint with ``@restore`` and ``@rng`` records (or,
+when a standby holds it, sends the manifest and the new host pulls the pieces from the
+standby: ``standby.py``), sends the logged frames again (reading and discarding the
+replies to those that asked something, except the one it was waiting for) and carries
+on. If it dials the *same* host and that host kept the session in its cache
+(``hostcache.py``), it presents the session token instead and resends only what the host
+never ran: nothing is uploaded.
 
-A checkpoint resets the log, so the log's size is bounded by what the stream sends
-between two checkpoints; ``CheckpointPolicy`` forces one when the log grows past
-``max_log_bytes``. Checkpoints are taken at sync points only (the client is waiting for a
-reply anyway), once ``interval`` seconds have passed since the previous one.
+A checkpoint resets the log (a standby's, once the standby holds it), so the log's size
+is bounded by what the stream sends between two checkpoints; ``CheckpointPolicy`` forces
+one when the log grows past ``max_log_bytes``. Checkpoints are taken at sync points only
+(the client is waiting for a reply anyway), once ``interval`` seconds have passed since
+the previous one.
 
 Nothing here does I/O or reads the clock.
 """
