@@ -76,7 +76,7 @@ from cumulus_p2p.node.consumer import ConsumerOptions
 from cumulus_p2p.remote.blobs import PIECE, piece_count
 from cumulus_p2p.remote.failover import CheckpointPolicy
 from cumulus_p2p.remote.scheduler import lease_rank
-from cumulus_p2p.simulation.churn import LONG_TRAINING, MEAN_DOWNTIME_S
+from cumulus_p2p.simulation.churn import LONG_TRAINING, come_and_go
 from cumulus_p2p.simulation.cli import save_run, scenario_parser
 from cumulus_p2p.simulation.gpu import DeviceGone
 from cumulus_p2p.simulation.jobs import Job, find_lease, set_aside
@@ -354,7 +354,7 @@ def simulate(seed: int, setup: Setup, size: Size) -> dict:
     if size.churn_per_hour > 0:
         churn_rng = random.Random(seed + 2)
         for host in fleet:
-            env.process(_come_and_go(env, market, host, size.churn_per_hour, churn_rng))
+            env.process(come_and_go(env, market, host, size.churn_per_hour, churn_rng))
 
     def arrivals():
         for job, moved in zip(trace, traffic, strict=True):
@@ -595,17 +595,6 @@ def _move(env: simpy.Environment, nbytes: float, rate: float, *links: simpy.Reso
         for one in links:
             yield held.enter_context(one.request())
         yield env.timeout(nbytes / rate)
-
-
-def _come_and_go(
-    env: simpy.Environment, market: Market, host: SimHost, per_hour: float, rng: random.Random
-):
-    """The churn scenario's hosts: exponential lifetimes, 30 minutes away on average."""
-    while True:
-        yield env.timeout(rng.expovariate(per_hour / 3600))
-        market.leave(host)
-        yield env.timeout(rng.expovariate(1 / MEAN_DOWNTIME_S))
-        market.rejoin(host)
 
 
 # --- the run -------------------------------------------------------------------------------

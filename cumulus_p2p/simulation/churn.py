@@ -128,7 +128,7 @@ def simulate(
     if churn_per_hour > 0:
         churn_rng = random.Random(seed + 2)
         for host in fleet:
-            env.process(_come_and_go(env, market, host, churn_per_hour, churn_rng))
+            env.process(come_and_go(env, market, host, churn_per_hour, churn_rng))
     launch(env, market, trace, rng)
     env.run(until=horizon_s)
     for granted in list(market.active.values()):
@@ -192,9 +192,11 @@ def _pooled_runs(
     }
 
 
-def _come_and_go(
+def come_and_go(
     env: simpy.Environment, market: Market, host: SimHost, per_hour: float, rng: random.Random
 ):
+    """A churning host: exponential lifetimes at ``per_hour`` departures an hour, each
+    away ``MEAN_DOWNTIME_S`` on average (exponential too)."""
     while True:
         yield env.timeout(rng.expovariate(per_hour / 3600))
         market.leave(host)
