@@ -175,7 +175,6 @@ class Pulled:
 
     fetched_bytes: int = 0
     fetched: int = 0
-    already_held: int = 0
     dropped: list[str] = field(default_factory=list)
 
 
@@ -247,7 +246,6 @@ async def pull(
     """
     pulled = Pulled()
     missing = [n for n in names if n not in store]
-    pulled.already_held = len(names) - len(missing)
     for source in sources:
         if not missing:
             break
@@ -258,7 +256,8 @@ async def pull(
             log.warning("blob pull: dropped source %s", why)
             pulled.dropped.append(why)
     if missing:
-        raise PullError(f"{len(missing)} pieces could be had from no source", pulled)
+        why = "; ".join(pulled.dropped) or "no source"
+        raise PullError(f"{len(missing)} pieces could be had from no source ({why})", pulled)
     return pulled
 
 

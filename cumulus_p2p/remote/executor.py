@@ -367,7 +367,7 @@ class Executor:
             pulled = await blobservice.pull(store, sources, names, max_frame=self.config.max_frame)
             error = None
         except blobservice.PullError as exc:
-            pulled, error = exc.pulled, f"{exc}; {'; '.join(exc.pulled.dropped) or 'no source'}"
+            pulled, error = exc.pulled, str(exc)
         # A failed pull keeps the pieces held before: they are the checkpoint that stands.
         held = 0 if error else await trio.to_thread.run_sync(session.hold, names)
         result = {"fetched_bytes": pulled.fetched_bytes, "fetched": pulled.fetched, "held": held}
@@ -392,7 +392,7 @@ class Executor:
             )
             error = None
         except blobservice.PullError as exc:
-            pulled, error = exc.pulled, f"{exc}; {'; '.join(exc.pulled.dropped) or 'no source'}"
+            pulled, error = exc.pulled, str(exc)
             await trio.to_thread.run_sync(session.drop_storages, [e.handle for e in entries])
         result = {"fetched_bytes": pulled.fetched_bytes, "local_bytes": local}
         return result | {"dropped": pulled.dropped, "error": error}

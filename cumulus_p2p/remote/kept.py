@@ -41,24 +41,18 @@ class KeptPieces:
         self._memory: dict[str, memoryview] = {}
         self._pins: dict[str, PinnedBlob] = {}
 
-    def snapshot(self, pieces: Iterable[tuple[str, memoryview]]) -> int:
+    def snapshot(self, pieces: Iterable[tuple[str, memoryview]]) -> None:
         """Keep ``(digest, bytes)`` pieces in place of the previous snapshot; bytes are
-        copied unless the previous snapshot held the piece. Returns the bytes copied."""
+        copied unless the previous snapshot held the piece."""
         with self._lock:
             old = self._memory
         new: dict[str, memoryview] = {}
-        copied = 0
         for name, data in pieces:
-            if name in new:
-                continue
-            held = old.get(name)
-            if held is None:
-                held = _copy(data)
-                copied += len(held)
-            new[name] = held
+            if name not in new:
+                held = old.get(name)
+                new[name] = _copy(data) if held is None else held
         with self._lock:
             self._memory = new
-        return copied
 
     def hold(self, pins: dict[str, PinnedBlob]) -> None:
         """Keep ``pins`` (blobs in the host's store) in place of those held before."""
@@ -67,16 +61,6 @@ class KeptPieces:
         for name, pinned in old.items():
             if self._pins.get(name) is not pinned:
                 pinned.close()
-
-    def names(self) -> set[str]:
-        """Every piece kept, in memory or pinned."""
-        with self._lock:
-            return set(self._memory) | set(self._pins)
-
-    def nbytes(self) -> int:
-        """Bytes of the snapshot in memory."""
-        with self._lock:
-            return sum(len(v) for v in self._memory.values())
 
     def piece(self, name: str) -> memoryview | None:
         """The bytes of piece ``name`` if it is kept here, checked when read from disk.

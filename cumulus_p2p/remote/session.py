@@ -172,8 +172,6 @@ class SessionStats:
     #: Graph calls that ran code compiled for the device (``graph_compiler.py``).
     compiled_graph_runs: int = 0
     storages: int = 0
-    #: Bytes checkpoints kept here copied: the pieces changed since the previous one.
-    kept_copied_bytes: int = 0
 
 
 class ExecutorSession:
@@ -395,23 +393,17 @@ class ExecutorSession:
         if type(data) is not CpuTensorRef or data.dtype != torch.uint8 or len(data.sizes) != 1:
             raise OpFailed(ErrorKind.PROTOCOL_ERROR, "@restore: data must be inline uint8 bytes")
         piece = _inline_tensor(data, blobs)
-        target = self._restore_target(handle, dtype, nbytes, start, piece.numel())
-        target.copy_(piece)
-        self._handles.restored(handle, start + target.numel())
-
-    def _restore_target(
-        self, handle: int, dtype: torch.dtype, nbytes: int, start: int, length: int
-    ) -> torch.Tensor:
-        """The bytes a restored piece goes into; its first piece creates the storage."""
-        if start + length > nbytes:
+        if start + piece.numel() > nbytes:
             raise OpFailed(
                 ErrorKind.INDEX,
-                f"@restore: bytes [{start}, {start + length}) are out of bounds for a "
+                f"@restore: bytes [{start}, {start + piece.numel()}) are out of bounds for a "
                 f"storage of {nbytes} bytes",
             )
         if start == 0:
             self._create_storage(handle, dtype, nbytes)
-        return raw_bytes(self._handles.restore_target(handle, dtype, nbytes, start), start, length)
+        anchor = self._handles.restore_target(handle, dtype, nbytes, start)
+        raw_bytes(anchor, start, piece.numel()).copy_(piece)
+        self._handles.restored(handle, start + piece.numel())
 
     def open_pulled_restore(self, entries: tuple[StorageEntry, ...]) -> PieceTargets:
         """Create a checkpoint's storages, within quota, for a pull to fill
@@ -544,12 +536,7 @@ class ExecutorSession:
         except Exception as exc:  # a shape or dtype the target cannot take
             raise OpFailed(type(exc).__name__, f"@blob: {exc}") from None
 
-    def _stored_blob(
-        self, value: str, nbytes: int, *, into: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """The blob ``value`` of the host's store, checked, as ``nbytes`` uint8; read
-        straight ``into`` a contiguous uint8 tensor when given (staged through host
-        memory when that lives on a GPU)."""
+    def _stored_blob(self, value: str, nbytes: int) -> torch.Tensor:
         pinned = self._pins.get(value)
         store = self.ctx.blobs
         if pinned is None and store is not None:
@@ -566,14 +553,11 @@ class ExecutorSession:
                 ErrorKind.VALUE,
                 f"@blob: blob {value[:16]} holds {pinned.size} bytes, not {nbytes}",
             )
-        direct = into is not None and into.device.type == "cpu"
-        raw = into if direct else torch.empty(nbytes, dtype=torch.uint8)
+        raw = torch.empty(nbytes, dtype=torch.uint8)
         try:
             pinned.read_into(memoryview(raw.numpy()) if nbytes else memoryview(bytearray()))
         except BlobMismatchError as exc:
             raise OpFailed(ErrorKind.BLOB_MISMATCH, str(exc)) from None
-        if into is not None and not direct:
-            into.copy_(raw)
         return raw
 
     def _keep_blob(self, value: str, raw: torch.Tensor) -> None:
@@ -781,7 +765,7 @@ class ExecutorSession:
         storages: list[list] = []
         pieces = self._named_pieces(storages)
         if keep:
-            self.stats.kept_copied_bytes += self.kept.snapshot(pieces)
+            self.kept.snapshot(pieces)
         else:
             for _ in pieces:  # digests only: each piece's bytes go as soon as it is named
                 pass
