@@ -50,7 +50,7 @@ from .failover import (
     parse_manifest,
     plan_reads,
     restore_batches,
-    rng_batch,
+    rng_record,
 )
 from .protocol import (
     PROTOCOL_VERSION,
@@ -541,13 +541,12 @@ class RemoteSession:
             checkpoint = None
             while checkpoint is None:  # a host lost mid-way: the next one is checkpointed
                 checkpoint = self._take_checkpoint()
-            kept = self.wait_for_standby() if isinstance(checkpoint, HostCheckpoint) else None
-            if isinstance(checkpoint, HostCheckpoint) and (
-                kept is None or kept.seq != checkpoint.seq
-            ):
-                checkpoint = None  # the standby could not keep it: the consumer does
-                while checkpoint is None:
-                    checkpoint = self._take_checkpoint(to_standby=False)
+            if isinstance(checkpoint, HostCheckpoint):
+                kept = self.wait_for_standby()
+                if kept is None or kept.seq != checkpoint.seq:
+                    checkpoint = None  # the standby could not keep it: the consumer does
+                    while checkpoint is None:
+                        checkpoint = self._take_checkpoint(to_standby=False)
             return checkpoint
 
     def wait_for_standby(self) -> HostCheckpoint | None:
@@ -766,8 +765,9 @@ class RemoteSession:
                     raise
                 log.warning("cumulus: %s; restoring the consumer's copy instead", exc)
             else:
+                rng = hosted.manifest.rng_state
                 fits = _rng_fits(info, hosted.manifest.device)
-                batches = [rng_batch(hosted.manifest)] if fits else []
+                batches = [([rng_record(rng, 0)], [rng])] if fits else []
                 self._send_restore(channel, hosted.seq, batches, total=0)
                 return
         checkpoint = self._store.load()

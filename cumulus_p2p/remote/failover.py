@@ -345,16 +345,15 @@ def restore_batches(
             blobs.append(piece)
             size += len(piece)
     if with_rng:
-        rng = checkpoint.rng_state
-        ops.append(["@rng", [CpuTensorRef(torch.uint8, (len(rng),), len(blobs))], {}, None])
-        blobs.append(rng)
+        ops.append(rng_record(checkpoint.rng_state, len(blobs)))
+        blobs.append(checkpoint.rng_state)
     yield ops, blobs
 
 
-def rng_batch(manifest: Manifest) -> tuple[list, list[memoryview]]:
-    """The ``@rng`` record that sets a restored session's generator to the manifest's."""
-    rng = manifest.rng_state
-    return [["@rng", [CpuTensorRef(torch.uint8, (len(rng),), 0)], {}, None]], [rng]
+def rng_record(rng_state: memoryview, blob: int) -> list:
+    """The ``@rng`` record that sets a restored session's generator to ``rng_state``, the
+    frame's blob number ``blob``."""
+    return ["@rng", [CpuTensorRef(torch.uint8, (len(rng_state),), blob)], {}, None]
 
 
 def _ranges(image: StorageImage, budget: int) -> Iterator[tuple[int, memoryview]]:
