@@ -50,11 +50,15 @@ class PieceTargets:
         targets = self._targets.get(name)
         if targets is None or len(data) != targets[0].numel() or digest(data) != name:
             raise BlobMismatchError(f"a piece sent as {name[:16]} is not that piece")
+        self._place(name, data)
+        return True
+
+    def _place(self, name: str, data: memoryview) -> None:
+        """Copy checked bytes into every place piece ``name`` goes."""
         source = torch.frombuffer(data, dtype=torch.uint8)
-        for target in targets:
+        for target in self._targets[name]:
             target.copy_(source)
         self._done.add(name)
-        return True
 
     def fill_from(self, store: BlobStore) -> int:
         """Put in place the pieces ``store`` holds (each checked as it is read); returns
@@ -65,12 +69,14 @@ class PieceTargets:
             if pinned is None:
                 continue
             try:
+                if pinned.size != self._targets[name][0].numel():
+                    continue  # not this piece after all: pulled instead
                 buffer = memoryview(bytearray(pinned.size))
-                pinned.read_into(buffer)
-                self.put(name, buffer)
+                pinned.read_into(buffer)  # checks it against its name
+                self._place(name, buffer)
                 filled += len(buffer)
             except BlobMismatchError:
-                continue  # damaged on disk or not this piece: pulled instead
+                continue  # damaged on disk: pulled instead
             finally:
                 pinned.close()
         return filled
