@@ -77,7 +77,8 @@ def test_a_live_mesh_seen_through_the_explorer(tmp_path, page):
         nodes += providers
         for provider in providers:
             provider.wait_for("providing")
-        hosts = [provider.state()["peer_id"] for provider in providers]
+        # "providing" is printed before the node first writes its state.json
+        hosts = [p.wait_for_state(lambda s: "peer_id" in s)["peer_id"] for p in providers]
         mesh_view = explorers.enter_context(explorer_process(tmp_path / "boot"))
 
         # The order book, open in the browser while the job runs.
