@@ -18,6 +18,7 @@ from cumulus_p2p.market.messages import (
     Bid,
     Cancel,
     Lease,
+    LeaseKind,
     LeaseProposal,
     Offer,
     PriorityClass,
@@ -33,7 +34,7 @@ NOW = 1_700_000_000.0
 HOST, CONSUMER = NodeIdentity.generate(), NodeIdentity.generate()
 H, C = HOST.peer_id.to_base58(), CONSUMER.peer_id.to_base58()
 
-OFFER = Offer(H, "gpu0", "RTX 4090", 24576, 100, 4, 1000, 60, "eu", NOW, NOW + 60, 1)
+OFFER = Offer(H, "gpu0", "RTX 4090", 24576, 100, 4, 1000, 60, "eu", NOW, NOW + 60, 1, 20, 500)
 BID = Bid(
     C,
     "b1",
@@ -52,8 +53,12 @@ CANCEL = Cancel(H, Side.OFFER, "gpu0", NOW + 60, 3)
 PROPOSAL = LeaseProposal(
     "L1", C, H, "gpu0", 1, 1, 1000, NOW, 600, PriorityClass.ON_DEMAND, NOW + 30, 4
 )
+STANDBY = LeaseProposal(
+    "L2", C, H, "gpu0", 1, 0, 20, NOW, 600, PriorityClass.ON_DEMAND, NOW + 30, 6,
+    LeaseKind.STANDBY, 64,
+)  # fmt: skip
 RECEIPT = Receipt("L1", H, 0, NOW, NOW + 60, 60, 123, NOW + 600, 5)
-ALL = [OFFER, BID, CANCEL, PROPOSAL, RECEIPT]
+ALL = [OFFER, BID, CANCEL, PROPOSAL, STANDBY, RECEIPT]
 
 
 @pytest.mark.parametrize("message", ALL, ids=lambda m: type(m).__name__)
@@ -80,12 +85,26 @@ def test_every_message_round_trips_through_a_signed_envelope(message):
         (OFFER, {"offer_id": "x" * 65}),
         (OFFER, {"expires_at": NOW - 1}),
         (OFFER, {"created_at": float("inf")}),
+        (OFFER, {"storage_price": -1}),
+        (OFFER, {"storage_price": 2**48 + 1}),
+        (OFFER, {"storage_price": 1.0}),
+        (OFFER, {"storage_gib": -1}),
+        (OFFER, {"storage_gib": True}),
+        (OFFER, {"storage_gib": 2**20 + 1}),
         (BID, {"priority": 7}),
         (BID, {"gpu_models": ("",)}),
         (BID, {"shares": True}),
         (BID, {"duration_s": 0}),
         (CANCEL, {"side": 2}),
         (PROPOSAL, {"shares": 0}),
+        (PROPOSAL, {"kind": 2}),
+        (PROPOSAL, {"kind": "standby"}),
+        (PROPOSAL, {"storage_gib": 1}),
+        (PROPOSAL, {"kind": LeaseKind.STANDBY}),
+        (STANDBY, {"shares": 1}),
+        (STANDBY, {"storage_gib": 0}),
+        (STANDBY, {"storage_gib": -1}),
+        (STANDBY, {"storage_gib": 2**20 + 1}),
         (RECEIPT, {"interval_end": NOW - 1}),
         (RECEIPT, {"share_seconds": -1}),
     ],
@@ -93,6 +112,42 @@ def test_every_message_round_trips_through_a_signed_envelope(message):
 def test_an_invalid_message_cannot_be_built(message, changes):
     with pytest.raises(InvalidMessageError):
         dataclasses.replace(message, **changes)
+
+
+def test_an_offer_without_storage_terms_keeps_no_standbys():
+    offer = Offer(H, "gpu0", "RTX 4090", 24576, 100, 4, 1000, 60, "eu", NOW, NOW + 60, 1)
+    assert (offer.storage_price, offer.storage_gib) == (0, 0)
+    assert decode_message(Offer.KIND, encode_message(offer)) == offer
+
+
+def test_a_lease_is_metered_in_shares_or_in_gib():
+    assert PROPOSAL.kind is LeaseKind.COMPUTE and PROPOSAL.units == PROPOSAL.shares == 1
+    assert STANDBY.units == STANDBY.storage_gib == 64
+    # 64 GiB for an hour at 20 per GiB-hour.
+    assert STANDBY.owed(64 * 3600) == 64 * 20
+    assert PROPOSAL.owed(1800) == 500
+
+
+@pytest.mark.parametrize(
+    ("changes", "says"),
+    [
+        ({"kind": LeaseKind.STANDBY, "shares": 0}, "storage_gib must be at least 1"),
+        ({"kind": LeaseKind.STANDBY, "storage_gib": 8}, "shares must be 0 for a standby"),
+        ({"storage_gib": 8}, "storage_gib must be 0 for a compute lease"),
+    ],
+)
+def test_an_inconsistent_lease_kind_is_refused_with_its_reason(changes, says):
+    with pytest.raises(InvalidMessageError, match=says):
+        dataclasses.replace(PROPOSAL, **changes)
+
+
+def test_a_forged_standby_proposal_is_malformed_on_the_wire():
+    # A standby that also claims GPU shares, encoded by hand as a peer would.
+    body = encode_message(STANDBY)
+    values = msgpack.unpackb(body)
+    values[5] = 4
+    with pytest.raises(MalformedMessageError, match="shares must be 0"):
+        decode_message(LeaseProposal.KIND, msgpack.packb(values, use_bin_type=True))
 
 
 def test_equal_requirements_encode_equally():
@@ -106,12 +161,34 @@ def test_equal_requirements_encode_equally():
         b"",
         b"\xc1",
         msgpack.packb([1, 2]),
-        msgpack.packb([H, "gpu0", "RTX 4090", 24576, 100, 4, 1000, 60, "eu", NOW, NOW + 60, -1]),
-        msgpack.packb([H, "gpu0", "RTX 4090", 24576, 100, 4, 1000, 60, "eu", 1, NOW + 60, 1]),
+        msgpack.packb([H, "gpu0", "RTX 4090", 24576, 100, 4, 1000, 60, "eu", NOW, NOW + 60, 1]),
+        msgpack.packb(
+            [H, "gpu0", "RTX 4090", 24576, 100, 4, 1000, 60, "eu", NOW, NOW + 60, -1, 0, 0]
+        ),
+        msgpack.packb([H, "gpu0", "RTX 4090", 24576, 100, 4, 1000, 60, "eu", 1, NOW + 60, 1, 0, 0]),
+        msgpack.packb(
+            [H, "gpu0", "RTX 4090", 24576, 100, 4, 1000, 60, "eu", NOW, NOW + 60, 1, -5, 0]
+        ),
+        msgpack.packb(
+            [H, "gpu0", "RTX 4090", 24576, 100, 4, 1000, 60, "eu", NOW, NOW + 60, 1, 0, 2.0]
+        ),
+        msgpack.packb(
+            [H, "gpu0", "RTX 4090", 24576, 100, 4, 1000, 60, "eu", NOW, NOW + 60, 1, 0, "9"]
+        ),
     ],
     # The host key in the bodies is fresh per process: stable ids let pytest-xdist's
     # workers agree on what they collected.
-    ids=["empty", "reserved-byte", "short-array", "negative-nonce", "created-in-1970"],
+    ids=[
+        "empty",
+        "reserved-byte",
+        "short-array",
+        "without-storage-terms",
+        "negative-nonce",
+        "created-in-1970",
+        "negative-storage-price",
+        "float-storage-gib",
+        "text-storage-gib",
+    ],
 )
 def test_malformed_peer_bodies_raise_a_remote_error(body):
     with pytest.raises(MalformedMessageError):

@@ -36,6 +36,34 @@ def test_receipts_cover_the_lease_in_intervals_and_countersign():
     assert [r.bytes_moved for r in receipts] == [1000, 0, 0]
 
 
+def test_a_standby_lease_is_metered_in_gib_seconds_and_both_sides_agree():
+    standby = lease_proposal(
+        CONSUMER, HOST, lease_id="S1", start_at=NOW, duration_s=150, storage_gib=10, price=36
+    )
+    meter = Meter(HOST, standby, interval=60.0)
+    previous, receipts = None, []
+    for t, nonce in [(NOW + 60, 1), (NOW + 120, 2), (NOW + 200, 3)]:
+        _, previous = check_receipt(
+            meter.issue(t, nonce=nonce).to_bytes(), standby, now=t, previous=previous
+        )
+        receipts.append(previous)
+    # 10 GiB held for 150 s, at 36 micro-credits per GiB-hour.
+    assert [r.share_seconds for r in receipts] == [600, 600, 300]
+    assert standby.owed(sum(r.share_seconds for r in receipts)) == 10 * 150 * 36 // 3600
+
+
+def test_a_standby_receipt_charging_more_gib_seconds_than_leased_is_rejected():
+    standby = lease_proposal(
+        CONSUMER, HOST, lease_id="S1", start_at=NOW, duration_s=150, storage_gib=10
+    )
+    inflated = Receipt("S1", standby.host, 0, NOW, NOW + 60, 601, 0, NOW + 600, 1)
+    raw = seal_message(HOST, inflated, now=NOW + 60).to_bytes()
+    with pytest.raises(ReceiptRejectedError, match="601 GiB-seconds, at most 600"):
+        check_receipt(raw, standby, now=NOW + 60)
+    fair = Receipt("S1", standby.host, 0, NOW, NOW + 60, 600, 0, NOW + 600, 2)
+    check_receipt(seal_message(HOST, fair, now=NOW + 60).to_bytes(), standby, now=NOW + 60)
+
+
 def test_a_receipt_charging_more_than_leased_is_rejected():
     inflated = Receipt("L1", LEASE.host, 0, NOW, NOW + 60, 121, 0, NOW + 600, 1)
     raw = seal_message(HOST, inflated, now=NOW + 60).to_bytes()

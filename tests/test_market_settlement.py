@@ -87,6 +87,27 @@ def test_more_share_seconds_than_the_lease_allows_is_refused_and_disputed(desk):
     assert len(desk.ledger) == 0
 
 
+def test_a_standby_lease_is_countersigned_for_its_gib_seconds_and_no_more(tmp_path):
+    standby = lease_proposal(
+        CONSUMER, HOST, lease_id="S1", start_at=NOW, duration_s=150, storage_gib=4
+    )
+    with Ledger.open(tmp_path) as ledger:
+        desk = ReceiptDesk(CONSUMER, ledger)
+        desk.open_account(standby)
+        fair = Meter(HOST, standby, interval=60).issue(NOW + 60, nonce=1)
+        assert (
+            desk.countersign(fair.to_bytes(), sender=HOST_ID, now=NOW + 60).receipt.share_seconds
+            == 240
+        )
+        over = Receipt("S1", HOST_ID, 1, NOW + 60, NOW + 120, 241, 0, NOW + 600, 2)
+        with pytest.raises(ReceiptRejectedError, match="GiB-seconds"):
+            desk.countersign(
+                seal_message(HOST, over, now=NOW + 120).to_bytes(), sender=HOST_ID, now=NOW + 120
+            )
+        assert [d.receipt_id for d in ledger.disputes()] == ["S1/1"]
+        assert ledger.totals("S1").share_seconds == 240
+
+
 def test_a_receipt_running_past_the_consumers_clock_is_refused_and_disputed(desk):
     with pytest.raises(ReceiptRejectedError, match="past this consumer's clock"):
         desk.countersign(inflated().to_bytes(), sender=HOST_ID, now=NOW + 60 - 30)

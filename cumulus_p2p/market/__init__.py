@@ -86,6 +86,7 @@ from .messages import Bid as Bid
 from .messages import Cancel as Cancel
 from .messages import CountersignedReceipt as CountersignedReceipt
 from .messages import Lease as Lease
+from .messages import LeaseKind as LeaseKind
 from .messages import LeaseProposal as LeaseProposal
 from .messages import MarketMessage as MarketMessage
 from .messages import Offer as Offer

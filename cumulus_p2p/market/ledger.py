@@ -60,7 +60,12 @@ _MAX_REASON = 500
 
 @dataclass(frozen=True, slots=True)
 class LedgerEntry:
-    """One recorded receipt."""
+    """One recorded receipt.
+
+    ``share_seconds`` is the receipt's: share-seconds under a compute lease, GiB-seconds
+    under a standby lease (``LeaseProposal.units``); price it with the lease's
+    ``LeaseProposal.owed``.
+    """
 
     receipt_id: str
     lease_id: str
@@ -100,7 +105,8 @@ class Dispute:
 
 @dataclass(frozen=True, slots=True)
 class LedgerTotals:
-    """Usage summed over receipts."""
+    """Usage summed over receipts (``share_seconds`` adds up each lease's units: ask per
+    lease where compute and standby leases mix)."""
 
     receipts: int
     share_seconds: int

@@ -41,6 +41,7 @@ __all__ = [
     "Cancel",
     "CountersignedReceipt",
     "Lease",
+    "LeaseKind",
     "LeaseProposal",
     "MarketMessage",
     "Offer",
@@ -59,6 +60,8 @@ _MAX_PEER_ID = 128
 _MAX_TEXT = 64
 _MAX_MODELS = 16
 _MAX_U64 = 2**64 - 1
+#: Most GiB an offer lends or a standby lease holds: 1 PiB.
+_MAX_GIB = 2**20
 _COUNTERSIGN_DOMAIN = "cumulus/countersign/v1"
 
 
@@ -71,6 +74,19 @@ class PriorityClass(enum.IntEnum):
 
     ON_DEMAND = 0
     INTERRUPTIBLE = 1
+
+
+class LeaseKind(enum.IntEnum):
+    """What a lease buys.
+
+    ``COMPUTE`` leases GPU shares, charged per share-hour at the offer's ``price``.
+    ``STANDBY`` leases disk on the host for another session's checkpoints (the host
+    keeps blobs, runs nothing), charged per GiB-hour at the offer's ``storage_price``;
+    it takes no shares.
+    """
+
+    COMPUTE = 0
+    STANDBY = 1
 
 
 class Side(enum.IntEnum):
@@ -135,7 +151,12 @@ def _check_window(msg: Any) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Offer:
-    """A host's signed advertisement of GPU capacity.
+    """A host's signed advertisement of GPU capacity, and of disk for standbys.
+
+    A standby is a host a consumer leases for storage only: it keeps the checkpoints of
+    a session running on another host. ``storage_price`` and ``storage_gib`` are its
+    terms; they come last, with defaults, so an offer of GPU capacity alone is built
+    as before.
 
     Attributes:
         host: The host's peer ID (base58); must be the envelope's author.
@@ -151,6 +172,9 @@ class Offer:
         created_at: When the host made the offer (time priority in the book).
         expires_at: When the offer lapses.
         nonce: The host's increasing nonce.
+        storage_price: Micro-credits per GiB-hour of a standby lease.
+        storage_gib: GiB of disk free for standbys now (what is left after the host's
+            standby leases); 0 means the host keeps no standbys.
     """
 
     KIND: ClassVar[str] = "market/offer"
@@ -168,6 +192,8 @@ class Offer:
     created_at: float
     expires_at: float
     nonce: int
+    storage_price: int = 0
+    storage_gib: int = 0
 
     def __post_init__(self) -> None:
         _check_text(self, "host", _MAX_PEER_ID)
@@ -182,6 +208,8 @@ class Offer:
         _check_float(self, "created_at")
         _check_float(self, "expires_at")
         _check_int(self, "nonce", 0)
+        _check_int(self, "storage_price", 0, 2**48)
+        _check_int(self, "storage_gib", 0, _MAX_GIB)
         _check_window(self)
 
     @property
@@ -303,21 +331,30 @@ class Cancel:
 
 @dataclass(frozen=True, slots=True)
 class LeaseProposal:
-    """A consumer's signed proposal to lease shares of one offer.
+    """A consumer's signed proposal to lease shares of one offer, or disk on its host.
+
+    A ``COMPUTE`` lease (the default) takes ``shares`` (at least 1) and no storage. A
+    ``STANDBY`` lease takes ``storage_gib`` (at least 1) of the host's disk and no
+    shares: ``shares`` must be 0, so nothing that counts GPU shares counts it. Any
+    other combination is invalid. What a lease is metered in, ``units``, is its shares
+    or its GiB; receipts charge ``units`` times seconds, at ``price`` per hour.
 
     Attributes:
         lease_id: Chosen by the consumer; unique (e.g. 16 random bytes in hex).
         consumer: The consumer's peer ID; must be the envelope's author.
         host: The host's peer ID.
-        offer_id: The offer leased from.
+        offer_id: The offer leased from (for a standby, any live offer of the host's).
         offer_nonce: The version of the offer the consumer saw.
-        shares: Share units leased.
-        price: Micro-credits per share-hour; at least the offer's price.
+        shares: Share units leased; 0 for a standby lease.
+        price: Micro-credits per share-hour, at least the offer's ``price``; for a
+            standby lease, per GiB-hour, at least the offer's ``storage_price``.
         start_at: Lease start, Unix seconds.
         duration_s: Lease length, seconds.
         priority: ``ON_DEMAND`` or ``INTERRUPTIBLE``.
         expires_at: The proposal lapses if the host has not answered by then.
         nonce: The consumer's increasing nonce.
+        kind: ``COMPUTE`` or ``STANDBY``.
+        storage_gib: GiB of disk leased; 0 for a compute lease.
     """
 
     KIND: ClassVar[str] = "market/lease-proposal"
@@ -335,6 +372,8 @@ class LeaseProposal:
     priority: PriorityClass
     expires_at: float
     nonce: int
+    kind: LeaseKind = LeaseKind.COMPUTE
+    storage_gib: int = 0
 
     def __post_init__(self) -> None:
         _check_text(self, "lease_id", _MAX_ID)
@@ -342,7 +381,19 @@ class LeaseProposal:
         _check_text(self, "host", _MAX_PEER_ID)
         _check_text(self, "offer_id", _MAX_ID)
         _check_int(self, "offer_nonce", 0)
-        _check_int(self, "shares", 1, 2**16)
+        _check_enum(self, "kind", LeaseKind)
+        _check_int(self, "shares", 0, 2**16)
+        _check_int(self, "storage_gib", 0, _MAX_GIB)
+        if self.kind is LeaseKind.STANDBY:
+            if self.shares != 0:
+                raise _bad(LeaseProposal, "shares", "must be 0 for a standby lease")
+            if self.storage_gib < 1:
+                raise _bad(LeaseProposal, "storage_gib", "must be at least 1 for a standby lease")
+        else:
+            if self.shares < 1:
+                raise _bad(LeaseProposal, "shares", "must be at least 1 for a compute lease")
+            if self.storage_gib != 0:
+                raise _bad(LeaseProposal, "storage_gib", "must be 0 for a compute lease")
         _check_int(self, "price", 0, 2**48)
         _check_float(self, "start_at")
         _check_int(self, "duration_s", 1, 2**32)
@@ -355,6 +406,16 @@ class LeaseProposal:
         """When the lease ends."""
         return self.start_at + self.duration_s
 
+    @property
+    def units(self) -> int:
+        """What the lease is metered in: its shares, or for a standby its GiB."""
+        return self.storage_gib if self.kind is LeaseKind.STANDBY else self.shares
+
+    def owed(self, unit_seconds: int) -> int:
+        """Micro-credits owed for ``unit_seconds`` of use (a receipt's ``share_seconds``):
+        share-seconds or GiB-seconds, at ``price`` per hour, rounded down."""
+        return unit_seconds * self.price // 3600
+
 
 @dataclass(frozen=True, slots=True)
 class Receipt:
@@ -365,7 +426,8 @@ class Receipt:
         seq: 0, 1, 2, ... per lease; ``(lease_id, seq)`` is the receipt's id.
         interval_start: Start of the metered interval, Unix seconds.
         interval_end: End of the metered interval.
-        share_seconds: Share units times seconds used in the interval.
+        share_seconds: The lease's units times seconds used in the interval: share
+            units for a compute lease, GiB held for a standby lease (GiB-seconds).
         bytes_moved: Bytes carried for the lease in the interval.
         expires_at: The envelope's expiry (a receipt must be countersigned by then).
         nonce: The host's increasing nonce.

@@ -2,11 +2,13 @@
 
 Sans-IO. The host keeps a ``Meter`` per lease, reports bytes as they move, and asks
 ``issue(now, nonce=...)`` whenever ``due(now)``: the receipt covers the time since the
-previous one (clipped to the lease), charged as ``shares * seconds``. The consumer
-runs ``check_receipt`` (right host, right lease, inside the lease, never more
-share-seconds than leased, following the previous receipt without gap or overlap)
-and countersigns with ``CountersignedReceipt.countersign``. Both sides then append
-the countersigned receipt to their ``Ledger``.
+previous one (clipped to the lease), charged as ``units * seconds``: share-seconds for
+a compute lease, GiB-seconds for a standby lease (``LeaseProposal.units``; the
+receipt's ``share_seconds`` field carries either, and ``LeaseProposal.owed`` prices
+it). The consumer runs ``check_receipt`` (right host, right lease, inside the lease,
+never more unit-seconds than leased, following the previous receipt without gap or
+overlap) and countersigns with ``CountersignedReceipt.countersign``. Both sides then
+append the countersigned receipt to their ``Ledger``.
 
 Nothing runs unpaid: ``payment_standing`` tells the host what a lease's oldest
 unsettled receipt means now. Within one grace period it is merely late; past it the
@@ -22,7 +24,7 @@ import math
 from .._errors import EnvelopeRejectedError, MalformedMessageError, ReceiptRejectedError
 from ..envelope import Envelope, EnvelopeValidator, Rejected
 from ..identity import NodeIdentity
-from .messages import LeaseProposal, Receipt, open_message, seal_message
+from .messages import LeaseKind, LeaseProposal, Receipt, open_message, seal_message
 
 __all__ = ["Meter", "Standing", "check_receipt", "payment_standing"]
 
@@ -115,7 +117,7 @@ class Meter:
             self._seq,
             start,
             end,
-            math.floor((end - start) * self._lease.shares),
+            math.floor((end - start) * self._lease.units),
             self._bytes,
             now + self._ttl,
             nonce,
@@ -172,7 +174,8 @@ def check_receipt(
         )
     if receipt.interval_start < lease.start_at or receipt.interval_end > lease.end_at:
         raise ReceiptRejectedError("the interval lies outside the lease")
-    allowed = (receipt.interval_end - receipt.interval_start) * lease.shares
+    allowed = (receipt.interval_end - receipt.interval_start) * lease.units
     if receipt.share_seconds > math.floor(allowed):
-        raise ReceiptRejectedError(f"{receipt.share_seconds} share-seconds, at most {allowed}")
+        unit = "GiB-seconds" if lease.kind is LeaseKind.STANDBY else "share-seconds"
+        raise ReceiptRejectedError(f"{receipt.share_seconds} {unit}, at most {allowed}")
     return checked, receipt

@@ -133,7 +133,7 @@ class ActiveLease:
     @property
     def earned(self) -> int:
         """Micro-credits receipted so far."""
-        return self.share_seconds * self.proposal.price // 3600
+        return self.proposal.owed(self.share_seconds)
 
     async def hang_up(self, reason: str) -> None:
         """Close the lease's session channels; the consumer sees ``reason`` and the

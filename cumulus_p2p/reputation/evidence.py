@@ -274,8 +274,8 @@ class ServiceRecord:
             if receipt.interval_end > proposal.end_at:
                 raise InvalidEvidenceError("a receipt runs past the end of the lease")
             span = receipt.interval_end - receipt.interval_start
-            if receipt.share_seconds > math.floor(span * proposal.shares):
-                raise InvalidEvidenceError("a receipt charges more share-seconds than leased")
+            if receipt.share_seconds > math.floor(span * proposal.units):
+                raise InvalidEvidenceError("a receipt charges more unit-seconds than leased")
             total += receipt.share_seconds
             until, last_seq = receipt.interval_end, receipt.seq
         return total, until

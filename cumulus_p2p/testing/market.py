@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..identity import NodeIdentity
-from ..market.messages import LeaseProposal, PriorityClass
+from ..market.messages import LeaseKind, LeaseProposal, PriorityClass
 
 
 def lease_proposal(
@@ -14,15 +14,21 @@ def lease_proposal(
     duration_s: int,
     lease_id: str = "L1",
     offer_id: str = "gpu0",
-    shares: int = 1,
+    shares: int | None = None,
     price: int = 1000,
     expires_at: float | None = None,
     nonce: int = 1,
+    storage_gib: int = 0,
 ) -> LeaseProposal:
     """An on-demand proposal from ``consumer`` to ``host`` for offer nonce 1.
 
-    It expires 30 s after it starts unless ``expires_at`` says otherwise.
+    It expires 30 s after it starts unless ``expires_at`` says otherwise. With
+    ``storage_gib`` it is a standby lease of that many GiB (and no shares); otherwise a
+    compute lease of ``shares`` (1 unless given).
     """
+    kind = LeaseKind.STANDBY if storage_gib else LeaseKind.COMPUTE
+    if shares is None:
+        shares = 0 if storage_gib else 1
     return LeaseProposal(
         lease_id=lease_id,
         consumer=consumer.peer_id.to_base58(),
@@ -36,4 +42,6 @@ def lease_proposal(
         priority=PriorityClass.ON_DEMAND,
         expires_at=start_at + 30 if expires_at is None else expires_at,
         nonce=nonce,
+        kind=kind,
+        storage_gib=storage_gib,
     )
