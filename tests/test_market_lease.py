@@ -24,10 +24,20 @@ ALICE = NodeIdentity.generate()
 MALLORY = NodeIdentity.generate()
 
 
-def offer(shares=4, *, price=1000, min_lease=60, expires=NOW + 600, nonce=1):
+def offer(
+    shares=4,
+    *,
+    price=1000,
+    min_lease=60,
+    expires=NOW + 600,
+    nonce=1,
+    offer_id="gpu0",
+    storage_price=0,
+    storage_gib=0,
+):
     return Offer(
         HOST.peer_id.to_base58(),
-        "gpu0",
+        offer_id,
         "RTX 4090",
         24576,
         100,
@@ -38,6 +48,8 @@ def offer(shares=4, *, price=1000, min_lease=60, expires=NOW + 600, nonce=1):
         NOW,
         expires,
         nonce,
+        storage_price,
+        storage_gib,
     )
 
 
@@ -208,3 +220,77 @@ def test_shares_are_never_double_booked(requests):
             assert result.reason is RefusalReason.NO_CAPACITY
             assert shares > 6 - sum(granted.values())
         assert book.free_shares("gpu0") == 6 - sum(granted.values()) >= 0
+
+
+# --- standby leases: disk for another session's checkpoints, no shares ---------------
+
+
+def standby(lease_id="S1", gib=10, price=50, **terms):
+    return proposal(lease_id, storage_gib=gib, price=price, **terms)
+
+
+def test_a_standby_lease_reserves_gib_and_never_shares():
+    book = book_with(2, storage_price=50, storage_gib=100)
+    lease = book.propose(sealed(standby(gib=60)), now=NOW)
+    assert isinstance(lease, Lease)
+    granted = lease.verify(HOST.public_key)
+    assert (granted.shares, granted.storage_gib) == (0, 60)
+    assert (book.free_shares("gpu0"), book.free_storage()) == (2, 40)
+    # All the shares go to compute leases, and the standby is still held.
+    assert isinstance(book.propose(sealed(proposal("L1", shares=2, nonce=2)), now=NOW), Lease)
+    assert book.free_shares("gpu0") == 0
+    assert isinstance(book.propose(sealed(standby("S2", gib=40, nonce=3)), now=NOW), Lease)
+    assert book.free_storage() == 0
+
+
+def test_a_standby_is_refused_by_a_host_that_lends_no_storage():
+    book = book_with(4, storage_price=0, storage_gib=0)
+    assert refusal_of(book.propose(sealed(standby(price=10**6)), now=NOW)) is (
+        RefusalReason.NO_STORAGE
+    )
+    assert book.leases() == []
+
+
+def test_a_standby_below_the_storage_price_is_refused():
+    # The share price is no floor for storage, nor the storage price for shares.
+    book = book_with(4, price=10, storage_price=50, storage_gib=100)
+    assert refusal_of(book.propose(sealed(standby(price=49)), now=NOW)) is (
+        RefusalReason.PRICE_MISMATCH
+    )
+    assert isinstance(book.propose(sealed(standby(price=50, nonce=2)), now=NOW), Lease)
+    assert isinstance(book.propose(sealed(proposal("L1", price=10, nonce=3)), now=NOW), Lease)
+
+
+def test_a_standby_larger_than_the_storage_left_is_refused_and_reserves_nothing():
+    book = book_with(4, storage_price=50, storage_gib=100)
+    assert isinstance(book.propose(sealed(standby("S1", gib=70)), now=NOW), Lease)
+    result = book.propose(sealed(standby("S2", gib=31, nonce=2)), now=NOW)
+    assert refusal_of(result) is RefusalReason.NO_STORAGE_CAPACITY
+    assert "31 GiB wanted, 30 GiB free" in result.detail
+    assert book.free_storage() == 30 and len(book.leases()) == 1
+
+
+def test_storage_is_one_pool_across_a_hosts_offers():
+    book = LeaseBook(HOST)
+    book.publish(offer(offer_id="gpu0", storage_price=50, storage_gib=100))
+    book.publish(offer(offer_id="gpu1", storage_price=50, storage_gib=100))
+    assert isinstance(book.propose(sealed(standby("S1", gib=80)), now=NOW), Lease)
+    other = standby("S2", gib=30, nonce=2, offer_id="gpu1")
+    assert refusal_of(book.propose(sealed(other), now=NOW)) is RefusalReason.NO_STORAGE_CAPACITY
+
+
+def test_storage_returns_when_a_standby_ends_or_is_released():
+    book = book_with(4, storage_price=50, storage_gib=100)
+    book.propose(sealed(standby("S1", gib=30, duration=60)), now=NOW)
+    book.propose(sealed(standby("S2", gib=30, duration=3600, nonce=2)), now=NOW)
+    assert book.free_storage() == 40
+    assert [r.proposal.lease_id for r in book.expire(NOW + 60)] == ["S1"]
+    assert book.free_storage() == 70
+    assert book.release("S2") and book.free_storage() == 100
+
+
+def test_a_standby_is_held_to_the_offers_minimum_lease():
+    book = book_with(4, min_lease=600, storage_price=50, storage_gib=100)
+    assert refusal_of(book.propose(sealed(standby(duration=60)), now=NOW)) is (
+        RefusalReason.TOO_SHORT
+    )

@@ -1,4 +1,6 @@
-"""Lease negotiation, host side: reserve shares atomically or refuse with a reason. Sans-IO.
+"""Lease negotiation, host side: reserve shares or disk atomically, or refuse with a reason.
+
+Sans-IO.
 
 Theory of operation
 -------------------
@@ -13,15 +15,24 @@ through, in order:
    least the offer's minimum, start time near now;
 3. capacity: the shares must be free.
 
-Only when every check passes are the shares taken from the pool and the proposal
-countersigned, in one synchronous call. The trio shell calls ``propose`` without
+A standby proposal (``LeaseKind.STANDBY``) leases disk for another session's
+checkpoints instead of shares. Step 2 holds it to the offer's storage terms: the offer
+lends storage (``storage_gib > 0``) and the price is at least its ``storage_price``
+per GiB-hour; step 3 to the GiB the host has free, host-wide (one disk serves all of a
+host's offers), after its other standby leases. A standby never touches a share pool,
+and a compute lease never touches the disk.
+
+Only when every check passes are the shares (or GiB) taken from the pool and the
+proposal countersigned, in one synchronous call. The trio shell calls ``propose`` without
 awaiting in between, so concurrent proposals are serialized by construction and the
 pool can never go negative: nothing is double-booked. A refused proposal changes
 nothing except the validator's memory of its nonce (so its replay is refused too).
 
 Shares return to the pool when the lease ends (``expire``) or is released. When the
 host re-announces an offer (a newer nonce), the pool takes the new ``shares_free``:
-announce ``free_shares(offer_id)`` to keep the two in step.
+announce ``free_shares(offer_id)`` to keep the two in step. Likewise the disk: each
+newer offer sets the GiB free to its ``storage_gib``, so every offer a host announces
+carries the same ``free_storage()``.
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ from dataclasses import dataclass
 from .._errors import MalformedMessageError
 from ..envelope import EnvelopeValidator, Rejected, Rejection
 from ..identity import NodeIdentity
-from .messages import Lease, LeaseProposal, Offer, open_message
+from .messages import Lease, LeaseKind, LeaseProposal, Offer, open_message
 
 __all__ = ["LeaseBook", "RefusalReason", "Refusal", "Reservation"]
 
@@ -54,6 +65,8 @@ class RefusalReason(enum.Enum):
     TOO_SHORT = "shorter than the offer's minimum lease"
     BAD_START = "start time too far from now"
     NO_CAPACITY = "not enough free shares"
+    NO_STORAGE = "this host keeps no standbys"
+    NO_STORAGE_CAPACITY = "not enough free storage"
     OVERLOADED = "host overloaded"
     CONSUMER_REFUSED = "the host does not lease to this consumer now"
 
@@ -96,7 +109,7 @@ class Refusal:
 
 @dataclass(frozen=True, slots=True)
 class Reservation:
-    """Shares held for a granted lease until ``end_at``."""
+    """Shares (or, for a standby, GiB) held for a granted lease until ``end_at``."""
 
     lease: Lease
     proposal: LeaseProposal
@@ -114,7 +127,7 @@ class _Pool:
 
 
 class LeaseBook:
-    """The host's offers, their free shares and the leases granted against them.
+    """The host's offers, their free shares, its free storage and the leases granted.
 
     Args:
         identity: The host; it countersigns granted leases.
@@ -134,6 +147,7 @@ class LeaseBook:
         self._validator = EnvelopeValidator([LeaseProposal.KIND], max_ttl=max_proposal_ttl)
         self._max_start_skew = max_start_skew
         self._pools: dict[str, _Pool] = {}
+        self._storage_free = 0
         self._leases: dict[str, Reservation] = {}
         self._ends: list[tuple[float, str]] = []
 
@@ -146,7 +160,8 @@ class LeaseBook:
         """Put one of this host's offers up for leasing, or re-announce it.
 
         A newer nonce for the same ``offer_id`` replaces the terms and sets the free
-        shares to ``offer.shares_free``; an older or equal nonce is ignored.
+        shares to ``offer.shares_free``, and the host's free storage to
+        ``offer.storage_gib``; an older or equal nonce is ignored.
 
         Raises:
             ValueError: The offer names another host.
@@ -156,6 +171,7 @@ class LeaseBook:
         pool = self._pools.get(offer.offer_id)
         if pool is None or offer.nonce > pool.offer.nonce:
             self._pools[offer.offer_id] = _Pool(offer, offer.shares_free)
+            self._storage_free = offer.storage_gib
 
     def withdraw(self, offer_id: str) -> None:
         """Stop leasing from ``offer_id``; granted leases are unaffected."""
@@ -165,6 +181,10 @@ class LeaseBook:
         """Shares of ``offer_id`` free now (0 for an unknown offer)."""
         pool = self._pools.get(offer_id)
         return 0 if pool is None else pool.free
+
+    def free_storage(self) -> int:
+        """GiB of disk free for standby leases now, host-wide."""
+        return self._storage_free
 
     def leases(self) -> list[Reservation]:
         """The leases currently holding shares."""
@@ -184,7 +204,7 @@ class LeaseBook:
                 be the proposal's signer.
 
         Returns:
-            The countersigned ``Lease`` (the shares are now reserved), or a
+            The countersigned ``Lease`` (the shares or GiB are now reserved), or a
             ``Refusal``. A refusal changes nothing but the replay memory.
         """
         checked = self._validator.validate(raw, now=now)
@@ -199,8 +219,8 @@ class LeaseBook:
         refusal = self._check_terms(proposal, now, sender)
         if refusal is not None:
             return refusal
-        pool = self._pools[proposal.offer_id]
-        pool.free -= proposal.shares
+        self._pools[proposal.offer_id].free -= proposal.shares
+        self._storage_free -= proposal.storage_gib
         lease = Lease.countersign(self._identity, checked)
         self._leases[proposal.lease_id] = Reservation(lease, proposal)
         heapq.heappush(self._ends, (proposal.end_at, proposal.lease_id))
@@ -221,26 +241,37 @@ class LeaseBook:
         offer = pool.offer
         if offer.expires_at <= now:
             return Refusal(RefusalReason.OFFER_EXPIRED, f"offer expired at {offer.expires_at}")
-        if proposal.price < offer.price:
+        standby = proposal.kind is LeaseKind.STANDBY
+        if standby and offer.storage_gib == 0:
+            return Refusal(RefusalReason.NO_STORAGE, f"offer {offer.offer_id} lends no storage")
+        asking = offer.storage_price if standby else offer.price
+        if proposal.price < asking:
+            per = "GiB-hour" if standby else "share-hour"
             return Refusal(
-                RefusalReason.PRICE_MISMATCH, f"offered {proposal.price}, asking {offer.price}"
+                RefusalReason.PRICE_MISMATCH, f"offered {proposal.price}, asking {asking} per {per}"
             )
         if proposal.duration_s < offer.min_lease_s:
             return Refusal(RefusalReason.TOO_SHORT, f"minimum lease is {offer.min_lease_s}s")
         if abs(proposal.start_at - now) > self._max_start_skew:
             return Refusal(RefusalReason.BAD_START, f"start {proposal.start_at}, now {now}")
+        if standby and proposal.storage_gib > self._storage_free:
+            return Refusal(
+                RefusalReason.NO_STORAGE_CAPACITY,
+                f"{proposal.storage_gib} GiB wanted, {self._storage_free} GiB free",
+            )
         if proposal.shares > pool.free:
             return Refusal(RefusalReason.NO_CAPACITY, f"{proposal.shares} wanted, {pool.free} free")
         return None
 
     def release(self, lease_id: str) -> bool:
-        """End a lease early and return its shares. Returns whether it was held."""
+        """End a lease early and return its shares or GiB. Returns whether it was held."""
         reservation = self._leases.pop(lease_id, None)
         if reservation is None:
             return False
         pool = self._pools.get(reservation.proposal.offer_id)
         if pool is not None:
             pool.free += reservation.proposal.shares
+        self._storage_free += reservation.proposal.storage_gib
         return True
 
     def expire(self, now: float) -> list[Reservation]:
