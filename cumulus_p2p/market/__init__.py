@@ -18,8 +18,11 @@ Parts, lowest first (each imports only those above it):
   once it has signed a fresh challenge with its offer's key (``Liveness``, a transition
   table per host, ``answer_probe`` on the host's side); a host that answers nothing is
   set aside for a backoff that doubles with each miss.
-- ``lease``: the host's reservation core (sans-IO): reserve atomically and
-  countersign, or refuse with a ``RefusalReason``.
+- ``standby``: the consumer's choice of a standby host, the second host that keeps a
+  session's checkpoints on its disk (``choose_standby``), and its ``LeaseKind.STANDBY``
+  proposal (``standby_proposal``), priced per GiB-hour (sans-IO).
+- ``lease``: the host's reservation core (sans-IO): reserve shares (or, for a standby,
+  GiB) atomically and countersign, or refuse with a ``RefusalReason``.
 - ``rpc``: one request, one response per direct libp2p stream, the shell the
   protocols below share.
 - ``negotiation``: the thin trio shell speaking ``/cumulus/lease/1.0.0``
@@ -109,3 +112,5 @@ from .negotiation import serve_leases as serve_leases
 from .probing import LIVENESS_PROTOCOL as LIVENESS_PROTOCOL
 from .probing import call_probe as call_probe
 from .probing import serve_liveness as serve_liveness
+from .standby import choose_standby as choose_standby
+from .standby import standby_proposal as standby_proposal
