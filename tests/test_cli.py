@@ -66,6 +66,33 @@ def test_a_blob_cap_that_is_not_a_size_is_a_usage_error(tmp_path):
     assert "--blob-cap" in result.stderr and "'lots'" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--storage-price", "cheap", "not a price: 'cheap' (credits per GiB-hour)"),
+        ("--storage-price", "-1", "a price must be a non-negative number"),
+        ("--storage-gib", "-1", "'-1' is not a whole number of GiB from 0 to 1048576"),
+        ("--storage-gib", "1.5", "'1.5' is not a whole number of GiB"),
+        ("--storage-gib", "2000000", "is not a whole number of GiB"),
+    ],
+)
+def test_bad_storage_terms_are_a_usage_error_naming_the_flag(tmp_path, flag, value, says):
+    result = run("--data-dir", str(tmp_path), "--provide", flag, value)
+    assert result.returncode == 2
+    assert flag in result.stderr and says in result.stderr
+
+
+def test_the_storage_terms_reach_the_providers_offer():
+    args = build_parser().parse_args(
+        ["--provide", "--storage-price", "0.02", "--storage-gib", "50"]
+    )
+    device = OfferedDevice(DeviceFacts("cpu", 0, "cpu", 4096, None, ""), perf_units=100)
+    options = _provider_options(args, devices=(device,))
+    assert (options.storage_price, options.storage_gib) == (20_000, 50)
+    defaults = _provider_options(build_parser().parse_args(["--provide"]), devices=(device,))
+    assert (defaults.storage_price, defaults.storage_gib) == (0, 0)
+
+
 def test_the_blob_cap_reaches_the_providers_executor(tmp_path):
     args = build_parser().parse_args(["--provide", "--blob-cap", "3GiB"])
     device = OfferedDevice(DeviceFacts("cpu", 0, "cpu", 4096, None, ""), perf_units=100)
@@ -153,6 +180,8 @@ def test_help_documents_every_flag():
         "--match-timeout",
         "--graph-compiler",
         "--blob-cap",
+        "--storage-price",
+        "--storage-gib",
         "--data-dir",
         "status|peers|offers|reputation|ledger",
     ):

@@ -28,17 +28,20 @@ def parse_duration(text: str) -> int:
     return int(seconds)
 
 
-def parse_price(text: str) -> int:
-    """Credits per share-hour, e.g. ``"0.5"``, as micro-credits."""
+def parse_price(text: str, per: str = "share-hour") -> int:
+    """Credits per share-hour (or per ``per``), e.g. ``"0.5"``, as micro-credits."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"not a price: {text!r} (credits per share-hour)"
-        ) from None
+        raise argparse.ArgumentTypeError(f"not a price: {text!r} (credits per {per})") from None
     if not 0 <= value < 2**48 / 1e6:
         raise argparse.ArgumentTypeError("a price must be a non-negative number")
     return round(value * 1e6)
+
+
+def parse_storage_price(text: str) -> int:
+    """Credits per GiB-hour of a standby's storage, e.g. ``"0.01"``, as micro-credits."""
+    return parse_price(text, "GiB-hour")
 
 
 def size(text: str) -> int:
@@ -66,6 +69,7 @@ def number_in(kind, low, high, what: str):
 
 score = number_in(float, 0.0, 1.0, "a score between 0 and 1")
 port = number_in(int, 0, 65535, "a port number (0-65535)")
+storage_gib = number_in(int, 0, 2**20, "a whole number of GiB from 0 to 1048576")
 
 
 def device_choice(text: str) -> str:

@@ -17,8 +17,10 @@ from ._flags import (
     data_dir,
     device_choice,
     parse_price,
+    parse_storage_price,
     score,
     size,
+    storage_gib,
 )
 
 DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/4001"
@@ -188,6 +190,21 @@ def _add_provide_flags(provide) -> None:
         type=parse_price,
         default=parse_price("1.0"),
         help="asking price in credits per share-hour (default 1.0)",
+    )
+    provide.add_argument(
+        "--storage-price",
+        type=parse_storage_price,
+        default=parse_storage_price("0"),
+        metavar="PRICE",
+        help="asking price in credits per GiB-hour for keeping a standby's checkpoints, "
+        "the disk another host's consumer leases beside its session (default 0)",
+    )
+    provide.add_argument(
+        "--storage-gib",
+        type=storage_gib,
+        default=0,
+        metavar="GIB",
+        help="GiB of disk lent to standbys, all together (default 0: keep no standbys)",
     )
     provide.add_argument(
         "--device",

@@ -169,6 +169,8 @@ def _provider_options(args, devices):
         pool=args.pool,
         graph_compiler=GraphCompiler(args.graph_compiler),
         blob_cap=args.blob_cap,
+        storage_price=args.storage_price,
+        storage_gib=args.storage_gib,
     )
 
 
@@ -185,13 +187,20 @@ class _ProviderScreen:
         each = " each" if len(devices) > 1 else ""
         self.console.print(
             f"providing {offered}: {self.options.shares} shares{each} at "
-            f"{views.credits(self.options.price)}/share-hour; sessions on "
-            f"{', '.join(provider.current_endpoints())}",
+            f"{views.credits(self.options.price)}/share-hour{self._standbys()}; sessions "
+            f"on {', '.join(provider.current_endpoints())}",
             highlight=False,
         )
         sys.stdout.flush()
         if self.live is not None:
             self.live.start()
+
+    def _standbys(self) -> str:
+        gib = self.options.storage_gib
+        if not gib:
+            return ""
+        price = views.credits(self.options.storage_price)
+        return f"; keeping standbys' checkpoints: {gib} GiB at {price}/GiB-hour"
 
     def tick(self, provider) -> None:
         if self.live is not None:

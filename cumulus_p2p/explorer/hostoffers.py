@@ -2,7 +2,9 @@
 
 The explorer lists hosts, not offers, so a host with several offers (``device0``,
 ``device1``... from ``cumulus-node --provide`` on a multi-GPU rig) is shown once: its
-GPU models with their counts, its cheapest price and the shares free on all of them.
+GPU models with their counts, its cheapest price and the shares free on all of them,
+and the disk it lends to standbys (one disk behind all its offers: the most any offer
+shows, at the cheapest storage price).
 """
 
 from __future__ import annotations
@@ -28,4 +30,6 @@ def _merged(rows: list[dict]) -> dict:
         "perf": max(row["perf"] for row in rows),
         "price": min(row["price"] for row in rows),
         "shares": sum(row["shares"] for row in rows),
+        "storage_gib": max(row.get("storage_gib", 0) for row in rows),
+        "storage_price": min(row.get("storage_price", 0) for row in rows),
     }

@@ -85,6 +85,9 @@ OP_SAMPLE_INTERVAL = 1.0
 #: Ended leases a provider remembers (for a late close, and status's last rows): a node that
 #: serves for months would otherwise keep every lease it ever served.
 FINISHED_KEPT = 256
+#: The most GiB an offer may lend to standbys, and the most micro-credits an offer may ask
+#: (``market.messages.Offer`` refuses more).
+MAX_STORAGE_GIB, MAX_PRICE = 2**20, 2**48
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +112,10 @@ class ProviderOptions:
         shares: Share units each device is split into.
         price: Micro-credits per share-hour.
         min_lease_s: Shortest lease accepted.
+        storage_price: Micro-credits per GiB-hour of a standby lease (disk kept for
+            another host's session's checkpoints).
+        storage_gib: GiB of disk lent to standby leases, all of them together (0: this
+            host keeps no standbys).
         region: Free-form region hint.
         session_host: Address the session channel listens on (None: the libp2p
             listener's, so a node reachable on the network serves sessions there too).
@@ -145,6 +152,8 @@ class ProviderOptions:
     pool: int = 1
     graph_compiler: GraphCompiler = GraphCompiler.LOOP
     blob_cap: int = DEFAULT_BLOB_CAP
+    storage_price: int = 0
+    storage_gib: int = 0
 
     @property
     def unpaid_grace(self) -> float:
@@ -162,6 +171,10 @@ class ProviderOptions:
         ids = [d.offer_id for d in self.devices]
         if not ids or len(set(ids)) != len(ids):
             raise ValueError(f"offer one or more distinct devices, not {ids}")
+        if not 0 <= self.storage_gib <= MAX_STORAGE_GIB:
+            raise ValueError(f"storage_gib must be 0..{MAX_STORAGE_GIB}, not {self.storage_gib}")
+        if not 0 <= self.storage_price <= MAX_PRICE:
+            raise ValueError(f"storage_price must be 0..{MAX_PRICE}, not {self.storage_price}")
 
 
 @dataclass
@@ -212,6 +225,12 @@ class Provider:
         held = sum(r.proposal.shares for r in self.book.leases() if r.proposal.offer_id in ids)
         return self.options.shares * len(ids) - held
 
+    def free_storage(self) -> int:
+        """GiB of ``storage_gib`` not held by a standby lease; every offer announces it
+        (one disk serves all the devices' offers)."""
+        held = sum(r.proposal.storage_gib for r in self.book.leases())
+        return max(0, self.options.storage_gib - held)
+
     def offer_body(self, served: Served, nonce: int, expires_at: float) -> bytes:
         """A device's offer as it stands, sealed afresh each announce round."""
         device, now = served.device, self.runtime.clock()
@@ -228,6 +247,8 @@ class Provider:
             now,
             expires_at,
             nonce,
+            self.options.storage_price,
+            self.free_storage(),
         )
         self.book.publish(offer)
         return encode_message(offer)
@@ -431,6 +452,9 @@ class Provider:
             "price": self.options.price,
             "shares_total": self.options.shares * len(self.served),
             "shares_free": self.free_shares(),
+            "storage_price": self.options.storage_price,
+            "storage_gib_total": self.options.storage_gib,
+            "storage_gib_free": self.free_storage(),
             "sessions": sum(len(e.sessions) for e in executors),
             "isolation": "worker per session" if self.options.uses_workers else "shared process",
             "device_health": _health(self.served.values()),

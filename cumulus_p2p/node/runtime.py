@@ -132,6 +132,8 @@ def _offer_rows(offers: list, scores: dict, now: float) -> list[dict]:
             "perf": r.order.perf_units,
             "shares": r.remaining,
             "price": r.order.price,
+            "storage_gib": r.order.storage_gib,
+            "storage_price": r.order.storage_price,
             "score": round(scores[r.order.host].mean, 3),
             "expires_in": round(r.order.expires_at - now, 1),
         }

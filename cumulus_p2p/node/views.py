@@ -54,6 +54,12 @@ def status_table(state: dict) -> Group:
         summary.add_row("session channel", state.get("session_endpoint", ""))
         summary.add_row("price", f"{credits(state['price'])} per share-hour")
         summary.add_row("shares free", f"{state['shares_free']} of {state['shares_total']}")
+        if state.get("storage_gib_total"):
+            summary.add_row(
+                "standby storage",
+                f"{state['storage_gib_free']} GiB free of {state['storage_gib_total']}, "
+                f"{credits(state['storage_price'])} per GiB-hour",
+            )
         summary.add_row("sessions", f"{state['sessions']} ({state.get('isolation', '?')})")
         for worker in state.get("session_workers", []):
             carried = f"{worker['bytes'] / 1e6:.1f} MB carried"
@@ -146,6 +152,8 @@ def offers_table(rows: Iterable[dict]) -> Table:
         "perf",
         "shares",
         "price/share-h",
+        "standby GiB",
+        "price/GiB-h",
         "score",
         "expires in",
     ):
@@ -158,6 +166,8 @@ def offers_table(rows: Iterable[dict]) -> Table:
             str(row["perf"]),
             str(row["shares"]),
             credits(row["price"]),
+            str(row.get("storage_gib", 0)),
+            credits(row.get("storage_price", 0)) if row.get("storage_gib") else "-",
             f"{row['score']:.2f}",
             f"{row['expires_in']:.0f}s",
         )

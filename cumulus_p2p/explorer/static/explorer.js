@@ -257,6 +257,8 @@ const bookView = {
         { label: "perf", cell: (r) => r.perf },
         { label: "shares", cell: (r) => r.shares },
         { label: "price / share-h", cell: (r) => fmt.credits(r.price) },
+        { label: "standby GiB", cell: (r) => r.storage_gib ?? 0 },
+        { label: "price / GiB-h", cell: (r) => (r.storage_gib ? fmt.credits(r.storage_price) : "-") },
         { label: "score", cell: (r) => fmt.score(r.score) },
         { label: "expires in s", cell: (r) => Math.round(r.expires_in) },
       ], book.offers)),

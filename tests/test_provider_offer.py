@@ -1,0 +1,72 @@
+"""Specs for the provider's offer (``Provider.offer_body``): its storage terms for standbys.
+
+The provider here has no mesh: its runtime and executor are stand-ins holding just what
+the offer and status read.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from cumulus_p2p.identity import NodeIdentity
+from cumulus_p2p.market import Lease, Offer, decode_message, seal_message
+from cumulus_p2p.node.hardware import DeviceFacts
+from cumulus_p2p.node.provider import OfferedDevice, Provider, ProviderOptions
+from cumulus_p2p.testing.market import lease_proposal
+
+NOW = 1_700_000_000.0
+HOST, CONSUMER = NodeIdentity.generate(), NodeIdentity.generate()
+DEVICES = tuple(
+    OfferedDevice(DeviceFacts("cpu", i, "cpu", 4096, None, ""), perf_units=100) for i in (0, 1)
+)
+
+
+def provider(**options) -> Provider:
+    runtime = SimpleNamespace(
+        identity=HOST,
+        peer_id=HOST.peer_id.to_base58(),
+        data=SimpleNamespace(ledger=lambda: None),
+        clock=lambda: NOW,
+        snapshot=lambda: {"peer_id": HOST.peer_id.to_base58()},
+    )
+    executor = SimpleNamespace(sessions={}, health=SimpleNamespace(healthy=True, reason=""))
+    terms = ProviderOptions(devices=DEVICES, shares=4, price=1000, **options)
+    return Provider(runtime, terms, [executor, executor])
+
+
+def offers(p: Provider, nonce: int) -> list[Offer]:
+    return [
+        decode_message(Offer.KIND, p.offer_body(served, nonce, NOW + 60))
+        for served in p.served.values()
+    ]
+
+
+def test_every_offer_announces_the_storage_terms_and_the_gib_left():
+    p = provider(storage_price=20_000, storage_gib=100)
+    assert [(o.storage_price, o.storage_gib) for o in offers(p, 1)] == [(20_000, 100)] * 2
+    standby = lease_proposal(
+        CONSUMER, HOST, start_at=NOW, duration_s=600, storage_gib=60, price=20_000,
+        offer_id="device1",
+    )  # fmt: skip
+    granted = p.book.propose(seal_message(CONSUMER, standby, now=NOW).to_bytes(), now=NOW)
+    assert isinstance(granted, Lease)
+    assert p.free_storage() == 40 and p.free_shares() == 8  # a standby takes no shares
+    assert [o.storage_gib for o in offers(p, 2)] == [40, 40]
+    state = p.snapshot()
+    assert (state["storage_gib_free"], state["storage_gib_total"]) == (40, 100)
+    assert state["storage_price"] == 20_000
+
+
+def test_a_provider_that_lends_no_storage_offers_none():
+    p = provider()
+    assert [(o.storage_price, o.storage_gib) for o in offers(p, 1)] == [(0, 0)] * 2
+
+
+@pytest.mark.parametrize(
+    "terms", [{"storage_gib": -1}, {"storage_gib": 2**20 + 1}, {"storage_price": -5}]
+)
+def test_storage_terms_out_of_range_are_refused(terms):
+    with pytest.raises(ValueError, match="storage_"):
+        provider(**terms)
