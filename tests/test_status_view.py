@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from cumulus_p2p.node.views import status_table
+from cumulus_p2p.node.views import offers_table, status_table
 
 
 def device(index: int, **overrides) -> dict:
@@ -101,3 +101,33 @@ def test_an_unhealthy_device_says_why_on_its_own_row():
     text = shown(provider_state([device(0), sick], []))
     assert "unhealthy: the device check failed: CUDA error" in row(text, "device cuda:1")
     assert "unhealthy" not in row(text, "device cuda:0")
+
+
+def test_a_provider_lending_storage_shows_what_is_free_and_its_price():
+    lending = provider_state([device(0)], []) | {
+        "storage_gib_total": 200,
+        "storage_gib_free": 140,
+        "storage_price": 10_000,
+    }
+    assert "140 GiB free of 200, 0.010000 per GiB-hour" in row(shown(lending), "standby storage")
+    assert "standby storage" not in shown(provider_state([device(0)], []))
+
+
+def test_the_offers_table_shows_each_offers_storage_terms():
+    offer = {
+        "host": "12D3KooWhost",
+        "gpu": "RTX 4090",
+        "vram_mib": 24_576,
+        "perf": 900,
+        "shares": 4,
+        "price": 500_000,
+        "score": 0.5,
+        "expires_in": 30.0,
+    }
+    console = Console(width=200, record=True)
+    console.print(offers_table([offer | {"storage_gib": 64, "storage_price": 20_000}, offer]))
+    text = console.export_text()
+    assert "standby GiB" in text and "price/GiB-h" in text
+    lending, not_lending = (line for line in text.splitlines() if "RTX 4090" in line)
+    assert "│ 64 " in lending and "0.020000" in lending
+    assert "│ 0 " in not_lending and "│ - " in not_lending
