@@ -305,12 +305,20 @@ GOOD_SOURCE = [["127.0.0.1:1", "ab" * 32]]
     ("message", "reason"),
     [
         (["pull", {"sources": [["nowhere", "x"]], "digests": []}], "pull source"),
+        (["pull", {"sources": [["k3y@127.0.0.1:1", "ab" * 32]], "digests": []}], "pull source"),
         (["pull", {"sources": GOOD_SOURCE, "digests": ["not a digest"]}], "by digest"),
         (["restore", {"sources": GOOD_SOURCE, "storages": "all"}], "storages"),
         (["restore", {"sources": GOOD_SOURCE, "storages": [[1, 2, 3]]}], "bad storage entry"),
         (["restore", {"sources": GOOD_SOURCE}], "storages"),
     ],
-    ids=["bad-source", "bad-digest", "storages-not-a-list", "bad-entry", "no-storages"],
+    ids=[
+        "bad-source",
+        "bad-host-key",
+        "bad-digest",
+        "storages-not-a-list",
+        "bad-entry",
+        "no-storages",
+    ],
 )
 def test_a_malformed_pull_or_restore_ends_only_that_session_with_a_reason(hosts, message, reason):
     standby, _, _ = hosts

@@ -310,14 +310,36 @@ class TrioFrameChannel:
         return Handover(self._stream, buffered)
 
 
+class ThreadedFrameChannel:
+    """An ``AsyncFrameChannel`` over a blocking ``FrameChannel``, each call in a thread:
+    for a trio task that must speak through a blocking client (the secure channel's)."""
+
+    def __init__(self, inner: FrameChannel) -> None:
+        self._inner = inner
+        self.max_frame = inner.max_frame
+
+    async def send_frame(self, parts: Sequence[Buffer]) -> None:
+        await trio.to_thread.run_sync(self._inner.send_frame, parts)
+
+    async def receive_frame(self) -> bytearray:
+        # A cancelled read is abandoned: closing the channel, as its owner then does,
+        # ends the thread's wait.
+        return await trio.to_thread.run_sync(self._inner.recv_frame, abandon_on_cancel=True)
+
+    async def aclose(self) -> None:
+        await trio.to_thread.run_sync(self._inner.close)
+
+
 class CountingFrameChannel:
     """A blocking ``FrameChannel`` that counts its frames' bytes as ``CountingChannel``
     does on the provider, so the consumer can check the bytes its host receipts."""
 
-    def __init__(self, inner: FrameChannel, on_bytes) -> None:
+    def __init__(self, inner: FrameChannel, on_bytes, *, peer_address: str | None = None) -> None:
         self._inner = inner
         self._on_bytes = on_bytes
         self.max_frame = inner.max_frame
+        #: Where another host reaches this channel's host (``blobservice.Source``).
+        self.peer_address = peer_address
 
     def send_frame(self, parts: Sequence[Buffer]) -> None:
         self._inner.send_frame(parts)

@@ -7,7 +7,7 @@ import argparse
 
 from .._errors import CumulusError, NodeConfigError
 from ..executor_options import add_blob_cap_flag, add_graph_compiler_flag, add_isolation_flags
-from ..node import hardware
+from ..node import control, hardware
 from ..node.datadir import DataDir
 from . import _explore, _views
 from ._flags import (
@@ -320,6 +320,14 @@ def _add_lease_wishes(consume) -> None:
         "--checkpoint-interval",
         30,
         "time between session checkpoints for failover (default 30s)",
+    )
+    consume.add_argument(
+        "--checkpoint-to",
+        choices=control.CHECKPOINT_PLACES,
+        default="consumer",
+        help="where the session's checkpoints are kept: on a standby host the node leases "
+        "beside the session's (off this machine's link), on this machine's disk, or both "
+        "(default consumer)",
     )
     consume.add_argument(
         "--no-cuda-compat",

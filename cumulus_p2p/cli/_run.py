@@ -270,6 +270,7 @@ def _consumer_options(args, script: list[str]):
         wait_for_host=args.wait_for_host,
         cuda_compat=not args.no_cuda_compat,
         checkpoint_interval=args.checkpoint_interval,
+        checkpoint_to=args.checkpoint_to,
     )
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import remote
 from .._errors import (
@@ -27,8 +27,10 @@ from .._errors import (
 from ..channel.secure import connect_secure
 from ..channel.transport import CountingFrameChannel
 from ..identity import NodeIdentity
+from ..remote.blobservice import Source
 from ..remote.checkpoint import DirectoryCheckpointStore
-from .control import ControlClient, SessionTicket, Transfer, Usage
+from ..remote.standby import CheckpointPlacement
+from .control import ENV_CHECKPOINT_TO, ControlClient, SessionTicket, Transfer, Usage
 from .datadir import DataDir, default_data_dir
 from .probe import measure
 
@@ -42,9 +44,18 @@ log = logging.getLogger("cumulus_p2p.node.attach")
 DIAL_TIMEOUT = 3.0
 
 
+class Opened(NamedTuple):
+    """A session channel, which path it took (for the node's status), and where other
+    hosts reach its host (None: only through this node's door)."""
+
+    channel: Any
+    path: str
+    address: str | None
+
+
 def open_channel(
     ticket: SessionTicket, identity: NodeIdentity, *, resume_timeout: float = 10.0
-) -> tuple[Any, str]:
+) -> Opened:
     """Open the secure session channel a ticket describes (blocking).
 
     Direct TCP to each of the provider's session endpoints first; when none can be
@@ -54,7 +65,7 @@ def open_channel(
     not retried.
 
     Returns:
-        The channel, and which path it took (for the node's status).
+        The channel, which path it took, and the host's address for other hosts.
 
     Raises:
         PeerUnreachableError: no path reached the provider; the message names each.
@@ -75,11 +86,12 @@ def open_channel(
         except (OSError, HandshakeError) as exc:
             failures.append(f"{endpoint}: {exc}")
             continue
-        if not direct:
-            log.warning("provider's session port unreachable; going through libp2p")
         if direct:
-            return channel, f"direct to {endpoint}"
-        return channel, "libp2p door (no direct address answered: " + "; ".join(failures) + ")"
+            address = Source.secure_address(ticket.provider_key, endpoint)
+            return Opened(channel, f"direct to {endpoint}", address)
+        log.warning("provider's session port unreachable; going through libp2p")
+        why = "; ".join(failures)
+        return Opened(channel, f"libp2p door (no direct address answered: {why})", None)
     raise PeerUnreachableError(
         "could not reach the provider on any path (" + "; ".join(failures) + "). "
         "The provider may be offline, or unreachable from here: a provider behind NAT "
@@ -96,15 +108,15 @@ class LeaseUsage:
         self._bytes: dict[str, int] = {}
         self.session: remote.RemoteSession | None = None
 
-    def count(self, channel, ticket: SessionTicket) -> CountingFrameChannel:
-        """``channel``, counted under the lease ``ticket`` names."""
+    def count(self, opened: Opened, ticket: SessionTicket) -> CountingFrameChannel:
+        """The channel ``opened``, counted under the lease ``ticket`` names."""
         lease_id = ticket.lease_id
         self._bytes.setdefault(lease_id, 0)
 
         def add(n: int) -> None:
             self._bytes[lease_id] += n
 
-        return CountingFrameChannel(channel, add)
+        return CountingFrameChannel(opened.channel, add, peer_address=opened.address)
 
     def snapshot(self) -> Usage:
         """The counts now (safe from another thread)."""
@@ -126,8 +138,9 @@ USAGE = LeaseUsage()
 def attach_leased(client: ControlClient):
     """Attach the ``cumulus`` device to the provider the node leased; returns ``attach``'s
     handle. From the environment: ``CUMULUS_CHECKPOINT_INTERVAL`` (seconds between
-    checkpoints) and ``CUMULUS_RESUME_TIMEOUT`` (how long a dropped connection is retried
-    before the host counts as gone)."""
+    checkpoints), ``CUMULUS_CHECKPOINT_TO`` (``standby``, ``consumer`` or ``both``: with a
+    standby, the node leases a second host to keep them) and ``CUMULUS_RESUME_TIMEOUT``
+    (how long a dropped connection is retried before the host counts as gone)."""
     data = DataDir(default_data_dir())
     identity = data.identity()
     # On disk, shared by this consumer's runs: a second run of a script on the same model
@@ -136,6 +149,7 @@ def attach_leased(client: ControlClient):
         data.path / "checkpoints", name=f"run-{os.getpid()}", keep_others=1
     )
     interval = float(os.environ.get("CUMULUS_CHECKPOINT_INTERVAL", "30"))
+    placement = CheckpointPlacement(os.environ.get(ENV_CHECKPOINT_TO, "consumer"))
     resume = float(os.environ.get("CUMULUS_RESUME_TIMEOUT", "10"))
 
     def reconnect():
@@ -144,9 +158,18 @@ def attach_leased(client: ControlClient):
         return _open(client.failover(lost))
 
     def _open(ticket: SessionTicket):
-        channel, path = open_channel(ticket, identity, resume_timeout=resume)
-        client.report_path(ticket, path)
-        return USAGE.count(channel, ticket)
+        opened = open_channel(ticket, identity, resume_timeout=resume)
+        client.report_path(ticket, opened.path)
+        return USAGE.count(opened, ticket)
+
+    def _standby():
+        if not placement.on_standby:
+            return None
+        ticket, why = client.standby()
+        if ticket is None:
+            log.warning("no standby (%s): checkpoints go to this machine's disk", why)
+            return None
+        return _open(ticket)
 
     def _first(ticket: SessionTicket):
         try:
@@ -161,11 +184,14 @@ def attach_leased(client: ControlClient):
 
     for _ in range(MAX_PROBED_HOSTS):
         ticket, channel = _first(client.session())
+        standby = _standby()
         attached = remote.attach(
             channel=channel,
             reconnect=reconnect,
             checkpoint_interval=interval,
             checkpoint_store=store,
+            standby=standby,
+            checkpoint_to=None if standby is None else placement.value,
         )
         why = client.probe(measure(attached.session, ticket.claimed_perf).to_wire())
         if why is None:

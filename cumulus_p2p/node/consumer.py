@@ -144,6 +144,8 @@ class ConsumerOptions:
         match_timeout: Seconds to wait for a matching offer before giving up.
         cuda_compat: Run CUDA-style scripts unchanged on the remote device.
         checkpoint_interval: Seconds between session checkpoints (failover).
+        checkpoint_to: Where they are kept (``control.CHECKPOINT_PLACES``): with a
+            standby, on a second leased host.
         wait_for_host: Seconds a job whose host failed waits for a usable one before it
             gives up; meanwhile its state is safe in its checkpoints.
         backoff: How long a failed host is set aside (``market.hostchoice``).
@@ -160,6 +162,7 @@ class ConsumerOptions:
     match_timeout: float = 60.0
     cuda_compat: bool = True
     checkpoint_interval: float = 30.0
+    checkpoint_to: str = "consumer"
     wait_for_host: float = WAIT_FOR_HOST_S
     backoff: BackoffPolicy = BackoffPolicy()
 
@@ -179,6 +182,15 @@ class LeaseState(enum.Enum):
     MISREPRESENTED = "misrepresented"
 
 
+class LeaseRole(enum.Enum):
+    """What a lease this consumer holds is for."""
+
+    #: The script's session runs under it.
+    SESSION = "session"
+    #: Its host keeps the session's checkpoints (``remote.standby``).
+    STANDBY = "standby"
+
+
 @dataclass
 class Held:
     """A lease this consumer holds, and where its session runs."""
@@ -191,6 +203,7 @@ class Held:
     state: LeaseState = LeaseState.HELD
     #: Which path the session channel took (the shim says): direct, or the door.
     path: str = ""
+    role: LeaseRole = LeaseRole.SESSION
 
 
 @dataclass
@@ -228,6 +241,8 @@ class Consumer:
     entries: dict[str, Entry] = field(default_factory=dict)
     #: Which newcomers answered a liveness probe, which are set aside (sans-IO).
     liveness: Liveness = field(init=False)
+    #: Why no standby could be leased (once the shim asked for one and none came).
+    no_standby: str = ""
 
     def __post_init__(self) -> None:
         self.choice = HostChoice(self.options.backoff, self.options.wait_for_host)
@@ -594,9 +609,44 @@ class Consumer:
             with trio.move_on_after(4 * control.USAGE_EVERY_S):
                 await self.counts_reported.wait()
 
+    @property
+    def sessions(self) -> list[Held]:
+        """The leases the script's session ran under, oldest first."""
+        return [h for h in self.held if h.role is LeaseRole.SESSION]
+
     async def current_ticket(self) -> control.SessionTicket:
-        live = [h for h in self.held if h.state is LeaseState.HELD]
+        live = [h for h in self.sessions if h.state is LeaseState.HELD]
         return await self._ticket(live[-1])
+
+    async def standby_ticket(self) -> tuple[control.SessionTicket | None, str]:
+        """Where the session's checkpoints are kept: a lease of storage on a host other
+        than the session's, taken on the shim's first ask and kept for the job. None, and
+        why, when none could be had: the consumer's disk keeps them."""
+        live = [h for h in self.held if h.role is LeaseRole.STANDBY and h.state is LeaseState.HELD]
+        if live:
+            return await self._ticket(live[-1]), ""
+        if not self.no_standby:
+            held = await self._lease_standby()
+            if held is not None:
+                return await self._ticket(held), ""
+        return None, self.no_standby
+
+    async def _lease_standby(self) -> Held | None:
+        session_host = self.sessions[-1].proposal.host
+        offers = [o for h, o in self._candidates(self.runtime.clock()).items() if h != session_host]
+        if not offers:
+            self.no_standby = "no other host offers room for a standby"
+        for offer in offers[:PROPOSALS_AT_ONCE]:
+            held = await self._propose(offer)
+            if held is not None:
+                held.role = LeaseRole.STANDBY
+                self.held.append(held)
+                self.desk.open_account(held.proposal, counts_bytes=True)
+                log.info("standby: host %s keeps the checkpoints", offer.host[:12])
+                return held
+        self.no_standby = self.no_standby or f"no host granted a standby ({self.last_refusal})"
+        log.warning("no standby: %s; checkpoints go to this machine's disk", self.no_standby)
+        return None
 
     async def _ticket(self, held: Held) -> control.SessionTicket:
         door = "" if self.doors is None else await self.doors.door(held.proposal.host)
@@ -620,7 +670,7 @@ class Consumer:
             facts = ProbeFacts.from_wire(wire)
         except ValueError as exc:
             raise CumulusError(f"malformed probe facts: {exc}") from exc
-        held = next((h for h in reversed(self.held) if h.state is LeaseState.HELD), None)
+        held = next((h for h in reversed(self.sessions) if h.state is LeaseState.HELD), None)
         if held is None:
             raise CumulusError("no lease is held: nothing to judge the probe against")
         why = judge(held.offer, facts)
@@ -675,8 +725,9 @@ class Consumer:
         self.status = f"failover: {reason}"
         self.failovers += 1
         log.warning("failing over: %s", reason)
-        live = [h for h in self.held if h.state is LeaseState.HELD]
-        if live and self.held[-1].state is not LeaseState.LEFT:
+        sessions = self.sessions
+        live = [h for h in sessions if h.state is LeaseState.HELD]
+        if live and sessions[-1].state is not LeaseState.LEFT:
             gone, now = live[-1], self.runtime.clock()
             if now >= gone.proposal.end_at - LEASE_END_SLACK_S:
                 gone.state = LeaseState.ENDED
@@ -769,6 +820,7 @@ def _held_row(held: Held, desk: ReceiptDesk) -> dict:
         "bytes": sum(e.bytes_moved for e in entries),
         "bytes_counted": desk.counted_bytes(held.proposal.lease_id),
         "state": held.state.value,
+        "role": held.role.value,
     }
 
 
@@ -838,6 +890,7 @@ async def run_consumer(
                     usage=consumer.take_usage,
                     probe=consumer.check_probe,
                     path=consumer.take_path,
+                    standby=consumer.standby_ticket,
                 )
             )
             env = _child_env(data, address, token, options)
@@ -868,6 +921,7 @@ def _child_env(data: DataDir, address: str, token: str, options: ConsumerOptions
     env[control.ENV_NODE_PID] = str(os.getpid())
     env["CUMULUS_DATA_DIR"] = str(data.path)
     env["CUMULUS_CHECKPOINT_INTERVAL"] = str(options.checkpoint_interval)
+    env[control.ENV_CHECKPOINT_TO] = options.checkpoint_to
     return env
 
 

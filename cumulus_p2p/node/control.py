@@ -50,6 +50,9 @@ ENV_ADDRESS = "CUMULUS_CONTROL"
 ENV_TOKEN = "CUMULUS_CONTROL_TOKEN"
 #: The node's pid, so the script can tell it outlived its node before it could watch.
 ENV_NODE_PID = "CUMULUS_NODE_PID"
+#: Where the script's checkpoints go (``remote.standby.CheckpointPlacement``'s values).
+ENV_CHECKPOINT_TO = "CUMULUS_CHECKPOINT_TO"
+CHECKPOINT_PLACES = ("standby", "consumer", "both")
 MAX_FRAME = 64 * 1024
 
 
@@ -115,6 +118,8 @@ class SessionTicket:
 #: What the node does for each request: ``session()`` and ``failover(reason)``.
 SessionSource = Callable[[], Awaitable[SessionTicket]]
 FailoverSource = Callable[[str], Awaitable[SessionTicket]]
+#: Leases the standby: its ticket, or None and why not.
+StandbySource = Callable[[], Awaitable[tuple[SessionTicket | None, str]]]
 #: The node's verdict on probe facts (a wire map): ``None`` if they fit the offer.
 ProbeJudge = Callable[[object], Awaitable[str | None]]
 #: Where the shim's session paths go: ``(lease_id, path)``.
@@ -206,9 +211,12 @@ async def serve_control(
     usage: UsageSink = lambda counts: None,
     probe: ProbeJudge | None = None,
     path: PathSink = lambda lease_id, path: None,
+    standby: StandbySource | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve control requests on loopback forever; reports ``"127.0.0.1:port"``."""
+    """Serve control requests on loopback forever; reports ``"127.0.0.1:port"``.
+    ``standby`` leases (once) the host that keeps the session's checkpoints: it returns
+    the ticket, or None and why not."""
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     port = listeners[0].socket.getsockname()[1]
 
@@ -219,7 +227,9 @@ async def serve_control(
                 request = msgpack.unpackb(await channel.receive_frame(), raw=False)
                 if request == ["watch", token]:
                     await _take_usage(channel, usage)  # open until this node's process ends
-                answer = await _answer(request, token, session, failover, usage, probe, path)
+                answer = await _answer(
+                    request, token, session, failover, usage, probe, path, standby
+                )
                 await channel.send_frame([msgpack.packb(answer)])
         except (CumulusError, trio.BrokenResourceError, ValueError, msgpack.UnpackException):
             pass  # the child went away or spoke nonsense: this connection only ends
@@ -247,6 +257,7 @@ async def _answer(
     usage: UsageSink,
     probe: ProbeJudge | None,
     path: PathSink,
+    standby: StandbySource | None,
 ) -> list:
     if not (isinstance(request, list) and len(request) >= 2 and isinstance(request[1], str)):
         return ["error", "malformed control request"]
@@ -269,6 +280,11 @@ async def _answer(
             return ["ok", None]
         if request[0] == "probe" and len(request) == 3 and probe is not None:
             return ["ok", await probe(request[2])]
+        if request[0] == "standby" and len(request) == 2:
+            if standby is None:
+                return ["none", "this node keeps no standbys"]
+            ticket, why = await standby()
+            return ["none", why] if ticket is None else ["ok", ticket.to_wire()]
     except CumulusError as exc:
         return ["error", str(exc)]
     return ["error", f"unknown control request {request[0]!r}"]
@@ -334,6 +350,15 @@ class ControlClient:
         """Report the host gone and get a lease with another one (may take a while)."""
         return self._ask(["failover", self._token, reason[:500]])
 
+    def standby(self) -> tuple[SessionTicket | None, str]:
+        """The lease of the host that keeps the session's checkpoints; or None, and why
+        the node has none (the consumer's disk keeps them)."""
+        self._channel.send_frame([msgpack.packb(["standby", self._token])])
+        answer = msgpack.unpackb(self._channel.recv_frame(), raw=False)
+        if isinstance(answer, list) and len(answer) == 2 and answer[0] == "none":
+            return None, str(answer[1])
+        return self._ticket_in(answer), ""
+
     def report_path(self, ticket: SessionTicket, path: str) -> None:
         """Tell the node which path the session channel for ``ticket``'s lease took."""
         report = ["path", self._token, ticket.lease_id, path[:500]]
@@ -356,7 +381,10 @@ class ControlClient:
 
     def _ask(self, request: list) -> SessionTicket:
         self._channel.send_frame([msgpack.packb(request)])
-        answer = msgpack.unpackb(self._channel.recv_frame(), raw=False)
+        return self._ticket_in(msgpack.unpackb(self._channel.recv_frame(), raw=False))
+
+    @staticmethod
+    def _ticket_in(answer: object) -> SessionTicket:
         if isinstance(answer, list) and len(answer) == 2 and answer[0] == "ok":
             return SessionTicket.from_wire(answer[1])
         if isinstance(answer, list) and len(answer) == 2 and answer[0] == "error":

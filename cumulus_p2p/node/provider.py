@@ -68,6 +68,7 @@ from ..market.lease_state import LeaseEvent, LeaseState
 from ..market.messages import encode_message, peer_id_of, seal_message
 from ..market.probing import serve_liveness
 from ..market.settlement import NOTICE_LEAVING, call_lease_notice, serve_lease_close
+from ..remote import blobservice
 from ..remote.executor import DEFAULT_BLOB_CAP, Executor, ExecutorConfig
 from ..remote.executor_main import build_executor
 from ..remote.scheduler import lease_rank
@@ -212,6 +213,8 @@ class Provider:
             runtime, grace=options.unpaid_grace, on_final=self._on_final
         )
         self._presented: dict[bytes, LeaseProposal] = {}
+        #: Hosts admitted to read kept pieces, and the device whose session keeps them.
+        self._readers: dict[bytes, Served] = {}
         self.endpoints: list[str] = []
         self.session_socket: tuple[str, int] | None = None  # (bound address, port)
         self.leaving = False
@@ -294,7 +297,16 @@ class Provider:
     # --- sessions -------------------------------------------------------------------
 
     def authorize(self, consumer_key: bytes, token: bytes | None) -> str | None:
-        """Admit a consumer presenting a lease this host granted and still holds."""
+        """Admit a consumer presenting a lease this host granted and still holds; or
+        another host reading a session's kept pieces by the grant its consumer gave it
+        (``remote.blobservice``: a standby copying a checkpoint, a failover's restore)."""
+        grant = blobservice.grant_in(token)
+        if grant is not None:
+            keeper = next((s for s in self.served.values() if s.executor.holds_grant(grant)), None)
+            if keeper is None:
+                return "no session on this host keeps pieces under that grant"
+            self._readers[consumer_key] = keeper
+            return None
         if token is None:
             return "a lease is required: match an offer with cumulus-node --consume"
         try:
@@ -316,6 +328,10 @@ class Provider:
 
     async def serve_session(self, channel) -> None:
         """Run one consumer's session on its offer's device, metered under its lease."""
+        keeper = self._readers.pop(channel.peer_public_key, None)
+        if keeper is not None:
+            await keeper.executor.run_session(channel, only_blobs=True)
+            return
         proposal = self._presented.pop(channel.peer_public_key)
         served = self.served[proposal.offer_id]
         active = self.active.get(proposal.lease_id)

@@ -96,7 +96,7 @@ def attach(
     checkpoint_interval: float | None = None,
     checkpoint_store: CheckpointStore | None = None,
     private: bool = False,
-    standby: str | None = None,
+    standby: str | FrameChannel | None = None,
     checkpoint_to: str | None = None,
 ) -> _Attached:
     """Open a session with an executor and make it the ``cumulus`` device.
@@ -121,7 +121,9 @@ def attach(
             it enters the host's blob store).
         standby: ``"host:port"`` of a second executor that keeps the checkpoints, copied
             there host to host (``standby.py``): they stay off the consumer's link, and a
-            failover pulls the state from there. Needs ``reconnect``.
+            failover pulls the state from there. Or a connected channel to it whose
+            ``peer_address`` says where other hosts reach it (a market host's secure
+            channel). Needs ``reconnect``.
         checkpoint_to: ``"standby"`` (the default with a standby), ``"consumer"`` (the
             default without: ``checkpoint_store``) or ``"both"``.
 
@@ -135,8 +137,13 @@ def attach(
     if channel is None:
         channel = SocketFrameChannel.connect(*_host_port(address))
     link = None
-    if standby is not None:
+    if isinstance(standby, str):
         link = StandbyLink(SocketFrameChannel.connect(*_host_port(standby)), address=standby)
+    elif standby is not None:
+        address = getattr(standby, "peer_address", None)
+        if address is None:
+            raise ValueError("the standby's channel must say where other hosts reach it")
+        link = StandbyLink(standby, address=address)
     _device.register()
     detach()
     session = RemoteSession(

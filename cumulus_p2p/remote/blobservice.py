@@ -20,6 +20,15 @@ A grant names one session (``grant_of`` its token, which only its consumer knows
 source serves only the pieces that session keeps: a peer without the grant, or asking for
 pieces the grant does not cover, gets nothing.
 
+Between executors run by hand, a source's address is its executor's ``host:port``. Hosts
+of the market serve sessions only over the secure channel, so there a source's address is
+``<host's public key, hex>@host:port``: the puller opens a secure channel to that port,
+authenticates the host by its key, and presents ``reader_token(grant)`` where a consumer
+would present its lease. The host admits the connection for blobs only, and only when one
+of its sessions keeps pieces under that grant (``node/provider.py``). The puller's own
+key is made for the one connection: the grant, not its identity, is what opens the pieces,
+and no executor holds its node's key.
+
 The puller trusts no source: every piece is checked against its digest before the store
 keeps it (``BlobStore.put``). A source that refuses, fails or sends bytes that are not
 what they are named is dropped, and the pieces still missing are asked of the next one.
@@ -39,8 +48,15 @@ from typing import Protocol
 import blake3
 import trio
 
-from .._errors import BlobMismatchError, RemoteProtocolError, SessionClosedError
-from ..channel.transport import AsyncFrameChannel, TrioFrameChannel
+from .._errors import (
+    BlobMismatchError,
+    CumulusError,
+    RemoteProtocolError,
+    SessionClosedError,
+)
+from ..channel.secure import connect_secure
+from ..channel.transport import AsyncFrameChannel, ThreadedFrameChannel, TrioFrameChannel
+from ..identity import NodeIdentity
 from .blobs import PIECE, is_digest
 from .protocol import PROTOCOL_VERSION, decode_frame, encode_frame, split_blobs
 
@@ -65,6 +81,24 @@ def grant_of(token: str) -> str:
     """The grant that opens a session's kept pieces to another host: derived from the
     session's token, so it names the session without letting anyone resume it."""
     return blake3.blake3(b"cumulus-grant\x00" + token.encode()).hexdigest()
+
+
+_READER = b"cumulus-blobs\x00"
+#: Why a connection admitted by a grant may not open or resume a session.
+ONLY_BLOBS = "a connection admitted by a grant may only read kept pieces, not run a session"
+
+
+def reader_token(grant: str) -> bytes:
+    """What a puller presents to a host's secure channel in place of a lease."""
+    return _READER + grant.encode()
+
+
+def grant_in(token: bytes | None) -> str | None:
+    """The grant a secure channel's token asks to read by, or None: it is no reader's."""
+    if token is None or not token.startswith(_READER):
+        return None
+    grant = token[len(_READER) :].decode("ascii", "replace")
+    return grant if is_digest(grant) else None
 
 
 # --- serving ---------------------------------------------------------------------------
@@ -165,8 +199,13 @@ def _get_names(request: list) -> list[str]:
 class Source:
     """A host that keeps pieces of a session, and the grant that opens them."""
 
-    address: str  # host:port of its executor
+    address: str  # host:port of its executor, or key-hex@host:port of a market host's
     grant: str
+
+    @staticmethod
+    def secure_address(public_key: bytes, endpoint: str) -> str:
+        """The address of a host that serves over the secure channel at ``endpoint``."""
+        return f"{public_key.hex()}@{endpoint}"
 
 
 @dataclass
@@ -215,10 +254,20 @@ def parse_sources(options: object) -> list[Source]:
     sources = []
     for entry in options["sources"]:
         good = isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
-        if not good or not is_digest(entry[1]) or ":" not in entry[0]:
-            raise RemoteProtocolError(f"a pull source is [host:port, grant], not {entry!r}")
+        if not good or not is_digest(entry[1]) or not _is_address(entry[0]):
+            raise RemoteProtocolError(
+                f"a pull source is [host:port or key-hex@host:port, grant], not {entry!r}"
+            )
         sources.append(Source(entry[0], entry[1]))
     return sources
+
+
+def _is_address(text: str) -> bool:
+    key, at, endpoint = text.rpartition("@")
+    host, _, port = endpoint.rpartition(":")
+    if not (host and port.isdigit()):
+        return False
+    return not at or (len(key) == 64 and all(c in "0123456789abcdef" for c in key))
 
 
 class Sink(Protocol):
@@ -265,9 +314,7 @@ async def _pull_from(
     store: Sink, source: Source, names: list[str], pulled: Pulled, max_frame: int
 ) -> list[str]:
     """Fetch ``names`` from one source; returns those still missing."""
-    host, _, port = source.address.rpartition(":")
-    stream = await trio.open_tcp_stream(host.strip("[]"), int(port))
-    channel = TrioFrameChannel(stream, max_frame=max_frame)
+    channel = await _dial(source, max_frame)
     kept: set[str] = set()
     try:
         await channel.send_frame(encode_frame([HELLO, PROTOCOL_VERSION, {"grant": source.grant}]))
@@ -291,6 +338,30 @@ async def _pull_from(
     finally:
         await channel.aclose()
     return [n for n in names if n not in kept]
+
+
+async def _dial(source: Source, max_frame: int) -> AsyncFrameChannel:
+    """A frame channel to ``source``: plain TCP to an executor, or the secure channel to
+    a market host (its key before the ``@``)."""
+    key, _, endpoint = source.address.rpartition("@")
+    host, _, port = endpoint.rpartition(":")
+    if not key:
+        stream = await trio.open_tcp_stream(host.strip("[]"), int(port))
+        return TrioFrameChannel(stream, max_frame=max_frame)
+    try:
+        secure = await trio.to_thread.run_sync(
+            lambda: connect_secure(
+                host.strip("[]"),
+                int(port),
+                identity=NodeIdentity.generate(),
+                expected_peer_public_key=bytes.fromhex(key),
+                lease=reader_token(source.grant),
+                max_frame=max_frame,
+            )
+        )
+    except (ValueError, CumulusError) as exc:
+        raise RemoteProtocolError(f"no secure channel: {exc}") from exc
+    return ThreadedFrameChannel(secure)
 
 
 async def _get_all(

@@ -182,6 +182,8 @@ class RemoteSession:
         #: Bytes the new host pulled from other hosts at the last failover's restore.
         self._restore_pulled_bytes = 0
         self._restore_pull_s: float | None = None
+        #: Where the last failover's state came from, for the line that reports it.
+        self._restored_from = ""
         self._streaming = 0
         #: Called with a ``TransferProgress`` every few seconds of a long transfer (upload,
         #: read, checkpoint, restore); None prints a status line (``print_progress``).
@@ -693,8 +695,13 @@ class RemoteSession:
                 continue
             self.failovers += 1
             self.last_failover_s = time.perf_counter() - started
-            moved_to = self.info.get("device")
-            log.info("cumulus: session moved to %s in %.3f s", moved_to, self.last_failover_s)
+            # A host lost is news to whoever runs the script: said whatever the log level.
+            log.warning(
+                "cumulus: session moved to %s in %.3f s; its state came from %s",
+                self.info.get("device"),
+                self.last_failover_s,
+                self._restored_from,
+            )
             return reply
         self.closed = True
         raise FailoverError(
@@ -755,7 +762,8 @@ class RemoteSession:
         """Rebuild the latest checkpoint in the fresh session on ``channel``: from the
         hosts that keep it when the standby holds it, else uploaded from the store."""
         if self._log.after_seq == 0:
-            return  # no checkpoint yet: the log replays the session from its start
+            self._restored_from = "a replay from the session's start (no checkpoint yet)"
+            return
         hosted = self._hosted
         if hosted is not None and hosted.seq == self._log.after_seq:
             try:
@@ -769,6 +777,8 @@ class RemoteSession:
                 fits = _rng_fits(info, hosted.manifest.device)
                 batches = [([rng_record(rng, 0)], [rng])] if fits else []
                 self._send_restore(channel, hosted.seq, batches, total=0)
+                where = ", ".join(s.address.rpartition("@")[2] for s in hosted.sources)
+                self._restored_from = f"the hosts that keep its checkpoint ({where})"
                 return
         checkpoint = self._store.load()
         if checkpoint is None or checkpoint.seq != self._log.after_seq:
@@ -776,6 +786,7 @@ class RemoteSession:
         with_rng = _rng_fits(info, checkpoint.device)
         batches = restore_batches(checkpoint, with_rng=with_rng, budget=_chunk(channel))
         self._send_restore(channel, checkpoint.seq, batches, total=checkpoint.nbytes)
+        self._restored_from = "this machine's checkpoint"
 
     def _pull_hosted(self, channel: FrameChannel, hosted: HostCheckpoint) -> None:
         """Have the fresh host make ``hosted``'s storages and pull their pieces into them

@@ -168,6 +168,7 @@ class Executor:
         quota_bytes: int | None = None,
         rank: tuple = DEFAULT_RANK,
         until: float = math.inf,
+        only_blobs: bool = False,
     ) -> None:
         """Serve one session until the client leaves or breaks the protocol.
 
@@ -183,6 +184,8 @@ class Executor:
             until: trio time at which this connection's time is up (its lease ends): the
                 connection is dropped and the session parked, so that a renewed lease
                 resumes it where it stopped.
+            only_blobs: The connection may only read a session's kept pieces (another
+                host's, admitted by a grant, not a lease).
         """
         session_id = self._next_id
         self._next_id += 1
@@ -195,6 +198,8 @@ class Executor:
             if header[0] == blobservice.HELLO:
                 await blobservice.serve_blobs(channel, header, self._granted)
                 return
+            if only_blobs:
+                raise RemoteProtocolError(blobservice.ONLY_BLOBS)
             limit = min(quota_bytes or self.config.quota_bytes, self.config.quota_bytes)
             token, session = await self._open(channel, header, session_id, limit)
             self.sessions[session_id] = session
@@ -247,6 +252,10 @@ class Executor:
             await channel.send_frame(encode_frame(["welcome", PROTOCOL_VERSION, info]))
             return token, session
         raise RemoteProtocolError(f"more than {MAX_REFUSALS} refused resumes on one connection")
+
+    def holds_grant(self, grant: str) -> bool:
+        """Whether a session here keeps pieces under ``grant``."""
+        return grant in self._grants
 
     def _granted(self, grant: str) -> Callable[[str], memoryview | None] | None:
         """The kept pieces of the session ``grant`` opens (``blobservice.py``)."""

@@ -28,6 +28,7 @@ from ..executor_options import (
     parse_size,
 )
 from ..identity import NodeIdentity
+from . import blobservice
 from .executor import Executor, ExecutorConfig
 from .supervisor import SupervisorConfig, WorkerSupervisor
 
@@ -111,16 +112,31 @@ async def _serve(executor: Executor, host: str, port: int) -> None:
 async def _serve_secure(
     executor: Executor, host: str, port: int, identity: NodeIdentity, allowed: set[bytes]
 ) -> None:
+    # Another executor pulling a session's kept pieces comes with a grant, not a listed
+    # key (``blobservice``): admitted only to read, and only by a grant held here.
+    readers: set[bytes] = set()
+
     def authorize(key: bytes, lease: bytes | None) -> str | None:
+        grant = blobservice.grant_in(lease)
+        if grant is not None:
+            if not executor.holds_grant(grant):
+                return "no session here keeps pieces under that grant"
+            readers.add(key)
+            return None
         if key in allowed:
             return None
         return "this executor serves only consumers on its allow list (--allow-key)"
+
+    async def handle(channel) -> None:
+        reader = channel.peer_public_key in readers
+        readers.discard(channel.peer_public_key)
+        await executor.run_session(channel, only_blobs=reader)
 
     serve = partial(
         serve_secure,
         identity,
         authorize=authorize,
-        handler=executor.run_session,
+        handler=handle,
         host=host,
         port=port,
     )

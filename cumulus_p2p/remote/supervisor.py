@@ -567,6 +567,7 @@ class WorkerSupervisor:
         quota_bytes: int | None = None,
         rank: tuple = DEFAULT_RANK,
         until: float = math.inf,
+        only_blobs: bool = False,
     ) -> None:
         """Hand one session to a worker process and return when it ended there; the
         arguments are ``Executor.run_session``'s. ``channel`` must support ``hand_over``
@@ -578,7 +579,7 @@ class WorkerSupervisor:
                     f"a session opens with a hello or a resume of at most {MAX_FIRST_FRAME} "
                     f"bytes, not {len(first)}"
                 )
-            worker = await self._route(first, rank)
+            worker = await self._route(first, rank, only_blobs=only_blobs)
         except (RemoteProtocolError, FrameTooLargeError, _Unavailable) as exc:
             await send_last(channel, ["fatal", str(exc)])
             await channel.aclose()
@@ -607,19 +608,28 @@ class WorkerSupervisor:
         finally:
             del self.sessions[handed.number]
 
-    async def _route(self, first: bytearray, rank: tuple) -> _Worker:
+    def holds_grant(self, grant: str) -> bool:
+        """Whether a session here keeps pieces under ``grant``."""
+        return self._granted(grant) is not None
+
+    def _granted(self, grant: object) -> _Worker | None:
+        return next((w for t, w in self._tokens.items() if blobservice.grant_of(t) == grant), None)
+
+    async def _route(self, first: bytearray, rank: tuple, *, only_blobs: bool) -> _Worker:
         header, _ = decode_frame(first)
+        if header[0] == blobservice.HELLO and len(header) == 3 and isinstance(header[2], dict):
+            # Another host pulling a session's kept pieces: they live in its worker.
+            owner = self._granted(header[2].get("grant"))
+            if owner is None:
+                raise RemoteProtocolError("no session here keeps pieces under that grant")
+            return owner
+        if only_blobs:
+            raise RemoteProtocolError(blobservice.ONLY_BLOBS)
         if header[0] == "resume" and len(header) == 3 and isinstance(header[2], dict):
             owner = self._tokens.get(header[2].get("token"))
             if owner is not None:
                 owner.rank = rank  # a renewed lease may rank differently
                 return owner
-        if header[0] == blobservice.HELLO and len(header) == 3 and isinstance(header[2], dict):
-            # Another host pulling a session's kept pieces: they live in its worker.
-            grant = header[2].get("grant")
-            for token, owner in self._tokens.items():
-                if blobservice.grant_of(token) == grant:
-                    return owner
         return await self._take_worker(rank)
 
     async def _take_worker(self, rank: tuple) -> _Worker:

@@ -43,7 +43,7 @@ def command(bootstrap: str, data_dir: Path, *, again_after: float) -> list[str]:
 
 def compute_until_hung_up(ticket: SessionTicket, data: DataDir) -> str:
     """Run ops on the leased device until the host ends the session; return why."""
-    channel, _ = open_channel(ticket, data.identity(), resume_timeout=2.0)
+    channel = open_channel(ticket, data.identity(), resume_timeout=2.0).channel
     print("computing", flush=True)
     try:
         with remote.attach(channel=channel):
@@ -57,7 +57,7 @@ def compute_until_hung_up(ticket: SessionTicket, data: DataDir) -> str:
 
 def try_to_resume(ticket: SessionTicket, data: DataDir) -> str:
     try:
-        open_channel(ticket, data.identity(), resume_timeout=2.0)[0].close()
+        open_channel(ticket, data.identity(), resume_timeout=2.0).channel.close()
     except CumulusError as exc:
         return f"resume refused: {exc}"
     return "resumed"

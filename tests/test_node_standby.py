@@ -1,0 +1,68 @@
+"""A job run with ``cumulus-node --consume --checkpoint-to standby``: real node processes.
+
+The consumer node leases a second host to keep the session's checkpoints. The hosts copy
+them between themselves over the secure channel, and a failover restores the session
+from there: the checkpoints never cross the consumer's link, and the consumer's disk
+holds none of them.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from cumulus_p2p.testing import loopback, nodes
+
+# Starts real cumulus-node processes: scripts/test --fast skips it.
+pytestmark = pytest.mark.slow
+
+SCRIPT = ["-m", "cumulus_p2p.demo_train", "--steps", "30", "--log-every", "5"]
+
+
+def checkpoint_bytes(consumer_dir) -> int:
+    """What the consumer's own checkpoint store holds on disk."""
+    root = consumer_dir / "checkpoints"
+    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.exists() else 0
+
+
+def test_a_job_whose_host_is_killed_resumes_from_its_standby_and_finishes_the_same(tmp_path):
+    boot = loopback.start_boot(tmp_path)
+    providers = [
+        nodes.start_provider(tmp_path / f"p{i}", boot.addr, "--price", price)
+        for i, price in enumerate(("0.3", "0.5", "0.7"))
+    ]
+    try:
+        for node in providers:
+            node.wait_for("providing")
+        consumer = nodes.start_consumer(
+            tmp_path / "consumer",
+            boot.addr,
+            "--checkpoint-interval",
+            "1s",
+            "--checkpoint-to",
+            "standby",
+            command=SCRIPT,
+            env={"CUMULUS_RESUME_TIMEOUT": "1"},
+        )
+        consumer.wait_for("step   10", timeout=120)
+        leases = consumer.wait_for_state(lambda s: len(s.get("leases", ())) == 2)["leases"]
+        session = next(row for row in leases if row["role"] == "session")
+        host = next(p for p in providers if p.state().get("peer_id") == session["host"])
+        host.proc.kill()
+        assert consumer.proc.wait(timeout=180) == 0, consumer.output()
+    finally:
+        for node in [*providers, boot]:
+            node.stop()
+    local = subprocess.run(
+        [sys.executable, *SCRIPT], capture_output=True, text=True, check=True, timeout=120
+    )
+    final = [json.loads(line) for line in consumer.lines if line.startswith("{")][-1]
+    assert final["final_loss"] == json.loads(local.stdout.splitlines()[-1])["final_loss"]
+    state = json.loads((tmp_path / "consumer" / "state.json").read_text())
+    roles = {row["role"]: row for row in state["leases"] if row["state"] != "failed"}
+    assert roles["standby"]["host"] != session["host"]
+    assert "its state came from the hosts that keep its checkpoint" in consumer.output()
+    assert checkpoint_bytes(tmp_path / "consumer") == 0
