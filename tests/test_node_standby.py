@@ -30,8 +30,9 @@ def checkpoint_bytes(consumer_dir) -> int:
 
 def test_a_job_whose_host_is_killed_resumes_from_its_standby_and_finishes_the_same(tmp_path):
     boot = loopback.start_boot(tmp_path)
+    storage = ("--storage-gib", "8", "--storage-price", "0.01")
     providers = [
-        nodes.start_provider(tmp_path / f"p{i}", boot.addr, "--price", price)
+        nodes.start_provider(tmp_path / f"p{i}", boot.addr, "--price", price, *storage)
         for i, price in enumerate(("0.3", "0.5", "0.7"))
     ]
     try:
@@ -64,5 +65,34 @@ def test_a_job_whose_host_is_killed_resumes_from_its_standby_and_finishes_the_sa
     state = json.loads((tmp_path / "consumer" / "state.json").read_text())
     roles = {row["role"]: row for row in state["leases"] if row["state"] != "failed"}
     assert roles["standby"]["host"] != session["host"]
+    assert roles["standby"]["price"] == 10_000  # per GiB-hour: a lease of disk, not shares
     assert "its state came from the hosts that keep its checkpoint" in consumer.output()
     assert checkpoint_bytes(tmp_path / "consumer") == 0
+
+
+def test_with_no_host_lending_disk_the_checkpoints_stay_on_the_consumer(tmp_path):
+    boot = loopback.start_boot(tmp_path)
+    providers = [
+        nodes.start_provider(tmp_path / f"p{i}", boot.addr, "--price", price)
+        for i, price in enumerate(("0.3", "0.5"))
+    ]
+    try:
+        for node in providers:
+            node.wait_for("providing")
+        consumer = nodes.start_consumer(
+            tmp_path / "consumer",
+            boot.addr,
+            "--checkpoint-interval",
+            "1s",
+            "--checkpoint-to",
+            "standby",
+            command=[*SCRIPT[:3], "10"],
+        )
+        assert consumer.proc.wait(timeout=180) == 0, consumer.output()
+    finally:
+        for node in [*providers, boot]:
+            node.stop()
+    assert "checkpoints go to this machine's disk" in consumer.output()
+    state = json.loads((tmp_path / "consumer" / "state.json").read_text())
+    assert [row["role"] for row in state["leases"]] == ["session"]
+    assert checkpoint_bytes(tmp_path / "consumer") > 0

@@ -330,6 +330,20 @@ def _add_lease_wishes(consume) -> None:
         "(default consumer)",
     )
     consume.add_argument(
+        "--standby-gib",
+        type=storage_gib,
+        default=4,
+        metavar="GIB",
+        help="GiB of disk leased on the standby for the checkpoints (default 4)",
+    )
+    consume.add_argument(
+        "--max-storage-price",
+        type=parse_storage_price,
+        default=parse_storage_price("1"),
+        metavar="PRICE",
+        help="most credits per GiB-hour for the standby's disk (default 1)",
+    )
+    consume.add_argument(
         "--no-cuda-compat",
         action="store_true",
         help="do not map torch.cuda and device='cuda' to the remote device",

@@ -271,6 +271,8 @@ def _consumer_options(args, script: list[str]):
         cuda_compat=not args.no_cuda_compat,
         checkpoint_interval=args.checkpoint_interval,
         checkpoint_to=args.checkpoint_to,
+        standby_gib=args.standby_gib,
+        max_storage_price=args.max_storage_price,
     )
 
 

@@ -80,6 +80,7 @@ from ..market.settlement import (
     serve_lease_notices,
     serve_receipts,
 )
+from ..market.standby import choose_standby, standby_proposal
 from ..reputation import (
     FailureReason,
     LeaseFailure,
@@ -146,6 +147,8 @@ class ConsumerOptions:
         checkpoint_interval: Seconds between session checkpoints (failover).
         checkpoint_to: Where they are kept (``control.CHECKPOINT_PLACES``): with a
             standby, on a second leased host.
+        standby_gib: GiB of disk the standby lease holds for them.
+        max_storage_price: Most micro-credits per GiB-hour for it.
         wait_for_host: Seconds a job whose host failed waits for a usable one before it
             gives up; meanwhile its state is safe in its checkpoints.
         backoff: How long a failed host is set aside (``market.hostchoice``).
@@ -163,6 +166,8 @@ class ConsumerOptions:
     cuda_compat: bool = True
     checkpoint_interval: float = 30.0
     checkpoint_to: str = "consumer"
+    standby_gib: int = 4
+    max_storage_price: int = 10**6
     wait_for_host: float = WAIT_FOR_HOST_S
     backoff: BackoffPolicy = BackoffPolicy()
 
@@ -464,9 +469,10 @@ class Consumer:
         for resting in self.runtime.book.offers():
             self.choice.see_offer(resting.order.host, resting.order.nonce, now=now)
 
-    async def _propose(self, offer) -> Held | None:
+    async def _propose(self, offer, proposal: LeaseProposal | None = None) -> Held | None:
+        """Propose a lease of ``offer`` (by default, the bid's compute lease)."""
         rt, now = self.runtime, self.runtime.clock()
-        proposal = LeaseProposal(
+        proposal = proposal or LeaseProposal(
             secrets.token_hex(16), rt.peer_id, offer.host, offer.offer_id, offer.nonce,
             self.options.shares, offer.price, now, self.options.duration_s,
             self.options.priority, now + 60, rt.mesh.next_nonce(),
@@ -632,12 +638,31 @@ class Consumer:
         return None, self.no_standby
 
     async def _lease_standby(self) -> Held | None:
-        session_host = self.sessions[-1].proposal.host
-        offers = [o for h, o in self._candidates(self.runtime.clock()).items() if h != session_host]
+        rt, o, now = self.runtime, self.options, self.runtime.clock()
+        hosts = {r.order.host for r in rt.book.offers()}
+        offers = choose_standby(
+            (r.order for r in rt.book.offers()),
+            exclude=self.sessions[-1].proposal.host,
+            gib=o.standby_gib,
+            max_price=o.max_storage_price,
+            now=now,
+            scores=rt.reputation.scores_for_matcher(hosts, now=now),
+            duration_s=o.duration_s,
+            usable=lambda host: self.choice.usable(host, now=now),
+            limit=PROPOSALS_AT_ONCE,
+        )
         if not offers:
-            self.no_standby = "no other host offers room for a standby"
-        for offer in offers[:PROPOSALS_AT_ONCE]:
-            held = await self._propose(offer)
+            self.no_standby = (
+                f"no other host offers {o.standby_gib} GiB for a standby at "
+                f"{o.max_storage_price / 1e6:g} credits per GiB-hour or less"
+            )
+        for offer in offers:
+            proposal = standby_proposal(
+                offer, consumer=rt.peer_id, lease_id=secrets.token_hex(16), gib=o.standby_gib,
+                start_at=now, duration_s=o.duration_s, expires_at=now + 60,
+                nonce=rt.mesh.next_nonce(),
+            )  # fmt: skip
+            held = await self._propose(offer, proposal)
             if held is not None:
                 held.role = LeaseRole.STANDBY
                 self.held.append(held)
@@ -772,9 +797,11 @@ class Consumer:
 
     def cost(self) -> int:
         """Micro-credits receipted so far, over all leases."""
-        price = {h.proposal.lease_id: h.proposal.price for h in self.held}
+        leases = {h.proposal.lease_id: h.proposal for h in self.held}
         return sum(
-            e.share_seconds * price.get(e.lease_id, 0) // 3600 for e in self.desk.ledger.entries()
+            leases[e.lease_id].owed(e.share_seconds)
+            for e in self.desk.ledger.entries()
+            if e.lease_id in leases
         )
 
     def snapshot(self) -> dict:
@@ -816,7 +843,7 @@ def _held_row(held: Held, desk: ReceiptDesk) -> dict:
         "price": held.proposal.price,
         "receipts": len(entries),
         "share_seconds": share_seconds,
-        "cost": share_seconds * held.proposal.price // 3600,
+        "cost": held.proposal.owed(share_seconds),
         "bytes": sum(e.bytes_moved for e in entries),
         "bytes_counted": desk.counted_bytes(held.proposal.lease_id),
         "state": held.state.value,
