@@ -65,7 +65,7 @@ from ..market import (
     serve_leases,
 )
 from ..market.lease_state import LeaseEvent, LeaseState
-from ..market.messages import encode_message, peer_id_of, seal_message
+from ..market.messages import LeaseKind, encode_message, peer_id_of, seal_message
 from ..market.probing import serve_liveness
 from ..market.settlement import NOTICE_LEAVING, call_lease_notice, serve_lease_close
 from ..remote import blobservice
@@ -73,6 +73,7 @@ from ..remote.executor import DEFAULT_BLOB_CAP, Executor, ExecutorConfig
 from ..remote.executor_main import build_executor
 from ..remote.scheduler import lease_rank
 from ..remote.session import SessionStats
+from ..remote.standby import STANDBY_QUOTA
 from ..remote.supervisor import WorkerSupervisor
 from .datadir import DataDir
 from .hardware import DeviceFacts, GpuMeter
@@ -346,9 +347,11 @@ class Provider:
             # The session is served for the lease's term, no longer: then the executor
             # parks it, and the consumer leases again and resumes it.
             left = proposal.end_at - self.runtime.clock()
+            # A standby's session keeps blobs on disk and holds no device memory.
+            standby = proposal.kind is LeaseKind.STANDBY
             await served.executor.run_session(
                 metered,
-                quota_bytes=served.share_bytes * proposal.shares,
+                quota_bytes=STANDBY_QUOTA if standby else served.share_bytes * proposal.shares,
                 rank=lease_rank(proposal.priority is PriorityClass.ON_DEMAND, proposal.price),
                 until=trio.current_time() + max(0.0, left),
             )
