@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -67,6 +68,63 @@ def test_a_job_whose_host_is_killed_resumes_from_its_standby_and_finishes_the_sa
     assert roles["standby"]["host"] != session["host"]
     assert roles["standby"]["price"] == 10_000  # per GiB-hour: a lease of disk, not shares
     assert "its state came from the hosts that keep its checkpoint" in consumer.output()
+    assert checkpoint_bytes(tmp_path / "consumer") == 0
+
+
+def test_a_standby_that_vanishes_is_replaced_and_the_new_one_restores_the_session(tmp_path):
+    boot = loopback.start_boot(tmp_path)
+    storage = ("--storage-gib", "8", "--storage-price", "0.01")
+    providers = [
+        nodes.start_provider(tmp_path / f"p{i}", boot.addr, "--price", price, *storage)
+        for i, price in enumerate(("0.3", "0.5", "0.7"))
+    ]
+    by_id = {}
+    try:
+        for node in providers:
+            node.wait_for("providing")
+        by_id = {p.wait_for_state(lambda s: "peer_id" in s)["peer_id"]: p for p in providers}
+        consumer = nodes.start_consumer(
+            tmp_path / "consumer",
+            boot.addr,
+            "--checkpoint-interval",
+            "1s",
+            "--checkpoint-to",
+            "standby",
+            command=["-m", "cumulus_p2p.demo_train", "--steps", "400", "--log-every", "5"],
+            env={"CUMULUS_RESUME_TIMEOUT": "1"},
+        )
+        consumer.wait_for("step    5", timeout=120)
+        leases = consumer.wait_for_state(lambda s: len(s.get("leases", ())) == 2)["leases"]
+        roles = {row["role"]: row["host"] for row in leases}
+        by_id[roles["standby"]].proc.kill()
+        replaced = consumer.wait_for_state(
+            lambda s: (
+                [r["role"] for r in s["leases"] if r["state"] == "held"].count("standby") == 1
+                and any(r["state"] == "failed" for r in s["leases"])
+            ),
+            timeout=120,
+        )
+        new_standby = next(
+            r["host"] for r in replaced["leases"] if r["role"] == "standby" and r["state"] == "held"
+        )
+        # A checkpoint or two on the new standby (one a second), then the session's host.
+        seen = len(consumer.lines)
+        consumer.wait_for("step", start=seen, timeout=60)
+        time.sleep(2)
+        by_id[roles["session"]].proc.kill()
+        assert consumer.proc.wait(timeout=180) == 0, consumer.output()
+    finally:
+        for node in [*providers, boot]:
+            node.stop()
+    assert new_standby not in roles.values()
+    assert "a new standby takes the checkpoints" in consumer.output()
+    assert "its state came from the hosts that keep its checkpoint" in consumer.output()
+    local = subprocess.run(
+        [sys.executable, "-m", "cumulus_p2p.demo_train", "--steps", "400"],
+        capture_output=True, text=True, check=True, timeout=120,
+    )  # fmt: skip
+    final = [json.loads(line) for line in consumer.lines if line.startswith("{")][-1]
+    assert final["final_loss"] == json.loads(local.stdout.splitlines()[-1])["final_loss"]
     assert checkpoint_bytes(tmp_path / "consumer") == 0
 
 

@@ -162,10 +162,10 @@ def attach_leased(client: ControlClient):
         client.report_path(ticket, opened.path)
         return USAGE.count(opened, ticket)
 
-    def _standby():
+    def _standby(lost: str = ""):
         if not placement.on_standby:
             return None
-        ticket, why = client.standby()
+        ticket, why = client.standby(lost)
         if ticket is None:
             log.warning("no standby (%s): checkpoints go to this machine's disk", why)
             return None
@@ -192,6 +192,7 @@ def attach_leased(client: ControlClient):
             checkpoint_store=store,
             standby=standby,
             checkpoint_to=None if standby is None else placement.value,
+            replace_standby=_standby,
         )
         why = client.probe(measure(attached.session, ticket.claimed_perf).to_wire())
         if why is None:

@@ -624,11 +624,15 @@ class Consumer:
         live = [h for h in self.sessions if h.state is LeaseState.HELD]
         return await self._ticket(live[-1])
 
-    async def standby_ticket(self) -> tuple[control.SessionTicket | None, str]:
+    async def standby_ticket(self, lost: str = "") -> tuple[control.SessionTicket | None, str]:
         """Where the session's checkpoints are kept: a lease of storage on a host other
-        than the session's, taken on the shim's first ask and kept for the job. None, and
-        why, when none could be had: the consumer's disk keeps them."""
+        than the session's, taken on the shim's first ask and kept until it is ``lost``
+        (why the shim says it is gone: then another is leased). None, and why, when none
+        could be had: the consumer's disk keeps them."""
         live = [h for h in self.held if h.role is LeaseRole.STANDBY and h.state is LeaseState.HELD]
+        if live and lost:
+            await self._standby_lost(live[-1], lost)
+            live, self.no_standby = [], ""
         if live:
             return await self._ticket(live[-1]), ""
         if not self.no_standby:
@@ -636,6 +640,19 @@ class Consumer:
             if held is not None:
                 return await self._ticket(held), ""
         return None, self.no_standby
+
+    async def _standby_lost(self, gone: Held, why: str) -> None:
+        """The standby's session ended: at its lease's term, as agreed; before it, the
+        host vanished (reported, and set aside as a session's host would be)."""
+        now = self.runtime.clock()
+        log.warning("the standby on host %s is gone (%s)", gone.proposal.host[:12], why)
+        if now >= gone.proposal.end_at - LEASE_END_SLACK_S:
+            gone.state = LeaseState.ENDED
+            return
+        gone.state = LeaseState.FAILED
+        self._see_offers(now)
+        self.choice.failed(gone.proposal.host, now=now, nonce=gone.offer.nonce)
+        await self._report_failure(gone)
 
     async def _lease_standby(self) -> Held | None:
         rt, o, now = self.runtime, self.options, self.runtime.clock()

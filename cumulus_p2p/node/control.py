@@ -118,8 +118,9 @@ class SessionTicket:
 #: What the node does for each request: ``session()`` and ``failover(reason)``.
 SessionSource = Callable[[], Awaitable[SessionTicket]]
 FailoverSource = Callable[[str], Awaitable[SessionTicket]]
-#: Leases the standby: its ticket, or None and why not.
-StandbySource = Callable[[], Awaitable[tuple[SessionTicket | None, str]]]
+#: Leases the standby (again, when given why the last one was lost): its ticket, or
+#: None and why not.
+StandbySource = Callable[[str], Awaitable[tuple[SessionTicket | None, str]]]
 #: The node's verdict on probe facts (a wire map): ``None`` if they fit the offer.
 ProbeJudge = Callable[[object], Awaitable[str | None]]
 #: Where the shim's session paths go: ``(lease_id, path)``.
@@ -280,10 +281,10 @@ async def _answer(
             return ["ok", None]
         if request[0] == "probe" and len(request) == 3 and probe is not None:
             return ["ok", await probe(request[2])]
-        if request[0] == "standby" and len(request) == 2:
+        if request[0] == "standby" and len(request) == 3 and isinstance(request[2], str):
             if standby is None:
                 return ["none", "this node keeps no standbys"]
-            ticket, why = await standby()
+            ticket, why = await standby(request[2][:500])
             return ["none", why] if ticket is None else ["ok", ticket.to_wire()]
     except CumulusError as exc:
         return ["error", str(exc)]
@@ -350,10 +351,11 @@ class ControlClient:
         """Report the host gone and get a lease with another one (may take a while)."""
         return self._ask(["failover", self._token, reason[:500]])
 
-    def standby(self) -> tuple[SessionTicket | None, str]:
+    def standby(self, lost: str = "") -> tuple[SessionTicket | None, str]:
         """The lease of the host that keeps the session's checkpoints; or None, and why
-        the node has none (the consumer's disk keeps them)."""
-        self._channel.send_frame([msgpack.packb(["standby", self._token])])
+        the node has none (the consumer's disk keeps them). ``lost``: why the last one is
+        gone; the node leases another."""
+        self._channel.send_frame([msgpack.packb(["standby", self._token, lost])])
         answer = msgpack.unpackb(self._channel.recv_frame(), raw=False)
         if isinstance(answer, list) and len(answer) == 2 and answer[0] == "none":
             return None, str(answer[1])

@@ -98,6 +98,7 @@ def attach(
     private: bool = False,
     standby: str | FrameChannel | None = None,
     checkpoint_to: str | None = None,
+    replace_standby: Callable[[str], FrameChannel | None] | None = None,
 ) -> _Attached:
     """Open a session with an executor and make it the ``cumulus`` device.
 
@@ -126,6 +127,8 @@ def attach(
             channel). Needs ``reconnect``.
         checkpoint_to: ``"standby"`` (the default with a standby), ``"consumer"`` (the
             default without: ``checkpoint_store``) or ``"both"``.
+        replace_standby: called with why when the standby is lost: a channel to a new
+            one (as ``standby``), or None (``RemoteSession``).
 
     Returns:
         A handle whose ``.session`` is the ``RemoteSession``; use it in a ``with`` block
@@ -155,6 +158,7 @@ def attach(
         private=private,
         standby=link,
         checkpoint_to=checkpoint_to,
+        replace_standby=replace_standby,
     )
     CURRENT.session = session
     _run_backward_on_this_thread()

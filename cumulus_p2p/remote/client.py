@@ -109,6 +109,10 @@ class RemoteSession:
         checkpoint_to: where checkpoints go (``CheckpointPlacement`` or its value):
             ``"standby"`` (the default with a standby), ``"consumer"`` (the default
             without one: ``checkpoint_store``) or ``"both"``.
+        replace_standby: called with why when the standby is lost (or fails copy after
+            copy), at the next checkpoint: returns a channel to a new one (its
+            ``peer_address`` set), which copies everything it lacks, or None: then the
+            consumer's store takes the checkpoints from there on.
 
     Raises:
         ValueError: a checkpoint option was given without ``reconnect``, or is invalid.
@@ -128,6 +132,7 @@ class RemoteSession:
         private: bool = False,
         standby: StandbyLink | None = None,
         checkpoint_to: CheckpointPlacement | str | None = None,
+        replace_standby: Callable[[str], FrameChannel | None] | None = None,
     ) -> None:
         if reconnect is None and (checkpoint_interval, checkpoint_store, standby) != (None,) * 3:
             raise ValueError("checkpoints serve failover: pass reconnect= to use them")
@@ -177,6 +182,9 @@ class RemoteSession:
         self._checkpoint_read_bytes = 0
         self._last_checkpoint_s: float | None = None
         self._standby = standby
+        self._replace_standby = replace_standby
+        #: Copies made by standbys replaced since.
+        self._replaced_copies: list = []
         #: The latest checkpoint the standby holds, once one is copied there.
         self._hosted: HostCheckpoint | None = None
         #: Bytes the new host pulled from other hosts at the last failover's restore.
@@ -621,8 +629,10 @@ class RemoteSession:
         """This host as the standby's source of the next checkpoint; None when checkpoints
         go to the consumer only: by choice, with no standby left usable (gone, or failing
         copy after copy), or on a channel that cannot name its host."""
-        standby = self._standby
-        if not self._placement.on_standby or standby is None or not standby.usable:
+        if not self._placement.on_standby:
+            return None
+        standby = self._usable_standby()
+        if standby is None:
             return None
         address = getattr(self._channel, "peer_address", None)
         token = self.info.get("token")
@@ -630,6 +640,29 @@ class RemoteSession:
             log.warning("cumulus: this channel cannot name its host to a standby")
             return None
         return Source(address, grant_of(token))
+
+    def _usable_standby(self) -> StandbyLink | None:
+        """The standby for the next checkpoint; one that is lost or failing is replaced
+        when ``replace_standby`` can find another, else dropped."""
+        standby = self._standby
+        if standby is None or standby.usable:
+            return standby
+        why, replace = standby.why_unusable, self._replace_standby
+        self._replace_standby = None  # one replacement in flight at a time
+        standby.close()
+        self._replaced_copies += standby.replications
+        self._standby = None
+        try:
+            channel = None if replace is None else replace(why)
+            if channel is not None:
+                self._standby = StandbyLink(channel, address=channel.peer_address)
+                self._replace_standby = replace
+                log.warning("cumulus: %s; a new standby takes the checkpoints", why)
+        except (OSError, CumulusError) as exc:
+            log.warning("cumulus: %s, and no new standby could be had: %s", why, exc)
+        if self._standby is None:
+            log.warning("cumulus: checkpoints go to the consumer's store from now on")
+        return self._standby
 
     def _read_pieces(self, seq: int, manifest: Manifest) -> Checkpoint | None:
         """Read the pieces of ``manifest`` the consumer's store lacks, and keep the whole
@@ -856,7 +889,9 @@ class RemoteSession:
     def failover_statistics(self) -> FailoverStatistics:
         """Failovers and checkpoints so far, and the replay log's size now."""
         log_ = self._log
-        copies = [] if self._standby is None else self._standby.replications
+        copies = self._replaced_copies + (
+            [] if self._standby is None else self._standby.replications
+        )
         return FailoverStatistics(
             failovers=self.failovers,
             cache_resumes=self._cache_resumes,

@@ -118,9 +118,23 @@ class StandbyLink:
         self._thread: threading.Thread | None = None
         self._finished: HostCheckpoint | None = None
         self.replications: list[Replication] = []
-        #: Copies that failed in a row, and whether the standby itself is gone.
+        #: Copies that failed in a row, and why the standby itself is gone (if it is).
         self.failures = 0
-        self.lost = False
+        self.lost_because = ""
+
+    @property
+    def lost(self) -> bool:
+        """The standby's session is gone (the host vanished, or ended the lease)."""
+        return bool(self.lost_because)
+
+    @property
+    def why_unusable(self) -> str:
+        """Why the next checkpoint should not go here; "" while it is usable."""
+        if self.lost:
+            return self.lost_because
+        if self.failures >= MAX_FAILURES:
+            return f"{self.failures} copies failed in a row"
+        return ""
 
     @property
     def usable(self) -> bool:
@@ -164,8 +178,8 @@ class StandbyLink:
         self.wait()
         try:
             self._channel.send_frame(encode_frame(["bye"]))
-        except SessionClosedError:
-            pass
+        except (OSError, CumulusError):
+            pass  # already gone
         self._channel.close()
 
     def _copy(self, checkpoint: HostCheckpoint) -> None:
@@ -176,8 +190,8 @@ class StandbyLink:
             self._channel.send_frame(encode_frame(["pull", request]))
             header, _ = decode_frame(self._channel.recv_frame())
         except (SessionClosedError, CumulusError) as exc:
-            self.lost = True
-            self._failed(checkpoint, f"lost the standby: {exc}")
+            self.lost_because = f"lost the standby: {exc}"
+            self._failed(checkpoint, self.lost_because)
             return
         result = header[1] if header[0] == "pulled" and len(header) == 2 else None
         if not isinstance(result, dict) or result.get("error") is not None:
