@@ -324,10 +324,10 @@ def _add_lease_wishes(consume) -> None:
     consume.add_argument(
         "--checkpoint-to",
         choices=control.CHECKPOINT_PLACES,
-        default="consumer",
+        default="standby",
         help="where the session's checkpoints are kept: on a standby host the node leases "
-        "beside the session's (off this machine's link), on this machine's disk, or both "
-        "(default consumer)",
+        "beside the session's, off this machine's link (the default; this machine's disk "
+        "while no host lends disk for it), on this machine's disk, or both",
     )
     consume.add_argument(
         "--standby-gib",

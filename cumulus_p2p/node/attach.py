@@ -149,7 +149,7 @@ def attach_leased(client: ControlClient):
         data.path / "checkpoints", name=f"run-{os.getpid()}", keep_others=1
     )
     interval = float(os.environ.get("CUMULUS_CHECKPOINT_INTERVAL", "30"))
-    placement = CheckpointPlacement(os.environ.get(ENV_CHECKPOINT_TO, "consumer"))
+    placement = CheckpointPlacement(os.environ.get(ENV_CHECKPOINT_TO, "standby"))
     resume = float(os.environ.get("CUMULUS_RESUME_TIMEOUT", "10"))
 
     def reconnect():

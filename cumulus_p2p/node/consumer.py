@@ -165,7 +165,7 @@ class ConsumerOptions:
     match_timeout: float = 60.0
     cuda_compat: bool = True
     checkpoint_interval: float = 30.0
-    checkpoint_to: str = "consumer"
+    checkpoint_to: str = "standby"
     standby_gib: int = 4
     max_storage_price: int = 10**6
     wait_for_host: float = WAIT_FOR_HOST_S
@@ -687,7 +687,7 @@ class Consumer:
                 log.info("standby: host %s keeps the checkpoints", offer.host[:12])
                 return held
         self.no_standby = self.no_standby or f"no host granted a standby ({self.last_refusal})"
-        log.warning("no standby: %s; checkpoints go to this machine's disk", self.no_standby)
+        log.info("no standby: %s; checkpoints go to the consumer's disk", self.no_standby)
         return None
 
     async def _ticket(self, held: Held) -> control.SessionTicket:
