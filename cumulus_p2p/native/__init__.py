@@ -1,0 +1,144 @@
+"""The ``cumulus`` device in C++: a PrivateUse1 backend that records ops (issue 30).
+
+Theory of operation
+-------------------
+The Python device (``cumulus_p2p.remote``) is a ``__torch_dispatch__`` wrapper
+subclass: every aten op, views included, crosses into Python, 25–29 µs a dispatch. This
+package builds a C++ extension (``csrc/``) that is the kernels behind the PrivateUse1
+dispatch key itself:
+
+- an allocator whose "pointers" are remote storage handles, never dereferenced, a
+  device guard and PrivateUse1 hooks (``device.cpp``);
+- native view and metadata kernels, so ``view``, ``t``, ``transpose``, ``detach`` cost
+  what they cost on a CPU tensor and append nothing (``kernels.cpp``);
+- one boxed fallback for every other op: outputs come from the op's meta kernel, get new
+  storage handles, and the op is appended to an in-memory batch as a wire record
+  (format in ``csrc/record.h``, decoded by ``records.py``), with no Python per op.
+
+This slice only records: nothing sends the batch yet, and reading a tensor back calls a
+hook (``set_readback_hook``) that a session will provide.
+
+One owner per process
+---------------------
+PrivateUse1 is a single dispatch key and ``rename_privateuse1_backend`` works once per
+process. ``cumulus_p2p.remote`` claims both at import (it renames the key ``cumulus`` and
+registers Python kernels for factories and copies on it). Two sets of kernels behind one
+key would silently override each other, so the native device is exclusive: ``load``
+refuses a process where ``cumulus_p2p.remote`` is imported or PrivateUse1 has another
+name, and once loaded it makes importing ``cumulus_p2p.remote`` fail with an
+ImportError that says why. Until the native device becomes the default, run it in its
+own process (the tests and ``benchmarks/dispatch_floor.py`` do).
+
+Parts:
+
+- ``load()``: build if needed, load, and register ``cumulus`` (idempotent);
+- ``missing_toolchain()``: why the extension cannot be built here, or None;
+- ``records``: the wire record decoder;
+- ``python -m cumulus_p2p.native --build``: build ahead of time (``scripts/bootstrap``).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+from types import ModuleType
+
+from ._build import build_directory as build_directory
+from ._build import missing_toolchain as missing_toolchain
+
+NAME = "cumulus"
+_WRAPPER = "cumulus_p2p.remote"
+_LOADED: ModuleType | None = None
+
+
+class _DeviceModule:
+    """``torch.cumulus`` for the native device: what torch asks a backend module."""
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def is_initialized() -> bool:
+        return True
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def _is_in_bad_fork() -> bool:
+        return False
+
+    @staticmethod
+    def manual_seed_all(seed: int) -> None:
+        """Seeding reaches the executor's generator with the session (a later slice)."""
+
+    @staticmethod
+    def get_amp_supported_dtype() -> list:
+        import torch
+
+        return [torch.float16, torch.bfloat16]
+
+
+class _RefuseWrapperDevice(importlib.abc.MetaPathFinder):
+    """Makes ``import cumulus_p2p.remote`` fail once the native device owns PrivateUse1."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == _WRAPPER or fullname.startswith(_WRAPPER + "."):
+            raise ImportError(
+                f"{fullname} cannot be imported in this process: cumulus_p2p.native "
+                "owns the PrivateUse1 device here, and the Python wrapper device would "
+                "override its kernels. Use one or the other per process."
+            )
+        return None
+
+
+def _check_process_is_free() -> None:
+    import torch
+
+    if _WRAPPER in sys.modules:
+        raise RuntimeError(
+            "cumulus_p2p.native cannot load in this process: cumulus_p2p.remote (the "
+            "Python wrapper device) already registered kernels for PrivateUse1. Load "
+            "the native device in a process that does not import cumulus_p2p.remote."
+        )
+    current = torch._C._get_privateuse1_backend_name()
+    if current != "privateuseone":
+        raise RuntimeError(
+            f"cumulus_p2p.native cannot load: PrivateUse1 is already the {current!r} "
+            "device in this process"
+        )
+
+
+def load(verbose: bool = False) -> ModuleType:
+    """Build (if sources changed), load and register the native ``cumulus`` device.
+
+    Returns:
+        The extension module: ``take_batch``, ``pending_records``, ``intern``,
+        ``op_names``, ``handle`` and ``set_readback_hook``.
+
+    Raises:
+        RuntimeError: the process already has another PrivateUse1 device (see the module
+            docstring), or the extension cannot be built (the message names what to
+            install).
+    """
+    global _LOADED
+    if _LOADED is not None:
+        return _LOADED
+    _check_process_is_free()
+    import torch
+
+    from ._build import build
+
+    module = build(verbose=verbose)
+    torch.utils.rename_privateuse1_backend(NAME)
+    torch.utils.generate_methods_for_privateuse1_backend()
+    torch._register_device_module(NAME, _DeviceModule())
+    sys.meta_path.insert(0, _RefuseWrapperDevice())
+    _LOADED = module
+    return module

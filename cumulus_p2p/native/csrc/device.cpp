@@ -1,0 +1,78 @@
+// The `cumulus` device's runtime pieces: an allocator of remote storage handles, a
+// device guard and PrivateUse1 hooks. There is one device, cumulus:0 (a session's
+// executor), and one stream on it: ordering is the batch's order.
+#include <atomic>
+
+#include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include "record.h"
+
+namespace cumulus {
+namespace {
+
+constexpr c10::DeviceType kType = c10::DeviceType::PrivateUse1;
+
+// A storage's "pointer" is its handle on the executor. Nothing on the client may
+// dereference it; handles start at 1 so that a storage never looks unallocated.
+std::atomic<uint64_t> next_handle{1};
+
+void free_handle(void* ctx) { append_free(reinterpret_cast<uint64_t>(ctx)); }
+
+struct HandleAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t /*nbytes*/) override {
+    void* handle = reinterpret_cast<void*>(next_handle.fetch_add(1));
+    return {handle, handle, &free_handle, c10::Device(kType, 0)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &free_handle; }
+  void copy_data(void* /*dest*/, const void* /*src*/, std::size_t /*count*/) const override {
+    TORCH_CHECK(false, "cumulus: storages live on the executor; copy tensors, not storages");
+  }
+};
+
+HandleAllocator allocator;
+REGISTER_ALLOCATOR(kType, &allocator);
+
+struct Guard final : c10::impl::DeviceGuardImplInterface {
+  c10::DeviceType type() const override { return kType; }
+  c10::Device exchangeDevice(c10::Device /*d*/) const override { return {kType, 0}; }
+  c10::Device getDevice() const override { return {kType, 0}; }
+  void setDevice(c10::Device d) const override {
+    TORCH_CHECK(d.index() <= 0, "cumulus: a session exposes one device, cumulus:0");
+  }
+  void uncheckedSetDevice(c10::Device /*d*/) const noexcept override {}
+  c10::Stream getStream(c10::Device d) const noexcept override {
+    return c10::Stream(c10::Stream::DEFAULT, d);
+  }
+  c10::Stream getDefaultStream(c10::Device d) const override {
+    return c10::Stream(c10::Stream::DEFAULT, d);
+  }
+  c10::Stream exchangeStream(c10::Stream s) const noexcept override { return s; }
+  c10::DeviceIndex deviceCount() const noexcept override { return 1; }
+  // Events: the batch is one ordered stream, so there is nothing to wait for
+  // between streams; the base class's defaults do nothing.
+};
+
+C10_REGISTER_GUARD_IMPL(PrivateUse1, Guard);
+
+struct Hooks final : at::PrivateUse1HooksInterface {
+  bool isBuilt() const override { return true; }
+  bool isAvailable() const override { return true; }
+  bool hasPrimaryContext(c10::DeviceIndex /*device_index*/) const override { return true; }
+  c10::DeviceIndex deviceCount() const override { return 1; }
+  c10::DeviceIndex getCurrentDevice() const override { return 0; }
+  // Tensors on the device have no host bytes, so nothing is ever pinned for it.
+  bool isPinnedPtr(const void* /*data*/) const override { return false; }
+  at::Device getDeviceFromPtr(void* /*data*/) const override { return {kType, 0}; }
+};
+
+// Hooks are registered at load, as the guard and allocator are; torch asks for them
+// when it first initialises the device (autograd's engine does, for instance).
+const bool hooks_registered = [] {
+  at::RegisterPrivateUse1HooksInterface(new Hooks());
+  return true;
+}();
+
+}  // namespace
+}  // namespace cumulus

@@ -1,0 +1,345 @@
+// The `cumulus` device's kernels: metadata and views run here, everything else is
+// recorded.
+//
+// Theory of operation
+// -------------------
+// Views (`view`, `as_strided`, `_reshape_alias`, and through them torch's composite
+// `t`, `transpose`, `detach`, `expand`, `permute`...) only make a new TensorImpl over
+// the same storage, exactly as on CPU, and append nothing: the executor learns about a
+// view when an op uses it, from the (handle, offset, sizes, strides) of the reference.
+//
+// Every other op reaches one boxed fallback. It encodes the op's arguments, swaps each
+// device tensor for a meta tensor of the same geometry, runs the op's meta kernel to
+// learn the outputs' shapes, and maps the meta outputs back: an output that *is* an
+// argument (in-place and out= ops) becomes that device tensor, one that shares an
+// argument's storage becomes a device view of it, and any other gets a new storage
+// handle. The record (record.h) goes to the batch only when the op produced a new
+// storage or writes to an argument; pure views and queries such as
+// `_fused_sdp_choice` stay on the client.
+#include <ATen/EmptyTensor.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/view_native.h>
+#include <ATen/ops/_local_scalar_dense.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/SmallVector.h>
+#include <torch/library.h>
+
+#include <mutex>
+#include <unordered_map>
+
+#include "record.h"
+#include "shapes.h"
+
+namespace cumulus {
+namespace {
+
+constexpr c10::DeviceType kType = c10::DeviceType::PrivateUse1;
+
+c10::Allocator* device_allocator() { return c10::GetAllocator(kType); }
+
+void record_alloc(const at::TensorBase& t) {
+  Writer w;
+  w.begin_record(Kind::Alloc);
+  w.put<uint64_t>(handle_of(t.storage()));
+  w.put<uint64_t>(t.storage().nbytes());
+  w.end_record();
+  append_record(w);
+}
+
+// ---- factories ----------------------------------------------------------------------
+// An empty tensor is a storage some later op fills in place, so the executor must
+// create it: ALLOC. (An op's outputs need no ALLOC: the executor binds the op's
+// results to their handles.)
+
+at::Tensor empty_memory_format(c10::SymIntArrayRef size,
+                               std::optional<c10::ScalarType> dtype,
+                               std::optional<c10::Layout> /*layout*/,
+                               std::optional<c10::Device> /*device*/,
+                               std::optional<bool> /*pin_memory*/,
+                               std::optional<c10::MemoryFormat> memory_format) {
+  at::Tensor t = at::detail::empty_generic(C10_AS_INTARRAYREF_SLOW(size), device_allocator(),
+                                     c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                     c10::dtype_or_default(dtype), memory_format);
+  record_alloc(t);
+  return t;
+}
+
+at::Tensor empty_strided(c10::SymIntArrayRef size, c10::SymIntArrayRef stride,
+                         std::optional<c10::ScalarType> dtype,
+                         std::optional<c10::Layout> /*layout*/,
+                         std::optional<c10::Device> /*device*/,
+                         std::optional<bool> /*pin_memory*/) {
+  at::Tensor t = at::detail::empty_strided_generic(
+      C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride), device_allocator(),
+      c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), c10::dtype_or_default(dtype));
+  record_alloc(t);
+  return t;
+}
+
+// ---- views and metadata -------------------------------------------------------------
+
+at::Tensor as_strided(const at::Tensor& self, c10::SymIntArrayRef size,
+                      c10::SymIntArrayRef stride, std::optional<c10::SymInt> offset) {
+  std::optional<int64_t> plain_offset;
+  if (offset) plain_offset = offset->expect_int();
+  return at::native::as_strided_tensorimpl(self, C10_AS_INTARRAYREF_SLOW(size),
+                                           C10_AS_INTARRAYREF_SLOW(stride), plain_offset);
+}
+
+at::Tensor view(const at::Tensor& self, c10::SymIntArrayRef size) {
+  return at::native::view(self, C10_AS_INTARRAYREF_SLOW(size));
+}
+
+at::Tensor reshape_alias(const at::Tensor& self, c10::SymIntArrayRef size,
+                         c10::SymIntArrayRef stride) {
+  return at::native::_reshape_alias(self, C10_AS_INTARRAYREF_SLOW(size),
+                                    C10_AS_INTARRAYREF_SLOW(stride));
+}
+
+// Growing a storage keeps its handle (the executor resizes it in place), so tensors
+// that share the storage keep naming the same bytes.
+void grow_storage(const at::Tensor& self, size_t nbytes) {
+  c10::StorageImpl* storage = self.storage().unsafeGetStorageImpl();
+  if (nbytes <= storage->nbytes()) return;
+  Writer w;
+  w.begin_record(Kind::Resize);
+  w.put<uint64_t>(handle_of(self.storage()));
+  w.put<uint64_t>(nbytes);
+  w.end_record();
+  append_record(w);
+  storage->set_nbytes(nbytes);
+}
+
+const at::Tensor& resize_(const at::Tensor& self, c10::SymIntArrayRef size,
+                          std::optional<c10::MemoryFormat> memory_format) {
+  const auto sizes = C10_AS_INTARRAYREF_SLOW(size);
+  c10::TensorImpl* impl = self.unsafeGetTensorImpl();
+  if (self.sizes() != sizes) {
+    impl->set_sizes_contiguous(sizes);
+    grow_storage(self, at::detail::computeStorageNbytesContiguous(
+                           sizes, self.dtype().itemsize(), self.storage_offset()));
+  }
+  if (memory_format) impl->empty_tensor_restride(*memory_format);
+  return self;
+}
+
+// ---- copies -------------------------------------------------------------------------
+
+void record_device_copy(const at::Tensor& dst, const at::Tensor& src, bool non_blocking) {
+  static const uint32_t copy_op = intern_name("aten::copy_");
+  Writer w;
+  w.begin_record(Kind::Op);
+  w.put<uint32_t>(copy_op);
+  w.put<uint16_t>(3);
+  put_tensor_ref(w, dst);
+  put_tensor_ref(w, src);
+  put_value(w, non_blocking);
+  w.put<uint16_t>(1);
+  put_tensor_ref(w, dst);
+  w.end_record();
+  append_record(w);
+}
+
+void record_upload(const at::Tensor& dst, const at::Tensor& src) {
+  Writer w;
+  w.begin_record(Kind::Upload);
+  put_tensor_ref(w, dst);
+  put_tensor_ref(w, src);  // a host tensor: its bytes travel in the record
+  w.end_record();
+  append_record(w);
+}
+
+at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  if (self.is_privateuseone() && dst.is_privateuseone()) {
+    record_device_copy(dst, self, non_blocking);
+  } else if (dst.is_privateuseone()) {
+    record_upload(dst, self);
+  } else {
+    read_back(self, dst);
+  }
+  return dst;
+}
+
+at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  resize_(dst, self.sym_sizes(), std::nullopt);
+  return copy_from(self, dst, false);
+}
+
+at::Scalar local_scalar_dense(const at::Tensor& self) {
+  const at::Tensor host = at::empty({}, self.options().device(c10::kCPU));
+  read_back(self, host);
+  return at::_local_scalar_dense(host);
+}
+
+// ---- the fallback -------------------------------------------------------------------
+
+// The device storages and tensors a meta call stands in for. A handful per op, so
+// linear search beats hashing.
+struct MetaArgs {
+  c10::SmallVector<std::pair<c10::Storage, c10::Storage>, 8> storages;  // (device, meta)
+  c10::SmallVector<std::pair<c10::TensorImpl*, at::Tensor>, 8> tensors;  // (meta, device)
+  bool fresh = false;  // an output got a new storage handle
+
+  // The meta storage for a device storage; shared, so that aliasing survives on meta.
+  c10::Storage meta_storage(const c10::Storage& device) {
+    for (auto& [d, m] : storages) {
+      if (d.unsafeGetStorageImpl() == device.unsafeGetStorageImpl()) return m;
+    }
+    c10::Storage meta(c10::make_intrusive<c10::StorageImpl>(
+        c10::StorageImpl::use_byte_size_t(), device.sym_nbytes(),
+        c10::DataPtr(nullptr, c10::Device(c10::kMeta)), c10::GetAllocator(c10::kMeta),
+        /*resizable=*/true));
+    storages.emplace_back(device, meta);
+    return meta;
+  }
+
+  const c10::Storage* device_storage(const c10::Storage& meta) const {
+    for (auto& [d, m] : storages) {
+      if (m.unsafeGetStorageImpl() == meta.unsafeGetStorageImpl()) return &d;
+    }
+    return nullptr;
+  }
+};
+
+// A TensorImpl over `storage` with `like`'s geometry and dtype, built directly: going
+// through the dispatcher (empty_strided, as_strided) would cost a dispatch per tensor.
+at::Tensor tensor_over(c10::Storage storage, c10::DispatchKeySet keys, const at::Tensor& like) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage), keys, like.dtype());
+  impl->set_sizes_and_strides(like.sizes(), like.strides(), like.storage_offset());
+  impl->_set_conj(like.is_conj());
+  impl->_set_neg(like.is_neg());
+  return at::Tensor(std::move(impl));
+}
+
+at::Tensor to_meta(const at::Tensor& t, MetaArgs& m) {
+  if (!t.defined() || !t.is_privateuseone()) return t;
+  at::Tensor meta =
+      tensor_over(m.meta_storage(t.storage()), c10::DispatchKeySet(c10::DispatchKey::Meta), t);
+  m.tensors.emplace_back(meta.unsafeGetTensorImpl(), t);
+  return meta;
+}
+
+// The op returned an argument; an out= op may have resized it on meta.
+at::Tensor mirror_argument(const at::Tensor& meta, const at::Tensor& device) {
+  if (meta.sizes() != device.sizes() || meta.strides() != device.strides()) {
+    device.unsafeGetTensorImpl()->set_sizes_and_strides(meta.sizes(), meta.strides(),
+                                                        meta.storage_offset());
+    // The executor grows its storage itself when it runs the op.
+    device.storage().unsafeGetStorageImpl()->set_nbytes(meta.storage().nbytes());
+  }
+  return device;
+}
+
+at::Tensor from_meta(const at::Tensor& meta, MetaArgs& m) {
+  if (!meta.defined() || !meta.is_meta()) return meta;
+  for (auto& [impl, device] : m.tensors) {
+    if (impl == meta.unsafeGetTensorImpl()) return mirror_argument(meta, device);
+  }
+  if (const c10::Storage* device = m.device_storage(meta.storage())) {
+    return tensor_over(*device, c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), meta);
+  }
+  const size_t nbytes = meta.storage().nbytes();
+  c10::Storage fresh(c10::make_intrusive<c10::StorageImpl>(
+      c10::StorageImpl::use_byte_size_t(), nbytes, device_allocator()->allocate(nbytes),
+      device_allocator(), /*resizable=*/true));
+  // Later outputs over the same new storage become views of this one.
+  m.storages.emplace_back(fresh, meta.storage());
+  m.fresh = true;
+  return tensor_over(std::move(fresh), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                     meta);
+}
+
+template <typename F>
+c10::IValue map_tensors(const c10::IValue& v, F&& fn) {
+  if (v.isTensor()) return fn(v.toTensor());
+  if (v.isTensorList()) {
+    c10::List<at::Tensor> out;
+    for (const at::Tensor& t : v.toTensorList()) out.push_back(fn(t));
+    return out;
+  }
+  if (v.isOptionalTensorList()) {
+    c10::List<std::optional<at::Tensor>> out;
+    for (const std::optional<at::Tensor>& t : v.toOptionalTensorList()) {
+      out.push_back(t ? std::optional<at::Tensor>(fn(*t)) : std::nullopt);
+    }
+    return out;
+  }
+  return v;
+}
+
+// What the fallback needs about an op, resolved once: its name table index and how to
+// get its output shapes without Python.
+struct OpEntry {
+  uint32_t id;
+  ShapeFn shape;
+};
+
+const OpEntry& entry(const c10::OperatorHandle& op) {
+  static std::mutex mutex;
+  static auto* entries = new std::unordered_map<c10::OperatorHandle, OpEntry>();
+  std::lock_guard<std::mutex> lock(mutex);
+  auto found = entries->find(op);
+  if (found != entries->end()) return found->second;
+  const uint32_t id = intern(op);
+  return entries->emplace(op, OpEntry{id, find_shape_fn(op_names()[id])}).first->second;
+}
+
+void run_on_meta(const c10::OperatorHandle& op, const ShapeFn& shape, torch::jit::Stack* stack) {
+  const c10::DispatchKeySet meta(c10::DispatchKey::Meta);
+  if (shape.rule != nullptr) {
+    shape.rule(stack);
+  } else if (shape.kernel) {
+    shape.kernel->callBoxed(op, meta, stack);
+  } else {
+    // Straight to the meta kernel: the keys above it (autograd, autocast) already ran.
+    op.redispatchBoxed(meta, stack);
+  }
+}
+
+}  // namespace
+
+void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const OpEntry& e = entry(op);
+  const size_t nargs = schema.arguments().size();
+  // One writer per thread (autograd's device thread records backward ops), reused
+  // so that a record costs no allocation once the buffer has grown.
+  thread_local Writer w;
+  w.clear();
+  w.begin_record(Kind::Op);
+  w.put<uint32_t>(e.id);
+  w.put<uint16_t>(static_cast<uint16_t>(nargs));
+  MetaArgs m;
+  for (size_t i = stack->size() - nargs; i < stack->size(); ++i) {
+    put_value(w, (*stack)[i]);
+    (*stack)[i] = map_tensors((*stack)[i], [&](const at::Tensor& t) { return to_meta(t, m); });
+  }
+  run_on_meta(op, e.shape, stack);
+  const size_t nouts = schema.returns().size();
+  w.put<uint16_t>(static_cast<uint16_t>(nouts));
+  for (size_t i = stack->size() - nouts; i < stack->size(); ++i) {
+    (*stack)[i] = map_tensors((*stack)[i], [&](const at::Tensor& t) { return from_meta(t, m); });
+    put_value(w, (*stack)[i]);
+  }
+  w.end_record();
+  if (m.fresh || schema.is_mutable()) append_record(w);
+}
+}  // namespace cumulus
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("empty.memory_format", cumulus::empty_memory_format);
+  m.impl("empty_strided", cumulus::empty_strided);
+  m.impl("as_strided", cumulus::as_strided);
+  m.impl("view", cumulus::view);
+  m.impl("_reshape_alias", cumulus::reshape_alias);
+  m.impl("resize_", cumulus::resize_);
+  m.impl("_copy_from", cumulus::copy_from);
+  m.impl("_copy_from_and_resize", cumulus::copy_from_and_resize);
+  m.impl("_local_scalar_dense", cumulus::local_scalar_dense);
+}
+
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&cumulus::fallback>());
+}

@@ -1,0 +1,45 @@
+// What Python sees of the native device: the batch, the op name table and the
+// readback hook. Everything here runs once per flush or per session, never per op.
+#include <torch/extension.h>
+
+#include "record.h"
+
+namespace {
+
+py::tuple take_batch() {
+  auto [data, records] = cumulus::take_batch();
+  return py::make_tuple(py::bytes(data), records);
+}
+
+uint64_t handle(const at::Tensor& t) {
+  TORCH_CHECK(t.is_privateuseone(), "cumulus: not a tensor on the cumulus device");
+  return cumulus::handle_of(t.storage());
+}
+
+// The hook runs on whichever thread reads back (autograd's device thread included),
+// so it takes the GIL itself; the callable lives as long as the process.
+void set_readback_hook(py::object fn) {
+  if (fn.is_none()) {
+    cumulus::set_readback_hook(nullptr);
+    return;
+  }
+  auto* kept = new py::object(std::move(fn));
+  cumulus::set_readback_hook([kept](const at::Tensor& src, const at::Tensor& dst) {
+    py::gil_scoped_acquire gil;
+    (*kept)(src, dst);
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "The native cumulus device: records ops into a batch of wire records.";
+  m.def("take_batch", &take_batch,
+        "Take the pending records: (bytes, record count); the batch starts empty again.");
+  m.def("pending_records", &cumulus::pending_records, "Records waiting in the batch.");
+  m.def("intern", &cumulus::intern_name, "The name table index of an op name.");
+  m.def("op_names", &cumulus::op_names, "The name table: records carry indexes into it.");
+  m.def("handle", &handle, "The remote storage handle behind a cumulus tensor.");
+  m.def("set_readback_hook", &set_readback_hook,
+        "fn(src, dst) fills host tensor dst with device tensor src's bytes; None unsets.");
+}

@@ -1,0 +1,128 @@
+// The wire record: what the client device appends to the batch for each op.
+//
+// Theory of operation
+// -------------------
+// A tensor on the native `cumulus` device owns no host memory. Its storage's data
+// pointer *is* a remote storage handle (a 64-bit id from a counter, never dereferenced).
+// Metadata and view kernels run locally; every other op is appended to one in-memory
+// batch as a compact binary record, which a later slice ships to the executor and
+// replays there through the c10 dispatcher. Python touches the batch once per flush,
+// never once per op.
+//
+// Format (all integers little-endian, no padding):
+//
+//   Batch   := Record*
+//   Record  := kind:u8 body_len:u32 body[body_len]     (body_len lets a reader skip kinds
+//                                                      it does not know)
+//   kind 1 OP       op:u32 nargs:u16 Value[nargs] nouts:u16 Value[nouts]
+//                   `op` indexes the name table ("aten::add.Tensor", see intern()).
+//                   Args are the schema's arguments in order, defaults included;
+//                   outputs are what the op returned, their handles chosen by the client.
+//   kind 2 ALLOC    handle:u64 nbytes:u64       an empty storage a later op fills in place
+//   kind 3 UPLOAD   dst:Value(TENSOR) src:Value(HOST_TENSOR)     host -> device copy_
+//   kind 4 READBACK src:Value(TENSOR)           the client waits for these bytes
+//   kind 5 FREE     handle:u64                  the last client reference died
+//   kind 6 RESIZE   handle:u64 nbytes:u64       the storage grows, keeping its contents
+//
+//   Value := tag:u8 payload
+//     0 NONE
+//     1 TENSOR      handle:u64 offset:i64 dtype:u8 ndim:u8 sizes:i64[ndim] strides:i64[ndim]
+//     2 HOST_TENSOR dtype:u8 ndim:u8 sizes:i64[ndim] nbytes:u64 bytes   (contiguous)
+//     3 INT i64     4 DOUBLE f64     5 BOOL u8     6 COMPLEX f64 f64
+//     7 STRING len:u32 utf8
+//     8 LIST  n:u32 Value[n]          (tensor lists, optional-tensor lists, mixed)
+//     9 INTS  n:u32 i64[n]            (int lists: sizes, dims; the common case)
+//    10 DEVICE type:i8 index:i8
+//    11 GENERATOR                     (the session's generator on the executor)
+//
+//   `dtype` is c10::ScalarType's numbering; `offset`, `sizes` and `strides` count
+//   elements. Offsets and strides name a view of the storage, so the executor can cache
+//   one view per distinct reference.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+namespace cumulus {
+
+enum class Kind : uint8_t { Op = 1, Alloc = 2, Upload = 3, Readback = 4, Free = 5, Resize = 6 };
+
+enum class Tag : uint8_t {
+  None = 0,
+  Tensor = 1,
+  HostTensor = 2,
+  Int = 3,
+  Double = 4,
+  Bool = 5,
+  Complex = 6,
+  String = 7,
+  List = 8,
+  Ints = 9,
+  Device = 10,
+  Generator = 11,
+};
+
+// Appends fixed-width little-endian fields (x86-64 and aarch64 are little-endian, so a
+// memcpy is the encoding).
+class Writer {
+ public:
+  template <typename T>
+  void put(T value) {
+    const size_t at = buf_.size();
+    buf_.resize(at + sizeof(T));
+    std::memcpy(&buf_[at], &value, sizeof(T));
+  }
+  void bytes(const void* data, size_t n) {
+    buf_.append(static_cast<const char*>(data), n);
+  }
+  // Starts a record; `end_record` writes its length once the body is known.
+  void begin_record(Kind kind) {
+    put<uint8_t>(static_cast<uint8_t>(kind));
+    len_at_ = buf_.size();
+    put<uint32_t>(0);
+  }
+  void end_record() {
+    const uint32_t len = static_cast<uint32_t>(buf_.size() - len_at_ - sizeof(uint32_t));
+    std::memcpy(&buf_[len_at_], &len, sizeof(len));
+  }
+  void clear() { buf_.clear(); }
+  const std::string& data() const { return buf_; }
+
+ private:
+  std::string buf_;
+  size_t len_at_ = 0;
+};
+
+// The handle a device storage's data pointer encodes.
+uint64_t handle_of(const c10::Storage& storage);
+
+// Value encoders (record.cpp).
+void put_tensor_ref(Writer& w, const at::Tensor& t);
+void put_value(Writer& w, const c10::IValue& v);
+
+// The session's batch: records appended by any thread (autograd's device thread
+// included), taken whole by Python at a flush.
+void append_record(const Writer& w);
+void append_free(uint64_t handle);
+std::pair<std::string, uint64_t> take_batch();
+uint64_t pending_records();
+
+// The operator name table: a record carries an op's index, not its name.
+uint32_t intern(const c10::OperatorHandle& op);
+uint32_t intern_name(const std::string& name);
+std::vector<std::string> op_names();
+
+// Fills a host tensor with a device tensor's bytes: the session's sync point, set from
+// Python. Unset, reading back raises (no executor is attached in this slice).
+using ReadbackHook = std::function<void(const at::Tensor& src, const at::Tensor& dst)>;
+void set_readback_hook(ReadbackHook hook);
+void read_back(const at::Tensor& src, const at::Tensor& dst);
+
+}  // namespace cumulus
