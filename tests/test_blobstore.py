@@ -86,6 +86,17 @@ def test_the_cap_holds_under_pressure_and_the_most_recently_used_survive(tmp_pat
     assert names_in(tmp_path) == {favourite, *written[-7:]}
 
 
+def test_only_blobs_put_as_public_and_still_held_are_public(tmp_path):
+    store = BlobStore(tmp_path, cap=2 * MiB)
+    (uploaded, first), (checkpoint, second) = blob(1), blob(2)
+    assert store.put(uploaded, first, public=True)
+    assert store.put(checkpoint, second)
+    assert store.public() == {uploaded} and not store.is_public(checkpoint)
+    for number in range(3, 5):  # evicts both
+        assert store.put(*blob(number))
+    assert store.public() == set() and not store.is_public(uploaded)
+
+
 def test_a_pinned_blob_is_not_evicted(tmp_path):
     store = BlobStore(tmp_path, cap=4 * MiB)
     held_name, held_data = blob(0)

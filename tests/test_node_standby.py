@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -154,3 +155,30 @@ def test_with_no_host_lending_disk_the_checkpoints_stay_on_the_consumer(tmp_path
     state = json.loads((tmp_path / "consumer" / "state.json").read_text())
     assert [row["role"] for row in state["leases"]] == ["session"]
     assert checkpoint_bytes(tmp_path / "consumer") > 0
+
+
+def test_a_second_host_fetches_an_upload_from_the_first_instead_of_the_consumer(tmp_path):
+    boot = loopback.start_boot(tmp_path)
+    script = [str(Path(__file__).parent / "scripts" / "upload_weights.py")]
+    first = nodes.start_provider(tmp_path / "first", boot.addr, "--price", "0.7")
+    nodes_up = [boot, first]
+    try:
+        first.wait_for("providing")
+        one = nodes.start_consumer(tmp_path / "one", boot.addr, command=script)
+        assert one.proc.wait(timeout=180) == 0, one.output()
+        first.wait_for_state(lambda s: s.get("blobs_announced", 0) >= 3)
+        # A cheaper host joins: the next consumer leases it, and it has none of them.
+        second = nodes.start_provider(tmp_path / "second", boot.addr, "--price", "0.3")
+        nodes_up.append(second)
+        second.wait_for("providing")
+        two = nodes.start_consumer(tmp_path / "two", boot.addr, command=script)
+        assert two.proc.wait(timeout=180) == 0, two.output()
+    finally:
+        for node in nodes_up:
+            node.stop()
+    result = [json.loads(line) for line in two.lines if line.startswith("{")][-1]
+    assert result["sum"] == result["expected"]
+    assert result["fetched"] == 48 * 2**20
+    (lease,) = json.loads((tmp_path / "two" / "state.json").read_text())["leases"]
+    assert lease["host"] == second.state()["peer_id"]
+    assert lease["bytes_counted"] < 2**20  # the consumer's link carried digests, not bytes

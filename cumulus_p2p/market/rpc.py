@@ -49,13 +49,20 @@ async def _write_frame(stream: INetStream, payload: bytes) -> None:
     await stream.write(len(payload).to_bytes(_HEADER, "big") + payload)
 
 
-def serve_rpc(host: IHost, protocol: TProtocol, answer: Answer, *, timeout: float = 10.0) -> None:
+def serve_rpc(
+    host: IHost,
+    protocol: TProtocol,
+    answer: Answer,
+    *,
+    timeout: float = 10.0,
+    max_request: int = MAX_FRAME,
+) -> None:
     """Answer each request on ``protocol`` with ``answer``, within ``timeout`` seconds."""
 
     async def handle(stream: INetStream) -> None:
         try:
             with trio.fail_after(timeout):
-                request = await _read_frame(stream, MAX_FRAME)
+                request = await _read_frame(stream, max_request)
                 requester = stream.muxed_conn.peer_id.to_base58()
                 await _write_frame(stream, await answer(request, requester))
                 await stream.close()
@@ -69,12 +76,18 @@ def serve_rpc(host: IHost, protocol: TProtocol, answer: Answer, *, timeout: floa
 
 
 async def call_rpc(
-    host: IHost, peer: ID, protocol: TProtocol, request: bytes, *, timeout: float = 10.0
+    host: IHost,
+    peer: ID,
+    protocol: TProtocol,
+    request: bytes,
+    *,
+    timeout: float = 10.0,
+    max_response: int = MAX_FRAME,
 ) -> bytes:
     """Send one request to ``peer`` on ``protocol`` and return its response.
 
     Raises:
-        FrameTooLargeError: The response is over ``MAX_FRAME``.
+        FrameTooLargeError: The response is over ``max_response``.
         trio.TooSlowError: No answer within ``timeout``.
         libp2p.exceptions.BaseLibp2pError: The stream could not be opened or broke.
     """
@@ -82,7 +95,7 @@ async def call_rpc(
         stream = await host.new_stream(peer, [protocol])
         try:
             await _write_frame(stream, request)
-            return await _read_frame(stream, MAX_FRAME)
+            return await _read_frame(stream, max_response)
         finally:
             try:
                 await stream.close()

@@ -193,6 +193,7 @@ def attach_leased(client: ControlClient):
             standby=standby,
             checkpoint_to=None if standby is None else placement.value,
             replace_standby=_standby,
+            fetch_elsewhere=client.fetch,
         )
         why = client.probe(measure(attached.session, ticket.claimed_perf).to_wire())
         if why is None:

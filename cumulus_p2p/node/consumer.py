@@ -624,6 +624,20 @@ class Consumer:
         live = [h for h in self.sessions if h.state is LeaseState.HELD]
         return await self._ticket(live[-1])
 
+    async def fetch_for_session(self, names: list[str]) -> dict:
+        """Have the session's host fetch these blobs from other hosts (``blobshare``)."""
+        # blobshare reads the host's blob store (remote/, with torch): imported when a
+        # shim first asks, so that a consumer node without one stays light.
+        from .blobshare import call_fetch
+
+        held = self.sessions[-1]
+        try:
+            return await call_fetch(
+                self.runtime.mesh.host, peer_of(held.proposal.host), held.proposal.lease_id, names
+            )
+        except (BaseLibp2pError, trio.TooSlowError, OSError) as exc:
+            raise CumulusError(f"the session's host did not answer a fetch: {exc}") from exc
+
     async def standby_ticket(self, lost: str = "") -> tuple[control.SessionTicket | None, str]:
         """Where the session's checkpoints are kept: a lease of storage on a host other
         than the session's, taken on the shim's first ask and kept until it is ``lost``
@@ -935,6 +949,7 @@ async def run_consumer(
                     probe=consumer.check_probe,
                     path=consumer.take_path,
                     standby=consumer.standby_ticket,
+                    fetch=consumer.fetch_for_session,
                 )
             )
             env = _child_env(data, address, token, options)

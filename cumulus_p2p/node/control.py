@@ -53,7 +53,9 @@ ENV_NODE_PID = "CUMULUS_NODE_PID"
 #: Where the script's checkpoints go (``remote.standby.CheckpointPlacement``'s values).
 ENV_CHECKPOINT_TO = "CUMULUS_CHECKPOINT_TO"
 CHECKPOINT_PLACES = ("standby", "consumer", "both")
-MAX_FRAME = 64 * 1024
+MAX_FRAME = 128 * 1024
+#: Most pieces one fetch names: one ``have`` question's worth (``remote.blobs.MAX_HAVE``).
+MAX_FETCH = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +120,8 @@ class SessionTicket:
 #: What the node does for each request: ``session()`` and ``failover(reason)``.
 SessionSource = Callable[[], Awaitable[SessionTicket]]
 FailoverSource = Callable[[str], Awaitable[SessionTicket]]
+#: Has the session's host fetch blobs from other hosts: what it fetched.
+FetchSource = Callable[[list[str]], Awaitable[dict]]
 #: Leases the standby (again, when given why the last one was lost): its ticket, or
 #: None and why not.
 StandbySource = Callable[[str], Awaitable[tuple[SessionTicket | None, str]]]
@@ -213,11 +217,13 @@ async def serve_control(
     probe: ProbeJudge | None = None,
     path: PathSink = lambda lease_id, path: None,
     standby: StandbySource | None = None,
+    fetch: FetchSource | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve control requests on loopback forever; reports ``"127.0.0.1:port"``.
     ``standby`` leases (once) the host that keeps the session's checkpoints: it returns
-    the ticket, or None and why not."""
+    the ticket, or None and why not. ``fetch`` has the session's host fetch blobs from
+    other hosts (``blobshare``)."""
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     port = listeners[0].socket.getsockname()[1]
 
@@ -229,7 +235,7 @@ async def serve_control(
                 if request == ["watch", token]:
                     await _take_usage(channel, usage)  # open until this node's process ends
                 answer = await _answer(
-                    request, token, session, failover, usage, probe, path, standby
+                    request, token, session, failover, usage, probe, path, standby, fetch
                 )
                 await channel.send_frame([msgpack.packb(answer)])
         except (CumulusError, trio.BrokenResourceError, ValueError, msgpack.UnpackException):
@@ -259,6 +265,7 @@ async def _answer(
     probe: ProbeJudge | None,
     path: PathSink,
     standby: StandbySource | None,
+    fetch: FetchSource | None,
 ) -> list:
     if not (isinstance(request, list) and len(request) >= 2 and isinstance(request[1], str)):
         return ["error", "malformed control request"]
@@ -281,6 +288,10 @@ async def _answer(
             return ["ok", None]
         if request[0] == "probe" and len(request) == 3 and probe is not None:
             return ["ok", await probe(request[2])]
+        if request[0] == "fetch" and len(request) == 3 and _digests(request[2]):
+            if fetch is None:
+                return ["error", "this node fetches no blobs"]
+            return ["ok", await fetch(request[2])]
         if request[0] == "standby" and len(request) == 3 and isinstance(request[2], str):
             if standby is None:
                 return ["none", "this node keeps no standbys"]
@@ -289,6 +300,15 @@ async def _answer(
     except CumulusError as exc:
         return ["error", str(exc)]
     return ["error", f"unknown control request {request[0]!r}"]
+
+
+def _digests(value: object) -> bool:
+    # Checked as digests by the host that fetches them.
+    return (
+        isinstance(value, list)
+        and len(value) <= MAX_FETCH
+        and all(isinstance(v, str) and len(v) == 64 for v in value)
+    )
 
 
 def wait_until_node_is_gone(
@@ -360,6 +380,19 @@ class ControlClient:
         if isinstance(answer, list) and len(answer) == 2 and answer[0] == "none":
             return None, str(answer[1])
         return self._ticket_in(answer), ""
+
+    def fetch(self, names: list[str]) -> dict:
+        """Have the session's host fetch these blobs from other hosts that announce them
+        (``blobshare``); what it fetched (``{"pieces", "bytes", "dropped"}``).
+
+        Raises:
+            CumulusError: the node or the host could not.
+        """
+        self._channel.send_frame([msgpack.packb(["fetch", self._token, names])])
+        answer = msgpack.unpackb(self._channel.recv_frame(), raw=False)
+        if isinstance(answer, list) and len(answer) == 2 and answer[0] == "ok":
+            return answer[1]
+        raise CumulusError(f"the cumulus node could not fetch: {answer!r}"[:300])
 
     def report_path(self, ticket: SessionTicket, path: str) -> None:
         """Tell the node which path the session channel for ``ticket``'s lease took."""

@@ -69,12 +69,14 @@ from ..market.messages import LeaseKind, encode_message, peer_id_of, seal_messag
 from ..market.probing import serve_liveness
 from ..market.settlement import NOTICE_LEAVING, call_lease_notice, serve_lease_close
 from ..remote import blobservice
+from ..remote.blobstore import BlobStore
 from ..remote.executor import DEFAULT_BLOB_CAP, Executor, ExecutorConfig
 from ..remote.executor_main import build_executor
 from ..remote.scheduler import lease_rank
 from ..remote.session import SessionStats
 from ..remote.standby import STANDBY_QUOTA
 from ..remote.supervisor import WorkerSupervisor
+from .blobshare import BlobSharing, serve_fetches
 from .datadir import DataDir
 from .hardware import DeviceFacts, GpuMeter
 from .payment import ActiveLease, PaymentEnforcer
@@ -216,6 +218,8 @@ class Provider:
         self._presented: dict[bytes, LeaseProposal] = {}
         #: Hosts admitted to read kept pieces, and the device whose session keeps them.
         self._readers: dict[bytes, Served] = {}
+        #: Its public blobs, announced to and fetched from other hosts (once serving).
+        self.sharing: BlobSharing | None = None
         self.endpoints: list[str] = []
         self.session_socket: tuple[str, int] | None = None  # (bound address, port)
         self.leaving = False
@@ -377,6 +381,14 @@ class Provider:
             await self.payments.settle(active)
         self.payments.settle_up(active)
 
+    def may_fetch(self, consumer: str, lease_id: str) -> str | None:
+        """Whether ``consumer`` may have this host fetch blobs from others for it: only
+        for a lease of its own that this host holds (``blobshare``)."""
+        held = self.book.get(lease_id)
+        if held is None or held.proposal.consumer != consumer:
+            return "no lease of yours is held here under that id"
+        return None
+
     def _lease(self, lease_id: str) -> ActiveLease | None:
         """A lease this host served, running or finished."""
         finished = (a for a in self.finished if a.proposal.lease_id == lease_id)
@@ -474,6 +486,7 @@ class Provider:
             "storage_price": self.options.storage_price,
             "storage_gib_total": self.options.storage_gib,
             "storage_gib_free": self.free_storage(),
+            "blobs_announced": 0 if self.sharing is None else len(self.sharing.announced),
             "sessions": sum(len(e.sessions) for e in executors),
             "isolation": "worker per session" if self.options.uses_workers else "shared process",
             "device_health": _health(self.served.values()),
@@ -605,6 +618,10 @@ async def run_provider(
             next_nonce=runtime.mesh.next_nonce, clock=runtime.clock,
         )  # fmt: skip
         serve_lease_close(runtime.mesh.host, provider.close_lease)
+        store = BlobStore(data.path / "blobs", options.blob_cap)
+        sharing = provider.sharing = BlobSharing(runtime.mesh.host, runtime.mesh.dht, store)
+        sharing.serve()
+        serve_fetches(runtime.mesh.host, sharing, provider.may_fetch)
         with provider.meter:  # one NVML session for the status of every tick
             async with trio.open_nursery() as nursery:
                 for executor in executors:
@@ -621,6 +638,7 @@ async def run_provider(
                 nursery.start_soon(provider.keep_offer_current)
                 nursery.start_soon(provider.metering_loop)
                 nursery.start_soon(provider.keep_op_rates)
+                nursery.start_soon(sharing.announce_forever)
                 if on_ready is not None:
                     on_ready(provider)
                 while True:

@@ -99,6 +99,7 @@ def attach(
     standby: str | FrameChannel | None = None,
     checkpoint_to: str | None = None,
     replace_standby: Callable[[str], FrameChannel | None] | None = None,
+    fetch_elsewhere: Callable[[list[str]], dict] | None = None,
 ) -> _Attached:
     """Open a session with an executor and make it the ``cumulus`` device.
 
@@ -129,6 +130,8 @@ def attach(
             default without: ``checkpoint_store``) or ``"both"``.
         replace_standby: called with why when the standby is lost: a channel to a new
             one (as ``standby``), or None (``RemoteSession``).
+        fetch_elsewhere: has the host fetch an upload's missing pieces from other hosts
+            first (``RemoteSession``).
 
     Returns:
         A handle whose ``.session`` is the ``RemoteSession``; use it in a ``with`` block
@@ -159,6 +162,7 @@ def attach(
         standby=link,
         checkpoint_to=checkpoint_to,
         replace_standby=replace_standby,
+        fetch_elsewhere=fetch_elsewhere,
     )
     CURRENT.session = session
     _run_backward_on_this_thread()

@@ -23,6 +23,10 @@ processes, with the file system as the only shared state:
   lock on ``.lock``, so two processes never both spend the same room. A blob that cannot
   fit (larger than the cap, or the rest pinned) is not kept; the upload that brought it
   still succeeds.
+- **Public** blobs came from uploads of sessions that are not private: ``put(...,
+  public=True)`` leaves a marker under ``.public/``, and only those are announced and
+  served to other hosts (``node/blobshare.py``). A checkpoint's pieces a standby pulled
+  are the consumer's state, never public. A marker whose blob was evicted is ignored.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ log = logging.getLogger(__name__)
 
 _TMP = ".tmp"
 _LOCK = ".lock"
+_PUBLIC = ".public"
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,7 @@ class BlobStore:
         self.root = Path(root)
         self.cap = cap
         (self.root / _TMP).mkdir(parents=True, exist_ok=True)
+        (self.root / _PUBLIC).mkdir(exist_ok=True)
         self._names = itertools.count()
         self._lock = threading.Lock()  # this process's threads, before the file lock
         self._remove_dead_temporaries()
@@ -127,6 +133,15 @@ class BlobStore:
     def __contains__(self, value: str) -> bool:
         return (self.root / value).exists()
 
+    def public(self) -> set[str]:
+        """The blobs held that uploads made public (``put(..., public=True)``)."""
+        with os.scandir(self.root / _PUBLIC) as entries:
+            marked = {e.name for e in entries if is_digest(e.name)}
+        return {name for name in marked if name in self}
+
+    def is_public(self, value: str) -> bool:
+        return (self.root / _PUBLIC / value).exists() and value in self
+
     def statistics(self) -> BlobStoreStatistics:
         """The blobs in place and their bytes (a read: it changes nothing)."""
         blobs = self._scan()
@@ -134,8 +149,9 @@ class BlobStore:
 
     # --- writing ------------------------------------------------------------------------
 
-    def put(self, value: str, data: memoryview) -> bool:
-        """Check ``data`` against ``value`` and keep it under that name.
+    def put(self, value: str, data: memoryview, *, public: bool = False) -> bool:
+        """Check ``data`` against ``value`` and keep it under that name; ``public``: it
+        came from an upload that other hosts may fetch.
 
         Returns:
             True when the store holds the blob afterwards; False when it did not fit (larger
@@ -150,6 +166,8 @@ class BlobStore:
                 f"a blob sent as {value[:16]} does not match its hash; nothing "
                 "was stored (the bytes changed after they were named, or were damaged)"
             )
+        if public:
+            self._mark_public(value)
         final = self.root / value
         if final.exists():
             with contextlib.suppress(FileNotFoundError):
@@ -177,6 +195,10 @@ class BlobStore:
             if temporary is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(temporary)
+
+    def _mark_public(self, value: str) -> None:
+        with contextlib.suppress(OSError):  # a marker lost costs an announcement, no more
+            (self.root / _PUBLIC / value).touch()
 
     def _write_temporary(self, value: str, data: memoryview) -> Path:
         name = f"{value}.{os.getpid()}.{next(self._names)}"

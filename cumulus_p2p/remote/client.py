@@ -113,6 +113,10 @@ class RemoteSession:
             copy), at the next checkpoint: returns a channel to a new one (its
             ``peer_address`` set), which copies everything it lacks, or None: then the
             consumer's store takes the checkpoints from there on.
+        fetch_elsewhere: called with the pieces of an upload the host lacks, before their
+            bytes are sent: has the host fetch them from other hosts that hold them (a
+            market host: ``node/blobshare.py``) and returns what it fetched. Never for a
+            private session.
 
     Raises:
         ValueError: a checkpoint option was given without ``reconnect``, or is invalid.
@@ -133,6 +137,7 @@ class RemoteSession:
         standby: StandbyLink | None = None,
         checkpoint_to: CheckpointPlacement | str | None = None,
         replace_standby: Callable[[str], FrameChannel | None] | None = None,
+        fetch_elsewhere: Callable[[list[str]], dict] | None = None,
     ) -> None:
         if reconnect is None and (checkpoint_interval, checkpoint_store, standby) != (None,) * 3:
             raise ValueError("checkpoints serve failover: pass reconnect= to use them")
@@ -165,6 +170,9 @@ class RemoteSession:
             self._options["private"] = True
         #: ``have`` questions asked, and blob bytes the host had (so they were not sent).
         self.blob_questions = 0
+        self._fetch_elsewhere = None if private else fetch_elsewhere
+        #: Bytes of uploads the host fetched from other hosts instead.
+        self.fetched_elsewhere_bytes = 0
         self.blob_bytes_skipped = 0
         self._reconnect = reconnect
         self._attempts = failover_attempts
@@ -289,7 +297,25 @@ class RemoteSession:
         ``here=True`` before asking again. At most ``MAX_HAVE`` names."""
         with self._lock:
             self.flush()
-            return self._ask_have(names)
+            held = self._ask_have(names)
+            missing = [name for name, here in zip(names, held, strict=True) if not here]
+            if missing and self._fetched_elsewhere(missing):
+                held = self._ask_have(names)  # the question pins all it names: ask whole
+            return held
+
+    def _fetched_elsewhere(self, missing: list[str]) -> bool:
+        """Whether the host fetched any of ``missing`` from other hosts. A fetch that
+        fails turns fetching off for the session: the consumer sends the bytes."""
+        if self._fetch_elsewhere is None:
+            return False
+        try:
+            fetched = self._fetch_elsewhere(missing)
+        except (OSError, CumulusError) as exc:
+            log.warning("cumulus: the host cannot fetch from other hosts (%s); uploading", exc)
+            self._fetch_elsewhere = None
+            return False
+        self.fetched_elsewhere_bytes += fetched.get("bytes", 0)
+        return fetched.get("pieces", 0) > 0
 
     def _ask_have(self, names: list[str]) -> list[bool]:
         """One ``have`` round trip. A host lost meanwhile holds nothing (failover on: the

@@ -566,7 +566,7 @@ class ExecutorSession:
         store = self.ctx.blobs
         try:
             if store is not None and not self.private:
-                store.put(value, data)
+                store.put(value, data, public=True)
             elif digest(data) != value:
                 raise BlobMismatchError(
                     f"a blob sent as {value[:16]} does not match its hash; it was not used"

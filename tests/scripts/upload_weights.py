@@ -1,0 +1,23 @@
+"""Upload the same "pretrained weights" every run: 48 MiB, three 16 MiB pieces, made from
+a fixed seed; read them back and print one JSON line with their sum and what the host
+fetched from other hosts instead of this machine (``fetched_elsewhere_bytes``)."""
+
+import json
+
+import torch
+
+import cumulus_p2p.remote as remote
+
+weights = torch.randn(3 * 4 * 1024 * 1024, generator=torch.Generator().manual_seed(7))
+on_device = weights.to("cuda")
+session = remote.current_session()
+print(
+    json.dumps(
+        {
+            "sum": on_device.sum().item(),
+            "expected": weights.sum().item(),
+            "fetched": session.fetched_elsewhere_bytes,
+        }
+    ),
+    flush=True,
+)
