@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from cumulus_p2p.remote.blobs import is_digest
 from cumulus_p2p.testing import loopback, nodes
 
 # Starts real cumulus-node processes: scripts/test --fast skips it.
@@ -182,3 +183,20 @@ def test_a_second_host_fetches_an_upload_from_the_first_instead_of_the_consumer(
     (lease,) = json.loads((tmp_path / "two" / "state.json").read_text())["leases"]
     assert lease["host"] == second.state()["peer_id"]
     assert lease["bytes_counted"] < 2**20  # the consumer's link carried digests, not bytes
+
+
+def test_a_private_jobs_uploads_are_not_kept_by_its_host(tmp_path):
+    boot = loopback.start_boot(tmp_path)
+    provider = nodes.start_provider(tmp_path / "host", boot.addr, "--price", "0.3")
+    script = [str(Path(__file__).parent / "scripts" / "upload_weights.py")]
+    try:
+        provider.wait_for("providing")
+        consumer = nodes.start_consumer(tmp_path / "one", boot.addr, "--private", command=script)
+        assert consumer.proc.wait(timeout=180) == 0, consumer.output()
+    finally:
+        for node in (provider, boot):
+            node.stop()
+    result = [json.loads(line) for line in consumer.lines if line.startswith("{")][-1]
+    assert result["sum"] == result["expected"] and result["fetched"] == 0
+    kept = [p for p in (tmp_path / "host" / "blobs").iterdir() if is_digest(p.name)]
+    assert kept == []

@@ -344,6 +344,12 @@ def _add_lease_wishes(consume) -> None:
         help="most credits per GiB-hour for the standby's disk (default 1)",
     )
     consume.add_argument(
+        "--private",
+        action="store_true",
+        help="the hosts keep none of this job's uploads after its session (nothing of it "
+        "is announced to or fetched by other hosts; uploads are not fetched from them)",
+    )
+    consume.add_argument(
         "--no-cuda-compat",
         action="store_true",
         help="do not map torch.cuda and device='cuda' to the remote device",

@@ -272,6 +272,7 @@ def _consumer_options(args, script: list[str]):
         checkpoint_interval=args.checkpoint_interval,
         checkpoint_to=args.checkpoint_to,
         standby_gib=args.standby_gib,
+        private=args.private,
         max_storage_price=args.max_storage_price,
     )
 

@@ -30,7 +30,7 @@ from ..identity import NodeIdentity
 from ..remote.blobservice import Source
 from ..remote.checkpoint import DirectoryCheckpointStore
 from ..remote.standby import CheckpointPlacement
-from .control import ENV_CHECKPOINT_TO, ControlClient, SessionTicket, Transfer, Usage
+from .control import ENV_CHECKPOINT_TO, ENV_PRIVATE, ControlClient, SessionTicket, Transfer, Usage
 from .datadir import DataDir, default_data_dir
 from .probe import measure
 
@@ -194,6 +194,7 @@ def attach_leased(client: ControlClient):
             checkpoint_to=None if standby is None else placement.value,
             replace_standby=_standby,
             fetch_elsewhere=client.fetch,
+            private=os.environ.get(ENV_PRIVATE) == "1",
         )
         why = client.probe(measure(attached.session, ticket.claimed_perf).to_wire())
         if why is None:

@@ -148,6 +148,7 @@ class ConsumerOptions:
         checkpoint_to: Where they are kept (``control.CHECKPOINT_PLACES``): with a
             standby, on a second leased host.
         standby_gib: GiB of disk the standby lease holds for them.
+        private: Hosts keep none of the job's uploads (``remote.attach(private=True)``).
         max_storage_price: Most micro-credits per GiB-hour for it.
         wait_for_host: Seconds a job whose host failed waits for a usable one before it
             gives up; meanwhile its state is safe in its checkpoints.
@@ -167,6 +168,7 @@ class ConsumerOptions:
     checkpoint_interval: float = 30.0
     checkpoint_to: str = "standby"
     standby_gib: int = 4
+    private: bool = False
     max_storage_price: int = 10**6
     wait_for_host: float = WAIT_FOR_HOST_S
     backoff: BackoffPolicy = BackoffPolicy()
@@ -981,6 +983,8 @@ def _child_env(data: DataDir, address: str, token: str, options: ConsumerOptions
     env["CUMULUS_DATA_DIR"] = str(data.path)
     env["CUMULUS_CHECKPOINT_INTERVAL"] = str(options.checkpoint_interval)
     env[control.ENV_CHECKPOINT_TO] = options.checkpoint_to
+    if options.private:
+        env[control.ENV_PRIVATE] = "1"
     return env
 
 

@@ -53,6 +53,8 @@ ENV_NODE_PID = "CUMULUS_NODE_PID"
 #: Where the script's checkpoints go (``remote.standby.CheckpointPlacement``'s values).
 ENV_CHECKPOINT_TO = "CUMULUS_CHECKPOINT_TO"
 CHECKPOINT_PLACES = ("standby", "consumer", "both")
+#: Set when the job's uploads are private (``remote.attach(private=True)``).
+ENV_PRIVATE = "CUMULUS_PRIVATE"
 MAX_FRAME = 128 * 1024
 #: Most pieces one fetch names: one ``have`` question's worth (``remote.blobs.MAX_HAVE``).
 MAX_FETCH = 1024
