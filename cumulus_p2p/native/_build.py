@@ -9,6 +9,7 @@ library is only valid against the headers it was compiled with.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shutil
 import sys
@@ -27,8 +28,6 @@ CFLAGS = ("-O2", "-DNDEBUG")
 
 def build_directory() -> Path:
     """Where the extension is built: under the checkout's ``build/``, else a user cache."""
-    import torch
-
     override = os.environ.get("CUMULUS_NATIVE_BUILD_DIR")
     if override:
         return Path(override)
@@ -37,7 +36,17 @@ def build_directory() -> Path:
         base = checkout / "build" / "native"
     else:
         base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cumulus_p2p"
-    return base / f"torch-{torch.__version__}"
+    # The installed version, read without importing torch (a second or two).
+    return base / f"torch-{importlib.metadata.version('torch')}"
+
+
+def is_fresh() -> bool:
+    """Whether the built library is newer than every source and header (no torch import)."""
+    library = build_directory() / f"{NAME}.so"
+    if not library.exists():
+        return False
+    newest = max(path.stat().st_mtime for path in CSRC.iterdir())
+    return library.stat().st_mtime >= newest
 
 
 def _search_path() -> str:

@@ -1,0 +1,225 @@
+"""Decoding the native device's batches: the wire records of ``csrc/record.h``.
+
+A sans-IO reader (no torch, no sockets): ``decode(batch, names)`` turns the bytes that
+``take_batch()`` returns into typed records, with op indexes resolved through the name
+table (``op_names()``). The tests use it to check what the device recorded; the
+executor's replay loop (a later slice, in C++) reads the same format. Malformed bytes
+raise ``MalformedMessageError``, since a batch is a peer's input on the executor.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .._errors import MalformedMessageError
+
+#: c10::ScalarType's numbering, the `dtype` byte of tensor values (torch's names).
+DTYPES = (
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "float16",
+    "float32",
+    "float64",
+    "complex32",
+    "complex64",
+    "complex128",
+    "bool",
+    "qint8",
+    "quint8",
+    "qint32",
+    "bfloat16",
+)
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A view of a device storage: the executor caches one view per distinct reference."""
+
+    handle: int
+    offset: int
+    dtype: str
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class HostTensor:
+    """A host tensor sent by value (an upload's source, a CPU scalar argument)."""
+
+    dtype: str
+    sizes: tuple[int, ...]
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Device:
+    type: int
+    index: int
+
+
+@dataclass(frozen=True)
+class Generator:
+    """The session's generator on the executor."""
+
+
+@dataclass(frozen=True)
+class Op:
+    op: str
+    args: tuple[Any, ...]
+    outs: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Alloc:
+    handle: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Upload:
+    dst: TensorRef
+    src: HostTensor
+
+
+@dataclass(frozen=True)
+class Readback:
+    src: TensorRef
+
+
+@dataclass(frozen=True)
+class Free:
+    handle: int
+
+
+@dataclass(frozen=True)
+class Resize:
+    handle: int
+    nbytes: int
+
+
+Record = Op | Alloc | Upload | Readback | Free | Resize
+
+
+class _Reader:
+    """A cursor over one record's bytes; every read is bounds-checked."""
+
+    def __init__(self, data: bytes | memoryview) -> None:
+        self.data = memoryview(data)
+        self.at = 0
+
+    def take(self, fmt: str) -> Any:
+        size = struct.calcsize(fmt)
+        if self.at + size > len(self.data):
+            raise MalformedMessageError(f"record truncated at byte {self.at}")
+        (value,) = struct.unpack_from(fmt, self.data, self.at)
+        self.at += size
+        return value
+
+    def ints(self, n: int) -> tuple[int, ...]:
+        return tuple(self.take("<q") for _ in range(n))
+
+    def raw(self, n: int) -> bytes:
+        if self.at + n > len(self.data):
+            raise MalformedMessageError(f"record truncated at byte {self.at}")
+        self.at += n
+        return bytes(self.data[self.at - n : self.at])
+
+    def dtype(self) -> str:
+        code = self.take("<B")
+        if code >= len(DTYPES):
+            raise MalformedMessageError(f"unknown dtype code {code}")
+        return DTYPES[code]
+
+
+def _tensor(r: _Reader) -> TensorRef:
+    handle, offset, dtype = r.take("<Q"), r.take("<q"), r.dtype()
+    ndim = r.take("<B")
+    return TensorRef(handle, offset, dtype, r.ints(ndim), r.ints(ndim))
+
+
+def _host_tensor(r: _Reader) -> HostTensor:
+    dtype = r.dtype()
+    sizes = r.ints(r.take("<B"))
+    return HostTensor(dtype, sizes, r.raw(r.take("<Q")))
+
+
+def _string(r: _Reader) -> str:
+    return r.raw(r.take("<I")).decode()
+
+
+_VALUES: dict[int, Callable[[_Reader], Any]] = {
+    0: lambda r: None,
+    1: _tensor,
+    2: _host_tensor,
+    3: lambda r: r.take("<q"),
+    4: lambda r: r.take("<d"),
+    5: lambda r: bool(r.take("<B")),
+    6: lambda r: complex(r.take("<d"), r.take("<d")),
+    7: _string,
+    8: lambda r: tuple(_value(r) for _ in range(r.take("<I"))),
+    9: lambda r: r.ints(r.take("<I")),
+    10: lambda r: Device(r.take("<b"), r.take("<b")),
+    11: lambda r: Generator(),
+}
+
+
+def _value(r: _Reader) -> Any:
+    tag = r.take("<B")
+    if tag not in _VALUES:
+        raise MalformedMessageError(f"unknown value tag {tag}")
+    return _VALUES[tag](r)
+
+
+def _op(r: _Reader, names: Sequence[str]) -> Op:
+    index = r.take("<I")
+    if index >= len(names):
+        raise MalformedMessageError(f"op index {index} is not in the name table")
+    args = tuple(_value(r) for _ in range(r.take("<H")))
+    return Op(names[index], args, tuple(_value(r) for _ in range(r.take("<H"))))
+
+
+def _expect(r: _Reader, kind: type) -> Any:
+    value = _value(r)
+    if not isinstance(value, kind):
+        raise MalformedMessageError(f"expected a {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+_KINDS: dict[int, Callable[[_Reader, Sequence[str]], Record]] = {
+    1: _op,
+    2: lambda r, _: Alloc(r.take("<Q"), r.take("<Q")),
+    3: lambda r, _: Upload(_expect(r, TensorRef), _expect(r, HostTensor)),
+    4: lambda r, _: Readback(_expect(r, TensorRef)),
+    5: lambda r, _: Free(r.take("<Q")),
+    6: lambda r, _: Resize(r.take("<Q"), r.take("<Q")),
+}
+
+
+def decode(batch: bytes, names: Sequence[str]) -> list[Record]:
+    """The records of a batch, in order.
+
+    Args:
+        batch: bytes from ``take_batch()``.
+        names: the op name table (``op_names()``), taken after the batch.
+
+    Raises:
+        MalformedMessageError: a truncated record, an unknown kind, tag, dtype or op
+            index, or a record whose body is longer than its fields.
+    """
+    outer = _Reader(batch)
+    records: list[Record] = []
+    while outer.at < len(outer.data):
+        kind, length = outer.take("<B"), outer.take("<I")
+        if kind not in _KINDS:
+            raise MalformedMessageError(f"unknown record kind {kind}")
+        body = _Reader(outer.raw(length))
+        records.append(_KINDS[kind](body, names))
+        if body.at != length:
+            raise MalformedMessageError(f"{length - body.at} stray bytes after a record")
+    return records
