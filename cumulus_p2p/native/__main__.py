@@ -33,6 +33,7 @@ def main() -> int:
         print(f"cumulus native device not built: {reason}", file=sys.stderr)
         return 1 if args.strict else 0
     if is_fresh():
+        print(f"cumulus native device: up to date ({build_directory()})")
         return 0
     done = subprocess.run(
         [sys.executable, "-c", _CHILD], capture_output=True, text=True, check=False
