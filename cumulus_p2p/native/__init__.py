@@ -118,6 +118,9 @@ def _check_process_is_free() -> None:
 def load(verbose: bool = False) -> ModuleType:
     """Build (if sources changed), load and register the native ``cumulus`` device.
 
+    Call it before the process's first backward pass: autograd's engine sizes its
+    per-device queues once, from the device guards registered at that time.
+
     Returns:
         The extension module: ``take_batch``, ``pending_records``, ``intern``,
         ``op_names``, ``handle`` and ``set_readback_hook``.
