@@ -1,10 +1,12 @@
 """The demo: a whole Cumulus mesh on loopback, in one command.
 
 Starts real ``cumulus-node`` processes on 127.0.0.1: a bootstrap node, two CPU providers
-asking different prices, and a consumer that bids, matches the cheaper provider, leases
-it and runs an ordinary CUDA-style training script (``cumulus_p2p.demo_train``) through
-the torch shim. Midway the demo kills the provider the job runs on (SIGKILL): the
-consumer re-matches to the other one and the job resumes from its last checkpoint. At
+asking different prices (each also lends disk for standbys), and a consumer that bids,
+matches the cheaper provider, leases it and runs an ordinary CUDA-style training script
+(``cumulus_p2p.demo_train``) through the torch shim, with the other provider as the
+standby that keeps its checkpoints. Midway the demo kills the provider the job runs on
+(SIGKILL): the consumer re-matches to the other one and the job resumes from the
+checkpoint that host already keeps. At
 the end it shows the consumer's cost and receipts next to each provider's, and checks
 that the loss equals a local CPU run of the same script.
 
@@ -89,6 +91,10 @@ class Demo:
                     boot.addr,
                     "--price",
                     price,
+                    "--storage-gib",
+                    "1",
+                    "--storage-price",
+                    "0.01",
                     receipt_interval="3s",
                     bench_seconds="0.2",
                 )
@@ -112,11 +118,15 @@ class Demo:
             "1.0",
             "--checkpoint-interval",
             "2s",
+            "--standby-gib",
+            "1",
             command=self.script()[1:],
             env={"CUMULUS_RESUME_TIMEOUT": "2"},
         )
         self.nodes["consumer"] = consumer
-        self.console.print("consumer: bidding at most 1.0/share-hour...")
+        self.console.print(
+            "consumer: bidding at most 1.0/share-hour, checkpoints to a standby host..."
+        )
         leased = consumer.wait_for("leased", timeout=60)
         self.console.print(leased.strip(), highlight=False)
         self._printed = 0
@@ -130,6 +140,9 @@ class Demo:
             self.nodes[victim].proc.wait()
             self._echo_until(consumer, "step")
             failover_s = time.monotonic() - killed_at
+            moved = next((x for x in consumer.lines if "session moved" in x), None)
+            if moved is not None:
+                self.console.print("  " + moved.strip(), highlight=False)
         self._echo_until(consumer, None)
         result = json.loads(next(x for x in reversed(consumer.lines) if x.startswith("{")))
         return result, failover_s
@@ -160,7 +173,7 @@ class Demo:
         table = Table(title="receipts per node")
         table.add_column("node")
         table.add_column("receipts")
-        table.add_column("share-seconds")
+        table.add_column("share- or GiB-seconds")
         for name in ["consumer", *PRICES]:
             with Ledger.open(self.root / name) as ledger:
                 mine = list(ledger.entries())
