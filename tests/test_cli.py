@@ -280,6 +280,7 @@ def test_status_before_any_node_ran_says_how_to_start_one(tmp_path):
 def test_a_second_node_on_the_same_data_dir_is_refused(tmp_path):
     first = start_node(tmp_path, "--listen", LOOPBACK_LISTEN)
     try:
+        first.wait_for("listening on")  # up, and holding the data directory
         second = run("--data-dir", str(tmp_path), "--listen", LOOPBACK_LISTEN)
     finally:
         first.stop()

@@ -120,6 +120,7 @@ def test_a_live_mesh_seen_through_the_explorer(tmp_path, page):
         expect(page.locator("#offers a[title]")).to_have_count(2, timeout=30_000)
         page.evaluate("window.__still_this_page = true")
         nodes.append(start_provider(tmp_path / "p-late", boot.addr, "--price", "0.5"))
+        nodes[-1].wait_for("listening on")
         expect(page.locator("#offers a[title]")).to_have_count(3, timeout=30_000)
         assert page.evaluate("window.__still_this_page") is True
         shoot(page, "book")

@@ -24,13 +24,27 @@ ANNOUNCE_INTERVAL = "2"
 
 @dataclass
 class NodeProcess:
-    """A running ``cumulus-node`` and what it printed so far."""
+    """A running ``cumulus-node`` and what it printed so far.
+
+    A node that ``listens`` prints ``listening on ADDR`` once up: ``addr`` waits for that
+    line the first time it is read, so that nodes started one after another start
+    together (read ``boot.addr`` only when the next node needs it).
+    """
 
     proc: subprocess.Popen
     data_dir: Path
     lines: list[str] = field(default_factory=list)
-    addr: str = ""
+    listens: bool = False
     drained: threading.Event = field(default_factory=threading.Event)
+    _addr: str = field(default="", repr=False)
+
+    @property
+    def addr(self) -> str:
+        """The address in the node's ``listening on`` line (waited for, up to 30 s);
+        ``""`` for a node that does not listen."""
+        if self.listens and not self._addr:
+            self._addr = self.wait_for("listening on").split()[-1]
+        return self._addr
 
     def output(self) -> str:
         return "".join(self.lines)
@@ -146,7 +160,7 @@ def node_command(*args: str) -> list[str]:
 def start_node(data_dir: Path, *args: str, env: dict | None = None) -> NodeProcess:
     """Start ``cumulus-node --data-dir DATA_DIR ARGS`` with its output captured.
 
-    For a node that listens (not ``--consume``), waits for its ``listening on`` line.
+    A node that listens (not ``--consume``) has its ``addr`` once it prints it.
     """
     command = node_command("--data-dir", str(data_dir), *args)
     return start_process(command, data_dir, listens="--consume" not in args, env=env)
@@ -155,16 +169,15 @@ def start_node(data_dir: Path, *args: str, env: dict | None = None) -> NodeProce
 def start_process(
     command: list[str], data_dir: Path, *, listens: bool, env: dict | None = None
 ) -> NodeProcess:
-    """Start a node-like ``command`` with its output captured; when it ``listens``, wait
-    for its ``listening on ADDR`` line and keep ``ADDR``."""
+    """Start a node-like ``command`` with its output captured, without waiting for it;
+    when it ``listens``, its ``addr`` is the ``ADDR`` of its ``listening on ADDR`` line
+    (``NodeProcess.addr`` waits for it)."""
     full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
     proc = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env
     )
-    node = NodeProcess(proc, Path(data_dir))
+    node = NodeProcess(proc, Path(data_dir), listens=listens)
     threading.Thread(target=_pump, args=(proc, node), daemon=True).start()
-    if listens:
-        node.addr = node.wait_for("listening on").split()[-1]
     return node
 
 
