@@ -22,6 +22,7 @@ from cumulus_p2p.testing.nodes import (
     start_node,
     start_process,
     start_provider,
+    stop_all,
 )
 
 pytestmark = pytest.mark.slow
@@ -61,5 +62,4 @@ def test_a_consumer_leases_the_honest_host_through_a_flood_of_offers(tmp_path, p
         (lease,) = json.loads((tmp_path / "consumer" / "state.json").read_text())["leases"]
         assert lease["host"] == honest_id
     finally:
-        for node in reversed(nodes):
-            node.stop()
+        stop_all(nodes)

@@ -29,6 +29,7 @@ from .nodes import (
     start_consumer,
     start_node,
     start_process,
+    stop_all,
 )
 
 #: Seconds a provider may take to start: on a loaded 2-core machine a node took over 30 s
@@ -100,10 +101,11 @@ class ProviderPool:
         return self.start_provider(name)
 
     def stop(self) -> None:
-        """Stop every node, the consumer first (its leases settle while hosts are up)."""
-        nodes = [*([self.consumer] if self.consumer else []), *self.providers.values()]
-        for node in [*nodes, self.boot]:
-            node.stop()
+        """Stop every node, the consumer first (its leases settle while hosts are up), then
+        the others together."""
+        if self.consumer:
+            self.consumer.stop()
+        stop_all([*self.providers.values(), self.boot])
 
 
 @contextmanager

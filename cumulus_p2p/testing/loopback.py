@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .nodes import LOOPBACK_LISTEN, NodeProcess, start_liar, start_node, start_provider
+from .nodes import LOOPBACK_LISTEN, NodeProcess, start_liar, start_node, start_provider, stop_all
 
 #: Where a provider that nobody can dial claims its sessions are: nothing answers there.
 UNDIALABLE_HOST = "127.0.0.9"
@@ -46,5 +46,4 @@ def liar_and_honest_provider(
         honest.wait_for("providing")
         yield boot, liar, honest
     finally:
-        for node in (liar, honest, boot):
-            node.stop()
+        stop_all((liar, honest, boot))

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,13 +72,17 @@ class NodeProcess:
         raise TimeoutError(f"the node's state never got there within {timeout}s: {self.state()}")
 
     def stop(self) -> None:
+        """SIGTERM the node and wait for it to leave (SIGKILL after 10 s)."""
         if self.proc.poll() is None:
             self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            self._reap()
+
+    def _reap(self) -> None:
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
     def wait_for(self, text: str, timeout: float = 30.0, *, start: int = 0) -> str:
         """Wait until a printed line (from line ``start`` on) contains ``text``; return it."""
@@ -181,6 +185,16 @@ def start_process(
     return node
 
 
+def stop_all(nodes: Iterable[NodeProcess]) -> None:
+    """Stop ``nodes`` together: SIGTERM each at once, then wait for each (SIGKILL after
+    10 s), so that their goodbyes overlap instead of adding up (``NodeProcess.stop``)."""
+    running = [node for node in nodes if node.proc.poll() is None]
+    for node in running:
+        node.proc.terminate()
+    for node in running:
+        node._reap()
+
+
 def _pump(proc: subprocess.Popen, node: NodeProcess) -> None:
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -232,5 +246,4 @@ def boot_and_provider(root: Path, *args: str) -> Iterator[tuple[NodeProcess, Nod
         provider.wait_for("providing")
         yield boot, provider
     finally:
-        for node in (provider, boot):
-            node.stop()
+        stop_all((provider, boot))
