@@ -216,6 +216,53 @@ def local_final_loss(script: list[str]) -> float:
     return final_json(done.stdout.splitlines())["final_loss"]
 
 
+class LocalRun:
+    """``python *script`` started now on this machine's CPU, in the background: what a job
+    through the mesh must end with, computed while a test waits on its nodes. Read it
+    with ``result`` or ``final_loss``; a run still going at ``close`` is killed.
+
+        with LocalRun(["-m", "cumulus_p2p.demo_train", "--steps", "20"]) as local:
+            ...  # the job through the mesh
+            assert final_json(consumer.lines)["final_loss"] == local.final_loss()
+    """
+
+    def __init__(self, script: list[str]) -> None:
+        self.script = script
+        self.proc = subprocess.Popen(
+            [sys.executable, *script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self._out: str | None = None
+        self._err = ""
+
+    def result(self, timeout: float = 120.0) -> dict:
+        """The last JSON line the script printed (waits for it to exit).
+
+        Raises:
+            subprocess.CalledProcessError: the script failed.
+        """
+        if self._out is None:
+            self._out, self._err = self.proc.communicate(timeout=timeout)
+        if self.proc.returncode != 0:
+            raise subprocess.CalledProcessError(
+                self.proc.returncode, self.script, self._out, self._err
+            )
+        return final_json(self._out.splitlines())
+
+    def final_loss(self, timeout: float = 120.0) -> float:
+        return self.result(timeout)["final_loss"]
+
+    def close(self) -> None:
+        if self._out is None:
+            self.proc.kill()
+            self._out, self._err = self.proc.communicate()
+
+    def __enter__(self) -> LocalRun:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def start_liar(data_dir: Path, bootstrap: str, lie: str, *, price: str = "0.1") -> NodeProcess:
     """A provider that lies about ``lie`` (``cumulus_p2p.testing.liar``), cheapest on the
     mesh by default; wait for its ``providing`` line before leasing from it."""
