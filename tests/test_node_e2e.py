@@ -22,7 +22,8 @@ from cumulus_p2p.testing import loopback, nodes
 # Starts real cumulus-node processes: scripts/test --fast skips it.
 pytestmark = pytest.mark.slow
 
-SCRIPT = Path(__file__).parent / "scripts" / "cuda_train.py"
+SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPT = SCRIPTS / "cuda_train.py"
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +116,10 @@ def test_a_job_survives_its_provider_being_killed_and_finishes_on_the_other(tmp_
         nodes.start_provider(tmp_path / f"p{i}", boot.addr, "--price", price)
         for i, price in enumerate(("0.3", "0.7"))
     ]
-    script = ["-m", "cumulus_p2p.demo_train", "--steps", "30", "--log-every", "5"]
+    # The job holds after step 10 until the test lets it go and at once kills its
+    # provider: killed mid-training, and never after the job finished.
+    gate = tmp_path / "gate"
+    script = [str(SCRIPTS / "gated_train.py"), "20", "10", str(gate)]
     try:
         for node in providers:
             node.wait_for("providing")
@@ -127,18 +131,16 @@ def test_a_job_survives_its_provider_being_killed_and_finishes_on_the_other(tmp_
             command=script,
             env={"CUMULUS_RESUME_TIMEOUT": "1"},
         )
-        consumer.wait_for("step   10", timeout=120)
+        consumer.wait_for("holding at step 10", timeout=120)
+        gate.touch()
         providers[0].proc.kill()
-        assert consumer.proc.wait(timeout=180) == 0, consumer.output()
+        local_script = ["-m", "cumulus_p2p.demo_train", "--steps", "20", "--log-every", "5"]
+        with nodes.LocalRun(local_script) as local:
+            assert consumer.proc.wait(timeout=180) == 0, consumer.output()
+            expected = local.final_loss()
     finally:
-        for node in [*providers, boot]:
-            node.stop()
-    local = subprocess.run(
-        [sys.executable, *script], capture_output=True, text=True, check=True, timeout=120
-    )
-    assert (
-        last_json(consumer)["final_loss"] == json.loads(local.stdout.splitlines()[-1])["final_loss"]
-    )
+        nodes.stop_all([*providers, boot])
+    assert last_json(consumer)["final_loss"] == expected
     state = json.loads((tmp_path / "consumer" / "state.json").read_text())
     assert [lease["state"] for lease in state["leases"]] == ["failed", "held"]
     assert state["failovers"] == 1
