@@ -22,7 +22,7 @@ from cumulus_p2p.testing import loopback, nodes
 pytestmark = pytest.mark.slow
 
 SCRIPTS = Path(__file__).parent / "scripts"
-STEPS = "30"
+STEPS = "20"
 
 
 def disputes(data_dir) -> list:
@@ -55,8 +55,9 @@ def test_an_overcharging_hosts_receipts_are_refused_and_disputed_on_both_sides(t
             lambda s: bool(s.get("leases")) and s["leases"][0]["state"] in ("paused", "unpaid")
         )
         gate.touch()
-        assert consumer.proc.wait(timeout=240) == 0, consumer.output()
-    expected = nodes.local_final_loss(["-m", "cumulus_p2p.demo_train", "--steps", STEPS])
+        with nodes.LocalRun(["-m", "cumulus_p2p.demo_train", "--steps", STEPS]) as local:
+            assert consumer.proc.wait(timeout=240) == 0, consumer.output()
+            expected = local.final_loss()
     assert nodes.final_json(consumer.lines)["final_loss"] == expected
     state = json.loads((tmp_path / "consumer" / "state.json").read_text())
     leases = state["leases"]
