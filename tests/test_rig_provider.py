@@ -33,7 +33,7 @@ def test_a_two_device_provider_serves_one_lease_on_each_device_at_once(tmp_path)
     rig = nodes.start_rig(tmp_path / "rig", boot.addr, devices=2, shares=1)
     # Both jobs hold after step 5 until both leases are seen running at once.
     gate = tmp_path / "gate"
-    script = [str(SCRIPTS / "gated_train.py"), "20", "5", str(gate)]
+    script = [str(SCRIPTS / "gated_train.py"), "10", "5", str(gate)]
     consumers = []
     try:
         rig.wait_for("providing")
@@ -47,14 +47,14 @@ def test_a_two_device_provider_serves_one_lease_on_each_device_at_once(tmp_path)
         running = [row for row in both["leases"] if row["state"] == "running"]
         assert sorted(row["offer_id"] for row in running) == ["device0", "device1"]
         gate.touch()
-        for consumer in consumers:
-            assert consumer.proc.wait(timeout=120) == 0, consumer.output()
-        after = rig.wait_for_state(lambda s: s["shares_free"] == s["shares_total"] == 2)
-        assert [d["sessions"] for d in after["devices"]] == [0, 0]
+        with nodes.LocalRun(["-m", "cumulus_p2p.demo_train", "--steps", "10"]) as local:
+            for consumer in consumers:
+                assert consumer.proc.wait(timeout=120) == 0, consumer.output()
+            after = rig.wait_for_state(lambda s: s["shares_free"] == s["shares_total"] == 2)
+            assert [d["sessions"] for d in after["devices"]] == [0, 0]
+            expected = local.final_loss()
     finally:
-        for node in [*consumers, rig, boot]:
-            node.stop()
-    expected = nodes.local_final_loss(["-m", "cumulus_p2p.demo_train", "--steps", "20"])
+        nodes.stop_all([*consumers, rig, boot])
     assert [nodes.final_json(c.lines)["final_loss"] for c in consumers] == [expected, expected], [
         c.output() for c in consumers
     ]
