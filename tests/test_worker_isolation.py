@@ -33,10 +33,11 @@ from cumulus_p2p.testing.executor import executor_process, secure_executor_chann
 from cumulus_p2p.testing.models import train
 from cumulus_p2p.testing.nodes import (
     LOOPBACK_LISTEN,
-    local_final_loss,
+    LocalRun,
     start_consumer,
     start_node,
     start_provider,
+    stop_all,
 )
 from cumulus_p2p.testing.tenant import Tenant
 
@@ -313,7 +314,7 @@ def test_a_job_whose_worker_is_killed_finishes_elsewhere_and_the_shares_come_bac
     ]
     # The job holds after step 10 until the worker is killed, so it cannot finish first.
     gate = tmp_path / "gate"
-    script = [str(SCRIPTS / "gated_train.py"), "30", "10", str(gate)]
+    script = [str(SCRIPTS / "gated_train.py"), "20", "10", str(gate)]
     try:
         for node in providers:
             node.wait_for("providing")
@@ -334,16 +335,16 @@ def test_a_job_whose_worker_is_killed_finishes_elsewhere_and_the_shares_come_bac
         assert 0 < busy["leases"][0]["memory"] <= busy["leases"][0]["quota"]
         kill(busy["session_workers"][0]["pid"])
         gate.touch()
-        assert consumer.proc.wait(timeout=180) == 0, consumer.output()
-        # The device check after the kill takes a fresh process some seconds.
-        after = cheap.wait_for_state(
-            lambda s: not s["session_workers"] and s["device_health"] == "ok"
-        )
-        assert after["shares_free"] == after["shares_total"]
-        assert after["leases"][0]["state"] == "ended"
+        with LocalRun(["-m", "cumulus_p2p.demo_train", "--steps", "20"]) as local:
+            assert consumer.proc.wait(timeout=180) == 0, consumer.output()
+            # The device check after the kill takes a fresh process some seconds.
+            after = cheap.wait_for_state(
+                lambda s: not s["session_workers"] and s["device_health"] == "ok"
+            )
+            assert after["shares_free"] == after["shares_total"]
+            assert after["leases"][0]["state"] == "ended"
+            expected = local.final_loss()
     finally:
-        for node in [*providers, boot]:
-            node.stop()
-    expected = local_final_loss(["-m", "cumulus_p2p.demo_train", "--steps", "30"])
+        stop_all([*providers, boot])
     assert last_json(consumer)["final_loss"] == expected
     assert "worker process running it was killed by SIGKILL" in consumer.output()
