@@ -22,6 +22,10 @@ from types import ModuleType
 NAME = "cumulus_native"
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("record.cpp", "device.cpp", "kernels.cpp", "shapes.cpp", "module.cpp")
+#: The executor's replay loop: a library of its own, because the device library registers
+#: PrivateUse1 kernels at load and an executor process must not own that key.
+REPLAY_NAME = "cumulus_replay"
+REPLAY_SOURCES = ("replay.cpp",)
 #: -O2 because the fallback runs once per op; NDEBUG drops torch's debug-only asserts.
 CFLAGS = ("-O2", "-DNDEBUG")
 
@@ -42,11 +46,15 @@ def build_directory() -> Path:
 
 def is_fresh() -> bool:
     """Whether the built library is newer than every source and header (no torch import)."""
-    library = build_directory() / f"{NAME}.so"
-    if not library.exists():
+    libraries = [build_directory() / f"{NAME}.so", _replay_directory() / f"{REPLAY_NAME}.so"]
+    if not all(library.exists() for library in libraries):
         return False
     newest = max(path.stat().st_mtime for path in CSRC.iterdir())
-    return library.stat().st_mtime >= newest
+    return all(library.stat().st_mtime >= newest for library in libraries)
+
+
+def _replay_directory() -> Path:
+    return build_directory() / "replay"
 
 
 def _search_path() -> str:
@@ -96,8 +104,36 @@ def build(verbose: bool = False) -> ModuleType:
     )
 
 
+def build_replay(verbose: bool = False) -> ModuleType:
+    """Compile (if anything changed) and import the executor's replay loop.
+
+    It registers nothing with the dispatcher, so any process may load it, one that
+    imported ``cumulus_p2p.remote`` included.
+
+    Raises:
+        RuntimeError: as ``build``.
+    """
+    from torch.utils import cpp_extension
+
+    reason = missing_toolchain()
+    if reason is not None:
+        raise RuntimeError(f"cannot build the native cumulus executor: {reason}")
+    directory = _replay_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    os.environ["PATH"] = _search_path()
+    return cpp_extension.load(
+        name=REPLAY_NAME,
+        sources=[str(CSRC / source) for source in REPLAY_SOURCES],
+        extra_cflags=list(CFLAGS),
+        build_directory=str(directory),
+        verbose=verbose,
+    )
+
+
 def timed_build(verbose: bool = False) -> tuple[ModuleType, float]:
-    """``build``, and how long it took in seconds (a no-op rebuild included)."""
+    """``build`` and ``build_replay``, and how long they took in seconds (a no-op
+    rebuild included)."""
     started = time.perf_counter()
+    build_replay(verbose=verbose)
     module = build(verbose=verbose)
     return module, time.perf_counter() - started

@@ -3,8 +3,11 @@
 A sans-IO reader (no torch, no sockets): ``decode(batch, names)`` turns the bytes that
 ``take_batch()`` returns into typed records, with op indexes resolved through the name
 table (``op_names()``). The tests use it to check what the device recorded; the
-executor's replay loop (a later slice, in C++) reads the same format. Malformed bytes
+executor's replay loop (``csrc/replay.cpp``) reads the same format. Malformed bytes
 raise ``MalformedMessageError``, since a batch is a peer's input on the executor.
+
+``encode(records, names)`` is the inverse, for tests that feed the executor batches
+the device would not write (forged handles, unknown ops, truncations).
 """
 
 from __future__ import annotations
@@ -223,3 +226,83 @@ def decode(batch: bytes, names: Sequence[str]) -> list[Record]:
         if body.at != length:
             raise MalformedMessageError(f"{length - body.at} stray bytes after a record")
     return records
+
+
+# ---- encoding (tests: batches the device would not write) ------------------------------
+
+
+def _put_value(out: bytearray, value: Any) -> None:
+    if value is None:
+        out += b"\x00"
+    elif isinstance(value, TensorRef):
+        out += struct.pack(
+            "<BQqBB", 1, value.handle, value.offset, DTYPES.index(value.dtype), len(value.sizes)
+        )
+        out += struct.pack(f"<{len(value.sizes)}q", *value.sizes)
+        out += struct.pack(f"<{len(value.strides)}q", *value.strides)
+    elif isinstance(value, HostTensor):
+        out += struct.pack("<BBB", 2, DTYPES.index(value.dtype), len(value.sizes))
+        out += struct.pack(f"<{len(value.sizes)}qQ", *value.sizes, len(value.data))
+        out += value.data
+    elif isinstance(value, bool):
+        out += struct.pack("<BB", 5, value)
+    elif isinstance(value, int):
+        out += struct.pack("<Bq", 3, value)
+    elif isinstance(value, float):
+        out += struct.pack("<Bd", 4, value)
+    elif isinstance(value, complex):
+        out += struct.pack("<Bdd", 6, value.real, value.imag)
+    elif isinstance(value, str):
+        data = value.encode()
+        out += struct.pack("<BI", 7, len(data)) + data
+    elif isinstance(value, (tuple, list)):
+        if all(type(v) is int for v in value):  # int lists travel as INTS, as the device writes
+            out += struct.pack(f"<BI{len(value)}q", 9, len(value), *value)
+        else:
+            out += struct.pack("<BI", 8, len(value))
+            for item in value:
+                _put_value(out, item)
+    elif isinstance(value, Device):
+        out += struct.pack("<Bbb", 10, value.type, value.index)
+    elif isinstance(value, Generator):
+        out += b"\x0b"
+    else:
+        raise TypeError(f"cannot encode a {type(value).__name__}")
+
+
+def _body(record: Record, names: list[str]) -> tuple[int, bytes]:
+    out = bytearray()
+    if isinstance(record, Op):
+        if record.op not in names:
+            names.append(record.op)
+        out += struct.pack("<IH", names.index(record.op), len(record.args))
+        for value in record.args:
+            _put_value(out, value)
+        out += struct.pack("<H", len(record.outs))
+        for value in record.outs:
+            _put_value(out, value)
+        return 1, bytes(out)
+    if isinstance(record, Alloc):
+        return 2, struct.pack("<QQ", record.handle, record.nbytes)
+    if isinstance(record, Upload):
+        _put_value(out, record.dst)
+        _put_value(out, record.src)
+        return 3, bytes(out)
+    if isinstance(record, Readback):
+        _put_value(out, record.src)
+        return 4, bytes(out)
+    if isinstance(record, Free):
+        return 5, struct.pack("<Q", record.handle)
+    if isinstance(record, Resize):
+        return 6, struct.pack("<QQ", record.handle, record.nbytes)
+    raise TypeError(f"not a record: {record!r}")
+
+
+def encode(records: Sequence[Record], names: list[str]) -> bytes:
+    """The batch the device would write for ``records``; op names are interned into
+    ``names`` (appended when new), whose indexes the records then carry."""
+    out = bytearray()
+    for record in records:
+        kind, body = _body(record, names)
+        out += struct.pack("<BI", kind, len(body)) + body
+    return bytes(out)
