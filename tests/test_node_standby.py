@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,10 @@ def checkpoint_bytes(consumer_dir) -> int:
     return sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.exists() else 0
 
 
-def test_a_job_whose_host_is_killed_resumes_from_its_standby_and_finishes_the_same(tmp_path):
+@contextmanager
+def three_hosts_lending_disk(tmp_path):
+    """A bootstrap node and three providers that lend disk for standbys; yields the
+    providers by peer ID, and stops every node on the way out."""
     boot = loopback.start_boot(tmp_path)
     storage = ("--storage-gib", "8", "--storage-price", "0.01")
     providers = [
@@ -41,63 +45,47 @@ def test_a_job_whose_host_is_killed_resumes_from_its_standby_and_finishes_the_sa
     try:
         for node in providers:
             node.wait_for("providing")
-        consumer = nodes.start_consumer(
-            tmp_path / "consumer",
-            boot.addr,
-            "--checkpoint-interval",
-            "1s",
-            "--checkpoint-to",
-            "standby",
-            command=SCRIPT,
-            env={"CUMULUS_RESUME_TIMEOUT": "1"},
-        )
-        consumer.wait_for("step   10", timeout=120)
-        leases = consumer.wait_for_state(lambda s: len(s.get("leases", ())) == 2)["leases"]
-        session = next(row for row in leases if row["role"] == "session")
-        host = next(p for p in providers if p.state().get("peer_id") == session["host"])
-        host.proc.kill()
-        assert consumer.proc.wait(timeout=180) == 0, consumer.output()
+        yield boot, {p.wait_for_state(lambda s: "peer_id" in s)["peer_id"]: p for p in providers}
     finally:
         for node in [*providers, boot]:
             node.stop()
+
+
+def consume_with_standby(tmp_path, boot, command):
+    """A consumer checkpointing every second to a standby, failing over after 1 s."""
+    return nodes.start_consumer(
+        tmp_path / "consumer",
+        boot.addr,
+        "--checkpoint-interval",
+        "1s",
+        "--checkpoint-to",
+        "standby",
+        command=command,
+        env={"CUMULUS_RESUME_TIMEOUT": "1"},
+    )
+
+
+def assert_the_local_final_loss(consumer, command) -> None:
     local = subprocess.run(
-        [sys.executable, *SCRIPT], capture_output=True, text=True, check=True, timeout=120
+        [sys.executable, *command], capture_output=True, text=True, check=True, timeout=120
     )
     final = [json.loads(line) for line in consumer.lines if line.startswith("{")][-1]
     assert final["final_loss"] == json.loads(local.stdout.splitlines()[-1])["final_loss"]
-    state = json.loads((tmp_path / "consumer" / "state.json").read_text())
-    roles = {row["role"]: row for row in state["leases"] if row["state"] != "failed"}
-    assert roles["standby"]["host"] != session["host"]
-    assert roles["standby"]["price"] == 10_000  # per GiB-hour: a lease of disk, not shares
-    assert "its state came from the hosts that keep its checkpoint" in consumer.output()
-    assert checkpoint_bytes(tmp_path / "consumer") == 0
 
 
-def test_a_standby_that_vanishes_is_replaced_and_the_new_one_restores_the_session(tmp_path):
-    boot = loopback.start_boot(tmp_path)
-    storage = ("--storage-gib", "8", "--storage-price", "0.01")
-    providers = [
-        nodes.start_provider(tmp_path / f"p{i}", boot.addr, "--price", price, *storage)
-        for i, price in enumerate(("0.3", "0.5", "0.7"))
-    ]
-    by_id = {}
-    try:
-        for node in providers:
-            node.wait_for("providing")
-        by_id = {p.wait_for_state(lambda s: "peer_id" in s)["peer_id"]: p for p in providers}
-        consumer = nodes.start_consumer(
-            tmp_path / "consumer",
-            boot.addr,
-            "--checkpoint-interval",
-            "1s",
-            "--checkpoint-to",
-            "standby",
-            command=["-m", "cumulus_p2p.demo_train", "--steps", "400", "--log-every", "5"],
-            env={"CUMULUS_RESUME_TIMEOUT": "1"},
-        )
+def roles_once_both_are_leased(consumer) -> dict[str, str]:
+    leases = consumer.wait_for_state(lambda s: len(s.get("leases", ())) == 2)["leases"]
+    return {row["role"]: row["host"] for row in leases}
+
+
+def test_a_lost_standby_is_replaced_and_the_new_one_restores_the_session_when_its_host_dies(
+    tmp_path,
+):
+    with three_hosts_lending_disk(tmp_path) as (boot, by_id):
+        command = ["-m", "cumulus_p2p.demo_train", "--steps", "400", "--log-every", "5"]
+        consumer = consume_with_standby(tmp_path, boot, command)
         consumer.wait_for("step    5", timeout=120)
-        leases = consumer.wait_for_state(lambda s: len(s.get("leases", ())) == 2)["leases"]
-        roles = {row["role"]: row["host"] for row in leases}
+        roles = roles_once_both_are_leased(consumer)
         by_id[roles["standby"]].proc.kill()
         replaced = consumer.wait_for_state(
             lambda s: (
@@ -115,18 +103,14 @@ def test_a_standby_that_vanishes_is_replaced_and_the_new_one_restores_the_sessio
         time.sleep(2)
         by_id[roles["session"]].proc.kill()
         assert consumer.proc.wait(timeout=180) == 0, consumer.output()
-    finally:
-        for node in [*providers, boot]:
-            node.stop()
     assert new_standby not in roles.values()
+    state = json.loads((tmp_path / "consumer" / "state.json").read_text())
+    standby = next(r for r in state["leases"] if r["host"] == new_standby)
+    assert standby["role"] == "standby" and standby["state"] == "held"
+    assert standby["price"] == 10_000  # per GiB-hour: a lease of disk, not shares
     assert "a new standby takes the checkpoints" in consumer.output()
     assert "its state came from the hosts that keep its checkpoint" in consumer.output()
-    local = subprocess.run(
-        [sys.executable, "-m", "cumulus_p2p.demo_train", "--steps", "400"],
-        capture_output=True, text=True, check=True, timeout=120,
-    )  # fmt: skip
-    final = [json.loads(line) for line in consumer.lines if line.startswith("{")][-1]
-    assert final["final_loss"] == json.loads(local.stdout.splitlines()[-1])["final_loss"]
+    assert_the_local_final_loss(consumer, command)
     assert checkpoint_bytes(tmp_path / "consumer") == 0
 
 
@@ -139,15 +123,7 @@ def test_with_no_host_lending_disk_the_checkpoints_stay_on_the_consumer(tmp_path
     try:
         for node in providers:
             node.wait_for("providing")
-        consumer = nodes.start_consumer(
-            tmp_path / "consumer",
-            boot.addr,
-            "--checkpoint-interval",
-            "1s",
-            "--checkpoint-to",
-            "standby",
-            command=[*SCRIPT[:3], "10"],
-        )
+        consumer = consume_with_standby(tmp_path, boot, [*SCRIPT[:3], "10"])
         assert consumer.proc.wait(timeout=180) == 0, consumer.output()
     finally:
         for node in [*providers, boot]:
