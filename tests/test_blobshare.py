@@ -59,7 +59,7 @@ async def test_a_host_fetches_a_public_blob_that_another_announces(tmp_path):
         holder, fetcher = sharing_on(mesh, tmp_path, 0), sharing_on(mesh, tmp_path, 2)
         name = await announce(holder, PIECE_A)
         fetched = await fetcher.fetch([name])
-        assert (fetched.pieces, fetched.nbytes) == (1, len(PIECE_A))
+        assert (fetched.fetched, fetched.fetched_bytes) == (1, len(PIECE_A))
         assert name in fetcher.store
 
 
@@ -71,13 +71,13 @@ async def test_a_provider_sending_garbage_is_dropped_and_never_asked_again(tmp_p
         garbage_only = digest(memoryview(PIECE_B))
         await liar.dht.provide(blob_key(garbage_only))
         alone = await fetcher.fetch([garbage_only])
-        assert alone.pieces == 0 and garbage_only not in fetcher.store  # never kept
+        assert alone.fetched == 0 and garbage_only not in fetcher.store  # never kept
         assert any("sent bytes that are not" in why for why in alone.dropped)
 
         name = await announce(honest, PIECE_A)
         await liar.dht.provide(blob_key(name))
         fetched = await fetcher.fetch([name])
-        assert fetched.pieces == 1 and name in fetcher.store
+        assert fetched.fetched == 1 and name in fetcher.store
         assert fetched.dropped == []  # the liar was not asked
 
 
@@ -91,7 +91,7 @@ async def test_a_blob_that_is_not_public_is_served_to_nobody(tmp_path):
             mesh.nodes[2].host, mesh.nodes[0].host.get_id(), BLOB_PROTOCOL, name.encode()
         )
         assert answer == b""
-        assert (await fetcher.fetch([name])).pieces == 0
+        assert (await fetcher.fetch([name])).fetched == 0
 
 
 @pytest.mark.parametrize(

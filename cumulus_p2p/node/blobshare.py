@@ -27,7 +27,6 @@ empty answer, the same as for a blob this host never had.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import msgpack
 import trio
@@ -39,6 +38,7 @@ from .._errors import BlobMismatchError, CumulusError
 from ..dht.records import NAMESPACE
 from ..market.rpc import call_rpc, serve_rpc
 from ..remote.blobs import MAX_HAVE, PIECE, is_digest
+from ..remote.blobservice import Pulled
 from ..remote.blobstore import BlobStore
 
 log = logging.getLogger(__name__)
@@ -60,19 +60,6 @@ _ERRORS = (BaseLibp2pError, CumulusError, OSError, trio.TooSlowError, ValueError
 def blob_key(name: str) -> str:
     """The DHT key a blob's providers are recorded under."""
     return f"/{NAMESPACE}/blob/{name}"
-
-
-@dataclass
-class Fetched:
-    """What one fetch did."""
-
-    pieces: int = 0
-    nbytes: int = 0
-    #: Providers dropped, and why (sent other bytes, failed, stalled).
-    dropped: list[str] = field(default_factory=list)
-
-    def to_wire(self) -> dict:
-        return {"pieces": self.pieces, "bytes": self.nbytes, "dropped": self.dropped[:16]}
 
 
 class BlobSharing:
@@ -125,10 +112,10 @@ class BlobSharing:
             pinned.close()
         return bytes(data)
 
-    async def fetch(self, names: list[str]) -> Fetched:
+    async def fetch(self, names: list[str]) -> Pulled:
         """Fetch into the store every piece of ``names`` it lacks, from the peers that
         announce it; the pieces none could give stay missing (the consumer sends them)."""
-        fetched = Fetched()
+        fetched = Pulled()
         missing = [n for n in dict.fromkeys(names) if n not in self.store]
         limiter = trio.CapacityLimiter(PARALLEL)
         with trio.move_on_after(FETCH_TIMEOUT_S):
@@ -137,7 +124,7 @@ class BlobSharing:
                     nursery.start_soon(self._fetch_one, name, limiter, fetched)
         return fetched
 
-    async def _fetch_one(self, name: str, limiter: trio.CapacityLimiter, out: Fetched) -> None:
+    async def _fetch_one(self, name: str, limiter: trio.CapacityLimiter, out: Pulled) -> None:
         async with limiter:
             try:
                 providers = await self._dht.find_providers(blob_key(name), PROVIDERS_PER_PIECE)
@@ -150,7 +137,7 @@ class BlobSharing:
                 if await self._from(info, name, out):
                     return
 
-    async def _from(self, info, name: str, out: Fetched) -> bool:
+    async def _from(self, info, name: str, out: Pulled) -> bool:
         """One piece from one provider, checked and kept; False to try the next one."""
         peer = info.peer_id
         try:
@@ -176,8 +163,8 @@ class BlobSharing:
         except _ERRORS as exc:
             out.dropped.append(f"{peer.to_base58()[:12]}: {exc}")
             return False
-        out.pieces += 1
-        out.nbytes += len(data)
+        out.fetched += 1
+        out.fetched_bytes += len(data)
         return True
 
 
@@ -193,7 +180,9 @@ def serve_fetches(host: IHost, sharing: BlobSharing, may_ask) -> None:
         why = may_ask(requester, lease_id)
         if why is not None:
             return msgpack.packb({"error": why})
-        return msgpack.packb((await sharing.fetch(names)).to_wire())
+        fetched = await sharing.fetch(names)
+        wire = {"pieces": fetched.fetched, "bytes": fetched.fetched_bytes}
+        return msgpack.packb(wire | {"dropped": fetched.dropped[:16]})
 
     request_bytes = 128 + MAX_HAVE * 66  # a lease id and MAX_HAVE digests, packed
     serve_rpc(host, FETCH_PROTOCOL, answer, timeout=FETCH_TIMEOUT_S, max_request=request_bytes)
