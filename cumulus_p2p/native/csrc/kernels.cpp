@@ -125,6 +125,18 @@ const at::Tensor& resize_(const at::Tensor& self, c10::SymIntArrayRef size,
   return self;
 }
 
+// `Module.to("cumulus")` swaps each parameter's data in place (`param.data = moved`)
+// when torch says the two tensors' impls are compatible, and otherwise makes a new
+// Parameter per module, which silently unties tied weights (a GPT's embedding and
+// output layer). c10 counts only its own backends as dense, so PrivateUse1 says it
+// here: a cumulus tensor is a plain strided tensor, as a CPU one is.
+bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& from) {
+  auto plain = [](const at::Tensor& t) {
+    return t.layout() == c10::kStrided && (t.is_cpu() || t.is_privateuseone());
+  };
+  return plain(self) && plain(from);
+}
+
 // ---- copies -------------------------------------------------------------------------
 
 void record_device_copy(const at::Tensor& dst, const at::Tensor& src, bool non_blocking) {
@@ -335,6 +347,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("view", cumulus::view);
   m.impl("_reshape_alias", cumulus::reshape_alias);
   m.impl("resize_", cumulus::resize_);
+  m.impl("_has_compatible_shallow_copy_type", cumulus::has_compatible_shallow_copy_type);
   m.impl("_copy_from", cumulus::copy_from);
   m.impl("_copy_from_and_resize", cumulus::copy_from_and_resize);
   m.impl("_local_scalar_dense", cumulus::local_scalar_dense);

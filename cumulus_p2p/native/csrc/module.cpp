@@ -38,7 +38,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Take the pending records: (bytes, record count); the batch starts empty again.");
   m.def("pending_records", &cumulus::pending_records, "Records waiting in the batch.");
   m.def("intern", &cumulus::intern_name, "The name table index of an op name.");
-  m.def("op_names", &cumulus::op_names, "The name table: records carry indexes into it.");
+  m.def(
+      "op_names",
+      [](size_t start) {
+        std::vector<std::string> names = cumulus::op_names();
+        names.erase(names.begin(), names.begin() + std::min(start, names.size()));
+        return names;
+      },
+      py::arg("start") = 0,
+      "The name table from index `start`: records carry indexes into it.");
   m.def("handle", &handle, "The remote storage handle behind a cumulus tensor.");
   m.def("set_readback_hook", &set_readback_hook,
         "fn(src, dst) fills host tensor dst with device tensor src's bytes; None unsets.");

@@ -1,0 +1,114 @@
+"""A native session: the device's batches go to an executor process, readbacks come back.
+
+    ext = native.load()
+    with NativeSession.connect(host, port):
+        model = model.to("cumulus")          # uploads: records in the batch
+        loss = train_step(model)             # ops: records in the batch, no Python per op
+        print(loss.item())                   # a sync point: the batch goes, bytes return
+
+Python runs once per flush. A flush takes the device's batch (``take_batch``) and the
+op names interned since the last one, and sends them as one frame (``wire.py``) over
+``SocketFrameChannel``. Without a readback nothing waits: ``flush()`` sends and returns.
+A readback (``.cpu()``, ``.item()``, ``print``) reaches the device's readback hook,
+which this session sets: it flushes, waits for the executor's reply and copies the bytes
+into the host tensor torch handed the hook.
+
+Errors: the executor replays nothing after a record fails; the next reply carries the
+failure and this session raises ``NativeSessionError`` from that readback and every
+later one.
+
+Not in this slice: failover, checkpoints, quotas per lease, handshake and encryption,
+flushing a batch that grows large without a sync point (call ``flush()``), and a
+per-device generator (random ops without a generator argument draw from the executor
+process's default generator).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._errors import CumulusError
+from ..channel.transport import SocketFrameChannel
+from . import load, wire
+
+
+class NativeSessionError(CumulusError):
+    """The executor could not run a record of this session's batches.
+
+    Attributes:
+        record: the failing record's index in its batch; ``kind``: the rule it broke
+            (``errors.KINDS``).
+    """
+
+    def __init__(self, message: str, record: int = -1, kind: str = "") -> None:
+        super().__init__(message)
+        self.record = record
+        self.kind = kind
+
+
+class NativeSession:
+    """One executor session for this process's native ``cumulus`` device."""
+
+    def __init__(self, channel: SocketFrameChannel) -> None:
+        self._ext = load()
+        self._channel = channel
+        # A new executor knows no names: the whole table goes with the first flush.
+        self._names_sent = 0
+        self._failure: NativeSessionError | None = None
+        self.flushes = 0
+        self._ext.set_readback_hook(self._read_back)
+
+    @classmethod
+    def connect(cls, host: str, port: int) -> NativeSession:
+        """A session with the executor process at ``host:port`` (``host.py``)."""
+        return cls(SocketFrameChannel.connect(host, port))
+
+    def __enter__(self) -> NativeSession:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def flush(self, wait: bool = False) -> list[bytes]:
+        """Send the pending records; with ``wait``, the batch's readbacks once it ran.
+
+        Raises:
+            NativeSessionError: (``wait`` only) the executor failed a record, in this
+                batch or an earlier one.
+        """
+        batch, _ = self._ext.take_batch()
+        names = self._ext.op_names(self._names_sent)
+        self._names_sent += len(names)
+        self._channel.send_frame(wire.request(wire.BATCH, names, batch, reply=wait))
+        self.flushes += 1
+        if not wait:
+            return []
+        reply = wire.parse_reply(self._channel.recv_frame())
+        if isinstance(reply, tuple):
+            record, kind, message = reply
+            self._failure = NativeSessionError(f"the executor failed: {message}", record, kind)
+        if self._failure is not None:
+            raise self._failure
+        return reply
+
+    def _read_back(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        # The device appended the READBACK record just before calling this hook, so it
+        # is the batch's last and its bytes are the reply's last.
+        data = self.flush(wait=True)[-1]
+        host = torch.empty(src.shape, dtype=src.dtype)
+        if host.nbytes:
+            host.view(-1).view(torch.uint8).copy_(
+                torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            )
+        dst.copy_(host)
+
+    def close(self) -> None:
+        """Flush what is pending, end the session and detach the readback hook."""
+        self._ext.set_readback_hook(None)
+        try:
+            self.flush()
+            self._channel.send_frame(wire.request(wire.BYE, [], b"", reply=False))
+        except CumulusError:
+            pass
+        finally:
+            self._channel.close()
