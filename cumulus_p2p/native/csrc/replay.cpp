@@ -335,6 +335,7 @@ class Replayer {
       case Kind::Alloc: {
         const uint64_t handle = c.take<uint64_t>();
         const uint64_t nbytes = c.take<uint64_t>();
+        end(c);
         check_new_handle(handle);
         reserve(nbytes);
         add(handle, at::empty({static_cast<int64_t>(nbytes)},
@@ -347,17 +348,21 @@ class Replayer {
         const at::Tensor dst = view(read_ref(c));
         expect_tag(c, Tag::HostTensor, "an upload's source");
         const at::Tensor src = read_host_tensor(c);
+        end(c);
         dst.copy_(src);
         return;
       }
       case Kind::Readback: {
         expect_tag(c, Tag::Tensor, "a readback's source");
-        const at::Tensor src = view(read_ref(c)).contiguous().to(c10::kCPU);
+        const Ref ref = read_ref(c);
+        end(c);
+        const at::Tensor src = view(ref).contiguous().to(c10::kCPU);
         readbacks.emplace_back(static_cast<const char*>(src.const_data_ptr()), src.nbytes());
         return;
       }
       case Kind::Free: {
         const uint64_t handle = c.take<uint64_t>();
+        end(c);
         if (poisoned_.erase(handle)) return;
         auto found = table_.find(handle);
         if (found == table_.end()) fail("unknown_handle", "no storage with handle " + std::to_string(handle));
@@ -368,6 +373,7 @@ class Replayer {
       case Kind::Resize: {
         const uint64_t handle = c.take<uint64_t>();
         const uint64_t nbytes = c.take<uint64_t>();
+        end(c);
         Entry& e = entry(handle);
         if (nbytes <= e.storage.nbytes()) return;
         reserve(nbytes - e.nbytes);
@@ -379,6 +385,11 @@ class Replayer {
         return;
       }
     }
+  }
+
+  // A record is parsed whole before it has any effect: bytes left over are malformed.
+  static void end(const Cursor& c) {
+    if (c.left() != 0) fail("malformed", std::to_string(c.left()) + " stray bytes");
   }
 
   static void expect_tag(Cursor& c, Tag tag, const char* what) {
@@ -587,7 +598,7 @@ class Replayer {
     }
     std::vector<DeclaredOut> declared;
     for (size_t i = 0; i < nouts; ++i) read_declared(c, i, -1, declared);
-    if (c.left() != 0) fail("malformed", std::to_string(c.left()) + " stray bytes");
+    end(c);
 
     // The quota before the op runs: the new storages the client expects it to create.
     uint64_t fresh = 0;

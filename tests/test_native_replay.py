@@ -1,0 +1,262 @@
+"""The native executor's replay loop (``csrc/replay.cpp``): what it runs, what it refuses.
+
+Batches are written with ``records.encode``, so that the tests can feed the executor
+what the device never writes: forged handles, unknown ops, truncations, quota
+overruns. The replay library registers nothing with the dispatcher, so these tests run
+in the suite's own process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cumulus_p2p import native
+from cumulus_p2p.native.errors import ReplayError
+from cumulus_p2p.native.records import (
+    Alloc,
+    Free,
+    HostTensor,
+    Op,
+    Readback,
+    Resize,
+    TensorRef,
+    Upload,
+    encode,
+)
+
+_MISSING = native.missing_toolchain()
+pytestmark = pytest.mark.skipif(
+    _MISSING is not None, reason=f"the native executor cannot be built here: {_MISSING}"
+)
+
+
+def _ref(handle: int, sizes=(2, 3), strides=None, offset=0, dtype="float32") -> TensorRef:
+    if strides is None:
+        strides, step = [], 1
+        for size in reversed(sizes):
+            strides.insert(0, step)
+            step *= size
+    return TensorRef(handle, offset, dtype, tuple(sizes), tuple(strides))
+
+
+def _host(t: torch.Tensor) -> HostTensor:
+    t = t.contiguous()
+    return HostTensor(str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numpy().tobytes())
+
+
+def _floats(data: bytes, *shape: int) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.float32).reshape(shape)
+
+
+class Session:
+    """A replayer and the name table its batches were encoded against."""
+
+    def __init__(self, quota_bytes: int = 1 << 20) -> None:
+        from cumulus_p2p.native.executor import new_replayer
+
+        self.replayer = new_replayer("cpu", quota_bytes)
+        self.names: list[str] = []
+        self._sent = 0
+
+    def run(self, *records) -> list[bytes]:
+        return self.run_bytes(encode(records, self.names))
+
+    def run_bytes(self, batch: bytes) -> list[bytes]:
+        new, self._sent = self.names[self._sent :], len(self.names)
+        return self.replayer.replay(batch, new)
+
+    def upload(self, handle: int, t: torch.Tensor) -> TensorRef:
+        ref = _ref(handle, tuple(t.shape))
+        self.run(Alloc(handle, t.nbytes), Upload(ref, _host(t)))
+        return ref
+
+    def read(self, ref: TensorRef) -> torch.Tensor:
+        (data,) = self.run(Readback(ref))
+        return _floats(data, *ref.sizes)
+
+
+A = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+B = torch.full((2, 3), 0.5)
+
+
+# ---- running ---------------------------------------------------------------------------
+
+
+def test_ops_run_in_order_and_readbacks_come_back_in_batch_order():
+    s = Session()
+    a, b, c = s.upload(1, A), s.upload(2, B), _ref(3)
+    first, second = s.run(
+        Op("aten::add.Tensor", (a, b, 1), (c,)),
+        Readback(c),
+        Op("aten::mul_.Tensor", (c, b), (c,)),
+        Readback(c),
+    )
+    assert torch.equal(_floats(first, 2, 3), A + B)
+    assert torch.equal(_floats(second, 2, 3), (A + B) * B)
+    assert s.replayer.handles() == [1, 2, 3]
+    assert s.replayer.ops_run == 2
+
+
+def test_arguments_are_views_built_from_the_references_geometry():
+    s = Session()
+    s.upload(1, torch.arange(12, dtype=torch.float32))
+    transposed = _ref(1, sizes=(3, 2), strides=(1, 3), offset=1)  # a[1:7].view(2, 3).t()
+    out = _ref(2, sizes=(3, 2))
+    s.run(Op("aten::clone", (transposed, None), (out,)))
+    assert torch.equal(s.read(out), torch.arange(12.0)[1:7].view(2, 3).t())
+    assert s.read(_ref(1, sizes=(12,))).tolist() == list(range(12))
+
+
+def test_an_output_that_aliases_an_input_gets_a_storage_of_its_own():
+    s = Session()
+    a = s.upload(1, A)
+    s.run(Op("aten::alias", (a,), (_ref(2),)))  # declared as a new storage
+    s.run(Op("aten::zero_", (a,), (a,)))
+    assert torch.equal(s.read(_ref(2)), A)  # the client's picture: two storages
+
+
+def test_free_and_resize_keep_the_byte_count_true():
+    s = Session()
+    s.upload(1, A)
+    assert s.replayer.live_bytes == 24
+    s.run(Resize(1, 48))
+    assert s.replayer.live_bytes == 48
+    assert torch.equal(s.read(_ref(1)), A)  # grown in place, contents kept
+    s.run(Free(1))
+    assert (s.replayer.live_bytes, s.replayer.handles()) == (0, [])
+
+
+def test_unset_generators_draw_from_the_sessions_generator():
+    s = Session()
+    x = _ref(1, sizes=(1000,))
+    s.run(Alloc(1, 4000), Op("aten::uniform_", (x, 0.0, 1.0, None), (x,)))
+    values = s.read(x)
+    assert 0.0 <= values.min() and values.max() <= 1.0 and values.std() > 0.1
+
+
+# ---- refusing --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "tail, why",
+    [
+        (encode([Alloc(2, 24)], [])[:-3], "record 1: body of 16 bytes truncated to 13"),
+        (b"\x02\x00", "record 1: truncated header"),
+        (b"\x09\x00\x00\x00\x00", "record 1: unknown kind 9"),
+    ],
+    ids=["truncated body", "truncated header", "unknown kind"],
+)
+def test_a_batch_whose_framing_is_broken_runs_nothing(tail, why):
+    s = Session()
+    with pytest.raises(ReplayError, match=why) as error:
+        s.run_bytes(encode([Alloc(1, 24)], s.names) + tail)
+    assert (error.value.kind, error.value.record) == ("malformed", 1)
+    assert s.replayer.handles() == []
+
+
+@pytest.mark.parametrize(
+    "body, why",
+    [
+        (b"\x02\x08\x00\x00\x00" + b"\x01" * 8, "truncated"),  # ALLOC missing its nbytes
+        (b"\x05\x09\x00\x00\x00" + b"\x01" + b"\x00" * 8, "1 stray bytes"),  # FREE 1, + 1
+        (b"\x04\x01\x00\x00\x00\x0c", "value tag 12"),
+        (b"\x01\x06\x00\x00\x00\x07\x00\x00\x00\x00\x00", "op index 7"),
+    ],
+    ids=["truncated body", "stray bytes", "unknown tag", "op not in the table"],
+)
+def test_a_malformed_record_is_named_and_the_records_before_it_stay_applied(body, why):
+    s = Session()
+    before = encode([Alloc(1, 8)], s.names)
+    with pytest.raises(ReplayError, match=why) as error:
+        s.run_bytes(before + body + encode([Alloc(2, 8)], s.names))
+    assert (error.value.kind, error.value.record) == ("malformed", 1)
+    assert s.replayer.handles() == [1]
+
+
+def test_an_unknown_handle_fails_the_op_and_registers_none_of_its_outputs():
+    s = Session()
+    a = s.upload(1, A)
+    with pytest.raises(ReplayError, match=r"record 0 \(op aten::add.Tensor\).*handle 9") as error:
+        s.run(Op("aten::add.Tensor", (a, _ref(9), 1), (_ref(3),)))
+    assert error.value.kind == "unknown_handle"
+    assert s.replayer.handles() == [1]
+    with pytest.raises(ReplayError, match="no storage with handle 9"):
+        s.run(Free(9))
+
+
+def test_a_view_beyond_its_storage_is_refused():
+    s = Session()
+    s.upload(1, A)
+    with pytest.raises(ReplayError, match="a view of 28 bytes of storage 1, which holds 24"):
+        s.run(Readback(_ref(1, offset=1)))
+    with pytest.raises(ReplayError, match="negative"):
+        s.run(Readback(_ref(1, strides=(-3, 1))))
+
+
+@pytest.mark.parametrize(
+    "name, why",
+    [
+        ("prims::add", "is not an aten op"),
+        ("aten::from_file", "not allowed on an executor"),
+        ("aten::set_.source_Storage", "not allowed on an executor"),
+        ("aten::no_such_op", "no aten op named"),
+        ("aten::add.NoSuchOverload", "no aten op named"),
+    ],
+)
+def test_only_aten_ops_outside_the_blocklist_run(name, why):
+    s = Session()
+    with pytest.raises(ReplayError, match=why) as error:
+        s.run(Op(name, (), ()))
+    assert error.value.kind == "unknown_op"
+
+
+def test_an_op_that_raises_registers_none_of_its_outputs():
+    s = Session()
+    a = s.upload(1, A)
+    with pytest.raises(ReplayError, match=r"aten::mm.*mat1 and mat2 shapes") as error:
+        s.run(Op("aten::mm", (a, a), (_ref(2, sizes=(2, 2)),)))
+    assert error.value.kind == "op_failed"
+    assert s.replayer.handles() == [1]
+
+
+def test_the_wrong_argument_count_is_malformed():
+    s = Session()
+    a = s.upload(1, A)
+    with pytest.raises(ReplayError, match="2 arguments where the schema has 3"):
+        s.run(Op("aten::add.Tensor", (a, a), (_ref(2),)))
+
+
+def test_a_host_tensor_whose_bytes_do_not_fit_its_shape_is_malformed():
+    s = Session()
+    s.run(Alloc(1, 24))
+    with pytest.raises(ReplayError, match="20 bytes where its shape needs 24"):
+        s.run(Upload(_ref(1), HostTensor("float32", (2, 3), b"\x00" * 20)))
+
+
+def test_a_handle_cannot_be_allocated_twice():
+    s = Session()
+    s.run(Alloc(1, 8))
+    with pytest.raises(ReplayError, match="already in use"):
+        s.run(Alloc(1, 8))
+    assert s.replayer.live_bytes == 8
+
+
+# ---- the quota -------------------------------------------------------------------------
+
+
+def test_the_quota_refuses_allocations_resizes_and_op_outputs_that_exceed_it():
+    s = Session(quota_bytes=64)
+    a = s.upload(1, A)  # 24 bytes
+    with pytest.raises(ReplayError, match="needs 48 more bytes; the session holds 24") as error:
+        s.run(Alloc(2, 48))
+    assert error.value.kind == "out_of_memory"
+    with pytest.raises(ReplayError, match="out_of_memory|needs 48 more"):
+        s.run(Resize(1, 72))
+    big = _ref(2, sizes=(4, 3))
+    with pytest.raises(ReplayError, match="needs 48 more bytes") as error:
+        s.run(Op("aten::cat", ((a, a), 0), (big,)))
+    assert error.value.kind == "out_of_memory"
+    assert (s.replayer.live_bytes, s.replayer.handles()) == (24, [1])
+    s.run(Op("aten::add.Tensor", (a, a, 1), (_ref(2),)))  # 24 more still fits
+    assert s.replayer.live_bytes == 48
