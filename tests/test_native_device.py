@@ -337,3 +337,13 @@ def test_the_decoder_reads_each_record_kind():
 def test_the_decoder_rejects_malformed_batches(batch):
     with pytest.raises(MalformedMessageError):
         records.decode(batch, ["aten::mm"])
+
+
+@needs_build
+@in_native_process
+def test_moving_a_module_keeps_its_tied_weights_tied():
+    from cumulus_p2p.testing.models import TinyTransformer
+
+    model = TinyTransformer(vocab=16, dim=8, heads=2, layers=1, ctx=4).to("cumulus")
+    assert model.head.weight is model.tok.weight
+    assert model.tok.weight.is_cumulus

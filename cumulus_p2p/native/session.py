@@ -13,6 +13,9 @@ A readback (``.cpu()``, ``.item()``, ``print``) reaches the device's readback ho
 which this session sets: it flushes, waits for the executor's reply and copies the bytes
 into the host tensor torch handed the hook.
 
+A session starts afresh: tensors made before it (with no session, or with an earlier
+one) have no storage on its executor, and using one fails there as an unknown handle.
+
 Errors: the executor replays nothing after a record fails; the next reply carries the
 failure and this session raises ``NativeSessionError`` from that readback and every
 later one.
@@ -52,8 +55,11 @@ class NativeSession:
     def __init__(self, channel: SocketFrameChannel) -> None:
         self._ext = load()
         self._channel = channel
-        # A new executor knows no names: the whole table goes with the first flush.
+        # A new executor knows no names (the whole table goes with the first flush) and
+        # no storages: records pending from before, and the deaths of tensors made
+        # before, are not for it.
         self._names_sent = 0
+        self._ext.begin_session()
         self._failure: NativeSessionError | None = None
         self.flushes = 0
         self._ext.set_readback_hook(self._read_back)

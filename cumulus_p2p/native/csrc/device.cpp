@@ -18,7 +18,14 @@ constexpr c10::DeviceType kType = c10::DeviceType::PrivateUse1;
 // dereference it; handles start at 1 so that a storage never looks unallocated.
 std::atomic<uint64_t> next_handle{1};
 
-void free_handle(void* ctx) { append_free(reinterpret_cast<uint64_t>(ctx)); }
+// Handles below the floor belong to an earlier session (or to none): their executor is
+// gone, so their deaths append nothing to this session's batch.
+std::atomic<uint64_t> session_floor{1};
+
+void free_handle(void* ctx) {
+  const auto handle = reinterpret_cast<uint64_t>(ctx);
+  if (handle >= session_floor.load(std::memory_order_relaxed)) append_free(handle);
+}
 
 struct HandleAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t /*nbytes*/) override {
@@ -75,4 +82,11 @@ const bool hooks_registered = [] {
 }();
 
 }  // namespace
+
+uint64_t begin_session() {
+  session_floor.store(next_handle.load());
+  take_batch();  // records for no executor, or for the last one
+  return session_floor.load();
+}
+
 }  // namespace cumulus

@@ -36,6 +36,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "The native cumulus device: records ops into a batch of wire records.";
   m.def("take_batch", &take_batch,
         "Take the pending records: (bytes, record count); the batch starts empty again.");
+  m.def("begin_session", &cumulus::begin_session,
+        "Drop the pending batch; storages made before now free nothing. The first new handle.");
   m.def("pending_records", &cumulus::pending_records, "Records waiting in the batch.");
   m.def("intern", &cumulus::intern_name, "The name table index of an op name.");
   m.def(

@@ -114,6 +114,11 @@ void append_free(uint64_t handle);
 std::pair<std::string, uint64_t> take_batch();
 uint64_t pending_records();
 
+// A new session starts: the pending batch is dropped, and storages created before now
+// (whose executor is gone) append no FREE when they die. Returns the first handle the
+// new session's storages get.
+uint64_t begin_session();
+
 // The operator name table: a record carries an op's index, not its name.
 uint32_t intern(const c10::OperatorHandle& op);
 uint32_t intern_name(const std::string& name);
