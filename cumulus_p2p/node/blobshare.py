@@ -118,19 +118,31 @@ class BlobSharing:
         fetched = Pulled()
         missing = [n for n in dict.fromkeys(names) if n not in self.store]
         limiter = trio.CapacityLimiter(PARALLEL)
+        started = trio.current_time()
         with trio.move_on_after(FETCH_TIMEOUT_S):
             async with trio.open_nursery() as nursery:
                 for name in missing:
                     nursery.start_soon(self._fetch_one, name, limiter, fetched)
+        log.info(
+            "fetched %d of %d blobs (%.1f MB) from other hosts in %.2f s%s",
+            fetched.fetched, len(missing), fetched.fetched_bytes / 1e6,
+            trio.current_time() - started,
+            "; dropped " + "; ".join(fetched.dropped[:3]) if fetched.dropped else "",
+        )  # fmt: skip
         return fetched
 
     async def _fetch_one(self, name: str, limiter: trio.CapacityLimiter, out: Pulled) -> None:
         async with limiter:
+            started = trio.current_time()
             try:
                 providers = await self._dht.find_providers(blob_key(name), PROVIDERS_PER_PIECE)
             except _ERRORS as exc:
                 log.info("no providers found for blob %s: %s", name[:16], exc)
                 return
+            log.info(
+                "blob %s: %d providers in %.2f s",
+                name[:16], len(providers), trio.current_time() - started,
+            )  # fmt: skip
             skip = {self._host.get_id(), *self.distrusted}
             peers = {p.peer_id: p for p in providers if p.peer_id not in skip}
             for info in peers.values():

@@ -75,6 +75,9 @@ DYN_BASE = 1 << 40
 DYN_BLOCK = 1 << 10
 #: Bytes of inline tensors queued before a batch leaves.
 DEFAULT_BATCH_BYTES = 16 * 1024 * 1024
+#: Bytes an upload's host must lack before it is asked to fetch them from other hosts: a
+#: fetch costs a lookup per piece and a round trip through the consumer's node.
+FETCH_MIN = 8 * 1024 * 1024
 #: Hosts tried, one ``reconnect()`` each, before failover gives up.
 DEFAULT_FAILOVER_ATTEMPTS = 3
 
@@ -297,11 +300,19 @@ class RemoteSession:
         ``here=True`` before asking again. At most ``MAX_HAVE`` names."""
         with self._lock:
             self.flush()
-            held = self._ask_have(names)
-            missing = [name for name, here in zip(names, held, strict=True) if not here]
-            if missing and self._fetched_elsewhere(missing):
-                held = self._ask_have(names)  # the question pins all it names: ask whole
-            return held
+            return self._ask_have_or_fetch(names)
+
+    def _ask_have_or_fetch(
+        self, names: list[str], sizes: dict[str, int] | None = None
+    ) -> list[bool]:
+        """``have``, and for what the host lacks, worth a fetch (``FETCH_MIN`` bytes or
+        more; ``sizes`` None: whole pieces), the host fetches from other hosts first."""
+        held = self._ask_have(names)
+        missing = [name for name, here in zip(names, held, strict=True) if not here]
+        worth = sizes is None or sum(sizes[n] for n in missing) >= FETCH_MIN
+        if missing and worth and self._fetched_elsewhere(missing):
+            held = self._ask_have(names)  # the question pins all it names: ask whole
+        return held
 
     def _fetched_elsewhere(self, missing: list[str]) -> bool:
         """Whether the host fetched any of ``missing`` from other hosts. A fetch that
@@ -349,8 +360,10 @@ class RemoteSession:
         for item in named:
             if item.record[1][1] is None:
                 item.record[1][1] = digest(item.view)
-        unknown = list(dict.fromkeys(n.record[1][1] for n in named if n.here is None))
-        answers = dict(zip(unknown, self._ask_have(unknown), strict=True)) if unknown else {}
+        sizes = {n.record[1][1]: len(n.view) for n in named if n.here is None}
+        unknown = list(sizes)
+        held = self._ask_have_or_fetch(unknown, sizes) if unknown else []
+        answers = dict(zip(unknown, held, strict=True))
         attached: dict[str, CpuTensorRef] = {}
         full: dict[int, list] = {}
         full_blobs = list(blobs) if self._log is not None else []
