@@ -40,7 +40,7 @@ from .health import DeviceHealth
 from .hostcache import HostCache
 from .protocol import PROTOCOL_VERSION, decode_frame, encode_frame
 from .scheduler import DEFAULT_RANK, DeviceScheduler
-from .session import DeviceContext, ExecutorSession, Reply, SessionStats, parse_batch
+from .session import Batch, DeviceContext, ExecutorSession, Reply, SessionStats, parse_batch
 
 log = logging.getLogger(__name__)
 
@@ -337,7 +337,7 @@ class Executor:
                 batch = parse_batch(header, area)
                 # A sync point's short tail: a thread hop would cost more than the ops.
                 inline = batch.light
-                reply = await self._on_device(session.run_batch, batch, inline=inline, rank=rank)
+                reply = await self._run_batch(session, batch, inline=inline, rank=rank)
             elif header[0] == "pull":
                 if len(header) != 2:
                     raise RemoteProtocolError("pull takes one map of sources and digests")
@@ -416,6 +416,40 @@ class Executor:
             return await trio.to_thread.run_sync(fn, *args)
         finally:
             self.scheduler.release()
+
+    async def _run_batch(
+        self, session: ExecutorSession, batch: Batch, *, inline: bool, rank: tuple
+    ) -> Reply | None:
+        """Run ``batch`` in device turns that may end between any two of its ops.
+
+        A scheduler that preempts (``DeviceScheduler.preemptive``) is asked between ops
+        whether a better-ranked tenant waits (a read of shared state, no message); then
+        the turn is handed back there and the rest of the batch waits for the next one.
+        The session runs the batch as pieces of one op each, then its frees and query:
+        what it computes does not depend on where the batch was cut.
+        """
+        if not getattr(self.scheduler, "preemptive", False):
+            return await self._on_device(session.run_batch, batch, inline=inline, rank=rank)
+        start: int | None = 0
+        while start is not None:  # None: the whole batch ran
+            run = self._run_ops
+            start, reply = await self._on_device(
+                run, session, batch, start, inline=inline, rank=rank
+            )
+        return reply
+
+    def _run_ops(
+        self, session: ExecutorSession, batch: Batch, start: int
+    ) -> tuple[int | None, Reply | None]:
+        """Run ``batch``'s ops from ``start`` until the turn must end: ``(the op to resume
+        at, None)``, or ``(None, the batch's reply)`` once all of it ran."""
+        preempted = self.scheduler.preempted  # type: ignore[attr-defined]
+        ops, blobs = batch.ops, batch.blobs
+        for index in range(start, len(ops)):
+            if index > start and preempted():
+                return index, None
+            session.run_batch(Batch(batch.seq, [ops[index]], [], None, blobs))
+        return None, session.run_batch(Batch(batch.seq, [], batch.frees, batch.query, blobs))
 
     # --- letting go: close or park --------------------------------------------------------
 

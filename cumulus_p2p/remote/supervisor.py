@@ -26,12 +26,16 @@ else.
   session ends. A stream that has no socket to pass (a libp2p stream, for consumers
   behind NAT) is bridged: the worker gets one end of a socket pair, and this process
   copies bytes between the other end and the stream.
-- **Device turns.** Workers ask for the device before a batch; the supervisor grants
+- **Sharing the device** (``scheduler.Sharing``). On a CPU, workers run concurrently and
+  never ask for turns: the supervisor sets each worker's threads' nice value from its
+  lease (``scheduler.cpu_nice``), so an interruptible tenant gets what on-demand tenants
+  leave idle. On a GPU, workers ask for the device before a batch; the supervisor grants
   turns with the same sans-IO ``DeviceQueue`` an in-process executor uses, ranked by each
   worker's lease, so price and priority order tenants across processes. A worker keeps
-  its turn until another one asks (then the supervisor sends ``yield`` and the turn
-  passes after the running batch): a tenant alone pays nothing per batch, and tenants in
-  contention take turns batch by batch, as inside one executor.
+  its turn until another one asks. Then the queue says when it hands back: after its
+  batch (the supervisor sends ``yield``), or at its next op (the supervisor also sets the
+  worker's ``TurnFlag``, which the worker reads between ops): at once for a better-ranked
+  waiter, after its quantum for an equal one. A tenant alone pays nothing per batch.
 - **A worker dies.** Its consumer's connection closes with it (only the worker held
   it). A secure consumer resumes, and the node refuses the resume with what happened:
   "the worker process running it was killed by SIGKILL (a host failure)". With failover
@@ -60,6 +64,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,10 +77,18 @@ from . import blobservice
 from .executor import ExecutorConfig, pick_device, send_last, serve_plain_tcp
 from .health import CHECK_TIMEOUT_S, DeviceHealth
 from .protocol import decode_frame
-from .scheduler import DEFAULT_RANK, DeviceQueue
+from .scheduler import (
+    DEFAULT_QUANTUM_S,
+    DEFAULT_RANK,
+    DeviceQueue,
+    Handback,
+    Sharing,
+    cpu_nice,
+    sharing_for,
+)
 from .session import SessionStats
 from .worker import EXIT_POISONED, WorkerSpec
-from .workerlink import LinkClosedError, WorkerLink
+from .workerlink import LinkClosedError, TurnFlag, WorkerLink
 
 log = logging.getLogger(__name__)
 
@@ -106,12 +119,16 @@ _SANDBOX_SCRIPT = (
 
 @dataclass
 class SupervisorConfig:
-    """How workers run: their executor's settings, how many wait pre-started, and which
-    directories (the node's data directory: its key) they must not see."""
+    """How workers run: their executor's settings, how many wait pre-started, which
+    directories (the node's data directory: its key) they must not see, and how they
+    share the device (None: ``scheduler.sharing_for`` the device; ``quantum``: an
+    exclusive turn's length while an equal-ranked tenant waits)."""
 
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     pool: int = DEFAULT_POOL
     hidden: tuple[Path, ...] = ()
+    sharing: Sharing | None = None
+    quantum: float = DEFAULT_QUANTUM_S
 
 
 @dataclass
@@ -130,6 +147,8 @@ class _Worker:
     handed: dict[int, _Handed] = field(default_factory=dict)
     #: Its session's ops and memory in use, as it last reported them.
     stats: SessionStats | None = None
+    #: Set to end its exclusive turn at its next op (None: it never takes turns).
+    flag: TurnFlag | None = None
 
     @property
     def pid(self) -> int:
@@ -270,7 +289,9 @@ class WorkerSupervisor:
         self.health = DeviceHealth()
         self.sessions: dict[int, SessionView] = {}
         self.sandboxed = False
-        self.queue = DeviceQueue()
+        self.sharing = self.config.sharing or sharing_for(self.device.type)
+        self.queue = DeviceQueue(quantum=self.config.quantum)
+        self._turn_changed = trio.Event()
         self._workers: dict[int, _Worker] = {}
         self._idle: deque[_Worker] = deque()
         self._tokens: dict[str, _Worker] = {}
@@ -292,6 +313,7 @@ class WorkerSupervisor:
             graph_compiler=executor.graph_compiler.value,
             blob_dir=None if self._blob_fd is None else f"/proc/self/fd/{self._blob_fd}",
             blob_cap=executor.blob_cap,
+            sharing=self.sharing.value,
         )
 
     @property
@@ -318,6 +340,7 @@ class WorkerSupervisor:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
+            nursery.start_soon(self._turn_clock)
             try:
                 await self._keep_pool()
             finally:
@@ -339,21 +362,27 @@ class WorkerSupervisor:
 
     def _start_worker(self) -> None:
         link, theirs = WorkerLink.pair()
-        passed = (theirs.fileno(),) if self._blob_fd is None else (theirs.fileno(), self._blob_fd)
+        flag, flag_fd = (None, None)
+        passed = [theirs.fileno()] if self._blob_fd is None else [theirs.fileno(), self._blob_fd]
         try:
+            if self.sharing is Sharing.EXCLUSIVE:
+                flag, flag_fd = TurnFlag.create()
+                passed.append(flag_fd)
             process = subprocess.Popen(
-                self._worker_command(theirs.fileno()),
+                self._worker_command(theirs.fileno(), flag_fd),
                 pass_fds=passed,
                 stdin=subprocess.DEVNULL,
                 env=_worker_environment(),
             )
         finally:
             theirs.close()
-        worker = _Worker(process, link)
+            if flag_fd is not None:
+                os.close(flag_fd)
+        worker = _Worker(process, link, flag=flag)
         self._workers[worker.pid] = worker
         self._nursery.start_soon(self._run_worker, worker)
 
-    def _worker_command(self, fd: int) -> list[str]:
+    def _worker_command(self, fd: int, flag_fd: int | None = None) -> list[str]:
         cmd = [
             sys.executable,
             "-m",
@@ -365,6 +394,8 @@ class WorkerSupervisor:
             "--parent",
             str(os.getpid()),
         ]
+        if flag_fd is not None:
+            cmd += ["--turn-fd", str(flag_fd)]
         if not self.sandboxed:
             return cmd
         hidden = [str(p) for p in self.config.hidden]
@@ -412,11 +443,11 @@ class WorkerSupervisor:
         if kind == "acquire":
             if len(worker.waiting) >= MAX_WAITING_TURNS:
                 raise LinkClosedError("it asked for more turns at once than it has sessions")
-            if self.queue.request(ticket, worker.rank):
+            if self.queue.request(ticket, worker.rank, now=_now()):
                 self._grant(ticket)
             else:
                 worker.waiting.add(ticket)
-                self._ask_holder_to_yield()
+                self._review_turn()
         elif kind == "release" and len(message) == 1:
             if self.queue.holder is not None and self.queue.holder[0] == worker.pid:
                 self._pass_turn()
@@ -455,18 +486,27 @@ class WorkerSupervisor:
         try:
             if worker is None:
                 raise LinkClosedError("gone")
+            if worker.flag is not None:
+                worker.flag.clear()  # before the grant: the worker reads it from then on
             worker.link.send_nowait(["grant", ticket[1]])
         except LinkClosedError:
             self._pass_turn()  # it died before its turn came: the next waiter goes
             return
         self._yield_asked = False
-        if self.queue.waiting:
-            self._ask_holder_to_yield()  # others wait: one batch, then the next in rank
+        self._review_turn()  # others wait: hand back after this batch, or sooner
 
-    def _ask_holder_to_yield(self) -> None:
+    def _review_turn(self) -> None:
+        """Tell the holder when to hand its turn back, as the queue decides it now: after
+        its batch (``yield``), or at its next op (``yield``, and its flag set)."""
+        _wake(self, "_turn_changed")  # the turn clock looks at the new review time
         holder = self.queue.holder
         owner = self._workers.get(holder[0]) if holder is not None else None
-        if owner is None or self._yield_asked:
+        if owner is None:
+            return
+        handback = self.queue.handback(_now())
+        if handback is Handback.AT_NEXT_OP and owner.flag is not None:
+            owner.flag.set()
+        if handback is Handback.KEEP or self._yield_asked:
             return
         self._yield_asked = True
         try:
@@ -474,8 +514,21 @@ class WorkerSupervisor:
         except LinkClosedError:
             pass  # its link's reader buries it and passes the turn on
 
+    async def _turn_clock(self) -> None:
+        """Review the turn when the holder's quantum ends while an equal tenant waits."""
+        reviewed = -math.inf
+        while True:
+            at = self.queue.review_at()
+            if at is None or at <= reviewed:  # nothing due, or due and done
+                at = math.inf
+            with trio.move_on_after(max(0.0, at - _now())):
+                await self._turn_changed.wait()
+                continue
+            reviewed = _now()
+            self._review_turn()
+
     def _pass_turn(self) -> None:
-        following = self.queue.release()
+        following = self.queue.release(now=_now())
         if following is not None:
             owner = self._workers.get(following[0])
             if owner is not None:
@@ -629,6 +682,7 @@ class WorkerSupervisor:
             owner = self._tokens.get(header[2].get("token"))
             if owner is not None:
                 owner.rank = rank  # a renewed lease may rank differently
+                self._weigh(owner)
                 return owner
         return await self._take_worker(rank)
 
@@ -646,8 +700,14 @@ class WorkerSupervisor:
         worker = self._idle.popleft()
         worker.assigned = True
         worker.rank = rank
+        self._weigh(worker)
         _wake(self, "_pool_wanted")  # start its replacement
         return worker
+
+    def _weigh(self, worker: _Worker) -> None:
+        """On a concurrently shared CPU, give the worker's threads its rank's share."""
+        if self.sharing is Sharing.CONCURRENT:
+            _renice(worker.pid, cpu_nice(worker.rank))
 
     async def serve_tcp(
         self,
@@ -689,6 +749,26 @@ def _worker_environment() -> dict[str, str]:
     what a local CPU run does. A variable the user set wins.
     """
     return {"OMP_WAIT_POLICY": "PASSIVE"} | dict(os.environ)
+
+
+def _now() -> float:
+    """The clock the turn rules run on (``DeviceQueue``'s ``now``)."""
+    return time.monotonic()
+
+
+def _renice(pid: int, nice: int) -> None:
+    """Set the nice value of every thread of process ``pid`` (Linux: nice is per thread;
+    threads it starts later inherit their starter's). Lowering one needs a privilege the
+    supervisor may lack: then the thread keeps its value."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]  # not Linux, or the process is gone
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except OSError as exc:
+            log.debug("could not set thread %d's nice value to %d: %s", tid, nice, exc)
 
 
 class _Unavailable(Exception):

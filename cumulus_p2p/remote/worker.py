@@ -17,7 +17,8 @@ Messages on the link (``workerlink.py``), worker to supervisor:
 - ``["ready", pid]``: started, the device is initialised.
 - ``["acquire", n]`` / ``["release"]`` / ``["cancel", n]``: device turns
   (``SupervisorTurns``), granted across all workers by the supervisor's ``DeviceQueue``
-  in the rank of each worker's lease.
+  in the rank of each worker's lease. Only on an exclusively shared device (a GPU): on a
+  CPU, workers run at once (``scheduler.Sharing``) and never ask.
 - ``["stats", ops, bytes_in_use]``: its session at work, every ``STATS_EVERY_S`` while it
   serves one (the provider's status shows it).
 - ``["token", token]``: a session it welcomed (resumes naming it are routed here).
@@ -34,7 +35,9 @@ Supervisor to worker:
 - ``["resume", n, hello, buffered]`` with a new connection: the consumer of secure session
   ``n`` resumes on it (its ``RESUME_HELLO`` was read by the supervisor).
 - ``["close", n, reason]``: end secure session ``n`` (the provider paused its lease).
-- ``["grant", n]``: turn ``n`` is yours, until you are asked to ``["yield"]`` it.
+- ``["grant", n]``: turn ``n`` is yours, until you are asked to ``["yield"]`` it (at the
+  end of the running batch) or the ``TurnFlag`` the worker was started with is set (at its
+  next op; the executor reads it between ops).
 
 The worker exits 0 once it served a session and holds none (ended, or parked and
 expired), ``EXIT_POISONED`` when its session left the device context unusable, and at
@@ -63,8 +66,8 @@ from ..channel.transport import AsyncFrameChannel, Handover, TrioFrameChannel, n
 from ..executor_options import GraphCompiler
 from .executor import DEFAULT_BLOB_CAP, Executor, ExecutorConfig
 from .protocol import decode_frame
-from .scheduler import DeviceScheduler
-from .workerlink import LinkClosedError, WorkerLink
+from .scheduler import DeviceScheduler, Sharing
+from .workerlink import LinkClosedError, TurnFlag, WorkerLink
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +99,9 @@ class WorkerSpec:
     #: inherits (its sandbox hides the data directory the store lives in).
     blob_dir: str | None = None
     blob_cap: int = DEFAULT_BLOB_CAP
+    #: How tenants share the device (``scheduler.Sharing``): only exclusive turns are asked
+    #: of the supervisor.
+    sharing: str = Sharing.EXCLUSIVE.value
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -122,13 +128,22 @@ class SupervisorTurns:
 
     A granted turn is kept across batches until the supervisor asks for it back
     (``yield``: another worker waits), so a tenant alone on the device pays no message
-    per batch. Under contention the supervisor asks for it back at once, and turns pass
-    batch by batch in rank order, as they do inside one executor. This worker's own
-    connections (a resume taking over) queue on a local scheduler first.
+    per batch. Under contention the turn passes at the end of the batch, or sooner, at the
+    next op, when the supervisor sets this worker's ``flag`` (a better-ranked tenant
+    waits, or an equal one and the turn had its quantum): the executor reads it between
+    ops (``preempted``), without a message. This worker's own connections (a resume
+    taking over) queue on a local scheduler first.
+
+    With ``exclusive`` False (a CPU, shared concurrently) the supervisor is never asked:
+    only the local scheduler orders this worker's connections.
     """
 
-    def __init__(self, link: WorkerLink) -> None:
+    def __init__(
+        self, link: WorkerLink, flag: TurnFlag | None = None, *, exclusive: bool = True
+    ) -> None:
         self._link = link
+        self._flag = flag
+        self._exclusive = exclusive
         self._local = DeviceScheduler()
         self._holding = False
         self._busy = False
@@ -140,6 +155,8 @@ class SupervisorTurns:
         """Wait for the device. ``rank`` orders this worker's own connections only: the
         supervisor ranks a worker by its session's lease, not by what the worker claims."""
         await self._local.acquire(rank)
+        if not self._exclusive:
+            return
         try:
             if self._holding:
                 self._busy = True
@@ -180,10 +197,20 @@ class SupervisorTurns:
         elif self._holding:
             self._yield_asked = True
 
+    @property
+    def preemptive(self) -> bool:
+        """Whether the executor should ask ``preempted`` between a batch's ops."""
+        return self._exclusive and self._flag is not None
+
+    def preempted(self) -> bool:
+        """Whether the supervisor wants the turn back before the next op (from any thread)."""
+        return self._flag is not None and self._flag.is_set()
+
     def release(self) -> None:
-        """This batch is done; the turn stays unless the supervisor asked for it."""
+        """This batch (or its part) is done; the turn stays unless the supervisor asked
+        for it (its ``yield`` may still be on its way when the flag says so)."""
         self._busy = False
-        if self._yield_asked:
+        if self._holding and (self._yield_asked or self.preempted()):
             self._give_back()
         self._local.release()
 
@@ -233,9 +260,10 @@ class _Carried:
 class Worker:
     """Serves the sessions the supervisor hands over, until it holds none."""
 
-    def __init__(self, link: WorkerLink, spec: WorkerSpec) -> None:
+    def __init__(self, link: WorkerLink, spec: WorkerSpec, flag: TurnFlag | None = None) -> None:
         self.link = link
-        self.turns = SupervisorTurns(link)
+        exclusive = Sharing(spec.sharing) is Sharing.EXCLUSIVE
+        self.turns = SupervisorTurns(link, flag, exclusive=exclusive)
         self.served = 0
         self.poisoned = False
         self.executor = Executor(
@@ -427,13 +455,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--link-fd", type=int, required=True, help="the supervisor link's fd")
     parser.add_argument("--spec", required=True, help="the WorkerSpec, as JSON")
     parser.add_argument("--parent", type=int, required=True, help="the supervisor's pid")
+    parser.add_argument("--turn-fd", type=int, help="the fd of this worker's TurnFlag")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     _die_with_parent()
     if os.getppid() != args.parent:
         return 1  # the supervisor died before the backstop was armed
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
-    worker = Worker(WorkerLink.from_fd(args.link_fd), WorkerSpec.from_json(args.spec))
+    flag = None if args.turn_fd is None else TurnFlag(args.turn_fd)
+    worker = Worker(WorkerLink.from_fd(args.link_fd), WorkerSpec.from_json(args.spec), flag)
     return trio.run(worker.run)
 
 

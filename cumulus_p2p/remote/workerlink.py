@@ -12,13 +12,14 @@ pause, so a full socket buffer means that end is hung, and is reported as a lost
 
 from __future__ import annotations
 
+import mmap
 import os
 import socket
 
 import msgpack
 import trio
 
-__all__ = ["LinkClosedError", "WorkerLink", "MAX_MESSAGE"]
+__all__ = ["LinkClosedError", "TurnFlag", "WorkerLink", "MAX_MESSAGE"]
 
 #: The largest message either end sends (a session's options, a device report).
 MAX_MESSAGE = 64 * 1024
@@ -110,6 +111,38 @@ class WorkerLink:
     def close(self) -> None:
         """Close this end; the other end's next ``receive`` raises ``LinkClosedError``."""
         self._sock.close()
+
+
+class TurnFlag:
+    """A word of memory the supervisor and one worker share: set, it tells the worker to
+    hand its device turn back before its next op.
+
+    The worker reads it between every two ops, so it must cost next to nothing: a read of
+    shared memory (under a microsecond from Python), where a message would wait for the worker's
+    event loop, which an inline batch blocks. Each worker has a flag of its own (a
+    ``memfd``), so a worker can only ever raise or clear its own.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self._map = mmap.mmap(fd, mmap.PAGESIZE)
+        os.close(fd)
+        self._word = memoryview(self._map).cast("Q")
+
+    @classmethod
+    def create(cls) -> tuple[TurnFlag, int]:
+        """A new flag, and a descriptor on it for the worker to inherit (ours to close)."""
+        fd = os.memfd_create("cumulus-turn", 0)
+        os.ftruncate(fd, mmap.PAGESIZE)
+        return cls(os.dup(fd)), fd
+
+    def set(self) -> None:
+        self._word[0] = 1
+
+    def clear(self) -> None:
+        self._word[0] = 0
+
+    def is_set(self) -> bool:
+        return self._word[0] != 0
 
 
 def _close_fd(fd: int | None) -> None:
