@@ -55,7 +55,7 @@ def test_a_tiny_transformer_trains_bit_identically_to_local_cpu():
 
     with running_host() as (host, port), NativeSession.connect(host, port) as session:
         remote_losses, remote_params = _train("cumulus", steps=4)
-        # One round trip per sync point: each step's loss.item(), then each parameter's read.
+        # One flush per sync point: each step's loss.item(), then each parameter's read.
         assert session.flushes == 4 + len(remote_params)
     # The device's SDPA takes the math path (its _fused_sdp_choice runs on meta); local
     # CPU would take flash attention for CPU, whose rounding differs.
@@ -65,6 +65,21 @@ def test_a_tiny_transformer_trains_bit_identically_to_local_cpu():
     assert local_losses[-1] < local_losses[0]
     for remote, local in zip(remote_params, local_params, strict=True):
         assert torch.equal(remote, local)
+
+
+@in_native_process
+def test_early_flushes_change_nothing_but_when_the_executor_replays():
+    from cumulus_p2p.native.host import running_host
+    from cumulus_p2p.native.session import NativeSession
+
+    with running_host() as (host, port):
+        with NativeSession.connect(host, port) as session:
+            synced, _ = _train("cumulus", steps=2)
+            sync_flushes = session.flushes
+        with NativeSession.connect(host, port, flush_bytes=4096) as session:
+            early, _ = _train("cumulus", steps=2)
+            assert session.flushes > sync_flushes
+    assert early == synced
 
 
 @in_native_process

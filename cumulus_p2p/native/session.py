@@ -8,8 +8,10 @@
 
 Python runs once per flush. A flush takes the device's batch (``take_batch``) and the
 op names interned since the last one, and sends them as one frame (``wire.py``) over
-``SocketFrameChannel``. Without a readback nothing waits: ``flush()`` sends and returns.
-A readback (``.cpu()``, ``.item()``, ``print``) reaches the device's readback hook,
+``SocketFrameChannel``. Without a readback nothing waits: ``flush()`` sends and
+returns; the device also calls it by itself once the batch holds ``flush_bytes``, so
+that the executor replays the start of a step while the client records the rest. A
+readback (``.cpu()``, ``.item()``, ``print``) reaches the device's readback hook,
 which this session sets: it flushes, waits for the executor's reply and copies the bytes
 into the host tensor torch handed the hook.
 
@@ -21,18 +23,26 @@ failure and this session raises ``NativeSessionError`` from that readback and ev
 later one.
 
 Not in this slice: failover, checkpoints, quotas per lease, handshake and encryption,
-flushing a batch that grows large without a sync point (call ``flush()``), and a
-per-device generator (random ops without a generator argument draw from the executor
-process's default generator).
+and a per-device generator (seeding ``cumulus`` is a no-op; random ops draw from the
+executor session's generator, seeded with torch's default seed, or, for ops without a
+generator argument, from the executor process's default generator).
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
 from .._errors import CumulusError
 from ..channel.transport import SocketFrameChannel
 from . import load, wire
+
+#: Off by default (0): on this 2-core machine the early flushes did not pay for
+#: themselves (BENCHMARKS.md, "native session"); a session may set e.g. 32 KiB, about a
+#: third of a tiny transformer's step, to replay the start of a step while the client
+#: records the rest.
+DEFAULT_FLUSH_BYTES = 0
 
 
 class NativeSessionError(CumulusError):
@@ -52,7 +62,9 @@ class NativeSessionError(CumulusError):
 class NativeSession:
     """One executor session for this process's native ``cumulus`` device."""
 
-    def __init__(self, channel: SocketFrameChannel) -> None:
+    def __init__(
+        self, channel: SocketFrameChannel, *, flush_bytes: int = DEFAULT_FLUSH_BYTES
+    ) -> None:
         self._ext = load()
         self._channel = channel
         # A new executor knows no names (the whole table goes with the first flush) and
@@ -62,12 +74,20 @@ class NativeSession:
         self._ext.begin_session()
         self._failure: NativeSessionError | None = None
         self.flushes = 0
+        # Autograd's device thread may flush (early) while the main thread waits in
+        # backward(); one lock keeps a frame whole and replies in order.
+        self._lock = threading.Lock()
         self._ext.set_readback_hook(self._read_back)
+        if flush_bytes:
+            self._ext.set_flush_hook(self.flush, flush_bytes)
 
     @classmethod
-    def connect(cls, host: str, port: int) -> NativeSession:
-        """A session with the executor process at ``host:port`` (``host.py``)."""
-        return cls(SocketFrameChannel.connect(host, port))
+    def connect(
+        cls, host: str, port: int, *, flush_bytes: int = DEFAULT_FLUSH_BYTES
+    ) -> NativeSession:
+        """A session with the executor process at ``host:port`` (``host.py``); batches
+        go early once they hold ``flush_bytes`` (0: only at sync points)."""
+        return cls(SocketFrameChannel.connect(host, port), flush_bytes=flush_bytes)
 
     def __enter__(self) -> NativeSession:
         return self
@@ -82,14 +102,15 @@ class NativeSession:
             NativeSessionError: (``wait`` only) the executor failed a record, in this
                 batch or an earlier one.
         """
-        batch, _ = self._ext.take_batch()
-        names = self._ext.op_names(self._names_sent)
-        self._names_sent += len(names)
-        self._channel.send_frame(wire.request(wire.BATCH, names, batch, reply=wait))
-        self.flushes += 1
-        if not wait:
-            return []
-        reply = wire.parse_reply(self._channel.recv_frame())
+        with self._lock:
+            batch, _ = self._ext.take_batch()
+            names = self._ext.op_names(self._names_sent)
+            self._names_sent += len(names)
+            self._channel.send_frame(wire.request(wire.BATCH, names, batch, reply=wait))
+            self.flushes += 1
+            if not wait:
+                return []
+            reply = wire.parse_reply(self._channel.recv_frame())
         if isinstance(reply, tuple):
             record, kind, message = reply
             self._failure = NativeSessionError(f"the executor failed: {message}", record, kind)
@@ -109,8 +130,9 @@ class NativeSession:
         dst.copy_(host)
 
     def close(self) -> None:
-        """Flush what is pending, end the session and detach the readback hook."""
+        """Flush what is pending, end the session and detach the hooks."""
         self._ext.set_readback_hook(None)
+        self._ext.set_flush_hook(None)
         try:
             self.flush()
             self._channel.send_frame(wire.request(wire.BYE, [], b"", reply=False))

@@ -336,7 +336,10 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     put_value(w, (*stack)[i]);
   }
   w.end_record();
-  if (m.fresh || schema.is_mutable()) append_record(w);
+  if (m.fresh || schema.is_mutable()) {
+    append_record(w);
+    maybe_flush();
+  }
 }
 }  // namespace cumulus
 

@@ -30,6 +30,21 @@ void set_readback_hook(py::object fn) {
   });
 }
 
+// As the readback hook: any recording thread may call it, so it takes the GIL.
+void set_flush_hook(py::object fn, uint64_t nbytes) {
+  if (fn.is_none()) {
+    cumulus::set_flush_hook(nullptr, 0);
+    return;
+  }
+  auto* kept = new py::object(std::move(fn));
+  cumulus::set_flush_hook(
+      [kept]() {
+        py::gil_scoped_acquire gil;
+        (*kept)();
+      },
+      nbytes);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -50,6 +65,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("start") = 0,
       "The name table from index `start`: records carry indexes into it.");
   m.def("handle", &handle, "The remote storage handle behind a cumulus tensor.");
+  m.def("set_flush_hook", &set_flush_hook, py::arg("fn"), py::arg("nbytes") = 0,
+        "fn() sends the batch once it holds nbytes, after an op record; None unsets.");
   m.def("set_readback_hook", &set_readback_hook,
         "fn(src, dst) fills host tensor dst with device tensor src's bytes; None unsets.");
 }

@@ -2,6 +2,7 @@
 // The format is documented in record.h.
 #include "record.h"
 
+#include <atomic>
 #include <mutex>
 #include <unordered_map>
 
@@ -212,6 +213,46 @@ std::vector<std::string> op_names() {
   Names& n = names();
   std::lock_guard<std::mutex> lock(n.mutex);
   return n.names;
+}
+
+// ---- early flushes ------------------------------------------------------------------
+
+namespace {
+struct Flush {
+  FlushHook hook;
+  std::atomic<uint64_t> nbytes{0};  // 0: never early
+};
+Flush& flush_state() {
+  static Flush* f = new Flush();
+  return *f;
+}
+thread_local bool flushing = false;  // the hook's own work must not flush again
+}  // namespace
+
+void set_flush_hook(FlushHook hook, uint64_t nbytes) {
+  Flush& f = flush_state();
+  f.nbytes = 0;
+  f.hook = std::move(hook);
+  f.nbytes = f.hook ? nbytes : 0;
+}
+
+void maybe_flush() {
+  Flush& f = flush_state();
+  const uint64_t limit = f.nbytes.load(std::memory_order_relaxed);
+  if (limit == 0 || flushing) return;
+  {
+    Batch& b = batch();
+    std::lock_guard<std::mutex> lock(b.mutex);
+    if (b.data.size() < limit) return;
+  }
+  flushing = true;
+  try {
+    f.hook();
+  } catch (...) {
+    flushing = false;
+    throw;
+  }
+  flushing = false;
 }
 
 // ---- readback -----------------------------------------------------------------------

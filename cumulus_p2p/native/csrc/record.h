@@ -124,6 +124,14 @@ uint32_t intern(const c10::OperatorHandle& op);
 uint32_t intern_name(const std::string& name);
 std::vector<std::string> op_names();
 
+// Sends the batch early, while the client goes on recording, so that the executor
+// replays one part of a step while the client records the next (set from Python).
+// `maybe_flush` calls the hook when the batch holds at least `nbytes`; the fallback
+// calls it after each op record, never a storage's deleter.
+using FlushHook = std::function<void()>;
+void set_flush_hook(FlushHook hook, uint64_t nbytes);
+void maybe_flush();
+
 // Fills a host tensor with a device tensor's bytes: the session's sync point, set from
 // Python. Unset, reading back raises (no executor is attached in this slice).
 using ReadbackHook = std::function<void(const at::Tensor& src, const at::Tensor& dst)>;
