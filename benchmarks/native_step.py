@@ -1,0 +1,207 @@
+"""Eager steps through the native device and its C++ executor, against local eager CPU.
+
+Issue 30's tiny-width arm: ``client_floor.py``'s shape (transformer_bench's 4 layers and
+52 parameter tensors at vocab 64, dim 16, 2 heads, 16 tokens, batch 2; dropout 0), so
+compute is negligible, as on a GPU, and what is timed is the per-step work of the
+libraries. Each arm runs in a process of its own (the native device cannot share a
+process with ``cumulus_p2p.remote``), arms in turn, over several passes:
+
+- ``local``: the step on local CPU tensors, eager (forward, backward, foreach Adam,
+  ``loss.item()``).
+- ``cumulus``: the same step on the native ``cumulus`` device, whose batch goes at the
+  ``item()`` sync over loopback TCP to an executor process (``native.host``) that
+  replays it with the C++ loop (``csrc/replay.cpp``) and sends the loss back. Then, in
+  the same process, ``eager_cumulus_early_flush_ms``: the same with the batch sent
+  whenever it holds 32 KiB, so the executor can replay while the client records. Then
+  the executor's cost alone: the same step's batches replayed by a
+  ``Replayer`` in-process, timed around ``replay`` only.
+
+Prints JSON and writes ``benchmarks/results/native_step.json``::
+
+    python benchmarks/native_step.py [--quick] [--steps N] [--passes N]
+
+Keys: ``eager_local_ms`` and ``eager_cumulus_ms`` (median step, median over passes),
+``cumulus_over_local`` (issue 30's target: ≤ 1.5), ``executor_us_per_op`` (replay time
+per op record) beside ``local_us_per_op`` (the local step over the same op count) and
+their ratio (target ≤ 2), plus ``ops_per_step``, ``records_per_step`` and
+``batch_bytes_per_step``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VOCAB, DIM, HEADS, LAYERS, CTX, BATCH = 64, 16, 2, 4, 16, 2
+#: The early-flush variant's threshold: about a third of a step's records.
+EARLY_FLUSH_BYTES = 32 * 1024
+
+
+def _setup(device: str):
+    import torch
+    import torch.nn.functional as F
+
+    from cumulus_p2p.testing.models import TinyTransformer
+
+    torch.manual_seed(0)
+    model = TinyTransformer(vocab=VOCAB, dim=DIM, heads=HEADS, layers=LAYERS, ctx=CTX, dropout=0.0)
+    x = torch.randint(0, VOCAB, (BATCH, CTX))
+    y = torch.roll(x, -1, dims=1)
+    model, x, y = model.to(device), x.to(device), y.to(device)
+    opt = torch.optim.Adam(model.parameters(), foreach=True)
+
+    def step() -> float:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return step
+
+
+def _median_ms(step, steps: int) -> float:
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
+def _local_arm(steps: int) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    return {"eager_local_ms": _median_ms(_setup("cpu"), steps)}
+
+
+class _InProcess:
+    """A readback hook that replays the batch in this process, timing ``replay`` alone."""
+
+    def __init__(self, ext) -> None:
+        from cumulus_p2p.native.executor import new_replayer
+        from cumulus_p2p.native.records import decode
+
+        self.ext, self.decode = ext, decode
+        self.replayer = new_replayer("cpu")
+        self.names_sent = 0
+        self.replay_s: list[float] = []
+        self.last: tuple[bytes, list[str]] = (b"", [])
+        ext.begin_session()
+        ext.set_readback_hook(self)
+
+    def __call__(self, src, dst) -> None:
+        import torch
+
+        batch, _ = self.ext.take_batch()
+        names = self.ext.op_names(self.names_sent)
+        self.names_sent += len(names)
+        started = time.perf_counter()
+        (data,) = self.replayer.replay(batch, names)
+        self.replay_s.append(time.perf_counter() - started)
+        self.last = (batch, self.ext.op_names())
+        dst.copy_(torch.frombuffer(bytearray(data), dtype=src.dtype).reshape(src.shape))
+
+
+def _cumulus_arm(steps: int) -> dict:
+    import torch
+
+    from cumulus_p2p import native
+    from cumulus_p2p.native.records import Op
+
+    ext = native.load()
+    torch.set_num_threads(1)
+    from cumulus_p2p.native.host import running_host
+    from cumulus_p2p.native.session import NativeSession
+
+    with running_host(threads=1) as (host, port):
+        with NativeSession.connect(host, port):
+            eager_cumulus_ms = _median_ms(_setup("cumulus"), steps)
+        with NativeSession.connect(host, port, flush_bytes=EARLY_FLUSH_BYTES):
+            early_ms = _median_ms(_setup("cumulus"), steps)
+    hook = _InProcess(ext)
+    _median_ms(_setup("cumulus"), steps)
+    batch, names = hook.last
+    records = hook.decode(batch, names)
+    ops = sum(isinstance(r, Op) for r in records)
+    executor_ms = statistics.median(hook.replay_s[3:]) * 1e3
+    ext.set_readback_hook(None)
+    return {
+        "eager_cumulus_ms": eager_cumulus_ms,
+        "eager_cumulus_early_flush_ms": early_ms,
+        "executor_ms_per_step": executor_ms,
+        "ops_per_step": ops,
+        "records_per_step": len(records),
+        "batch_bytes_per_step": len(batch),
+    }
+
+
+def _run_arm(arm: str, steps: int) -> dict:
+    done = subprocess.run(
+        [sys.executable, __file__, "--arm", arm, "--steps", str(steps)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"arm {arm} failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1 pass of 10 timed steps")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--passes", type=int, default=3)
+    parser.add_argument("--arm", choices=("local", "cumulus"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.arm:
+        arm = _local_arm if args.arm == "local" else _cumulus_arm
+        print(json.dumps(arm(args.steps)))
+        return
+    from cumulus_p2p import native
+
+    reason = native.missing_toolchain()
+    if reason is not None:
+        print(json.dumps({"skipped": f"the native device cannot be built here: {reason}"}))
+        return
+    steps, passes = (10, 1) if args.quick else (args.steps, args.passes)
+    runs: dict[str, list] = {}
+    for _ in range(passes):
+        for arm in ("local", "cumulus"):
+            for key, value in _run_arm(arm, steps).items():
+                runs.setdefault(key, []).append(value)
+    m = {key: statistics.median(values) for key, values in runs.items()}
+    ops = int(m["ops_per_step"])
+    executor_us = m["executor_ms_per_step"] * 1e3 / ops
+    local_us = m["eager_local_ms"] * 1e3 / ops
+    result = {
+        "eager_local_ms": round(m["eager_local_ms"], 2),
+        "eager_cumulus_ms": round(m["eager_cumulus_ms"], 2),
+        "cumulus_over_local": round(m["eager_cumulus_ms"] / m["eager_local_ms"], 2),
+        "eager_cumulus_early_flush_ms": round(m["eager_cumulus_early_flush_ms"], 2),
+        "executor_ms_per_step": round(m["executor_ms_per_step"], 2),
+        "executor_us_per_op": round(executor_us, 2),
+        "local_us_per_op": round(local_us, 2),
+        "executor_over_local_per_op": round(executor_us / local_us, 2),
+        "ops_per_step": ops,
+        "records_per_step": int(m["records_per_step"]),
+        "batch_bytes_per_step": int(m["batch_bytes_per_step"]),
+        "passes": passes,
+        "steps_per_pass": steps,
+    }
+    print(json.dumps(result, indent=2))
+    out = Path(__file__).parent / "results" / "native_step.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
