@@ -15,8 +15,11 @@ dispatch key itself:
   storage handles, and the op is appended to an in-memory batch as a wire record
   (format in ``csrc/record.h``, decoded by ``records.py``), with no Python per op.
 
-This slice only records: nothing sends the batch yet, and reading a tensor back calls a
-hook (``set_readback_hook``) that a session will provide.
+The executor side replays those batches in C++ (``csrc/replay.cpp``, a library of its
+own that registers nothing, loaded by ``executor.py``); ``session.py`` sends the
+device's batches to an executor process (``host.py``) over loopback TCP and answers
+reads back through the device's readback hook (``set_readback_hook``). Failover,
+checkpoints, per-lease quotas and the secure channel are not there yet.
 
 One owner per process
 ---------------------
@@ -33,7 +36,9 @@ Parts:
 
 - ``load()``: build if needed, load, and register ``cumulus`` (idempotent);
 - ``missing_toolchain()``: why the extension cannot be built here, or None;
-- ``records``: the wire record decoder;
+- ``records``: the wire record decoder (and an encoder, for tests);
+- ``executor``, ``errors``: the C++ replay loop and the ``ReplayError`` it raises;
+- ``session``, ``host``, ``wire``: a session over TCP, its executor process, their frames;
 - ``python -m cumulus_p2p.native --build``: build ahead of time (``scripts/bootstrap``).
 """
 
