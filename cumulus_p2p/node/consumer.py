@@ -124,6 +124,10 @@ NEWCOMER_SHARE = 0.2
 PROBE_POLL_S = 1.0
 #: Refusals that say the offer moved on (the host re-announced): not held against it.
 _STALE_OFFER = frozenset({RefusalReason.UNKNOWN_OFFER, RefusalReason.OFFER_EXPIRED})
+#: Refusals of an offer that is full: its copy in the book was stale. That offer is not
+#: proposed to again, without blame to its host (one device of a rig may be taken, not
+#: the rest); a newer offer from it is.
+_FULL_OFFER = frozenset({RefusalReason.NO_CAPACITY, RefusalReason.NO_STORAGE_CAPACITY})
 #: A host may end a session this long before its lease ends (clocks differ) and still
 #: count as having served the whole term.
 LEASE_END_SLACK_S = 2.0
@@ -250,6 +254,8 @@ class Consumer:
     liveness: Liveness = field(init=False)
     #: Why no standby could be leased (once the shim asked for one and none came).
     no_standby: str = ""
+    #: Offers ``(host, offer_id, nonce)`` found full when proposed to (``_FULL_OFFER``).
+    full_offers: set[tuple[str, str, int]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.choice = HostChoice(self.options.backoff, self.options.wait_for_host)
@@ -458,7 +464,8 @@ class Consumer:
         ranked = rank_offers(book, self.bid, reliability=scores, limit=RANKED_OFFERS, entry=entry)
         best: dict[str, Offer] = {}
         for r in ranked:
-            best.setdefault(r.offer.host, r.offer)
+            if (r.offer.host, r.offer.offer_id, r.offer.nonce) not in self.full_offers:
+                best.setdefault(r.offer.host, r.offer)
         self.entries = {host: entry(offer) for host, offer in best.items()}
         return best
 
@@ -493,7 +500,9 @@ class Consumer:
             except LeaseRefusedError as exc:
                 log.info("host %s refused the lease: %s", offer.host[:12], exc)
                 self.last_refusal = f"host {offer.host[:12]} refused: {exc.detail}"
-                if exc.reason not in _STALE_OFFER:
+                if exc.reason in _FULL_OFFER:
+                    self.full_offers.add((offer.host, offer.offer_id, offer.nonce))
+                elif exc.reason not in _STALE_OFFER:
                     self.choice.failed(
                         offer.host, now=rt.clock(), nonce=offer.nonce, reason="refused a lease"
                     )
