@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cumulus_p2p.cli._parser import build_parser
-from cumulus_p2p.cli._run import _provider_options
+from cumulus_p2p.cli._run import _consumer_options, _provider_options
 from cumulus_p2p.identity import KEY_FILE_NAME, NodeIdentity
 from cumulus_p2p.market.ledger import Dispute, Ledger
 from cumulus_p2p.market.messages import Receipt, seal_message
@@ -144,6 +144,26 @@ def test_an_explorer_port_in_use_is_a_clear_error(tmp_path):
     assert result.returncode == 3
     assert f"cannot listen on 127.0.0.1:{port}" in result.stdout
     assert "--explore-port" in result.stdout
+
+
+def test_the_consumers_checkpoint_backoff_and_privacy_flags_reach_its_options():
+    argv = ["--consume", "--checkpoint-to", "both", "--standby-gib", "2", "--host-backoff"]
+    argv += ["3s", "--private", "--max-storage-price", "0.5"]
+    options = _consumer_options(build_parser().parse_args(argv), ["x.py"])
+    assert (options.checkpoint_to, options.standby_gib, options.private) == ("both", 2, True)
+    assert (options.backoff.base_s, options.max_storage_price) == (3, 500_000)
+    defaults = _consumer_options(build_parser().parse_args(["--consume"]), ["x.py"])
+    assert (defaults.checkpoint_to, defaults.private, defaults.backoff.base_s) == (
+        "standby",
+        False,
+        15,
+    )
+
+
+def test_a_checkpoint_place_that_does_not_exist_is_a_usage_error():
+    result = run("--consume", "--checkpoint-to", "cloud", "--", "python", "x.py")
+    assert result.returncode == 2
+    assert "invalid choice: 'cloud'" in result.stderr
 
 
 def test_consume_refuses_a_command_that_is_not_a_python_script():

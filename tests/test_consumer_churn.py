@@ -42,9 +42,11 @@ def test_a_job_survives_each_of_its_hosts_killed_and_restarted_twice(tmp_path):
         gates.mkdir()
         script = [str(SCRIPTS / "multi_gated_train.py"), str(STEPS)]
         script += [",".join(map(str, HOLDS)), str(gates)]
+        # A failed host is set aside for 3 s, then 6 s (not 15 s, then 30 s, by default).
         consumer = pool.start_consumer(
-            "--checkpoint-interval", "1s", command=script, env={"CUMULUS_RESUME_TIMEOUT": "1"}
-        )
+            "--checkpoint-interval", "1s", "--host-backoff", "3s",
+            command=script, env={"CUMULUS_RESUME_TIMEOUT": "1"},
+        )  # fmt: skip
         for step in HOLDS:
             consumer.wait_for(f"holding at step {step}", timeout=180)
             # The failover from the last kill is done: state.json, rewritten every

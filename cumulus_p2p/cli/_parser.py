@@ -317,6 +317,13 @@ def _add_lease_wishes(consume) -> None:
     )
     add_duration(
         consume,
+        "--host-backoff",
+        15,
+        "how long a host that failed is first set aside; it doubles with each failure "
+        "(default 15s)",
+    )
+    add_duration(
+        consume,
         "--checkpoint-interval",
         30,
         "time between session checkpoints for failover (default 30s)",

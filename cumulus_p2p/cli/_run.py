@@ -19,6 +19,7 @@ from ..dht import MeshConfig
 from ..dht.nat import NatConfig
 from ..executor_options import GraphCompiler
 from ..market import BookLimits, PriorityClass
+from ..market.hostchoice import BackoffPolicy
 from ..node import hardware, logs, views
 from ..node.datadir import DataDir
 from ._exits import plain_errors
@@ -270,6 +271,7 @@ def _consumer_options(args, script: list[str]):
         wait_for_host=args.wait_for_host,
         cuda_compat=not args.no_cuda_compat,
         checkpoint_interval=args.checkpoint_interval,
+        backoff=BackoffPolicy(base_s=args.host_backoff),
         checkpoint_to=args.checkpoint_to,
         standby_gib=args.standby_gib,
         private=args.private,
