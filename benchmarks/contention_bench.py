@@ -17,9 +17,11 @@ Prints JSON and writes ``benchmarks/results/contention.json``::
 
     python benchmarks/contention_bench.py [--quick] [--hog-size N] [--sharing MODE]
 
-``--quick`` (about a minute, nothing written) runs each arm for a few seconds with a
-2000x2000 hog. ``--sharing`` picks how the supervisor shares a CPU (``scheduler.Sharing``;
-default: the supervisor's own choice for the device), to compare the modes in one place.
+Without ``--quick`` every arm runs twice for 12 s (in rounds: drifting load from other work
+falls on all arms alike) with a 4000x4000 hog; ``--quick`` (about two minutes, nothing
+written) runs each arm once for 6 s with a 2000x2000 hog. ``--sharing`` picks how the
+supervisor shares a CPU (``scheduler.Sharing``; default: the supervisor's own choice for
+the device), to compare the modes in one place.
 
 Keys: ``alone_p50_ms`` / ``alone_p99_ms``, ``lower_rank_hog_p50_ms`` /
 ``lower_rank_hog_p99_ms``, ``equal_rank_hog_p50_ms`` / ``equal_rank_hog_p99_ms`` (the
@@ -163,7 +165,7 @@ def main() -> None:
         role, address, seconds, size = args.client
         client(role, address, float(seconds), int(size))
         return
-    seconds = 6.0 if args.quick else 20.0
+    seconds, rounds = (6.0, 1) if args.quick else (12.0, 2)
     hog_size = args.hog_size or (2000 if args.quick else 4000)
     server_args = ["--serve", "2"] + (["--sharing", args.sharing] if args.sharing else [])
     server = spawn(*server_args)
@@ -171,10 +173,16 @@ def main() -> None:
         top, low = server.stdout.readline().split()
         ports = {"bystander": f"127.0.0.1:{top}", "equal": f"127.0.0.1:{top}"}
         ports["lower"] = f"127.0.0.1:{low}"
-        _, hog_alone = run_arm(ports, seconds, hog_size, bystander=False, hog="lower")
-        alone, _ = run_arm(ports, seconds, hog_size, bystander=True, hog=None)
-        lower, hog_lower = run_arm(ports, seconds, hog_size, bystander=True, hog="lower")
-        equal, hog_equal = run_arm(ports, seconds, hog_size, bystander=True, hog="equal")
+        alone, lower, equal, hog_alone, hog_lower, hog_equal = [], [], [], [], [], []
+        # Rounds of every arm, their samples pooled: load from other work on the machine
+        # drifts, and must not fall on one arm only.
+        for _ in range(rounds):
+            hog_alone += run_arm(ports, seconds, hog_size, bystander=False, hog="lower")[1]
+            alone += run_arm(ports, seconds, hog_size, bystander=True, hog=None)[0]
+            by, hog = run_arm(ports, seconds, hog_size, bystander=True, hog="lower")
+            lower, hog_lower = lower + by, hog_lower + hog
+            by, hog = run_arm(ports, seconds, hog_size, bystander=True, hog="equal")
+            equal, hog_equal = equal + by, hog_equal + hog
     finally:
         server.kill()
         server.wait()
@@ -183,6 +191,7 @@ def main() -> None:
         "sharing": args.sharing or "default",
         "hog_size": hog_size,
         "arm_seconds": seconds,
+        "rounds": rounds,
         "alone_p50_ms": statistics.median(alone),
         "alone_p99_ms": p99(alone),
         "lower_rank_hog_p50_ms": statistics.median(lower),
