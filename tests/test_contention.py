@@ -309,7 +309,10 @@ def hog_rates(ranks: list[str], seconds: float, size: int = 512) -> list[float]:
 
 
 @pytest.mark.slow  # starts an executor, its workers and a client, twice
+# An interruptible worker runs at nice 19: any other work on the machine (the parallel
+# test workers) takes the CPU from it first, so it is measured alone.
+@pytest.mark.timing
 def test_an_interruptible_tenant_alone_on_a_cpu_runs_at_full_speed() -> None:
-    (interruptible,) = hog_rates(["lower"], seconds=3.0)
-    (on_demand,) = hog_rates(["bystander"], seconds=3.0)
+    (interruptible,) = hog_rates(["lower"], seconds=1.5)
+    (on_demand,) = hog_rates(["bystander"], seconds=1.5)
     assert interruptible >= 0.8 * on_demand

@@ -141,8 +141,13 @@ def test_a_job_survives_its_provider_being_killed_and_finishes_on_the_other(tmp_
     finally:
         nodes.stop_all([*providers, boot])
     assert last_json(consumer)["final_loss"] == expected
+    # No host lends disk for a standby: the checkpoints were on the consumer's disk.
+    assert "no standby" in consumer.output()
+    assert "checkpoints go to this machine's disk" in consumer.output()
+    assert "its state came from the hosts" not in consumer.output()
     state = json.loads((tmp_path / "consumer" / "state.json").read_text())
     assert [lease["state"] for lease in state["leases"]] == ["failed", "held"]
+    assert {lease["role"] for lease in state["leases"]} == {"session"}
     assert state["failovers"] == 1
     gone = state["leases"][0]["host"]
     score = next(row for row in state["scores"] if row["host"] == gone)

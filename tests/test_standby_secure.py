@@ -42,7 +42,11 @@ def secure_host(tmp_path, name: str):
 
         def connect():
             channel = connect_secure(
-                host, int(port), identity=CONSUMER, expected_peer_public_key=proc.provider_key
+                host,
+                int(port),
+                identity=CONSUMER,
+                expected_peer_public_key=proc.provider_key,
+                resume_timeout=1.0,  # a killed host counts as gone after a second
             )
             where = Source.secure_address(proc.provider_key, address)
             return CountingFrameChannel(channel, lambda n: None, peer_address=where)
@@ -70,17 +74,17 @@ def test_secure_hosts_copy_a_checkpoint_and_restore_it_after_the_primary_is_kill
         standby, _ = hosts.enter_context(secure_host(tmp_path, "standby"))
         fresh, _ = hosts.enter_context(secure_host(tmp_path, "fresh"))
         with remote.attach(channel=fresh()):  # the uninterrupted run, on the same kind of host
-            expected = models.train("transformer", "cumulus", steps=10)
+            expected = models.train("transformer", "cumulus", steps=6)
         with remote.attach(channel=primary(), reconnect=fresh, standby=standby()) as session:
 
             def on_step(i: int) -> None:
-                if i == 3:
+                if i == 2:
                     assert isinstance(session.checkpoint(), HostCheckpoint)
-                if i == 6:
+                if i == 4:
                     primary_proc.kill()
                     primary_proc.wait()
 
-            got = models.train("transformer", "cumulus", steps=10, on_step=on_step)
+            got = models.train("transformer", "cumulus", steps=6, on_step=on_step)
             stats = session.failover_statistics()
     assert got[0] == expected[0]
     for name, value in expected[1].items():
