@@ -37,11 +37,9 @@ def test_a_two_device_provider_serves_one_lease_on_each_device_at_once(tmp_path)
     consumers = []
     try:
         rig.wait_for("providing")
-        # Together: the one that proposes to a device the other took meanwhile is refused
-        # for capacity, and takes the other device at the rig's next announcement.
         for name in ("first", "second"):
-            consumers.append(nodes.start_consumer(tmp_path / name, boot.addr, command=script))
-        for consumer in consumers:
+            consumer = nodes.start_consumer(tmp_path / name, boot.addr, command=script)
+            consumers.append(consumer)
             consumer.wait_for("holding at step 5", timeout=120)
         both = rig.wait_for_state(lambda s: sum(d["sessions"] for d in s["devices"]) == 2)
         assert [d["sessions"] for d in both["devices"]] == [1, 1]
