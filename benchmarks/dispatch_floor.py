@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -45,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from cumulus_p2p import native
+from cumulus_p2p.testing.benchargs import median_seconds
 from cumulus_p2p.testing.models import TinyTransformer
 
 VOCAB = 16
@@ -126,17 +125,6 @@ def _step_fn(arm: str, flush: _Flush | None = None):
     return step
 
 
-def _median_step_s(step, steps: int) -> float:
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
 def _cumulus_arm(plain_us: float, ops: int, steps: int) -> dict:
     """The native device's keys, or why it was skipped."""
     reason = native.missing_toolchain()
@@ -144,7 +132,7 @@ def _cumulus_arm(plain_us: float, ops: int, steps: int) -> dict:
         return {"cumulus_skipped": reason}
     flush = _Flush()
     step = _step_fn("cumulus", flush)
-    cumulus_us = _median_step_s(step, steps) / ops * 1e6
+    cumulus_us = median_seconds(step, steps) / ops * 1e6
     data, records = flush.last
     return {
         "cumulus_us_per_dispatch": round(cumulus_us, 1),
@@ -170,8 +158,8 @@ def main() -> None:
     with counter:
         plain()
     ops = counter.ops
-    plain_us = _median_step_s(plain, steps) / ops * 1e6
-    wrapped_us = _median_step_s(wrapped, steps) / ops * 1e6
+    plain_us = median_seconds(plain, steps) / ops * 1e6
+    wrapped_us = median_seconds(wrapped, steps) / ops * 1e6
     result = {
         "dispatches_per_step": ops,
         "plain_us_per_dispatch": round(plain_us, 1),

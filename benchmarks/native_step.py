@@ -37,6 +37,8 @@ import sys
 import time
 from pathlib import Path
 
+from cumulus_p2p.testing.benchargs import median_seconds
+
 VOCAB, DIM, HEADS, LAYERS, CTX, BATCH = 64, 16, 2, 4, 16, 2
 #: The early-flush variant's threshold: about a third of a step's records.
 EARLY_FLUSH_BYTES = 32 * 1024
@@ -65,22 +67,11 @@ def _setup(device: str):
     return step
 
 
-def _median_ms(step, steps: int) -> float:
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e3
-
-
 def _local_arm(steps: int) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    return {"eager_local_ms": _median_ms(_setup("cpu"), steps)}
+    return {"eager_local_ms": median_seconds(_setup("cpu"), steps) * 1e3}
 
 
 class _InProcess:
@@ -124,11 +115,11 @@ def _cumulus_arm(steps: int) -> dict:
 
     with running_host(threads=1) as (host, port):
         with NativeSession.connect(host, port):
-            eager_cumulus_ms = _median_ms(_setup("cumulus"), steps)
+            eager_cumulus_ms = median_seconds(_setup("cumulus"), steps) * 1e3
         with NativeSession.connect(host, port, flush_bytes=EARLY_FLUSH_BYTES):
-            early_ms = _median_ms(_setup("cumulus"), steps)
+            early_ms = median_seconds(_setup("cumulus"), steps) * 1e3
     hook = _InProcess(ext)
-    _median_ms(_setup("cumulus"), steps)
+    median_seconds(_setup("cumulus"), steps)  # the batches the executor's figure replays
     batch, names = hook.last
     records = hook.decode(batch, names)
     ops = sum(isinstance(r, Op) for r in records)
