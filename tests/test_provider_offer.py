@@ -70,3 +70,22 @@ def test_a_provider_that_lends_no_storage_offers_none():
 def test_storage_terms_out_of_range_are_refused(terms):
     with pytest.raises(ValueError, match="storage_"):
         provider(**terms)
+
+
+def test_an_offer_sealed_while_its_device_is_fully_leased_frees_no_share():
+    p = provider()
+    offers(p, 1)
+    taken = lease_proposal(
+        CONSUMER, HOST, start_at=NOW, duration_s=600, shares=4, offer_id="device0"
+    )
+    assert isinstance(
+        p.book.propose(seal_message(CONSUMER, taken, now=NOW).to_bytes(), now=NOW), Lease
+    )
+    # The announce loop seals again before the device's offer is withdrawn (within 0.5 s).
+    offers(p, 2)
+    assert p.book.free_shares("device0") == 0
+    again = lease_proposal(
+        CONSUMER, HOST, start_at=NOW, duration_s=600, lease_id="L2", offer_id="device0", nonce=2
+    )
+    refused = p.book.propose(seal_message(CONSUMER, again, now=NOW).to_bytes(), now=NOW)
+    assert not isinstance(refused, Lease)

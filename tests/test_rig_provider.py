@@ -37,9 +37,12 @@ def test_a_two_device_provider_serves_one_lease_on_each_device_at_once(tmp_path)
     consumers = []
     try:
         rig.wait_for("providing")
+        # Together: the one that proposes to the device the other has just leased is
+        # refused (the offer is full) and leases the other device, and no device is
+        # leased twice however the rig's announcements fall.
         for name in ("first", "second"):
-            consumer = nodes.start_consumer(tmp_path / name, boot.addr, command=script)
-            consumers.append(consumer)
+            consumers.append(nodes.start_consumer(tmp_path / name, boot.addr, command=script))
+        for consumer in consumers:
             consumer.wait_for("holding at step 5", timeout=120)
         both = rig.wait_for_state(lambda s: sum(d["sessions"] for d in s["devices"]) == 2)
         assert [d["sessions"] for d in both["devices"]] == [1, 1]

@@ -240,15 +240,21 @@ class Provider:
         return max(0, self.options.storage_gib - held)
 
     def offer_body(self, served: Served, nonce: int, expires_at: float) -> bytes:
-        """A device's offer as it stands, sealed afresh each announce round."""
+        """A device's offer as it stands, sealed afresh each announce round.
+
+        A device whose shares are all leased is withdrawn within ``keep_offer_current``'s
+        half second; an announce round may seal its offer before that. The offer must
+        name at least one share, but the book is not told: a pool reset to that one
+        share would grant it twice."""
         device, now = served.device, self.runtime.clock()
+        free = self.free_shares(device.offer_id)
         offer = Offer(
             self.runtime.peer_id,
             device.offer_id,
             device.facts.model,
             device.facts.memory_mib,
             device.perf_units,
-            max(1, self.free_shares(device.offer_id)),
+            max(1, free),
             self.options.price,
             self.options.min_lease_s,
             self.options.region,
@@ -258,7 +264,8 @@ class Provider:
             self.options.storage_price,
             self.free_storage(),
         )
-        self.book.publish(offer)
+        if free > 0:
+            self.book.publish(offer)
         return encode_message(offer)
 
     async def keep_offer_current(self) -> None:
