@@ -656,7 +656,8 @@ class Consumer:
         could be had: the consumer's disk keeps them."""
         live = [h for h in self.held if h.role is LeaseRole.STANDBY and h.state is LeaseState.HELD]
         if live and lost:
-            await self._standby_lost(live[-1], lost)
+            log.warning("the standby on host %s is gone (%s)", live[-1].proposal.host[:12], lost)
+            await self._lease_lost(live[-1])
             live, self.no_standby = [], ""
         if live:
             return await self._ticket(live[-1]), ""
@@ -666,29 +667,16 @@ class Consumer:
                 return await self._ticket(held), ""
         return None, self.no_standby
 
-    async def _standby_lost(self, gone: Held, why: str) -> None:
-        """The standby's session ended: at its lease's term, as agreed; before it, the
-        host vanished (reported, and set aside as a session's host would be)."""
-        now = self.runtime.clock()
-        log.warning("the standby on host %s is gone (%s)", gone.proposal.host[:12], why)
-        if now >= gone.proposal.end_at - LEASE_END_SLACK_S:
-            gone.state = LeaseState.ENDED
-            return
-        gone.state = LeaseState.FAILED
-        self._see_offers(now)
-        self.choice.failed(gone.proposal.host, now=now, nonce=gone.offer.nonce)
-        await self._report_failure(gone)
-
     async def _lease_standby(self) -> Held | None:
         rt, o, now = self.runtime, self.options, self.runtime.clock()
-        hosts = {r.order.host for r in rt.book.offers()}
+        orders = [r.order for r in rt.book.offers()]
         offers = choose_standby(
-            (r.order for r in rt.book.offers()),
+            orders,
             exclude=self.sessions[-1].proposal.host,
             gib=o.standby_gib,
             max_price=o.max_storage_price,
             now=now,
-            scores=rt.reputation.scores_for_matcher(hosts, now=now),
+            scores=rt.reputation.scores_for_matcher({order.host for order in orders}, now=now),
             duration_s=o.duration_s,
             usable=lambda host: self.choice.usable(host, now=now),
             limit=PROPOSALS_AT_ONCE,
@@ -795,19 +783,26 @@ class Consumer:
         sessions = self.sessions
         live = [h for h in sessions if h.state is LeaseState.HELD]
         if live and sessions[-1].state is not LeaseState.LEFT:
-            gone, now = live[-1], self.runtime.clock()
-            if now >= gone.proposal.end_at - LEASE_END_SLACK_S:
-                gone.state = LeaseState.ENDED
+            if not await self._lease_lost(live[-1]):
                 self.status = "renewing the lease"
-            else:
-                gone.state = LeaseState.FAILED
-                self._see_offers(now)  # its offers so far are from before it failed
-                backoff = self.choice.failed(gone.proposal.host, now=now, nonce=gone.offer.nonce)
-                log.warning("host %s set aside for %.0f s", gone.proposal.host[:12], backoff)
-                await self._report_failure(gone)
         held = await self.lease()
         self.status = "running"
         return await self._ticket(held)
+
+    async def _lease_lost(self, gone: Held) -> bool:
+        """A lease's session ended without a word: at its term, as agreed (False: its host
+        stays welcome); before it, the host vanished (True: reported, and set aside for a
+        backoff)."""
+        now = self.runtime.clock()
+        if now >= gone.proposal.end_at - LEASE_END_SLACK_S:
+            gone.state = LeaseState.ENDED
+            return False
+        gone.state = LeaseState.FAILED
+        self._see_offers(now)  # its offers so far are from before it failed
+        backoff = self.choice.failed(gone.proposal.host, now=now, nonce=gone.offer.nonce)
+        log.warning("host %s set aside for %.0f s", gone.proposal.host[:12], backoff)
+        await self._report_failure(gone)
+        return True
 
     async def _report_failure(self, gone: Held) -> None:
         now = self.runtime.clock()
