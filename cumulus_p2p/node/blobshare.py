@@ -104,8 +104,7 @@ class BlobSharing:
         if pinned is None:
             return b""
         try:
-            data = bytearray(pinned.size)
-            await trio.to_thread.run_sync(pinned.read_into, memoryview(data))
+            data = await trio.to_thread.run_sync(pinned.read)
         except BlobMismatchError:
             return b""  # damaged on disk: dropped by the read, not served
         finally:

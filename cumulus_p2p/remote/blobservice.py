@@ -267,7 +267,7 @@ def _is_address(text: str) -> bool:
     host, _, port = endpoint.rpartition(":")
     if not (host and port.isdigit()):
         return False
-    return not at or (len(key) == 64 and all(c in "0123456789abcdef" for c in key))
+    return not at or is_digest(key)  # a public key in hex: 64 lower-case digits too
 
 
 class Sink(Protocol):

@@ -80,6 +80,12 @@ class PinnedBlob:
         if got != self.size or len(buffer) != self.size or digest(buffer) != self.digest:
             raise BlobMismatchError(f"blob {self.digest[:16]} is damaged on disk")
 
+    def read(self) -> memoryview:
+        """The blob's bytes in a buffer of their own, checked as ``read_into`` does."""
+        buffer = memoryview(bytearray(self.size))
+        self.read_into(buffer)
+        return buffer
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)  # releases the shared lock

@@ -73,11 +73,7 @@ class KeptPieces:
             pinned = self._pins.get(name)
         if data is not None:
             return data
-        if pinned is None:
-            return None
-        buffer = memoryview(bytearray(pinned.size))
-        pinned.read_into(buffer)
-        return buffer
+        return None if pinned is None else pinned.read()
 
     def close(self) -> None:
         """Let go of everything kept."""
