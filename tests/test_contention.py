@@ -18,9 +18,8 @@ import torch
 import trio
 import trio.testing
 
-from cumulus_p2p.channel.transport import TrioFrameChannel
 from cumulus_p2p.remote.executor import Executor, ExecutorConfig
-from cumulus_p2p.remote.protocol import PROTOCOL_VERSION, TensorRef, decode_frame, encode_frame
+from cumulus_p2p.remote.protocol import TensorRef
 from cumulus_p2p.remote.scheduler import (
     DeviceQueue,
     DeviceScheduler,
@@ -33,6 +32,7 @@ from cumulus_p2p.remote.scheduler import (
 from cumulus_p2p.remote.supervisor import SupervisorConfig, WorkerSupervisor, _Worker
 from cumulus_p2p.remote.worker import SupervisorTurns
 from cumulus_p2p.remote.workerlink import TurnFlag, WorkerLink
+from cumulus_p2p.testing.executor import one_batch
 
 ON_DEMAND = lease_rank(True, 900)
 CHEAPER_ON_DEMAND = lease_rank(True, 100)
@@ -227,26 +227,11 @@ def seeded_batch(seed: int, ops: int = 24) -> list:
     return ["batch", 1, records, [], ["fetch", ref(ops - 1)], []]
 
 
-async def run_one_batch(executor: Executor, batch: list, rank: tuple = ON_DEMAND) -> bytes:
-    """The reply frame (header and blobs) to one batch in a session of its own."""
-    client_stream, server_stream = trio.testing.memory_stream_pair()
-    client = TrioFrameChannel(client_stream)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(lambda: executor.run_session(TrioFrameChannel(server_stream), rank=rank))
-        await client.send_frame(encode_frame(["hello", PROTOCOL_VERSION, {}]))
-        assert decode_frame(await client.receive_frame())[0][0] == "welcome"
-        await client.send_frame(encode_frame(batch))
-        reply = bytes(await client.receive_frame())
-        assert decode_frame(bytearray(reply))[0][:3] == ["reply", 1, None]
-        await client.send_frame(encode_frame(["bye"]))
-    return reply
-
-
 async def test_a_preempted_batch_hands_the_turn_back_between_ops_and_finishes_in_later_turns():
     executor = Executor(ExecutorConfig(device="cpu"))
     executor.scheduler = scheduler = CuttingScheduler(cut=True)
     batch = seeded_batch(1)
-    await run_one_batch(executor, batch)
+    await one_batch(executor, batch, rank=ON_DEMAND)
     assert scheduler.turns == len(batch[2])  # one turn per op: the frees and query ride the last
     assert scheduler.queue.holder is None
 
@@ -254,14 +239,14 @@ async def test_a_preempted_batch_hands_the_turn_back_between_ops_and_finishes_in
 async def test_results_are_bit_identical_however_the_batches_are_cut_and_interleaved():
     whole = Executor(ExecutorConfig(device="cpu"))
     whole.scheduler = CuttingScheduler(cut=False)
-    alone = await run_one_batch(whole, seeded_batch(7))
-    other_alone = await run_one_batch(whole, seeded_batch(8))
+    alone = await one_batch(whole, seeded_batch(7), rank=ON_DEMAND)
+    other_alone = await one_batch(whole, seeded_batch(8), rank=ON_DEMAND)
     cut = Executor(ExecutorConfig(device="cpu"))
     cut.scheduler = CuttingScheduler(cut=True)  # two sessions, interleaved op by op
     replies = {}
 
     async def run(seed: int) -> None:
-        replies[seed] = await run_one_batch(cut, seeded_batch(seed))
+        replies[seed] = await one_batch(cut, seeded_batch(seed), rank=ON_DEMAND)
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(run, 7)

@@ -7,10 +7,9 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cumulus_p2p.channel.transport import TrioFrameChannel
 from cumulus_p2p.remote.executor import Executor, ExecutorConfig
-from cumulus_p2p.remote.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
 from cumulus_p2p.remote.scheduler import DeviceQueue, DeviceScheduler, lease_rank
+from cumulus_p2p.testing.executor import one_batch
 
 CHEAP_INTERRUPTIBLE = lease_rank(False, 100)
 DEAR_ON_DEMAND = lease_rank(True, 900)
@@ -87,16 +86,7 @@ class RecordingScheduler(DeviceScheduler):
 
 
 async def sync_once(executor: Executor, rank: tuple) -> None:
-    client_stream, server_stream = trio.testing.memory_stream_pair()
-    client = TrioFrameChannel(client_stream)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(lambda: executor.run_session(TrioFrameChannel(server_stream), rank=rank))
-        await client.send_frame(encode_frame(["hello", PROTOCOL_VERSION, {}]))
-        assert decode_frame(await client.receive_frame())[0][0] == "welcome"
-        await client.send_frame(encode_frame(["batch", 1, [], [], ["sync"], []]))
-        header, _ = decode_frame(await client.receive_frame())
-        assert header[:3] == ["reply", 1, None]
-        await client.send_frame(encode_frame(["bye"]))
+    await one_batch(executor, ["batch", 1, [], [], ["sync"], []], rank=rank)
 
 
 async def test_a_dear_on_demand_session_overtakes_a_cheap_interruptible_one_for_the_device():

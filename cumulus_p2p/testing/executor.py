@@ -1,4 +1,5 @@
-"""Start a real executor process on loopback for tests and benchmarks."""
+"""Start a real executor process on loopback for tests and benchmarks; or run one batch
+through an in-process ``Executor``'s session."""
 
 from __future__ import annotations
 
@@ -9,8 +10,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import trio
+import trio.testing
+
 from ..channel.secure import SecureClientChannel, connect_secure
+from ..channel.transport import TrioFrameChannel
 from ..identity import NodeIdentity
+from ..remote.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
 
 _LISTENING = re.compile(r"listening on ([0-9.]+):(\d+)")
 _KEY = re.compile(r"key=([0-9a-f]{64})")
@@ -66,3 +72,19 @@ def stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
     proc.wait()
+
+
+async def one_batch(executor, batch: list, *, rank: tuple) -> bytes:
+    """The reply frame (header and blobs) to ``batch`` (sequence number 1, no failure
+    expected) in a session of its own on ``executor``, at ``rank``."""
+    client_stream, server_stream = trio.testing.memory_stream_pair()
+    client = TrioFrameChannel(client_stream)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: executor.run_session(TrioFrameChannel(server_stream), rank=rank))
+        await client.send_frame(encode_frame(["hello", PROTOCOL_VERSION, {}]))
+        assert decode_frame(await client.receive_frame())[0][0] == "welcome"
+        await client.send_frame(encode_frame(batch))
+        reply = bytes(await client.receive_frame())
+        assert decode_frame(bytearray(reply))[0][:3] == ["reply", 1, None]
+        await client.send_frame(encode_frame(["bye"]))
+    return reply
