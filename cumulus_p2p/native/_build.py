@@ -87,21 +87,7 @@ def build(verbose: bool = False) -> ModuleType:
         RuntimeError: the toolchain is missing (the message names what to install) or
             the compiler failed (its output is in the message).
     """
-    from torch.utils import cpp_extension
-
-    reason = missing_toolchain()
-    if reason is not None:
-        raise RuntimeError(f"cannot build the native cumulus device: {reason}")
-    directory = build_directory()
-    directory.mkdir(parents=True, exist_ok=True)
-    os.environ["PATH"] = _search_path()
-    return cpp_extension.load(
-        name=NAME,
-        sources=[str(CSRC / source) for source in SOURCES],
-        extra_cflags=list(CFLAGS),
-        build_directory=str(directory),
-        verbose=verbose,
-    )
+    return _compiled("device", NAME, SOURCES, build_directory(), verbose)
 
 
 def build_replay(verbose: bool = False) -> ModuleType:
@@ -113,17 +99,23 @@ def build_replay(verbose: bool = False) -> ModuleType:
     Raises:
         RuntimeError: as ``build``.
     """
+    return _compiled("executor", REPLAY_NAME, REPLAY_SOURCES, _replay_directory(), verbose)
+
+
+def _compiled(
+    what: str, name: str, sources: tuple[str, ...], directory: Path, verbose: bool
+) -> ModuleType:
+    """Compile ``sources`` (if anything changed) into ``directory`` and import them."""
     from torch.utils import cpp_extension
 
     reason = missing_toolchain()
     if reason is not None:
-        raise RuntimeError(f"cannot build the native cumulus executor: {reason}")
-    directory = _replay_directory()
+        raise RuntimeError(f"cannot build the native cumulus {what}: {reason}")
     directory.mkdir(parents=True, exist_ok=True)
     os.environ["PATH"] = _search_path()
     return cpp_extension.load(
-        name=REPLAY_NAME,
-        sources=[str(CSRC / source) for source in REPLAY_SOURCES],
+        name=name,
+        sources=[str(CSRC / source) for source in sources],
         extra_cflags=list(CFLAGS),
         build_directory=str(directory),
         verbose=verbose,
