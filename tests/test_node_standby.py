@@ -134,19 +134,22 @@ def test_a_second_host_fetches_an_upload_from_the_first_instead_of_the_consumer(
         one = nodes.start_consumer(tmp_path / "one", boot.addr, command=script)
         assert one.proc.wait(timeout=180) == 0, one.output()
         first.wait_for_state(lambda s: s.get("blobs_announced", 0) >= 3)
-        # A cheaper host joins: the next consumer leases it, and it has none of them.
+        # A cheaper host joins: the next consumer leases it, and it has none of them. The
+        # first host's paid leases would rank it above a newcomer: a price cap rules it out.
         second = nodes.start_provider(tmp_path / "second", boot.addr, "--price", "0.3")
         nodes_up.append(second)
         second.wait_for("providing")
-        two = nodes.start_consumer(tmp_path / "two", boot.addr, command=script)
+        two = nodes.start_consumer(
+            tmp_path / "two", boot.addr, "--max-price", "0.5", command=script
+        )
         assert two.proc.wait(timeout=180) == 0, two.output()
     finally:
         for node in nodes_up:
             node.stop()
+    (lease,) = json.loads((tmp_path / "two" / "state.json").read_text())["leases"]
+    assert lease["host"] == second.state()["peer_id"]
     result = last_result(two)
     assert result["sum"] == result["expected"] == last_result(private)["sum"]
     assert last_result(private)["fetched"] == 0
     assert result["fetched"] == 48 * 2**20
-    (lease,) = json.loads((tmp_path / "two" / "state.json").read_text())["leases"]
-    assert lease["host"] == second.state()["peer_id"]
     assert lease["bytes_counted"] < 2**20  # the consumer's link carried digests, not bytes
