@@ -491,8 +491,9 @@ def failover_figures(failed_over: Step, stats, host_mbit: float) -> dict:
     """The failover's cost against the session's state (its latest checkpoint).
 
     ``failover_restore_s`` is the part that moved the state (the fresh host's pull into
-    its storages, with a standby); the rest of the pause is dialling, and replaying the
-    steps since the checkpoint, whose compute a CPU executor makes seconds long.
+    its storages, with a standby); ``failover_reconnect_s`` reached the new host, and
+    ``failover_replay_s`` replayed the steps since the checkpoint, whose compute a CPU
+    executor makes seconds long.
     """
     state = failed_over.checkpoint_bytes
     floor_s = state * 8 / (host_mbit * 1e6)
@@ -503,6 +504,8 @@ def failover_figures(failed_over: Step, stats, host_mbit: float) -> dict:
             "failover_restore_s": round(stats.restore_pull_s, 2),
             "failover_restore_over_floor": round(stats.restore_pull_s / floor_s, 3),
         }
+    parts = {"failover_reconnect_s": stats.reconnect_s, "failover_replay_s": stats.replay_s}
+    restore |= {key: round(value, 2) for key, value in parts.items() if value is not None}
     return {
         "failover_state_bytes": state,
         "failover_resume_s": round(resume_s, 2),

@@ -1,7 +1,8 @@
 """Hosts fetch public blobs from hosts: real libp2p nodes on loopback, real blob stores.
 
 Node 0 and node 1 hold blobs; node 2 fetches. A provider that sends other bytes than the
-digest names is dropped for the next, and a blob that is not public is served to nobody.
+digest names is dropped for the next (and reported, when it signed that it did), and a
+blob that is not public is served to nobody.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ from cumulus_p2p.node.blobshare import (
     BLOB_PROTOCOL,
     FETCH_PROTOCOL,
     BlobSharing,
+    answer_bytes,
     blob_key,
     call_fetch,
     serve_fetches,
 )
 from cumulus_p2p.remote.blobs import digest
 from cumulus_p2p.remote.blobstore import BlobStore
+from cumulus_p2p.reputation import BadBlob, EvidenceKind
+from cumulus_p2p.reputation.served import BlobServed, seal_served
 from cumulus_p2p.testing.mesh import open_mesh
 
 # Starts a mesh of libp2p nodes.
@@ -30,10 +34,16 @@ PIECE_A = bytes(range(256)) * 4096  # 1 MiB
 PIECE_B = b"another piece" * 1000
 
 
-def sharing_on(mesh, tmp_path, index: int) -> BlobSharing:
+def sharing_on(mesh, tmp_path, index: int, reported: list | None = None) -> BlobSharing:
+    """Node ``index`` shares blobs; the statements it would report land in ``reported``."""
     node = mesh.nodes[index]
     store = BlobStore(tmp_path / f"store{index}", 64 * 2**20)
-    sharing = BlobSharing(node.host, node.dht, store)
+
+    async def report(statement) -> None:
+        assert reported is not None, "nothing was to be reported"
+        reported.append(statement)
+
+    sharing = BlobSharing(node, store, report=report)
     sharing.serve()
     return sharing
 
@@ -45,11 +55,23 @@ async def announce(sharing: BlobSharing, data: bytes) -> str:
     return name
 
 
-def serve_garbage(node) -> None:
-    """``node`` answers every request for a blob with other bytes."""
+GARBAGE = b"not what was asked for" * 100
+
+
+def serve_garbage(node, *, signed_as: str | None = None) -> None:
+    """``node`` answers every request for a blob with other bytes: unsigned (None), with
+    a statement that they are the piece asked for (``"asked"``), or that they are the
+    bytes it sent (``"sent"``)."""
 
     async def garbage(request: bytes, requester: str) -> bytes:
-        return b"not what was asked for" * 100
+        if signed_as is None:
+            return GARBAGE
+        name = bytes.fromhex(request.decode())
+        sent = name if signed_as == "asked" else bytes.fromhex(digest(memoryview(GARBAGE)))
+        statement = seal_served(
+            node.identity, BlobServed(name, sent, requester, 1.0e9), nonce=node.next_nonce()
+        )
+        return answer_bytes(statement, GARBAGE)
 
     serve_rpc(node.host, BLOB_PROTOCOL, garbage)
 
@@ -63,7 +85,7 @@ async def test_a_host_fetches_a_public_blob_that_another_announces(tmp_path):
         assert name in fetcher.store
 
 
-async def test_a_provider_sending_garbage_is_dropped_and_never_asked_again(tmp_path):
+async def test_a_provider_sending_unsigned_garbage_is_dropped_and_never_asked_again(tmp_path):
     async with open_mesh(3) as mesh:
         honest, fetcher = sharing_on(mesh, tmp_path, 0), sharing_on(mesh, tmp_path, 2)
         liar = mesh.nodes[1]
@@ -72,13 +94,43 @@ async def test_a_provider_sending_garbage_is_dropped_and_never_asked_again(tmp_p
         await liar.dht.provide(blob_key(garbage_only))
         alone = await fetcher.fetch([garbage_only])
         assert alone.fetched == 0 and garbage_only not in fetcher.store  # never kept
-        assert any("sent bytes that are not" in why for why in alone.dropped)
+        assert any("not a signed piece" in why for why in alone.dropped)
 
         name = await announce(honest, PIECE_A)
         await liar.dht.provide(blob_key(name))
         fetched = await fetcher.fetch([name])
         assert fetched.fetched == 1 and name in fetcher.store
         assert fetched.dropped == []  # the liar was not asked
+
+
+async def test_a_provider_that_signs_for_the_piece_and_sends_other_bytes_is_dropped(tmp_path):
+    async with open_mesh(3) as mesh:
+        fetcher = sharing_on(mesh, tmp_path, 2, reported=[])
+        liar = mesh.nodes[1]
+        serve_garbage(liar, signed_as="asked")
+        name = digest(memoryview(PIECE_B))
+        await liar.dht.provide(blob_key(name))
+        fetched = await fetcher.fetch([name])
+        assert fetched.fetched == 0 and name not in fetcher.store
+        assert any("sent bytes that are not" in why for why in fetched.dropped)
+        assert liar.peer_id in fetcher.distrusted
+
+
+async def test_a_provider_that_signs_it_sent_other_bytes_is_reported_with_its_statement(
+    tmp_path,
+):
+    async with open_mesh(3) as mesh:
+        reported: list = []
+        fetcher = sharing_on(mesh, tmp_path, 2, reported=reported)
+        liar = mesh.nodes[1]
+        serve_garbage(liar, signed_as="sent")
+        name = digest(memoryview(PIECE_B))
+        await liar.dht.provide(blob_key(name))
+        fetched = await fetcher.fetch([name])
+        assert fetched.fetched == 0 and liar.peer_id in fetcher.distrusted
+        (statement,) = reported
+        finding = BadBlob(statement).check(mesh.nodes[2].peer_id.to_base58())
+        assert (finding.kind, finding.host) == (EvidenceKind.BADBLOB, liar.peer_id.to_base58())
 
 
 async def test_a_blob_that_is_not_public_is_served_to_nobody(tmp_path):

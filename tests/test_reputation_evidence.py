@@ -3,8 +3,10 @@
 import pytest
 
 from cumulus_p2p._errors import InvalidEvidenceError, InvalidMessageError, MalformedMessageError
+from cumulus_p2p.envelope import Envelope
 from cumulus_p2p.identity import NodeIdentity
 from cumulus_p2p.reputation import (
+    BadBlob,
     EvidenceKind,
     HeartbeatObservation,
     NonPayment,
@@ -32,6 +34,7 @@ def test_every_evidence_kind_survives_the_wire():
             LEASE, HOST.public_key, MINT.offer(HOST, now=NOW - 8000, perf_units=100), 80, NOW - 7000
         ),
         MINT.nonpayment(HOST, LEASE),
+        MINT.bad_blob(HOST, CONSUMER, now=NOW),
     ]
     for record in records:
         report = Report(peer(CONSUMER), peer(HOST), record, NOW, NOW + 60, MINT.nonce())
@@ -120,3 +123,35 @@ def test_a_non_canonical_report_body_is_malformed():
     body[-1] = 0xCC  # the nonce 1 re-encoded as a uint8: same value, other bytes
     with pytest.raises(MalformedMessageError):
         decode_report(bytes(body) + b"\x01")
+
+
+def test_a_host_that_signed_it_served_other_bytes_is_reported_by_the_host_it_served():
+    _, finding = open_report(
+        MINT.report(CONSUMER, peer(HOST), MINT.bad_blob(HOST, CONSUMER, now=NOW), now=NOW)
+    )
+    assert (finding.kind, finding.host, finding.credited, finding.at) == (
+        EvidenceKind.BADBLOB,
+        peer(HOST),
+        peer(CONSUMER),
+        NOW,
+    )
+
+
+def test_a_statement_that_the_blob_asked_for_was_served_is_no_evidence():
+    honest = BadBlob(MINT.served(HOST, CONSUMER, now=NOW, honest=True))
+    with pytest.raises(InvalidEvidenceError, match="served the blob asked for"):
+        honest.check(peer(CONSUMER))
+
+
+def test_only_the_host_that_was_served_may_report_a_bad_blob():
+    with pytest.raises(InvalidEvidenceError, match="not the host that was served"):
+        MINT.bad_blob(HOST, CONSUMER, now=NOW).check(peer(OTHER))
+
+
+def test_a_bad_blob_statement_whose_signature_does_not_check_is_no_evidence():
+    real = MINT.served(HOST, CONSUMER, now=NOW)
+    # The same words, put in the host's mouth by another key.
+    signature = OTHER.sign(real.signing_bytes())
+    forged = Envelope(real.kind, HOST.public_key, real.body, real.expires_at, real.nonce, signature)
+    with pytest.raises(InvalidEvidenceError, match="signature"):
+        BadBlob(forged).check(peer(CONSUMER))

@@ -127,3 +127,9 @@ def test_an_unpaid_lease_lowers_its_consumers_score():
 def test_a_countersigned_receipt_voids_a_nonpayment_claim():
     paid = consumer_score([service(NOW, served=60), nonpayment(NOW)])
     assert paid.failures == 0.0
+
+
+def test_a_bad_blob_adds_failures_to_the_host_that_served_it():
+    bad = Finding(b"b1", EvidenceKind.BADBLOB, "h", "c", NOW)
+    assert score([bad]).failures == pytest.approx(POLICY.bad_blob_weight)
+    assert score([bad]).mean < POLICY.prior_mean

@@ -19,7 +19,7 @@ from .history import History
 from .hostoffers import by_host
 
 #: Evidence kinds a host's page counts, in the order it shows them.
-EVIDENCE_KINDS = ("service", "failure", "heartbeat", "performance", "nonpayment")
+EVIDENCE_KINDS = ("service", "failure", "heartbeat", "performance", "nonpayment", "badblob")
 
 
 def hosts(state: dict, history: History | None = None) -> list[dict]:

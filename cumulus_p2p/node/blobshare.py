@@ -14,9 +14,12 @@ nothing. This module lets the first user on *another* host upload nothing either
    from the shim through its own node: ``consumer.py``). It then asks the host again and
    sends only what is still missing: the consumer is always the fallback.
 3. **Fetch.** The host's node looks each piece up in the DHT and reads it from a provider
-   over libp2p (``BLOB_PROTOCOL``: one piece per stream, several at once). Its store
-   checks every piece against its digest: a provider that sends other bytes is dropped,
-   never asked again, and the next is asked.
+   over libp2p (``BLOB_PROTOCOL``: one piece per stream, several at once). Each answer
+   carries the provider's signed statement of what it sent (``reputation/served.py``).
+   Its store checks every piece against its digest: a provider that sends other bytes,
+   or an answer it did not sign, is dropped, never asked again, and the next is asked.
+   A provider that signed that it sent other bytes is also reported: its statement is
+   ``BadBlob`` evidence, gossiped to every node's reputation.
 
 A private session's uploads never enter the store, so they are never announced or served,
 and its consumer asks for no fetch (a lookup would tell the DHT what it trains). A peer
@@ -26,7 +29,11 @@ empty answer, the same as for a blob this host never had.
 
 from __future__ import annotations
 
+import functools
 import logging
+import struct
+import time
+from collections.abc import Awaitable, Callable
 
 import msgpack
 import trio
@@ -34,16 +41,19 @@ from libp2p.abc import IHost
 from libp2p.custom_types import TProtocol
 from libp2p.exceptions import BaseLibp2pError
 
-from .._errors import BlobMismatchError, CumulusError
+from .._errors import BlobMismatchError, CumulusError, EnvelopeRejectedError, MalformedMessageError
+from ..dht.node import MeshNode
 from ..dht.records import NAMESPACE
+from ..envelope import Envelope
 from ..market.rpc import call_rpc, serve_rpc
 from ..remote.blobs import MAX_HAVE, PIECE, is_digest
 from ..remote.blobservice import Pulled
 from ..remote.blobstore import BlobStore
+from ..reputation.served import BlobServed, open_served, seal_served
 
 log = logging.getLogger(__name__)
 
-BLOB_PROTOCOL = TProtocol("/cumulus/blob/1.0.0")
+BLOB_PROTOCOL = TProtocol("/cumulus/blob/2.0.0")
 FETCH_PROTOCOL = TProtocol("/cumulus/fetch/1.0.0")
 #: Seconds between looks at the store for blobs to announce.
 ANNOUNCE_EVERY_S = 5.0
@@ -55,6 +65,9 @@ PIECE_TIMEOUT_S = 60.0
 FETCH_TIMEOUT_S = 900.0
 
 _ERRORS = (BaseLibp2pError, CumulusError, OSError, trio.TooSlowError, ValueError)
+#: An answer: the statement's length, the signed statement, then the piece's bytes.
+_HEAD = struct.Struct(">I")
+_MAX_STATEMENT = 1024
 
 
 def blob_key(name: str) -> str:
@@ -66,15 +79,28 @@ class BlobSharing:
     """A provider node's side: announce its public blobs, serve them, fetch from others.
 
     Args:
-        host: The node's libp2p host.
-        dht: Its Kademlia DHT (``provide``, ``find_providers``).
+        node: The node's mesh node (its libp2p host, its DHT, and the identity that
+            signs what it serves).
         store: The host's blob store (shared with its executors, through the disk).
+        report: Called with the signed statement of a peer that admitted sending other
+            bytes than asked for (gossip it as evidence); None: only drop that peer.
+        clock: The time the statements it signs carry.
     """
 
-    def __init__(self, host: IHost, dht, store: BlobStore) -> None:
-        self._host = host
-        self._dht = dht
+    def __init__(
+        self,
+        node: MeshNode,
+        store: BlobStore,
+        *,
+        report: Callable[[Envelope], Awaitable[None]] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._node = node
+        self._host: IHost = node.host
+        self._dht = node.dht
         self.store = store
+        self._report = report
+        self._clock = clock
         self.announced: set[str] = set()
         #: Peers that sent bytes other than the digest named: never asked again.
         self.distrusted: set = set()
@@ -109,7 +135,10 @@ class BlobSharing:
             return b""  # damaged on disk: dropped by the read, not served
         finally:
             pinned.close()
-        return bytes(data)
+        raw_name = bytes.fromhex(name)
+        served = BlobServed(raw_name, raw_name, requester, float(self._clock()))
+        statement = seal_served(self._node.identity, served, nonce=self._node.next_nonce())
+        return answer_bytes(statement, data)
 
     async def fetch(self, names: list[str]) -> Pulled:
         """Fetch into the store every piece of ``names`` it lacks, from the peers that
@@ -154,22 +183,23 @@ class BlobSharing:
         try:
             if peer not in self._host.get_connected_peers():
                 await self._host.connect(info)
-            data = await call_rpc(
+            answer = await call_rpc(
                 self._host,
                 peer,
                 BLOB_PROTOCOL,
                 name.encode(),
                 timeout=PIECE_TIMEOUT_S,
-                max_response=PIECE,
+                max_response=_HEAD.size + _MAX_STATEMENT + PIECE,
             )
-            if not data:
+            if not answer:
                 raise CumulusError("it does not hold the piece")
-            if not await trio.to_thread.run_sync(self.store.put, name, memoryview(data)):
+            statement, data = self._opened(answer, peer, name)
+            if not await self._keep(name, data, statement):
                 return True  # no room here: the consumer's bytes will do, once
-        except BlobMismatchError:
-            log.warning("peer %s sent garbage for blob %s", peer.to_base58()[:12], name[:16])
+        except BlobMismatchError as exc:
+            log.warning("peer %s %s", peer.to_base58()[:12], exc)
             self.distrusted.add(peer)
-            out.dropped.append(f"{peer.to_base58()[:12]}: sent bytes that are not {name[:16]}")
+            out.dropped.append(f"{peer.to_base58()[:12]}: {exc}")
             return False
         except _ERRORS as exc:
             out.dropped.append(f"{peer.to_base58()[:12]}: {exc}")
@@ -177,6 +207,44 @@ class BlobSharing:
         out.fetched += 1
         out.fetched_bytes += len(data)
         return True
+
+    def _opened(self, answer: bytes, peer, name: str) -> tuple[Envelope, memoryview]:
+        """The signed statement and the bytes of ``peer``'s answer for ``name``.
+
+        Raises:
+            BlobMismatchError: It is not an answer ``peer`` signed for ``name`` to us.
+        """
+        try:
+            statement, data = split_answer(answer)
+            served = open_served(statement)
+        except (EnvelopeRejectedError, MalformedMessageError) as exc:
+            raise BlobMismatchError(f"sent an answer that is not a signed piece: {exc}") from exc
+        me = self._host.get_id().to_base58()
+        if statement.author_peer_id != peer or served.requester != me:
+            raise BlobMismatchError("sent a statement that is not its own, to us")
+        if served.name.hex() != name:
+            raise BlobMismatchError(f"answered for another piece than {name[:16]}")
+        return statement, data
+
+    async def _keep(self, name: str, data: memoryview, statement: Envelope) -> bool:
+        """Put a fetched piece in the store (``BlobStore.put``'s answer); a peer that
+        signed that it sent other bytes is reported.
+
+        Raises:
+            BlobMismatchError: The bytes are not ``name``'s, whatever the peer signed.
+        """
+        put = functools.partial(self.store.put, name, data, public=True)
+        try:
+            return await trio.to_thread.run_sync(put)
+        except BlobMismatchError:
+            served = open_served(statement)
+            if served.sent == served.name:  # a lie in its signature: ours to know only
+                raise BlobMismatchError(f"sent bytes that are not {name[:16]}") from None
+            if self._report is not None:
+                await self._report(statement)
+            raise BlobMismatchError(
+                f"sent bytes that are not {name[:16]}, and signed that it did (reported)"
+            ) from None
 
 
 def serve_fetches(host: IHost, sharing: BlobSharing, may_ask) -> None:
@@ -226,3 +294,26 @@ def _parse_fetch(request: bytes) -> tuple[str, list[str]]:
     if not all(isinstance(n, str) and is_digest(n) for n in names):
         raise ValueError("a piece is named by its digest")
     return value[0], names
+
+
+def answer_bytes(statement: Envelope, data: memoryview | bytes) -> bytes:
+    """A ``BLOB_PROTOCOL`` answer: the signed statement, then the piece."""
+    raw = statement.to_bytes()
+    return b"".join((_HEAD.pack(len(raw)), raw, data))
+
+
+def split_answer(answer: bytes) -> tuple[Envelope, memoryview]:
+    """The statement and the bytes of a ``BLOB_PROTOCOL`` answer.
+
+    Raises:
+        EnvelopeRejectedError: The statement does not decode.
+        MalformedMessageError: The answer is shorter than its head says.
+    """
+    if len(answer) < _HEAD.size:
+        raise MalformedMessageError("an answer shorter than its head")
+    (length,) = _HEAD.unpack_from(answer)
+    if length > _MAX_STATEMENT or _HEAD.size + length > len(answer):
+        raise MalformedMessageError(f"a statement of {length} bytes")
+    view = memoryview(answer)
+    statement = Envelope.from_bytes(bytes(view[_HEAD.size : _HEAD.size + length]), _MAX_STATEMENT)
+    return statement, view[_HEAD.size + length :]

@@ -85,9 +85,7 @@ from ..reputation import (
     FailureReason,
     LeaseFailure,
     PerformanceObservation,
-    Report,
     ServiceRecord,
-    seal_report,
 )
 from ..reputation.evidence import MAX_RECEIPTS
 from . import control, logs
@@ -751,7 +749,7 @@ class Consumer:
         evidence = PerformanceObservation(
             held.lease, held.host_key, offer, facts.perf_units, measured_at
         )
-        await self._publish_report(held.proposal.host, evidence)
+        await self.runtime.report(held.proposal.host, evidence)
 
     async def take_notice(self, lease_id: str, kind: str, detail: str, sender: str) -> str | None:
         """A host says it ends one of our leases early (it is leaving): remember it, so
@@ -808,7 +806,7 @@ class Consumer:
         now = self.runtime.clock()
         ended = min(now, gone.proposal.end_at)
         evidence = LeaseFailure(gone.lease, gone.host_key, FailureReason.VANISHED, ended)
-        await self._publish_report(gone.proposal.host, evidence)
+        await self.runtime.report(gone.proposal.host, evidence)
 
     async def report_service(self) -> None:
         """Gossip a service record for each lease that was receipted."""
@@ -820,15 +818,7 @@ class Consumer:
             )[:MAX_RECEIPTS]
             if receipts:
                 record = ServiceRecord(held.lease, held.host_key, receipts)
-                await self._publish_report(held.proposal.host, record)
-
-    async def _publish_report(self, host: str, evidence) -> None:
-        rt, now = self.runtime, self.runtime.clock()
-        report = Report(rt.peer_id, host, evidence, now, now + 600, rt.mesh.next_nonce())
-        try:
-            await rt.publish_report(seal_report(rt.identity, report, now=now))
-        except CumulusError as exc:
-            log.warning("could not report on host %s: %s", host[:12], exc)
+                await self.runtime.report(held.proposal.host, record)
 
     # --- status ---------------------------------------------------------------------
 

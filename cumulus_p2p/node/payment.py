@@ -47,7 +47,7 @@ from ..market.lease_state import (
     settled_event,
 )
 from ..market.settlement import settle_receipt
-from ..reputation import NonPayment, Report, seal_report
+from ..reputation import NonPayment
 from .runtime import Runtime, peer_of
 
 __all__ = ["ActiveLease", "Issued", "PaymentEnforcer"]
@@ -256,11 +256,6 @@ class PaymentEnforcer:
 
     async def _report_nonpayment(self, active: ActiveLease) -> None:
         """Gossip signed evidence that the consumer left its oldest receipt unsettled."""
-        rt, now = self.runtime, self.runtime.clock()
+        rt = self.runtime
         evidence = NonPayment(active.lease, rt.identity.public_key, active.unsettled[0].envelope)
-        consumer = active.proposal.consumer
-        report = Report(rt.peer_id, consumer, evidence, now, now + 600, rt.mesh.next_nonce())
-        try:
-            await rt.publish_report(seal_report(rt.identity, report, now=now))
-        except CumulusError as exc:
-            log.warning("could not report consumer %s: %s", consumer[:12], exc)
+        await rt.report(active.proposal.consumer, evidence)

@@ -50,6 +50,7 @@ from ..channel.secure.libp2p_path import handle_libp2p_sessions
 from ..channel.transport import CountingChannel
 from ..dht import MeshConfig
 from ..dht.host import interface_ipv4s, observed_ipv4s
+from ..envelope import Envelope
 from ..executor_options import GraphCompiler
 from ..market import (
     BookLimits,
@@ -76,6 +77,7 @@ from ..remote.scheduler import lease_rank
 from ..remote.session import SessionStats
 from ..remote.standby import STANDBY_QUOTA
 from ..remote.supervisor import WorkerSupervisor
+from ..reputation import BadBlob
 from .blobshare import BlobSharing, serve_fetches
 from .datadir import DataDir
 from .hardware import DeviceFacts, GpuMeter
@@ -396,6 +398,13 @@ class Provider:
             return "no lease of yours is held here under that id"
         return None
 
+    async def report_bad_blob(self, statement: Envelope) -> None:
+        """Gossip signed evidence that a peer served this host other bytes than asked
+        for: its own statement (``blobshare``)."""
+        host = peer_id_of(statement.author)
+        if await self.runtime.report(host, BadBlob(statement)):
+            log.warning("reported peer %s: it served garbage and signed that it did", host[:12])
+
     def _lease(self, lease_id: str) -> ActiveLease | None:
         """A lease this host served, running or finished."""
         finished = (a for a in self.finished if a.proposal.lease_id == lease_id)
@@ -626,7 +635,9 @@ async def run_provider(
         )  # fmt: skip
         serve_lease_close(runtime.mesh.host, provider.close_lease)
         store = BlobStore(data.path / "blobs", options.blob_cap)
-        sharing = provider.sharing = BlobSharing(runtime.mesh.host, runtime.mesh.dht, store)
+        sharing = provider.sharing = BlobSharing(
+            runtime.mesh, store, report=provider.report_bad_blob, clock=runtime.clock
+        )
         sharing.serve()
         serve_fetches(runtime.mesh.host, sharing, provider.may_fetch)
         with provider.meter:  # one NVML session for the status of every tick

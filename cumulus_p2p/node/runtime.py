@@ -8,6 +8,7 @@ a node with neither role is a bootstrap peer that only routes and relays.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 import trio
 from libp2p.peer.id import ID
 
-from .._errors import NodeConfigError
+from .._errors import CumulusError, NodeConfigError
 from ..dht import REPUTATION_TOPIC, MeshConfig, MeshNode, mesh_validator, open_mesh_node
 from ..dht.gossip import TOPICS
 from ..envelope import Envelope
@@ -24,8 +25,13 @@ from ..identity import NodeIdentity
 from ..market import KINDS as MARKET_KINDS
 from ..market import BookLimits, MarketIntake, Offer, OrderBook
 from ..market.intake import ORDER_KINDS, Admitted
-from ..reputation import REPORT_KIND, Accepted, Reputation
+from ..reputation import REPORT_KIND, Accepted, Evidence, Report, Reputation, seal_report
 from .datadir import DataDir
+
+log = logging.getLogger(__name__)
+
+#: Seconds a report is gossiped for (the evidence it carries is kept far longer).
+REPORT_TTL_S = 600.0
 
 
 @dataclass
@@ -48,6 +54,20 @@ class Runtime:
     def peer_id(self) -> str:
         """This node's peer ID (base58)."""
         return self.mesh.peer_id.to_base58()
+
+    async def report(self, about: str, evidence: Evidence) -> bool:
+        """Sign a report of ``evidence`` about peer ``about`` and gossip it; False (and
+        logged) when the mesh would not take it."""
+        now = self.clock()
+        report = Report(
+            self.peer_id, about, evidence, now, now + REPORT_TTL_S, self.mesh.next_nonce()
+        )
+        try:
+            await self.publish_report(seal_report(self.identity, report, now=now))
+        except CumulusError as exc:
+            log.warning("could not report on peer %s: %s", about[:12], exc)
+            return False
+        return True
 
     async def publish_report(self, envelope: Envelope) -> None:
         """Gossip a signed reputation report (and count it ourselves)."""

@@ -201,6 +201,8 @@ class RemoteSession:
         #: Bytes the new host pulled from other hosts at the last failover's restore.
         self._restore_pulled_bytes = 0
         self._restore_pull_s: float | None = None
+        self._reconnect_s: float | None = None
+        self._replay_s: float | None = None
         #: Where the last failover's state came from, for the line that reports it.
         self._restored_from = ""
         self._streaming = 0
@@ -782,7 +784,9 @@ class RemoteSession:
         ) from last
 
     def _recover(self, awaiting: int | None) -> bytearray | None:
+        started = time.perf_counter()
         channel = self._reconnect()
+        self._reconnect_s = time.perf_counter() - started
         try:
             info = self._resume(channel)
             if info is not None:
@@ -791,7 +795,9 @@ class RemoteSession:
             else:
                 info = self._handshake(channel, self._options)
                 self._restore(channel, info)
+                replaying = time.perf_counter()
                 reply = self._replay(channel, self._log.after_seq, awaiting, resumed=False)
+                self._replay_s = time.perf_counter() - replaying
                 # The checkpoint and the log just rebuilt the session, as they would again:
                 # a checkpoint now would protect nothing more, so the interval starts over.
                 self._policy.taken(now=time.monotonic())
@@ -947,6 +953,8 @@ class RemoteSession:
             last_replication_s=copies[-1].seconds if copies else None,
             restore_pulled_bytes=self._restore_pulled_bytes,
             restore_pull_s=self._restore_pull_s,
+            reconnect_s=self._reconnect_s,
+            replay_s=self._replay_s,
         )
 
     def close(self) -> None:

@@ -150,6 +150,10 @@ class FailoverStatistics:
     #: the seconds that took (of ``last_failover_s``).
     restore_pulled_bytes: int = 0
     restore_pull_s: float | None = None
+    #: Of the last failover: seconds to reach a new host (a lease, a dial), and seconds
+    #: to replay the log since the checkpoint (a cold restore's recomputed steps).
+    reconnect_s: float | None = None
+    replay_s: float | None = None
 
 
 # --- taking a checkpoint -----------------------------------------------------------------

@@ -3,10 +3,13 @@
 Parts, lowest first (each imports only those above it):
 
 - ``evidence``: the typed, self-checking evidence records (``ServiceRecord``,
-  ``LeaseFailure``, ``HeartbeatObservation``, ``PerformanceObservation``), the signed
+  ``LeaseFailure``, ``HeartbeatObservation``, ``PerformanceObservation``, ``NonPayment``,
+  ``BadBlob``), the signed
   ``Report`` that carries one about a host (envelope kind ``REPORT_KIND``), its
   canonical msgpack codec, and ``seal_report``/``open_report``. ``Report.check``
   verifies every signature and returns a ``Finding``: the plain facts.
+- ``served``: ``BlobServed``, the statement a host signs for each blob it serves
+  another host; a false one becomes ``BadBlob`` evidence.
 - ``store``: ``EvidenceStore``, findings deduplicated by evidence id, bounded by
   per-peer quotas and a global cap, expired by age.
 - ``trust``: EigenTrust over the paid-transaction graph, seeded by pre-trusted peers:
@@ -28,6 +31,7 @@ from .engine import ReportRefusal as ReportRefusal
 from .engine import Reputation as Reputation
 from .evidence import MAX_RECEIPTS as MAX_RECEIPTS
 from .evidence import REPORT_KIND as REPORT_KIND
+from .evidence import BadBlob as BadBlob
 from .evidence import Evidence as Evidence
 from .evidence import EvidenceKind as EvidenceKind
 from .evidence import FailureReason as FailureReason

@@ -20,6 +20,9 @@ the host): nobody can invent a lease against a host that never accepted one.
   be proven, so it carries no volume: only the observer's credibility weighs it.
 - ``PerformanceObservation``: the lease, the host-signed offer the lease names (the
   claim) and what the consumer measured. Only the consumer may make it.
+- ``BadBlob``: a host's signed statement (``served.py``) that it served another host
+  bytes other than the blob asked for. The statement proves it alone; only the host it
+  was sent to may report it.
 - ``NonPayment``: the host's claim that the lease's consumer never countersigned a
   receipt the host issued. It is about the *consumer*: a ``Finding``'s ``host`` is the
   peer the evidence is about, which here is the consumer, and the lease's host's
@@ -59,11 +62,13 @@ from ..market.messages import (
     open_message,
     peer_id_of,
 )
+from .served import open_served
 
 __all__ = [
     "MAX_RECEIPTS",
     "REPORT_KIND",
     "Evidence",
+    "BadBlob",
     "EvidenceKind",
     "FailureReason",
     "Finding",
@@ -96,6 +101,7 @@ class EvidenceKind(enum.IntEnum):
     HEARTBEAT = 3
     PERFORMANCE = 4
     NONPAYMENT = 5
+    BADBLOB = 6
 
 
 class FailureReason(enum.IntEnum):
@@ -115,9 +121,11 @@ class Finding:
         host: The peer the evidence is about (base58 peer ID): a host, or for
             ``NONPAYMENT`` the consumer that did not pay.
         credited: The peer whose credibility weighs the evidence (the lease's
-            consumer, the heartbeat observer, or for ``NONPAYMENT`` the lease's host).
+            consumer, the heartbeat observer, the host served a bad blob, or for
+            ``NONPAYMENT`` the lease's host).
         at: When the evidence happened (Unix seconds); decay counts from here.
-        lease_key: Digest of the lease envelope, or ``b""`` for heartbeats.
+        lease_key: Digest of the lease envelope, or ``b""`` for evidence no lease backs
+            (heartbeats, bad blobs).
         served: Receipted share-seconds (``SERVICE``).
         served_until: End of the last receipt (``SERVICE``), or of the unpaid one
             (``NONPAYMENT``).
@@ -548,8 +556,60 @@ class NonPayment:
         return cls(_lease_from(lease), host_key, envelope)
 
 
+@dataclass(frozen=True, slots=True)
+class BadBlob:
+    """A host's own signed statement that it served other bytes than the blob asked for.
+
+    Attributes:
+        statement: The ``BlobServed`` envelope the serving host signed.
+    """
+
+    KIND: ClassVar[EvidenceKind] = EvidenceKind.BADBLOB
+
+    statement: Envelope
+
+    def __post_init__(self) -> None:
+        _check_type(self, "statement", Envelope)
+
+    def check(self, reporter: str) -> Finding:
+        """Verify the host's signature, that the reporter is the host it served, and that
+        the digest it signed for the bytes sent is not the one asked for.
+
+        Raises:
+            InvalidEvidenceError: A check failed; the message says which.
+        """
+        try:
+            served = open_served(self.statement)
+        except MalformedMessageError as exc:
+            raise InvalidEvidenceError(f"the statement does not check: {exc}") from exc
+        if reporter != served.requester:
+            raise InvalidEvidenceError(f"reporter {reporter} is not the host that was served")
+        if served.sent == served.name:
+            raise InvalidEvidenceError("the host signed that it served the blob asked for")
+        host = peer_id_of(self.statement.author)
+        if host == reporter:
+            raise InvalidEvidenceError("a host cannot report itself")
+        key = self.statement.digest
+        return Finding(_evidence_id(self.KIND, key), self.KIND, host, reporter, served.served_at)
+
+    def _to_wire(self) -> list[object]:
+        return [self.statement.to_bytes()]
+
+    @classmethod
+    def _from_wire(cls, parts: list[Any]) -> BadBlob:
+        try:
+            return cls(Envelope.from_bytes(_as_bytes(parts[0]), _MAX_PART))
+        except EnvelopeRejectedError as exc:
+            raise MalformedMessageError(f"statement envelope: {exc}") from exc
+
+
 Evidence: TypeAlias = (
-    ServiceRecord | LeaseFailure | HeartbeatObservation | PerformanceObservation | NonPayment
+    ServiceRecord
+    | LeaseFailure
+    | HeartbeatObservation
+    | PerformanceObservation
+    | NonPayment
+    | BadBlob
 )
 _BY_KIND: dict[int, Any] = {
     int(cls.KIND): cls
@@ -559,6 +619,7 @@ _BY_KIND: dict[int, Any] = {
         HeartbeatObservation,
         PerformanceObservation,
         NonPayment,
+        BadBlob,
     )
 }
 _WIRE_ARITY = {
@@ -567,6 +628,7 @@ _WIRE_ARITY = {
     EvidenceKind.HEARTBEAT: 5,
     EvidenceKind.PERFORMANCE: 5,
     EvidenceKind.NONPAYMENT: 3,
+    EvidenceKind.BADBLOB: 1,
 }
 
 

@@ -15,6 +15,8 @@ plus pseudo-observations from evidence:
   failure claim;
 - heartbeat and performance observations add ``heartbeat_weight`` or
   ``performance_weight`` split by their ratio (answered/expected, measured/claimed);
+- a bad blob (a host's signed word that it served other bytes than asked for) adds
+  ``bad_blob_weight`` failures;
 - a lease its consumer did not pay for adds ``nonpayment_weight`` failures to the
   *consumer's* score (hosts read it to refuse chronic non-payers), unless a service
   record shows that receipt countersigned after all.
@@ -66,6 +68,7 @@ class ScoringPolicy:
         heartbeat_weight: Pseudo-observations one heartbeat window is worth.
         performance_weight: Pseudo-observations one performance measurement is worth.
         nonpayment_weight: Failures one unpaid lease adds to its consumer's score.
+        bad_blob_weight: Failures one bad blob adds to the score of the host that served it.
         lower_quantile: The posterior quantile used as ``lower_bound`` for ranking.
     """
 
@@ -77,6 +80,7 @@ class ScoringPolicy:
     heartbeat_weight: float = 0.25
     performance_weight: float = 1.0
     nonpayment_weight: float = 2.0
+    bad_blob_weight: float = 4.0
     lower_quantile: float = 0.05
 
     def __post_init__(self) -> None:
@@ -89,6 +93,7 @@ class ScoringPolicy:
             self.heartbeat_weight,
             self.performance_weight,
             self.nonpayment_weight,
+            self.bad_blob_weight,
         )
         if any(not w >= 0.0 for w in weights):
             raise InvalidMessageError("evidence weights must be non-negative")
@@ -162,6 +167,8 @@ def outcomes(findings: Iterable[Finding], *, now: float, policy: ScoringPolicy) 
             result.append(_outcome(f, good, 0.0, now, policy))
         elif f.kind in (EvidenceKind.FAILURE, EvidenceKind.NONPAYMENT):
             pending.append(f)  # needs every receipt first, to clip or void the claim
+        elif f.kind is EvidenceKind.BADBLOB:
+            result.append(_outcome(f, 0.0, policy.bad_blob_weight, now, policy))
         else:
             weight = (
                 policy.heartbeat_weight
@@ -184,7 +191,7 @@ def outcomes(findings: Iterable[Finding], *, now: float, policy: ScoringPolicy) 
 
 def _outcome(f: Finding, good: float, bad: float, now: float, policy: ScoringPolicy) -> Outcome:
     k = decay_factor(now - f.at, policy.half_life_s)
-    return Outcome(f.host, f.credited, good * k, bad * k, f.kind is not EvidenceKind.HEARTBEAT)
+    return Outcome(f.host, f.credited, good * k, bad * k, paid=bool(f.lease_key))
 
 
 def trust_edges(items: Iterable[Outcome]) -> dict[str, dict[str, float]]:

@@ -22,6 +22,7 @@ from ..market.messages import (
     seal_message,
 )
 from .evidence import (
+    BadBlob,
     Evidence,
     FailureReason,
     LeaseFailure,
@@ -30,6 +31,7 @@ from .evidence import (
     ServiceRecord,
     seal_report,
 )
+from .served import BlobServed, seal_served
 
 __all__ = ["Minter", "peer"]
 
@@ -143,6 +145,20 @@ class Minter:
             self.nonce(),
         )
         return NonPayment(lease, host.public_key, seal_message(host, receipt, now=end))
+
+    def served(
+        self, host: NodeIdentity, requester: NodeIdentity, *, now: float, honest: bool = False
+    ) -> Envelope:
+        """``host``'s signed statement that it served ``requester`` a piece: the bytes
+        asked for when ``honest``, other bytes otherwise."""
+        name = bytes(range(32))
+        sent = name if honest else bytes(reversed(name))
+        statement = BlobServed(name, sent, peer(requester), float(now))
+        return seal_served(host, statement, nonce=self.nonce())
+
+    def bad_blob(self, host: NodeIdentity, requester: NodeIdentity, *, now: float) -> BadBlob:
+        """Evidence that ``host`` served ``requester`` other bytes than asked for."""
+        return BadBlob(self.served(host, requester, now=now))
 
     def offer(
         self,

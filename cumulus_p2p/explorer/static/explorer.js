@@ -138,9 +138,9 @@ const hostsView = {
     { label: "lower bound", cell: (r) => fmt.score(r.lower_bound), sort: (r) => r.lower_bound },
     { label: "±", cell: (r) => fmt.score(r.uncertainty), sort: (r) => r.uncertainty },
     {
-      label: "evidence (ok / failed / beats / perf)",
-      cell: (r) => `${r.evidence.service} / ${r.evidence.failure} / ${r.evidence.heartbeat} / ${r.evidence.performance}`,
-      sort: (r) => r.evidence.service + r.evidence.failure + r.evidence.heartbeat + r.evidence.performance,
+      label: "evidence (ok / failed / beats / perf / bad blobs)",
+      cell: (r) => `${r.evidence.service} / ${r.evidence.failure} / ${r.evidence.heartbeat} / ${r.evidence.performance} / ${r.evidence.badblob}`,
+      sort: (r) => r.evidence.service + r.evidence.failure + r.evidence.heartbeat + r.evidence.performance + r.evidence.badblob,
     },
     { label: "uptime", cell: (r) => fmt.pct(r.uptime), sort: (r) => r.uptime },
   ],
