@@ -261,6 +261,10 @@ class FailoverError(SessionClosedError):
     """
 
 
+class StandbyFullError(CumulusError):
+    """A standby was asked to keep more checkpoint bytes than its lease lends it."""
+
+
 class CheckpointCorruptError(CumulusError):
     """A stored checkpoint file is truncated or not a checkpoint.
 

@@ -14,6 +14,7 @@ import torch
 import trio
 
 import cumulus_p2p.remote as remote
+from cumulus_p2p._errors import StandbyFullError
 from cumulus_p2p.channel.transport import SocketFrameChannel, TrioFrameChannel
 from cumulus_p2p.remote.blobs import digest
 from cumulus_p2p.remote.blobservice import (
@@ -27,6 +28,7 @@ from cumulus_p2p.remote.blobservice import (
 from cumulus_p2p.remote.blobstore import BlobStore
 from cumulus_p2p.remote.checkpoint import Checkpoint
 from cumulus_p2p.remote.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
+from cumulus_p2p.remote.session import DeviceContext, ExecutorSession
 from cumulus_p2p.remote.standby import HostCheckpoint
 from cumulus_p2p.testing import models
 from cumulus_p2p.testing.executor import executor_process
@@ -442,3 +444,17 @@ def test_600_mib_survives_a_failover_through_the_standby_bit_identically(tmp_pat
     assert stats.restore_pulled_bytes >= 600 * MiB  # from the standby, not the consumer
     # The fresh host holds the tensor, plus a bounded window of pieces in flight.
     assert grown <= 600 * MiB + 160 * MiB
+
+
+def test_a_standby_keeps_no_more_than_its_lease_lends_and_the_checkpoint_before_stays(tmp_path):
+    store = BlobStore(tmp_path / "blobs", 64 * MiB)
+    pieces = [bytes([i]) * MiB for i in range(3)]
+    names = [digest(memoryview(piece)) for piece in pieces]
+    for name, piece in zip(names, pieces, strict=True):
+        assert store.put(name, memoryview(piece))
+    ctx = DeviceContext(torch.device("cpu"), blobs=store)
+    standby = ExecutorSession(ctx, quota_bytes=1, hold_bytes=2 * MiB)
+    assert standby.hold(names[:2]) == 2
+    with pytest.raises(StandbyFullError, match="lease a larger standby"):
+        standby.hold(names)  # 3 MiB: more than the lease lends
+    assert standby.kept.piece(names[0]) == pieces[0] and standby.kept.piece(names[2]) is None

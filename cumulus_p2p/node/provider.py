@@ -360,11 +360,13 @@ class Provider:
             # The session is served for the lease's term, no longer: then the executor
             # parks it, and the consumer leases again and resumes it.
             left = proposal.end_at - self.runtime.clock()
-            # A standby's session keeps blobs on disk and holds no device memory.
+            # A standby's session keeps blobs on disk, no more than the lease lends, and
+            # holds no device memory.
             standby = proposal.kind is LeaseKind.STANDBY
             await served.executor.run_session(
                 metered,
                 quota_bytes=STANDBY_QUOTA if standby else served.share_bytes * proposal.shares,
+                hold_bytes=proposal.storage_gib * 2**30 if standby else None,
                 rank=lease_rank(proposal.priority is PriorityClass.ON_DEMAND, proposal.price),
                 until=trio.current_time() + max(0.0, left),
             )

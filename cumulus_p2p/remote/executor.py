@@ -28,7 +28,12 @@ from typing import Any
 import torch
 import trio
 
-from .._errors import FrameTooLargeError, RemoteProtocolError, SessionClosedError
+from .._errors import (
+    FrameTooLargeError,
+    RemoteProtocolError,
+    SessionClosedError,
+    StandbyFullError,
+)
 from ..channel.transport import DEFAULT_MAX_FRAME, AsyncFrameChannel, TrioFrameChannel
 from ..executor_options import GraphCompiler
 from . import blobservice
@@ -169,6 +174,7 @@ class Executor:
         rank: tuple = DEFAULT_RANK,
         until: float = math.inf,
         only_blobs: bool = False,
+        hold_bytes: int | None = None,
     ) -> None:
         """Serve one session until the client leaves or breaks the protocol.
 
@@ -186,6 +192,8 @@ class Executor:
                 resumes it where it stopped.
             only_blobs: The connection may only read a session's kept pieces (another
                 host's, admitted by a grant, not a lease).
+            hold_bytes: Most bytes of the host's store a new session may keep pinned (a
+                standby lease's disk); None: as many as the store holds.
         """
         session_id = self._next_id
         self._next_id += 1
@@ -201,7 +209,7 @@ class Executor:
             if only_blobs:
                 raise RemoteProtocolError(blobservice.ONLY_BLOBS)
             limit = min(quota_bytes or self.config.quota_bytes, self.config.quota_bytes)
-            token, session = await self._open(channel, header, session_id, limit)
+            token, session = await self._open(channel, header, session_id, limit, hold_bytes)
             self.sessions[session_id] = session
             self._grants[blobservice.grant_of(token)] = session
             park = await self._serve_attached(channel, token, session, rank, until)
@@ -227,7 +235,12 @@ class Executor:
     # --- opening: hello or resume ---------------------------------------------------------
 
     async def _open(
-        self, channel: AsyncFrameChannel, header: list, session_id: int, limit: int
+        self,
+        channel: AsyncFrameChannel,
+        header: list,
+        session_id: int,
+        limit: int,
+        hold_bytes: int | None,
     ) -> tuple[str, ExecutorSession]:
         for refused in range(MAX_REFUSALS + 1):
             if refused:
@@ -246,7 +259,9 @@ class Executor:
             options = _hello_options(header)
             quota = min(options.get("quota", limit), limit)
             private = options.get("private", False)
-            session = ExecutorSession(self.ctx, quota_bytes=quota, private=private)
+            session = ExecutorSession(
+                self.ctx, quota_bytes=quota, private=private, hold_bytes=hold_bytes
+            )
             token = secrets.token_hex(16)
             info = self._info(session_id, session, token)
             await channel.send_frame(encode_frame(["welcome", PROTOCOL_VERSION, info]))
@@ -378,7 +393,12 @@ class Executor:
         except blobservice.PullError as exc:
             pulled, error = exc.pulled, str(exc)
         # A failed pull keeps the pieces held before: they are the checkpoint that stands.
-        held = 0 if error else await trio.to_thread.run_sync(session.hold, names)
+        held = 0
+        if error is None:
+            try:
+                held = await trio.to_thread.run_sync(session.hold, names)
+            except StandbyFullError as exc:
+                error = str(exc)
         result = {"fetched_bytes": pulled.fetched_bytes, "fetched": pulled.fetched, "held": held}
         return result | {"dropped": pulled.dropped, "error": error}
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .._errors import BlobMismatchError, RemoteProtocolError
+from .._errors import BlobMismatchError, RemoteProtocolError, StandbyFullError
 from .blobs import MAX_HAVE, PIECE, digest, is_digest
 from .blobstore import BlobStore, PinnedBlob
 from .failover import StorageEntry
@@ -177,7 +177,14 @@ class SessionStats:
 class ExecutorSession:
     """One client's tensors and op stream on an executor."""
 
-    def __init__(self, ctx: DeviceContext, *, quota_bytes: int, private: bool = False) -> None:
+    def __init__(
+        self,
+        ctx: DeviceContext,
+        *,
+        quota_bytes: int,
+        private: bool = False,
+        hold_bytes: int | None = None,
+    ) -> None:
         self.ctx = ctx
         self.device = ctx.device
         #: A private session's blobs are used, never kept in the host's store.
@@ -185,6 +192,8 @@ class ExecutorSession:
         self._pins: dict[str, PinnedBlob] = {}  # what the last ``have`` found, held
         #: Checkpoint pieces kept for a standby to pull, or pulled for this session.
         self.kept = KeptPieces()
+        #: Most bytes of the host's store ``hold`` may pin (a standby lease's disk).
+        self.hold_bytes = hold_bytes
         self.rng_state: torch.Tensor | None = None
         self.stats = SessionStats()
         self._handles = HandleTable(self.device, self.stats, quota_bytes=quota_bytes)
@@ -482,13 +491,26 @@ class ExecutorSession:
 
     def hold(self, names: list[str]) -> int:
         """Pin the blobs ``names`` of the host's store for this session, in place of those
-        held before (a standby keeps its latest checkpoint so); returns how many it holds."""
+        held before (a standby keeps its latest checkpoint so); returns how many it holds.
+
+        Raises:
+            StandbyFullError: they come to more than ``hold_bytes``; those held before stay.
+        """
         store = self.ctx.blobs
         pins = {}
         for name in names:
             pinned = None if store is None else store.pin(name)
             if pinned is not None:
                 pins[name] = pinned
+        held = sum(p.size for p in pins.values())
+        if self.hold_bytes is not None and held > self.hold_bytes:
+            for pinned in pins.values():
+                pinned.close()
+            raise StandbyFullError(
+                f"the checkpoint's {held / 2**30:.2f} GiB is more than the "
+                f"{self.hold_bytes / 2**30:.2f} GiB this standby is leased to keep; lease a "
+                "larger standby (cumulus-node --consume --standby-gib)"
+            )
         self.kept.hold(pins)
         return len(pins)
 

@@ -621,6 +621,7 @@ class WorkerSupervisor:
         rank: tuple = DEFAULT_RANK,
         until: float = math.inf,
         only_blobs: bool = False,
+        hold_bytes: int | None = None,
     ) -> None:
         """Hand one session to a worker process and return when it ended there; the
         arguments are ``Executor.run_session``'s. ``channel`` must support ``hand_over``
@@ -643,6 +644,7 @@ class WorkerSupervisor:
         key = getattr(channel, "peer_public_key", None)
         options = {
             "quota": quota_bytes,
+            "hold": hold_bytes,
             "rank": list(rank),
             "owner": key.hex() if key else None,
             "seconds": None if until == math.inf else max(0.0, until - trio.current_time()),

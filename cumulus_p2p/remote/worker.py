@@ -367,7 +367,13 @@ class Worker:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._report_stats, carried.peer_public_key)
-                await self.executor.run_session(carried, quota_bytes=quota, rank=rank, until=until)
+                await self.executor.run_session(
+                    carried,
+                    quota_bytes=quota,
+                    rank=rank,
+                    until=until,
+                    hold_bytes=options.get("hold"),
+                )
                 nursery.cancel_scope.cancel()
         except Exception:  # closing a session on a broken context can fail too
             log.exception("worker %d: the session's task failed", os.getpid())
