@@ -7,7 +7,9 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cumulus_p2p.channel.transport import TrioFrameChannel
 from cumulus_p2p.remote.executor import Executor, ExecutorConfig
+from cumulus_p2p.remote.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
 from cumulus_p2p.remote.scheduler import DeviceQueue, DeviceScheduler, lease_rank
 from cumulus_p2p.testing.executor import one_batch
 
@@ -102,3 +104,22 @@ async def test_a_dear_on_demand_session_overtakes_a_cheap_interruptible_one_for_
         assert scheduler.queue.waiting == 2
         scheduler.release()
     assert scheduler.granted == [busy, DEAR_ON_DEMAND, CHEAP_INTERRUPTIBLE]
+
+
+async def test_a_session_shows_how_long_it_waited_for_the_device():
+    executor = Executor(ExecutorConfig(device="cpu"))
+    await executor.scheduler.acquire((-1, 0))  # another tenant's batch in progress
+    client_stream, server_stream = trio.testing.memory_stream_pair()
+    client = TrioFrameChannel(client_stream)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(executor.run_session, TrioFrameChannel(server_stream))
+        await client.send_frame(encode_frame(["hello", PROTOCOL_VERSION, {}]))
+        assert decode_frame(await client.receive_frame())[0][0] == "welcome"
+        assert executor.session_stats(None).wait_p99_ms is None  # no turn asked for yet
+        await client.send_frame(encode_frame(["batch", 1, [], [], ["sync"], []]))
+        await trio.sleep(0.2)
+        executor.scheduler.release()
+        await client.receive_frame()
+        stats = executor.session_stats(None)
+        assert 200 <= stats.wait_p50_ms == stats.wait_p99_ms < 2000
+        await client.send_frame(encode_frame(["bye"]))

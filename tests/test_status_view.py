@@ -131,3 +131,10 @@ def test_the_offers_table_shows_each_offers_storage_terms():
     lending, not_lending = (line for line in text.splitlines() if "RTX 4090" in line)
     assert "│ 64 " in lending and "0.020000" in lending
     assert "│ 0 " in not_lending and "│ - " in not_lending
+
+
+def test_a_provider_shows_how_long_a_session_waited_for_the_device():
+    waiting = lease("device0") | {"wait_p50_ms": 0.4, "wait_p99_ms": 12.25}
+    text = shown(provider_state([device(0)], [waiting]))
+    assert "waits 0.4/12.2 ms (p50/p99)" in text
+    assert "waits" not in shown(provider_state([device(0)], [lease("device0")]))

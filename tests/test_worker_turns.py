@@ -173,8 +173,12 @@ async def test_a_dead_holders_turn_passes_on():
         ["release", 1],
         ["launch", 1],
         ["stats", 5],
-        ["stats", -1, 0],
-        ["stats", 1, "lots"],
+        ["stats", -1, 0, None, None],
+        ["stats", 1, "lots", None, None],
+        ["stats", 1, 0],
+        ["stats", 1, 0, -1.0, 2.0],
+        ["stats", 1, 0, 1.0, float("nan")],
+        ["stats", 1, 0, "1 ms", None],
         ["traffic", 1, -5],
         ["traffic", "1", 5],
         ["ended", 1],
@@ -247,9 +251,10 @@ async def test_a_yield_right_behind_the_grant_waits_for_the_granted_batch():
 def test_a_workers_stats_are_what_status_shows_for_its_consumers_session():
     sup, (worker,), _ = supervisor_with(ON_DEMAND)
     sup.sessions[1] = SessionView(worker.pid, owner=b"k" * 32)
-    sup._on_message(worker, ["stats", 120, 4096])
+    sup._on_message(worker, ["stats", 120, 4096, 0.5, 12.0])
     stats = sup.session_stats(b"k" * 32)
     assert (stats.ops, stats.bytes_in_use) == (120, 4096)
+    assert (stats.wait_p50_ms, stats.wait_p99_ms) == (0.5, 12.0)
     assert sup.session_stats(b"x" * 32) is None
 
 

@@ -542,6 +542,8 @@ class Provider:
                 "memory": stats.bytes_in_use,
                 "quota": served.share_bytes * active.proposal.shares,
             }
+            if stats.wait_p99_ms is not None:  # it took device turns in the last minute
+                row |= {"wait_p50_ms": stats.wait_p50_ms, "wait_p99_ms": stats.wait_p99_ms}
         return row
 
     def _session_stats(self, active: ActiveLease) -> SessionStats | None:

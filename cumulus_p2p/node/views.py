@@ -127,7 +127,10 @@ def _session(row: dict) -> str:
         memory = f"{_bytes(row['memory'])} of {_bytes(row['quota'])}"
         moving = row.get("bytes_per_s", 0)
         rate = f", moving {moving / 1e6:.1f} MB/s" if moving >= 1e6 else ""
-        return f"{on}{row['ops_per_s']:.0f} ops/s, {row['ops']} ops{rate}, {memory}"
+        waits = ""
+        if "wait_p99_ms" in row:
+            waits = f", waits {row['wait_p50_ms']:.1f}/{row['wait_p99_ms']:.1f} ms (p50/p99)"
+        return f"{on}{row['ops_per_s']:.0f} ops/s, {row['ops']} ops{rate}{waits}, {memory}"
     return on + row.get("path", "")
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,7 @@ from .hostcache import HostCache
 from .protocol import PROTOCOL_VERSION, decode_frame, encode_frame
 from .scheduler import DEFAULT_RANK, DeviceScheduler
 from .session import Batch, DeviceContext, ExecutorSession, Reply, SessionStats, parse_batch
+from .waits import WaitWindow
 
 log = logging.getLogger(__name__)
 
@@ -157,9 +159,16 @@ class Executor:
         self.health = DeviceHealth()
 
     def session_stats(self, owner: bytes) -> SessionStats | None:
-        """The running session of the consumer with key ``owner``: ops, memory in use."""
+        """The running session of the consumer with key ``owner``: ops, memory in use,
+        and its waits for the device over the last minute."""
         found = [a.session for a in self._attached.values() if a.owner == owner]
-        return found[-1].stats if found else None
+        if not found:
+            return None
+        session = found[-1]
+        waits = session.waits.percentiles(now=time.monotonic())
+        session.stats.wait_p50_ms = None if waits is None else waits.p50_ms
+        session.stats.wait_p99_ms = None if waits is None else waits.p99_ms
+        return session.stats
 
     @property
     def idle(self) -> bool:
@@ -426,10 +435,21 @@ class Executor:
         result = {"fetched_bytes": pulled.fetched_bytes, "local_bytes": local}
         return result | {"dropped": pulled.dropped, "error": error}
 
-    async def _on_device(self, fn, *args, inline: bool = False, rank: tuple = DEFAULT_RANK) -> Any:
+    async def _on_device(
+        self,
+        fn,
+        *args,
+        inline: bool = False,
+        rank: tuple = DEFAULT_RANK,
+        waits: WaitWindow | None = None,
+    ) -> Any:
         # A free device is taken without a checkpoint, which saves a trip through trio's
         # scheduler on every sync point; the batch's own I/O awaits are the fairness points.
+        asked = time.monotonic()
         await self.scheduler.acquire(rank)
+        if waits is not None:
+            now = time.monotonic()
+            waits.add(now - asked, now=now)
         try:
             if inline:
                 return fn(*args)
@@ -448,14 +468,12 @@ class Executor:
         The session runs the batch as pieces of one op each, then its frees and query:
         what it computes does not depend on where the batch was cut.
         """
+        turn = {"inline": inline, "rank": rank, "waits": session.waits}
         if not getattr(self.scheduler, "preemptive", False):
-            return await self._on_device(session.run_batch, batch, inline=inline, rank=rank)
+            return await self._on_device(session.run_batch, batch, **turn)
         start: int | None = 0
         while start is not None:  # None: the whole batch ran
-            run = self._run_ops
-            start, reply = await self._on_device(
-                run, session, batch, start, inline=inline, rank=rank
-            )
+            start, reply = await self._on_device(self._run_ops, session, batch, start, **turn)
         return reply
 
     def _run_ops(

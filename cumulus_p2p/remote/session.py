@@ -71,6 +71,7 @@ from .protocol import (
     storage_extent,
 )
 from .restoring import PieceTargets
+from .waits import WaitWindow
 
 #: torch's own default CPU seed, so an unseeded session draws what a fresh process draws.
 DEFAULT_SEED = 67280421310721
@@ -172,6 +173,10 @@ class SessionStats:
     #: Graph calls that ran code compiled for the device (``graph_compiler.py``).
     compiled_graph_runs: int = 0
     storages: int = 0
+    #: Its waits for device turns over the last minute (``waits.py``), in ms, as last
+    #: read; None while it took no turn in that minute (or takes none: a CPU).
+    wait_p50_ms: float | None = None
+    wait_p99_ms: float | None = None
 
 
 class ExecutorSession:
@@ -196,6 +201,8 @@ class ExecutorSession:
         self.hold_bytes = hold_bytes
         self.rng_state: torch.Tensor | None = None
         self.stats = SessionStats()
+        #: How long each device turn it asked for took to come.
+        self.waits = WaitWindow()
         self._handles = HandleTable(self.device, self.stats, quota_bytes=quota_bytes)
         self._error: tuple[str, str, str] | None = None
         self._dyn_result: Any = None

@@ -778,10 +778,16 @@ class _Unavailable(Exception):
 
 
 def _stats(message: list) -> SessionStats:
-    """A worker's ``["stats", ops, bytes_in_use]``, checked: a worker runs tenant code."""
-    if len(message) != 3 or not all(type(v) is int and v >= 0 for v in message[1:]):
+    """A worker's ``["stats", ops, bytes_in_use, wait_p50_ms, wait_p99_ms]``, checked: a
+    worker runs tenant code."""
+    if len(message) != 5 or not all(type(v) is int and v >= 0 for v in message[1:3]):
         raise LinkClosedError("it sent malformed stats")
-    return SessionStats(ops=message[1], bytes_in_use=message[2])
+    waits = message[3:]
+    if not all(v is None or (type(v) is float and 0 <= v < math.inf) for v in waits):
+        raise LinkClosedError("it sent malformed waits")
+    return SessionStats(
+        ops=message[1], bytes_in_use=message[2], wait_p50_ms=waits[0], wait_p99_ms=waits[1]
+    )
 
 
 def _wake(owner: object, name: str) -> None:

@@ -19,8 +19,9 @@ Messages on the link (``workerlink.py``), worker to supervisor:
   (``SupervisorTurns``), granted across all workers by the supervisor's ``DeviceQueue``
   in the rank of each worker's lease. Only on an exclusively shared device (a GPU): on a
   CPU, workers run at once (``scheduler.Sharing``) and never ask.
-- ``["stats", ops, bytes_in_use]``: its session at work, every ``STATS_EVERY_S`` while it
-  serves one (the provider's status shows it).
+- ``["stats", ops, bytes_in_use, wait_p50_ms, wait_p99_ms]``: its session at work, every
+  ``STATS_EVERY_S`` while it serves one (the provider's status shows it; the waits are
+  nil while it took no device turn in the last minute).
 - ``["token", token]``: a session it welcomed (resumes naming it are routed here).
 - ``["traffic", n, bytes]``: frame bytes session ``n`` carried since the last report,
   every ``STATS_EVERY_S`` and at its end (the provider meters the lease with them).
@@ -386,7 +387,8 @@ class Worker:
             await trio.sleep(STATS_EVERY_S)
             stats = self.executor.session_stats(owner)
             if stats is not None:
-                await self.link.send(["stats", stats.ops, stats.bytes_in_use])
+                waits = [stats.wait_p50_ms, stats.wait_p99_ms]
+                await self.link.send(["stats", stats.ops, stats.bytes_in_use, *waits])
 
     async def _report_forever(self) -> None:
         """Report each session's traffic every ``STATS_EVERY_S``."""

@@ -228,8 +228,15 @@ function leasesTable(rows) {
     { label: "bytes", cell: (r) => r.bytes },
     { label: "cost / earned", cell: (r) => fmt.credits(r.cost ?? r.earned) },
     { label: "state", cell: (r) => r.state },
-    { label: "session", cell: (r) => r.path || "" },
+    { label: "session", cell: sessionCell },
   ], rows);
+}
+
+// A host's lease shows its session at work: op rate and its waits for the device.
+function sessionCell(r) {
+  if (r.ops === undefined) return r.path || "";
+  const waits = r.wait_p99_ms === undefined ? "" : `, waits ${r.wait_p50_ms.toFixed(1)}/${r.wait_p99_ms.toFixed(1)} ms (p50/p99)`;
+  return `${Math.round(r.ops_per_s)} ops/s${waits}`;
 }
 
 function receiptsTable(rows) {
