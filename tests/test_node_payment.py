@@ -12,6 +12,7 @@ from cumulus_p2p.identity import NodeIdentity
 from cumulus_p2p.market import Meter
 from cumulus_p2p.market.lease_state import LeaseState
 from cumulus_p2p.node.payment import ActiveLease, PaymentEnforcer
+from cumulus_p2p.reputation import NonPayment
 from cumulus_p2p.reputation.testing import Minter
 
 NOW = 1_700_000_000.0
@@ -46,8 +47,9 @@ class StandInRuntime:
         self._nonce += 1
         return self._nonce
 
-    async def publish_report(self, envelope) -> None:
-        self.reports.append(envelope)
+    async def report(self, about: str, evidence) -> bool:
+        self.reports.append((about, evidence))
+        return True
 
 
 def enforcer_with_a_lease() -> tuple[PaymentEnforcer, StandInRuntime, ActiveLease, list]:
@@ -95,7 +97,8 @@ async def test_past_two_graces_the_lease_ends_unpaid_and_the_consumer_is_reporte
     await enforcer.enforce(active)
     assert active.state is LeaseState.UNPAID
     assert ended == [active] and active.settled.is_set()
-    assert len(runtime.reports) == 1
+    ((about, evidence),) = runtime.reports
+    assert about == CONSUMER.peer_id.to_base58() and isinstance(evidence, NonPayment)
     await enforcer.enforce(active)  # over: nothing more happens
     assert ended == [active] and len(runtime.reports) == 1
 
