@@ -18,7 +18,7 @@ from cumulus_p2p.cli._parser import build_parser
 from cumulus_p2p.cli._run import _consumer_options, _provider_options
 from cumulus_p2p.identity import KEY_FILE_NAME, NodeIdentity
 from cumulus_p2p.market.ledger import Dispute, Ledger
-from cumulus_p2p.market.messages import Receipt, seal_message
+from cumulus_p2p.market.messages import PriorityClass, Receipt, seal_message
 from cumulus_p2p.node.datadir import DataDir
 from cumulus_p2p.node.hardware import Detection, DeviceFacts, offered_devices, offered_gpu
 from cumulus_p2p.node.provider import OfferedDevice, _executor_for
@@ -80,6 +80,20 @@ def test_bad_storage_terms_are_a_usage_error_naming_the_flag(tmp_path, flag, val
     result = run("--data-dir", str(tmp_path), "--provide", flag, value)
     assert result.returncode == 2
     assert flag in result.stderr and says in result.stderr
+
+
+def test_a_contend_floor_above_the_ask_is_a_usage_error():
+    result = run("--provide", "--price", "0.5", "--contend-price", "0.6")
+    assert result.returncode == 2
+    assert "--contend-price must not be above --price" in result.stderr
+
+
+def test_the_contend_floor_and_the_contend_priority_reach_the_options():
+    args = build_parser().parse_args(["--provide", "--price", "0.5", "--contend-price", "0.2"])
+    device = OfferedDevice(DeviceFacts("cpu", 0, "cpu", 4096, None, ""), perf_units=100)
+    assert _provider_options(args, devices=(device,)).contend_price == 200_000
+    wish = build_parser().parse_args(["--consume", "--priority", "contend"])
+    assert _consumer_options(wish, ["x.py"]).priority is PriorityClass.CONTEND
 
 
 def test_the_storage_terms_reach_the_providers_offer():

@@ -30,9 +30,22 @@ def offer(
     vram=40,
     perf=10,
     min_lease=0,
+    contend_price=0,
 ):
     return Offer(
-        host, offer_id, model, vram, perf, shares, price, min_lease, "", created, expires, nonce
+        host,
+        offer_id,
+        model,
+        vram,
+        perf,
+        shares,
+        price,
+        min_lease,
+        "",
+        created,
+        expires,
+        nonce,
+        contend_price=contend_price,
     )
 
 
@@ -49,6 +62,7 @@ def bid(
     min_vram=0,
     min_perf=0,
     duration=60,
+    priority=PriorityClass.ON_DEMAND,
 ):
     return Bid(
         consumer,
@@ -58,7 +72,7 @@ def bid(
         min_perf,
         shares,
         max_price,
-        PriorityClass.ON_DEMAND,
+        priority,
         duration,
         created,
         expires,
@@ -360,3 +374,36 @@ def test_a_newcomer_never_evicts_vouched_authors():
         book.insert(offer("a", f"o{i}", nonce=i + 1), now=0.0)
     assert book.insert(offer("spam", "s0"), now=0.0) is InsertStatus.BOOK_FULL
     assert book.live_orders_of("a") == 4
+
+
+CONTEND = PriorityClass.CONTEND
+
+
+def test_a_contending_bid_below_the_ask_and_above_the_floor_fills_at_its_own_limit():
+    book = OrderBook()
+    book.insert(offer("h0", price=50, contend_price=20), now=0.0)
+    (fill,) = book.match_bid(bid(max_price=30, priority=CONTEND), now=1.0)
+    assert (fill.host, fill.price, fill.priority) == ("h0", 30, CONTEND)
+
+
+def test_a_contending_bid_pays_the_ask_where_its_limit_reaches_it_and_tries_that_first():
+    book = OrderBook()
+    book.insert(offer("h0", price=50, contend_price=10), now=0.0)
+    book.insert(offer("h1", price=25), now=0.0)
+    fills = book.match_bid(bid(max_price=30, shares=8, priority=CONTEND), now=1.0)
+    assert [(f.host, f.price) for f in fills] == [("h1", 25), ("h0", 30)]
+
+
+def test_a_bid_under_every_floor_or_not_contending_fills_nothing_below_the_ask():
+    book = OrderBook()
+    book.insert(offer("h0", price=50, contend_price=20), now=0.0)
+    book.insert(offer("h1", price=60), now=0.0)  # sells no contending leases
+    assert book.match_bid(bid(max_price=19, priority=CONTEND), now=1.0) == []
+    assert book.match_bid(bid(max_price=30), now=1.0) == []  # on demand: the ask or nothing
+    assert [f.host for f in book.match_bid(bid(max_price=59, priority=CONTEND), now=1.0)] == ["h0"]
+
+
+def test_an_offer_leaving_the_book_leaves_its_contend_floor_too():
+    book = OrderBook()
+    book.insert(offer("h0", price=50, contend_price=20, expires=10.0), now=0.0)
+    assert book.match_bid(bid(max_price=30, priority=CONTEND), now=11.0) == []

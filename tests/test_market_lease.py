@@ -13,6 +13,7 @@ from cumulus_p2p.market.messages import (
     Lease,
     LeaseProposal,
     Offer,
+    PriorityClass,
     encode_message,
     seal_message,
 )
@@ -34,6 +35,7 @@ def offer(
     offer_id="gpu0",
     storage_price=0,
     storage_gib=0,
+    contend_price=0,
 ):
     return Offer(
         HOST.peer_id.to_base58(),
@@ -50,6 +52,7 @@ def offer(
         nonce,
         storage_price,
         storage_gib,
+        contend_price,
     )
 
 
@@ -294,3 +297,31 @@ def test_a_standby_is_held_to_the_offers_minimum_lease():
     assert refusal_of(book.propose(sealed(standby(duration=60)), now=NOW)) is (
         RefusalReason.TOO_SHORT
     )
+
+
+def test_a_contending_proposal_between_the_floor_and_the_ask_is_granted_at_its_price():
+    book = book_with(4, price=1000, contend_price=400)
+    lease = book.propose(sealed(proposal(price=600, priority=PriorityClass.CONTEND)), now=NOW)
+    assert isinstance(lease, Lease)
+    assert lease.verify(HOST.public_key).price == 600
+
+
+def test_a_contending_proposal_under_the_floor_is_refused_naming_the_floor():
+    book = book_with(4, price=1000, contend_price=400)
+    refused = book.propose(sealed(proposal(price=399, priority=PriorityClass.CONTEND)), now=NOW)
+    assert refusal_of(refused) is RefusalReason.PRICE_MISMATCH
+    assert "asking 400 (its contend floor)" in refused.detail
+    assert book.free_shares("gpu0") == 4
+
+
+def test_a_contending_proposal_to_an_offer_without_a_floor_is_refused():
+    book = book_with(4, price=1000)
+    refused = book.propose(sealed(proposal(price=600, priority=PriorityClass.CONTEND)), now=NOW)
+    assert refusal_of(refused) is RefusalReason.PRICE_MISMATCH
+    assert "sells no contending leases" in refused.detail
+
+
+def test_an_on_demand_proposal_below_the_ask_is_refused_whatever_the_floor():
+    book = book_with(4, price=1000, contend_price=400)
+    refused = book.propose(sealed(proposal(price=600)), now=NOW)
+    assert refusal_of(refused) is RefusalReason.PRICE_MISMATCH

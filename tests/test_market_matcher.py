@@ -17,14 +17,15 @@ from cumulus_p2p.market.matcher import (
 from cumulus_p2p.market.messages import Bid, Offer, PriorityClass
 
 
-def offer(host, price, *, created=0.0, model="A100", shares=4):
-    return Offer(host, "o", model, 40, 10, shares, price, 0, "", created, 100.0, 1)
+def offer(host, price, *, created=0.0, model="A100", shares=4, contend_price=0):
+    return Offer(
+        host, "o", model, 40, 10, shares, price, 0, "", created, 100.0, 1,
+        contend_price=contend_price,
+    )  # fmt: skip
 
 
-def bid(max_price=1000, models=(), shares=1):
-    return Bid(
-        "me", "b", 0, models, 0, shares, max_price, PriorityClass.ON_DEMAND, 60, 0.0, 100.0, 1
-    )
+def bid(max_price=1000, models=(), shares=1, priority=PriorityClass.ON_DEMAND):
+    return Bid("me", "b", 0, models, 0, shares, max_price, priority, 60, 0.0, 100.0, 1)
 
 
 def book_of(*offers):
@@ -162,3 +163,13 @@ def test_an_unproven_host_never_takes_the_newcomer_slot_from_a_proven_one():
     assert proposal_batch(hosts, entries, at_once=4) == ["r1", "r2", "r3", "proven"]
     first = proposal_batch(hosts, entries, at_once=4, newcomers_first=True)
     assert first[0] == "proven" and "unproven" not in first
+
+
+def test_a_contending_bid_ranks_offers_by_what_it_pays_there():
+    book = book_of(offer("dear", 50, contend_price=10), offer("cheap", 25), offer("mid", 28))
+    # 25 and 28 at the ask, then 30 (its limit) above the dear offer's floor.
+    ranked = rank_offers(book, bid(30, priority=PriorityClass.CONTEND))
+    assert [r.offer.host for r in ranked] == ["cheap", "mid", "dear"]
+    assert ranked[2].effective_price / ranked[0].effective_price == pytest.approx(30 / 25)
+    two = rank_offers(book, bid(30, priority=PriorityClass.CONTEND), limit=2)
+    assert [r.offer.host for r in two] == ["cheap", "mid"]

@@ -91,6 +91,9 @@ def test_every_message_round_trips_through_a_signed_envelope(message):
         (OFFER, {"storage_gib": -1}),
         (OFFER, {"storage_gib": True}),
         (OFFER, {"storage_gib": 2**20 + 1}),
+        (OFFER, {"contend_price": -1}),
+        (OFFER, {"contend_price": OFFER.price + 1}),  # a floor above the ask
+        (OFFER, {"contend_price": 0.5}),
         (BID, {"priority": 7}),
         (BID, {"gpu_models": ("",)}),
         (BID, {"shares": True}),

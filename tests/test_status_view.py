@@ -138,3 +138,22 @@ def test_a_provider_shows_how_long_a_session_waited_for_the_device():
     text = shown(provider_state([device(0)], [waiting]))
     assert "waits 0.4/12.2 ms (p50/p99)" in text
     assert "waits" not in shown(provider_state([device(0)], [lease("device0")]))
+
+
+def test_the_offers_table_shows_each_offers_contend_floor():
+    offer = {
+        "host": "12D3KooWhost",
+        "gpu": "RTX 4090",
+        "vram_mib": 24_576,
+        "perf": 900,
+        "shares": 4,
+        "price": 500_000,
+        "score": 0.5,
+        "expires_in": 30.0,
+    }
+    console = Console(width=220, record=True)
+    console.print(offers_table([offer | {"contend_price": 200_000}]))
+    text = console.export_text()
+    assert "contending from" in text
+    cells = [c.strip() for c in next(ln for ln in text.splitlines() if "RTX" in ln).split("│")]
+    assert cells[cells.index("0.500000") + 1] == "0.200000"

@@ -192,6 +192,14 @@ def _add_provide_flags(provide) -> None:
         help="asking price in credits per share-hour (default 1.0)",
     )
     provide.add_argument(
+        "--contend-price",
+        type=parse_price,
+        default=parse_price("0"),
+        metavar="PRICE",
+        help="least credits per share-hour a contending lease pays: it runs below on-demand "
+        "tenants, in their idle gaps, and pays its bid down to this (default 0: none sold)",
+    )
+    provide.add_argument(
         "--storage-price",
         type=parse_storage_price,
         default=parse_storage_price("0"),
@@ -302,9 +310,11 @@ def _add_consume_flags(consume) -> None:
 def _add_lease_wishes(consume) -> None:
     consume.add_argument(
         "--priority",
-        choices=["on-demand", "interruptible"],
+        choices=["on-demand", "contend", "interruptible"],
         default="on-demand",
-        help="lease class (default on-demand)",
+        help="lease class (default on-demand); contend: share a device below on-demand "
+        "tenants and pay your --max-price, which may lie below the ask down to the host's "
+        "contend floor",
     )
     add_duration(consume, "--duration", 3600, "lease length (default 1h)")
     add_duration(consume, "--match-timeout", 60, "how long to wait for a match (default 60s)")
@@ -415,6 +425,11 @@ def _check_node_args(parser: argparse.ArgumentParser, args, script: list[str]) -
         parser.error("--shares must be between 1 and 65536")
     if args.pool < 0:
         parser.error("--pool must not be negative (0 starts each worker when its lease comes)")
+    if args.provide and args.contend_price > args.price:
+        parser.error(
+            "--contend-price must not be above --price: it is the floor a contending lease "
+            "pays below the ask"
+        )
     if args.provide and args.device.startswith("cuda"):
         try:
             hardware.offered_devices(args.device, hardware.detect())

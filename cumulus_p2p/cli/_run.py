@@ -172,6 +172,7 @@ def _provider_options(args, devices):
         blob_cap=args.blob_cap,
         storage_price=args.storage_price,
         storage_gib=args.storage_gib,
+        contend_price=args.contend_price,
     )
 
 
@@ -188,7 +189,8 @@ class _ProviderScreen:
         each = " each" if len(devices) > 1 else ""
         self.console.print(
             f"providing {offered}: {self.options.shares} shares{each} at "
-            f"{views.credits(self.options.price)}/share-hour{self._standbys()}; sessions "
+            f"{views.credits(self.options.price)}/share-hour{self._contending()}"
+            f"{self._standbys()}; sessions "
             f"on {', '.join(provider.current_endpoints())}",
             highlight=False,
         )
@@ -202,6 +204,10 @@ class _ProviderScreen:
             return ""
         price = views.credits(self.options.storage_price)
         return f"; keeping standbys' checkpoints: {gib} GiB at {price}/GiB-hour"
+
+    def _contending(self) -> str:
+        floor = self.options.contend_price
+        return f" (contending from {views.credits(floor)})" if floor else ""
 
     def tick(self, provider) -> None:
         if self.live is not None:
@@ -257,14 +263,13 @@ async def _consume(args, data, mesh_config, script: list[str], console: Console)
 def _consumer_options(args, script: list[str]):
     from ..node.consumer import ConsumerOptions
 
-    interruptible = args.priority == "interruptible"
     return ConsumerOptions(
         command=tuple(script),
         gpu_models=tuple(args.gpu),
         min_vram_mib=args.min_vram // 2**20,
         min_perf=args.min_perf,
         max_price=args.max_price,
-        priority=PriorityClass.INTERRUPTIBLE if interruptible else PriorityClass.ON_DEMAND,
+        priority=PriorityClass[args.priority.upper().replace("-", "_")],
         shares=args.shares or 1,
         duration_s=args.duration,
         match_timeout=args.match_timeout,

@@ -21,11 +21,13 @@ refuses the old messages as expired, so forgetting is safe.
 Inserting never matches: matching is a separate, deterministic step. ``match_bid``
 fills one incoming bid against resting offers; ``match`` clears resting bids in bid
 priority order, each against the best offers. A fill takes
-``min(bid shares left, offer shares left)`` at the offer's price, so an offer is
-never over-filled and leftovers stay for later bids.
+``min(bid shares left, offer shares left)`` at the price the bid pays there
+(``pricing.price_for``: the ask, or a contending bid's own limit above the offer's
+contend floor), so an offer is never over-filled and leftovers stay for later bids.
 
 Scale: an insert is a dict update plus a sorted-list insertion (O(log n)); a match
-walks offers from the best price and stops at the bid's limit or when it is filled.
+walks offers from the best price and stops at the bid's limit or when it is filled; a
+contending bid then walks the offers whose contend floor its limit reaches.
 
 Bounds (``BookLimits``)
 -----------------------
@@ -52,13 +54,14 @@ import enum
 import heapq
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from sortedcontainers import SortedList
 
 from .messages import Bid, Cancel, Offer, PriorityClass, Side, encode_message
+from .pricing import price_for
 
 __all__ = ["BookLimits", "BookStatistics", "Fill", "InsertStatus", "OrderBook", "RestingOrder"]
 
@@ -87,7 +90,7 @@ class InsertStatus(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Fill:
-    """Shares of one offer matched to one bid, at the offer's price."""
+    """Shares of one offer matched to one bid, at the price the bid pays there."""
 
     consumer: str
     bid_id: str
@@ -169,6 +172,12 @@ class _ClassIndex:
     gpu_model: str
     vram_mib: int
     keys: SortedList = field(default_factory=SortedList)
+    #: Offers that sell contending leases, by ``_contend_key``.
+    contend_keys: SortedList = field(default_factory=SortedList)
+
+
+def _contend_key(offer: Offer) -> tuple:
+    return (offer.contend_price, offer.created_at, offer.host, offer.offer_id)
 
 
 def _offer_key(offer: Offer) -> tuple:
@@ -336,6 +345,8 @@ class OrderBook:
             if index is None:
                 index = self._classes[resource_class] = _ClassIndex(*resource_class)
             index.keys.add(key)
+            if order.contend_price:
+                index.contend_keys.add(_contend_key(order))
             self._offers[(author, order_id)] = _Live(order, key, order.shares_free)
             count_key = (Side.OFFER, author)
         else:
@@ -352,6 +363,8 @@ class OrderBook:
                 return False
             index = self._classes[offer.order.resource_class]
             index.keys.remove(offer.key)
+            if offer.order.contend_price:
+                index.contend_keys.remove(_contend_key(offer.order))
             if not index.keys:
                 del self._classes[offer.order.resource_class]
         else:
@@ -403,18 +416,30 @@ class OrderBook:
         """Offers that meet ``bid``'s requirements and limit, best first.
 
         Best means price-time priority: lowest price, then earliest ``created_at``,
-        then the canonical tie-break. Offers from the bid's own author are skipped.
-        Do not change the book while iterating.
+        then the canonical tie-break. A contending bid then gets the offers asking more
+        than its limit whose contend floor it reaches (it pays its limit at each: lowest
+        floor first). Offers from the bid's own author are skipped. Do not change the
+        book while iterating.
         """
         ceiling = (bid.max_price, math.inf)
-        lists = [
-            index.keys.irange(maximum=ceiling)
+        classes = [
+            index
             for index in self._classes.values()
             if index.vram_mib >= bid.min_vram_mib
             and (not bid.gpu_models or index.gpu_model in bid.gpu_models)
         ]
+        yield from self._meeting(bid, _merged([c.keys.irange(maximum=ceiling) for c in classes]))
+        if bid.priority is PriorityClass.CONTEND:
+            floors = _merged([c.contend_keys.irange(maximum=ceiling) for c in classes])
+            above_ask = (
+                k for k in floors if self._offers[(k[2], k[3])].order.price > bid.max_price
+            )
+            yield from self._meeting(bid, above_ask)
+
+    def _meeting(self, bid: Bid, keys: Iterable[tuple]) -> Iterator[RestingOrder[Offer]]:
+        """The offers under ``keys`` (host and offer id last) that meet ``bid``'s needs."""
         offers = self._offers
-        for key in heapq.merge(*lists) if len(lists) != 1 else lists[0]:
+        for key in keys:
             live = offers[(key[2], key[3])]
             order = live.order
             if (
@@ -474,6 +499,8 @@ class OrderBook:
                 break
         fills = []
         for offer, shares in taken:
+            price = price_for(offer, bid)
+            assert price is not None  # candidates() yields only offers the bid may lease
             live = self._offers[(offer.host, offer.offer_id)]
             live.remaining -= shares
             if live.remaining == 0:
@@ -486,7 +513,7 @@ class OrderBook:
                     offer.offer_id,
                     offer.nonce,
                     shares,
-                    offer.price,
+                    price,
                     bid.priority,
                 )
             )
@@ -537,3 +564,8 @@ class OrderBook:
             max(self._live_counts.values(), default=0),
             self.evicted,
         )
+
+
+def _merged(lists: list) -> Iterable[tuple]:
+    """Sorted key lists as one sorted stream."""
+    return heapq.merge(*lists) if len(lists) != 1 else lists[0]

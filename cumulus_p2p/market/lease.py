@@ -45,6 +45,7 @@ from .._errors import MalformedMessageError
 from ..envelope import EnvelopeValidator, Rejected, Rejection
 from ..identity import NodeIdentity
 from .messages import Lease, LeaseKind, LeaseProposal, Offer, open_message
+from .pricing import least_price
 
 __all__ = ["LeaseBook", "RefusalReason", "Refusal", "Reservation"]
 
@@ -61,7 +62,7 @@ class RefusalReason(enum.Enum):
     DUPLICATE_LEASE_ID = "lease id already used"
     UNKNOWN_OFFER = "no such offer"
     OFFER_EXPIRED = "offer expired"
-    PRICE_MISMATCH = "price below the offer's"
+    PRICE_MISMATCH = "price below what the offer asks"
     TOO_SHORT = "shorter than the offer's minimum lease"
     BAD_START = "start time too far from now"
     NO_CAPACITY = "not enough free shares"
@@ -244,12 +245,9 @@ class LeaseBook:
         standby = proposal.kind is LeaseKind.STANDBY
         if standby and offer.storage_gib == 0:
             return Refusal(RefusalReason.NO_STORAGE, f"offer {offer.offer_id} lends no storage")
-        asking = offer.storage_price if standby else offer.price
-        if proposal.price < asking:
-            per = "GiB-hour" if standby else "share-hour"
-            return Refusal(
-                RefusalReason.PRICE_MISMATCH, f"offered {proposal.price}, asking {asking} per {per}"
-            )
+        price_refused = self._check_price(proposal, offer)
+        if price_refused is not None:
+            return price_refused
         if proposal.duration_s < offer.min_lease_s:
             return Refusal(RefusalReason.TOO_SHORT, f"minimum lease is {offer.min_lease_s}s")
         if abs(proposal.start_at - now) > self._max_start_skew:
@@ -261,6 +259,22 @@ class LeaseBook:
             )
         if proposal.shares > pool.free:
             return Refusal(RefusalReason.NO_CAPACITY, f"{proposal.shares} wanted, {pool.free} free")
+        return None
+
+    @staticmethod
+    def _check_price(proposal: LeaseProposal, offer: Offer) -> Refusal | None:
+        if proposal.kind is LeaseKind.STANDBY:
+            asking, per = offer.storage_price, "GiB-hour"
+        else:
+            least, per = least_price(offer, proposal.priority), "share-hour"
+            if least is None:
+                why = f"offer {offer.offer_id} sells no contending leases; it asks {offer.price}"
+                return Refusal(RefusalReason.PRICE_MISMATCH, f"{why} per {per}")
+            asking = least
+        if proposal.price < asking:
+            floor = " (its contend floor)" if asking < offer.price else ""
+            why = f"offered {proposal.price}, asking {asking}{floor} per {per}"
+            return Refusal(RefusalReason.PRICE_MISMATCH, why)
         return None
 
     def release(self, lease_id: str) -> bool:

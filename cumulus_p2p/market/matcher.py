@@ -2,9 +2,10 @@
 
 The book orders offers by their asking price alone. A consumer cares about more: an
 unreliable host or a distant one costs more than its price says. The matcher ranks
-the offers that meet a bid by
+the offers that meet a bid by what the bid pays there (``pricing.price_for``: the ask, or
+a contending bid's own limit where only the offer's contend floor is in reach)
 
-    effective = price * (1 + reliability_weight * (neutral_reliability - reliability))
+    effective = paid * (1 + reliability_weight * (neutral_reliability - reliability))
                       * (1 + latency_ms / latency_scale_ms)
 
 ``reliability`` is the host's score in [0, 1] from the reputation room (unknown hosts
@@ -47,6 +48,7 @@ from dataclasses import dataclass
 from .._errors import InvalidMessageError
 from .book import OrderBook
 from .messages import Bid, Offer
+from .pricing import price_for
 
 __all__ = [
     "Entry",
@@ -256,14 +258,15 @@ def rank_offers(
     top: list[tuple[float, tuple, RankedOffer]] = []
     for resting in book.candidates(bid):
         offer = resting.order
-        if len(top) == limit and offer.price * best > -top[0][0]:
+        paid = _paid(offer, bid)  # never falls along candidates(): the early end holds
+        if len(top) == limit and paid * best > -top[0][0]:
             break
         if resting.remaining < bid.shares:
             continue  # a lease takes its shares from one offer: this one cannot serve it
         score = reliability.get(offer.host, policy.neutral_reliability)
         latency = latency_ms.get(offer.host, policy.default_latency_ms)
-        price = effective_price(offer.price, reliability=score, latency_ms=latency, policy=policy)
-        key = (offer.price, offer.created_at, offer.host, offer.offer_id)
+        price = effective_price(paid, reliability=score, latency_ms=latency, policy=policy)
+        key = (paid, offer.created_at, offer.host, offer.offer_id)
         ranked = RankedOffer(offer, resting.remaining, price, score, latency)
         item = (-price, tuple(_Reversed(k) for k in key), ranked)
         if len(top) < limit:
@@ -290,10 +293,18 @@ def _rank_by_entry(
             continue
         score = reliability.get(offer.host, policy.neutral_reliability)
         latency = latency_ms.get(offer.host, policy.default_latency_ms)
-        price = effective_price(offer.price, reliability=score, latency_ms=latency, policy=policy)
-        key = (entry(offer), price, offer.price, offer.created_at, offer.host, offer.offer_id)
+        paid = _paid(offer, bid)
+        price = effective_price(paid, reliability=score, latency_ms=latency, policy=policy)
+        key = (entry(offer), price, paid, offer.created_at, offer.host, offer.offer_id)
         rows.append((key, RankedOffer(offer, resting.remaining, price, score, latency)))
     return [ranked for _, ranked in heapq.nsmallest(limit, rows, key=lambda row: row[0])]
+
+
+def _paid(offer: Offer, bid: Bid) -> int:
+    """What ``bid`` pays on an offer ``book.candidates`` gave it (so it may lease there)."""
+    price = price_for(offer, bid)
+    assert price is not None
+    return price
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,12 +68,16 @@ _COUNTERSIGN_DOMAIN = "cumulus/countersign/v1"
 class PriorityClass(enum.IntEnum):
     """How a consumer wants its lease treated.
 
-    ``ON_DEMAND`` leases run to their end; ``INTERRUPTIBLE`` leases may be preempted by
-    the host and are usually cheaper.
+    ``ON_DEMAND`` leases run to their end and pay at least the offer's ask;
+    ``INTERRUPTIBLE`` leases may be preempted by the host. A ``CONTEND`` lease shares the
+    device at a lower rank than on-demand ones (it runs in their idle gaps and yields
+    turns to them) and pays its bid, which may lie below the ask down to the offer's
+    ``contend_price`` (``pricing.py``).
     """
 
     ON_DEMAND = 0
     INTERRUPTIBLE = 1
+    CONTEND = 2
 
 
 class LeaseKind(enum.IntEnum):
@@ -175,6 +179,9 @@ class Offer:
         storage_price: Micro-credits per GiB-hour of a standby lease.
         storage_gib: GiB of disk free for standbys now (what is left after the host's
             standby leases); 0 means the host keeps no standbys.
+        contend_price: The least micro-credits per share-hour a contending lease pays
+            (``PriorityClass.CONTEND``); at most ``price``; 0 means the host sells no
+            contending leases.
     """
 
     KIND: ClassVar[str] = "market/offer"
@@ -194,6 +201,7 @@ class Offer:
     nonce: int
     storage_price: int = 0
     storage_gib: int = 0
+    contend_price: int = 0
 
     def __post_init__(self) -> None:
         _check_text(self, "host", _MAX_PEER_ID)
@@ -210,6 +218,7 @@ class Offer:
         _check_int(self, "nonce", 0)
         _check_int(self, "storage_price", 0, 2**48)
         _check_int(self, "storage_gib", 0, _MAX_GIB)
+        _check_int(self, "contend_price", 0, self.price)
         _check_window(self)
 
     @property
@@ -240,7 +249,7 @@ class Bid:
         min_perf_units: Least performance acceptable.
         shares: Share units wanted.
         max_price: Most micro-credits per share-hour the consumer pays.
-        priority: ``ON_DEMAND`` or ``INTERRUPTIBLE``.
+        priority: ``ON_DEMAND``, ``CONTEND`` or ``INTERRUPTIBLE``.
         duration_s: Expected lease length, seconds.
         created_at: When the bid was made (time priority in the book).
         expires_at: When the bid lapses.
@@ -346,11 +355,12 @@ class LeaseProposal:
         offer_id: The offer leased from (for a standby, any live offer of the host's).
         offer_nonce: The version of the offer the consumer saw.
         shares: Share units leased; 0 for a standby lease.
-        price: Micro-credits per share-hour, at least the offer's ``price``; for a
+        price: Micro-credits per share-hour: at least the offer's ``price``, or for a
+            contending lease its ``contend_price`` (``pricing.least_price``); for a
             standby lease, per GiB-hour, at least the offer's ``storage_price``.
         start_at: Lease start, Unix seconds.
         duration_s: Lease length, seconds.
-        priority: ``ON_DEMAND`` or ``INTERRUPTIBLE``.
+        priority: ``ON_DEMAND``, ``CONTEND`` or ``INTERRUPTIBLE``.
         expires_at: The proposal lapses if the host has not answered by then.
         nonce: The consumer's increasing nonce.
         kind: ``COMPUTE`` or ``STANDBY``.

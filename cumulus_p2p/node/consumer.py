@@ -72,6 +72,7 @@ from ..market.liveness import CHALLENGE_SIZE, Liveness
 from ..market.matcher import Entry, entry_of, proposal_batch
 from ..market.messages import encode_message, seal_message
 from ..market.negotiation import call_propose_lease
+from ..market.pricing import price_for
 from ..market.probing import call_probe
 from ..market.settlement import (
     NOTICE_LEAVING,
@@ -141,7 +142,8 @@ class ConsumerOptions:
         min_vram_mib: Least device memory.
         min_perf: Least performance units.
         max_price: Most micro-credits per share-hour.
-        priority: On-demand or interruptible.
+        priority: On-demand, contending (pays ``max_price`` where only an offer's
+            contend floor is in reach) or interruptible.
         shares: Share units wanted.
         duration_s: Lease length.
         match_timeout: Seconds to wait for a matching offer before giving up.
@@ -481,7 +483,8 @@ class Consumer:
         rt, now = self.runtime, self.runtime.clock()
         proposal = proposal or LeaseProposal(
             secrets.token_hex(16), rt.peer_id, offer.host, offer.offer_id, offer.nonce,
-            self.options.shares, offer.price, now, self.options.duration_s,
+            self.options.shares, price_for(offer, self.bid) or offer.price, now,
+            self.options.duration_s,
             self.options.priority, now + 60, rt.mesh.next_nonce(),
         )  # fmt: skip
         peer = peer_of(offer.host)
@@ -578,7 +581,8 @@ class Consumer:
             f"(min VRAM {o.min_vram_mib} MiB, min perf {o.min_perf}, max price "
             f"{o.max_price / 1e6:g}/share-hour, models {list(o.gpu_models) or 'any'}). "
             f"Largest VRAM offered: {max(x.vram_mib for x in offers)} MiB; cheapest price: "
-            f"{min(x.price for x in offers) / 1e6:g}. Relax the requirements and retry."
+            f"{min(x.price for x in offers) / 1e6:g}{_floors(offers, o.priority)}. Relax the "
+            "requirements and retry."
         )
 
     # --- the shim's requests ----------------------------------------------------------
@@ -1002,3 +1006,13 @@ async def _close_lease(consumer: Consumer, held: Held) -> None:
         # The connection may be gone (a relay cut its circuit): once more over a new one.
         await consumer._reach(peer, afresh=True)
         await call_close_lease(host, peer, held.proposal.lease_id)
+
+
+def _floors(offers, priority: PriorityClass) -> str:
+    """For a contending bid that met nothing: the lowest contend floor on offer."""
+    if priority is not PriorityClass.CONTEND:
+        return ""
+    floors = [x.contend_price for x in offers if x.contend_price]
+    if not floors:
+        return "; no host sells contending leases"
+    return f"; lowest contending floor: {min(floors) / 1e6:g}"

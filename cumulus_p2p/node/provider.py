@@ -117,6 +117,9 @@ class ProviderOptions:
         devices: The devices offered, an offer each (distinct indices).
         shares: Share units each device is split into.
         price: Micro-credits per share-hour.
+        contend_price: The least micro-credits per share-hour a contending lease pays
+            (it runs below on-demand tenants and pays its bid, down to this; 0: none
+            sold).
         min_lease_s: Shortest lease accepted.
         storage_price: Micro-credits per GiB-hour of a standby lease (disk kept for
             another host's session's checkpoints).
@@ -160,6 +163,7 @@ class ProviderOptions:
     blob_cap: int = DEFAULT_BLOB_CAP
     storage_price: int = 0
     storage_gib: int = 0
+    contend_price: int = 0
 
     @property
     def unpaid_grace(self) -> float:
@@ -181,6 +185,11 @@ class ProviderOptions:
             raise ValueError(f"storage_gib must be 0..{MAX_STORAGE_GIB}, not {self.storage_gib}")
         if not 0 <= self.storage_price <= MAX_PRICE:
             raise ValueError(f"storage_price must be 0..{MAX_PRICE}, not {self.storage_price}")
+        if not 0 <= self.contend_price <= self.price:
+            raise ValueError(
+                f"the contend floor ({self.contend_price}) must lie between 0 and the price "
+                f"({self.price})"
+            )
 
 
 @dataclass
@@ -265,6 +274,7 @@ class Provider:
             nonce,
             self.options.storage_price,
             self.free_storage(),
+            self.options.contend_price,
         )
         if free > 0:
             self.book.publish(offer)

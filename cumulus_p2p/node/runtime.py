@@ -152,6 +152,7 @@ def _offer_rows(offers: list, scores: dict, now: float) -> list[dict]:
             "perf": r.order.perf_units,
             "shares": r.remaining,
             "price": r.order.price,
+            "contend_price": r.order.contend_price,
             "storage_gib": r.order.storage_gib,
             "storage_price": r.order.storage_price,
             "score": round(scores[r.order.host].mean, 3),

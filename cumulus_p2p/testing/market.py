@@ -19,8 +19,10 @@ def lease_proposal(
     expires_at: float | None = None,
     nonce: int = 1,
     storage_gib: int = 0,
+    priority: PriorityClass = PriorityClass.ON_DEMAND,
 ) -> LeaseProposal:
-    """An on-demand proposal from ``consumer`` to ``host`` for offer nonce 1.
+    """A proposal (on-demand unless ``priority`` says) from ``consumer`` to ``host`` for
+    offer nonce 1.
 
     It expires 30 s after it starts unless ``expires_at`` says otherwise. With
     ``storage_gib`` it is a standby lease of that many GiB (and no shares); otherwise a
@@ -39,7 +41,7 @@ def lease_proposal(
         price=price,
         start_at=start_at,
         duration_s=duration_s,
-        priority=PriorityClass.ON_DEMAND,
+        priority=priority,
         expires_at=start_at + 30 if expires_at is None else expires_at,
         nonce=nonce,
         kind=kind,

@@ -264,6 +264,7 @@ const bookView = {
         { label: "perf", cell: (r) => r.perf },
         { label: "shares", cell: (r) => r.shares },
         { label: "price / share-h", cell: (r) => fmt.credits(r.price) },
+        { label: "contending from", cell: (r) => (r.contend_price ? fmt.credits(r.contend_price) : "-") },
         { label: "standby GiB", cell: (r) => r.storage_gib ?? 0 },
         { label: "price / GiB-h", cell: (r) => (r.storage_gib ? fmt.credits(r.storage_price) : "-") },
         { label: "score", cell: (r) => fmt.score(r.score) },

@@ -1,0 +1,58 @@
+"""A bid below the ask: a contending lease, paid at the bid. Real cumulus-node processes.
+
+The host asks 0.5 per share-hour and sells contending leases from 0.2. A consumer bidding
+0.3 with ``--priority contend`` leases there as a contending tenant, trains to a local
+run's loss, and both ledgers charge its receipts at 0.3. A bid under the floor leases
+nothing and says what the floor is.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cumulus_p2p.market.ledger import Ledger
+from cumulus_p2p.testing import loopback, nodes
+
+# Starts real cumulus-node processes: scripts/test --fast skips it.
+pytestmark = pytest.mark.slow
+
+SCRIPT = ["-m", "cumulus_p2p.demo_train", "--steps", "30", "--log-every", "10"]
+
+
+def share_seconds(data_dir) -> dict[str, int]:
+    with Ledger.open(data_dir) as books:
+        return {e.receipt_id: e.share_seconds for e in books.entries()}
+
+
+def test_a_bid_between_the_floor_and_the_ask_runs_contending_and_pays_its_bid(tmp_path):
+    boot = loopback.start_boot(tmp_path)
+    host = nodes.start_provider(
+        tmp_path / "host", boot.addr, "--price", "0.5", "--contend-price", "0.2",
+        "--receipt-interval", "1s",
+    )  # fmt: skip
+    try:
+        host.wait_for("contending from 0.200000")
+        consumer = nodes.start_consumer(
+            tmp_path / "consumer", boot.addr, "--priority", "contend", "--max-price", "0.3",
+            command=SCRIPT,
+        )  # fmt: skip
+        assert consumer.proc.wait(timeout=180) == 0, consumer.output()
+        # Under the floor: no lease, and the reason names the floor on offer.
+        cheapskate = nodes.start_consumer(
+            tmp_path / "cheapskate", boot.addr, "--priority", "contend", "--max-price", "0.1",
+            "--match-timeout", "5s", command=SCRIPT,
+        )  # fmt: skip
+        assert cheapskate.proc.wait(timeout=120) != 0
+    finally:
+        for node in (host, boot):
+            node.stop()
+    assert nodes.final_json(consumer.lines)["final_loss"] == nodes.local_final_loss(SCRIPT)
+    (lease,) = json.loads((tmp_path / "consumer" / "state.json").read_text())["leases"]
+    assert lease["price"] == 300_000  # its bid: below the ask, above the floor
+    receipted = share_seconds(tmp_path / "consumer")
+    assert receipted and receipted == share_seconds(tmp_path / "host")
+    assert lease["cost"] == sum(receipted.values()) * 300_000 // 3600
+    assert "lowest contending floor: 0.2" in " ".join(cheapskate.output().split())
+    assert json.loads((tmp_path / "cheapskate" / "state.json").read_text())["leases"] == []
