@@ -93,3 +93,14 @@ def test_no_attack_lifts_an_attacker_above_an_honest_host_or_costs_them_earnings
 def test_non_payers_fall_below_a_hosts_bar_and_honest_consumers_do_not():
     row = attacks.simulate(2, "non-payers", honest=8, flaky=3, consumers=16, leases=200, sybils=10)
     assert row["non_payers_refused"] == 1.0 and row["honest_consumers_refused"] == 0.0
+
+
+def test_contending_bids_below_the_ask_lease_where_interruptible_ones_cannot():
+    result = priority.run(1, quick=True)
+    leased = {
+        (r["strategy"], r["class"]): r["leased_share"]
+        for r in result["rows"]
+        if r["bid_multiple"] == 0.6
+    }
+    assert leased[("contend", "contend")] > leased[("ask", "interruptible")]
+    assert result["leased_within_1h_at_0_8"] is not None and 0 < result["mix_utilization"] <= 1

@@ -38,6 +38,7 @@ from ..market.messages import (
     seal_message,
 )
 from ..market.metering import Meter, check_receipt
+from ..market.pricing import price_for
 from .gpu import SimGpu
 from .world import REGIONS, SHARES_PER_GPU, GpuModel, gossip_delay_s, rtt_ms
 
@@ -64,6 +65,7 @@ class SimHost:
     online: bool = True
     nonce: int = 0
     earned: float = 0.0
+    contend_price: int = 0  # the floor of a contending lease (0: none sold)
     # The job processes running on it; a dict keeps them in order (runs must repeat).
     jobs: dict = field(default_factory=dict)
 
@@ -114,7 +116,9 @@ class Market:
 
     # --- hosts ----------------------------------------------------------------------
 
-    def add_host(self, name: str, model: GpuModel, region: str, price: int) -> SimHost:
+    def add_host(
+        self, name: str, model: GpuModel, region: str, price: int, *, contend_price: int = 0
+    ) -> SimHost:
         identity = self.identity()
         host = SimHost(
             name,
@@ -124,6 +128,7 @@ class Market:
             price,
             LeaseBook(identity),
             SimGpu(self.env, model.perf_units),
+            contend_price=contend_price,
         )
         self.hosts[host.peer] = host
         for other, table in self._latency.items():
@@ -159,6 +164,7 @@ class Market:
                 now,
                 now + OFFER_TTL_S,
                 host.nonce,
+                contend_price=host.contend_price,
             )
             host.lease_book.publish(message)
         else:  # the LeaseBook keeps the pool, at 0 free, for the shares coming back
@@ -240,7 +246,8 @@ class Market:
         round trip). Returns a ``Granted`` or None; ``unreachable(host)`` hears of each
         host that did not answer, as the node's shell tells its ``HostChoice``.
 
-        The price proposed is the offer's, as ``cumulus-node`` proposes; with
+        The price proposed is what ``cumulus-node`` proposes (``pricing.price_for``: the
+        offer's ask, or a contending bid's limit above the offer's contend floor); with
         ``pay_as_bid``, the bid's limit: a lease may pay more than the asking price,
         and the executor serves dearer leases first.
         """
@@ -251,7 +258,7 @@ class Market:
                 self._refused("host unreachable")
                 unreachable(offer.host)
                 continue
-            price = bid.max_price if pay_as_bid else offer.price
+            price = bid.max_price if pay_as_bid else price_for(offer, bid) or offer.price
             granted = self._propose(consumer, host, offer, bid, price)
             if granted is not None:
                 return granted

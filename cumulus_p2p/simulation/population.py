@@ -13,14 +13,19 @@ from .market import MICRO, Market, SimHost
 from .world import GPU_MIX, PRICE_SIGMA, REGIONS, SHARES_PER_GPU, Workload, pick
 
 
-def add_hosts(market: Market, count: int, rng: random.Random) -> list[SimHost]:
-    """``count`` hosts: a GPU from the mix, a region, a price around the model's."""
+def add_hosts(
+    market: Market, count: int, rng: random.Random, *, contend_floor: float = 0.0
+) -> list[SimHost]:
+    """``count`` hosts: a GPU from the mix, a region, a price around the model's, and a
+    contend floor of ``contend_floor`` times that price (0: no contending leases)."""
     hosts = []
     for i in range(count):
         model = pick(rng, GPU_MIX)
         gpu_price = model.price_per_gpu_hour * rng.lognormvariate(0.0, PRICE_SIGMA)
         price = max(1, round(gpu_price / SHARES_PER_GPU * MICRO))
-        hosts.append(market.add_host(f"host-{i}", model, rng.choice(REGIONS), price))
+        floor = round(price * contend_floor)
+        region = rng.choice(REGIONS)
+        hosts.append(market.add_host(f"host-{i}", model, region, price, contend_price=floor))
     return hosts
 
 

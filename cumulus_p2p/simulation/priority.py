@@ -2,13 +2,24 @@
 
 Fine-tuning jobs arrive faster than the fleet can serve them, so every GPU is shared
 and contended. Each job bids a multiple of the market's median share price (0.6x to
-2x) and is on-demand or interruptible, half and half. Two strategies over the same
-jobs: *ask*, proposing each offer's own price as ``cumulus-node`` does today, and
-*pay-as-bid*, proposing the bid's limit (a lease may pay more than the asking price,
-and the executor's ``DeviceQueue`` serves dearer leases first within a class).
+2x). Three strategies over the same jobs:
+
+- *ask*: half the jobs on-demand, half interruptible, each proposing the offer's own
+  price, as ``cumulus-node`` did before contending leases;
+- *pay-as-bid*: the same, proposing the bid's limit (a lease may pay more than the
+  asking price, and the executor's ``DeviceQueue`` serves dearer leases first);
+- *contend*: every host also sells contending leases from ``CONTEND_FLOOR`` of its ask,
+  and the interruptible half bids ``--priority contend`` instead: it pays its bid
+  wherever only a floor is in its reach (``market.pricing``), and ranks below on-demand
+  tenants on the device. The on-demand half of that run, run alone (the contending
+  jobs left out), is the baseline its slowdown is compared with.
 
 Read, per bid level and class: how many jobs got a lease, how long they waited for it,
-how much slower than alone they ran, and what they paid against the median.
+how much slower than alone they ran, and what they paid against the median. The
+top-level keys are issue 31's: ``contending_saving``, ``on_demand_slowdown_ratio``,
+``leased_within_1h_at_0_8``, ``mix_utilization`` (device time computed over device time
+there was, in the contend run) and ``host_earnings_over_whole_gpu`` (None: the scenario
+has no whole-GPU rental to compare with).
 """
 
 from __future__ import annotations
@@ -25,19 +36,34 @@ from .world import WORKLOADS
 
 FINE_TUNING = tuple(w for w in WORKLOADS if w.name == "fine-tuning")
 MULTIPLIERS = (0.6, 0.8, 1.0, 1.25, 1.5, 2.0)
-STRATEGIES = ("ask", "pay-as-bid")
-CLASSES = {"on-demand": PriorityClass.ON_DEMAND, "interruptible": PriorityClass.INTERRUPTIBLE}
+STRATEGIES = ("ask", "pay-as-bid", "contend")
+CLASSES = {
+    "on-demand": PriorityClass.ON_DEMAND,
+    "interruptible": PriorityClass.INTERRUPTIBLE,
+    "contend": PriorityClass.CONTEND,
+}
+#: A host's contend floor, as a fraction of its ask, in the contend strategy.
+CONTEND_FLOOR = 0.4
+#: The cheaper class each strategy's other half of the jobs bids in.
+_CHEAPER = {
+    "ask": PriorityClass.INTERRUPTIBLE,
+    "pay-as-bid": PriorityClass.INTERRUPTIBLE,
+    "contend": PriorityClass.CONTEND,
+}
 
 
 def run(seed: int, *, quick: bool) -> dict:
-    """Both strategies over the same jobs; rows per strategy, class and bid level."""
+    """Every strategy over the same jobs; rows per strategy, class and bid level."""
     hosts, horizon_h = (12, 8.0) if quick else (48, 24.0)
-    rows, savings = [], {}
+    rows, savings, runs = [], {}, {}
     for strategy in STRATEGIES:
-        jobs, median = simulate(seed, strategy, hosts=hosts, horizon_h=horizon_h)
+        jobs, median, utilization = simulate(seed, strategy, hosts=hosts, horizon_h=horizon_h)
+        runs[strategy] = (jobs, median, utilization)
         for class_name, priority in CLASSES.items():
             for m in MULTIPLIERS:
                 group = [j for j, jm in jobs if j.priority == priority and jm == m]
+                if not group:
+                    continue
                 rows.append(
                     {
                         "strategy": strategy,
@@ -46,7 +72,8 @@ def run(seed: int, *, quick: bool) -> dict:
                         **_figures(group, median),
                     }
                 )
-        savings[strategy] = _interruptible_saving([j for j, _ in jobs], median)
+        savings[strategy] = _saving([j for j, _ in jobs], _CHEAPER[strategy])
+    alone, _, _ = simulate(seed, "contend", hosts=hosts, horizon_h=horizon_h, on_demand_only=True)
     return {
         "scenario": "priority",
         "seed": seed,
@@ -54,17 +81,23 @@ def run(seed: int, *, quick: bool) -> dict:
         "hosts": hosts,
         "horizon_h": horizon_h,
         "rows": rows,
-        "interruptible_saving": savings,
+        "interruptible_saving": {k: v for k, v in savings.items() if k != "contend"},
         "claimed_interruptible_saving": "50-80% (Vast.ai)",
+        **_contend_keys(runs["contend"], alone),
     }
 
 
-def simulate(seed: int, strategy: str, *, hosts: int, horizon_h: float):
-    """One run; returns the jobs with their bid multiples, and the median share price."""
+def simulate(
+    seed: int, strategy: str, *, hosts: int, horizon_h: float, on_demand_only: bool = False
+):
+    """One run; returns the jobs with their bid multiples, the median share price, and
+    the fleet's utilization (device time computed over device time there was).
+    ``on_demand_only``: the same run without the jobs of the cheaper class."""
     rng = random.Random(seed)
     env = simpy.Environment()
     market = Market(env, rng, mesh_nodes=hosts * 4)
-    fleet = add_hosts(market, hosts, rng)
+    floor = CONTEND_FLOOR if strategy == "contend" else 0.0
+    fleet = add_hosts(market, hosts, rng, contend_floor=floor)
     median = statistics.median(h.price for h in fleet)
     rate = 3.0 * hosts / mean_hold_s(FINE_TUNING)
     trace = job_trace(
@@ -74,7 +107,9 @@ def simulate(seed: int, strategy: str, *, hosts: int, horizon_h: float):
     jobs = []
     for job in trace:
         m = bids.choice(MULTIPLIERS)
-        priority = bids.choice(list(CLASSES.values()))
+        priority = bids.choice([PriorityClass.ON_DEMAND, _CHEAPER[strategy]])
+        if on_demand_only and priority is not PriorityClass.ON_DEMAND:
+            continue
         jobs.append(
             (
                 job.fresh(
@@ -89,7 +124,8 @@ def simulate(seed: int, strategy: str, *, hosts: int, horizon_h: float):
     env.run(until=horizon_h * 3600)
     for granted in list(market.active.values()):
         market.settle(granted)
-    return jobs, median
+    utilization = sum(h.gpu.busy_s for h in fleet) / (len(fleet) * horizon_h * 3600)
+    return jobs, median, utilization
 
 
 def _figures(group, median: int) -> dict:
@@ -107,15 +143,37 @@ def _figures(group, median: int) -> dict:
     }
 
 
-def _interruptible_saving(jobs, median: int) -> float | None:
-    """1 - (mean price interruptible leases paid) / (mean price on-demand ones paid)."""
+def _saving(jobs, cheaper: PriorityClass) -> float | None:
+    """1 - (mean price the cheaper class paid) / (mean price on-demand leases paid)."""
     paid = {
         priority: [p for j in jobs if j.priority == priority for p in j.paid_share_price]
-        for priority in CLASSES.values()
+        for priority in (PriorityClass.ON_DEMAND, cheaper)
     }
     if not all(paid.values()):
         return None
-    ratio = statistics.fmean(paid[PriorityClass.INTERRUPTIBLE]) / statistics.fmean(
-        paid[PriorityClass.ON_DEMAND]
-    )
+    ratio = statistics.fmean(paid[cheaper]) / statistics.fmean(paid[PriorityClass.ON_DEMAND])
     return round(1 - ratio, 3)
+
+
+def _contend_keys(contend_run, alone: list) -> dict:
+    """Issue 31's figures, from the contend run and its on-demand jobs run alone."""
+    jobs, _, utilization = contend_run
+    on_demand = _mean_slowdown(j for j, _ in jobs if j.priority == PriorityClass.ON_DEMAND)
+    by_itself = _mean_slowdown(j for j, _ in alone)
+    at_0_8 = [j for j, m in jobs if j.priority == PriorityClass.CONTEND and m == 0.8]
+    within = [j for j in at_0_8 if j.leased_s is not None and j.leased_s - j.arrived_s <= 3600]
+    return {
+        "contending_saving": _saving([j for j, _ in jobs], PriorityClass.CONTEND),
+        "on_demand_slowdown_ratio": (
+            round(on_demand / by_itself, 3) if on_demand and by_itself else None
+        ),
+        "leased_within_1h_at_0_8": round(len(within) / len(at_0_8), 3) if at_0_8 else None,
+        "mix_utilization": round(utilization, 3),
+        "host_earnings_over_whole_gpu": None,
+        "contend_floor": CONTEND_FLOOR,
+    }
+
+
+def _mean_slowdown(jobs) -> float | None:
+    slowdowns = [j.slowdown for j in jobs if j.slowdown is not None]
+    return statistics.fmean(slowdowns) if slowdowns else None
