@@ -20,9 +20,3 @@ def cumulus(executor_address):
     """Attach a fresh session as the ``cumulus`` device for one test; detach after."""
     with remote.attach(executor_address) as session:
         yield session
-
-
-def pytest_collection_modifyitems(items):
-    """Slow tests first: under xdist the longest ones start early and the short ones fill
-    the workers' last minutes, rather than one long test running alone at the end."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
