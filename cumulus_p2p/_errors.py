@@ -262,7 +262,15 @@ class FailoverError(SessionClosedError):
 
 
 class StandbyFullError(CumulusError):
-    """A standby was asked to keep more checkpoint bytes than its lease lends it."""
+    """A standby was asked to keep more checkpoint bytes than its lease lends it.
+
+    Attributes:
+        needed_bytes: What the checkpoint would have it keep.
+    """
+
+    def __init__(self, message: str, *, needed_bytes: int) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
 
 
 class CheckpointCorruptError(CumulusError):

@@ -205,3 +205,27 @@ async def test_a_watch_carrying_anything_but_usage_reports_is_dropped():
         assert await trio.to_thread.run_sync(watch_then_misbehave)
         nursery.cancel_scope.cancel()
     assert node.counts == [control.Usage({"L1": 10}, ops=3)]
+
+
+async def test_a_standby_asked_for_again_reaches_the_node_with_why_and_the_gib_it_needs():
+    asked: list[tuple[str, int]] = []
+
+    async def standby(lost: str, gib: int):
+        asked.append((lost, gib))
+        return TICKET, ""
+
+    async with trio.open_nursery() as nursery:
+        address = await nursery.start(
+            functools.partial(
+                control.serve_control, "t" * 32, Node().session, Node().failover, standby=standby
+            )
+        )
+        good = ["standby", "t" * 32, "the checkpoint outgrew the standby", 5]
+        assert (await trio.to_thread.run_sync(ask, address, good))[0] == "ok"
+        for gib in (-1, 1.5, "5", 2**21):
+            answer = await trio.to_thread.run_sync(ask, address, [*good[:3], gib])
+            assert answer[0] == "error"
+        old = await trio.to_thread.run_sync(ask, address, good[:3])  # no GiB: refused
+        assert old[0] == "error"
+        nursery.cancel_scope.cancel()
+    assert asked == [("the checkpoint outgrew the standby", 5)]

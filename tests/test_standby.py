@@ -458,3 +458,53 @@ def test_a_standby_keeps_no_more_than_its_lease_lends_and_the_checkpoint_before_
     with pytest.raises(StandbyFullError, match="lease a larger standby"):
         standby.hold(names)  # 3 MiB: more than the lease lends
     assert standby.kept.piece(names[0]) == pieces[0] and standby.kept.piece(names[2]) is None
+
+
+class OutgrownStandby:
+    """A standby whose lease is too small for the session's checkpoints: it welcomes the
+    session, then answers every pull that the checkpoint needs ``needed`` bytes."""
+
+    peer_address = "127.0.0.1:9"
+
+    def __init__(self, needed: int) -> None:
+        self.needed = needed
+        self._answers: list[list] = []
+
+    def send_frame(self, parts) -> None:
+        header, _ = decode_frame(bytearray(b"".join(bytes(p) for p in parts)))
+        if header[0] == "hello":
+            self._answers.append(["welcome", PROTOCOL_VERSION, {"token": "t" * 32}])
+        elif header[0] == "pull":
+            why = "the checkpoint is more than this standby is leased to keep"
+            self._answers.append(["pulled", {"error": why, "needed_bytes": self.needed}])
+
+    def recv_frame(self) -> bytearray:
+        return bytearray(b"".join(bytes(p) for p in encode_frame(self._answers.pop(0))))
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.slow
+def test_a_checkpoint_that_outgrows_its_standby_gets_a_larger_one(tmp_path):
+    asked: list[tuple[str, int]] = []
+    with host(tmp_path, "primary") as (primary, _), host(tmp_path, "larger") as (larger, _):
+
+        def replace(why: str, gib: int):
+            asked.append((why, gib))
+            return dial(larger)()
+
+        outgrown = OutgrownStandby(needed=3 * 2**30)
+        attached = remote.attach(
+            primary, reconnect=dial(primary), standby=outgrown, replace_standby=replace
+        )
+        with attached as session:
+            weights = torch.ones(1024).to("cumulus")
+            session.checkpoint()
+            session.wait_for_standby()  # the copy fails: the standby is outgrown
+            weights += 1
+            assert isinstance(session.checkpoint(), HostCheckpoint)
+            assert session.wait_for_standby() is not None  # the larger one holds it
+    ((why, gib),) = asked
+    assert "outgrew the standby" in why
+    assert gib == 5  # 3 GiB and half as much again, rounded up

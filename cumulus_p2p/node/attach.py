@@ -162,10 +162,10 @@ def attach_leased(client: ControlClient):
         client.report_path(ticket, opened.path)
         return USAGE.count(opened, ticket)
 
-    def _standby(lost: str = ""):
+    def _standby(lost: str = "", gib: int = 0):
         if not placement.on_standby:
             return None
-        ticket, why = client.standby(lost)
+        ticket, why = client.standby(lost, gib)
         if ticket is None:
             log.warning("no standby (%s): checkpoints go to this machine's disk", why)
             return None

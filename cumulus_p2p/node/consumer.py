@@ -651,31 +651,53 @@ class Consumer:
         except (BaseLibp2pError, trio.TooSlowError, OSError) as exc:
             raise CumulusError(f"the session's host did not answer a fetch: {exc}") from exc
 
-    async def standby_ticket(self, lost: str = "") -> tuple[control.SessionTicket | None, str]:
+    async def standby_ticket(
+        self, lost: str = "", gib: int = 0
+    ) -> tuple[control.SessionTicket | None, str]:
         """Where the session's checkpoints are kept: a lease of storage on a host other
         than the session's, taken on the shim's first ask and kept until it is ``lost``
-        (why the shim says it is gone: then another is leased). None, and why, when none
-        could be had: the consumer's disk keeps them."""
+        (why the shim says it is gone: then another is leased, of ``gib`` GiB when the
+        checkpoint outgrew the last). None, and why, when none could be had: the
+        consumer's disk keeps them."""
         live = [h for h in self.held if h.role is LeaseRole.STANDBY and h.state is LeaseState.HELD]
         if live and lost:
-            log.warning("the standby on host %s is gone (%s)", live[-1].proposal.host[:12], lost)
-            await self._lease_lost(live[-1])
+            if gib:
+                await self._outgrown(live[-1], gib)
+            else:
+                host = live[-1].proposal.host[:12]
+                log.warning("the standby on host %s is gone (%s)", host, lost)
+                await self._lease_lost(live[-1])
             live, self.no_standby = [], ""
         if live:
             return await self._ticket(live[-1]), ""
         if not self.no_standby:
-            held = await self._lease_standby()
+            held = await self._lease_standby(gib)
             if held is not None:
                 return await self._ticket(held), ""
         return None, self.no_standby
 
-    async def _lease_standby(self) -> Held | None:
+    async def _outgrown(self, held: Held, gib: int) -> None:
+        """The checkpoint grew past what ``held`` lends: the host kept its terms, so its
+        lease ends and settles without blame, and a standby of ``gib`` GiB is leased."""
+        log.warning(
+            "the checkpoint outgrew the standby on host %s (%d GiB); leasing one of %d GiB",
+            held.proposal.host[:12], held.proposal.storage_gib, gib,
+        )  # fmt: skip
+        held.state = LeaseState.ENDED
+        try:
+            await _close_lease(self, held)
+        except (CumulusError, BaseLibp2pError, trio.TooSlowError, OSError) as exc:
+            log.warning("lease %s not settled yet: %s", held.proposal.lease_id, exc)
+
+    async def _lease_standby(self, gib: int = 0) -> Held | None:
+        """Lease a standby of ``gib`` GiB, at least ``--standby-gib``."""
         rt, o, now = self.runtime, self.options, self.runtime.clock()
+        gib = max(gib, o.standby_gib)
         orders = [r.order for r in rt.book.offers()]
         offers = choose_standby(
             orders,
             exclude=self.sessions[-1].proposal.host,
-            gib=o.standby_gib,
+            gib=gib,
             max_price=o.max_storage_price,
             now=now,
             scores=rt.reputation.scores_for_matcher({order.host for order in orders}, now=now),
@@ -685,12 +707,12 @@ class Consumer:
         )
         if not offers:
             self.no_standby = (
-                f"no other host offers {o.standby_gib} GiB for a standby at "
+                f"no other host offers {gib} GiB for a standby at "
                 f"{o.max_storage_price / 1e6:g} credits per GiB-hour or less"
             )
         for offer in offers:
             proposal = standby_proposal(
-                offer, consumer=rt.peer_id, lease_id=secrets.token_hex(16), gib=o.standby_gib,
+                offer, consumer=rt.peer_id, lease_id=secrets.token_hex(16), gib=gib,
                 start_at=now, duration_s=o.duration_s, expires_at=now + 60,
                 nonce=rt.mesh.next_nonce(),
             )  # fmt: skip

@@ -53,6 +53,8 @@ ENV_NODE_PID = "CUMULUS_NODE_PID"
 #: Where the script's checkpoints go (``remote.standby.CheckpointPlacement``'s values).
 ENV_CHECKPOINT_TO = "CUMULUS_CHECKPOINT_TO"
 CHECKPOINT_PLACES = ("standby", "consumer", "both")
+#: The most GiB a shim may ask its node to lease a standby of (an offer's storage_gib bound).
+MAX_STANDBY_GIB = 2**20
 #: Set when the job's uploads are private (``remote.attach(private=True)``).
 ENV_PRIVATE = "CUMULUS_PRIVATE"
 MAX_FRAME = 128 * 1024
@@ -294,14 +296,25 @@ async def _answer(
             if fetch is None:
                 return ["error", "this node fetches no blobs"]
             return ["ok", await fetch(request[2])]
-        if request[0] == "standby" and len(request) == 3 and isinstance(request[2], str):
+        if request[0] == "standby" and _standby_request(request):
             if standby is None:
                 return ["none", "this node keeps no standbys"]
-            ticket, why = await standby(request[2][:500])
+            ticket, why = await standby(request[2][:500], request[3])
             return ["none", why] if ticket is None else ["ok", ticket.to_wire()]
     except CumulusError as exc:
         return ["error", str(exc)]
     return ["error", f"unknown control request {request[0]!r}"]
+
+
+def _standby_request(request: list) -> bool:
+    """``["standby", token, lost, gib]``: why the last is gone, and the GiB the next must
+    lend (0: as many as the node's ``--standby-gib``)."""
+    return (
+        len(request) == 4
+        and isinstance(request[2], str)
+        and type(request[3]) is int
+        and 0 <= request[3] <= MAX_STANDBY_GIB
+    )
 
 
 def _digests(value: object) -> bool:
@@ -373,11 +386,12 @@ class ControlClient:
         """Report the host gone and get a lease with another one (may take a while)."""
         return self._ask(["failover", self._token, reason[:500]])
 
-    def standby(self, lost: str = "") -> tuple[SessionTicket | None, str]:
+    def standby(self, lost: str = "", gib: int = 0) -> tuple[SessionTicket | None, str]:
         """The lease of the host that keeps the session's checkpoints; or None, and why
         the node has none (the consumer's disk keeps them). ``lost``: why the last one is
-        gone; the node leases another."""
-        self._channel.send_frame([msgpack.packb(["standby", self._token, lost])])
+        gone; the node leases another, of ``gib`` GiB when the checkpoint outgrew the
+        last (it ends that lease without blame)."""
+        self._channel.send_frame([msgpack.packb(["standby", self._token, lost, gib])])
         answer = msgpack.unpackb(self._channel.recv_frame(), raw=False)
         if isinstance(answer, list) and len(answer) == 2 and answer[0] == "none":
             return None, str(answer[1])

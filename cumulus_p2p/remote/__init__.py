@@ -98,7 +98,7 @@ def attach(
     private: bool = False,
     standby: str | FrameChannel | None = None,
     checkpoint_to: str | None = None,
-    replace_standby: Callable[[str], FrameChannel | None] | None = None,
+    replace_standby: Callable[[str, int], FrameChannel | None] | None = None,
     fetch_elsewhere: Callable[[list[str]], dict] | None = None,
 ) -> _Attached:
     """Open a session with an executor and make it the ``cumulus`` device.
@@ -128,8 +128,9 @@ def attach(
             channel). Needs ``reconnect``.
         checkpoint_to: ``"standby"`` (the default with a standby), ``"consumer"`` (the
             default without: ``checkpoint_store``) or ``"both"``.
-        replace_standby: called with why when the standby is lost: a channel to a new
-            one (as ``standby``), or None (``RemoteSession``).
+        replace_standby: called with why when the standby is lost, and the GiB the next
+            must lend (0: as many as the last): a channel to a new one (as ``standby``),
+            or None (``RemoteSession``).
         fetch_elsewhere: has the host fetch an upload's missing pieces from other hosts
             first (``RemoteSession``).
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import sys
 import threading
 import time
@@ -113,9 +114,10 @@ class RemoteSession:
             ``"standby"`` (the default with a standby), ``"consumer"`` (the default
             without one: ``checkpoint_store``) or ``"both"``.
         replace_standby: called with why when the standby is lost (or fails copy after
-            copy), at the next checkpoint: returns a channel to a new one (its
-            ``peer_address`` set), which copies everything it lacks, or None: then the
-            consumer's store takes the checkpoints from there on.
+            copy, or the checkpoint outgrew its lease), at the next checkpoint, and the GiB
+            the next one must lend (0: as many as the last): returns a channel to a new
+            one (its ``peer_address`` set), which copies everything it lacks, or None:
+            then the consumer's store takes the checkpoints from there on.
         fetch_elsewhere: called with the pieces of an upload the host lacks, before their
             bytes are sent: has the host fetch them from other hosts that hold them (a
             market host: ``node/blobshare.py``) and returns what it fetched. Never for a
@@ -139,7 +141,7 @@ class RemoteSession:
         private: bool = False,
         standby: StandbyLink | None = None,
         checkpoint_to: CheckpointPlacement | str | None = None,
-        replace_standby: Callable[[str], FrameChannel | None] | None = None,
+        replace_standby: Callable[[str, int], FrameChannel | None] | None = None,
         fetch_elsewhere: Callable[[list[str]], dict] | None = None,
     ) -> None:
         if reconnect is None and (checkpoint_interval, checkpoint_store, standby) != (None,) * 3:
@@ -693,8 +695,10 @@ class RemoteSession:
         standby.close()
         self._replaced_copies += standby.replications
         self._standby = None
+        # Outgrown: room for the checkpoint and half as much again, as state grows.
+        gib = math.ceil(standby.outgrown_bytes * 1.5 / 2**30)
         try:
-            channel = None if replace is None else replace(why)
+            channel = None if replace is None else replace(why, gib)
             if channel is not None:
                 self._standby = StandbyLink(channel, address=channel.peer_address)
                 self._replace_standby = replace

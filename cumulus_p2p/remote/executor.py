@@ -402,14 +402,14 @@ class Executor:
         except blobservice.PullError as exc:
             pulled, error = exc.pulled, str(exc)
         # A failed pull keeps the pieces held before: they are the checkpoint that stands.
-        held = 0
+        held, needed = 0, None
         if error is None:
             try:
                 held = await trio.to_thread.run_sync(session.hold, names)
             except StandbyFullError as exc:
-                error = str(exc)
+                error, needed = str(exc), exc.needed_bytes
         result = {"fetched_bytes": pulled.fetched_bytes, "fetched": pulled.fetched, "held": held}
-        return result | {"dropped": pulled.dropped, "error": error}
+        return result | {"dropped": pulled.dropped, "error": error, "needed_bytes": needed}
 
     async def _restore_pulled(self, session: ExecutorSession, options: Any) -> dict:
         """A failover's restore (``restoring.py``): create the checkpoint's storages and

@@ -516,7 +516,8 @@ class ExecutorSession:
             raise StandbyFullError(
                 f"the checkpoint's {held / 2**30:.2f} GiB is more than the "
                 f"{self.hold_bytes / 2**30:.2f} GiB this standby is leased to keep; lease a "
-                "larger standby (cumulus-node --consume --standby-gib)"
+                "larger standby (cumulus-node --consume --standby-gib)",
+                needed_bytes=held,
             )
         self.kept.hold(pins)
         return len(pins)

@@ -19,7 +19,10 @@ With one, the consumer keeps only the manifest of digests:
    being copied. A standby that is lost, or fails ``MAX_FAILURES`` copies in a row
    (its store full, say), gets no more: the consumer's store takes the checkpoints
    from then on. One failure is forgiven: the source of that copy, the session's host,
-   may just have died, and the next copy comes from its replacement.
+   may just have died, and the next copy comes from its replacement. A checkpoint
+   larger than the standby's lease lends is refused by it (the host keeps its terms):
+   the next checkpoint goes to a new standby, leased for the checkpoint and half as much
+   again, and the old lease ends without blame.
 4. At failover, the consumer sends the fresh host the manifest (a ``restore``): it
    makes the storages and pulls their pieces from the standby straight into them
    (``restoring.py``; from its own store, if it is the standby).
@@ -121,6 +124,9 @@ class StandbyLink:
         #: Copies that failed in a row, and why the standby itself is gone (if it is).
         self.failures = 0
         self.lost_because = ""
+        #: Bytes the last checkpoint came to, when they were more than the standby's lease
+        #: lends: the next standby must be leased larger (0: it was not outgrown).
+        self.outgrown_bytes = 0
 
     @property
     def lost(self) -> bool:
@@ -132,6 +138,8 @@ class StandbyLink:
         """Why the next checkpoint should not go here; "" while it is usable."""
         if self.lost:
             return self.lost_because
+        if self.outgrown_bytes:
+            return f"the checkpoint ({self.outgrown_bytes / 2**30:.2f} GiB) outgrew the standby"
         if self.failures >= MAX_FAILURES:
             return f"{self.failures} copies failed in a row"
         return ""
@@ -140,7 +148,7 @@ class StandbyLink:
     def usable(self) -> bool:
         """Worth the next checkpoint: reachable, and not failing copy after copy. One
         failed copy is forgiven (its source, the session's host, may just have died)."""
-        return not self.lost and self.failures < MAX_FAILURES
+        return not self.lost and not self.outgrown_bytes and self.failures < MAX_FAILURES
 
     @property
     def busy(self) -> bool:
@@ -196,6 +204,9 @@ class StandbyLink:
         result = header[1] if header[0] == "pulled" and len(header) == 2 else None
         if not isinstance(result, dict) or result.get("error") is not None:
             why = result.get("error") if isinstance(result, dict) else header
+            needed = result.get("needed_bytes") if isinstance(result, dict) else None
+            if type(needed) is int and needed > 0:
+                self.outgrown_bytes = needed
             self._failed(checkpoint, str(why))
             return
         seconds = time.perf_counter() - started
