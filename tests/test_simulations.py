@@ -65,8 +65,14 @@ def test_failover_finishes_more_jobs_and_loses_less_work_than_restarting():
     assert with_failover["failovers"] > 0 and restarting["restarts"] > 0
 
 
-def test_interruptible_tenants_wait_behind_on_demand_ones_on_the_device():
-    result = priority.run(1, quick=True)
+@pytest.fixture(scope="module")
+def quick_priority():
+    """The priority scenario's quick run (four simulated markets), read by two specs."""
+    return priority.run(1, quick=True)
+
+
+def test_interruptible_tenants_wait_behind_on_demand_ones_on_the_device(quick_priority):
+    result = quick_priority
     slowdowns = {
         cls: [
             r["slowdown_mean"]
@@ -95,8 +101,8 @@ def test_non_payers_fall_below_a_hosts_bar_and_honest_consumers_do_not():
     assert row["non_payers_refused"] == 1.0 and row["honest_consumers_refused"] == 0.0
 
 
-def test_contending_bids_below_the_ask_lease_where_interruptible_ones_cannot():
-    result = priority.run(1, quick=True)
+def test_contending_bids_below_the_ask_lease_where_interruptible_ones_cannot(quick_priority):
+    result = quick_priority
     leased = {
         (r["strategy"], r["class"]): r["leased_share"]
         for r in result["rows"]
