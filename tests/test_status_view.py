@@ -113,17 +113,20 @@ def test_a_provider_lending_storage_shows_what_is_free_and_its_price():
     assert "standby storage" not in shown(provider_state([device(0)], []))
 
 
+OFFER = {
+    "host": "12D3KooWhost",
+    "gpu": "RTX 4090",
+    "vram_mib": 24_576,
+    "perf": 900,
+    "shares": 4,
+    "price": 500_000,
+    "score": 0.5,
+    "expires_in": 30.0,
+}
+
+
 def test_the_offers_table_shows_each_offers_storage_terms():
-    offer = {
-        "host": "12D3KooWhost",
-        "gpu": "RTX 4090",
-        "vram_mib": 24_576,
-        "perf": 900,
-        "shares": 4,
-        "price": 500_000,
-        "score": 0.5,
-        "expires_in": 30.0,
-    }
+    offer = OFFER
     console = Console(width=200, record=True)
     console.print(offers_table([offer | {"storage_gib": 64, "storage_price": 20_000}, offer]))
     text = console.export_text()
@@ -141,16 +144,7 @@ def test_a_provider_shows_how_long_a_session_waited_for_the_device():
 
 
 def test_the_offers_table_shows_each_offers_contend_floor():
-    offer = {
-        "host": "12D3KooWhost",
-        "gpu": "RTX 4090",
-        "vram_mib": 24_576,
-        "perf": 900,
-        "shares": 4,
-        "price": 500_000,
-        "score": 0.5,
-        "expires_in": 30.0,
-    }
+    offer = OFFER
     console = Console(width=220, record=True)
     console.print(offers_table([offer | {"contend_price": 200_000}]))
     text = console.export_text()
