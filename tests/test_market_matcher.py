@@ -1,5 +1,7 @@
 """Specs for cumulus_p2p.market.matcher: ranking offers by effective price."""
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -9,10 +11,12 @@ from cumulus_p2p.market.book import OrderBook
 from cumulus_p2p.market.matcher import (
     Entry,
     RankingPolicy,
+    Standing,
     effective_price,
     entry_of,
     proposal_batch,
     rank_offers,
+    standing,
 )
 from cumulus_p2p.market.messages import Bid, Offer, PriorityClass
 
@@ -24,8 +28,10 @@ def offer(host, price, *, created=0.0, model="A100", shares=4, contend_price=0):
     )  # fmt: skip
 
 
-def bid(max_price=1000, models=(), shares=1, priority=PriorityClass.ON_DEMAND):
-    return Bid("me", "b", 0, models, 0, shares, max_price, priority, 60, 0.0, 100.0, 1)
+def bid(
+    max_price=1000, models=(), shares=1, priority=PriorityClass.ON_DEMAND, consumer="me", at=0.0
+):
+    return Bid(consumer, "b", 0, models, 0, shares, max_price, priority, 60, at, 100.0, 1)
 
 
 def book_of(*offers):
@@ -173,3 +179,20 @@ def test_a_contending_bid_ranks_offers_by_what_it_pays_there():
     assert ranked[2].effective_price / ranked[0].effective_price == pytest.approx(30 / 25)
     two = rank_offers(book, bid(30, priority=PriorityClass.CONTEND), limit=2)
     assert [r.offer.host for r in two] == ["cheap", "mid"]
+
+
+def test_a_bid_under_every_ask_is_told_the_bids_ahead_and_the_price_that_runs_it_now():
+    book = book_of(offer("h1", 30, shares=1), offer("h2", 50, shares=4, contend_price=20))
+    for other in (bid(25, consumer="richer"), bid(10, consumer="same", at=0.0)):
+        book.insert(other, now=0.0)
+    book.insert(bid(9, consumer="poorer"), now=0.0)
+    mine = bid(10, shares=2, at=1.0)
+    # h1 cannot hold two shares; h2 asks 50 on demand, 20 to a contending bid.
+    assert standing(book, mine) == Standing(bids_ahead=2, run_now_price=50)
+    contending = dataclasses.replace(mine, priority=PriorityClass.CONTEND)
+    assert standing(book, contending).run_now_price == 20
+
+
+def test_a_bid_no_offer_can_serve_has_no_price_to_run_now():
+    book = book_of(offer("h1", 30, model="A100"))
+    assert standing(book, bid(10, models=("H100",))) == Standing(0, None)

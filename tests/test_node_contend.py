@@ -3,7 +3,8 @@
 The host asks 0.5 per share-hour and sells contending leases from 0.2. A consumer bidding
 0.3 with ``--priority contend`` leases there as a contending tenant, trains to a local
 run's loss, and both ledgers charge its receipts at 0.3. A bid under the floor leases
-nothing and says what the floor is.
+nothing: while it waits its status shows the price that would lease it now, and it ends
+saying what the floor is.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ def test_a_bid_between_the_floor_and_the_ask_runs_contending_and_pays_its_bid(tm
             tmp_path / "cheapskate", boot.addr, "--priority", "contend", "--max-price", "0.1",
             "--match-timeout", "5s", command=SCRIPT,
         )  # fmt: skip
+        # While it waits, its status says what would lease it now: the contend floor.
+        waiting = cheapskate.wait_for_state(
+            lambda s: (s.get("standing") or {}).get("run_now_price"), timeout=60
+        )
+        assert waiting["standing"]["run_now_price"] == 200_000
         assert cheapskate.proc.wait(timeout=120) != 0
     finally:
         for node in (host, boot):

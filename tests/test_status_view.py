@@ -151,3 +151,16 @@ def test_the_offers_table_shows_each_offers_contend_floor():
     assert "contending from" in text
     cells = [c.strip() for c in next(ln for ln in text.splitlines() if "RTX" in ln).split("│")]
     assert cells[cells.index("0.500000") + 1] == "0.200000"
+
+
+def test_a_waiting_consumer_shows_where_its_bid_stands_and_what_would_run_it():
+    state = {"role": "consumer", "status": "waiting for a host: no offer meets the bid"}
+    waiting = state | {
+        "standing": {"bids_ahead": 3, "run_now_price": 500_000, "max_price": 300_000}
+    }
+    assert "3 bid(s) ahead of it; a lease now costs 0.500000 per share-hour (its limit: " in (
+        " ".join(row(shown(waiting), "bid").split())
+    )
+    nothing = state | {"standing": {"bids_ahead": 0, "run_now_price": None, "max_price": 1}}
+    assert "no offer meets its other needs" in row(shown(nothing), "bid")
+    assert "│ bid " not in shown(state)

@@ -39,6 +39,7 @@ hosts with no record while a flood of hosts that answer nothing takes no slot at
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import heapq
 import statistics
@@ -47,18 +48,20 @@ from dataclasses import dataclass
 
 from .._errors import InvalidMessageError
 from .book import OrderBook
-from .messages import Bid, Offer
-from .pricing import price_for
+from .messages import MAX_PRICE, Bid, Offer
+from .pricing import least_price, price_for
 
 __all__ = [
     "Entry",
     "EntryPolicy",
     "RankedOffer",
     "RankingPolicy",
+    "Standing",
     "effective_price",
     "entry_of",
     "proposal_batch",
     "rank_offers",
+    "standing",
 ]
 
 
@@ -298,6 +301,39 @@ def _rank_by_entry(
         key = (entry(offer), price, paid, offer.created_at, offer.host, offer.offer_id)
         rows.append((key, RankedOffer(offer, resting.remaining, price, score, latency)))
     return [ranked for _, ranked in heapq.nsmallest(limit, rows, key=lambda row: row[0])]
+
+
+@dataclass(frozen=True, slots=True)
+class Standing:
+    """Where a bid that matches nothing stands in the book.
+
+    Attributes:
+        bids_ahead: Other consumers' bids before it in the book's bid order (a higher
+            limit, or the same limit made earlier).
+        run_now_price: The least it could pay per share-hour for a lease now: over the
+            offers that meet its other needs with its shares free, the ask, or for a
+            contending bid the contend floor where there is one. None: no offer does.
+    """
+
+    bids_ahead: int
+    run_now_price: int | None
+
+
+def standing(book: OrderBook, bid: Bid) -> Standing:
+    """Where ``bid`` stands: the bids ahead of it, and the price that would run it now."""
+    ahead = sum(
+        1
+        for resting in book.bids()
+        if resting.order.consumer != bid.consumer
+        and (-resting.order.max_price, resting.order.created_at) < (-bid.max_price, bid.created_at)
+    )
+    any_price = dataclasses.replace(bid, max_price=MAX_PRICE)
+    prices = (
+        least_price(r.order, bid.priority) or r.order.price
+        for r in book.candidates(any_price)
+        if r.remaining >= bid.shares
+    )
+    return Standing(ahead, min(prices, default=None))
 
 
 def _paid(offer: Offer, bid: Bid) -> int:

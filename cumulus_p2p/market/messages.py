@@ -62,6 +62,8 @@ _MAX_MODELS = 16
 _MAX_U64 = 2**64 - 1
 #: Most GiB an offer lends or a standby lease holds: 1 PiB.
 _MAX_GIB = 2**20
+#: The most micro-credits per share-hour a bid may offer.
+MAX_PRICE = 2**48
 _COUNTERSIGN_DOMAIN = "cumulus/countersign/v1"
 
 
@@ -289,7 +291,7 @@ class Bid:
         object.__setattr__(self, "gpu_models", tuple(sorted(set(models))))
         _check_int(self, "min_perf_units", 0, 2**32)
         _check_int(self, "shares", 1, 2**16)
-        _check_int(self, "max_price", 0, 2**48)
+        _check_int(self, "max_price", 0, MAX_PRICE)
         _check_enum(self, "priority", PriorityClass)
         _check_int(self, "duration_s", 1, 2**32)
         _check_float(self, "created_at")

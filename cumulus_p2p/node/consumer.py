@@ -69,7 +69,7 @@ from ..market import (
 from ..market.hostchoice import BackoffPolicy, GiveUp, HostChoice, Wait
 from ..market.lease import RefusalReason
 from ..market.liveness import CHALLENGE_SIZE, Liveness
-from ..market.matcher import Entry, entry_of, proposal_batch
+from ..market.matcher import Entry, entry_of, proposal_batch, standing
 from ..market.messages import encode_message, seal_message
 from ..market.negotiation import call_propose_lease
 from ..market.pricing import price_for
@@ -857,6 +857,18 @@ class Consumer:
             if e.lease_id in leases
         )
 
+    def _standing(self) -> dict | None:
+        """While the job waits for a host: the bids ahead of its own, and the price that
+        would lease it now (``matcher.standing``)."""
+        if self.bid is None or not self.waiting_for:
+            return None
+        where = standing(self.runtime.book, self.bid)
+        return {
+            "bids_ahead": where.bids_ahead,
+            "run_now_price": where.run_now_price,
+            "max_price": self.bid.max_price,
+        }
+
     def snapshot(self) -> dict:
         return self.runtime.snapshot() | {
             "role": "consumer",
@@ -865,6 +877,7 @@ class Consumer:
             "leases": [_held_row(h, self.desk) for h in self.held],
             "failovers": self.failovers,
             "waiting_for": self.waiting_for,
+            "standing": self._standing(),
             "hosts_set_aside": _set_aside_rows(self.choice, self.runtime.clock()),
             "liveness": dataclasses.asdict(self.liveness.statistics(now=self.runtime.clock())),
             "ops": self.ops,

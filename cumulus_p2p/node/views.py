@@ -69,6 +69,8 @@ def status_table(state: dict) -> Group:
         summary.add_row("earned", credits(state["earned"]))
     else:
         summary.add_row("status", state.get("status", ""))
+        if state.get("standing"):
+            summary.add_row("bid", _standing(state["standing"]))
         summary.add_row("command", " ".join(state.get("command", [])))
         live = [row for row in state.get("leases", []) if row.get("state") == "held"]
         if live and live[-1].get("path"):
@@ -107,6 +109,18 @@ def leases_table(rows: Iterable[dict], role: str) -> Table:
             _session(row),
         )
     return table
+
+
+def _standing(where: dict) -> str:
+    """Where a waiting job's bid stands, and what would lease it now."""
+    ahead = f"{where['bids_ahead']} bid(s) ahead of it"
+    price = where["run_now_price"]
+    if price is None:
+        return f"{ahead}; no offer meets its other needs (VRAM, model, performance, shares)"
+    return (
+        f"{ahead}; a lease now costs {credits(price)} per share-hour (its limit: "
+        f"{credits(where['max_price'])}, --max-price)"
+    )
 
 
 def _transfer(transfer: dict) -> str:
