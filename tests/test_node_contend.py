@@ -4,7 +4,7 @@ The host asks 0.5 per share-hour and sells contending leases from 0.2. A consume
 0.3 with ``--priority contend`` leases there as a contending tenant, trains to a local
 run's loss, and both ledgers charge its receipts at 0.3. A bid under the floor leases
 nothing: while it waits its status shows the price that would lease it now, and it ends
-saying what the floor is.
+saying what the floor is. An on-demand bid of 0.3 is told a contending lease would fit.
 """
 
 from __future__ import annotations
@@ -51,6 +51,12 @@ def test_a_bid_between_the_floor_and_the_ask_runs_contending_and_pays_its_bid(tm
         )
         assert waiting["standing"]["run_now_price"] == 200_000
         assert cheapskate.proc.wait(timeout=120) != 0
+        # On demand at 0.3: no lease under the ask, and a hint that contending would fit.
+        on_demand = nodes.start_consumer(
+            tmp_path / "on-demand", boot.addr, "--max-price", "0.3", "--match-timeout", "5s",
+            command=SCRIPT,
+        )  # fmt: skip
+        assert on_demand.proc.wait(timeout=120) != 0
     finally:
         for node in (host, boot):
             node.stop()
@@ -61,4 +67,6 @@ def test_a_bid_between_the_floor_and_the_ask_runs_contending_and_pays_its_bid(tm
     assert receipted and receipted == share_seconds(tmp_path / "host")
     assert lease["cost"] == sum(receipted.values()) * 300_000 // 3600
     assert "lowest contending floor: 0.2" in " ".join(cheapskate.output().split())
+    hint = "a contending lease fits your limit (--priority contend"
+    assert hint in " ".join(on_demand.output().split())
     assert json.loads((tmp_path / "cheapskate" / "state.json").read_text())["leases"] == []

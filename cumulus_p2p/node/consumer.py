@@ -581,7 +581,7 @@ class Consumer:
             f"(min VRAM {o.min_vram_mib} MiB, min perf {o.min_perf}, max price "
             f"{o.max_price / 1e6:g}/share-hour, models {list(o.gpu_models) or 'any'}). "
             f"Largest VRAM offered: {max(x.vram_mib for x in offers)} MiB; cheapest price: "
-            f"{min(x.price for x in offers) / 1e6:g}{_floors(offers, o.priority)}. Relax the "
+            f"{min(x.price for x in offers) / 1e6:g}{_floors(offers, o)}. Relax the "
             "requirements and retry."
         )
 
@@ -1043,11 +1043,19 @@ async def _close_lease(consumer: Consumer, held: Held) -> None:
         await call_close_lease(host, peer, held.proposal.lease_id)
 
 
-def _floors(offers, priority: PriorityClass) -> str:
-    """For a contending bid that met nothing: the lowest contend floor on offer."""
-    if priority is not PriorityClass.CONTEND:
-        return ""
+def _floors(offers, options: ConsumerOptions) -> str:
+    """For a bid that met nothing: the lowest contend floor on offer, and for one that is
+    not contending, whether a contending lease would have fit its limit."""
     floors = [x.contend_price for x in offers if x.contend_price]
-    if not floors:
-        return "; no host sells contending leases"
-    return f"; lowest contending floor: {min(floors) / 1e6:g}"
+    if options.priority is PriorityClass.CONTEND:
+        return (
+            f"; lowest contending floor: {min(floors) / 1e6:g}"
+            if floors
+            else ("; no host sells contending leases")
+        )
+    if floors and min(floors) <= options.max_price:
+        return (
+            f"; a contending lease fits your limit (--priority contend: below on-demand "
+            f"tenants, at your price; floors from {min(floors) / 1e6:g})"
+        )
+    return ""
