@@ -1,6 +1,7 @@
 """Specs for cumulus_p2p.market.lease: the host's sans-IO reservation core."""
 
 import dataclasses
+import itertools
 
 import pytest
 from hypothesis import given, settings
@@ -325,3 +326,49 @@ def test_an_on_demand_proposal_below_the_ask_is_refused_whatever_the_floor():
     book = book_with(4, price=1000, contend_price=400)
     refused = book.propose(sealed(proposal(price=600)), now=NOW)
     assert refusal_of(refused) is RefusalReason.PRICE_MISMATCH
+
+
+CONTEND, INTERRUPTIBLE = PriorityClass.CONTEND, PriorityClass.INTERRUPTIBLE
+NONCES = itertools.count(100)
+
+
+def proposed(book, lease_id, *, price=1000, priority=PriorityClass.ON_DEMAND, shares=1):
+    """Alice's proposal ``lease_id`` to ``book``, with a nonce of its own: the answer."""
+    terms = {"price": price, "priority": priority, "shares": shares, "nonce": next(NONCES)}
+    return book.propose(sealed(proposal(lease_id, **terms)), now=NOW)
+
+
+def granted(book, lease_id, **terms):
+    lease = proposed(book, lease_id, **terms)
+    assert isinstance(lease, Lease), lease
+    return lease
+
+
+def test_an_on_demand_lease_preempts_the_cheapest_contending_one_on_a_full_offer():
+    book = book_with(2, price=1000, contend_price=200)
+    granted(book, "dear", price=1200, priority=INTERRUPTIBLE)
+    granted(book, "cheap", price=300, priority=CONTEND)
+    assert book.free_shares("gpu0") == 0
+    granted(book, "on-demand")
+    (preempted,) = book.take_preempted()
+    assert preempted.proposal.lease_id == "cheap"
+    assert book.get("cheap") is None and book.get("dear") is not None
+    assert book.take_preempted() == []  # handed over once
+    assert book.free_shares("gpu0") == 0
+
+
+def test_without_enough_preemptible_shares_nothing_is_preempted_and_the_lease_is_refused():
+    book = book_with(2, price=1000, contend_price=200)
+    granted(book, "contending", price=300, priority=CONTEND)
+    granted(book, "on-demand")
+    assert refusal_of(proposed(book, "two", shares=2)) is RefusalReason.NO_CAPACITY
+    assert book.take_preempted() == [] and book.get("contending") is not None
+
+
+def test_only_an_on_demand_lease_preempts_and_none_is_ever_preempted():
+    book = book_with(1, price=1000, contend_price=200)
+    granted(book, "first")
+    dearer = proposed(book, "dearer", price=900, priority=CONTEND)
+    assert refusal_of(dearer) is RefusalReason.NO_CAPACITY
+    assert refusal_of(proposed(book, "second")) is RefusalReason.NO_CAPACITY
+    assert book.take_preempted() == []

@@ -11,9 +11,14 @@ through, in order:
 1. the envelope validator (shape, signature, expiry, replay) - nothing else is looked
    at for a forged or replayed proposal;
 2. the proposal's own terms against this host: addressed to us, sent by its signer,
-   lease id unused, offer known and live, price at least the offer's, duration at
-   least the offer's minimum, start time near now;
-3. capacity: the shares must be free.
+   lease id unused, offer known and live, price at least the offer's (for a
+   contending lease, its contend floor: ``pricing.py``), duration at least the offer's
+   minimum, start time near now;
+3. capacity: the shares must be free. For an on-demand lease, the shares of the
+   offer's contending and interruptible leases count as free: the cheapest of them are
+   preempted (released at once) when that makes room. ``take_preempted`` hands them to
+   the shell, which tells their consumers (``NOTICE_PREEMPTED``) and ends their
+   sessions; their state stays parked on the host, to resume there or move.
 
 A standby proposal (``LeaseKind.STANDBY``) leases disk for another session's
 checkpoints instead of shares. Step 2 holds it to the offer's storage terms: the offer
@@ -44,7 +49,7 @@ from dataclasses import dataclass
 from .._errors import MalformedMessageError
 from ..envelope import EnvelopeValidator, Rejected, Rejection
 from ..identity import NodeIdentity
-from .messages import Lease, LeaseKind, LeaseProposal, Offer, open_message
+from .messages import Lease, LeaseKind, LeaseProposal, Offer, PriorityClass, open_message
 from .pricing import least_price
 
 __all__ = ["LeaseBook", "RefusalReason", "Refusal", "Reservation"]
@@ -151,6 +156,7 @@ class LeaseBook:
         self._storage_free = 0
         self._leases: dict[str, Reservation] = {}
         self._ends: list[tuple[float, str]] = []
+        self._preempted: list[Reservation] = []
 
     @property
     def peer_id(self) -> str:
@@ -218,6 +224,8 @@ class LeaseBook:
         if type(proposal) is not LeaseProposal:
             return Refusal(RefusalReason.MALFORMED, "not a lease proposal")
         refusal = self._check_terms(proposal, now, sender)
+        if refusal is not None and refusal.reason is RefusalReason.NO_CAPACITY:
+            refusal = self._preempt_for(proposal, refusal)
         if refusal is not None:
             return refusal
         self._pools[proposal.offer_id].free -= proposal.shares
@@ -276,6 +284,42 @@ class LeaseBook:
             why = f"offered {proposal.price}, asking {asking}{floor} per {per}"
             return Refusal(RefusalReason.PRICE_MISMATCH, why)
         return None
+
+    def _preempt_for(self, proposal: LeaseProposal, refusal: Refusal) -> Refusal | None:
+        """Free the shares an on-demand proposal lacks by preempting contending and
+        interruptible leases of its offer, cheapest first (the latest first among equals);
+        ``refusal`` stands when there are not enough of them (nothing is preempted)."""
+        if proposal.priority is not PriorityClass.ON_DEMAND:
+            return refusal
+        pool = self._pools[proposal.offer_id]
+        below = sorted(
+            (
+                r
+                for r in self._leases.values()
+                if r.proposal.offer_id == proposal.offer_id
+                and r.proposal.priority is not PriorityClass.ON_DEMAND
+            ),
+            key=lambda r: (r.proposal.price, -r.proposal.start_at, r.proposal.lease_id),
+        )
+        victims, freed = [], pool.free
+        for reservation in below:
+            if freed >= proposal.shares:
+                break
+            victims.append(reservation)
+            freed += reservation.proposal.shares
+        if freed < proposal.shares:
+            return refusal
+        for reservation in victims:
+            self.release(reservation.proposal.lease_id)
+        self._preempted.extend(victims)
+        return None
+
+    def take_preempted(self) -> list[Reservation]:
+        """The leases preempted for on-demand ones since the last call: their shares went
+        to those leases, and the host's shell must tell their consumers and end their
+        sessions (the state stays parked on the host)."""
+        taken, self._preempted = self._preempted, []
+        return taken
 
     def release(self, lease_id: str) -> bool:
         """End a lease early and return its shares or GiB. Returns whether it was held."""

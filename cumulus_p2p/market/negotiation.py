@@ -33,7 +33,7 @@ from .._errors import (
     MalformedMessageError,
 )
 from ..envelope import Envelope
-from .lease import LeaseBook, Refusal, RefusalReason
+from .lease import LeaseBook, Refusal, RefusalReason, Reservation
 from .messages import Lease
 from .rpc import call_rpc, serve_rpc
 
@@ -87,6 +87,8 @@ class LeaseServer:
             with each granted lease.
         screen: Given the authenticated consumer, why the host will not lease to it
             now (shutting down, an unpaid record), or ``None``; asked before the book.
+        on_preempted: Given the leases preempted to make room for one just granted
+            (``LeaseBook.take_preempted``): tell their consumers, end their sessions.
     """
 
     def __init__(
@@ -97,9 +99,11 @@ class LeaseServer:
         timeout: float = 10.0,
         endpoints: Callable[[], list[str]] = list,
         screen: Callable[[str], str | None] = lambda consumer: None,
+        on_preempted: Callable[[list[Reservation]], None] = lambda preempted: None,
     ) -> None:
         self.book = book
         self._screen = screen
+        self._on_preempted = on_preempted
         self._clock = clock
         self.timeout = timeout
         self._endpoints = endpoints
@@ -119,6 +123,9 @@ class LeaseServer:
         result = self.book.propose(request, now=now, sender=context.peer)
         if isinstance(result, Refusal):
             return _packb([False, result.reason.name, result.detail])
+        preempted = self.book.take_preempted()
+        if preempted:
+            self._on_preempted(preempted)
         return _packb([True, result.to_bytes(), self._endpoints()[:_MAX_ENDPOINTS]])
 
 

@@ -53,6 +53,7 @@ from .rpc import call_rpc, serve_rpc
 __all__ = [
     "CLOSE_PROTOCOL",
     "NOTICE_LEAVING",
+    "NOTICE_PREEMPTED",
     "NOTICE_PROTOCOL",
     "RECEIPT_PROTOCOL",
     "ReceiptDesk",
@@ -70,7 +71,9 @@ CLOSE_PROTOCOL = TProtocol("/cumulus/lease-close/1.0.0")
 NOTICE_PROTOCOL = TProtocol("/cumulus/lease-notice/1.0.0")
 #: The host is shutting down: the lease ends now, settled, through no fault of either.
 NOTICE_LEAVING = "leaving"
-_NOTICE_KINDS = frozenset({NOTICE_LEAVING})
+#: An on-demand lease took the shares of this contending or interruptible one.
+NOTICE_PREEMPTED = "preempted"
+_NOTICE_KINDS = frozenset({NOTICE_LEAVING, NOTICE_PREEMPTED})
 _MAX_DETAIL = 500
 
 #: The host's answer to a close request: ``None`` when settled, else why not.

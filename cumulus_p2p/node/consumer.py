@@ -25,7 +25,8 @@ One trio program composes:
   new host when the current one vanished (``failover``): the vanished host gets a signed
   ``LeaseFailure`` report gossiped against it and is set aside for a backoff that grows
   with its failures, then tried again once it announces a fresh offer; a host that said
-  it was leaving (``take_notice``) is set aside until it announces again, unreported. A
+  it was leaving, or that preempted a contending or interruptible lease for an on-demand
+  one (``take_notice``), is set aside until it announces again, unreported. A
   host that misrepresents its device or overcharges is never leased again in the job;
 - the script itself, a child process run under ``python -m cumulus_p2p.shim`` that
   lives and dies with this node (``script.py``): a SIGTERM or Ctrl-C stops it first,
@@ -75,7 +76,7 @@ from ..market.negotiation import call_propose_lease
 from ..market.pricing import price_for
 from ..market.probing import call_probe
 from ..market.settlement import (
-    NOTICE_LEAVING,
+    NOTICE_PREEMPTED,
     ReceiptDesk,
     call_close_lease,
     serve_lease_notices,
@@ -187,6 +188,9 @@ class LeaseState(enum.Enum):
     ENDED = "ended"
     #: The host said it was leaving.
     LEFT = "left"
+    #: The host gave its shares to an on-demand lease (this one contended or was
+    #: interruptible); the session is parked there.
+    PREEMPTED = "preempted"
     #: The host dropped the session before its term, without a word.
     FAILED = "failed"
     #: The probe found the device short of the offer.
@@ -778,17 +782,25 @@ class Consumer:
         await self.runtime.report(held.proposal.host, evidence)
 
     async def take_notice(self, lease_id: str, kind: str, detail: str, sender: str) -> str | None:
-        """A host says it ends one of our leases early (it is leaving): remember it, so
-        that the failover the session is about to ask for files no report."""
+        """A host says it ends one of our leases early (it is leaving, or an on-demand
+        lease preempted this one): remember it, so that the failover the session is
+        about to ask for files no report. The host is set aside until it announces
+        again: a preempting host does once shares free up, and the session may resume
+        there."""
         held = next((h for h in self.held if h.proposal.lease_id == lease_id), None)
-        if held is None or held.proposal.host != sender:
-            return "no such lease with this host"
-        if kind == NOTICE_LEAVING and held.state is LeaseState.HELD:
-            log.warning("host %s is leaving (%s); moving the session", sender[:12], detail)
-            held.state = LeaseState.LEFT
-            now = self.runtime.clock()
-            self._see_offers(now)  # its offers so far are from before it left
-            self.choice.left(sender, now=now)
+        refusal = notice_refusal(None if held is None else held.proposal, kind, sender)
+        if refusal is not None:
+            return refusal
+        assert held is not None
+        if held.state is not LeaseState.HELD:
+            return None  # told twice, or after the lease ended: nothing more to do
+        preempted = kind == NOTICE_PREEMPTED
+        what = "preempted this lease" if preempted else "is leaving"
+        log.warning("host %s %s (%s); moving the session", sender[:12], what, detail)
+        held.state = LeaseState.PREEMPTED if preempted else LeaseState.LEFT
+        now = self.runtime.clock()
+        self._see_offers(now)  # its offers so far are from before the notice
+        self.choice.left(sender, now=now)
         return None
 
     async def failover(self, reason: str) -> control.SessionTicket:
@@ -806,7 +818,7 @@ class Consumer:
         log.warning("failing over: %s", reason)
         sessions = self.sessions
         live = [h for h in sessions if h.state is LeaseState.HELD]
-        if live and sessions[-1].state is not LeaseState.LEFT:
+        if live and sessions[-1].state not in (LeaseState.LEFT, LeaseState.PREEMPTED):
             if not await self._lease_lost(live[-1]):
                 self.status = "renewing the lease"
         held = await self.lease()
@@ -1041,6 +1053,17 @@ async def _close_lease(consumer: Consumer, held: Held) -> None:
         # The connection may be gone (a relay cut its circuit): once more over a new one.
         await consumer._reach(peer, afresh=True)
         await call_close_lease(host, peer, held.proposal.lease_id)
+
+
+def notice_refusal(proposal: LeaseProposal | None, kind: str, sender: str) -> str | None:
+    """Why a lease notice from ``sender`` about ``proposal`` (None: no lease of ours by
+    that id) is refused: not that lease's host, or a preemption of an on-demand lease,
+    which nothing preempts. None: the notice stands."""
+    if proposal is None or proposal.host != sender:
+        return "no such lease with this host"
+    if kind == NOTICE_PREEMPTED and proposal.priority is PriorityClass.ON_DEMAND:
+        return "an on-demand lease is never preempted"
+    return None
 
 
 def _floors(offers, options: ConsumerOptions) -> str:

@@ -34,7 +34,9 @@ A second signal, or ``leave_timeout``, stops the node at once.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import signal
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -65,10 +67,16 @@ from ..market import (
     Side,
     serve_leases,
 )
+from ..market.lease import Reservation
 from ..market.lease_state import LeaseEvent, LeaseState
 from ..market.messages import LeaseKind, encode_message, peer_id_of, seal_message
 from ..market.probing import serve_liveness
-from ..market.settlement import NOTICE_LEAVING, call_lease_notice, serve_lease_close
+from ..market.settlement import (
+    NOTICE_LEAVING,
+    NOTICE_PREEMPTED,
+    call_lease_notice,
+    serve_lease_close,
+)
 from ..remote import blobservice
 from ..remote.blobstore import BlobStore
 from ..remote.executor import DEFAULT_BLOB_CAP, Executor, ExecutorConfig
@@ -94,6 +102,8 @@ FINISHED_KEPT = 256
 #: The most GiB an offer may lend to standbys, and the most micro-credits an offer may ask
 #: (``market.messages.Offer`` refuses more).
 MAX_STORAGE_GIB, MAX_PRICE = 2**20, 2**48
+#: What a preempted lease's consumer is told.
+PREEMPTED_BECAUSE = "an on-demand lease needs its shares; the session is parked on this host"
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +245,8 @@ class Provider:
         self.session_socket: tuple[str, int] | None = None  # (bound address, port)
         self.leaving = False
         self.meter = GpuMeter()  # GPU utilization for status; ``run_provider`` opens it
+        # Leases preempted for on-demand ones, on their way to ``end_preempted``.
+        self._preempted, self._to_end = trio.open_memory_channel[Reservation](math.inf)
 
     # --- offers ---------------------------------------------------------------------
 
@@ -243,6 +255,12 @@ class Provider:
         ids = set(self.served) if offer_id is None else {offer_id}
         held = sum(r.proposal.shares for r in self.book.leases() if r.proposal.offer_id in ids)
         return self.options.shares * len(ids) - held
+
+    def preemptible_shares(self, offer_id: str) -> int:
+        """Shares of ``offer_id`` held by contending and interruptible leases: an
+        on-demand lease preempts them."""
+        leases = (r.proposal for r in self.book.leases() if r.proposal.offer_id == offer_id)
+        return sum(p.shares for p in leases if p.priority is not PriorityClass.ON_DEMAND)
 
     def free_storage(self) -> int:
         """GiB of ``storage_gib`` not held by a standby lease; every offer announces it
@@ -253,19 +271,22 @@ class Provider:
     def offer_body(self, served: Served, nonce: int, expires_at: float) -> bytes:
         """A device's offer as it stands, sealed afresh each announce round.
 
-        A device whose shares are all leased is withdrawn within ``keep_offer_current``'s
-        half second; an announce round may seal its offer before that. The offer must
-        name at least one share, but the book is not told: a pool reset to that one
-        share would grant it twice."""
+        It announces the shares an on-demand lease could have: those free, and those
+        that contending and interruptible leases hold (``LeaseBook`` preempts them for
+        it). The book is told only of those free: a pool reset to more would grant them
+        twice. A device none of whose shares is to be had is withdrawn within
+        ``keep_offer_current``'s half second; an announce round may seal its offer
+        before that, and an offer must name at least one share."""
         device, now = served.device, self.runtime.clock()
         free = self.free_shares(device.offer_id)
+        available = free + self.preemptible_shares(device.offer_id)
         offer = Offer(
             self.runtime.peer_id,
             device.offer_id,
             device.facts.model,
             device.facts.memory_mib,
             device.perf_units,
-            max(1, free),
+            max(1, available),
             self.options.price,
             self.options.min_lease_s,
             self.options.region,
@@ -277,12 +298,12 @@ class Provider:
             self.options.contend_price,
         )
         if free > 0:
-            self.book.publish(offer)
+            self.book.publish(dataclasses.replace(offer, shares_free=free))
         return encode_message(offer)
 
     async def keep_offer_current(self) -> None:
-        """Announce each device while it has shares free and is healthy; withdraw it
-        otherwise. Expire ended leases."""
+        """Announce each device while it is healthy and has shares free or preemptible
+        (``offer_body``); withdraw it otherwise. Expire ended leases."""
         while True:
             self.book.expire(self.runtime.clock())
             for served in self.served.values():
@@ -292,7 +313,7 @@ class Provider:
     async def _keep_current(self, served: Served) -> None:
         offer_id = served.device.offer_id
         serving = served.executor.health.healthy and not self.leaving
-        free = self.free_shares(offer_id) if serving else 0
+        free = self.free_shares(offer_id) + self.preemptible_shares(offer_id) if serving else 0
         if free > 0 and not served.announced:
             body = partial(self.offer_body, served)
             await self.runtime.mesh.announce(offer_id, Offer.KIND, body)
@@ -478,17 +499,31 @@ class Provider:
 
     async def _tell_leaving(self, active: ActiveLease) -> None:
         # Told first, so that when the session drops the consumer knows why at once.
-        consumer = peer_of(active.proposal.consumer)
+        await self._notify(active.proposal, NOTICE_LEAVING, "the host is shutting down")
+
+    async def _notify(self, proposal: LeaseProposal, kind: str, why: str) -> None:
+        consumer = peer_of(proposal.consumer)
         try:
-            await call_lease_notice(
-                self.runtime.mesh.host,
-                consumer,
-                active.proposal.lease_id,
-                NOTICE_LEAVING,
-                "the host is shutting down",
-            )
+            await call_lease_notice(self.runtime.mesh.host, consumer, proposal.lease_id, kind, why)
         except (CumulusError, BaseLibp2pError, trio.TooSlowError, OSError) as exc:
-            log.warning("could not tell consumer %s: %s", active.proposal.consumer[:12], exc)
+            log.warning("could not tell consumer %s: %s", proposal.consumer[:12], exc)
+
+    def preempted(self, reservations: list[Reservation]) -> None:
+        """An on-demand lease took these leases' shares (``LeaseBook``): end them."""
+        for reservation in reservations:
+            self._preempted.send_nowait(reservation)
+
+    async def end_preempted(self) -> None:
+        """Tell each preempted lease's consumer, then hang up its session: the executor
+        parks it, for the consumer to resume here when shares free up, or elsewhere.
+        Its receipts cover the time it was served."""
+        async for reservation in self._to_end:
+            proposal = reservation.proposal
+            log.info("lease %s preempted for an on-demand lease", proposal.lease_id)
+            await self._notify(proposal, NOTICE_PREEMPTED, PREEMPTED_BECAUSE)
+            active = self.active.get(proposal.lease_id)
+            if active is not None:
+                await active.hang_up(f"preempted: {PREEMPTED_BECAUSE}")
 
     # --- status ---------------------------------------------------------------------
 
@@ -640,7 +675,10 @@ async def run_provider(
     async with open_runtime(identity, data, mesh_config, book_limits=book_limits) as runtime:
         provider = Provider(runtime, options, executors)
         server = LeaseServer(
-            provider.book, endpoints=provider.current_endpoints, screen=provider.screen
+            provider.book,
+            endpoints=provider.current_endpoints,
+            screen=provider.screen,
+            on_preempted=provider.preempted,
         )
         serve_leases(runtime.mesh.host, server)
         serve_liveness(
@@ -668,6 +706,7 @@ async def run_provider(
                 if handle_signals:
                     nursery.start_soon(_leave_on_signal, provider, nursery.cancel_scope, on_leaving)
                 nursery.start_soon(provider.keep_offer_current)
+                nursery.start_soon(provider.end_preempted)
                 nursery.start_soon(provider.metering_loop)
                 nursery.start_soon(provider.keep_op_rates)
                 nursery.start_soon(sharing.announce_forever)

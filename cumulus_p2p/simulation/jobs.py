@@ -37,6 +37,10 @@ BURST_S = 5.0
 RETRY_S = 30.0
 
 
+class Preempted(Exception):
+    """The job's host gave its shares to an on-demand lease."""
+
+
 @dataclass(eq=False)
 class Job:
     """One job: what it needs, how it bids, and what happened to it."""
@@ -66,6 +70,7 @@ class Job:
     paid_share_price: list[int] = field(default_factory=list)
     failovers: int = 0
     restarts: int = 0
+    preemptions: int = 0
     gave_up_s: float | None = None  # when it gave up waiting for a usable host
     held_s: float = 0.0  # wall time held after failures, waiting for a usable host
     lost_device_s: float = 0.0  # reference device seconds computed, then lost
@@ -99,7 +104,16 @@ def run(env: simpy.Environment, market: Market, job: Job, rng: random.Random):
         host.jobs[env.active_process] = None
         lost = False
         try:
-            yield from _work(env, job, host, granted, rng)
+            yield from _work(env, job, host, granted, rng, market)
+        except Preempted:
+            # Unblamed: the host is set aside until it announces again, as the node does.
+            # Counted as losing the work since the checkpoint, though the host parks the
+            # state: a resume elsewhere restores from the checkpoint.
+            lost = True
+            job.preemptions += 1
+            choice.left(host.peer, now=market.now())
+            job.lost_device_s += job.saved_s - job.remaining_s
+            job.remaining_s = job.saved_s
         except (simpy.Interrupt, DeviceGone):
             lost = True
             set_aside(choice, market, host.peer, granted.proposal.offer_nonce)
@@ -172,8 +186,13 @@ def set_aside(choice: HostChoice, market: Market, peer: str, nonce: int) -> None
     choice.failed(peer, now=now, nonce=nonce)
 
 
-def _work(env, job: Job, host, granted, rng: random.Random):
-    """Compute on ``host`` until the job is done, checkpointing as it goes."""
+def _work(env, job: Job, host, granted, rng: random.Random, market: Market):
+    """Compute on ``host`` until the job is done, checkpointing as it goes; stops at a
+    burst's end once the host preempted its lease.
+
+    Raises:
+        Preempted: the host gave the lease's shares to an on-demand lease.
+    """
     speed = host.model.perf_units / 100
     rank = lease_rank(job.priority == PriorityClass.ON_DEMAND, granted.proposal.price)
     checkpoint_wall = job.state_mb * CHECKPOINT_S_PER_MB
@@ -183,6 +202,8 @@ def _work(env, job: Job, host, granted, rng: random.Random):
         wall = burst / speed
         idle = wall * (1 - job.workload.duty) / job.workload.duty
         yield env.timeout(rng.expovariate(1 / idle) if idle > 0 else 0)
+        if granted.proposal.lease_id in market.preempted:
+            raise Preempted
         yield from host.gpu.compute(job, rank, wall)
         job.remaining_s -= burst
         job.busy_wall_s += wall

@@ -16,6 +16,7 @@ signatures would only measure the signature library.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from collections.abc import Callable, Sequence
@@ -103,6 +104,8 @@ class Market:
         self.reliability: dict[str, float] = {}
         self.refusals: dict[str, int] = {}
         self.active: dict[str, Granted] = {}  # lease id -> the lease, until settled
+        #: Leases a host preempted for on-demand ones: their jobs stop at the next burst.
+        self.preempted: set[str] = set()
         self._latency = {region: {} for region in REGIONS}
         self._nonces = itertools.count(1)
         self._lease_ids = itertools.count(1)
@@ -146,18 +149,22 @@ class Market:
                 self.publish(host, free)
 
     def publish(self, host: SimHost, free: int) -> None:
-        """Re-announce ``host``'s offer with ``free`` shares (or cancel it at 0): its
-        ``LeaseBook`` knows at once, the book a gossip delay later."""
+        """Re-announce ``host``'s offer with ``free`` shares (or cancel it when no share
+        is to be had): its ``LeaseBook`` knows at once, the book a gossip delay later.
+        As ``cumulus-node --provide`` does, the book is told of the shares an on-demand
+        lease could have, those free and those that preemptible leases hold."""
         host.nonce += 1
         now = self.now()
-        if free > 0:
+        held = (r.proposal for r in host.lease_book.leases())
+        available = free + sum(p.shares for p in held if p.priority is not PriorityClass.ON_DEMAND)
+        if available > 0:
             message: Offer | Cancel = Offer(
                 host.peer,
                 "gpu0",
                 host.model.name,
                 host.model.vram_mib,
                 host.model.perf_units,
-                free,
+                available,
                 host.price,
                 0,
                 host.region,
@@ -166,7 +173,8 @@ class Market:
                 host.nonce,
                 contend_price=host.contend_price,
             )
-            host.lease_book.publish(message)
+            if free > 0:
+                host.lease_book.publish(dataclasses.replace(message, shares_free=free))
         else:  # the LeaseBook keeps the pool, at 0 free, for the shares coming back
             message = Cancel(host.peer, Side.OFFER, "gpu0", now + OFFER_TTL_S, host.nonce)
         delay = gossip_delay_s(self.mesh_nodes, self.rng)
@@ -286,6 +294,7 @@ class Market:
             self._refused(answer.reason.value)
             return None
         assert isinstance(answer, Lease)
+        self.preempted.update(r.proposal.lease_id for r in host.lease_book.take_preempted())
         self.publish(host, host.lease_book.free_shares("gpu0"))
         granted = Granted(host, proposal, Meter(host.identity, proposal, interval=LEASE_S))
         self.active[proposal.lease_id] = granted

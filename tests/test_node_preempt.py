@@ -1,0 +1,70 @@
+"""An on-demand lease preempts a contending one, and nothing is lost. Real node processes.
+
+The host has one share, sold on demand at 0.5 and to contending leases from 0.2. A
+contending job holds it when an on-demand job arrives: the host gives the share to the
+on-demand job, tells the contending job's node (a preemption notice) and parks its
+session. The contending job waits, unreported, until the share is free again, leases it
+anew and finishes with a local run's loss. Both ledgers agree on every lease.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from cumulus_p2p.market.ledger import Ledger
+from cumulus_p2p.testing import loopback, nodes
+
+# Starts real cumulus-node processes: scripts/test --fast skips it.
+pytestmark = pytest.mark.slow
+
+PACED = ["-m", "cumulus_p2p.testing.paced_train", "--steps", "60", "--seconds", "20"]
+QUICK = ["-m", "cumulus_p2p.demo_train", "--steps", "20", "--log-every", "10"]
+
+
+def receipts(data_dir) -> dict[str, int]:
+    with Ledger.open(data_dir) as books:
+        return {e.receipt_id: e.share_seconds for e in books.entries()}
+
+
+def local_final_loss(command: list[str]) -> float:
+    done = subprocess.run(
+        [sys.executable, *command], capture_output=True, text=True, check=True, timeout=120
+    )
+    return json.loads(done.stdout.splitlines()[-1])["final_loss"]
+
+
+def test_an_on_demand_job_preempts_a_contending_one_which_resumes_without_loss(tmp_path):
+    boot = loopback.start_boot(tmp_path)
+    host = nodes.start_provider(
+        tmp_path / "host", boot.addr, "--price", "0.5", "--contend-price", "0.2",
+        "--shares", "1", "--receipt-interval", "1s",
+    )  # fmt: skip
+    try:
+        host.wait_for("providing")
+        contending = nodes.start_consumer(
+            tmp_path / "contending", boot.addr, "--priority", "contend", "--max-price", "0.3",
+            "--checkpoint-to", "consumer", "--checkpoint-interval", "1s",
+            "--wait-for-host", "180s", command=PACED, env={"CUMULUS_RESUME_TIMEOUT": "1"},
+        )  # fmt: skip
+        contending.wait_for("step    5", timeout=120)
+        on_demand = nodes.start_consumer(
+            tmp_path / "on-demand", boot.addr, "--max-price", "1", command=QUICK
+        )
+        assert on_demand.proc.wait(timeout=180) == 0, on_demand.output()
+        assert contending.proc.wait(timeout=240) == 0, contending.output()
+    finally:
+        for node in (host, boot):
+            node.stop()
+    assert nodes.final_json(on_demand.lines)["final_loss"] == nodes.local_final_loss(QUICK)
+    expected = local_final_loss(["-m", "cumulus_p2p.demo_train", "--steps", "60"])
+    assert nodes.final_json(contending.lines)["final_loss"] == expected
+    state = json.loads((tmp_path / "contending" / "state.json").read_text())
+    assert [lease["state"] for lease in state["leases"]][0] == "preempted"
+    assert all(row["failures"] == 0 for row in state["scores"])  # no blame
+    assert "preempted this lease" in contending.output()
+    both = receipts(tmp_path / "contending") | receipts(tmp_path / "on-demand")
+    assert both == receipts(tmp_path / "host")
