@@ -372,3 +372,12 @@ def test_only_an_on_demand_lease_preempts_and_none_is_ever_preempted():
     assert refusal_of(dearer) is RefusalReason.NO_CAPACITY
     assert refusal_of(proposed(book, "second")) is RefusalReason.NO_CAPACITY
     assert book.take_preempted() == []
+
+
+def test_a_standby_lease_is_never_preempted():
+    book = book_with(1, price=1000, contend_price=200, storage_price=10, storage_gib=8)
+    standby = proposal("standby", price=10, storage_gib=2, priority=INTERRUPTIBLE, nonce=7)
+    assert isinstance(book.propose(sealed(standby), now=NOW), Lease)
+    granted(book, "first")
+    assert refusal_of(proposed(book, "second")) is RefusalReason.NO_CAPACITY
+    assert book.take_preempted() == [] and book.get("standby") is not None

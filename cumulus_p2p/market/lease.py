@@ -289,7 +289,7 @@ class LeaseBook:
         """Free the shares an on-demand proposal lacks by preempting contending and
         interruptible leases of its offer, cheapest first (the latest first among equals);
         ``refusal`` stands when there are not enough of them (nothing is preempted)."""
-        if proposal.priority is not PriorityClass.ON_DEMAND:
+        if proposal.priority is not PriorityClass.ON_DEMAND or proposal.kind is LeaseKind.STANDBY:
             return refusal
         pool = self._pools[proposal.offer_id]
         below = sorted(
@@ -297,6 +297,7 @@ class LeaseBook:
                 r
                 for r in self._leases.values()
                 if r.proposal.offer_id == proposal.offer_id
+                and r.proposal.kind is LeaseKind.COMPUTE
                 and r.proposal.priority is not PriorityClass.ON_DEMAND
             ),
             key=lambda r: (r.proposal.price, -r.proposal.start_at, r.proposal.lease_id),
