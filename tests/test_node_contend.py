@@ -35,15 +35,20 @@ def test_a_bid_between_the_floor_and_the_ask_runs_contending_and_pays_its_bid(tm
     )  # fmt: skip
     try:
         host.wait_for("contending from 0.200000")
+        # All at once: the two that bid too little can lease nothing, whenever they come.
         consumer = nodes.start_consumer(
             tmp_path / "consumer", boot.addr, "--priority", "contend", "--max-price", "0.3",
             command=SCRIPT,
         )  # fmt: skip
-        assert consumer.proc.wait(timeout=180) == 0, consumer.output()
         # Under the floor: no lease, and the reason names the floor on offer.
         cheapskate = nodes.start_consumer(
             tmp_path / "cheapskate", boot.addr, "--priority", "contend", "--max-price", "0.1",
-            "--match-timeout", "5s", command=SCRIPT,
+            "--match-timeout", "15s", command=SCRIPT,
+        )  # fmt: skip
+        # On demand at 0.3: no lease under the ask, and a hint that contending would fit.
+        on_demand = nodes.start_consumer(
+            tmp_path / "on-demand", boot.addr, "--max-price", "0.3", "--match-timeout", "15s",
+            command=SCRIPT,
         )  # fmt: skip
         # While it waits, its status says what would lease it now: the contend floor.
         waiting = cheapskate.wait_for_state(
@@ -51,12 +56,8 @@ def test_a_bid_between_the_floor_and_the_ask_runs_contending_and_pays_its_bid(tm
         )
         assert waiting["standing"]["run_now_price"] == 200_000
         assert cheapskate.proc.wait(timeout=120) != 0
-        # On demand at 0.3: no lease under the ask, and a hint that contending would fit.
-        on_demand = nodes.start_consumer(
-            tmp_path / "on-demand", boot.addr, "--max-price", "0.3", "--match-timeout", "5s",
-            command=SCRIPT,
-        )  # fmt: skip
         assert on_demand.proc.wait(timeout=120) != 0
+        assert consumer.proc.wait(timeout=180) == 0, consumer.output()
     finally:
         for node in (host, boot):
             node.stop()
