@@ -193,8 +193,8 @@ class BlobSharing:
             )
             if not answer:
                 raise CumulusError("it does not hold the piece")
-            statement, data = self._opened(answer, peer, name)
-            if not await self._keep(name, data, statement):
+            statement, served, data = self._opened(answer, peer, name)
+            if not await self._keep(name, data, statement, served):
                 return True  # no room here: the consumer's bytes will do, once
         except BlobMismatchError as exc:
             log.warning("peer %s %s", peer.to_base58()[:12], exc)
@@ -208,8 +208,9 @@ class BlobSharing:
         out.fetched_bytes += len(data)
         return True
 
-    def _opened(self, answer: bytes, peer, name: str) -> tuple[Envelope, memoryview]:
-        """The signed statement and the bytes of ``peer``'s answer for ``name``.
+    def _opened(self, answer: bytes, peer, name: str) -> tuple[Envelope, BlobServed, memoryview]:
+        """The signed statement (as sent, and checked) and the bytes of ``peer``'s answer
+        for ``name``.
 
         Raises:
             BlobMismatchError: It is not an answer ``peer`` signed for ``name`` to us.
@@ -224,9 +225,11 @@ class BlobSharing:
             raise BlobMismatchError("sent a statement that is not its own, to us")
         if served.name.hex() != name:
             raise BlobMismatchError(f"answered for another piece than {name[:16]}")
-        return statement, data
+        return statement, served, data
 
-    async def _keep(self, name: str, data: memoryview, statement: Envelope) -> bool:
+    async def _keep(
+        self, name: str, data: memoryview, statement: Envelope, served: BlobServed
+    ) -> bool:
         """Put a fetched piece in the store (``BlobStore.put``'s answer); a peer that
         signed that it sent other bytes is reported.
 
@@ -237,13 +240,14 @@ class BlobSharing:
         try:
             return await trio.to_thread.run_sync(put)
         except BlobMismatchError:
-            served = open_served(statement)
             if served.sent == served.name:  # a lie in its signature: ours to know only
                 raise BlobMismatchError(f"sent bytes that are not {name[:16]}") from None
+            reported = ""
             if self._report is not None:
                 await self._report(statement)
+                reported = " (reported)"
             raise BlobMismatchError(
-                f"sent bytes that are not {name[:16]}, and signed that it did (reported)"
+                f"sent bytes that are not {name[:16]}, and signed that it did{reported}"
             ) from None
 
 
