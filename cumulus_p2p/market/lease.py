@@ -291,19 +291,8 @@ class LeaseBook:
         ``refusal`` stands when there are not enough of them (nothing is preempted)."""
         if proposal.priority is not PriorityClass.ON_DEMAND or proposal.kind is LeaseKind.STANDBY:
             return refusal
-        pool = self._pools[proposal.offer_id]
-        below = sorted(
-            (
-                r
-                for r in self._leases.values()
-                if r.proposal.offer_id == proposal.offer_id
-                and r.proposal.kind is LeaseKind.COMPUTE
-                and r.proposal.priority is not PriorityClass.ON_DEMAND
-            ),
-            key=lambda r: (r.proposal.price, -r.proposal.start_at, r.proposal.lease_id),
-        )
-        victims, freed = [], pool.free
-        for reservation in below:
+        victims, freed = [], self._pools[proposal.offer_id].free
+        for reservation in self.preemptible(proposal.offer_id):
             if freed >= proposal.shares:
                 break
             victims.append(reservation)
@@ -314,6 +303,21 @@ class LeaseBook:
             self.release(reservation.proposal.lease_id)
         self._preempted.extend(victims)
         return None
+
+    def preemptible(self, offer_id: str) -> list[Reservation]:
+        """The compute leases of ``offer_id`` an on-demand lease may preempt (contending
+        and interruptible ones), in the order it does: cheapest first, the latest first
+        among equals."""
+        below = (
+            r
+            for r in self._leases.values()
+            if r.proposal.offer_id == offer_id
+            and r.proposal.kind is LeaseKind.COMPUTE
+            and r.proposal.priority is not PriorityClass.ON_DEMAND
+        )
+        return sorted(
+            below, key=lambda r: (r.proposal.price, -r.proposal.start_at, r.proposal.lease_id)
+        )
 
     def take_preempted(self) -> list[Reservation]:
         """The leases preempted for on-demand ones since the last call: their shares went

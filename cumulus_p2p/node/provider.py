@@ -259,8 +259,7 @@ class Provider:
     def preemptible_shares(self, offer_id: str) -> int:
         """Shares of ``offer_id`` held by contending and interruptible leases: an
         on-demand lease preempts them."""
-        leases = (r.proposal for r in self.book.leases() if r.proposal.offer_id == offer_id)
-        return sum(p.shares for p in leases if p.priority is not PriorityClass.ON_DEMAND)
+        return sum(r.proposal.shares for r in self.book.preemptible(offer_id))
 
     def free_storage(self) -> int:
         """GiB of ``storage_gib`` not held by a standby lease; every offer announces it

@@ -155,8 +155,8 @@ class Market:
         lease could have, those free and those that preemptible leases hold."""
         host.nonce += 1
         now = self.now()
-        held = (r.proposal for r in host.lease_book.leases())
-        available = free + sum(p.shares for p in held if p.priority is not PriorityClass.ON_DEMAND)
+        preemptible = host.lease_book.preemptible("gpu0")
+        available = free + sum(r.proposal.shares for r in preemptible)
         if available > 0:
             message: Offer | Cancel = Offer(
                 host.peer,
