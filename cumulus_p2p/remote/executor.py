@@ -18,6 +18,7 @@ it over: the old connection's task is cancelled between two batches and parks it
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import secrets
@@ -160,15 +161,17 @@ class Executor:
 
     def session_stats(self, owner: bytes) -> SessionStats | None:
         """The running session of the consumer with key ``owner``: ops, memory in use,
-        and its waits for the device over the last minute."""
+        and its waits for the device over the last minute (a copy, as of now)."""
         found = [a.session for a in self._attached.values() if a.owner == owner]
         if not found:
             return None
         session = found[-1]
         waits = session.waits.percentiles(now=time.monotonic())
-        session.stats.wait_p50_ms = None if waits is None else waits.p50_ms
-        session.stats.wait_p99_ms = None if waits is None else waits.p99_ms
-        return session.stats
+        if waits is None:
+            return dataclasses.replace(session.stats)
+        return dataclasses.replace(
+            session.stats, wait_p50_ms=waits.p50_ms, wait_p99_ms=waits.p99_ms
+        )
 
     @property
     def idle(self) -> bool:

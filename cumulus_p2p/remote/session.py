@@ -173,8 +173,9 @@ class SessionStats:
     #: Graph calls that ran code compiled for the device (``graph_compiler.py``).
     compiled_graph_runs: int = 0
     storages: int = 0
-    #: Its waits for device turns over the last minute (``waits.py``), in ms, as last
-    #: read; None while it took no turn in that minute (or takes none: a CPU).
+    #: Its waits for device turns over the last minute (``waits.py``), in ms; filled in
+    #: only in the copies ``Executor.session_stats`` gives; None while it took no turn
+    #: in that minute (or takes none: a CPU).
     wait_p50_ms: float | None = None
     wait_p99_ms: float | None = None
 
