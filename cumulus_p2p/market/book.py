@@ -61,7 +61,7 @@ from typing import Generic, TypeVar
 from sortedcontainers import SortedList
 
 from .messages import Bid, Cancel, Offer, PriorityClass, Side, encode_message
-from .pricing import price_for
+from .pricing import paid_on
 
 __all__ = ["BookLimits", "BookStatistics", "Fill", "InsertStatus", "OrderBook", "RestingOrder"]
 
@@ -499,8 +499,6 @@ class OrderBook:
                 break
         fills = []
         for offer, shares in taken:
-            price = price_for(offer, bid)
-            assert price is not None  # candidates() yields only offers the bid may lease
             live = self._offers[(offer.host, offer.offer_id)]
             live.remaining -= shares
             if live.remaining == 0:
@@ -513,7 +511,7 @@ class OrderBook:
                     offer.offer_id,
                     offer.nonce,
                     shares,
-                    price,
+                    paid_on(offer, bid),
                     bid.priority,
                 )
             )

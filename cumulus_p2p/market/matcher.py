@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from .._errors import InvalidMessageError
 from .book import OrderBook
 from .messages import MAX_PRICE, Bid, Offer
-from .pricing import least_price, price_for
+from .pricing import least_price, paid_on
 
 __all__ = [
     "Entry",
@@ -261,7 +261,7 @@ def rank_offers(
     top: list[tuple[float, tuple, RankedOffer]] = []
     for resting in book.candidates(bid):
         offer = resting.order
-        paid = _paid(offer, bid)  # never falls along candidates(): the early end holds
+        paid = paid_on(offer, bid)  # never falls along candidates(): the early end holds
         if len(top) == limit and paid * best > -top[0][0]:
             break
         if resting.remaining < bid.shares:
@@ -296,7 +296,7 @@ def _rank_by_entry(
             continue
         score = reliability.get(offer.host, policy.neutral_reliability)
         latency = latency_ms.get(offer.host, policy.default_latency_ms)
-        paid = _paid(offer, bid)
+        paid = paid_on(offer, bid)
         price = effective_price(paid, reliability=score, latency_ms=latency, policy=policy)
         key = (entry(offer), price, paid, offer.created_at, offer.host, offer.offer_id)
         rows.append((key, RankedOffer(offer, resting.remaining, price, score, latency)))
@@ -334,13 +334,6 @@ def standing(book: OrderBook, bid: Bid) -> Standing:
         if r.remaining >= bid.shares
     )
     return Standing(ahead, min(prices, default=None))
-
-
-def _paid(offer: Offer, bid: Bid) -> int:
-    """What ``bid`` pays on an offer ``book.candidates`` gave it (so it may lease there)."""
-    price = price_for(offer, bid)
-    assert price is not None
-    return price
 
 
 @dataclass(frozen=True, slots=True)

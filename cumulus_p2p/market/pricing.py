@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from .messages import Bid, Offer, PriorityClass
 
-__all__ = ["least_price", "price_for"]
+__all__ = ["least_price", "paid_on", "price_for"]
 
 
 def least_price(offer: Offer, priority: PriorityClass) -> int | None:
@@ -40,3 +40,10 @@ def price_for(offer: Offer, bid: Bid) -> int | None:
     if least is None or least > bid.max_price:
         return None
     return bid.max_price
+
+
+def paid_on(offer: Offer, bid: Bid) -> int:
+    """What ``bid`` pays on an offer it may lease (``OrderBook.candidates`` gave it)."""
+    price = price_for(offer, bid)
+    assert price is not None, "not an offer this bid may lease"
+    return price
