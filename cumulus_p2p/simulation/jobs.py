@@ -112,8 +112,6 @@ def run(env: simpy.Environment, market: Market, job: Job, rng: random.Random):
             lost = True
             job.preemptions += 1
             choice.left(host.peer, now=market.now())
-            job.lost_device_s += job.saved_s - job.remaining_s
-            job.remaining_s = job.saved_s
         except (simpy.Interrupt, DeviceGone):
             lost = True
             set_aside(choice, market, host.peer, granted.proposal.offer_nonce)
@@ -122,13 +120,13 @@ def run(env: simpy.Environment, market: Market, job: Job, rng: random.Random):
                 job.saved_s = job.compute_s
             else:
                 job.failovers += 1
-            job.lost_device_s += job.saved_s - job.remaining_s
-            job.remaining_s = job.saved_s
         finally:
             host.jobs.pop(env.active_process, None)
             job.cost += market.settle(granted)
-        if lost:  # noticing the loss and reattaching (measured; a restart pays it too)
-            yield env.timeout(FAILOVER_S)
+        if lost:  # back to the last checkpoint (a restart's is the start), then reattach
+            job.lost_device_s += job.saved_s - job.remaining_s
+            job.remaining_s = job.saved_s
+            yield env.timeout(FAILOVER_S)  # noticing the loss and reattaching (measured)
             choice.search(now=market.now())
     if job.gave_up_s is None:
         job.done_s = env.now
