@@ -27,8 +27,8 @@ from cumulus_p2p.remote.capture import capture
 from cumulus_p2p.remote.compiled import encode_graph
 from cumulus_p2p.remote.graph_compiler import GraphRunner
 from cumulus_p2p.remote.graphs import build_program
-from cumulus_p2p.remote.protocol import decode_ext, encode_value
 from cumulus_p2p.testing.models import TinyTransformer
+from cumulus_p2p.wire.protocol import decode_ext, encode_value
 
 
 def _graphs():

@@ -9,12 +9,13 @@ process with ``cumulus_p2p.remote``), arms in turn, over several passes:
 - ``local``: the step on local CPU tensors, eager (forward, backward, foreach Adam,
   ``loss.item()``).
 - ``cumulus``: the same step on the native ``cumulus`` device, whose batch goes at the
-  ``item()`` sync over loopback TCP to an executor process (``native.host``) that
+  ``item()`` sync over loopback TCP to a ``cumulus-executor`` process (one thread) that
   replays it with the C++ loop (``csrc/replay.cpp``) and sends the loss back. Then, in
   the same process, ``eager_cumulus_early_flush_ms``: the same with the batch sent
-  whenever it holds 32 KiB, so the executor can replay while the client records. Then
-  the executor's cost alone: the same step's batches replayed by a
-  ``Replayer`` in-process, timed around ``replay`` only.
+  whenever it holds 32 KiB, so the executor can replay while the client records;
+  ``eager_cumulus_secure_ms``: the same over the secure channel to ``cumulus-executor
+  --secure``, as a leased session runs. Then the executor's cost alone: the same step's
+  batches replayed by a ``Replayer`` in-process, timed around ``replay`` only.
 
 Prints JSON and writes ``benchmarks/results/native_step.json``::
 
@@ -34,6 +35,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -110,14 +112,20 @@ def _cumulus_arm(steps: int) -> dict:
 
     ext = native.load()
     torch.set_num_threads(1)
-    from cumulus_p2p.native.host import running_host
     from cumulus_p2p.native.session import NativeSession
+    from cumulus_p2p.testing.executor import executor_process, secure_executor_channel
 
-    with running_host(threads=1) as (host, port):
-        with NativeSession.connect(host, port):
+    one_thread = {"OMP_NUM_THREADS": "1"}
+    with executor_process(env=one_thread) as (address, _):
+        host, port = address.split(":")
+        with NativeSession.connect(host, int(port)):
             eager_cumulus_ms = median_seconds(_setup("cumulus"), steps) * 1e3
-        with NativeSession.connect(host, port, flush_bytes=EARLY_FLUSH_BYTES):
+        with NativeSession.connect(host, int(port), flush_bytes=EARLY_FLUSH_BYTES):
             early_ms = median_seconds(_setup("cumulus"), steps) * 1e3
+    with tempfile.TemporaryDirectory() as data_dir:
+        with secure_executor_channel(data_dir, env=one_thread) as (channel, _):
+            with NativeSession(channel):
+                secure_ms = median_seconds(_setup("cumulus"), steps) * 1e3
     hook = _InProcess(ext)
     median_seconds(_setup("cumulus"), steps)  # the batches the executor's figure replays
     batch, names = hook.last
@@ -128,6 +136,7 @@ def _cumulus_arm(steps: int) -> dict:
     return {
         "eager_cumulus_ms": eager_cumulus_ms,
         "eager_cumulus_early_flush_ms": early_ms,
+        "eager_cumulus_secure_ms": secure_ms,
         "executor_ms_per_step": executor_ms,
         "ops_per_step": ops,
         "records_per_step": len(records),
@@ -179,6 +188,7 @@ def main() -> None:
         "eager_cumulus_ms": round(m["eager_cumulus_ms"], 2),
         "cumulus_over_local": round(m["eager_cumulus_ms"] / m["eager_local_ms"], 2),
         "eager_cumulus_early_flush_ms": round(m["eager_cumulus_early_flush_ms"], 2),
+        "eager_cumulus_secure_ms": round(m["eager_cumulus_secure_ms"], 2),
         "executor_ms_per_step": round(m["executor_ms_per_step"], 2),
         "executor_us_per_op": round(executor_us, 2),
         "local_us_per_op": round(local_us, 2),

@@ -19,7 +19,6 @@ import trio
 import trio.testing
 
 from cumulus_p2p.remote.executor import Executor, ExecutorConfig
-from cumulus_p2p.remote.protocol import TensorRef
 from cumulus_p2p.remote.scheduler import (
     DeviceQueue,
     DeviceScheduler,
@@ -33,6 +32,7 @@ from cumulus_p2p.remote.supervisor import SupervisorConfig, WorkerSupervisor, _W
 from cumulus_p2p.remote.worker import SupervisorTurns
 from cumulus_p2p.remote.workerlink import TurnFlag, WorkerLink
 from cumulus_p2p.testing.executor import one_batch
+from cumulus_p2p.wire.protocol import TensorRef
 
 ON_DEMAND = lease_rank(True, 900)
 CHEAPER_ON_DEMAND = lease_rank(True, 100)

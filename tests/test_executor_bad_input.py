@@ -18,7 +18,7 @@ import cumulus_p2p.remote as remote
 from cumulus_p2p._errors import RemoteExecutionError
 from cumulus_p2p.channel.transport import SocketFrameChannel
 from cumulus_p2p.remote.client import RemoteSession
-from cumulus_p2p.remote.protocol import (
+from cumulus_p2p.wire.protocol import (
     PROTOCOL_VERSION,
     GraphValue,
     TensorRef,

@@ -5,7 +5,7 @@ import trio.testing
 
 from cumulus_p2p.channel.transport import TrioFrameChannel
 from cumulus_p2p.remote.executor import Executor, ExecutorConfig
-from cumulus_p2p.remote.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
+from cumulus_p2p.wire.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
 
 
 async def welcome_quota(executor: Executor, *, granted: int | None, asked: int | None) -> int:

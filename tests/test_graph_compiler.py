@@ -11,9 +11,9 @@ from cumulus_p2p.executor_options import GraphCompiler
 from cumulus_p2p.remote import graph_compiler
 from cumulus_p2p.remote.graph_compiler import GraphRunner
 from cumulus_p2p.remote.graphs import NodeFailed, build_program
-from cumulus_p2p.remote.protocol import GraphValue
 from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.testing.models import TinyTransformer
+from cumulus_p2p.wire.protocol import GraphValue
 
 CPU = torch.device("cpu")
 

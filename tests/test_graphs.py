@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cumulus_p2p.remote.graphs import GraphError, NodeFailed, ProgramCache, build_program
-from cumulus_p2p.remote.protocol import GraphValue
+from cumulus_p2p.wire.protocol import GraphValue
 
 CPU = torch.device("cpu")
 INPUT = GraphValue(GraphValue.INPUT, 0, -1)

@@ -1,10 +1,13 @@
-"""A native session end to end: the device's batches replayed by an executor process.
+"""A native session end to end: the device's batches replayed by the host's executor.
 
 Each test runs in the native-device child process (``testing/native_process.py``) and
-starts its own executor process (``native.host``) on loopback.
+starts its own ``cumulus-executor`` process on loopback: in one process, a worker per
+session, or behind the secure channel.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -24,6 +27,24 @@ pytestmark = [
 def _native_child():
     yield
     stop_native_process()
+
+
+@contextlib.contextmanager
+def _session(*, executor_quota: str = "8GiB", extra: tuple[str, ...] = (), **options):
+    """A native session with a fresh ``cumulus-executor`` on loopback (plain TCP);
+    ``options`` as ``NativeSession``'s. The executor runs one thread, as this process
+    does: sums split across threads round differently."""
+    from cumulus_p2p.native.session import NativeSession
+    from cumulus_p2p.testing.executor import executor_process
+
+    one_thread = {"OMP_NUM_THREADS": "1"}
+    with executor_process(quota=executor_quota, extra=list(extra), env=one_thread) as (
+        address,
+        _,
+    ):
+        host, port = address.split(":")
+        with NativeSession.connect(host, int(port), **options) as session:
+            yield session
 
 
 def _train(device: str, steps: int) -> tuple[list[float], list[torch.Tensor]]:
@@ -50,10 +71,7 @@ def _train(device: str, steps: int) -> tuple[list[float], list[torch.Tensor]]:
 def test_a_tiny_transformer_trains_bit_identically_to_local_cpu():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from cumulus_p2p.native.host import running_host
-    from cumulus_p2p.native.session import NativeSession
-
-    with running_host() as (host, port), NativeSession.connect(host, port) as session:
+    with _session() as session:
         remote_losses, remote_params = _train("cumulus", steps=4)
         # One flush per sync point: each step's loss.item(), then each parameter's read.
         assert session.flushes == 4 + len(remote_params)
@@ -69,25 +87,18 @@ def test_a_tiny_transformer_trains_bit_identically_to_local_cpu():
 
 @in_native_process
 def test_early_flushes_change_nothing_but_when_the_executor_replays():
-    from cumulus_p2p.native.host import running_host
-    from cumulus_p2p.native.session import NativeSession
-
-    with running_host() as (host, port):
-        with NativeSession.connect(host, port) as session:
-            synced, _ = _train("cumulus", steps=2)
-            sync_flushes = session.flushes
-        with NativeSession.connect(host, port, flush_bytes=4096) as session:
-            early, _ = _train("cumulus", steps=2)
-            assert session.flushes > sync_flushes
+    with _session() as session:
+        synced, _ = _train("cumulus", steps=2)
+        sync_flushes = session.flushes
+    with _session(flush_bytes=4096) as session:
+        early, _ = _train("cumulus", steps=2)
+        assert session.flushes > sync_flushes
     assert early == synced
 
 
 @in_native_process
 def test_readbacks_return_the_executors_bytes():
-    from cumulus_p2p.native.host import running_host
-    from cumulus_p2p.native.session import NativeSession
-
-    with running_host() as (host, port), NativeSession.connect(host, port):
+    with _session():
         a = torch.arange(12, dtype=torch.float32).reshape(3, 4)
         x = a.to("cumulus")
         assert torch.equal(x.cpu(), a)
@@ -100,10 +111,9 @@ def test_readbacks_return_the_executors_bytes():
 
 @in_native_process
 def test_an_executor_failure_is_raised_at_the_next_readback_and_every_later_one():
-    from cumulus_p2p.native.host import running_host
-    from cumulus_p2p.native.session import NativeSession, NativeSessionError
+    from cumulus_p2p.native.session import NativeSessionError
 
-    with running_host(quota_bytes=4096) as (host, port), NativeSession.connect(host, port):
+    with _session(executor_quota="4096"):
         small = torch.ones(4).to("cumulus")
         assert small.sum().item() == 4.0
         torch.empty(2048, device="cumulus")  # 8 KiB: over the quota
@@ -112,3 +122,32 @@ def test_an_executor_failure_is_raised_at_the_next_readback_and_every_later_one(
         assert error.value.kind == "out_of_memory"
         with pytest.raises(NativeSessionError, match="needs 8192 more bytes"):
             small.sum().item()
+
+
+@in_native_process
+def test_a_session_runs_in_a_worker_process_of_its_own():
+    with _session(extra=("--worker-per-session",)) as session:
+        assert session.info["worker_pid"] > 0
+        losses, _ = _train("cumulus", steps=2)
+    assert losses[1] < losses[0]
+
+
+@in_native_process
+def test_a_session_over_the_secure_channel_reads_back_what_it_wrote():
+    import tempfile
+
+    from cumulus_p2p.native.session import NativeSession
+    from cumulus_p2p.testing.executor import secure_executor_channel
+
+    with tempfile.TemporaryDirectory() as data_dir:
+        with secure_executor_channel(data_dir) as (channel, _):
+            with NativeSession(channel) as session:
+                a = torch.arange(6, dtype=torch.float32)
+                assert torch.equal((a.to("cumulus") + 1).cpu(), a + 1)
+                assert session.info["native"] == 1
+
+
+@in_native_process
+def test_a_session_asking_more_than_the_executors_quota_gets_the_executors():
+    with _session(executor_quota="4096", quota=1 << 30) as session:
+        assert session.info["quota"] == 4096

@@ -39,16 +39,16 @@ from cumulus_p2p.remote.failover import (
     plan_reads,
 )
 from cumulus_p2p.remote.hostcache import HostCache
-from cumulus_p2p.remote.protocol import (
+from cumulus_p2p.remote.session import Batch, DeviceContext, ExecutorSession
+from cumulus_p2p.testing.executor import executor_process
+from cumulus_p2p.testing.models import TASKS
+from cumulus_p2p.wire.protocol import (
     PROTOCOL_VERSION,
     CpuTensorRef,
     TensorRef,
     decode_frame,
     encode_frame,
 )
-from cumulus_p2p.remote.session import Batch, DeviceContext, ExecutorSession
-from cumulus_p2p.testing.executor import executor_process
-from cumulus_p2p.testing.models import TASKS
 
 # --- helpers -------------------------------------------------------------------------------
 

@@ -16,8 +16,8 @@ from cumulus_p2p.remote.handles import (
     OpFailed,
     raw_bytes,
 )
-from cumulus_p2p.remote.protocol import TensorRef
 from cumulus_p2p.remote.session import SessionStats
+from cumulus_p2p.wire.protocol import TensorRef
 
 CPU = torch.device("cpu")
 

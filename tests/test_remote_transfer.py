@@ -16,11 +16,11 @@ from cumulus_p2p.channel.transport import SocketFrameChannel
 from cumulus_p2p.remote.checkpoint import DirectoryCheckpointStore
 from cumulus_p2p.remote.client import RemoteSession
 from cumulus_p2p.remote.errors import RemoteOutOfMemoryError
-from cumulus_p2p.remote.protocol import CpuTensorRef, TensorRef
 from cumulus_p2p.remote.session import MAX_READ_BYTES
 from cumulus_p2p.remote.transfer import STREAM_CHUNK, TransferProgress, pieces
 from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.testing.memory import peak_since_reset, reset_peak
+from cumulus_p2p.wire.protocol import CpuTensorRef, TensorRef
 
 MiB = 2**20
 #: 600 MiB of float32 rows as wide as a 2048-wide embedding's.

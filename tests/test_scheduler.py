@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 
 from cumulus_p2p.channel.transport import TrioFrameChannel
 from cumulus_p2p.remote.executor import Executor, ExecutorConfig
-from cumulus_p2p.remote.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
 from cumulus_p2p.remote.scheduler import DeviceQueue, DeviceScheduler, lease_rank
 from cumulus_p2p.testing.executor import one_batch
+from cumulus_p2p.wire.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
 
 CHEAP_INTERRUPTIBLE = lease_rank(False, 100)
 DEAR_ON_DEMAND = lease_rank(True, 900)

@@ -27,12 +27,12 @@ from cumulus_p2p.remote.blobservice import (
 )
 from cumulus_p2p.remote.blobstore import BlobStore
 from cumulus_p2p.remote.checkpoint import Checkpoint
-from cumulus_p2p.remote.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
 from cumulus_p2p.remote.session import DeviceContext, ExecutorSession
 from cumulus_p2p.remote.standby import HostCheckpoint
 from cumulus_p2p.testing import models
 from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.testing.memory import peak_since_reset, reset_peak
+from cumulus_p2p.wire.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
 
 MiB = 1024 * 1024
 

@@ -19,10 +19,10 @@ from cumulus_p2p.channel.secure import connect_secure
 from cumulus_p2p.channel.transport import CountingFrameChannel
 from cumulus_p2p.identity import NodeIdentity
 from cumulus_p2p.remote.blobservice import HELLO, ONLY_BLOBS, Source, grant_of, reader_token
-from cumulus_p2p.remote.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
 from cumulus_p2p.remote.standby import HostCheckpoint
 from cumulus_p2p.testing import models
 from cumulus_p2p.testing.executor import executor_process
+from cumulus_p2p.wire.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
 
 # Starts several executor processes.
 pytestmark = pytest.mark.slow

@@ -28,7 +28,6 @@ from cumulus_p2p.channel.secure import connect_secure
 from cumulus_p2p.channel.transport import SocketFrameChannel
 from cumulus_p2p.identity import KEY_FILE_NAME, NodeIdentity
 from cumulus_p2p.remote.executor import Executor, ExecutorConfig
-from cumulus_p2p.remote.protocol import PROTOCOL_VERSION, encode_frame
 from cumulus_p2p.testing.executor import executor_process, secure_executor_channel
 from cumulus_p2p.testing.models import train
 from cumulus_p2p.testing.nodes import (
@@ -40,6 +39,7 @@ from cumulus_p2p.testing.nodes import (
     stop_all,
 )
 from cumulus_p2p.testing.tenant import Tenant
+from cumulus_p2p.wire.protocol import PROTOCOL_VERSION, encode_frame
 
 # Starts supervisors and their worker processes: scripts/test --fast skips it.
 pytestmark = pytest.mark.slow

@@ -1,7 +1,7 @@
 """Frame transports for the op stream: one small interface, several channels.
 
 A *frame* is one length-prefixed message: a 4-byte big-endian length, then that many
-bytes. The op-stream codec (``cumulus_p2p.remote.protocol``) decides what the bytes mean;
+bytes. The op-stream codec (``cumulus_p2p.wire.protocol``) decides what the bytes mean;
 a transport only moves whole frames and enforces the size limit before allocating.
 
 Two sides, two styles:

@@ -16,10 +16,12 @@ dispatch key itself:
   (format in ``csrc/record.h``, decoded by ``records.py``), with no Python per op.
 
 The executor side replays those batches in C++ (``csrc/replay.cpp``, a library of its
-own that registers nothing, loaded by ``executor.py``); ``session.py`` sends the
-device's batches to an executor process (``host.py``) over loopback TCP and answers
-reads back through the device's readback hook (``set_readback_hook``). Failover,
-checkpoints, per-lease quotas and the secure channel are not there yet.
+own that registers nothing, loaded by ``executor.py``): the host's own executor
+(``cumulus_p2p.remote.executor``) runs a native session beside the Python device's,
+with the lease's quota, device turns and worker process, over plain TCP or the secure
+channel. ``session.py`` sends the device's batches there (frames in
+``cumulus_p2p.wire.native``) and answers reads back through the device's readback hook
+(``set_readback_hook``). Failover, checkpoints and parking are not there yet.
 
 One owner per process
 ---------------------
@@ -37,8 +39,9 @@ Parts:
 - ``load()``: build if needed, load, and register ``cumulus`` (idempotent);
 - ``missing_toolchain()``: why the extension cannot be built here, or None;
 - ``records``: the wire record decoder (and an encoder, for tests);
-- ``executor``, ``errors``: the C++ replay loop and the ``ReplayError`` it raises;
-- ``session``, ``host``, ``wire``: a session over TCP, its executor process, their frames;
+- ``executor``, ``errors``: the C++ replay loop, a session's state around it
+  (``ReplaySession``) and the ``ReplayError`` it raises;
+- ``session``: a session with a host's executor, over any frame channel;
 - ``python -m cumulus_p2p.native --build``: build ahead of time (``scripts/bootstrap``).
 """
 

@@ -4,13 +4,16 @@
 its op name table and its resolved operator handles; ``replay(batch, new_names)`` runs
 one batch of wire records and returns the readbacks' bytes, raising ``ReplayError``
 (``errors.py``) for a record that cannot run. Unlike the device library, the replay
-library registers nothing with the dispatcher, so any process may load it.
+library registers nothing with the dispatcher, so any process may load it: the host's
+executor (``cumulus_p2p.remote.executor``) serves native sessions with it beside the
+Python device's, a ``ReplaySession`` each.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
 
+from ..wire import native as wire
 from .errors import ReplayError as ReplayError
 
 #: Per-session memory quota when none is given: as the Python executor's default.
@@ -33,3 +36,41 @@ def new_replayer(device: str = "cpu", quota_bytes: int = DEFAULT_QUOTA):
     """A session's replay loop on ``device`` (``"cpu"``, ``"cuda"``...), its live storages
     capped at ``quota_bytes``."""
     return library().Replayer(device, quota_bytes)
+
+
+class ReplaySession:
+    """One native session on its executor: its replay loop and its first failure.
+
+    A failed record ends the session's usefulness (``wire.native`` says why): later
+    batches do not run, and every later reply repeats the failure. The caller owns the
+    I/O: it hands each request frame to ``run`` (a thread may: ``run`` holds the GIL
+    only to parse) and sends back what ``run`` returns.
+    """
+
+    def __init__(self, replayer) -> None:
+        self._replayer = replayer
+        self.failure: ReplayError | None = None
+        self.batches = 0
+
+    def run(self, frame: bytes | bytearray) -> tuple[bool, list[bytes] | None]:
+        """Run one request: (whether the session goes on, the reply's parts or None when
+        the client asked for none).
+
+        Raises:
+            MalformedMessageError: the frame is not a request; the session cannot go on.
+        """
+        kind, reply, names, batch = wire.parse_request(frame)
+        if kind == wire.BYE:
+            return False, None
+        readbacks: list[bytes] = []
+        if self.failure is None:
+            try:
+                readbacks = self._replayer.replay(bytes(batch), names)
+                self.batches += 1
+            except ReplayError as exc:
+                self.failure = exc
+        if not reply:
+            return True, None
+        if self.failure is not None:
+            return True, wire.failed(self.failure.record, self.failure.kind, str(self.failure))
+        return True, wire.ok(readbacks)

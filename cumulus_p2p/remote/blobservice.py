@@ -57,8 +57,8 @@ from .._errors import (
 from ..channel.secure import connect_secure
 from ..channel.transport import AsyncFrameChannel, ThreadedFrameChannel, TrioFrameChannel
 from ..identity import NodeIdentity
+from ..wire.protocol import PROTOCOL_VERSION, decode_frame, encode_frame, split_blobs
 from .blobs import PIECE, is_digest
-from .protocol import PROTOCOL_VERSION, decode_frame, encode_frame, split_blobs
 
 log = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ import msgpack
 import torch
 
 from .._errors import CheckpointCorruptError
+from ..wire.protocol import DTYPE_CODE, DTYPES
 from .blobs import PIECE, digest, is_digest, piece_count
-from .protocol import DTYPE_CODE, DTYPES
 
 _MAGIC = b"CUMCKPT2"
 

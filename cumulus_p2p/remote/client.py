@@ -36,6 +36,15 @@ import torch
 
 from .._errors import CumulusError, FailoverError, RemoteProtocolError, SessionClosedError
 from ..channel.transport import FrameChannel
+from ..wire.protocol import (
+    PROTOCOL_VERSION,
+    CpuTensorRef,
+    TensorRef,
+    decode_frame,
+    encode_frame,
+    lost_reason,
+    split_blobs,
+)
 from .blobs import MAX_HAVE, NAMED_WINDOW, PIECE, digest
 from .blobservice import Source, grant_of
 from .checkpoint import Checkpoint, CheckpointStore, MemoryCheckpointStore
@@ -52,15 +61,6 @@ from .failover import (
     plan_reads,
     restore_batches,
     rng_record,
-)
-from .protocol import (
-    PROTOCOL_VERSION,
-    CpuTensorRef,
-    TensorRef,
-    decode_frame,
-    encode_frame,
-    lost_reason,
-    split_blobs,
 )
 from .standby import CheckpointPlacement, HostCheckpoint, StandbyLink
 from .transfer import PROGRESS_INTERVAL, STREAM_CHUNK, TransferProgress

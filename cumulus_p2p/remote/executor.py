@@ -38,6 +38,9 @@ from .._errors import (
 )
 from ..channel.transport import DEFAULT_MAX_FRAME, AsyncFrameChannel, TrioFrameChannel
 from ..executor_options import GraphCompiler
+from ..native.executor import ReplaySession, new_replayer
+from ..wire import native as native_wire
+from ..wire.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
 from . import blobservice
 from .blobstore import BlobStore
 from .failover import parse_storage_entries
@@ -45,7 +48,6 @@ from .graph_compiler import GraphRunner
 from .handles import OpFailed
 from .health import DeviceHealth
 from .hostcache import HostCache
-from .protocol import PROTOCOL_VERSION, decode_frame, encode_frame
 from .scheduler import DEFAULT_RANK, DeviceScheduler
 from .session import Batch, DeviceContext, ExecutorSession, Reply, SessionStats, parse_batch
 from .waits import WaitWindow
@@ -221,6 +223,9 @@ class Executor:
             if only_blobs:
                 raise RemoteProtocolError(blobservice.ONLY_BLOBS)
             limit = min(quota_bytes or self.config.quota_bytes, self.config.quota_bytes)
+            if _is_native_hello(header):
+                await self._serve_native(channel, header, session_id, limit, rank, until)
+                return
             token, session = await self._open(channel, header, session_id, limit, hold_bytes)
             self.sessions[session_id] = session
             self._grants[blobservice.grant_of(token)] = session
@@ -492,6 +497,49 @@ class Executor:
             session.run_batch(Batch(batch.seq, [ops[index]], [], None, blobs))
         return None, session.run_batch(Batch(batch.seq, [], batch.frees, batch.query, blobs))
 
+    # --- native sessions ------------------------------------------------------------------
+
+    async def _serve_native(
+        self,
+        channel: AsyncFrameChannel,
+        header: list,
+        session_id: int,
+        limit: int,
+        rank: tuple,
+        until: float,
+    ) -> None:
+        """A native device's session (``cumulus_p2p.native``): each batch replayed in C++,
+        whole, in one device turn. Nothing is parked: when its connection drops or its
+        time is up, the session ends and its memory is freed."""
+        options = _hello_options(header)
+        if options["native"] != native_wire.VERSION:
+            raise RemoteProtocolError(
+                f"client speaks native version {options['native']!r}; this executor speaks "
+                f"{native_wire.VERSION}. Upgrade the older side."
+            )
+        quota = min(options.get("quota", limit), limit)
+        device = str(self.ctx.device)
+        try:
+            replayer = await trio.to_thread.run_sync(new_replayer, device, quota)
+        except RuntimeError as exc:  # no replay library here, and none can be built
+            raise RemoteProtocolError(
+                f"this host cannot run native sessions ({exc}); run without the native device"
+            ) from exc
+        replaying, waits = ReplaySession(replayer), WaitWindow()
+        info = {"session": session_id, "native": native_wire.VERSION, "device": device}
+        info |= {"device_name": _device_name(self.ctx.device), "quota": quota}
+        await channel.send_frame(
+            encode_frame(["welcome", PROTOCOL_VERSION, info | self._welcome_extra])
+        )
+        with trio.move_on_at(until):
+            going = True
+            while going:
+                frame = await channel.receive_frame()
+                going, reply = await self._on_device(replaying.run, frame, rank=rank, waits=waits)
+                if reply is not None:
+                    await channel.send_frame(reply)
+        log.info("native session %d: ended after %d batches", session_id, replaying.batches)
+
     # --- letting go: close or park --------------------------------------------------------
 
     async def _let_go(
@@ -605,6 +653,15 @@ def _hello_options(header: list) -> dict:
     if type(options.get("private", False)) is not bool:
         raise RemoteProtocolError("private must be true or false")
     return options
+
+
+def _is_native_hello(header: list) -> bool:
+    return (
+        header[0] == "hello"
+        and len(header) == 3
+        and isinstance(header[2], dict)
+        and ("native" in header[2])
+    )
 
 
 def _resume_token(header: list) -> str:

@@ -41,9 +41,9 @@ from typing import Any
 import torch
 
 from .._errors import RemoteProtocolError
+from ..wire.protocol import CpuTensorRef
 from .blobs import PIECE, digest, is_digest, piece_count
 from .checkpoint import Checkpoint, StorageImage
-from .protocol import CpuTensorRef
 
 #: Replay log size past which a checkpoint is taken at the next batch, sync point or not.
 DEFAULT_MAX_LOG_BYTES = 256 * 1024 * 1024

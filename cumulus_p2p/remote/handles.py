@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .protocol import TensorRef, storage_extent
+from ..wire.protocol import TensorRef, storage_extent
 
 if TYPE_CHECKING:
     from .session import SessionStats

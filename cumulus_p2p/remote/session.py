@@ -41,6 +41,14 @@ from typing import Any
 import torch
 
 from .._errors import BlobMismatchError, RemoteProtocolError, StandbyFullError
+from ..wire.protocol import (
+    CpuTensorRef,
+    DeviceToken,
+    TensorRef,
+    aligned_bytes,
+    split_blobs,
+    storage_extent,
+)
 from .blobs import MAX_HAVE, PIECE, digest, is_digest
 from .blobstore import BlobStore, PinnedBlob
 from .failover import StorageEntry
@@ -62,14 +70,6 @@ from .handles import (
 )
 from .kept import KeptPieces
 from .ops import UnknownOpError, resolve_op
-from .protocol import (
-    CpuTensorRef,
-    DeviceToken,
-    TensorRef,
-    aligned_bytes,
-    split_blobs,
-    storage_extent,
-)
 from .restoring import PieceTargets
 from .waits import WaitWindow
 

@@ -42,9 +42,9 @@ from dataclasses import dataclass
 
 from .._errors import CumulusError, SessionClosedError
 from ..channel.transport import FrameChannel
+from ..wire.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
 from .blobservice import Source, grant_of
 from .failover import Manifest
-from .protocol import PROTOCOL_VERSION, decode_frame, encode_frame
 
 log = logging.getLogger(__name__)
 

@@ -73,10 +73,10 @@ import trio
 
 from .._errors import FrameTooLargeError, RemoteProtocolError, SessionClosedError
 from ..channel.transport import AsyncFrameChannel, Handover, HandoverError, frame_header
+from ..wire.protocol import decode_frame
 from . import blobservice
 from .executor import ExecutorConfig, pick_device, send_last, serve_plain_tcp
 from .health import CHECK_TIMEOUT_S, DeviceHealth
-from .protocol import decode_frame
 from .scheduler import (
     DEFAULT_QUANTUM_S,
     DEFAULT_RANK,

@@ -32,10 +32,10 @@ import torch
 from torch.optim import optimizer as _torch_optimizer
 from torch.utils import _foreach_utils
 
+from ..wire.protocol import EXT_TENSOR, TensorRef, aligned_bytes, pack_tensor_ref, storage_extent
 from .blobs import BLOB_MIN, MAX_HAVE, digest
 from .client import RemoteSession, current_session, stream_chunk
 from .ops import op_name, written_arguments
-from .protocol import EXT_TENSOR, TensorRef, aligned_bytes, pack_tensor_ref, storage_extent
 from .transfer import STREAM_CHUNK, pieces
 
 #: Named by PrivateUse1's own name so it exists before ``device.register()``; torch calls

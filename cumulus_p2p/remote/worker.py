@@ -65,8 +65,8 @@ import trio
 from ..channel.secure.server import SecureServer, SecureServerChannel
 from ..channel.transport import AsyncFrameChannel, Handover, TrioFrameChannel, nbytes
 from ..executor_options import GraphCompiler
+from ..wire.protocol import decode_frame
 from .executor import DEFAULT_BLOB_CAP, Executor, ExecutorConfig
-from .protocol import decode_frame
 from .scheduler import DeviceScheduler, Sharing
 from .workerlink import LinkClosedError, TurnFlag, WorkerLink
 

@@ -3,6 +3,7 @@ through an in-process ``Executor``'s session."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import trio.testing
 from ..channel.secure import SecureClientChannel, connect_secure
 from ..channel.transport import TrioFrameChannel
 from ..identity import NodeIdentity
-from ..remote.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
+from ..wire.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
 
 _LISTENING = re.compile(r"listening on ([0-9.]+):(\d+)")
 _KEY = re.compile(r"key=([0-9a-f]{64})")
@@ -24,15 +25,23 @@ _KEY = re.compile(r"key=([0-9a-f]{64})")
 
 @contextmanager
 def executor_process(
-    *, device: str = "cpu", quota: str = "8GiB", extra: list[str] | None = None
+    *,
+    device: str = "cpu",
+    quota: str = "8GiB",
+    extra: list[str] | None = None,
+    env: dict[str, str] | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Run ``cumulus-executor`` on 127.0.0.1, yield ``("127.0.0.1:PORT", process)``.
+    """Run ``cumulus-executor`` on 127.0.0.1, yield ``("127.0.0.1:PORT", process)``;
+    ``env`` adds to this process's environment for it.
 
     The process is terminated (then killed) on exit, whatever happened inside.
     """
     cmd = [sys.executable, "-m", "cumulus_p2p.remote.executor_main", "--host", "127.0.0.1"]
     cmd += ["--port", "0", "--device", device, "--quota", quota, *(extra or [])]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    environ = {**os.environ, **(env or {})}
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ
+    )
     try:
         line = proc.stdout.readline()
         match = _LISTENING.search(line)
@@ -48,14 +57,15 @@ def executor_process(
 
 @contextmanager
 def secure_executor_channel(
-    data_dir: str | Path, *, extra: list[str] | None = None
+    data_dir: str | Path, *, extra: list[str] | None = None, env: dict[str, str] | None = None
 ) -> Iterator[tuple[SecureClientChannel, subprocess.Popen]]:
     """Run ``cumulus-executor --secure`` on 127.0.0.1 (its key in ``data_dir``) for one new
-    consumer key; yield a secure channel open to it as that consumer, and the process."""
+    consumer key; yield a secure channel open to it as that consumer, and the process.
+    ``extra`` and ``env`` as ``executor_process``'s."""
     consumer = NodeIdentity.generate()
     flags = [*(extra or []), "--secure", "--data-dir", str(data_dir)]
     flags += ["--allow-key", consumer.public_key.hex()]
-    with executor_process(extra=flags) as (address, proc):
+    with executor_process(extra=flags, env=env) as (address, proc):
         host, port = address.split(":")
         channel = connect_secure(
             host, int(port), identity=consumer, expected_peer_public_key=proc.provider_key

@@ -1,7 +1,11 @@
-"""The frames between a native session and its executor process (sans-IO).
+"""The frames of a native session with its executor, after its hello (sans-IO).
 
-Each frame travels length-prefixed over ``cumulus_p2p.channel.transport``'s channels;
-this module only says what the bytes inside mean.
+Each frame travels length-prefixed over ``cumulus_p2p.channel.transport``'s channels
+(plain TCP or the secure channel); this module only says what the bytes inside mean.
+
+A native session opens as every session does (``protocol``): the client's
+``["hello", PROTOCOL_VERSION, {"native": VERSION, ...}]`` and the executor's
+``["welcome", ...]`` or ``["fatal", why]``. From then on, only these frames.
 
 Client to executor::
 
@@ -11,10 +15,12 @@ Client to executor::
                      interned since its last frame); `reply` 1: answer when done
       kind 2 BYE     the session ends (no reply)
 
-Executor to client, only for a request with `reply` 1::
+Executor to client, only for a request with `reply` 1, an op-stream frame
+(``protocol.encode_frame``: a msgpack header, then the blobs)::
 
-    Reply := 0:u8 n:u32 (len:u64 bytes)[n]           the batch's readbacks, in order
-           | 1:u8 record:i64 kind_len:u32 kind message   the session's first failure
+    ["ok", lengths] + blobs          the batch's readbacks, in order
+    ["failed", record, kind, why]    the session's first failed record
+    ["fatal", why]                   the session is over (sent unasked, as for any session)
 
 A failure ends the session's usefulness: the executor replays nothing after it and
 answers every later request with the same failure (the client's picture of the
@@ -26,8 +32,11 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
-from .._errors import MalformedMessageError
+from .._errors import MalformedMessageError, SessionClosedError
+from .protocol import decode_frame, encode_frame, split_blobs
 
+#: The native frames' version, named in the hello: both sides must speak the same.
+VERSION = 1
 BATCH, BYE = 1, 2
 _HEAD = struct.Struct("<BBI")
 _LEN = struct.Struct("<I")
@@ -68,44 +77,30 @@ def parse_request(frame: bytes | bytearray) -> tuple[int, bool, list[str], memor
     return kind, bool(reply), names, view[at:]
 
 
-def ok(readbacks: Sequence[bytes]) -> list[bytes]:
+def ok(readbacks: Sequence[bytes]) -> list:
     """A reply carrying the batch's readbacks."""
-    parts = [struct.pack("<BI", 0, len(readbacks))]
-    for data in readbacks:
-        parts += [struct.pack("<Q", len(data)), data]
-    return parts
+    return encode_frame(["ok", [len(data) for data in readbacks]], list(readbacks))
 
 
-def failed(record: int, kind: str, message: str) -> list[bytes]:
+def failed(record: int, kind: str, message: str) -> list:
     """A reply carrying the session's first failure."""
-    data = kind.encode()
-    return [struct.pack("<BqI", 1, record, len(data)) + data + message.encode()]
+    return encode_frame(["failed", record, kind, message])
 
 
-def parse_reply(frame: bytes | bytearray) -> list[bytes] | tuple[int, str, str]:
+def parse_reply(frame: bytes | bytearray) -> list[memoryview] | tuple[int, str, str]:
     """The readbacks of an ``ok`` reply, or (record, kind, message) of a failure.
 
     Raises:
-        MalformedMessageError: the reply is truncated or of an unknown status.
+        SessionClosedError: the executor ended the session (``fatal``, ``lost``); the
+            message says why.
+        RemoteProtocolError: the reply is malformed.
     """
-    view = memoryview(frame)
-    try:
-        status = view[0]
-        if status == 1:
-            record, length = struct.unpack_from("<qI", view, 1)
-            kind = bytes(view[13 : 13 + length]).decode()
-            return record, kind, bytes(view[13 + length :]).decode()
-        if status != 0:
-            raise MalformedMessageError(f"unknown reply status {status}")
-        (count,) = struct.unpack_from("<I", view, 1)
-        at, out = 5, []
-        for _ in range(count):
-            (length,) = struct.unpack_from("<Q", view, at)
-            at += 8
-            if at + length > len(view):
-                raise MalformedMessageError("reply truncated")
-            out.append(bytes(view[at : at + length]))
-            at += length
-        return out
-    except (IndexError, struct.error) as exc:
-        raise MalformedMessageError(f"reply truncated: {exc}") from None
+    header, area = decode_frame(frame)
+    match header:
+        case ["ok", lengths]:
+            return split_blobs(area, lengths)
+        case ["failed", int(record), str(kind), str(message)]:
+            return record, kind, message
+        case ["fatal", str(message)] | ["lost", str(message), *_]:
+            raise SessionClosedError(f"the executor ended the session: {message}")
+    raise MalformedMessageError(f"not a native session's reply: {header[0]!r}")
