@@ -2,8 +2,8 @@
 
 ``cumulus-node --consume [requirements] -- python train.py [args]`` runs the script as::
 
-    python -m cumulus_p2p.shim [--no-cuda-compat] train.py [args...]
-    python -m cumulus_p2p.shim [--no-cuda-compat] -m package.module [args...]
+    python -m cumulus_p2p.shim [--no-cuda-compat | --native] train.py [args...]
+    python -m cumulus_p2p.shim [--no-cuda-compat | --native] -m package.module [args...]
 
 The shim attaches the session the environment describes (``connect``), turns on CUDA
 compatibility mode (``cumulus_p2p.remote.cuda_compat``) unless told not to, and runs the
@@ -12,6 +12,12 @@ script as ``__main__`` the way ``python train.py`` would: ``sys.argv`` is
 way the script ends (returning, ``sys.exit``, an exception, Ctrl-C, SIGTERM), the session
 is detached, so the executor releases the script's remote memory at once rather than
 holding it for a consumer that might come back.
+
+With ``--native`` the script runs on the native C++ device instead
+(``cumulus_p2p.native``; ``connect_native``): eager ops cost what a CPU tensor's do on
+this side, and the host replays each batch in C++. It has no failover, checkpoints or
+CUDA compatibility mode yet: a script that loses its host ends with an error saying so,
+and it names its tensors' device ``cumulus``.
 
 Exit status: the script's own (an uncaught exception prints its traceback and exits 1, as
 in plain Python; SIGTERM exits 143); 2 when the shim cannot start the script: a bad command
@@ -38,12 +44,15 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from . import remote
 from ._errors import CumulusError, SessionClosedError
 from .node import control
-from .remote import cuda_compat as _cuda_compat
-from .remote.client import RemoteSession
+
+if TYPE_CHECKING:  # the native device cannot share a process with the Python one
+    from .native.session import NativeSession
+    from .remote.client import RemoteSession
 
 #: ``host:port`` of a plain-TCP executor.
 ENV_EXECUTOR = "CUMULUS_EXECUTOR"
@@ -52,8 +61,8 @@ EXIT_CANNOT_START = 2
 STOP_GRACE_S = 10.0
 _PR_SET_PDEATHSIG = 1
 USAGE = (
-    "usage: python -m cumulus_p2p.shim [--no-cuda-compat] script.py [args...]\n"
-    "       python -m cumulus_p2p.shim [--no-cuda-compat] -m package.module [args...]"
+    "usage: python -m cumulus_p2p.shim [--no-cuda-compat | --native] script.py [args...]\n"
+    "       python -m cumulus_p2p.shim [--no-cuda-compat | --native] -m package.module [args...]"
 )
 
 
@@ -71,8 +80,60 @@ def connect(environ: Mapping[str, str]) -> RemoteSession:
         SessionClosedError: nothing in ``environ`` says where the session is, or the executor
             cannot be reached or refuses the session.
     """
-    if environ.get(control.ENV_ADDRESS) and environ.get(control.ENV_TOKEN):
+    from . import remote
+
+    if _leased(environ):
         return _connect_leased(environ)
+    address = _executor_address(environ)
+    try:
+        return remote.attach(address).session
+    except (OSError, ValueError, CumulusError) as exc:
+        raise SessionClosedError(f"cannot attach to the executor at {address}: {exc}") from exc
+
+
+def connect_native(environ: Mapping[str, str]) -> NativeSession:
+    """As ``connect``, for the native device: load it and open its session with the
+    host the environment describes (a leased one over the secure channel, without
+    failover; or ``CUMULUS_EXECUTOR``).
+
+    Raises:
+        SessionClosedError: as ``connect``; also when the native device cannot be built
+            here (the message names what to install).
+    """
+    from . import native
+
+    try:
+        native.load()  # before the script's first backward: autograd sizes its queues once
+    except RuntimeError as exc:
+        raise SessionClosedError(str(exc)) from exc
+    from .native.session import NativeSession
+
+    if _leased(environ):
+        from .node.native_attach import attach_native_leased
+
+        try:
+            return attach_native_leased(_control_client(environ))
+        except (OSError, ValueError, CumulusError) as exc:
+            raise SessionClosedError(f"cannot open the leased native session: {exc}") from exc
+    address = _executor_address(environ)
+    host, _, port = address.rpartition(":")
+    try:
+        return NativeSession.connect(host, int(port))
+    except (OSError, ValueError, CumulusError) as exc:
+        raise SessionClosedError(
+            f"cannot open a native session with the executor at {address}: {exc}"
+        ) from exc
+
+
+def _leased(environ: Mapping[str, str]) -> bool:
+    return bool(environ.get(control.ENV_ADDRESS) and environ.get(control.ENV_TOKEN))
+
+
+def _control_client(environ: Mapping[str, str]) -> control.ControlClient:
+    return control.ControlClient(environ[control.ENV_ADDRESS], environ[control.ENV_TOKEN])
+
+
+def _executor_address(environ: Mapping[str, str]) -> str:
     address = environ.get(ENV_EXECUTOR)
     if not address:
         raise SessionClosedError(
@@ -80,10 +141,7 @@ def connect(environ: Mapping[str, str]) -> RemoteSession:
             f"`cumulus-node --consume ... -- python script.py`, or set {ENV_EXECUTOR}=host:port "
             "of a running `cumulus-executor`."
         )
-    try:
-        return remote.attach(address).session
-    except (OSError, ValueError, CumulusError) as exc:
-        raise SessionClosedError(f"cannot attach to the executor at {address}: {exc}") from exc
+    return address
 
 
 def _connect_leased(environ: Mapping[str, str]) -> RemoteSession:
@@ -91,8 +149,7 @@ def _connect_leased(environ: Mapping[str, str]) -> RemoteSession:
     from .node.attach import attach_leased
 
     try:
-        client = control.ControlClient(environ[control.ENV_ADDRESS], environ[control.ENV_TOKEN])
-        return attach_leased(client).session
+        return attach_leased(_control_client(environ)).session
     except (OSError, ValueError, CumulusError) as exc:
         raise SessionClosedError(f"cannot open the leased session: {exc}") from exc
 
@@ -103,6 +160,7 @@ def run(
     *,
     module: bool = False,
     cuda_compat: bool = True,
+    native: bool = False,
     environ: Mapping[str, str] | None = None,
 ) -> None:
     """Attach, run ``target`` as ``__main__``, detach.
@@ -112,30 +170,52 @@ def run(
         args: the script's arguments (``sys.argv[1:]`` as it sees them).
         module: run ``target`` as a module instead of a file.
         cuda_compat: turn on CUDA compatibility mode while the script runs.
+        native: run on the native device (``connect_native``; no CUDA compatibility).
         environ: where ``connect`` reads the session from (default ``os.environ``).
 
     Raises:
         SessionClosedError: from ``connect``; the script did not run.
         BaseException: whatever the script raises, ``SystemExit`` included, unchanged.
     """
-    session = connect(os.environ if environ is None else environ)
-    _run_attached(session, target, args, module=module, cuda_compat=cuda_compat)
+    command = _Command(target, list(args), module, cuda_compat and not native, native)
+    environ = os.environ if environ is None else environ
+    session = connect_native(environ) if native else connect(environ)
+    _run_attached(session, command)
 
 
-def _run_attached(
-    session: RemoteSession, target: str, args: Sequence[str], *, module: bool, cuda_compat: bool
-) -> None:
+@dataclass
+class _Command:
+    """What the shim was asked to run, and how."""
+
+    target: str
+    args: list[str]
+    module: bool = False
+    cuda_compat: bool = True
+    native: bool = False
+
+
+def _run_attached(session: RemoteSession | NativeSession, command: _Command) -> None:
     try:
-        compat = _cuda_compat.cuda_compat() if cuda_compat else contextlib.nullcontext()
-        with compat, _as_main(target, args, module=module):
-            if module:
-                runpy.run_module(target, run_name="__main__", alter_sys=True)
+        with _compat(command), _as_main(command.target, command.args, module=command.module):
+            if command.module:
+                runpy.run_module(command.target, run_name="__main__", alter_sys=True)
             else:
-                runpy.run_path(target, run_name="__main__")
+                runpy.run_path(command.target, run_name="__main__")
     finally:
-        remote.detach()
+        if not command.native:
+            from . import remote
+
+            remote.detach()
         session.close()  # in case the script attached a session of its own meanwhile
         _report_final_counts(os.environ)
+
+
+def _compat(command: _Command) -> contextlib.AbstractContextManager:
+    if not command.cuda_compat:
+        return contextlib.nullcontext()
+    from .remote import cuda_compat
+
+    return cuda_compat.cuda_compat()
 
 
 def _report_final_counts(environ: Mapping[str, str]) -> None:
@@ -144,7 +224,7 @@ def _report_final_counts(environ: Mapping[str, str]) -> None:
     address, token = environ.get(control.ENV_ADDRESS), environ.get(control.ENV_TOKEN)
     if not (address and token):
         return
-    from .node.attach import USAGE
+    from .node.dial import USAGE
 
     try:
         control.report_usage(address, token, USAGE.snapshot())
@@ -173,13 +253,15 @@ def _as_main(target: str, args: Sequence[str], *, module: bool) -> Iterator[None
         sys.path[:] = saved_path
 
 
-def _parse(argv: Sequence[str]) -> tuple[str, list[str], bool, bool] | str:
-    """``(target, args, module, cuda_compat)``, or the message for a bad command line."""
-    cuda_compat, i = True, 0
+def _parse(argv: Sequence[str]) -> _Command | str:
+    """What to run, or the message for a bad command line."""
+    flags, i = {"cuda_compat": True, "native": False}, 0
     while i < len(argv):
         arg = argv[i]
         if arg == "--no-cuda-compat":
-            cuda_compat = False
+            flags["cuda_compat"] = False
+        elif arg == "--native":
+            flags |= {"native": True, "cuda_compat": False}  # compat is the Python device's
         elif arg == "--":
             i += 1
             break
@@ -188,7 +270,7 @@ def _parse(argv: Sequence[str]) -> tuple[str, list[str], bool, bool] | str:
         elif arg == "-m":
             if i + 1 >= len(argv):
                 return f"-m needs a module name\n{USAGE}"
-            return argv[i + 1], list(argv[i + 2 :]), True, cuda_compat
+            return _Command(argv[i + 1], list(argv[i + 2 :]), True, **flags)
         elif arg.startswith("-"):
             return f"unknown option {arg!r}\n{USAGE}"
         else:
@@ -196,7 +278,7 @@ def _parse(argv: Sequence[str]) -> tuple[str, list[str], bool, bool] | str:
         i += 1
     if i >= len(argv):
         return f"no script given\n{USAGE}"
-    return argv[i], list(argv[i + 1 :]), False, cuda_compat
+    return _Command(argv[i], list(argv[i + 1 :]), False, **flags)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -209,21 +291,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if isinstance(parsed, str):
         print(parsed, file=sys.stdout if parsed == USAGE else sys.stderr)
         return 0 if parsed == USAGE else EXIT_CANNOT_START
-    target, args, module, cuda_compat = parsed
-    if not module and not os.path.isfile(target):
-        print(f"cumulus shim: can't open file {target!r}", file=sys.stderr)
+    if not parsed.module and not os.path.isfile(parsed.target):
+        print(f"cumulus shim: can't open file {parsed.target!r}", file=sys.stderr)
         return EXIT_CANNOT_START
     if not _stop_when_node_is_gone(os.environ):
         print("cumulus shim: the cumulus-node that started this script is gone", file=sys.stderr)
         return EXIT_CANNOT_START
     try:
-        session = connect(os.environ)
+        session = connect_native(os.environ) if parsed.native else connect(os.environ)
     except SessionClosedError as exc:
         print(f"cumulus shim: {exc}", file=sys.stderr)
         return EXIT_CANNOT_START
     with _sigterm_exits():
         try:
-            _run_attached(session, target, args, module=module, cuda_compat=cuda_compat)
+            _run_attached(session, parsed)
         except _Terminated:
             _exit_at_once(128 + signal.SIGTERM)
     return 0
@@ -249,7 +330,7 @@ def _stop_when_node_is_gone(environ: Mapping[str, str]) -> bool:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != int(node_pid):
             return False
-    from .node.attach import USAGE
+    from .node.dial import USAGE
 
     watch = threading.Thread(target=_watch_node, args=(address, token, USAGE.snapshot), daemon=True)
     watch.start()

@@ -218,3 +218,26 @@ def test_consoles_show_no_third_party_log_lines_and_the_node_log_keeps_them(mesh
     ours = [x for x in consumer.output().splitlines() if x.startswith("cumulus: ")]
     assert ours[0].startswith("cumulus: leased 1 share(s)")
     assert any(x.startswith("cumulus: receipt 0 from ") for x in ours), ours
+
+
+def test_a_native_script_trains_on_a_leased_host_with_matching_books(mesh):
+    root, boot, providers = mesh
+    script = SCRIPTS / "native_train.py"
+    consumer = nodes.start_consumer(
+        root / "native",
+        boot.addr,
+        "--max-price",
+        "1.0",
+        "--native",
+        command=[str(script), "cumulus"],
+    )
+    assert consumer.proc.wait(timeout=240) == 0, consumer.output()
+    local = subprocess.run(
+        [sys.executable, str(script), "cpu"], capture_output=True, text=True, check=True
+    )
+    result = last_json(consumer)
+    assert result["device"] == "cumulus:0"
+    assert result["losses"] == json.loads(local.stdout.strip().splitlines()[-1])["losses"]
+    # The provider's receipts count the native session's bytes as the consumer counted them.
+    (lease,) = json.loads((root / "native" / "state.json").read_text())["leases"]
+    assert lease["bytes_counted"] == lease["bytes"] == bytes_moved(root / "native") > 0

@@ -275,6 +275,7 @@ def _consumer_options(args, script: list[str]):
         match_timeout=args.match_timeout,
         wait_for_host=args.wait_for_host,
         cuda_compat=not args.no_cuda_compat,
+        native=args.native,
         checkpoint_interval=args.checkpoint_interval,
         backoff=BackoffPolicy(base_s=args.host_backoff),
         checkpoint_to=args.checkpoint_to,

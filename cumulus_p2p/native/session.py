@@ -96,6 +96,10 @@ class NativeSession:
         self._ext.begin_session()
         self._failure: NativeSessionError | None = None
         self.flushes = 0
+        #: Records sent, and a transfer under way (never: uploads are records too), as
+        #: the node's job status shows a session (``node.dial.Counted``).
+        self.ops_sent = 0
+        self.transfer = None
         # Autograd's device thread may flush (early) while the main thread waits in
         # backward(); one lock keeps a frame whole and replies in order.
         self._lock = threading.Lock()
@@ -128,14 +132,23 @@ class NativeSession:
                 batch or an earlier one.
         """
         with self._lock:
-            batch, _ = self._ext.take_batch()
+            batch, records = self._ext.take_batch()
             names = self._ext.op_names(self._names_sent)
             self._names_sent += len(names)
-            self._channel.send_frame(wire.request(wire.BATCH, names, batch, reply=wait))
-            self.flushes += 1
-            if not wait:
-                return []
-            reply = wire.parse_reply(self._channel.recv_frame())
+            try:
+                self._channel.send_frame(wire.request(wire.BATCH, names, batch, reply=wait))
+                self.flushes += 1
+                self.ops_sent += records
+                if not wait:
+                    return []
+                frame = self._channel.recv_frame()
+            except (OSError, SessionClosedError) as exc:
+                raise SessionClosedError(
+                    f"lost the executor ({exc}). A native session cannot move to another "
+                    "host yet: its tensors are gone with this one; run without --native "
+                    "for failover"
+                ) from exc
+        reply = wire.parse_reply(frame)
         if isinstance(reply, tuple):
             record, kind, message = reply
             self._failure = NativeSessionError(f"the executor failed: {message}", record, kind)

@@ -149,6 +149,9 @@ class ConsumerOptions:
         duration_s: Lease length.
         match_timeout: Seconds to wait for a matching offer before giving up.
         cuda_compat: Run CUDA-style scripts unchanged on the remote device.
+        native: Run the script on the native C++ device (``cumulus_p2p.native``): eager
+            ops at a CPU tensor's cost, without failover, checkpoints or CUDA
+            compatibility yet.
         checkpoint_interval: Seconds between session checkpoints (failover).
         checkpoint_to: Where they are kept (``control.CHECKPOINT_PLACES``): with a
             standby, on a second leased host.
@@ -170,6 +173,7 @@ class ConsumerOptions:
     duration_s: int = 3600
     match_timeout: float = 60.0
     cuda_compat: bool = True
+    native: bool = False
     checkpoint_interval: float = 30.0
     checkpoint_to: str = "standby"
     standby_gib: int = 4
@@ -929,7 +933,9 @@ def _held_row(held: Held, desk: ReceiptDesk) -> dict:
     }
 
 
-def script_command(command: tuple[str, ...], *, cuda_compat: bool) -> list[str]:
+def script_command(
+    command: tuple[str, ...], *, cuda_compat: bool, native: bool = False
+) -> list[str]:
     """The child's command line: the script under the shim, with this interpreter.
 
     Accepts ``python train.py args``, ``python -m module args`` or ``train.py args``.
@@ -946,7 +952,9 @@ def script_command(command: tuple[str, ...], *, cuda_compat: bool) -> list[str]:
             f"`-- python -m package.module [args]`, not {' '.join(command)!r}"
         )
     shim = [sys.executable, "-m", "cumulus_p2p.shim"]
-    if not cuda_compat:
+    if native:
+        shim.append("--native")
+    elif not cuda_compat:
         shim.append("--no-cuda-compat")
     return [*shim, *args]
 
@@ -965,7 +973,7 @@ async def run_consumer(
         NoMatchError: No offer met the bid within ``options.match_timeout``.
     """
     identity = data.identity()
-    argv = script_command(options.command, cuda_compat=options.cuda_compat)
+    argv = script_command(options.command, cuda_compat=options.cuda_compat, native=options.native)
     async with open_runtime(identity, data, mesh_config, book_limits=book_limits) as runtime:
         desk = ReceiptDesk(identity, data.ledger())
         consumer = Consumer(runtime, options, desk)

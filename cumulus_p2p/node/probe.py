@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the shim measures; only the node judges, and it has the market loaded
     from ..market import Offer
 
+#: Hosts probed before giving up when each one misrepresents its device.
+MAX_PROBED_HOSTS = 4
 #: A measured performance below this fraction of the claim is a misrepresentation. The
 #: margin is wide: tenants share the device, and a busy host (a CPU provider whose
 #: machine runs other work, measured on a 2-core machine) can measure a quarter of its

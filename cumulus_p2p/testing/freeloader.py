@@ -27,10 +27,10 @@ from .._errors import CumulusError, NoMatchError, SessionClosedError
 from ..dht import MeshConfig
 from ..market.hostchoice import HostChoice
 from ..market.settlement import ReceiptDesk
-from ..node.attach import open_channel
 from ..node.consumer import Consumer, ConsumerOptions
 from ..node.control import SessionTicket
 from ..node.datadir import DataDir
+from ..node.dial import open_channel
 from ..node.runtime import open_runtime
 
 

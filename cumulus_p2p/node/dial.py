@@ -1,0 +1,123 @@
+"""Reaching a leased host from the script's process, and counting what the session carried.
+
+Both devices use this: the Python device (``attach``) and the native one
+(``native_attach``), so it imports neither.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, NamedTuple, Protocol
+
+from .._errors import HandshakeError, PeerAuthenticationError, PeerUnreachableError
+from ..channel.secure import connect_secure
+from ..channel.transport import CountingFrameChannel
+from ..identity import NodeIdentity
+from .control import SessionTicket, Transfer, Usage
+
+log = logging.getLogger("cumulus_p2p.node.dial")
+
+
+class Counted(Protocol):
+    """What the node's status shows of a session: its ops, and a transfer under way."""
+
+    ops_sent: int
+    transfer: Any
+
+
+#: Seconds a direct dial may take before the next address is tried.
+DIAL_TIMEOUT = 3.0
+
+
+class Opened(NamedTuple):
+    """A session channel, which path it took (for the node's status), and the endpoint
+    it dialled directly (None: it went through this node's door)."""
+
+    channel: Any
+    path: str
+    endpoint: str | None
+
+
+def open_channel(
+    ticket: SessionTicket, identity: NodeIdentity, *, resume_timeout: float = 10.0
+) -> Opened:
+    """Open the secure session channel a ticket describes (blocking).
+
+    Direct TCP to each of the provider's session endpoints first; when none can be
+    dialed (the provider is behind NAT or a firewall), the same channel through the
+    consumer node's door to it (``session_proxy``: a libp2p stream over the node's own
+    connection to the provider, relayed or not). A provider that answers and refuses is
+    not retried.
+
+    Returns:
+        The channel, which path it took, and the endpoint it dialled.
+
+    Raises:
+        PeerUnreachableError: no path reached the provider; the message names each.
+    """
+    keys = {"identity": identity, "expected_peer_public_key": ticket.provider_key}
+    keys |= {"lease": ticket.lease, "resume_timeout": resume_timeout}
+    failures = []
+    for endpoint in filter(None, (*ticket.endpoints, ticket.door)):
+        host, _, port = endpoint.rpartition(":")
+        direct = endpoint != ticket.door
+        try:
+            # An address that blackholes the dial must not hold up the next one long.
+            channel = connect_secure(
+                host, int(port), timeout=DIAL_TIMEOUT if direct else 10.0, **keys
+            )
+        except PeerAuthenticationError:
+            raise  # someone answered, and is not the provider: no other path will help
+        except (OSError, HandshakeError) as exc:
+            failures.append(f"{endpoint}: {exc}")
+            continue
+        if direct:
+            return Opened(channel, f"direct to {endpoint}", endpoint)
+        log.warning("provider's session port unreachable; going through libp2p")
+        why = "; ".join(failures)
+        return Opened(channel, f"libp2p door (no direct address answered: {why})", None)
+    raise PeerUnreachableError(
+        "could not reach the provider on any path (" + "; ".join(failures) + "). "
+        "The provider may be offline, or unreachable from here: a provider behind NAT "
+        "should forward its session port and set --advertise-host."
+    )
+
+
+class LeaseUsage:
+    """The bytes this process's session channels carried, per lease: what the node
+    checks its hosts' receipts against; and the ops its session sent, for the job's
+    status. The shim reports both over the control channel."""
+
+    def __init__(self) -> None:
+        self._bytes: dict[str, int] = {}
+        self.session: Counted | None = None
+
+    def count(
+        self, opened: Opened, ticket: SessionTicket, *, peer_address: str | None = None
+    ) -> CountingFrameChannel:
+        """The channel ``opened``, counted under the lease ``ticket`` names; other hosts
+        reach its host at ``peer_address`` (None: they cannot)."""
+        lease_id = ticket.lease_id
+        self._bytes.setdefault(lease_id, 0)
+
+        def add(n: int) -> None:
+            self._bytes[lease_id] += n
+
+        return CountingFrameChannel(opened.channel, add, peer_address=peer_address)
+
+    def snapshot(self) -> Usage:
+        """The counts now (safe from another thread)."""
+        session = self.session
+        if session is None:
+            return Usage(dict(self._bytes))
+        moving = session.transfer
+        transfer = None
+        if moving is not None:
+            seconds = max(0.0, time.monotonic() - moving.started)
+            transfer = Transfer(moving.what, moving.done, moving.total, seconds)
+        return Usage(dict(self._bytes), session.ops_sent, transfer)
+
+
+#: This process's counts (one process, one script, one node).
+USAGE = LeaseUsage()

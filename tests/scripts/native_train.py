@@ -1,0 +1,43 @@
+"""A few Adam steps of a tiny transformer, written for the native ``cumulus`` device.
+
+``python native_train.py DEVICE [steps] [gate]``: trains on DEVICE (``cumulus`` under
+``python -m cumulus_p2p.shim --native``, or ``cpu``) and prints one JSON line with the
+losses. With ``gate``, after the first step it prints ``holding`` and waits until that
+file exists, then trains on (a test kills the host meanwhile). Local CPU takes the math
+attention path, which the device takes too.
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from cumulus_p2p.testing.models import TinyTransformer
+
+device = sys.argv[1]
+steps = int(sys.argv[2]) if len(sys.argv) > 2 else 4
+gate = Path(sys.argv[3]) if len(sys.argv) > 3 else None
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = TinyTransformer(vocab=16, dim=8, heads=2, layers=2, ctx=4, dropout=0.0)
+x = torch.randint(0, 16, (2, 4))
+y = torch.roll(x, -1, dims=1)
+model, x, y = model.to(device), x.to(device), y.to(device)
+opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True)
+losses = []
+with sdpa_kernel(SDPBackend.MATH):
+    for step in range(steps):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x).reshape(-1, 16), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if gate is not None and step == 0:
+            print("holding", flush=True)
+            while not gate.exists():
+                time.sleep(0.05)
+print(json.dumps({"device": str(x.device), "losses": losses}), flush=True)

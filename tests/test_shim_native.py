@@ -1,0 +1,72 @@
+"""``python -m cumulus_p2p.shim --native``: a script runs on the native C++ device.
+
+The script's process loads the native device, so it never imports the Python one; each
+test starts a real ``cumulus-executor`` and runs the shim as a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cumulus_p2p import native, shim
+from cumulus_p2p.testing.executor import executor_process
+
+_MISSING = native.missing_toolchain()
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(_MISSING is not None, reason=f"cannot build the native device: {_MISSING}"),
+]
+
+SCRIPT = Path(__file__).parent / "scripts" / "native_train.py"
+#: Sums split across threads round differently: the executor runs one, as the script.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+def _shim(*args: str, executor: str) -> subprocess.Popen:
+    env = {**os.environ, shim.ENV_EXECUTOR: executor}
+    command = [sys.executable, "-m", "cumulus_p2p.shim", "--native", str(SCRIPT), *args]
+    return subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _losses(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def test_a_script_trains_on_the_native_device_with_a_local_runs_losses():
+    local = subprocess.run(
+        [sys.executable, str(SCRIPT), "cpu"], capture_output=True, text=True, check=True
+    )
+    with executor_process(env=ONE_THREAD) as (address, _):
+        out, err = _shim("cumulus", executor=address).communicate(timeout=120)
+    ran = _losses(out)
+    assert ran["device"] == "cumulus:0", err
+    assert ran["losses"] == _losses(local.stdout)["losses"]
+
+
+def test_a_script_that_loses_its_executor_ends_saying_it_cannot_fail_over(tmp_path):
+    gate = tmp_path / "gate"
+    with executor_process(env=ONE_THREAD) as (address, executor):
+        script = _shim("cumulus", "3", str(gate), executor=address)
+        assert script.stdout.readline().strip() == "holding"
+        executor.kill()
+        executor.wait()
+        gate.touch()
+        out, err = script.communicate(timeout=60)
+    assert script.returncode == 1
+    assert "lost the executor" in err
+    assert "run without --native for failover" in err
+
+
+def test_an_unreachable_executor_is_a_start_failure_naming_the_address():
+    proc = _shim("cumulus", executor="127.0.0.1:9")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == shim.EXIT_CANNOT_START
+    assert "cannot open a native session with the executor at 127.0.0.1:9" in err
