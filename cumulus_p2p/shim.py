@@ -15,9 +15,11 @@ holding it for a consumer that might come back.
 
 With ``--native`` the script runs on the native C++ device instead
 (``cumulus_p2p.native``; ``connect_native``): eager ops cost what a CPU tensor's do on
-this side, and the host replays each batch in C++. It has no failover, checkpoints or
-CUDA compatibility mode yet: a script that loses its host ends with an error saying so,
-and it names its tensors' device ``cumulus``.
+this side, and the host replays each batch in C++. A leased session that loses its host
+is replayed from its start on another (``native.replaylog``, bounded); there are no
+checkpoints or CUDA compatibility mode yet, so a script names its tensors' device
+``cumulus``, and one whose session outgrew the replay log ends with an error that says
+so when its host is lost.
 
 Exit status: the script's own (an uncaught exception prints its traceback and exits 1, as
 in plain Python; SIGTERM exits 143); 2 when the shim cannot start the script: a bad command

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from cumulus_p2p import native
+from cumulus_p2p._errors import SessionClosedError
 from cumulus_p2p.testing.native_process import in_native_process, stop_native_process
 
 _MISSING = native.missing_toolchain()
@@ -47,8 +48,11 @@ def _session(*, executor_quota: str = "8GiB", extra: tuple[str, ...] = (), **opt
             yield session
 
 
-def _train(device: str, steps: int) -> tuple[list[float], list[torch.Tensor]]:
-    """A few seeded Adam steps of a tiny transformer; weights and data made on the CPU."""
+def _train(
+    device: str, steps: int, *, kill_after: int = -1, kill=None
+) -> tuple[list[float], list[torch.Tensor]]:
+    """A few seeded Adam steps of a tiny transformer; weights and data made on the CPU.
+    Before step ``kill_after``, ``kill()`` (the executor)."""
     from cumulus_p2p.testing.models import TinyTransformer
 
     torch.manual_seed(0)
@@ -58,7 +62,9 @@ def _train(device: str, steps: int) -> tuple[list[float], list[torch.Tensor]]:
     model, x, y = model.to(device), x.to(device), y.to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True)
     losses = []
-    for _ in range(steps):
+    for step in range(steps):
+        if step == kill_after:
+            kill()
         opt.zero_grad()
         loss = F.cross_entropy(model(x).reshape(-1, 16), y.reshape(-1))
         loss.backward()
@@ -151,3 +157,56 @@ def test_a_session_over_the_secure_channel_reads_back_what_it_wrote():
 def test_a_session_asking_more_than_the_executors_quota_gets_the_executors():
     with _session(executor_quota="4096", quota=1 << 30) as session:
         assert session.info["quota"] == 4096
+
+
+@in_native_process
+def test_a_lost_executor_is_replaced_and_training_goes_on_with_the_same_losses():
+    from cumulus_p2p.channel.transport import SocketFrameChannel
+    from cumulus_p2p.native.session import NativeSession
+    from cumulus_p2p.testing.executor import executor_process
+
+    one_thread = {"OMP_NUM_THREADS": "1"}
+    with executor_process(env=one_thread) as (first, killed):
+        with executor_process(env=one_thread) as (second, _):
+            host, port = second.split(":")
+            moved_to = []
+
+            def reconnect(lost: str):
+                moved_to.append(lost)
+                return SocketFrameChannel.connect(host, int(port))
+
+            channel = SocketFrameChannel.connect(*_split(first))
+            with NativeSession(channel, reconnect=reconnect) as session:
+                moved, _ = _train("cumulus", steps=4, kill_after=2, kill=killed.kill)
+                assert session.failovers == 1
+                assert "lost the executor" in moved_to[0]
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        local, _ = _train("cpu", steps=4)
+    assert moved == local
+
+
+@in_native_process
+def test_a_session_whose_log_outgrew_its_bound_says_it_cannot_move():
+    from cumulus_p2p.channel.transport import SocketFrameChannel
+    from cumulus_p2p.native.session import NativeSession
+    from cumulus_p2p.testing.executor import executor_process
+
+    with executor_process() as (address, killed):
+        channel = SocketFrameChannel.connect(*_split(address))
+        with NativeSession(channel, reconnect=_never, log_bytes=1024) as session:
+            x = torch.ones(1024).to("cumulus")  # a 4 KiB upload: over the bound
+            assert x.sum().item() == 1024.0
+            killed.kill()
+            killed.wait()
+            with pytest.raises(SessionClosedError, match="outgrew the 1024 bytes"):
+                x.sum().item()
+            assert session.failovers == 0
+
+
+def _never(lost: str):
+    raise AssertionError(f"no move was possible, yet one was tried: {lost}")
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, port = address.split(":")
+    return host, int(port)

@@ -241,3 +241,37 @@ def test_a_native_script_trains_on_a_leased_host_with_matching_books(mesh):
     # The provider's receipts count the native session's bytes as the consumer counted them.
     (lease,) = json.loads((root / "native" / "state.json").read_text())["leases"]
     assert lease["bytes_counted"] == lease["bytes"] == bytes_moved(root / "native") > 0
+
+
+def test_a_native_job_is_replayed_on_another_host_when_its_provider_is_killed(tmp_path):
+    boot = loopback.start_boot(tmp_path)
+    providers = [
+        nodes.start_provider(tmp_path / f"p{i}", boot.addr, "--price", price)
+        for i, price in enumerate(("0.3", "0.7"))
+    ]
+    # The job holds after its first step; its provider is killed while it holds, so the
+    # next step finds the host gone.
+    gate, script = tmp_path / "gate", SCRIPTS / "native_train.py"
+    try:
+        for node in providers:
+            node.wait_for("providing")
+        consumer = nodes.start_consumer(
+            tmp_path / "consumer",
+            boot.addr,
+            "--native",
+            command=[str(script), "cumulus", "4", str(gate)],
+            env={"CUMULUS_RESUME_TIMEOUT": "1"},
+        )
+        consumer.wait_for("holding", timeout=120)
+        providers[0].proc.kill()
+        gate.touch()
+        assert consumer.proc.wait(timeout=180) == 0, consumer.output()
+    finally:
+        nodes.stop_all([*providers, boot])
+    local = subprocess.run(
+        [sys.executable, str(script), "cpu", "4"], capture_output=True, text=True, check=True
+    )
+    assert last_json(consumer)["losses"] == json.loads(local.stdout.splitlines()[-1])["losses"]
+    state = json.loads((tmp_path / "consumer" / "state.json").read_text())
+    assert [lease["state"] for lease in state["leases"]] == ["failed", "held"]
+    assert state["failovers"] == 1

@@ -376,8 +376,8 @@ def _add_lease_wishes(consume) -> None:
         "--native",
         action="store_true",
         help="run the script on the native C++ device: eager ops cost what they cost on a "
-        "CPU tensor, but no failover, checkpoints or CUDA compatibility yet (tensors on "
-        "device='cumulus')",
+        "CPU tensor; failover replays the session from its start while it fits in 256 MiB; "
+        "no checkpoints or CUDA compatibility yet (tensors on device='cumulus')",
     )
 
 

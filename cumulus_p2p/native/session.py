@@ -29,8 +29,11 @@ failure and this session raises ``NativeSessionError`` from that readback and ev
 later one. An executor that ends the session raises ``SessionClosedError`` with its
 reason.
 
-Not in this slice: failover, checkpoints and parking (a dropped connection ends the
-session), device turns cut between the ops of a batch, and a per-device generator
+Failover (with ``reconnect``): a lost executor is replaced by another, and the session
+is replayed there from its start (``replaylog``: the batches it sent, bounded in size).
+Not in this slice: checkpoints (so a long session's log outgrows its bound and it can
+no longer move), parking, device turns cut between the ops of a batch, and a per-device
+generator
 (seeding ``cumulus`` is a no-op; random ops draw from the executor session's generator,
 seeded with torch's default seed, or, for ops without a generator argument, from the
 executor process's default generator).
@@ -39,6 +42,7 @@ executor process's default generator).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -47,12 +51,15 @@ from ..channel.transport import FrameChannel, SocketFrameChannel
 from ..wire import native as wire
 from ..wire.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
 from . import load
+from .replaylog import DEFAULT_LIMIT_BYTES, ReplayLog
 
 #: Off by default (0): on this 2-core machine the early flushes did not pay for
 #: themselves (BENCHMARKS.md, "native session"); a session may set e.g. 32 KiB, about a
 #: third of a tiny transformer's step, to replay the start of a step while the client
 #: records the rest.
 DEFAULT_FLUSH_BYTES = 0
+#: Executors lost in a row while one batch is sent before the session gives up.
+MAX_MOVES = 4
 
 
 class NativeSessionError(CumulusError):
@@ -78,17 +85,28 @@ class NativeSession:
         *,
         quota: int | None = None,
         flush_bytes: int = DEFAULT_FLUSH_BYTES,
+        reconnect: Callable[[str], FrameChannel] | None = None,
+        log_bytes: int = DEFAULT_LIMIT_BYTES,
     ) -> None:
         """Open a session over ``channel``: at most ``quota`` bytes of storages (the
         executor caps it at its own), batches sent early once they hold ``flush_bytes``
         (0: only at sync points).
+
+        With ``reconnect``, a lost executor is replaced: ``reconnect(why)`` returns a
+        channel to another one, and the session is replayed there from its start
+        (``replaylog``), while its batches fit in ``log_bytes``.
 
         Raises:
             SessionClosedError: the executor refused the session; the message says why.
         """
         self._ext = load()
         self._channel = channel
+        self._quota = quota
         self.info = _hello(channel, quota)
+        self._reconnect = reconnect
+        self._log = ReplayLog(log_bytes) if reconnect is not None else None
+        #: Times the session moved to another executor.
+        self.failovers = 0
         # A new executor knows no names (the whole table goes with the first flush) and
         # no storages: records pending from before, and the deaths of tensors made
         # before, are not for it.
@@ -135,19 +153,14 @@ class NativeSession:
             batch, records = self._ext.take_batch()
             names = self._ext.op_names(self._names_sent)
             self._names_sent += len(names)
-            try:
-                self._channel.send_frame(wire.request(wire.BATCH, names, batch, reply=wait))
-                self.flushes += 1
-                self.ops_sent += records
-                if not wait:
-                    return []
-                frame = self._channel.recv_frame()
-            except (OSError, SessionClosedError) as exc:
-                raise SessionClosedError(
-                    f"lost the executor ({exc}). A native session cannot move to another "
-                    "host yet: its tensors are gone with this one; run without --native "
-                    "for failover"
-                ) from exc
+            if self._log is not None:
+                self._log.keep(names, batch)
+            request = wire.request(wire.BATCH, names, batch, reply=wait)
+            self.flushes += 1
+            self.ops_sent += records
+            frame = self._exchange(request, wait)
+        if frame is None:
+            return []
         reply = wire.parse_reply(frame)
         if isinstance(reply, tuple):
             record, kind, message = reply
@@ -155,6 +168,43 @@ class NativeSession:
         if self._failure is not None:
             raise self._failure
         return reply
+
+    def _exchange(self, request: list, wait: bool) -> bytearray | None:
+        """Send ``request`` and, with ``wait``, receive its reply; on another executor
+        if this one is lost and the session can move (``MAX_MOVES`` times in a row)."""
+        replay: list[list[bytes]] = []
+        for _ in range(MAX_MOVES + 1):
+            try:
+                for frame in replay:
+                    self._channel.send_frame(frame)
+                self._channel.send_frame(request)
+                return self._channel.recv_frame() if wait else None
+            except (OSError, SessionClosedError) as exc:
+                replay = self._move(f"lost the executor ({exc})")
+        raise SessionClosedError(
+            f"the session could not move: {MAX_MOVES} hosts in a row were lost"
+        )
+
+    def _move(self, lost: str) -> list[list[bytes]]:
+        """Open the session on the executor ``reconnect`` gives; return the batches to
+        replay there before the one in flight (the log's last, which the caller sends).
+
+        Raises:
+            SessionClosedError: the session cannot move; the message says why.
+        """
+        why = self._log.lost_because if self._log is not None else "it has no other host"
+        if why is not None:
+            raise SessionClosedError(
+                f"{lost}, and the session cannot move to another host: {why}. Its "
+                "tensors are gone with that host; run without --native for failover "
+                "from checkpoints"
+            )
+        channel = self._reconnect(lost)
+        self._channel.close()
+        self._channel = channel
+        self.info = _hello(channel, self._quota)
+        self.failovers += 1
+        return list(self._log.frames())[:-1]
 
     def _read_back(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         # The device appended the READBACK record just before calling this hook, so it

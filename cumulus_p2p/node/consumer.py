@@ -150,8 +150,8 @@ class ConsumerOptions:
         match_timeout: Seconds to wait for a matching offer before giving up.
         cuda_compat: Run CUDA-style scripts unchanged on the remote device.
         native: Run the script on the native C++ device (``cumulus_p2p.native``): eager
-            ops at a CPU tensor's cost, without failover, checkpoints or CUDA
-            compatibility yet.
+            ops at a CPU tensor's cost; failover replays the session from its start
+            (bounded); no checkpoints or CUDA compatibility yet.
         checkpoint_interval: Seconds between session checkpoints (failover).
         checkpoint_to: Where they are kept (``control.CHECKPOINT_PLACES``): with a
             standby, on a second leased host.

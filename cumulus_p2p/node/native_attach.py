@@ -4,10 +4,12 @@
 less what the native device cannot do yet: it asks the consumer node for the lease it
 matched, opens the secure session channel to that provider (``dial``), opens a native
 session over it and probes the device, moving on to the next host the node leases
-while one misrepresents its device. There is no failover and no checkpoint: when the
-host is lost, the script's next sync point raises and says so. Importing this module
-never imports the Python device (``cumulus_p2p.remote``), which cannot share a process
-with the native one.
+while one misrepresents its device. When the host is lost past the channel's resume
+grace period, the node leases another and the session is replayed there from its start
+(``native.replaylog``); there are no checkpoints yet, so a session whose batches
+outgrow the log cannot move, and says so. Importing this module never imports the
+Python device (``cumulus_p2p.remote``), which cannot share a process with the native
+one.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import logging
 import os
 
 from .._errors import PeerUnreachableError
+from ..channel.transport import CountingFrameChannel
 from ..native.session import NativeSession
-from .control import ControlClient
+from .control import ControlClient, SessionTicket
 from .datadir import DataDir, default_data_dir
 from .dial import USAGE, open_channel
 from .probe import MAX_PROBED_HOSTS, measure
@@ -37,12 +40,20 @@ def attach_native_leased(client: ControlClient) -> NativeSession:
     """
     identity = DataDir(default_data_dir()).identity()
     resume = float(os.environ.get("CUMULUS_RESUME_TIMEOUT", "10"))
+
+    def dial(ticket: SessionTicket) -> CountingFrameChannel:
+        opened = open_channel(ticket, identity, resume_timeout=resume)
+        client.report_path(ticket, opened.path)
+        return USAGE.count(opened, ticket)
+
+    def reconnect(lost: str) -> CountingFrameChannel:
+        log.warning("%s; asking the node for another host", lost)
+        return dial(client.failover(lost))
+
     why = None
     for _ in range(MAX_PROBED_HOSTS):
         ticket = client.session()
-        opened = open_channel(ticket, identity, resume_timeout=resume)
-        client.report_path(ticket, opened.path)
-        session = NativeSession(USAGE.count(opened, ticket))
+        session = NativeSession(dial(ticket), reconnect=reconnect)
         why = client.probe(measure(session, ticket.claimed_perf).to_wire())
         if why is None:
             USAGE.session = session

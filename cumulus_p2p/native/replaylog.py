@@ -1,0 +1,59 @@
+"""What a native session keeps to rebuild itself on another host: every batch it sent.
+
+A native session has no checkpoints yet, so its failover replays the whole session from
+its hello: every batch in order, uploads included, on a fresh executor. The replay is
+deterministic (the executor's ops are, given the same inputs, and the session's
+generator starts from the same seed), so the new host ends up holding the storages the
+lost one held, and the session goes on from the batch that was in flight.
+
+The log costs the client memory: it is bounded (``limit_bytes``). A session whose
+batches outgrow it drops the log and can no longer move; ``lost_because`` says so.
+Sans-IO: bytes in, bytes out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from ..wire import native as wire
+
+#: Bytes of batches kept for a failover, by default: a small model's upload and some
+#: thousands of steps of a tiny one.
+DEFAULT_LIMIT_BYTES = 256 * 1024**2
+
+
+class ReplayLog:
+    """The batches a session sent, in order, while they fit in ``limit_bytes``."""
+
+    def __init__(self, limit_bytes: int = DEFAULT_LIMIT_BYTES) -> None:
+        self.limit_bytes = limit_bytes
+        self._frames: list[list[bytes]] | None = []
+        self.nbytes = 0
+
+    @property
+    def lost_because(self) -> str | None:
+        """Why the session cannot be replayed elsewhere, or None while it can."""
+        if self._frames is not None:
+            return None
+        return f"its batches outgrew the {self.limit_bytes} bytes kept to replay it on another host"
+
+    def keep(self, names: Sequence[str], batch: bytes) -> None:
+        """Add a sent batch (and the op names it introduced); past the limit, drop all."""
+        if self._frames is None:
+            return
+        frame = wire.request(wire.BATCH, names, batch, reply=False)
+        self.nbytes += sum(len(part) for part in frame)
+        if self.nbytes > self.limit_bytes:
+            self._frames = None
+            return
+        self._frames.append(frame)
+
+    def frames(self) -> Iterator[list[bytes]]:
+        """The kept batches as requests that ask for no reply, oldest first.
+
+        Raises:
+            ValueError: the log was dropped (``lost_because``).
+        """
+        if self._frames is None:
+            raise ValueError(self.lost_because)
+        return iter(list(self._frames))

@@ -1,0 +1,40 @@
+"""The batches a native session keeps to replay itself on another host."""
+
+from __future__ import annotations
+
+import pytest
+
+from cumulus_p2p.native.replaylog import ReplayLog
+from cumulus_p2p.wire import native as wire
+
+
+def _batches(log: ReplayLog) -> list[tuple[list[str], bytes, bool]]:
+    out = []
+    for frame in log.frames():
+        kind, reply, names, batch = wire.parse_request(b"".join(frame))
+        assert kind == wire.BATCH
+        out.append((names, bytes(batch), reply))
+    return out
+
+
+def test_the_log_replays_each_batch_in_order_with_the_names_it_introduced():
+    log = ReplayLog(limit_bytes=1024)
+    log.keep(["aten::add.Tensor"], b"\x01first")
+    log.keep([], b"\x01second")
+    assert _batches(log) == [
+        (["aten::add.Tensor"], b"\x01first", False),
+        ([], b"\x01second", False),
+    ]
+    assert log.lost_because is None
+
+
+def test_a_log_past_its_limit_is_dropped_and_says_why_it_cannot_replay():
+    log = ReplayLog(limit_bytes=64)
+    log.keep([], b"x" * 32)
+    log.keep([], b"y" * 32)
+    assert log.lost_because is not None
+    assert "outgrew the 64 bytes" in log.lost_because
+    with pytest.raises(ValueError, match="outgrew"):
+        log.frames()
+    log.keep([], b"z")  # nothing comes back once the start is gone
+    assert log.lost_because is not None
