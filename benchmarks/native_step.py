@@ -8,14 +8,15 @@ process with ``cumulus_p2p.remote``), arms in turn, over several passes:
 
 - ``local``: the step on local CPU tensors, eager (forward, backward, foreach Adam,
   ``loss.item()``).
-- ``cumulus``: the same step on the native ``cumulus`` device, whose batch goes at the
-  ``item()`` sync over loopback TCP to a ``cumulus-executor`` process (one thread) that
-  replays it with the C++ loop (``csrc/replay.cpp``) and sends the loss back. Then, in
-  the same process, ``eager_cumulus_early_flush_ms``: the same with the batch sent
-  whenever it holds 32 KiB, so the executor can replay while the client records;
-  ``eager_cumulus_secure_ms``: the same over the secure channel to ``cumulus-executor
-  --secure``, as a leased session runs. Then the executor's cost alone: the same step's
-  batches replayed by a ``Replayer`` in-process, timed around ``replay`` only.
+- ``cumulus``: the same step on the native ``cumulus`` device, its batches sent over
+  loopback TCP to a ``cumulus-executor`` process (one thread) whenever they hold 16 KiB
+  (the session's default), and at the ``item()`` sync. The executor replays them with
+  the C++ loop (``csrc/replay.cpp``) while the client records the rest, and sends the
+  loss back. Then, in the same process, ``eager_cumulus_sync_only_ms``: the same with
+  the whole step sent at the sync; ``eager_cumulus_secure_ms``: the default over the
+  secure channel to ``cumulus-executor --secure``, as a leased session runs. Then the
+  executor's cost alone: the same step's batches replayed by a ``Replayer`` in-process,
+  timed around ``replay`` only.
 
 Prints JSON and writes ``benchmarks/results/native_step.json``::
 
@@ -42,8 +43,6 @@ from pathlib import Path
 from cumulus_p2p.testing.benchargs import median_seconds
 
 VOCAB, DIM, HEADS, LAYERS, CTX, BATCH = 64, 16, 2, 4, 16, 2
-#: The early-flush variant's threshold: about a third of a step's records.
-EARLY_FLUSH_BYTES = 32 * 1024
 
 
 def _setup(device: str):
@@ -120,8 +119,8 @@ def _cumulus_arm(steps: int) -> dict:
         host, port = address.split(":")
         with NativeSession.connect(host, int(port)):
             eager_cumulus_ms = median_seconds(_setup("cumulus"), steps) * 1e3
-        with NativeSession.connect(host, int(port), flush_bytes=EARLY_FLUSH_BYTES):
-            early_ms = median_seconds(_setup("cumulus"), steps) * 1e3
+        with NativeSession.connect(host, int(port), flush_bytes=0):
+            sync_only_ms = median_seconds(_setup("cumulus"), steps) * 1e3
     with tempfile.TemporaryDirectory() as data_dir:
         with secure_executor_channel(data_dir, env=one_thread) as (channel, _):
             with NativeSession(channel):
@@ -135,7 +134,7 @@ def _cumulus_arm(steps: int) -> dict:
     ext.set_readback_hook(None)
     return {
         "eager_cumulus_ms": eager_cumulus_ms,
-        "eager_cumulus_early_flush_ms": early_ms,
+        "eager_cumulus_sync_only_ms": sync_only_ms,
         "eager_cumulus_secure_ms": secure_ms,
         "executor_ms_per_step": executor_ms,
         "ops_per_step": ops,
@@ -187,7 +186,7 @@ def main() -> None:
         "eager_local_ms": round(m["eager_local_ms"], 2),
         "eager_cumulus_ms": round(m["eager_cumulus_ms"], 2),
         "cumulus_over_local": round(m["eager_cumulus_ms"] / m["eager_local_ms"], 2),
-        "eager_cumulus_early_flush_ms": round(m["eager_cumulus_early_flush_ms"], 2),
+        "eager_cumulus_sync_only_ms": round(m["eager_cumulus_sync_only_ms"], 2),
         "eager_cumulus_secure_ms": round(m["eager_cumulus_secure_ms"], 2),
         "executor_ms_per_step": round(m["executor_ms_per_step"], 2),
         "executor_us_per_op": round(executor_us, 2),

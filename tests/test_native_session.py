@@ -77,7 +77,7 @@ def _train(
 def test_a_tiny_transformer_trains_bit_identically_to_local_cpu():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with _session() as session:
+    with _session(flush_bytes=0) as session:
         remote_losses, remote_params = _train("cumulus", steps=4)
         # One flush per sync point: each step's loss.item(), then each parameter's read.
         assert session.flushes == 4 + len(remote_params)
@@ -93,7 +93,7 @@ def test_a_tiny_transformer_trains_bit_identically_to_local_cpu():
 
 @in_native_process
 def test_early_flushes_change_nothing_but_when_the_executor_replays():
-    with _session() as session:
+    with _session(flush_bytes=0) as session:
         synced, _ = _train("cumulus", steps=2)
         sync_flushes = session.flushes
     with _session(flush_bytes=4096) as session:

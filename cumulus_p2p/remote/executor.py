@@ -535,7 +535,10 @@ class Executor:
             going = True
             while going:
                 frame = await channel.receive_frame()
-                going, reply = await self._on_device(replaying.run, frame, rank=rank, waits=waits)
+                light = len(frame) <= native_wire.LIGHT_BYTES
+                going, reply = await self._on_device(
+                    replaying.run, frame, inline=light, rank=rank, waits=waits
+                )
                 if reply is not None:
                     await channel.send_frame(reply)
         log.info("native session %d: ended after %d batches", session_id, replaying.batches)

@@ -38,6 +38,9 @@ from .protocol import decode_frame, encode_frame, split_blobs
 #: The native frames' version, named in the hello: both sides must speak the same.
 VERSION = 1
 BATCH, BYE = 1, 2
+#: Requests this small are replayed on the executor's event loop (about a millisecond
+#: of records at most): cheaper than handing them to a thread and back.
+LIGHT_BYTES = 64 * 1024
 _HEAD = struct.Struct("<BBI")
 _LEN = struct.Struct("<I")
 
