@@ -210,3 +210,41 @@ def _never(lost: str):
 def _split(address: str) -> tuple[str, int]:
     host, port = address.split(":")
     return host, int(port)
+
+
+@in_native_process
+def test_a_600_mib_tensor_uploads_and_reads_back_bit_identically_in_bounded_frames():
+    from cumulus_p2p.native.session import MAX_BATCH_BYTES
+
+    with _session(flush_bytes=0) as session:
+        largest = _largest_frame(session)
+        a = torch.arange(600 * 2**20 // 4, dtype=torch.int32)
+        x = a.to("cumulus")
+        assert torch.equal(x.cpu(), a)
+        assert max(largest) <= MAX_BATCH_BYTES + 2**20
+        assert (x[-3:] + 1).tolist() == a[-3:].add(1).tolist()
+
+
+@in_native_process
+def test_a_large_transposed_tensor_uploads_and_reads_back_in_pieces():
+    with _session() as session:
+        largest = _largest_frame(session)
+        a = torch.arange(40 * 2**20 // 4, dtype=torch.float32).reshape(2048, -1).t()
+        x = a.to("cumulus")
+        assert not x.is_contiguous()
+        assert torch.equal(x.cpu(), a)
+        assert torch.equal(x.to("cpu", torch.float64), a.double())
+        assert max(largest) < 40 * 2**20
+
+
+def _largest_frame(session) -> list[int]:
+    """Record each frame's size the session sends from now on."""
+    sizes = [0]
+    send = session._channel.send_frame
+
+    def counted(parts):
+        sizes.append(sum(len(memoryview(p).cast("B")) for p in parts))
+        send(parts)
+
+    session._channel.send_frame = counted
+    return sizes

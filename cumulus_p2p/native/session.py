@@ -59,6 +59,10 @@ from .replaylog import DEFAULT_LIMIT_BYTES, ReplayLog
 #: points (BENCHMARKS.md, "The native session on the host's own executor"). 0: only at
 #: sync points.
 DEFAULT_FLUSH_BYTES = 16 * 1024
+#: A batch goes at the latest once it holds this much, whatever ``flush_bytes`` says, so
+#: that a frame stays well under the channel's limit (256 MiB) when a large tensor's
+#: upload pieces (16 MiB each) pile up between sync points.
+MAX_BATCH_BYTES = 64 * 1024**2
 #: Executors lost in a row while one batch is sent before the session gives up.
 MAX_MOVES = 4
 
@@ -91,7 +95,7 @@ class NativeSession:
     ) -> None:
         """Open a session over ``channel``: at most ``quota`` bytes of storages (the
         executor caps it at its own), batches sent early once they hold ``flush_bytes``
-        (0: only at sync points).
+        (0: only at sync points and once they hold ``MAX_BATCH_BYTES``).
 
         With ``reconnect``, a lost executor is replaced: ``reconnect(why)`` returns a
         channel to another one, and the session is replayed there from its start
@@ -123,8 +127,7 @@ class NativeSession:
         # backward(); one lock keeps a frame whole and replies in order.
         self._lock = threading.Lock()
         self._ext.set_readback_hook(self._read_back)
-        if flush_bytes:
-            self._ext.set_flush_hook(self.flush, flush_bytes)
+        self._ext.set_flush_hook(self.flush, min(flush_bytes or MAX_BATCH_BYTES, MAX_BATCH_BYTES))
 
     @classmethod
     def connect(cls, host: str, port: int, **options) -> NativeSession:

@@ -17,6 +17,7 @@
 // storage or writes to an argument; pure views and queries such as
 // `_fused_sdp_choice` stay on the client.
 #include <ATen/EmptyTensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/as_strided_native.h>
@@ -154,13 +155,32 @@ void record_device_copy(const at::Tensor& dst, const at::Tensor& src, bool non_b
   append_record(w);
 }
 
-void record_upload(const at::Tensor& dst, const at::Tensor& src) {
+void record_upload_piece(const at::Tensor& dst, const at::Tensor& src) {
   Writer w;
   w.begin_record(Kind::Upload);
   put_tensor_ref(w, dst);
   put_tensor_ref(w, src);  // a host tensor: its bytes travel in the record
   w.end_record();
   append_record(w);
+}
+
+// A large upload goes piece by piece into a contiguous device tensor (dst itself when it
+// is one), each piece flushed as the batch fills, then copied into dst on the device.
+void record_upload(const at::Tensor& dst, const at::Tensor& src) {
+  if (src.nbytes() <= static_cast<size_t>(kPieceBytes) || !src.sizes().equals(dst.sizes())) {
+    record_upload_piece(dst, src);
+    return;
+  }
+  const at::Tensor whole = dst.is_contiguous() ? dst : at::empty(dst.sizes(), dst.options());
+  const at::Tensor to = whole.view(-1);
+  const at::Tensor from = src.contiguous().view(-1);
+  const int64_t step = std::max<int64_t>(1, kPieceBytes / from.element_size());
+  for (int64_t at = 0; at < from.numel(); at += step) {
+    const int64_t n = std::min(step, from.numel() - at);
+    record_upload_piece(to.narrow(0, at, n), from.narrow(0, at, n));
+    maybe_flush();
+  }
+  if (!whole.is_same(dst)) record_device_copy(dst, whole, false);
 }
 
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {

@@ -2,6 +2,9 @@
 // The format is documented in record.h.
 #include "record.h"
 
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <unordered_map>
@@ -266,7 +269,9 @@ ReadbackHook& hook() {
 
 void set_readback_hook(ReadbackHook h) { hook() = std::move(h); }
 
-void read_back(const at::Tensor& src, const at::Tensor& dst) {
+namespace {
+
+void read_back_piece(const at::Tensor& src, const at::Tensor& dst) {
   Writer w;
   w.begin_record(Kind::Readback);
   put_tensor_ref(w, src);
@@ -276,6 +281,29 @@ void read_back(const at::Tensor& src, const at::Tensor& dst) {
               "cumulus: reading a tensor back needs an executor, and none is attached "
               "(the native device only records ops so far)");
   hook()(src, dst);
+}
+
+}  // namespace
+
+// A large readback comes piece by piece, each its own round trip, from a contiguous
+// device tensor (src itself when it is one) into a contiguous host tensor of src's
+// dtype (dst itself when it is one), then into dst.
+void read_back(const at::Tensor& src, const at::Tensor& dst) {
+  if (src.nbytes() <= static_cast<size_t>(kPieceBytes) || !src.sizes().equals(dst.sizes())) {
+    read_back_piece(src, dst);
+    return;
+  }
+  const at::Tensor whole = src.contiguous();
+  const bool direct = dst.is_contiguous() && dst.scalar_type() == src.scalar_type();
+  const at::Tensor host = direct ? dst : at::empty(src.sizes(), dst.options().dtype(src.dtype()));
+  const at::Tensor from = whole.view(-1);
+  const at::Tensor to = host.view(-1);
+  const int64_t step = std::max<int64_t>(1, kPieceBytes / from.element_size());
+  for (int64_t at = 0; at < from.numel(); at += step) {
+    const int64_t n = std::min(step, from.numel() - at);
+    read_back_piece(from.narrow(0, at, n), to.narrow(0, at, n));
+  }
+  if (!direct) dst.copy_(host);
 }
 
 }  // namespace cumulus

@@ -38,6 +38,10 @@
 //   `dtype` is c10::ScalarType's numbering; `offset`, `sizes` and `strides` count
 //   elements. Offsets and strides name a view of the storage, so the executor can cache
 //   one view per distinct reference.
+//
+//   No record grows with a tensor: an upload or a readback of more than kPieceBytes
+//   goes as one record per piece of a flat view (the batch is flushed between pieces
+//   once it holds the flush hook's bytes), so frames and replies stay bounded.
 #pragma once
 
 #include <cstdint>
@@ -51,6 +55,9 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 namespace cumulus {
+
+// The most bytes of tensor data one UPLOAD or READBACK record carries.
+constexpr int64_t kPieceBytes = 16 << 20;
 
 enum class Kind : uint8_t { Op = 1, Alloc = 2, Upload = 3, Readback = 4, Free = 5, Resize = 6 };
 
