@@ -8,13 +8,19 @@ in the suite's own process.
 
 from __future__ import annotations
 
+import dataclasses
+import struct
+
 import pytest
 import torch
 
 from cumulus_p2p import native
 from cumulus_p2p.native.errors import ReplayError
 from cumulus_p2p.native.records import (
+    CONJ_BIT,
+    NEG_BIT,
     Alloc,
+    Dyn,
     Free,
     HostTensor,
     Op,
@@ -116,6 +122,51 @@ def test_an_output_that_aliases_an_input_gets_a_storage_of_its_own():
     assert torch.equal(s.read(_ref(2)), A)  # the client's picture: two storages
 
 
+def test_a_negated_reference_is_viewed_negated_by_ops_and_readbacks():
+    s = Session()
+    s.upload(1, A)
+    negated, out = dataclasses.replace(_ref(1), bits=NEG_BIT), _ref(2)
+    s.run(Op("aten::clone", (negated, None), (out,)))
+    assert torch.equal(s.read(out), -A)
+    assert torch.equal(s.read(negated), -A)
+
+
+def test_a_conjugated_reference_reads_back_conjugated():
+    s = Session()
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    ref = _ref(1, sizes=(2,), dtype="complex64")
+    s.run(Alloc(1, z.nbytes), Upload(ref, _host(z)))
+    (data,) = s.run(Readback(dataclasses.replace(ref, bits=CONJ_BIT)))
+    assert torch.equal(torch.frombuffer(bytearray(data), dtype=torch.complex64), z.conj())
+
+
+def test_unknown_tensor_bits_are_malformed():
+    s = Session()
+    s.upload(1, A)
+    with pytest.raises(ReplayError, match="unknown tensor bits 4"):
+        s.run(Readback(dataclasses.replace(_ref(1), bits=4)))
+
+
+def test_an_op_only_running_can_shape_binds_its_results_and_describes_them():
+    s = Session()
+    s.upload(1, torch.tensor([0.0, 2.0, 0.0, 3.0]).reshape(2, 2))
+    values = _ref(1, sizes=(2, 2))
+    (answer,) = s.run(Dyn("aten::nonzero", (values,), (7,)))
+    tag, dtype, ndim = struct.unpack_from("<BBB", answer)
+    sizes = struct.unpack_from(f"<{ndim}q", answer, 3)
+    assert (tag, dtype, ndim, sizes) == (1, 4, 2, (2, 2))  # a tensor: int64, 2 x 2
+    assert 7 in s.replayer.handles()
+    (data,) = s.run(Readback(_ref(7, sizes=(2, 2), dtype="int64")))
+    assert torch.frombuffer(bytearray(data), dtype=torch.int64).tolist() == [0, 1, 1, 1]
+
+
+def test_an_op_only_running_can_shape_may_not_reuse_a_live_handle():
+    s = Session()
+    s.upload(1, A)
+    with pytest.raises(ReplayError, match="handle 1 is already in use"):
+        s.run(Dyn("aten::nonzero", (_ref(1),), (1,)))
+
+
 def test_free_and_resize_keep_the_byte_count_true():
     s = Session()
     s.upload(1, A)
@@ -160,7 +211,7 @@ def test_a_batch_whose_framing_is_broken_runs_nothing(tail, why):
     [
         (b"\x02\x08\x00\x00\x00" + b"\x01" * 8, "truncated"),  # ALLOC missing its nbytes
         (b"\x05\x09\x00\x00\x00" + b"\x01" + b"\x00" * 8, "1 stray bytes"),  # FREE 1, + 1
-        (b"\x04\x01\x00\x00\x00\x0c", "value tag 12"),
+        (b"\x04\x01\x00\x00\x00\x0e", "value tag 14"),
         (b"\x01\x06\x00\x00\x00\x07\x00\x00\x00\x00\x00", "op index 7"),
     ],
     ids=["truncated body", "stray bytes", "unknown tag", "op not in the table"],

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from cumulus_p2p import native
 from cumulus_p2p._errors import SessionClosedError
 from cumulus_p2p.testing.native_process import in_native_process, stop_native_process
+from cumulus_p2p.wire import native as wire
 
 _MISSING = native.missing_toolchain()
 pytestmark = [
@@ -150,7 +151,7 @@ def test_a_session_over_the_secure_channel_reads_back_what_it_wrote():
             with NativeSession(channel) as session:
                 a = torch.arange(6, dtype=torch.float32)
                 assert torch.equal((a.to("cumulus") + 1).cpu(), a + 1)
-                assert session.info["native"] == 1
+                assert session.info["native"] == wire.VERSION
 
 
 @in_native_process
@@ -248,3 +249,84 @@ def _largest_frame(session) -> list[int]:
 
     session._channel.send_frame = counted
     return sizes
+
+
+@in_native_process
+def test_lazily_conjugated_and_negated_views_compute_as_on_the_cpu():
+    torch.manual_seed(0)
+    z = torch.randn(3, 4, dtype=torch.complex64)
+    r = torch.randn(5, 6, 7)
+    with _session():
+        x, y = z.to("cumulus"), r.to("cumulus")
+        assert torch.equal(x.conj().cpu(), z.conj())  # a readback of a conj view
+        assert torch.equal((x.conj() * 2).cpu(), z.conj() * 2)  # an op torch resolves first
+        assert torch.equal((x.conj().t() @ x).cpu(), z.conj().t() @ z)  # one that takes the bit
+        assert torch.equal(z.conj().to("cumulus").cpu(), z.conj())  # an upload of one
+        assert torch.equal(torch._neg_view(y).cpu(), -r)
+        hfft = torch.fft.hfft(y, n=10, dim=1, norm="ortho")  # conj inside: it used to recurse
+        assert torch.equal(hfft.cpu(), torch.fft.hfft(r, n=10, dim=1, norm="ortho"))
+
+
+@in_native_process
+def test_ops_whose_outputs_only_running_can_shape_run_on_the_executor_at_once():
+    a = torch.tensor([3.0, 1.0, 3.0, 2.0, 1.0])
+    with _session() as session:
+        x = a.to("cumulus")
+        flushes = session.flushes
+        values, inverse, counts = torch.unique(x, return_inverse=True, return_counts=True)
+        assert session.flushes == flushes + 1  # one round trip: the shapes come back
+        assert values.tolist() == [1.0, 2.0, 3.0]
+        assert inverse.tolist() == [2, 0, 2, 1, 0] and counts.tolist() == [2, 1, 2]
+        assert (x[x > 1.5] * 2).tolist() == [6.0, 6.0, 4.0]  # boolean masks: nonzero
+        assert torch.nonzero(x > 2).tolist() == [[0], [2]]
+        assert torch.equal(x, x) and not torch.equal(x, x + 1)
+
+
+@in_native_process
+def test_an_out_variant_the_executor_resizes_keeps_the_layout_it_chose():
+    torch.manual_seed(0)
+    a, b = torch.randn(4, 3), torch.randn(4, 2)
+    with _session():
+        got = torch.linalg.lstsq(a.to("cumulus"), b.to("cumulus"), driver="gelsy")
+        solution = got.solution.cpu()
+    assert torch.allclose(solution, torch.linalg.lstsq(a, b, driver="gelsy").solution, atol=1e-5)
+
+
+@in_native_process
+def test_python_numbers_promote_as_scalars_do_on_the_cpu():
+    with _session():
+        x = torch.arange(4).to("cumulus")
+        scaled = x * 2.5
+        assert scaled.dtype == torch.float32
+        assert scaled.tolist() == [0.0, 2.5, 5.0, 7.5]
+        assert (torch.ones(2, dtype=torch.float16).to("cumulus") + 1e-3).dtype == torch.float16
+
+
+@in_native_process
+def test_a_convolutional_net_trains_bit_identically_to_local_cpu():
+    def train(device: str) -> list[float]:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 4, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.ConvTranspose2d(4, 2, 2, stride=2),
+            torch.nn.Flatten(),
+            torch.nn.Linear(2 * 12 * 12, 3),
+        )
+        x = torch.randn(2, 3, 6, 6)
+        net, x = net.to(device), x.to(device)
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad()
+            loss = net(x).square().mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    with _session():
+        remote = train("cumulus")
+    local = train("cpu")
+    assert remote == local
+    assert local[-1] < local[0]

@@ -19,6 +19,8 @@ from typing import Any
 
 from .._errors import MalformedMessageError
 
+#: TENSOR_BITS flags: a lazily conjugated or negated view.
+CONJ_BIT, NEG_BIT = 1, 2
 #: c10::ScalarType's numbering, the `dtype` byte of tensor values (torch's names).
 DTYPES = (
     "uint8",
@@ -37,6 +39,20 @@ DTYPES = (
     "quint8",
     "qint32",
     "bfloat16",
+    "quint4x2",
+    "quint2x4",
+    "bits1x8",
+    "bits2x4",
+    "bits4x2",
+    "bits8",
+    "bits16",
+    "float8_e5m2",
+    "float8_e4m3fn",
+    "float8_e5m2fnuz",
+    "float8_e4m3fnuz",
+    "uint16",
+    "uint32",
+    "uint64",
 )
 
 
@@ -49,6 +65,8 @@ class TensorRef:
     dtype: str
     sizes: tuple[int, ...]
     strides: tuple[int, ...]
+    #: ``CONJ_BIT`` and ``NEG_BIT``: a lazily conjugated or negated view (TENSOR_BITS).
+    bits: int = 0
 
 
 @dataclass(frozen=True)
@@ -58,6 +76,8 @@ class HostTensor:
     dtype: str
     sizes: tuple[int, ...]
     data: bytes
+    #: A Python number torch wrapped as a 0-dim tensor (NUMBER): promoted as a scalar.
+    number: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,7 +126,17 @@ class Resize:
     nbytes: int
 
 
-Record = Op | Alloc | Upload | Readback | Free | Resize
+@dataclass(frozen=True)
+class Dyn:
+    """An op only running can shape: the executor binds its tensor results to
+    ``handles`` (0 for a non-tensor return) and answers with their shapes."""
+
+    name: str
+    args: tuple
+    handles: tuple[int, ...]
+
+
+Record = Op | Alloc | Upload | Readback | Free | Resize | Dyn
 
 
 class _Reader:
@@ -140,16 +170,23 @@ class _Reader:
         return DTYPES[code]
 
 
-def _tensor(r: _Reader) -> TensorRef:
+def _tensor(r: _Reader, bits: int = 0) -> TensorRef:
     handle, offset, dtype = r.take("<Q"), r.take("<q"), r.dtype()
     ndim = r.take("<B")
-    return TensorRef(handle, offset, dtype, r.ints(ndim), r.ints(ndim))
+    return TensorRef(handle, offset, dtype, r.ints(ndim), r.ints(ndim), bits)
 
 
-def _host_tensor(r: _Reader) -> HostTensor:
+def _tensor_bits(r: _Reader) -> TensorRef:
+    bits = r.take("<B")
+    if bits & ~(CONJ_BIT | NEG_BIT):
+        raise MalformedMessageError(f"unknown tensor bits {bits}")
+    return _tensor(r, bits)
+
+
+def _host_tensor(r: _Reader, number: bool = False) -> HostTensor:
     dtype = r.dtype()
     sizes = r.ints(r.take("<B"))
-    return HostTensor(dtype, sizes, r.raw(r.take("<Q")))
+    return HostTensor(dtype, sizes, r.raw(r.take("<Q")), number)
 
 
 def _string(r: _Reader) -> str:
@@ -169,6 +206,8 @@ _VALUES: dict[int, Callable[[_Reader], Any]] = {
     9: lambda r: r.ints(r.take("<I")),
     10: lambda r: Device(r.take("<b"), r.take("<b")),
     11: lambda r: Generator(),
+    12: _tensor_bits,
+    13: lambda r: _host_tensor(r, number=True),
 }
 
 
@@ -179,12 +218,23 @@ def _value(r: _Reader) -> Any:
     return _VALUES[tag](r)
 
 
-def _op(r: _Reader, names: Sequence[str]) -> Op:
+def _op_name(r: _Reader, names: Sequence[str]) -> str:
     index = r.take("<I")
     if index >= len(names):
         raise MalformedMessageError(f"op index {index} is not in the name table")
+    return names[index]
+
+
+def _op(r: _Reader, names: Sequence[str]) -> Op:
+    op = _op_name(r, names)
     args = tuple(_value(r) for _ in range(r.take("<H")))
-    return Op(names[index], args, tuple(_value(r) for _ in range(r.take("<H"))))
+    return Op(op, args, tuple(_value(r) for _ in range(r.take("<H"))))
+
+
+def _dyn(r: _Reader, names: Sequence[str]) -> Dyn:
+    op = _op_name(r, names)
+    args = tuple(_value(r) for _ in range(r.take("<H")))
+    return Dyn(op, args, tuple(r.take("<Q") for _ in range(r.take("<H"))))
 
 
 def _expect(r: _Reader, kind: type) -> Any:
@@ -201,6 +251,7 @@ _KINDS: dict[int, Callable[[_Reader, Sequence[str]], Record]] = {
     4: lambda r, _: Readback(_expect(r, TensorRef)),
     5: lambda r, _: Free(r.take("<Q")),
     6: lambda r, _: Resize(r.take("<Q"), r.take("<Q")),
+    7: lambda r, names: _dyn(r, names),
 }
 
 
@@ -235,13 +286,14 @@ def _put_value(out: bytearray, value: Any) -> None:
     if value is None:
         out += b"\x00"
     elif isinstance(value, TensorRef):
-        out += struct.pack(
-            "<BQqBB", 1, value.handle, value.offset, DTYPES.index(value.dtype), len(value.sizes)
-        )
+        out += struct.pack("<BB", 12, value.bits) if value.bits else b"\x01"
+        dtype = DTYPES.index(value.dtype)
+        out += struct.pack("<QqBB", value.handle, value.offset, dtype, len(value.sizes))
         out += struct.pack(f"<{len(value.sizes)}q", *value.sizes)
         out += struct.pack(f"<{len(value.strides)}q", *value.strides)
     elif isinstance(value, HostTensor):
-        out += struct.pack("<BBB", 2, DTYPES.index(value.dtype), len(value.sizes))
+        tag = 13 if value.number else 2
+        out += struct.pack("<BBB", tag, DTYPES.index(value.dtype), len(value.sizes))
         out += struct.pack(f"<{len(value.sizes)}qQ", *value.sizes, len(value.data))
         out += value.data
     elif isinstance(value, bool):
@@ -270,18 +322,26 @@ def _put_value(out: bytearray, value: Any) -> None:
         raise TypeError(f"cannot encode a {type(value).__name__}")
 
 
+def _op_head(out: bytearray, name: str, args: tuple, names: list[str]) -> None:
+    if name not in names:
+        names.append(name)
+    out += struct.pack("<IH", names.index(name), len(args))
+    for value in args:
+        _put_value(out, value)
+
+
 def _body(record: Record, names: list[str]) -> tuple[int, bytes]:
     out = bytearray()
     if isinstance(record, Op):
-        if record.op not in names:
-            names.append(record.op)
-        out += struct.pack("<IH", names.index(record.op), len(record.args))
-        for value in record.args:
-            _put_value(out, value)
+        _op_head(out, record.op, record.args, names)
         out += struct.pack("<H", len(record.outs))
         for value in record.outs:
             _put_value(out, value)
         return 1, bytes(out)
+    if isinstance(record, Dyn):
+        _op_head(out, record.name, record.args, names)
+        out += struct.pack(f"<H{len(record.handles)}Q", len(record.handles), *record.handles)
+        return 7, bytes(out)
     if isinstance(record, Alloc):
         return 2, struct.pack("<QQ", record.handle, record.nbytes)
     if isinstance(record, Upload):

@@ -127,6 +127,7 @@ class NativeSession:
         # backward(); one lock keeps a frame whole and replies in order.
         self._lock = threading.Lock()
         self._ext.set_readback_hook(self._read_back)
+        self._ext.set_sync_hook(self._sync)
         self._ext.set_flush_hook(self.flush, min(flush_bytes or MAX_BATCH_BYTES, MAX_BATCH_BYTES))
 
     @classmethod
@@ -210,6 +211,10 @@ class NativeSession:
         self.failovers += 1
         return list(self._log.frames())[:-1]
 
+    def _sync(self) -> bytes:
+        # As a readback: the device appended a DYN record last, whose answer comes last.
+        return bytes(self.flush(wait=True)[-1])
+
     def _read_back(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         # The device appended the READBACK record just before calling this hook, so it
         # is the batch's last and its bytes are the reply's last.
@@ -222,6 +227,7 @@ class NativeSession:
     def close(self) -> None:
         """Flush what is pending, end the session and detach the hooks."""
         self._ext.set_readback_hook(None)
+        self._ext.set_sync_hook(None)
         self._ext.set_flush_hook(None)
         try:
             self.flush()

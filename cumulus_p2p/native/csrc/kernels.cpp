@@ -17,7 +17,6 @@
 // storage or writes to an argument; pure views and queries such as
 // `_fused_sdp_choice` stay on the client.
 #include <ATen/EmptyTensor.h>
-#include <ATen/ops/empty.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/as_strided_native.h>
@@ -27,6 +26,8 @@
 #include <c10/util/SmallVector.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstring>
 #include <mutex>
 #include <unordered_map>
 
@@ -332,10 +333,155 @@ void run_on_meta(const c10::OperatorHandle& op, const ShapeFn& shape, torch::jit
 
 }  // namespace
 
+// Whether a meta kernel failed because only the real op can know its outputs' shapes
+// (no meta kernel at all, or one that refuses data-dependent outputs), rather than
+// because the arguments are wrong.
+bool unknown_on_meta(const char* what) {
+  for (const char* sign : {"Meta tensors", "'Meta' backend", "register_meta", "a meta tensor",
+                           "DataDependent", "data-dependent", "data dependent"}) {
+    if (std::strstr(what, sign) != nullptr) return true;
+  }
+  return false;
+}
+
+// A fresh device storage whose handle the executor will bind; sized once it answers.
+c10::Storage handle_storage() {
+  return c10::Storage(c10::make_intrusive<c10::StorageImpl>(
+      c10::StorageImpl::use_byte_size_t(), 0, device_allocator()->allocate(0),
+      device_allocator(), /*resizable=*/true));
+}
+
+// One of a DYN record's results (record.h's Result): a tensor's dtype and sizes, or a
+// scalar.
+struct Result {
+  Tag tag = Tag::None;
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  std::vector<int64_t> sizes, strides;
+  int64_t offset = 0;
+  c10::IValue scalar;
+};
+
+class Results {
+ public:
+  explicit Results(std::string bytes) : bytes_(std::move(bytes)) {}
+
+  Result next() {
+    Result r;
+    r.tag = static_cast<Tag>(take<uint8_t>());
+    switch (r.tag) {
+      case Tag::None:
+        break;
+      case Tag::Tensor:
+        r.dtype = static_cast<c10::ScalarType>(take<uint8_t>());
+        r.sizes.resize(take<uint8_t>());
+        r.strides.resize(r.sizes.size());
+        for (auto& size : r.sizes) size = take<int64_t>();
+        for (auto& stride : r.strides) stride = take<int64_t>();
+        r.offset = take<int64_t>();
+        break;
+      case Tag::Int:
+        r.scalar = take<int64_t>();
+        break;
+      case Tag::Double:
+        r.scalar = take<double>();
+        break;
+      case Tag::Bool:
+        r.scalar = static_cast<bool>(take<uint8_t>());
+        break;
+      default:
+        TORCH_CHECK(false, "cumulus: the executor sent an unknown result");
+    }
+    return r;
+  }
+
+ private:
+  template <typename T>
+  T take() {
+    T value;
+    TORCH_CHECK(at_ + sizeof(T) <= bytes_.size(), "cumulus: the executor's results are truncated");
+    std::memcpy(&value, bytes_.data() + at_, sizeof(T));
+    at_ += sizeof(T);
+    return value;
+  }
+
+  std::string bytes_;
+  size_t at_ = 0;
+};
+
+// A contiguous tensor of `sizes` over a storage the executor just filled.
+at::Tensor over_result(c10::Storage storage, const Result& r) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(
+      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+      c10::scalarTypeToTypeMeta(r.dtype));
+  impl->set_sizes_contiguous(r.sizes);
+  impl->storage().unsafeGetStorageImpl()->set_nbytes(impl->numel() * impl->itemsize());
+  return at::Tensor(std::move(impl));
+}
+
+// The argument an out= return aliases, resized as the executor resized it.
+at::Tensor resized_argument(const c10::FunctionSchema& schema, size_t ret,
+                            c10::ArrayRef<c10::IValue> args, const Result& r) {
+  const auto* alias = schema.returns()[ret].alias_info();
+  for (size_t i = 0; i < schema.arguments().size(); ++i) {
+    const auto* arg_alias = schema.arguments()[i].alias_info();
+    if (arg_alias == nullptr || arg_alias->beforeSets() != alias->beforeSets()) continue;
+    const at::Tensor t = args[i].toTensor();
+    t.unsafeGetTensorImpl()->set_sizes_and_strides(r.sizes, r.strides, r.offset);
+    const size_t needed = at::detail::computeStorageNbytes(r.sizes, r.strides, t.itemsize()) +
+                          r.offset * t.itemsize();
+    auto* storage = t.storage().unsafeGetStorageImpl();
+    if (storage->nbytes() < needed) storage->set_nbytes(needed);  // the executor grew it
+    return t;
+  }
+  TORCH_CHECK(false, "cumulus: ", schema.name(), "'s return ", ret, " aliases no argument");
+}
+
+// Runs `op` on the executor at once (DYN) and takes its outputs from the answer: a new
+// storage for each fresh tensor, the argument itself for an out= return.
+void run_dyn(const c10::OperatorHandle& op, const OpEntry& e, c10::ArrayRef<c10::IValue> args,
+             torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const auto& returns = schema.returns();
+  Writer w;
+  w.begin_record(Kind::Dyn);
+  w.put<uint32_t>(e.id);
+  w.put<uint16_t>(static_cast<uint16_t>(args.size()));
+  for (const auto& arg : args) put_value(w, arg);
+  w.put<uint16_t>(static_cast<uint16_t>(returns.size()));
+  std::vector<c10::Storage> storages(returns.size());
+  for (size_t i = 0; i < returns.size(); ++i) {
+    const auto kind = returns[i].type()->kind();
+    TORCH_CHECK(kind != c10::TypeKind::ListType,
+                "cumulus: ", schema.name(), " returns a list of tensors only the executor "
+                "can shape, which the native device does not support yet");
+    if (kind == c10::TypeKind::TensorType && returns[i].alias_info() == nullptr) {
+      storages[i] = handle_storage();
+    }
+    w.put<uint64_t>(storages[i] ? handle_of(storages[i]) : 0);
+  }
+  w.end_record();
+  append_record(w);
+  Results results(sync());
+  stack->erase(stack->end() - static_cast<std::ptrdiff_t>(args.size()), stack->end());
+  for (size_t i = 0; i < returns.size(); ++i) {
+    const Result r = results.next();
+    if (r.tag != Tag::Tensor) {
+      stack->push_back(r.scalar);
+    } else if (storages[i]) {
+      stack->push_back(over_result(std::move(storages[i]), r));
+    } else {
+      stack->push_back(resized_argument(schema, i, args, r));
+    }
+  }
+}
+
 void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const OpEntry& e = entry(op);
   const size_t nargs = schema.arguments().size();
+  const size_t base = stack->size() - nargs;
+  // Kept for an op whose meta kernel cannot shape its outputs (run_dyn).
+  const c10::SmallVector<c10::IValue, 8> args(stack->begin() + base, stack->end());
   // One writer per thread (autograd's device thread records backward ops), reused
   // so that a record costs no allocation once the buffer has grown.
   thread_local Writer w;
@@ -348,7 +494,15 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     put_value(w, (*stack)[i]);
     (*stack)[i] = map_tensors((*stack)[i], [&](const at::Tensor& t) { return to_meta(t, m); });
   }
-  run_on_meta(op, e.shape, stack);
+  try {
+    run_on_meta(op, e.shape, stack);
+  } catch (const std::exception& failed) {
+    if (!unknown_on_meta(failed.what())) throw;
+    stack->resize(base);
+    stack->insert(stack->end(), args.begin(), args.end());
+    run_dyn(op, e, args, stack);
+    return;
+  }
   const size_t nouts = schema.returns().size();
   w.put<uint16_t>(static_cast<uint16_t>(nouts));
   for (size_t i = stack->size() - nouts; i < stack->size(); ++i) {
@@ -361,9 +515,50 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     maybe_flush();
   }
 }
+
+// ---- convolution --------------------------------------------------------------------
+//
+// On a backend other than CPU and CUDA, torch routes convolutions to the *_overrideable
+// ops, whose default kernels throw. Here they record the ops an executor runs (on
+// whichever device it has): aten::convolution and aten::convolution_backward.
+
+c10::OperatorHandle aten_op(const char* name, const char* overload = "") {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, overload);
+}
+
+at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& weight,
+                                    const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
+                                    at::IntArrayRef padding, at::IntArrayRef dilation,
+                                    bool transposed, at::IntArrayRef output_padding,
+                                    int64_t groups) {
+  static const c10::OperatorHandle op = aten_op("aten::convolution");
+  torch::jit::Stack stack{input, weight, bias, stride, padding, dilation,
+                          transposed, output_padding, groups};
+  fallback(op, &stack);
+  return stack.back().toTensor();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
+    at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, bool transposed,
+    at::IntArrayRef output_padding, int64_t groups, std::array<bool, 3> output_mask) {
+  static const c10::OperatorHandle op = aten_op("aten::convolution_backward");
+  // The bias has one value per output channel.
+  const int64_t channels = transposed ? weight.size(1) * groups : weight.size(0);
+  const std::vector<int64_t> bias_sizes{channels};
+  c10::List<bool> mask;
+  for (bool wanted : output_mask) mask.push_back(wanted);
+  torch::jit::Stack stack{grad_output, input, weight, bias_sizes, stride, padding, dilation,
+                          transposed, output_padding, groups, mask};
+  fallback(op, &stack);
+  return {stack[0].toTensor(), stack[1].toTensor(), stack[2].toTensor()};
+}
+
 }  // namespace cumulus
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("convolution_overrideable", cumulus::convolution_overrideable);
+  m.impl("convolution_backward_overrideable", cumulus::convolution_backward_overrideable);
   m.impl("empty.memory_format", cumulus::empty_memory_format);
   m.impl("empty_strided", cumulus::empty_strided);
   m.impl("as_strided", cumulus::as_strided);
@@ -374,6 +569,19 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_copy_from", cumulus::copy_from);
   m.impl("_copy_from_and_resize", cumulus::copy_from_and_resize);
   m.impl("_local_scalar_dense", cumulus::local_scalar_dense);
+}
+
+// torch's conjugate and negative fallbacks resolve a lazy conj()/neg view by cloning it,
+// and a clone on this device copies through _copy_from, which they would catch again,
+// forever. Through to copy_from instead, whose records carry the bits (TENSOR_BITS).
+TORCH_LIBRARY_IMPL(aten, Conjugate, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+
+TORCH_LIBRARY_IMPL(aten, Negative, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {

@@ -45,6 +45,19 @@ void set_flush_hook(py::object fn, uint64_t nbytes) {
       nbytes);
 }
 
+// As the readback hook; fn() returns the bytes of the batch's last readback.
+void set_sync_hook(py::object fn) {
+  if (fn.is_none()) {
+    cumulus::set_sync_hook(nullptr);
+    return;
+  }
+  auto* kept = new py::object(std::move(fn));
+  cumulus::set_sync_hook([kept]() {
+    py::gil_scoped_acquire gil;
+    return (*kept)().cast<std::string>();
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -67,6 +80,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("handle", &handle, "The remote storage handle behind a cumulus tensor.");
   m.def("set_flush_hook", &set_flush_hook, py::arg("fn"), py::arg("nbytes") = 0,
         "fn() sends the batch once it holds nbytes, after an op record; None unsets.");
+  m.def("set_sync_hook", &set_sync_hook,
+        "fn() sends the batch and returns its last readback's bytes; None unsets.");
   m.def("set_readback_hook", &set_readback_hook,
         "fn(src, dst) fills host tensor dst with device tensor src's bytes; None unsets.");
 }

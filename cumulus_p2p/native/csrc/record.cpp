@@ -26,8 +26,9 @@ void put_shape(Writer& w, const at::Tensor& t) {
 // A host tensor argument (a CPU scalar tensor such as Adam's step, or an upload's
 // source) travels by value: the executor has no other way to see its bytes.
 void put_host_tensor(Writer& w, const at::Tensor& t) {
-  const at::Tensor dense = t.contiguous();
-  w.put<uint8_t>(static_cast<uint8_t>(Tag::HostTensor));
+  const at::Tensor dense = t.resolve_conj().resolve_neg().contiguous();
+  const bool number = t.unsafeGetTensorImpl()->is_wrapped_number();
+  w.put<uint8_t>(static_cast<uint8_t>(number ? Tag::Number : Tag::HostTensor));
   put_shape(w, dense);
   w.put<uint64_t>(dense.nbytes());
   w.bytes(dense.const_data_ptr(), dense.nbytes());
@@ -79,7 +80,13 @@ void put_tensor_ref(Writer& w, const at::Tensor& t) {
     put_host_tensor(w, t);
     return;
   }
-  w.put<uint8_t>(static_cast<uint8_t>(Tag::Tensor));
+  const uint8_t bits = (t.is_conj() ? kConjBit : 0) | (t.is_neg() ? kNegBit : 0);
+  if (bits) {
+    w.put<uint8_t>(static_cast<uint8_t>(Tag::TensorBits));
+    w.put<uint8_t>(bits);
+  } else {
+    w.put<uint8_t>(static_cast<uint8_t>(Tag::Tensor));
+  }
   w.put<uint64_t>(handle_of(t.storage()));
   w.put<int64_t>(t.storage_offset());
   put_shape(w, t);
@@ -268,6 +275,20 @@ ReadbackHook& hook() {
 }  // namespace
 
 void set_readback_hook(ReadbackHook h) { hook() = std::move(h); }
+
+namespace {
+SyncHook& sync_hook() {
+  static SyncHook* h = new SyncHook();
+  return *h;
+}
+}  // namespace
+
+void set_sync_hook(SyncHook h) { sync_hook() = std::move(h); }
+
+std::string sync() {
+  TORCH_CHECK(sync_hook(), "cumulus: this op's outputs need an executor, and none is attached");
+  return sync_hook()();
+}
 
 namespace {
 

@@ -23,6 +23,17 @@
 //   kind 4 READBACK src:Value(TENSOR)           the client waits for these bytes
 //   kind 5 FREE     handle:u64                  the last client reference died
 //   kind 6 RESIZE   handle:u64 nbytes:u64       the storage grows, keeping its contents
+//   kind 7 DYN      op:u32 nargs:u16 Value[nargs] nouts:u16 handle:u64[nouts]
+//                   an op whose outputs only running it can shape (unique, nonzero,
+//                   masked_select, histogram...): the executor runs it, binds each tensor
+//                   result to its handle (0 for a non-tensor return) in a contiguous
+//                   storage of its own, and answers with a readback of Result[nouts];
+//                   the client waits for it.
+//
+//   Result := 0 NONE | 1 TENSOR dtype:u8 ndim:u8 sizes:i64[ndim] strides:i64[ndim]
+//             offset:i64 | 3 INT i64 | 4 DOUBLE f64 | 5 BOOL u8
+//   A fresh result is contiguous at offset 0; an out= argument is described as the op
+//   left it (linear algebra lays its outputs out column-major).
 //
 //   Value := tag:u8 payload
 //     0 NONE
@@ -34,6 +45,13 @@
 //     9 INTS  n:u32 i64[n]            (int lists: sizes, dims; the common case)
 //    10 DEVICE type:i8 index:i8
 //    11 GENERATOR                     (the session's generator on the executor)
+//    12 TENSOR_BITS bits:u8 then TENSOR's payload: a lazily conjugated (bit 1) or
+//                   negated (bit 2) view, as torch's conj() and neg views are; the
+//                   executor applies the bits to its view (an upload's bytes are
+//                   resolved on the client, a readback's on the executor)
+//    13 NUMBER      HOST_TENSOR's payload: a Python number torch wrapped as a 0-dim
+//                   tensor, which type promotion treats as a scalar (int tensor * 2.5
+//                   is float32, where a float64 0-dim tensor would make it float64)
 //
 //   `dtype` is c10::ScalarType's numbering; `offset`, `sizes` and `strides` count
 //   elements. Offsets and strides name a view of the storage, so the executor can cache
@@ -59,7 +77,15 @@ namespace cumulus {
 // The most bytes of tensor data one UPLOAD or READBACK record carries.
 constexpr int64_t kPieceBytes = 16 << 20;
 
-enum class Kind : uint8_t { Op = 1, Alloc = 2, Upload = 3, Readback = 4, Free = 5, Resize = 6 };
+enum class Kind : uint8_t {
+  Op = 1,
+  Alloc = 2,
+  Upload = 3,
+  Readback = 4,
+  Free = 5,
+  Resize = 6,
+  Dyn = 7,
+};
 
 enum class Tag : uint8_t {
   None = 0,
@@ -74,7 +100,13 @@ enum class Tag : uint8_t {
   Ints = 9,
   Device = 10,
   Generator = 11,
+  TensorBits = 12,
+  Number = 13,
 };
+
+// TENSOR_BITS flags.
+constexpr uint8_t kConjBit = 1;
+constexpr uint8_t kNegBit = 2;
 
 // Appends fixed-width little-endian fields (x86-64 and aarch64 are little-endian, so a
 // memcpy is the encoding).
@@ -144,5 +176,11 @@ void maybe_flush();
 using ReadbackHook = std::function<void(const at::Tensor& src, const at::Tensor& dst)>;
 void set_readback_hook(ReadbackHook hook);
 void read_back(const at::Tensor& src, const at::Tensor& dst);
+
+// Sends the batch and waits for its last readback's bytes (a DYN record's results):
+// the session's other sync point, set from Python.
+using SyncHook = std::function<std::string()>;
+void set_sync_hook(SyncHook hook);
+std::string sync();
 
 }  // namespace cumulus

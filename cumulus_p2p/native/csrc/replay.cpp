@@ -106,6 +106,7 @@ c10::ScalarType wire_dtype(uint8_t code) {
     case S::Byte: case S::Char: case S::Short: case S::Int: case S::Long:
     case S::Half: case S::Float: case S::Double: case S::ComplexHalf:
     case S::ComplexFloat: case S::ComplexDouble: case S::Bool: case S::BFloat16:
+    case S::UInt16: case S::UInt32: case S::UInt64:
       return static_cast<S>(code);
     default:
       fail("malformed", "unknown dtype code " + std::to_string(code));
@@ -306,7 +307,7 @@ class Replayer {
                               std::to_string(length) + " bytes truncated to " +
                               std::to_string(batch.size() - at - 5));
       }
-      if (kind < static_cast<uint8_t>(Kind::Op) || kind > static_cast<uint8_t>(Kind::Resize)) {
+      if (kind < static_cast<uint8_t>(Kind::Op) || kind > static_cast<uint8_t>(Kind::Dyn)) {
         throw ReplayError(static_cast<int64_t>(out.size()), "malformed",
                           "record " + std::to_string(out.size()) + ": unknown kind " +
                               std::to_string(kind));
@@ -318,7 +319,8 @@ class Replayer {
   }
 
   std::string describe(size_t index, Kind kind) const {
-    static const char* kinds[] = {"?", "op", "alloc", "upload", "readback", "free", "resize"};
+    static const char* kinds[] = {"?",    "op",     "alloc", "upload",
+                                  "readback", "free", "resize", "dyn"};
     std::string out = "record " + std::to_string(index) + " (" +
                       kinds[static_cast<uint8_t>(kind)];
     if (!current_op_.empty()) out += " " + current_op_;
@@ -332,6 +334,9 @@ class Replayer {
       case Kind::Op:
         run_op(c);
         return;
+      case Kind::Dyn:
+        readbacks.push_back(run_dyn(c));
+        return;
       case Kind::Alloc: {
         const uint64_t handle = c.take<uint64_t>();
         const uint64_t nbytes = c.take<uint64_t>();
@@ -344,8 +349,7 @@ class Replayer {
         return;
       }
       case Kind::Upload: {
-        expect_tag(c, Tag::Tensor, "an upload's destination");
-        const at::Tensor dst = view(read_ref(c));
+        const at::Tensor dst = tensor(c, "an upload's destination");
         expect_tag(c, Tag::HostTensor, "an upload's source");
         const at::Tensor src = read_host_tensor(c);
         end(c);
@@ -353,10 +357,9 @@ class Replayer {
         return;
       }
       case Kind::Readback: {
-        expect_tag(c, Tag::Tensor, "a readback's source");
-        const Ref ref = read_ref(c);
+        const at::Tensor viewed = tensor(c, "a readback's source");
         end(c);
-        const at::Tensor src = view(ref).contiguous().to(c10::kCPU);
+        const at::Tensor src = viewed.resolve_conj().resolve_neg().contiguous().to(c10::kCPU);
         readbacks.emplace_back(static_cast<const char*>(src.const_data_ptr()), src.nbytes());
         return;
       }
@@ -461,6 +464,25 @@ class Replayer {
     return over(e.storage, r.dtype, r.sizes, r.strides, r.offset);
   }
 
+  // A TENSOR_BITS value after its tag: the view, lazily conjugated or negated.
+  at::Tensor with_bits(Cursor& c) {
+    const uint8_t bits = c.take<uint8_t>();
+    if (bits & ~(kConjBit | kNegBit)) fail("malformed", "unknown tensor bits " + std::to_string(bits));
+    at::Tensor t = view(read_ref(c));
+    if (bits & kConjBit) t = t._conj();
+    if (bits & kNegBit) t = t._neg_view();
+    return t;
+  }
+
+  // A tensor value where only a device tensor will do (an upload's destination, a
+  // readback's source), with its bits if it has any.
+  at::Tensor tensor(Cursor& c, const char* what) {
+    const auto got = c.take<uint8_t>();
+    if (got == static_cast<uint8_t>(Tag::Tensor)) return view(read_ref(c));
+    if (got == static_cast<uint8_t>(Tag::TensorBits)) return with_bits(c);
+    fail("malformed", std::string(what) + " has value tag " + std::to_string(got));
+  }
+
   // ---- ops ----
 
   const c10::OperatorHandle& resolve(uint32_t index) {
@@ -498,8 +520,16 @@ class Replayer {
         return c10::IValue();
       case Tag::Tensor:
         return view(read_ref(c));
+      case Tag::TensorBits:
+        return with_bits(c);
       case Tag::HostTensor:
         return read_host_tensor(c);
+      case Tag::Number: {
+        const at::Tensor number = read_host_tensor(c);
+        if (number.dim() != 0) fail("malformed", "a wrapped number of " + std::to_string(number.dim()) + " dims");
+        number.unsafeGetTensorImpl()->set_wrapped_number(true);
+        return number;
+      }
       case Tag::Int:
         return c.take<int64_t>();
       case Tag::Double:
@@ -615,6 +645,92 @@ class Replayer {
     // Out= arguments the op grew in place.
     for (size_t i = 0; i < ninputs; ++i) recount(*touched_[i]);
     register_outputs(stack, declared, ninputs);
+  }
+
+  // An op only running can shape (DYN): each tensor result goes to its handle in a
+  // contiguous storage of its own; the answer describes every result (record.h).
+  std::string run_dyn(Cursor& c) {
+    const c10::OperatorHandle& op = resolve(c.take<uint32_t>());
+    const auto& schema = op.schema();
+    const uint16_t nargs = c.take<uint16_t>();
+    if (nargs != schema.arguments().size()) {
+      fail("malformed", std::to_string(nargs) + " arguments where the schema has " +
+                            std::to_string(schema.arguments().size()));
+    }
+    touched_.clear();
+    torch::jit::Stack stack;
+    stack.reserve(nargs);
+    for (const auto& argument : schema.arguments()) stack.push_back(value(c, argument.type()));
+    const size_t ninputs = touched_.size();
+    const uint16_t nouts = c.take<uint16_t>();
+    if (nouts != schema.returns().size()) {
+      fail("malformed", std::to_string(nouts) + " outputs where the schema has " +
+                            std::to_string(schema.returns().size()));
+    }
+    std::vector<uint64_t> handles(nouts);
+    for (auto& handle : handles) {
+      handle = c.take<uint64_t>();
+      if (handle != 0) check_new_handle(handle);
+    }
+    end(c);
+    op.callBoxed(&stack);
+    ops_run_ += 1;
+    for (size_t i = 0; i < ninputs; ++i) recount(*touched_[i]);
+    Writer answer;
+    std::vector<std::pair<uint64_t, c10::Storage>> bound;
+    uint64_t bytes = 0;
+    for (size_t i = 0; i < nouts; ++i) {
+      const c10::IValue& v = stack.at(i);
+      if (handles[i] != 0) {
+        // A storage even for an undefined result: the client frees the handle later.
+        at::Tensor t = v.isTensor() ? v.toTensor() : at::Tensor();
+        if (t.defined()) {
+          t = t.to(device_).contiguous();
+          if (t.storage_offset() != 0 || t.storage().nbytes() != t.nbytes() || shares_input(t, ninputs)) {
+            t = t.clone();
+          }
+          describe(answer, t);
+          bound.emplace_back(handles[i], t.storage());
+        } else {
+          answer.put<uint8_t>(static_cast<uint8_t>(Tag::None));
+          bound.emplace_back(handles[i], at::empty({0}, at::TensorOptions().dtype(at::kByte).device(device_)).storage());
+        }
+        bytes += bound.back().second.nbytes();
+      } else if (v.isTensor() && v.toTensor().defined()) {  // an out= argument, resized here
+        describe(answer, v.toTensor());
+      } else if (v.isInt()) {
+        answer.put<uint8_t>(static_cast<uint8_t>(Tag::Int));
+        answer.put<int64_t>(v.toInt());
+      } else if (v.isDouble()) {
+        answer.put<uint8_t>(static_cast<uint8_t>(Tag::Double));
+        answer.put<double>(v.toDouble());
+      } else if (v.isBool()) {
+        answer.put<uint8_t>(static_cast<uint8_t>(Tag::Bool));
+        answer.put<uint8_t>(v.toBool());
+      } else {
+        answer.put<uint8_t>(static_cast<uint8_t>(Tag::None));
+      }
+    }
+    reserve(bytes);
+    for (auto& [handle, storage] : bound) add(handle, std::move(storage));
+    return answer.data();
+  }
+
+  // A tensor result as record.h's Result describes it.
+  static void describe(Writer& answer, const at::Tensor& t) {
+    answer.put<uint8_t>(static_cast<uint8_t>(Tag::Tensor));
+    answer.put<uint8_t>(static_cast<uint8_t>(t.scalar_type()));
+    answer.put<uint8_t>(static_cast<uint8_t>(t.dim()));
+    for (int64_t size : t.sizes()) answer.put<int64_t>(size);
+    for (int64_t stride : t.strides()) answer.put<int64_t>(stride);
+    answer.put<int64_t>(t.storage_offset());
+  }
+
+  bool shares_input(const at::Tensor& t, size_t ninputs) const {
+    for (size_t i = 0; i < ninputs; ++i) {
+      if (touched_[i]->storage.unsafeGetStorageImpl() == t.storage().unsafeGetStorageImpl()) return true;
+    }
+    return false;
   }
 
   at::Tensor result_tensor(const torch::jit::Stack& stack, const DeclaredOut& d) const {
