@@ -84,3 +84,14 @@ def test_a_malformed_record_fails_the_batch_and_every_later_reply(executor):
         record, kind, _ = wire.parse_reply(channel.recv_frame())
         assert (record, kind) == (0, "malformed")
         assert _empty_batch(channel)[:2] == (0, "malformed")
+
+
+def test_a_host_that_cannot_build_the_replay_loop_refuses_saying_what_is_missing(tmp_path):
+    nothing_built = {"CUMULUS_NATIVE_BUILD_DIR": str(tmp_path), "CXX": "no-such-compiler"}
+    with executor_process(env=nothing_built) as (address, _):
+        host, port = address.split(":")
+        with _hello((host, int(port)), {"native": wire.VERSION}) as (header, _):
+            assert header[0] == "fatal"
+            assert "this host cannot run native sessions" in header[1]
+            assert "no C++ compiler ('no-such-compiler' is not on PATH)" in header[1]
+            assert "run without the native device" in header[1]
