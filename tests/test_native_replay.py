@@ -26,6 +26,7 @@ from cumulus_p2p.native.records import (
     Op,
     Readback,
     Resize,
+    Seed,
     TensorRef,
     Upload,
     encode,
@@ -184,6 +185,18 @@ def test_unset_generators_draw_from_the_sessions_generator():
     s.run(Alloc(1, 4000), Op("aten::uniform_", (x, 0.0, 1.0, None), (x,)))
     values = s.read(x)
     assert 0.0 <= values.min() and values.max() <= 1.0 and values.std() > 0.1
+
+
+def test_a_seed_starts_the_sessions_generator_over():
+    s = Session()
+    x = _ref(1, sizes=(8,))
+    draw = Op("aten::uniform_", (x, 0.0, 1.0, None), (x,))
+    s.run(Alloc(1, 32), Seed(7), draw)
+    first = s.read(x)
+    s.run(Seed(7), draw)
+    assert torch.equal(s.read(x), first)
+    torch.manual_seed(7)
+    assert torch.equal(first, torch.empty(8).uniform_(0.0, 1.0))
 
 
 # ---- refusing --------------------------------------------------------------------------

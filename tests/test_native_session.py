@@ -330,3 +330,33 @@ def test_a_convolutional_net_trains_bit_identically_to_local_cpu():
     local = train("cpu")
     assert remote == local
     assert local[-1] < local[0]
+
+
+@in_native_process
+def test_torch_manual_seed_reaches_the_executors_generator():
+    with _session():
+        torch.manual_seed(1)
+        first = torch.rand(4, device="cumulus").cpu()
+        torch.manual_seed(1)
+        again = torch.rand(4, device="cumulus").cpu()
+        torch.manual_seed(2)
+        other = torch.rand(4, device="cumulus").cpu()
+    torch.manual_seed(1)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+    assert torch.equal(first, torch.rand(4))  # the executor's CPU generator, seeded alike
+
+
+@in_native_process
+def test_autocast_on_cumulus_casts_as_on_cuda():
+    torch.manual_seed(0)
+    a, w = torch.randn(4, 8), torch.randn(8, 3)
+    with _session():
+        x, y = a.to("cumulus"), w.to("cumulus")
+        with torch.autocast("cumulus", dtype=torch.bfloat16):
+            product = x @ y  # matmuls run in the region's dtype
+            kept = torch.exp(product)  # numerically sensitive ops run in float32
+            summed = product.float().sum()
+        assert (product.dtype, kept.dtype) == (torch.bfloat16, torch.float32)
+        assert torch.equal(product.cpu(), (a.bfloat16() @ w.bfloat16()))
+        assert summed.item() == (a.bfloat16() @ w.bfloat16()).float().sum().item()

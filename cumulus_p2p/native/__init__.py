@@ -84,7 +84,12 @@ class _DeviceModule:
 
     @staticmethod
     def manual_seed_all(seed: int) -> None:
-        """Seeding reaches the executor's generator with the session (a later slice)."""
+        """``torch.manual_seed`` reaches the executor's generator: a SEED record, in
+        order with the ops around it."""
+        if _LOADED is not None:
+            _LOADED.seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+
+    manual_seed = manual_seed_all
 
     @staticmethod
     def get_amp_supported_dtype() -> list:

@@ -136,7 +136,14 @@ class Dyn:
     handles: tuple[int, ...]
 
 
-Record = Op | Alloc | Upload | Readback | Free | Resize | Dyn
+@dataclass(frozen=True)
+class Seed:
+    """The session's generator starts over from ``seed``."""
+
+    seed: int
+
+
+Record = Op | Alloc | Upload | Readback | Free | Resize | Dyn | Seed
 
 
 class _Reader:
@@ -252,6 +259,7 @@ _KINDS: dict[int, Callable[[_Reader, Sequence[str]], Record]] = {
     5: lambda r, _: Free(r.take("<Q")),
     6: lambda r, _: Resize(r.take("<Q"), r.take("<Q")),
     7: lambda r, names: _dyn(r, names),
+    8: lambda r, _: Seed(r.take("<Q")),
 }
 
 
@@ -355,6 +363,8 @@ def _body(record: Record, names: list[str]) -> tuple[int, bytes]:
         return 5, struct.pack("<Q", record.handle)
     if isinstance(record, Resize):
         return 6, struct.pack("<QQ", record.handle, record.nbytes)
+    if isinstance(record, Seed):
+        return 8, struct.pack("<Q", record.seed)
     raise TypeError(f"not a record: {record!r}")
 
 

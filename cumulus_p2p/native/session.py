@@ -31,12 +31,11 @@ reason.
 
 Failover (with ``reconnect``): a lost executor is replaced by another, and the session
 is replayed there from its start (``replaylog``: the batches it sent, bounded in size).
+Random ops draw from the executor session's generator, which ``torch.manual_seed``
+seeds (a SEED record, in order with the ops around it).
+
 Not in this slice: checkpoints (so a long session's log outgrows its bound and it can
-no longer move), parking, device turns cut between the ops of a batch, and a per-device
-generator
-(seeding ``cumulus`` is a no-op; random ops draw from the executor session's generator,
-seeded with torch's default seed, or, for ops without a generator argument, from the
-executor process's default generator).
+no longer move), parking, and device turns cut between the ops of a batch.
 """
 
 from __future__ import annotations

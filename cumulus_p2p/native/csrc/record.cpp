@@ -156,6 +156,14 @@ void append_free(uint64_t handle) {
   append_record(w);
 }
 
+void append_seed(uint64_t seed) {
+  Writer w;
+  w.begin_record(Kind::Seed);
+  w.put<uint64_t>(seed);
+  w.end_record();
+  append_record(w);
+}
+
 std::pair<std::string, uint64_t> take_batch() {
   Batch& b = batch();
   std::lock_guard<std::mutex> lock(b.mutex);

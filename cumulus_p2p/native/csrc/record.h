@@ -30,6 +30,9 @@
 //                   storage of its own, and answers with a readback of Result[nouts];
 //                   the client waits for it.
 //
+//   kind 8 SEED     seed:u64                    the session's generator starts over from
+//                                               seed (torch.manual_seed)
+//
 //   Result := 0 NONE | 1 TENSOR dtype:u8 ndim:u8 sizes:i64[ndim] strides:i64[ndim]
 //             offset:i64 | 3 INT i64 | 4 DOUBLE f64 | 5 BOOL u8
 //   A fresh result is contiguous at offset 0; an out= argument is described as the op
@@ -85,6 +88,7 @@ enum class Kind : uint8_t {
   Free = 5,
   Resize = 6,
   Dyn = 7,
+  Seed = 8,
 };
 
 enum class Tag : uint8_t {
@@ -150,6 +154,7 @@ void put_value(Writer& w, const c10::IValue& v);
 // included), taken whole by Python at a flush.
 void append_record(const Writer& w);
 void append_free(uint64_t handle);
+void append_seed(uint64_t seed);
 std::pair<std::string, uint64_t> take_batch();
 uint64_t pending_records();
 

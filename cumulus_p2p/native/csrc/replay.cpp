@@ -307,7 +307,7 @@ class Replayer {
                               std::to_string(length) + " bytes truncated to " +
                               std::to_string(batch.size() - at - 5));
       }
-      if (kind < static_cast<uint8_t>(Kind::Op) || kind > static_cast<uint8_t>(Kind::Dyn)) {
+      if (kind < static_cast<uint8_t>(Kind::Op) || kind > static_cast<uint8_t>(Kind::Seed)) {
         throw ReplayError(static_cast<int64_t>(out.size()), "malformed",
                           "record " + std::to_string(out.size()) + ": unknown kind " +
                               std::to_string(kind));
@@ -320,7 +320,7 @@ class Replayer {
 
   std::string describe(size_t index, Kind kind) const {
     static const char* kinds[] = {"?",    "op",     "alloc", "upload",
-                                  "readback", "free", "resize", "dyn"};
+                                  "readback", "free", "resize", "dyn", "seed"};
     std::string out = "record " + std::to_string(index) + " (" +
                       kinds[static_cast<uint8_t>(kind)];
     if (!current_op_.empty()) out += " " + current_op_;
@@ -337,6 +337,16 @@ class Replayer {
       case Kind::Dyn:
         readbacks.push_back(run_dyn(c));
         return;
+      case Kind::Seed: {
+        const uint64_t seed = c.take<uint64_t>();
+        end(c);
+        // A GPU session draws from its device's default generator (its worker's own).
+        at::Generator g = generator_.defined() ? generator_
+                                               : at::globalContext().defaultGenerator(device_);
+        std::lock_guard<std::mutex> lock(g.mutex());
+        g.set_current_seed(seed);
+        return;
+      }
       case Kind::Alloc: {
         const uint64_t handle = c.take<uint64_t>();
         const uint64_t nbytes = c.take<uint64_t>();
