@@ -276,21 +276,18 @@ void maybe_flush() {
 // ---- readback -----------------------------------------------------------------------
 
 namespace {
-ReadbackHook& hook() {
-  static ReadbackHook* h = new ReadbackHook();
+// A hook set from Python; never destroyed, since Python may be gone at exit.
+template <typename Hook>
+Hook& slot() {
+  static Hook* h = new Hook();
   return *h;
 }
+
+ReadbackHook& hook() { return slot<ReadbackHook>(); }
+SyncHook& sync_hook() { return slot<SyncHook>(); }
 }  // namespace
 
 void set_readback_hook(ReadbackHook h) { hook() = std::move(h); }
-
-namespace {
-SyncHook& sync_hook() {
-  static SyncHook* h = new SyncHook();
-  return *h;
-}
-}  // namespace
-
 void set_sync_hook(SyncHook h) { sync_hook() = std::move(h); }
 
 std::string sync() {

@@ -618,7 +618,16 @@ class Replayer {
     fail("malformed", "unknown value tag " + std::to_string(static_cast<int>(tag)));
   }
 
-  void run_op(Cursor& c) {
+  // An op record's start, shared by OP and DYN: the op, its arguments (views of the
+  // session's storages; `touched_` holds their entries) and its output count.
+  struct Call {
+    c10::OperatorHandle op;
+    torch::jit::Stack stack;
+    size_t ninputs;
+    uint16_t nouts;
+  };
+
+  Call read_call(Cursor& c) {
     const c10::OperatorHandle& op = resolve(c.take<uint32_t>());
     const auto& schema = op.schema();
     const uint16_t nargs = c.take<uint16_t>();
@@ -630,12 +639,16 @@ class Replayer {
     torch::jit::Stack stack;
     stack.reserve(nargs);
     for (const auto& argument : schema.arguments()) stack.push_back(value(c, argument.type()));
-    const size_t ninputs = touched_.size();
     const uint16_t nouts = c.take<uint16_t>();
     if (nouts != schema.returns().size()) {
       fail("malformed", std::to_string(nouts) + " outputs where the schema has " +
                             std::to_string(schema.returns().size()));
     }
+    return {op, std::move(stack), touched_.size(), nouts};
+  }
+
+  void run_op(Cursor& c) {
+    auto [op, stack, ninputs, nouts] = read_call(c);
     std::vector<DeclaredOut> declared;
     for (size_t i = 0; i < nouts; ++i) read_declared(c, i, -1, declared);
     end(c);
@@ -660,23 +673,7 @@ class Replayer {
   // An op only running can shape (DYN): each tensor result goes to its handle in a
   // contiguous storage of its own; the answer describes every result (record.h).
   std::string run_dyn(Cursor& c) {
-    const c10::OperatorHandle& op = resolve(c.take<uint32_t>());
-    const auto& schema = op.schema();
-    const uint16_t nargs = c.take<uint16_t>();
-    if (nargs != schema.arguments().size()) {
-      fail("malformed", std::to_string(nargs) + " arguments where the schema has " +
-                            std::to_string(schema.arguments().size()));
-    }
-    touched_.clear();
-    torch::jit::Stack stack;
-    stack.reserve(nargs);
-    for (const auto& argument : schema.arguments()) stack.push_back(value(c, argument.type()));
-    const size_t ninputs = touched_.size();
-    const uint16_t nouts = c.take<uint16_t>();
-    if (nouts != schema.returns().size()) {
-      fail("malformed", std::to_string(nouts) + " outputs where the schema has " +
-                            std::to_string(schema.returns().size()));
-    }
+    auto [op, stack, ninputs, nouts] = read_call(c);
     std::vector<uint64_t> handles(nouts);
     for (auto& handle : handles) {
       handle = c.take<uint64_t>();
