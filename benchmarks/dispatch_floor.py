@@ -125,6 +125,17 @@ def _step_fn(arm: str, flush: _Flush | None = None):
     return step
 
 
+def plain_us_per_dispatch(steps: int) -> tuple[float, int]:
+    """The plain CPU step's time per aten dispatch (median over ``steps``), and its
+    dispatches per step: the floor any device's client is measured against."""
+    plain = _step_fn("plain")
+    plain()
+    counter = _Count()
+    with counter:
+        plain()
+    return median_seconds(plain, steps) / counter.ops * 1e6, counter.ops
+
+
 def _cumulus_arm(plain_us: float, ops: int, steps: int) -> dict:
     """The native device's keys, or why it was skipped."""
     reason = native.missing_toolchain()
@@ -152,13 +163,8 @@ def main() -> None:
     if native.missing_toolchain() is None:
         # Before any backward: autograd sizes its per-device queues once per process.
         native.load()
-    plain, wrapped = _step_fn("plain"), _step_fn("wrapped")
-    plain()
-    counter = _Count()
-    with counter:
-        plain()
-    ops = counter.ops
-    plain_us = median_seconds(plain, steps) / ops * 1e6
+    plain_us, ops = plain_us_per_dispatch(steps)
+    wrapped = _step_fn("wrapped")
     wrapped_us = median_seconds(wrapped, steps) / ops * 1e6
     result = {
         "dispatches_per_step": ops,

@@ -35,6 +35,16 @@ too, and adds the same keys with ``compiled_`` after the name: ``<name>_compiled
 and then with the optimizer step compiled as well (``torch.compile(opt.step)``), as
 ``<name>_compiled_opt_...``.
 
+``--native`` times each workload on the native C++ device instead (issue 30), each in a
+process of its own that loads it, against a ``cumulus-executor`` on the same device, and
+writes ``step[_cuda]_native.json``: ``<name>_native_client_ms`` (building a step before
+its sync), ``<name>_native_ops_per_step`` (op records sent), ``<name>_native_client_us_per_op``,
+``<name>_native_remote_ms`` and, on a CPU executor, ``<name>_local_ms`` and
+``<name>_native_step_ratio``. ``plain_us_per_dispatch`` is measured in the same run
+(``dispatch_floor.py``'s plain tiny step, compute negligible), and
+``<name>_native_client_per_op_over_plain`` is the client's cost per sent op over it
+(issue 30's target: 3 or less).
+
 ``--isolation worker`` runs the session in a worker process of its own behind the
 executor's supervisor (issue 12), to compare with ``shared`` (every session in the
 executor's process); results then go to ``step[_cuda]_worker.json``.
@@ -205,6 +215,67 @@ def measure(name: str, steps: int, device: str, compiled: str = "") -> dict:
     return {prefix + key: value for key, value in out.items()}
 
 
+def native_arm(name: str, steps: int, device: str) -> dict:
+    """Workload ``name`` on the native device, in this process, which must not have
+    imported ``cumulus_p2p.remote``; alternating with local CPU steps on a CPU."""
+    from cumulus_p2p import native
+
+    ext = native.load()  # before any backward: autograd sizes its device queues once
+    from cumulus_p2p.native.session import NativeSession
+    from cumulus_p2p.testing.executor import executor_process
+
+    with executor_process(device=device, quota="64GiB") as (address, _):
+        host, _, port = address.rpartition(":")
+        with NativeSession.connect(host, int(port)):
+            far = trainer(name, "cumulus")
+            local = trainer(name, "cpu") if device == "cpu" else None
+            for _ in range(3):
+                far()
+                if local is not None:
+                    local()
+            ops_before = ext.ops_recorded()
+            builds, remote_steps, local_steps = [], [], []
+            for _ in range(steps):
+                build, total = far()
+                builds.append(build)
+                remote_steps.append(total)
+                if local is not None:
+                    local_steps.append(local()[1])
+            ops = (ext.ops_recorded() - ops_before) / steps
+    client_ms = statistics.median(builds) * 1e3
+    out = {
+        "native_ops_per_step": round(ops),
+        "native_client_ms": round(client_ms, 2),
+        "native_client_us_per_op": round(client_ms * 1e3 / ops, 2),
+        "native_remote_ms": round(statistics.median(remote_steps) * 1e3, 2),
+    }
+    if local_steps:
+        out["local_ms"] = round(statistics.median(local_steps) * 1e3, 2)
+        out["native_step_ratio"] = round(out["native_remote_ms"] / out["local_ms"], 3)
+    return {f"{name}_{key}": value for key, value in out.items()}
+
+
+def _native_main(names: list[str], steps_for, device: str) -> dict:
+    """Every workload's native arm in a process of its own, and the plain floor."""
+    import dispatch_floor
+
+    torch.set_num_threads(1)
+    plain_us, _ = dispatch_floor.plain_us_per_dispatch(30)
+    result: dict = {"executor_device": device, "plain_us_per_dispatch": round(plain_us, 2)}
+    for name in names:
+        command = [sys.executable, __file__, "--native-arm", name, "--device", device]
+        command += ["--steps", str(steps_for(name))]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"the native arm of {name} failed:\n{done.stderr}")
+        workload = json.loads(done.stdout.strip().splitlines()[-1])
+        per_op = workload[f"{name}_native_client_us_per_op"]
+        workload[f"{name}_native_client_per_op_over_plain"] = round(per_op / plain_us, 2)
+        result.update(workload)
+        print(f"step_bench: {name} {json.dumps(workload)}", file=sys.stderr, flush=True)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps (within 60 s)")
@@ -227,12 +298,29 @@ def main() -> None:
         action="store_true",
         help="also time torch.compile(model) steps, then with torch.compile(opt.step) too",
     )
+    parser.add_argument("--native", action="store_true", help="the native C++ device")
+    parser.add_argument("--native-arm", help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.native_arm:
+        print(json.dumps(native_arm(args.native_arm, args.steps, args.device)))
+        return
     names = args.workloads.split(",") if args.workloads else None
     names = names or (CUDA_WORKLOADS if args.device == "cuda" else CPU_WORKLOADS)
     unknown = sorted(set(names) - set(WORKLOADS))
     if unknown:
         parser.error(f"unknown workloads {unknown}; choose from {sorted(WORKLOADS)}")
+
+    def steps_for(name: str) -> int:
+        return 5 if args.quick or name.startswith("gpt") else 20
+
+    if args.native:
+        result = _native_main(names, steps_for, args.device)
+        print(json.dumps(result, indent=2))
+        suffix = "" if args.device == "cpu" else f"_{args.device}"
+        out = Path(__file__).parent / "results" / f"step{suffix}_native.json"
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        return
 
     import cumulus_p2p.remote as remote
     from cumulus_p2p.testing.executor import executor_process
@@ -248,7 +336,7 @@ def main() -> None:
     with executor_process(device=args.device, quota="64GiB", extra=extra) as (address, _):
         with remote.attach(address):
             for name in names:
-                steps = 5 if args.quick or name.startswith("gpt") else 20
+                steps = steps_for(name)
                 workload: dict = {}
                 for compiled in arms:
                     workload.update(measure(name, steps, args.device, compiled))

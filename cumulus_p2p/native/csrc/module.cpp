@@ -67,6 +67,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("begin_session", &cumulus::begin_session,
         "Drop the pending batch; storages made before now free nothing. The first new handle.");
   m.def("pending_records", &cumulus::pending_records, "Records waiting in the batch.");
+  m.def("ops_recorded", &cumulus::ops_recorded, "Op records appended since the process started.");
   m.def("seed", &cumulus::append_seed, "Append a SEED: the executor's generator starts over.");
   m.def("intern", &cumulus::intern_name, "The name table index of an op name.");
   m.def(

@@ -141,12 +141,20 @@ Batch& batch() {
 
 }  // namespace
 
+namespace {
+std::atomic<uint64_t> op_records{0};
+}  // namespace
+
 void append_record(const Writer& w) {
+  const auto kind = static_cast<Kind>(w.data()[0]);
+  if (kind == Kind::Op || kind == Kind::Dyn) op_records.fetch_add(1, std::memory_order_relaxed);
   Batch& b = batch();
   std::lock_guard<std::mutex> lock(b.mutex);
   b.data.append(w.data());
   b.records += 1;
 }
+
+uint64_t ops_recorded() { return op_records.load(std::memory_order_relaxed); }
 
 void append_free(uint64_t handle) {
   Writer w;

@@ -157,6 +157,9 @@ void append_free(uint64_t handle);
 void append_seed(uint64_t seed);
 std::pair<std::string, uint64_t> take_batch();
 uint64_t pending_records();
+// Op records (OP and DYN) appended since the process started: what a benchmark counts
+// as the ops a step sent.
+uint64_t ops_recorded();
 
 // A new session starts: the pending batch is dropped, and storages created before now
 // (whose executor is gone) append no FREE when they die. Returns the first handle the
