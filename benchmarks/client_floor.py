@@ -25,7 +25,10 @@ Prints JSON and writes ``benchmarks/results/client_floor.json``::
     python benchmarks/client_floor.py [--quick] [--steps N]
 
 Per arm: ``<arm>_client_ms`` (median step; the median over passes) and, where the step
-has them, ``<arm>_phase_ms`` (median per part, as ``step_bench``'s).
+has them, ``<arm>_phase_ms`` (median per part, as ``step_bench``'s). Then issue 30's
+tiny-width arm, ``native_step.py``'s: ``eager_local_ms`` and ``eager_cumulus_ms``, the
+whole eager step (to its ``loss.item()``) locally and on the native device, and
+``eager_cumulus_over_local`` (target: 1.5 or less).
 """
 
 from __future__ import annotations
@@ -192,9 +195,28 @@ def main() -> None:
                 phase: round(statistics.median(values), 3)
                 for phase, values in zip(step_bench.PHASES, per_phase, strict=True)
             }
+    result |= _native_eager(passes)
     print(json.dumps(result, indent=2))
     out = Path(__file__).parent / "results" / "client_floor.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _native_eager(passes: int) -> dict:
+    """Issue 30's tiny-width arm: the same shape's eager step, local and on the native
+    device (``native_step.py``'s arms, each in its own process), medians over passes."""
+    import native_step
+
+    from cumulus_p2p import native
+
+    if native.missing_toolchain() is not None:
+        return {}
+    runs: dict[str, list[float]] = {"eager_local_ms": [], "eager_cumulus_ms": []}
+    for _ in range(passes):
+        runs["eager_local_ms"].append(native_step.run_arm("local", 30)["eager_local_ms"])
+        runs["eager_cumulus_ms"].append(native_step.run_arm("cumulus", 30)["eager_cumulus_ms"])
+    out = {key: round(statistics.median(values), 3) for key, values in runs.items()}
+    out["eager_cumulus_over_local"] = round(out["eager_cumulus_ms"] / out["eager_local_ms"], 2)
+    return out
 
 
 @contextmanager

@@ -143,7 +143,8 @@ def _cumulus_arm(steps: int) -> dict:
     }
 
 
-def _run_arm(arm: str, steps: int) -> dict:
+def run_arm(arm: str, steps: int) -> dict:
+    """``arm`` ("local" or "cumulus") timed over ``steps`` in a process of its own."""
     done = subprocess.run(
         [sys.executable, __file__, "--arm", arm, "--steps", str(steps)],
         capture_output=True,
@@ -176,7 +177,7 @@ def main() -> None:
     runs: dict[str, list] = {}
     for _ in range(passes):
         for arm in ("local", "cumulus"):
-            for key, value in _run_arm(arm, steps).items():
+            for key, value in run_arm(arm, steps).items():
                 runs.setdefault(key, []).append(value)
     m = {key: statistics.median(values) for key, values in runs.items()}
     ops = int(m["ops_per_step"])
