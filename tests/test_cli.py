@@ -19,6 +19,7 @@ from cumulus_p2p.cli._run import _consumer_options, _provider_options
 from cumulus_p2p.identity import KEY_FILE_NAME, NodeIdentity
 from cumulus_p2p.market.ledger import Dispute, Ledger
 from cumulus_p2p.market.messages import PriorityClass, Receipt, seal_message
+from cumulus_p2p.node.consumer import script_command
 from cumulus_p2p.node.datadir import DataDir
 from cumulus_p2p.node.hardware import Detection, DeviceFacts, offered_devices, offered_gpu
 from cumulus_p2p.node.provider import OfferedDevice, _executor_for
@@ -158,6 +159,22 @@ def test_an_explorer_port_in_use_is_a_clear_error(tmp_path):
     assert result.returncode == 3
     assert f"cannot listen on 127.0.0.1:{port}" in result.stdout
     assert "--explore-port" in result.stdout
+
+
+def test_native_and_no_cuda_compat_together_are_a_usage_error(tmp_path):
+    result = run("--data-dir", str(tmp_path), "--consume", "--native", "--no-cuda-compat")
+    assert result.returncode == 2
+    assert "--no-cuda-compat: not allowed with argument --native" in result.stderr
+
+
+def test_native_runs_the_script_under_the_shims_native_device():
+    options = _consumer_options(build_parser().parse_args(["--consume", "--native"]), ["x.py"])
+    assert options.native
+    assert script_command(("python", "x.py"), cuda_compat=True, native=True)[2:] == [
+        "cumulus_p2p.shim",
+        "--native",
+        "x.py",
+    ]
 
 
 def test_the_consumers_checkpoint_backoff_and_privacy_flags_reach_its_options():

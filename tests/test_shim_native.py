@@ -70,3 +70,12 @@ def test_an_unreachable_executor_is_a_start_failure_naming_the_address():
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == shim.EXIT_CANNOT_START
     assert "cannot open a native session with the executor at 127.0.0.1:9" in err
+
+
+def test_a_machine_that_cannot_build_the_device_is_told_what_to_install(tmp_path):
+    env = {**os.environ, shim.ENV_EXECUTOR: "127.0.0.1:9", "CXX": "no-such-compiler"}
+    env["CUMULUS_NATIVE_BUILD_DIR"] = str(tmp_path)  # nothing built there
+    command = [sys.executable, "-m", "cumulus_p2p.shim", "--native", str(SCRIPT), "cumulus"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == shim.EXIT_CANNOT_START
+    assert "no C++ compiler ('no-such-compiler' is not on PATH): install g++" in done.stderr
