@@ -8,6 +8,7 @@ session, or behind the secure channel.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import pytest
 import torch
@@ -202,6 +203,23 @@ def test_a_session_whose_log_outgrew_its_bound_says_it_cannot_move():
             with pytest.raises(SessionClosedError, match="outgrew the 1024 bytes"):
                 x.sum().item()
             assert session.failovers == 0
+
+
+@in_native_process
+def test_a_session_closed_after_its_executor_is_gone_just_ends():
+    from cumulus_p2p.channel.transport import SocketFrameChannel
+    from cumulus_p2p.native.session import NativeSession
+    from cumulus_p2p.testing.executor import executor_process
+
+    with executor_process() as (address, killed):
+        session = NativeSession(SocketFrameChannel.connect(*_split(address)), reconnect=_never)
+        x = torch.ones(4).to("cumulus")
+        assert x.sum().item() == 4.0
+        killed.kill()
+        killed.wait()
+        session.flush()  # the first write to a closed peer still succeeds; it answers RST
+        time.sleep(0.2)
+        session.close()  # the next write fails: no move to another host, and no error
 
 
 def _never(lost: str):

@@ -224,10 +224,12 @@ class NativeSession:
         dst.copy_(host)
 
     def close(self) -> None:
-        """Flush what is pending, end the session and detach the hooks."""
+        """Flush what is pending, end the session and detach the hooks. A session whose
+        executor is gone by now just ends: moving it elsewhere to say bye is no use."""
         self._ext.set_readback_hook(None)
         self._ext.set_sync_hook(None)
         self._ext.set_flush_hook(None)
+        self._reconnect = self._log = None
         try:
             self.flush()
             self._channel.send_frame(wire.request(wire.BYE, [], b"", reply=False))
