@@ -173,14 +173,11 @@ void record_upload(const at::Tensor& dst, const at::Tensor& src) {
     return;
   }
   const at::Tensor whole = dst.is_contiguous() ? dst : at::empty(dst.sizes(), dst.options());
-  const at::Tensor to = whole.view(-1);
-  const at::Tensor from = src.contiguous().view(-1);
-  const int64_t step = std::max<int64_t>(1, kPieceBytes / from.element_size());
-  for (int64_t at = 0; at < from.numel(); at += step) {
-    const int64_t n = std::min(step, from.numel() - at);
-    record_upload_piece(to.narrow(0, at, n), from.narrow(0, at, n));
-    maybe_flush();
-  }
+  for_each_piece(src.contiguous().view(-1), whole.view(-1),
+                 [](const at::Tensor& from, const at::Tensor& to) {
+                   record_upload_piece(to, from);
+                   maybe_flush();
+                 });
   if (!whole.is_same(dst)) record_device_copy(dst, whole, false);
 }
 

@@ -129,7 +129,8 @@ namespace {
 struct Batch {
   std::mutex mutex;
   std::string data;
-  uint64_t records = 0;
+  uint64_t records = 0;  // in `data`
+  uint64_t ops = 0;      // op records appended since the process started
 };
 
 // Leaked on purpose: storages die (and append FREE records) during interpreter
@@ -141,20 +142,20 @@ Batch& batch() {
 
 }  // namespace
 
-namespace {
-std::atomic<uint64_t> op_records{0};
-}  // namespace
-
 void append_record(const Writer& w) {
   const auto kind = static_cast<Kind>(w.data()[0]);
-  if (kind == Kind::Op || kind == Kind::Dyn) op_records.fetch_add(1, std::memory_order_relaxed);
   Batch& b = batch();
   std::lock_guard<std::mutex> lock(b.mutex);
   b.data.append(w.data());
   b.records += 1;
+  b.ops += kind == Kind::Op || kind == Kind::Dyn;
 }
 
-uint64_t ops_recorded() { return op_records.load(std::memory_order_relaxed); }
+uint64_t ops_recorded() {
+  Batch& b = batch();
+  std::lock_guard<std::mutex> lock(b.mutex);
+  return b.ops;
+}
 
 void append_free(uint64_t handle) {
   Writer w;
@@ -330,13 +331,7 @@ void read_back(const at::Tensor& src, const at::Tensor& dst) {
   const at::Tensor whole = src.contiguous();
   const bool direct = dst.is_contiguous() && dst.scalar_type() == src.scalar_type();
   const at::Tensor host = direct ? dst : at::empty(src.sizes(), dst.options().dtype(src.dtype()));
-  const at::Tensor from = whole.view(-1);
-  const at::Tensor to = host.view(-1);
-  const int64_t step = std::max<int64_t>(1, kPieceBytes / from.element_size());
-  for (int64_t at = 0; at < from.numel(); at += step) {
-    const int64_t n = std::min(step, from.numel() - at);
-    read_back_piece(from.narrow(0, at, n), to.narrow(0, at, n));
-  }
+  for_each_piece(whole.view(-1), host.view(-1), read_back_piece);
   if (!direct) dst.copy_(host);
 }
 

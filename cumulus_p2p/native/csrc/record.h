@@ -65,6 +65,7 @@
 //   once it holds the flush hook's bytes), so frames and replies stay bounded.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -79,6 +80,17 @@ namespace cumulus {
 
 // The most bytes of tensor data one UPLOAD or READBACK record carries.
 constexpr int64_t kPieceBytes = 16 << 20;
+
+// Calls f(a_piece, b_piece) for each piece of at most kPieceBytes of `a`, the same
+// elements of `b`: two flat tensors of one length (an upload's or a readback's).
+template <typename F>
+void for_each_piece(const at::Tensor& a, const at::Tensor& b, F&& f) {
+  const int64_t step = std::max<int64_t>(1, kPieceBytes / a.element_size());
+  for (int64_t at = 0; at < a.numel(); at += step) {
+    const int64_t n = std::min(step, a.numel() - at);
+    f(a.narrow(0, at, n), b.narrow(0, at, n));
+  }
+}
 
 enum class Kind : uint8_t {
   Op = 1,
