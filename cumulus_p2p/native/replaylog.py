@@ -13,7 +13,7 @@ Sans-IO: bytes in, bytes out.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from ..wire import native as wire
 
@@ -48,12 +48,12 @@ class ReplayLog:
             return
         self._frames.append(frame)
 
-    def frames(self) -> Iterator[list[bytes]]:
-        """The kept batches as requests that ask for no reply, oldest first.
+    def frames(self) -> list[list[bytes]]:
+        """The kept batches as requests that ask for no reply, oldest first (a copy).
 
         Raises:
             ValueError: the log was dropped (``lost_because``).
         """
         if self._frames is None:
             raise ValueError(self.lost_because)
-        return iter(list(self._frames))
+        return list(self._frames)

@@ -208,7 +208,7 @@ class NativeSession:
         self._channel = channel
         self.info = _hello(channel, self._quota)
         self.failovers += 1
-        return list(self._log.frames())[:-1]
+        return self._log.frames()[:-1]
 
     def _sync(self) -> bytes:
         # As a readback: the device appended a DYN record last, whose answer comes last.

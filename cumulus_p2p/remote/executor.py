@@ -223,8 +223,8 @@ class Executor:
             if only_blobs:
                 raise RemoteProtocolError(blobservice.ONLY_BLOBS)
             limit = min(quota_bytes or self.config.quota_bytes, self.config.quota_bytes)
-            if _is_native_hello(header):
-                await self._serve_native(channel, header, session_id, limit, rank, until)
+            if header[0] == "hello" and "native" in (options := _hello_options(header)):
+                await self._serve_native(channel, options, session_id, limit, rank, until)
                 return
             token, session = await self._open(channel, header, session_id, limit, hold_bytes)
             self.sessions[session_id] = session
@@ -502,7 +502,7 @@ class Executor:
     async def _serve_native(
         self,
         channel: AsyncFrameChannel,
-        header: list,
+        options: dict,
         session_id: int,
         limit: int,
         rank: tuple,
@@ -511,7 +511,6 @@ class Executor:
         """A native device's session (``cumulus_p2p.native``): each batch replayed in C++,
         whole, in one device turn. Nothing is parked: when its connection drops or its
         time is up, the session ends and its memory is freed."""
-        options = _hello_options(header)
         if options["native"] != native_wire.VERSION:
             raise RemoteProtocolError(
                 f"client speaks native version {options['native']!r}; this executor speaks "
@@ -656,15 +655,6 @@ def _hello_options(header: list) -> dict:
     if type(options.get("private", False)) is not bool:
         raise RemoteProtocolError("private must be true or false")
     return options
-
-
-def _is_native_hello(header: list) -> bool:
-    return (
-        header[0] == "hello"
-        and len(header) == 3
-        and isinstance(header[2], dict)
-        and ("native" in header[2])
-    )
 
 
 def _resume_token(header: list) -> str:
