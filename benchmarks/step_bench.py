@@ -43,7 +43,9 @@ its sync), ``<name>_native_ops_per_step`` (op records sent), ``<name>_native_cli
 ``<name>_native_step_ratio``. ``plain_us_per_dispatch`` is measured in the same run
 (``dispatch_floor.py``'s plain tiny step, compute negligible), and
 ``<name>_native_client_per_op_over_plain`` is the client's cost per sent op over it
-(issue 30's target: 3 or less).
+(issue 30's target: 3 or less). On a CUDA executor, ``<name>_native_cuda_ms`` is the
+same step on native CUDA in a process without cumulus, and ``<name>_native_over_cuda``
+the native device's step over it (issue 30's GPU targets: 1.3, and 1.05 for gpt_large).
 
 ``--isolation worker`` runs the session in a worker process of its own behind the
 executor's supervisor (issue 12), to compare with ``shared`` (every session in the
@@ -271,6 +273,11 @@ def _native_main(names: list[str], steps_for, device: str) -> dict:
         workload = json.loads(done.stdout.strip().splitlines()[-1])
         per_op = workload[f"{name}_native_client_us_per_op"]
         workload[f"{name}_native_client_per_op_over_plain"] = round(per_op / plain_us, 2)
+        if device == "cuda":
+            cuda_ms = native_cuda_ms(name, 2 * steps_for(name))
+            workload[f"{name}_native_cuda_ms"] = round(cuda_ms, 2)
+            ratio = workload[f"{name}_native_remote_ms"] / cuda_ms
+            workload[f"{name}_native_over_cuda"] = round(ratio, 3)
         result.update(workload)
         print(f"step_bench: {name} {json.dumps(workload)}", file=sys.stderr, flush=True)
     return result

@@ -1,0 +1,63 @@
+"""The native device against an executor on CUDA, on a machine with a GPU: training on
+``cumulus`` matches native CUDA.
+
+Native CUDA runs in a subprocess of its own, the native device in the suite's native
+child process (``testing/native_process.py``), each with a fresh CUDA context.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cumulus_p2p import native
+from cumulus_p2p.testing.native_process import in_native_process, stop_native_process
+
+_MISSING = native.missing_toolchain()
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(_MISSING is not None, reason=f"cannot build the native device: {_MISSING}"),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _native_child():
+    yield
+    stop_native_process()
+
+
+def _native_cuda_losses(task: str) -> list[float]:
+    # The device's SDPA takes the math path (its _fused_sdp_choice runs on meta), so
+    # native CUDA is pinned to it: the fused kernels round differently.
+    code = (
+        "import json; from torch.nn.attention import SDPBackend, sdpa_kernel; "
+        "from cumulus_p2p.testing.models import train; "
+        "ctx = sdpa_kernel(SDPBackend.MATH); ctx.__enter__(); "
+        f"print(json.dumps(train({task!r}, 'cuda', steps=4)[0]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@in_native_process
+def _native_device_losses(task: str) -> list[float]:
+    from cumulus_p2p.native.session import NativeSession
+    from cumulus_p2p.testing.executor import executor_process
+    from cumulus_p2p.testing.models import train
+
+    with executor_process(device="cuda", quota="8GiB") as (address, _):
+        host, port = address.split(":")
+        with NativeSession.connect(host, int(port)):
+            return train(task, "cumulus", steps=4)[0]
+
+
+@pytest.mark.parametrize("task", ["mlp", "transformer"])
+def test_native_device_training_on_a_cuda_executor_matches_native_cuda(task):
+    far = _native_device_losses(task)
+    assert far == pytest.approx(_native_cuda_losses(task), rel=1e-5)
+    assert far[-1] < far[0]
