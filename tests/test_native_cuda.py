@@ -31,21 +31,18 @@ def _native_child():
     stop_native_process()
 
 
-def _native_cuda_losses(task: str) -> list[float]:
-    # The device's SDPA takes the math path (its _fused_sdp_choice runs on meta), so
-    # native CUDA is pinned to it: the fused kernels round differently.
+def _native_cuda_losses(task: str, autocast: str | None) -> list[float]:
     code = (
-        "import json; from torch.nn.attention import SDPBackend, sdpa_kernel; "
-        "from cumulus_p2p.testing.models import train; "
-        "ctx = sdpa_kernel(SDPBackend.MATH); ctx.__enter__(); "
-        f"print(json.dumps(train({task!r}, 'cuda', steps=4)[0]))"
+        "import json, torch; from cumulus_p2p.testing.models import train; "
+        f"dtype = {autocast!r} and getattr(torch, {autocast!r}); "
+        f"print(json.dumps(train({task!r}, 'cuda', steps=4, autocast=dtype)[0]))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @in_native_process
-def _native_device_losses(task: str) -> list[float]:
+def _native_device_losses(task: str, autocast: str | None) -> list[float]:
     from cumulus_p2p.native.session import NativeSession
     from cumulus_p2p.testing.executor import executor_process
     from cumulus_p2p.testing.models import train
@@ -53,11 +50,18 @@ def _native_device_losses(task: str) -> list[float]:
     with executor_process(device="cuda", quota="8GiB") as (address, _):
         host, port = address.split(":")
         with NativeSession.connect(host, int(port)):
-            return train(task, "cumulus", steps=4)[0]
+            dtype = autocast and getattr(torch, autocast)
+            return train(task, "cumulus", steps=4, autocast=dtype)[0]
 
 
 @pytest.mark.parametrize("task", ["mlp", "transformer"])
 def test_native_device_training_on_a_cuda_executor_matches_native_cuda(task):
-    far = _native_device_losses(task)
-    assert far == pytest.approx(_native_cuda_losses(task), rel=1e-5)
-    assert far[-1] < far[0]
+    # The transformer's attention runs the fused kernel the GPU picks, as native CUDA's.
+    far = _native_device_losses(task, None)
+    assert far == pytest.approx(_native_cuda_losses(task, None), rel=1e-5)
+
+
+def test_bf16_autocast_on_a_cuda_executor_trains_as_native_cuda():
+    # Under bf16 the GPU picks flash attention: its kernel and backward run remotely.
+    far = _native_device_losses("transformer", "bfloat16")
+    assert far == pytest.approx(_native_cuda_losses("transformer", "bfloat16"), rel=1e-2)

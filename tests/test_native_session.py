@@ -77,16 +77,12 @@ def _train(
 
 @in_native_process
 def test_a_tiny_transformer_trains_bit_identically_to_local_cpu():
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     with _session(flush_bytes=0) as session:
         remote_losses, remote_params = _train("cumulus", steps=4)
-        # One flush per sync point: each step's loss.item(), then each parameter's read.
-        assert session.flushes == 4 + len(remote_params)
-    # The device's SDPA takes the math path (its _fused_sdp_choice runs on meta); local
-    # CPU would take flash attention for CPU, whose rounding differs.
-    with sdpa_kernel(SDPBackend.MATH):
-        local_losses, local_params = _train("cpu", steps=4)
+        # One flush per sync point: the executor's choice of attention kernel (one
+        # layout), each step's loss.item(), then each parameter's read.
+        assert session.flushes == 1 + 4 + len(remote_params)
+    local_losses, local_params = _train("cpu", steps=4)
     assert remote_losses == local_losses
     assert local_losses[-1] < local_losses[0]
     for remote, local in zip(remote_params, local_params, strict=True):
@@ -182,8 +178,7 @@ def test_a_lost_executor_is_replaced_and_training_goes_on_with_the_same_losses()
                 moved, _ = _train("cumulus", steps=4, kill_after=2, kill=killed.kill)
                 assert session.failovers == 1
                 assert "lost the executor" in moved_to[0]
-    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-        local, _ = _train("cpu", steps=4)
+    local, _ = _train("cpu", steps=4)
     assert moved == local
 
 
@@ -242,6 +237,79 @@ def test_a_600_mib_tensor_uploads_and_reads_back_bit_identically_in_bounded_fram
         assert torch.equal(x.cpu(), a)
         assert max(largest) <= MAX_BATCH_BYTES + 2**20
         assert (x[-3:] + 1).tolist() == a[-3:].add(1).tolist()
+
+
+@in_native_process
+def test_many_uploads_without_a_sync_go_in_frames_that_each_fit():
+    from cumulus_p2p.channel.transport import DEFAULT_MAX_FRAME
+    from cumulus_p2p.native.session import MAX_BATCH_BYTES
+
+    # A model's weights: 17 tensors of one piece each (16 MiB), 272 MiB in all, more
+    # than one frame may carry, and no sync point among them.
+    with _session(flush_bytes=0) as session:
+        largest = _largest_frame(session)
+        parts = [torch.full((4 * 2**20,), float(i)) for i in range(17)]
+        assert 17 * parts[0].nbytes > DEFAULT_MAX_FRAME
+        moved = [part.to("cumulus") for part in parts]
+        assert [x[-1].item() for x in moved] == [float(i) for i in range(17)]
+        assert max(largest) <= MAX_BATCH_BYTES + 2**20
+
+
+@in_native_process
+def test_attention_runs_the_fused_kernel_the_executors_device_picks():
+    from cumulus_p2p import native
+
+    ext = native.load()
+
+    def ops_of(attend) -> int:
+        q = torch.randn(2, 2, 16, 8, generator=torch.Generator().manual_seed(0))
+        x = q.to("cumulus").requires_grad_()
+        before = ext.ops_recorded()
+        attend(x).sum().backward()
+        x.grad.sum().item()
+        return ext.ops_recorded() - before
+
+    with _session():
+        causal = torch.ones(16, 16, dtype=torch.bool).tril().to("cumulus")
+        fused = ops_of(lambda x: F.scaled_dot_product_attention(x, x, x, is_causal=True))
+        # A mask takes the composite's math path: the ops of softmax(QK^T)V, both ways.
+        math = ops_of(lambda x: F.scaled_dot_product_attention(x, x, x, attn_mask=causal))
+        assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ext.op_names()
+    assert fused < math / 2
+
+
+@in_native_process
+def test_attention_pinned_to_math_by_sdpa_kernel_takes_the_math_path():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from cumulus_p2p import native
+
+    ext = native.load()
+
+    def ops_of(attend) -> tuple[int, torch.Tensor]:
+        before = ext.ops_recorded()
+        out = attend()
+        return ext.ops_recorded() - before, out.cpu()
+
+    with _session():
+        q = torch.randn(2, 2, 16, 8).to("cumulus")
+        fused_ops, fused = ops_of(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True))
+        with sdpa_kernel(SDPBackend.MATH):
+            math_ops, math = ops_of(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True))
+    assert math_ops > 2 * fused_ops
+    assert torch.allclose(math, fused, atol=1e-6)
+
+
+@in_native_process
+def test_the_executor_is_asked_for_an_attention_kernel_once_per_layout():
+    with _session(flush_bytes=0) as session:
+        q = torch.randn(2, 2, 16, 8).to("cumulus")
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        asked = session.flushes
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        assert session.flushes == asked  # nothing sent: no sync point, no question
+        F.scaled_dot_product_attention(q[:1], q[:1], q[:1], is_causal=True)
+        assert session.flushes == asked + 1
 
 
 @in_native_process

@@ -21,7 +21,15 @@ from types import ModuleType
 #: The extension's module name; the built library is ``<build dir>/cumulus_native.so``.
 NAME = "cumulus_native"
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("record.cpp", "device.cpp", "kernels.cpp", "shapes.cpp", "autocast.cpp", "module.cpp")
+SOURCES = (
+    "record.cpp",
+    "device.cpp",
+    "kernels.cpp",
+    "shapes.cpp",
+    "autocast.cpp",
+    "attention.cpp",
+    "module.cpp",
+)
 #: The executor's replay loop: a library of its own, because the device library registers
 #: PrivateUse1 kernels at load and an executor process must not own that key.
 REPLAY_NAME = "cumulus_replay"

@@ -128,6 +128,7 @@ class NativeSession:
         self._ext.set_readback_hook(self._read_back)
         self._ext.set_sync_hook(self._sync)
         self._ext.set_flush_hook(self.flush, min(flush_bytes or MAX_BATCH_BYTES, MAX_BATCH_BYTES))
+        self._ext.set_attention_device(_device_type(self.info))
 
     @classmethod
     def connect(cls, host: str, port: int, **options) -> NativeSession:
@@ -207,6 +208,7 @@ class NativeSession:
         self._channel.close()
         self._channel = channel
         self.info = _hello(channel, self._quota)
+        self._ext.set_attention_device(_device_type(self.info))
         self.failovers += 1
         return self._log.frames()[:-1]
 
@@ -229,6 +231,7 @@ class NativeSession:
         self._ext.set_readback_hook(None)
         self._ext.set_sync_hook(None)
         self._ext.set_flush_hook(None)
+        self._ext.set_attention_device("")
         self._reconnect = self._log = None
         try:
             self.flush()
@@ -237,6 +240,12 @@ class NativeSession:
             pass
         finally:
             self._channel.close()
+
+
+def _device_type(info: dict) -> str:
+    """The executor's device type from its welcome ``info`` ("cpu", "cuda"), whose fused
+    attention kernels the device then calls (``csrc/attention.cpp``)."""
+    return str(info.get("device", "cpu")).partition(":")[0]
 
 
 def _hello(channel: FrameChannel, quota: int | None) -> dict:

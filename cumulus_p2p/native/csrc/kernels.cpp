@@ -163,10 +163,11 @@ void record_upload_piece(const at::Tensor& dst, const at::Tensor& src) {
   put_tensor_ref(w, src);  // a host tensor: its bytes travel in the record
   w.end_record();
   append_record(w);
+  maybe_flush();  // a model's many uploads must not pile up into one oversized frame
 }
 
 // A large upload goes piece by piece into a contiguous device tensor (dst itself when it
-// is one), each piece flushed as the batch fills, then copied into dst on the device.
+// is one), the batch flushed as it fills, then copied into dst on the device.
 void record_upload(const at::Tensor& dst, const at::Tensor& src) {
   if (src.nbytes() <= static_cast<size_t>(kPieceBytes) || !src.sizes().equals(dst.sizes())) {
     record_upload_piece(dst, src);
@@ -174,10 +175,7 @@ void record_upload(const at::Tensor& dst, const at::Tensor& src) {
   }
   const at::Tensor whole = dst.is_contiguous() ? dst : at::empty(dst.sizes(), dst.options());
   for_each_piece(src.contiguous().view(-1), whole.view(-1),
-                 [](const at::Tensor& from, const at::Tensor& to) {
-                   record_upload_piece(to, from);
-                   maybe_flush();
-                 });
+                 [](const at::Tensor& from, const at::Tensor& to) { record_upload_piece(to, from); });
   if (!whole.is_same(dst)) record_device_copy(dst, whole, false);
 }
 
@@ -470,6 +468,13 @@ void run_dyn(const c10::OperatorHandle& op, const OpEntry& e, c10::ArrayRef<c10:
       stack->push_back(resized_argument(schema, i, args, r));
     }
   }
+}
+
+std::vector<c10::IValue> run_on_executor(const c10::OperatorHandle& op,
+                                         std::vector<c10::IValue> args) {
+  torch::jit::Stack stack(args.begin(), args.end());
+  run_dyn(op, entry(op), args, &stack);
+  return stack;
 }
 
 void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {

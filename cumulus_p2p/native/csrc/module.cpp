@@ -80,6 +80,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("start") = 0,
       "The name table from index `start`: records carry indexes into it.");
   m.def("handle", &handle, "The remote storage handle behind a cumulus tensor.");
+  m.def("set_attention_device", &cumulus::set_attention_device,
+        "The executor's device type, whose fused attention kernels run; '' for math.");
   m.def("set_flush_hook", &set_flush_hook, py::arg("fn"), py::arg("nbytes") = 0,
         "fn() sends the batch once it holds nbytes, after an op record; None unsets.");
   m.def("set_sync_hook", &set_sync_hook,

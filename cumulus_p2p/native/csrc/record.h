@@ -203,4 +203,13 @@ using SyncHook = std::function<std::string()>;
 void set_sync_hook(SyncHook hook);
 std::string sync();
 
+// Runs `op` on the executor now (a DYN record and a sync) and returns its results, for a
+// question only the executor's device can answer (kernels.cpp).
+std::vector<c10::IValue> run_on_executor(const c10::OperatorHandle& op,
+                                         std::vector<c10::IValue> args);
+
+// The executor's device type ("cpu", "cuda"...; "" when none is attached), whose fused
+// kernel scaled_dot_product_attention then runs, rather than its math (attention.cpp).
+void set_attention_device(const std::string& type);
+
 }  // namespace cumulus
