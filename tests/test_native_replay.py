@@ -115,6 +115,23 @@ def test_arguments_are_views_built_from_the_references_geometry():
     assert s.read(_ref(1, sizes=(12,))).tolist() == list(range(12))
 
 
+def test_none_where_the_schema_wants_a_tensor_reaches_the_op_as_an_undefined_one():
+    # As autograd calls backward kernels: here batch norm's reserve space, which the
+    # native path never uses.
+    gen = torch.Generator().manual_seed(0)
+    x, grad = torch.randn(8, 4, generator=gen), torch.randn(8, 4, generator=gen)
+    _, mean, invstd = torch.native_batch_norm(x, None, None, None, None, True, 0.1, 1e-5)
+    expected = torch.ops.aten.native_batch_norm_backward(
+        grad, x, None, None, None, mean, invstd, True, 1e-5, [True, False, False]
+    )[0]
+    s = Session()
+    refs = [s.upload(h, t) for h, t in enumerate((x, grad, mean, invstd), start=1)]
+    args = (0, *refs[:2], None, None, None, *refs[2:], True, 1e-5, [True, False, False], None)
+    out = _ref(5, sizes=(8, 4))
+    s.run(Op("aten::_batch_norm_impl_index_backward", args, (out, None, None)))
+    assert torch.equal(s.read(out), expected)
+
+
 def test_an_output_that_aliases_an_input_gets_a_storage_of_its_own():
     s = Session()
     a = s.upload(1, A)

@@ -527,6 +527,9 @@ class Replayer {
         if (inner->kind() == c10::TypeKind::GeneratorType && generator_.defined()) {
           return generator_;
         }
+        // Autograd hands a backward undefined tensors where the schema wants a Tensor
+        // (a fused attention's absent bias): the client writes them as None.
+        if (type->kind() == c10::TypeKind::TensorType) return at::Tensor();
         return c10::IValue();
       case Tag::Tensor:
         return view(read_ref(c));
