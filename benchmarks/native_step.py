@@ -76,7 +76,8 @@ def _local_arm(steps: int) -> dict:
 
 
 class _InProcess:
-    """A readback hook that replays the batch in this process, timing ``replay`` alone."""
+    """Readback and sync hooks that replay the batch in this process, timing ``replay``
+    alone; attention takes the CPU's fused kernel, as in a session with a CPU executor."""
 
     def __init__(self, ext) -> None:
         from cumulus_p2p.native.executor import new_replayer
@@ -89,18 +90,32 @@ class _InProcess:
         self.last: tuple[bytes, list[str]] = (b"", [])
         ext.begin_session()
         ext.set_readback_hook(self)
+        ext.set_sync_hook(self.sync)
+        ext.set_attention_device("cpu")
 
-    def __call__(self, src, dst) -> None:
-        import torch
-
+    def _replay(self) -> list[bytes]:
         batch, _ = self.ext.take_batch()
         names = self.ext.op_names(self.names_sent)
         self.names_sent += len(names)
         started = time.perf_counter()
-        (data,) = self.replayer.replay(batch, names)
+        out = self.replayer.replay(batch, names)
         self.replay_s.append(time.perf_counter() - started)
         self.last = (batch, self.ext.op_names())
+        return out
+
+    def __call__(self, src, dst) -> None:
+        import torch
+
+        (data,) = self._replay()
         dst.copy_(torch.frombuffer(bytearray(data), dtype=src.dtype).reshape(src.shape))
+
+    def sync(self) -> bytes:
+        return self._replay()[-1]
+
+    def close(self) -> None:
+        self.ext.set_readback_hook(None)
+        self.ext.set_sync_hook(None)
+        self.ext.set_attention_device("")
 
 
 def _cumulus_arm(steps: int) -> dict:
@@ -131,7 +146,7 @@ def _cumulus_arm(steps: int) -> dict:
     records = hook.decode(batch, names)
     ops = sum(isinstance(r, Op) for r in records)
     executor_ms = statistics.median(hook.replay_s[3:]) * 1e3
-    ext.set_readback_hook(None)
+    hook.close()
     return {
         "eager_cumulus_ms": eager_cumulus_ms,
         "eager_cumulus_sync_only_ms": sync_only_ms,

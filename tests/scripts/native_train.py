@@ -3,8 +3,8 @@
 ``python native_train.py DEVICE [steps] [gate]``: trains on DEVICE (``cumulus`` under
 ``python -m cumulus_p2p.shim --native``, or ``cpu``) and prints one JSON line with the
 losses. With ``gate``, after the first step it prints ``holding`` and waits until that
-file exists, then trains on (a test kills the host meanwhile). Local CPU takes the math
-attention path, which the device takes too.
+file exists, then trains on (a test kills the host meanwhile). Attention is pinned to
+the math path, as a user's script may pin it: the device honours ``sdpa_kernel``.
 """
 
 import json
