@@ -2,11 +2,11 @@
 
 ``cumulus-node --consume [requirements] -- python train.py [args]`` runs the script as::
 
-    python -m cumulus_p2p.shim [--no-cuda-compat | --native] train.py [args...]
-    python -m cumulus_p2p.shim [--no-cuda-compat | --native] -m package.module [args...]
+    python -m cumulus_p2p.shim [--no-cuda-compat] [--native] train.py [args...]
+    python -m cumulus_p2p.shim [--no-cuda-compat] [--native] -m package.module [args...]
 
 The shim attaches the session the environment describes (``connect``), turns on CUDA
-compatibility mode (``cumulus_p2p.remote.cuda_compat``) unless told not to, and runs the
+compatibility mode (``cumulus_p2p.cuda_compat``) unless told not to, and runs the
 script as ``__main__`` the way ``python train.py`` would: ``sys.argv`` is
 ``[train.py, args...]`` and the script's directory comes first on ``sys.path``. Whatever
 way the script ends (returning, ``sys.exit``, an exception, Ctrl-C, SIGTERM), the session
@@ -16,10 +16,10 @@ holding it for a consumer that might come back.
 With ``--native`` the script runs on the native C++ device instead
 (``cumulus_p2p.native``; ``connect_native``): eager ops cost what a CPU tensor's do on
 this side, and the host replays each batch in C++. A leased session that loses its host
-is replayed from its start on another (``native.replaylog``, bounded); there are no
-checkpoints or CUDA compatibility mode yet, so a script names its tensors' device
-``cumulus``, and one whose session outgrew the replay log ends with an error that says
-so when its host is lost.
+is replayed from its start on another (``native.replaylog``, bounded). There are no
+checkpoints yet: a script whose session outgrew the replay log ends with an error that
+says so when its host is lost. CUDA compatibility mode works on it as on the Python
+device.
 
 Exit status: the script's own (an uncaught exception prints its traceback and exits 1, as
 in plain Python; SIGTERM exits 143); 2 when the shim cannot start the script: a bad command
@@ -63,8 +63,8 @@ EXIT_CANNOT_START = 2
 STOP_GRACE_S = 10.0
 _PR_SET_PDEATHSIG = 1
 USAGE = (
-    "usage: python -m cumulus_p2p.shim [--no-cuda-compat | --native] script.py [args...]\n"
-    "       python -m cumulus_p2p.shim [--no-cuda-compat | --native] -m package.module [args...]"
+    "usage: python -m cumulus_p2p.shim [--no-cuda-compat] [--native] script.py [args...]\n"
+    "       python -m cumulus_p2p.shim [--no-cuda-compat] [--native] -m package.module [args...]"
 )
 
 
@@ -172,14 +172,14 @@ def run(
         args: the script's arguments (``sys.argv[1:]`` as it sees them).
         module: run ``target`` as a module instead of a file.
         cuda_compat: turn on CUDA compatibility mode while the script runs.
-        native: run on the native device (``connect_native``; no CUDA compatibility).
+        native: run on the native device (``connect_native``).
         environ: where ``connect`` reads the session from (default ``os.environ``).
 
     Raises:
         SessionClosedError: from ``connect``; the script did not run.
         BaseException: whatever the script raises, ``SystemExit`` included, unchanged.
     """
-    command = _Command(target, list(args), module, cuda_compat and not native, native)
+    command = _Command(target, list(args), module, cuda_compat, native)
     environ = os.environ if environ is None else environ
     session = connect_native(environ) if native else connect(environ)
     _run_attached(session, command)
@@ -215,9 +215,9 @@ def _run_attached(session: RemoteSession | NativeSession, command: _Command) -> 
 def _compat(command: _Command) -> contextlib.AbstractContextManager:
     if not command.cuda_compat:
         return contextlib.nullcontext()
-    from .remote import cuda_compat
+    from . import cuda_compat, native
 
-    return cuda_compat.cuda_compat()
+    return cuda_compat.cuda_compat(native.load if command.native else None)
 
 
 def _report_final_counts(environ: Mapping[str, str]) -> None:
@@ -263,7 +263,7 @@ def _parse(argv: Sequence[str]) -> _Command | str:
         if arg == "--no-cuda-compat":
             flags["cuda_compat"] = False
         elif arg == "--native":
-            flags |= {"native": True, "cuda_compat": False}  # compat is the Python device's
+            flags["native"] = True
         elif arg == "--":
             i += 1
             break

@@ -161,10 +161,16 @@ def test_an_explorer_port_in_use_is_a_clear_error(tmp_path):
     assert "--explore-port" in result.stdout
 
 
-def test_native_and_no_cuda_compat_together_are_a_usage_error(tmp_path):
-    result = run("--data-dir", str(tmp_path), "--consume", "--native", "--no-cuda-compat")
-    assert result.returncode == 2
-    assert "--no-cuda-compat: not allowed with argument --native" in result.stderr
+def test_native_with_no_cuda_compat_runs_the_native_shim_without_compatibility():
+    argv = ["--consume", "--native", "--no-cuda-compat"]
+    options = _consumer_options(build_parser().parse_args(argv), ["x.py"])
+    assert (options.native, options.cuda_compat) == (True, False)
+    assert script_command(("python", "x.py"), cuda_compat=False, native=True)[2:] == [
+        "cumulus_p2p.shim",
+        "--native",
+        "--no-cuda-compat",
+        "x.py",
+    ]
 
 
 def test_native_runs_the_script_under_the_shims_native_device():

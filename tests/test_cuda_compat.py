@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 import cumulus_p2p.remote as remote
+from cumulus_p2p import cuda_compat
 from cumulus_p2p._errors import RemoteExecutionError, SessionClosedError
-from cumulus_p2p.remote import RemoteTensor, cuda_compat
+from cumulus_p2p.remote import RemoteTensor
 from cumulus_p2p.remote.device import CumulusModule
 
 SCRIPTS = Path(__file__).parent / "scripts"

@@ -202,6 +202,24 @@ def test_a_storage_is_freed_when_its_last_tensor_dies():
     assert _take() == [Free(handle)]
 
 
+@needs_build
+@in_native_process
+def test_memory_allocated_counts_live_storages_as_they_grow_and_die():
+    cumulus = torch.cumulus
+    before = cumulus.memory_allocated()
+    cumulus.reset_peak_memory_stats()
+    x = torch.empty(1000, device="cumulus")
+    assert cumulus.memory_allocated() == before + 4000
+    x.resize_(3000)  # the storage grows in place, keeping its handle
+    assert cumulus.memory_allocated() == before + 12000
+    y = x[:10].clone()
+    assert cumulus.memory_allocated() == before + 12040
+    del x, y
+    assert cumulus.memory_allocated() == before
+    assert cumulus.max_memory_allocated() == before + 12040
+    _take()
+
+
 # ---- a training step ----------------------------------------------------------------
 
 

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cumulus_p2p import shim
-from cumulus_p2p.remote import cuda_compat
+from cumulus_p2p import cuda_compat, shim
 from cumulus_p2p.remote.client import CURRENT
 
 # Runs scripts under the shim against real executor processes: scripts/test --fast skips it.

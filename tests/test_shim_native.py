@@ -28,9 +28,9 @@ SCRIPT = Path(__file__).parent / "scripts" / "native_train.py"
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
-def _shim(*args: str, executor: str) -> subprocess.Popen:
+def _shim(*args: str, executor: str, script: Path = SCRIPT) -> subprocess.Popen:
     env = {**os.environ, shim.ENV_EXECUTOR: executor}
-    command = [sys.executable, "-m", "cumulus_p2p.shim", "--native", str(SCRIPT), *args]
+    command = [sys.executable, "-m", "cumulus_p2p.shim", "--native", str(script), *args]
     return subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -49,6 +49,21 @@ def test_a_script_trains_on_the_native_device_with_a_local_runs_losses():
     ran = _losses(out)
     assert ran["device"] == "cumulus:0", err
     assert ran["losses"] == _losses(local.stdout)["losses"]
+
+
+def test_a_cuda_style_script_runs_unchanged_on_the_native_device():
+    script = SCRIPT.parent / "cuda_style_train.py"
+    local = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, check=True
+    )
+    with executor_process(env=ONE_THREAD) as (address, _):
+        out, err = _shim(executor=address, script=script).communicate(timeout=120)
+    ran = _losses(out)
+    assert ran["device"] == "cumulus:0", err
+    assert ran["losses"] == _losses(local.stdout)["losses"]
+    assert ran["name"].startswith("cumulus (")
+    assert ran["allocated"] >= ran["params"] > 0  # weights, Adam's moments, the batch
+    assert ran["peak"] >= ran["allocated"]
 
 
 def test_a_script_that_loses_its_executor_ends_saying_it_cannot_fail_over(tmp_path):

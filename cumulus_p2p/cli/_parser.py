@@ -366,18 +366,17 @@ def _add_lease_wishes(consume) -> None:
         help="the hosts keep none of this job's uploads after its session (nothing of it "
         "is announced to or fetched by other hosts; uploads are not fetched from them)",
     )
-    device = consume.add_mutually_exclusive_group()
-    device.add_argument(
+    consume.add_argument(
         "--no-cuda-compat",
         action="store_true",
         help="do not map torch.cuda and device='cuda' to the remote device",
     )
-    device.add_argument(
+    consume.add_argument(
         "--native",
         action="store_true",
         help="run the script on the native C++ device: eager ops cost what they cost on a "
         "CPU tensor; failover replays the session from its start while it fits in 256 MiB; "
-        "no checkpoints or CUDA compatibility yet (tensors on device='cumulus')",
+        "no checkpoints yet",
     )
 
 

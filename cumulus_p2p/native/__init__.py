@@ -21,7 +21,9 @@ own that registers nothing, loaded by ``executor.py``): the host's own executor
 with the lease's quota, device turns and worker process, over plain TCP or the secure
 channel. ``session.py`` sends the device's batches there (frames in
 ``cumulus_p2p.wire.native``) and answers reads back through the device's readback hook
-(``set_readback_hook``). Failover, checkpoints and parking are not there yet.
+(``set_readback_hook``). ``torch.cumulus`` (``_DeviceModule``) answers what torch and
+CUDA compatibility mode (``cumulus_p2p.cuda_compat``) ask of the device. Failover from
+checkpoints and parking are not there yet.
 
 One owner per process
 ---------------------
@@ -96,6 +98,92 @@ class _DeviceModule:
         import torch
 
         return [torch.float16, torch.bfloat16]
+
+    # What CUDA compatibility mode asks beside (``cumulus_p2p.cuda_compat``).
+
+    @staticmethod
+    def is_attached() -> bool:
+        from .session import current
+
+        return current() is not None
+
+    @staticmethod
+    def session_info() -> dict:
+        """What the executor said of itself when the session opened."""
+        return _session().info
+
+    @staticmethod
+    def get_device_name(device=None) -> str:
+        return f"cumulus ({_session().info.get('device_name', '?')})"
+
+    @staticmethod
+    def synchronize(device=None) -> None:
+        """Wait for every op sent so far; raises the executor's first failure."""
+        _session().synchronize()
+
+    @staticmethod
+    def memory_allocated(device=None) -> int:
+        """Bytes of the session's live storages (counted on this side)."""
+        return 0 if _LOADED is None else _LOADED.memory_allocated()
+
+    @staticmethod
+    def max_memory_allocated(device=None) -> int:
+        return 0 if _LOADED is None else _LOADED.max_memory_allocated()
+
+    memory_reserved = memory_allocated
+
+    @staticmethod
+    def reset_peak_memory_stats(device=None) -> None:
+        if _LOADED is not None:
+            _LOADED.reset_peak_memory_stats()
+
+    @staticmethod
+    def empty_cache() -> None:
+        """Nothing is cached here: send the frees queued so far, so the executor sees them."""
+        from .session import current
+
+        session = current()
+        if session is not None:
+            session.flush()
+
+    @staticmethod
+    def mem_get_info(device=None) -> tuple[int, int]:
+        """(free, total) bytes of the session's quota on the executor."""
+        quota = int(_session().info.get("quota", 0))
+        return quota - _LOADED.memory_allocated(), quota
+
+    @staticmethod
+    def get_rng_state(device=None):
+        """Empty: the generator lives on the executor, and the native session cannot read
+        its state yet (so ``fork_rng`` and activation checkpointing run, unrestored)."""
+        import torch
+
+        return torch.empty(0, dtype=torch.uint8)
+
+    @staticmethod
+    def set_rng_state(new_state, device=None) -> None:
+        import warnings
+
+        warnings.warn(
+            "the native cumulus device cannot restore the executor's generator state: "
+            "random ops go on from where they are (seed with torch.manual_seed instead)",
+            stacklevel=2,
+        )
+
+
+def _session():
+    """The open native session, or a SessionClosedError saying how to open one."""
+    from .._errors import SessionClosedError
+    from .session import current
+
+    session = current()
+    if session is None:
+        raise SessionClosedError(
+            "no native cumulus session is open: run the script under `cumulus-node "
+            "--consume --native ... -- python script.py` (or `python -m cumulus_p2p.shim "
+            "--native script.py` with CUMULUS_EXECUTOR=host:port)"
+        )
+    return session
 
 
 class _RefuseWrapperDevice(importlib.abc.MetaPathFinder):

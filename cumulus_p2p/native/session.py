@@ -129,6 +129,8 @@ class NativeSession:
         self._ext.set_sync_hook(self._sync)
         self._ext.set_flush_hook(self.flush, min(flush_bytes or MAX_BATCH_BYTES, MAX_BATCH_BYTES))
         self._ext.set_attention_device(_device_type(self.info))
+        global _CURRENT
+        _CURRENT = self
 
     @classmethod
     def connect(cls, host: str, port: int, **options) -> NativeSession:
@@ -146,6 +148,14 @@ class NativeSession:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+    def synchronize(self) -> None:
+        """Wait until the executor ran every op sent or pending.
+
+        Raises:
+            NativeSessionError: the executor failed a record.
+        """
+        self.flush(wait=True)
 
     def flush(self, wait: bool = False) -> list[bytes]:
         """Send the pending records; with ``wait``, the batch's readbacks once it ran.
@@ -228,6 +238,9 @@ class NativeSession:
     def close(self) -> None:
         """Flush what is pending, end the session and detach the hooks. A session whose
         executor is gone by now just ends: moving it elsewhere to say bye is no use."""
+        global _CURRENT
+        if _CURRENT is self:
+            _CURRENT = None
         self._ext.set_readback_hook(None)
         self._ext.set_sync_hook(None)
         self._ext.set_flush_hook(None)
@@ -240,6 +253,16 @@ class NativeSession:
             pass
         finally:
             self._channel.close()
+
+
+#: The open session, which ``torch.cumulus`` answers for (one per process, as the device's
+#: hooks are).
+_CURRENT: NativeSession | None = None
+
+
+def current() -> NativeSession | None:
+    """The process's open native session, if any."""
+    return _CURRENT
 
 
 def _device_type(info: dict) -> str:

@@ -954,7 +954,7 @@ def script_command(
     shim = [sys.executable, "-m", "cumulus_p2p.shim"]
     if native:
         shim.append("--native")
-    elif not cuda_compat:
+    if not cuda_compat:
         shim.append("--no-cuda-compat")
     return [*shim, *args]
 

@@ -38,6 +38,16 @@ class CumulusModule:
         return CURRENT.session is not None and not CURRENT.session.closed
 
     @staticmethod
+    def is_attached() -> bool:
+        """Whether a session is attached (``cuda_compat`` asks before using it)."""
+        return CURRENT.session is not None and not CURRENT.session.closed
+
+    @staticmethod
+    def session_info() -> dict:
+        """What the executor said of itself when the session opened."""
+        return current_session().info
+
+    @staticmethod
     def is_initialized() -> bool:
         return True
 
@@ -77,6 +87,20 @@ class CumulusModule:
     @classmethod
     def memory_reserved(cls, device=None) -> int:
         return cls.memory_allocated(device)
+
+    @staticmethod
+    def reset_peak_memory_stats(device=None) -> None:
+        session = CURRENT.session
+        if session is not None:
+            session.peak_bytes_allocated = session.bytes_allocated
+
+    @staticmethod
+    def empty_cache() -> None:
+        """Nothing is cached client-side: send the frees queued so far, so that the
+        executor sees them."""
+        session = CURRENT.session
+        if session is not None and not session.closed:
+            session.flush()
 
     @staticmethod
     def mem_get_info(device=None) -> tuple[int, int]:

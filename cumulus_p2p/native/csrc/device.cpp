@@ -1,7 +1,10 @@
 // The `cumulus` device's runtime pieces: an allocator of remote storage handles, a
 // device guard and PrivateUse1 hooks. There is one device, cumulus:0 (a session's
 // executor), and one stream on it: ordering is the batch's order.
+#include <algorithm>
 #include <atomic>
+#include <mutex>
+#include <unordered_map>
 
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/Allocator.h>
@@ -22,15 +25,52 @@ std::atomic<uint64_t> next_handle{1};
 // gone, so their deaths append nothing to this session's batch.
 std::atomic<uint64_t> session_floor{1};
 
+// The bytes of this session's live storages, as torch.cuda.memory_allocated counts a
+// GPU's: each handle's size, kept as its storage grows, and the peak since a reset.
+struct Bytes {
+  std::mutex mutex;
+  std::unordered_map<uint64_t, uint64_t> of_handle;
+  uint64_t live = 0;
+  uint64_t peak = 0;
+
+  void set(uint64_t handle, uint64_t nbytes) {
+    std::lock_guard<std::mutex> lock(mutex);
+    uint64_t& size = of_handle[handle];
+    live = live - size + nbytes;
+    size = nbytes;
+    peak = std::max(peak, live);
+  }
+
+  void forget(uint64_t handle) {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto found = of_handle.find(handle);
+    if (found == of_handle.end()) return;
+    live -= found->second;
+    of_handle.erase(found);
+  }
+};
+Bytes& bytes() {
+  static auto* b = new Bytes();  // never destroyed: storages may die at exit
+  return *b;
+}
+
+bool of_this_session(uint64_t handle) {
+  return handle >= session_floor.load(std::memory_order_relaxed);
+}
+
 void free_handle(void* ctx) {
   const auto handle = reinterpret_cast<uint64_t>(ctx);
-  if (handle >= session_floor.load(std::memory_order_relaxed)) append_free(handle);
+  if (!of_this_session(handle)) return;
+  bytes().forget(handle);
+  append_free(handle);
 }
 
 struct HandleAllocator final : c10::Allocator {
-  c10::DataPtr allocate(size_t /*nbytes*/) override {
-    void* handle = reinterpret_cast<void*>(next_handle.fetch_add(1));
-    return {handle, handle, &free_handle, c10::Device(kType, 0)};
+  c10::DataPtr allocate(size_t nbytes) override {
+    const uint64_t handle = next_handle.fetch_add(1);
+    bytes().set(handle, nbytes);
+    void* ptr = reinterpret_cast<void*>(handle);
+    return {ptr, ptr, &free_handle, c10::Device(kType, 0)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &free_handle; }
   void copy_data(void* /*dest*/, const void* /*src*/, std::size_t /*count*/) const override {
@@ -89,7 +129,37 @@ const bool hooks_registered = [] {
 uint64_t begin_session() {
   session_floor.store(next_handle.load());
   take_batch();  // records for no executor, or for the last one
+  {
+    Bytes& b = bytes();
+    std::lock_guard<std::mutex> lock(b.mutex);
+    b.of_handle.clear();
+    b.live = b.peak = 0;
+  }
   return session_floor.load();
+}
+
+void set_storage_bytes(c10::StorageImpl* storage, size_t nbytes) {
+  storage->set_nbytes(nbytes);
+  const auto handle = reinterpret_cast<uint64_t>(storage->data_ptr().get());
+  if (of_this_session(handle)) bytes().set(handle, nbytes);
+}
+
+uint64_t bytes_allocated() {
+  Bytes& b = bytes();
+  std::lock_guard<std::mutex> lock(b.mutex);
+  return b.live;
+}
+
+uint64_t peak_bytes_allocated() {
+  Bytes& b = bytes();
+  std::lock_guard<std::mutex> lock(b.mutex);
+  return b.peak;
+}
+
+void reset_peak_bytes() {
+  Bytes& b = bytes();
+  std::lock_guard<std::mutex> lock(b.mutex);
+  b.peak = b.live;
 }
 
 }  // namespace cumulus

@@ -111,7 +111,7 @@ void grow_storage(const at::Tensor& self, size_t nbytes) {
   w.put<uint64_t>(nbytes);
   w.end_record();
   append_record(w);
-  storage->set_nbytes(nbytes);
+  set_storage_bytes(storage, nbytes);
 }
 
 const at::Tensor& resize_(const at::Tensor& self, c10::SymIntArrayRef size,
@@ -175,7 +175,9 @@ void record_upload(const at::Tensor& dst, const at::Tensor& src) {
   }
   const at::Tensor whole = dst.is_contiguous() ? dst : at::empty(dst.sizes(), dst.options());
   for_each_piece(src.contiguous().view(-1), whole.view(-1),
-                 [](const at::Tensor& from, const at::Tensor& to) { record_upload_piece(to, from); });
+                 [](const at::Tensor& from, const at::Tensor& to) {
+                   record_upload_piece(to, from);
+                 });
   if (!whole.is_same(dst)) record_device_copy(dst, whole, false);
 }
 
@@ -255,7 +257,7 @@ at::Tensor mirror_argument(const at::Tensor& meta, const at::Tensor& device) {
     device.unsafeGetTensorImpl()->set_sizes_and_strides(meta.sizes(), meta.strides(),
                                                         meta.storage_offset());
     // The executor grows its storage itself when it runs the op.
-    device.storage().unsafeGetStorageImpl()->set_nbytes(meta.storage().nbytes());
+    set_storage_bytes(device.storage().unsafeGetStorageImpl(), meta.storage().nbytes());
   }
   return device;
 }
@@ -409,7 +411,7 @@ at::Tensor over_result(c10::Storage storage, const Result& r) {
       std::move(storage), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
       c10::scalarTypeToTypeMeta(r.dtype));
   impl->set_sizes_contiguous(r.sizes);
-  impl->storage().unsafeGetStorageImpl()->set_nbytes(impl->numel() * impl->itemsize());
+  set_storage_bytes(impl->storage().unsafeGetStorageImpl(), impl->numel() * impl->itemsize());
   return at::Tensor(std::move(impl));
 }
 
@@ -425,7 +427,7 @@ at::Tensor resized_argument(const c10::FunctionSchema& schema, size_t ret,
     const size_t needed = at::detail::computeStorageNbytes(r.sizes, r.strides, t.itemsize()) +
                           r.offset * t.itemsize();
     auto* storage = t.storage().unsafeGetStorageImpl();
-    if (storage->nbytes() < needed) storage->set_nbytes(needed);  // the executor grew it
+    if (storage->nbytes() < needed) set_storage_bytes(storage, needed);  // the executor grew it
     return t;
   }
   TORCH_CHECK(false, "cumulus: ", schema.name(), "'s return ", ret, " aliases no argument");

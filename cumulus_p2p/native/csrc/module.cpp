@@ -80,6 +80,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("start") = 0,
       "The name table from index `start`: records carry indexes into it.");
   m.def("handle", &handle, "The remote storage handle behind a cumulus tensor.");
+  m.def("memory_allocated", &cumulus::bytes_allocated,
+        "Bytes of this session's live storages, as a GPU's memory_allocated counts.");
+  m.def("max_memory_allocated", &cumulus::peak_bytes_allocated,
+        "The most memory_allocated has been since the session began or the last reset.");
+  m.def("reset_peak_memory_stats", &cumulus::reset_peak_bytes,
+        "Start max_memory_allocated over from the bytes live now.");
   m.def("set_attention_device", &cumulus::set_attention_device,
         "The executor's device type, whose fused attention kernels run; '' for math.");
   m.def("set_flush_hook", &set_flush_hook, py::arg("fn"), py::arg("nbytes") = 0,

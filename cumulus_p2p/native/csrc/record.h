@@ -178,6 +178,13 @@ uint64_t ops_recorded();
 // new session's storages get.
 uint64_t begin_session();
 
+// The bytes of this session's live storages (device.cpp): a storage that grows says so
+// through set_storage_bytes, which sets its size.
+void set_storage_bytes(c10::StorageImpl* storage, size_t nbytes);
+uint64_t bytes_allocated();
+uint64_t peak_bytes_allocated();
+void reset_peak_bytes();  // the peak starts over from the live bytes
+
 // The operator name table: a record carries an op's index, not its name.
 uint32_t intern(const c10::OperatorHandle& op);
 uint32_t intern_name(const std::string& name);

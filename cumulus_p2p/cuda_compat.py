@@ -3,7 +3,7 @@
 Typical use (``python -m cumulus_p2p.shim`` does this around a whole script)::
 
     import cumulus_p2p.remote as remote
-    from cumulus_p2p.remote import cuda_compat
+    from cumulus_p2p import cuda_compat
 
     with remote.attach("127.0.0.1:5555"), cuda_compat.cuda_compat():
         assert torch.cuda.is_available()
@@ -13,7 +13,11 @@ Typical use (``python -m cumulus_p2p.shim`` does this around a whole script)::
 
 Theory of operation
 -------------------
-Three layers, all installed by ``enable()`` and removed by ``disable()``:
+Either cumulus device serves: the Python one (``cumulus_p2p.remote``, the default) or
+the native one (``cumulus_p2p.native``; ``enable(native.load)``). The mode asks the device
+through ``torch.cumulus``, the device module each registers, and never imports either
+device itself (they cannot share a process). Three layers, all installed by ``enable()``
+and removed by ``disable()``:
 
 1. *Device arguments.* A ``TorchFunctionMode`` sees every torch call made in the thread
    that enabled it, before dispatch. It rewrites a ``device`` keyword naming CUDA (``"cuda"``,
@@ -62,10 +66,10 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .._errors import SessionClosedError
-from .client import CURRENT, RemoteSession
-from .device import NAME, CumulusModule, register
-from .tensor import DEVICE
+from ._errors import SessionClosedError
+
+NAME = "cumulus"
+DEVICE = torch.device(NAME, 0)
 
 __all__ = ["NO_SESSION_MESSAGE", "cuda_compat", "disable", "enable", "is_enabled"]
 
@@ -77,24 +81,49 @@ NO_SESSION_MESSAGE = (
     "cumulus_p2p.remote.attach('host:port') before the first CUDA call."
 )
 
+#: What ``torch.cumulus`` must answer for compatibility mode, beside what torch itself asks
+#: of a device module: both devices' modules provide these.
+DEVICE_MODULE_API = (
+    "is_attached",
+    "session_info",
+    "get_device_name",
+    "synchronize",
+    "manual_seed",
+    "memory_allocated",
+    "max_memory_allocated",
+    "memory_reserved",
+    "reset_peak_memory_stats",
+    "empty_cache",
+    "mem_get_info",
+    "get_rng_state",
+    "set_rng_state",
+)
+
 _MISSING = object()
 
 
 # --- public API ----------------------------------------------------------------------------
 
 
-def enable() -> bool:
+def enable(register: Callable[[], Any] | None = None) -> bool:
     """Turn on CUDA compatibility mode for this process (device redirection for this thread).
 
     Safe to call before a session is attached: ``torch.cuda.is_available()`` answers
     ``True`` at once, and the first call that needs the device raises
     ``SessionClosedError`` saying how to attach.
 
+    Args:
+        register: makes the ``cumulus`` device exist; default: the Python device's
+            (``cumulus_p2p.remote.device.register``). The native device passes
+            ``cumulus_p2p.native.load``.
+
     Returns:
         ``True`` if this call turned the mode on, ``False`` if it was already on.
     """
     if _STATE.mode is not None:
         return False
+    if register is None:
+        from .remote.device import register
     register()
     saved = []
     try:
@@ -135,12 +164,12 @@ def is_enabled() -> bool:
 
 
 @contextlib.contextmanager
-def cuda_compat() -> Iterator[None]:
-    """Context manager: compatibility mode inside the block.
+def cuda_compat(register: Callable[[], Any] | None = None) -> Iterator[None]:
+    """Context manager: compatibility mode inside the block (``register`` as ``enable``'s).
 
     Nests: only the outermost block that actually turned the mode on turns it off.
     """
-    turned_on = enable()
+    turned_on = enable(register)
     try:
         yield
     finally:
@@ -202,11 +231,9 @@ def _replacements() -> list[tuple[Any, str, Any]]:
 # --- 1. device arguments ---------------------------------------------------------------------
 
 
-def _require_session() -> RemoteSession:
-    session = CURRENT.session
-    if session is None or session.closed:
+def _require_session() -> None:
+    if not _cumulus().is_attached():
         raise SessionClosedError(NO_SESSION_MESSAGE)
-    return session
 
 
 def _cuda_index(device: Any) -> int | None | bool:
@@ -339,7 +366,8 @@ def _get_device_name(device=None) -> str:
 def _get_device_capability(device=None) -> tuple[int, int]:
     """What the executor reports, else (8, 0): the bf16/TF32 class scripts test for."""
     _check_index(device)
-    capability = _require_session().info.get("capability")
+    _require_session()
+    capability = _cumulus().session_info().get("capability")
     return tuple(capability) if capability else (8, 0)
 
 
@@ -362,20 +390,21 @@ class DeviceProperties:
 
 def _get_device_properties(device=None) -> DeviceProperties:
     _check_index(device)
-    session = _require_session()
     major, minor = _get_device_capability()
+    info = _cumulus().session_info()
     return DeviceProperties(
         name=_cumulus().get_device_name(),
-        total_memory=int(session.info.get("quota", 0)),
+        total_memory=int(info.get("quota", 0)),
         major=major,
         minor=minor,
-        multi_processor_count=int(session.info.get("multi_processor_count", 1)),
+        multi_processor_count=int(info.get("multi_processor_count", 1)),
     )
 
 
 def _synchronize(device=None) -> None:
     _check_index(device)
-    _require_session().synchronize()
+    _require_session()
+    _cumulus().synchronize()
 
 
 def _manual_seed(seed: int) -> None:
@@ -405,16 +434,11 @@ def _memory_reserved(device=None) -> int:
 
 def _reset_peak_memory_stats(device=None) -> None:
     _check_index(device)
-    session = CURRENT.session
-    if session is not None:
-        session.peak_bytes_allocated = session.bytes_allocated
+    _cumulus().reset_peak_memory_stats()
 
 
 def _empty_cache() -> None:
-    # Nothing is cached client-side; send the frees queued so far so the executor sees them.
-    session = CURRENT.session
-    if session is not None and not session.closed:
-        session.flush()
+    _cumulus().empty_cache()
 
 
 def _mem_get_info(device=None) -> tuple[int, int]:
@@ -456,7 +480,7 @@ def _true(*args, **kwargs) -> bool:
 def _get_rng_state(device=None) -> torch.Tensor:
     """The remote generator's state: the executor's, for this session."""
     _check_index(device)
-    return CumulusModule.get_rng_state()
+    return _cumulus().get_rng_state()
 
 
 def _get_rng_state_all() -> list[torch.Tensor]:
@@ -465,7 +489,7 @@ def _get_rng_state_all() -> list[torch.Tensor]:
 
 def _set_rng_state(new_state: torch.Tensor, device=None) -> None:
     _check_index(device)
-    CumulusModule.set_rng_state(new_state)
+    _cumulus().set_rng_state(new_state)
 
 
 def _set_rng_state_all(new_states) -> None:
