@@ -220,6 +220,16 @@ def test_memory_allocated_counts_live_storages_as_they_grow_and_die():
     _take()
 
 
+def test_compiled_graphs_on_other_devices_still_go_to_the_backend_asked_for():
+    from cumulus_p2p.native.compile import OnCumulus
+
+    seen = []
+    backend = OnCumulus(lambda gm, inputs: seen.append(inputs) or gm)
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    assert backend(gm, [torch.ones(2)]) is gm
+    assert len(seen) == 1
+
+
 # ---- a training step ----------------------------------------------------------------
 
 

@@ -51,10 +51,11 @@ def _session(*, executor_quota: str = "8GiB", extra: tuple[str, ...] = (), **opt
 
 
 def _train(
-    device: str, steps: int, *, kill_after: int = -1, kill=None
+    device: str, steps: int, *, kill_after: int = -1, kill=None, compiled: bool = False
 ) -> tuple[list[float], list[torch.Tensor]]:
     """A few seeded Adam steps of a tiny transformer; weights and data made on the CPU.
-    Before step ``kill_after``, ``kill()`` (the executor)."""
+    Before step ``kill_after``, ``kill()`` (the executor). With ``compiled``, the forward
+    pass runs through ``torch.compile(model)``."""
     from cumulus_p2p.testing.models import TinyTransformer
 
     torch.manual_seed(0)
@@ -63,12 +64,13 @@ def _train(
     y = torch.roll(x, -1, dims=1)
     model, x, y = model.to(device), x.to(device), y.to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True)
+    forward = torch.compile(model) if compiled else model
     losses = []
     for step in range(steps):
         if step == kill_after:
             kill()
         opt.zero_grad()
-        loss = F.cross_entropy(model(x).reshape(-1, 16), y.reshape(-1))
+        loss = F.cross_entropy(forward(x).reshape(-1, 16), y.reshape(-1))
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -87,6 +89,19 @@ def test_a_tiny_transformer_trains_bit_identically_to_local_cpu():
     assert local_losses[-1] < local_losses[0]
     for remote, local in zip(remote_params, local_params, strict=True):
         assert torch.equal(remote, local)
+
+
+@in_native_process
+def test_a_compiled_model_trains_with_the_eager_models_losses():
+    from cumulus_p2p.native.compile import EAGER_WARNING
+
+    with _session():
+        eager, eager_params = _train("cumulus", steps=3)
+        with pytest.warns(UserWarning, match=EAGER_WARNING[:40]):
+            compiled, compiled_params = _train("cumulus", steps=3, compiled=True)
+    assert compiled == pytest.approx(eager, rel=1e-5)
+    for a, b in zip(compiled_params, eager_params, strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 @in_native_process

@@ -44,6 +44,7 @@ Parts:
 - ``executor``, ``errors``: the C++ replay loop, a session's state around it
   (``ReplaySession``) and the ``ReplayError`` it raises;
 - ``session``: a session with a host's executor, over any frame channel;
+- ``compile``: ``torch.compile`` of code on the device (captured, run op by op);
 - ``python -m cumulus_p2p.native --build``: build ahead of time (``scripts/bootstrap``).
 """
 
@@ -243,6 +244,9 @@ def load(verbose: bool = False) -> ModuleType:
     torch.utils.rename_privateuse1_backend(NAME)
     torch.utils.generate_methods_for_privateuse1_backend()
     torch._register_device_module(NAME, _DeviceModule())
+    from .compile import patch_torch_compile
+
+    patch_torch_compile()
     sys.meta_path.insert(0, _RefuseWrapperDevice())
     _LOADED = module
     return module
