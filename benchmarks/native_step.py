@@ -13,8 +13,10 @@ process with ``cumulus_p2p.remote``), arms in turn, over several passes:
   (the session's default), and at the ``item()`` sync. The executor replays them with
   the C++ loop (``csrc/replay.cpp``) while the client records the rest, and sends the
   loss back. Then, in the same process, ``eager_cumulus_sync_only_ms``: the same with
-  the whole step sent at the sync; ``eager_cumulus_secure_ms``: the default over the
-  secure channel to ``cumulus-executor --secure``, as a leased session runs. Then the
+  the whole step sent at the sync; ``eager_cumulus_compat_ms``: the default with CUDA
+  compatibility mode on, as the shim runs a script (its torch function mode sees every
+  torch call); ``eager_cumulus_secure_ms``: the default over the secure channel to
+  ``cumulus-executor --secure``, as a leased session runs. Then the
   executor's cost alone: the same step's batches replayed by a ``Replayer`` in-process,
   timed around ``replay`` only.
 
@@ -23,7 +25,8 @@ Prints JSON and writes ``benchmarks/results/native_step.json``::
     python benchmarks/native_step.py [--quick] [--steps N] [--passes N]
 
 Keys: ``eager_local_ms`` and ``eager_cumulus_ms`` (median step, median over passes),
-``cumulus_over_local`` (issue 30's target: ≤ 1.5), ``executor_us_per_op`` (replay time
+``cumulus_over_local`` (issue 30's target: ≤ 1.5), ``compat_over_cumulus`` (what CUDA
+compatibility mode adds), ``executor_us_per_op`` (replay time
 per op record) beside ``local_us_per_op`` (the local step over the same op count) and
 their ratio (target ≤ 2), plus ``ops_per_step``, ``records_per_step`` and
 ``batch_bytes_per_step``.
@@ -121,7 +124,7 @@ class _InProcess:
 def _cumulus_arm(steps: int) -> dict:
     import torch
 
-    from cumulus_p2p import native
+    from cumulus_p2p import cuda_compat, native
     from cumulus_p2p.native.records import Op
 
     ext = native.load()
@@ -136,6 +139,8 @@ def _cumulus_arm(steps: int) -> dict:
             eager_cumulus_ms = median_seconds(_setup("cumulus"), steps) * 1e3
         with NativeSession.connect(host, int(port), flush_bytes=0):
             sync_only_ms = median_seconds(_setup("cumulus"), steps) * 1e3
+        with NativeSession.connect(host, int(port)), cuda_compat.cuda_compat(native.load):
+            compat_ms = median_seconds(_setup("cumulus"), steps) * 1e3
     with tempfile.TemporaryDirectory() as data_dir:
         with secure_executor_channel(data_dir, env=one_thread) as (channel, _):
             with NativeSession(channel):
@@ -150,6 +155,7 @@ def _cumulus_arm(steps: int) -> dict:
     return {
         "eager_cumulus_ms": eager_cumulus_ms,
         "eager_cumulus_sync_only_ms": sync_only_ms,
+        "eager_cumulus_compat_ms": compat_ms,
         "eager_cumulus_secure_ms": secure_ms,
         "executor_ms_per_step": executor_ms,
         "ops_per_step": ops,
@@ -203,6 +209,8 @@ def main() -> None:
         "eager_cumulus_ms": round(m["eager_cumulus_ms"], 2),
         "cumulus_over_local": round(m["eager_cumulus_ms"] / m["eager_local_ms"], 2),
         "eager_cumulus_sync_only_ms": round(m["eager_cumulus_sync_only_ms"], 2),
+        "eager_cumulus_compat_ms": round(m["eager_cumulus_compat_ms"], 2),
+        "compat_over_cumulus": round(m["eager_cumulus_compat_ms"] / m["eager_cumulus_ms"], 2),
         "eager_cumulus_secure_ms": round(m["eager_cumulus_secure_ms"], 2),
         "executor_ms_per_step": round(m["executor_ms_per_step"], 2),
         "executor_us_per_op": round(executor_us, 2),

@@ -56,6 +56,7 @@ emulated.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -69,7 +70,6 @@ from torch.overrides import TorchFunctionMode
 from ._errors import SessionClosedError
 
 NAME = "cumulus"
-DEVICE = torch.device(NAME, 0)
 
 __all__ = ["NO_SESSION_MESSAGE", "cuda_compat", "disable", "enable", "is_enabled"]
 
@@ -231,6 +231,12 @@ def _replacements() -> list[tuple[Any, str, Any]]:
 # --- 1. device arguments ---------------------------------------------------------------------
 
 
+@functools.cache
+def _device() -> torch.device:
+    # Not at import: "cumulus" is a device type only once a device registered it.
+    return torch.device(NAME, 0)
+
+
 def _require_session() -> None:
     if not _cumulus().is_attached():
         raise SessionClosedError(NO_SESSION_MESSAGE)
@@ -267,7 +273,7 @@ def _redirect(device: Any) -> Any:
     if _cuda_index(device) is False:
         return device
     _require_session()
-    return DEVICE
+    return _device()
 
 
 def _tensor_to(func, args, kwargs):
@@ -285,7 +291,7 @@ def _tensor_cuda(func, args, kwargs):
     given = dict(zip(names, args[1:], strict=False)) | kwargs
     _check_index(given.pop("device", None))
     _require_session()
-    return args[0].to(DEVICE, **given)
+    return args[0].to(_device(), **given)
 
 
 def _tensor_pin_memory(func, args, kwargs):
@@ -708,7 +714,7 @@ def _move_loaded(obj: Any, moved: set[int]) -> Any:
         if obj.device.type != "cpu" or obj.untyped_storage().data_ptr() not in moved:
             return obj
         _require_session()
-        remote = obj.detach().to(DEVICE)
+        remote = obj.detach().to(_device())
         if isinstance(obj, torch.nn.Parameter):
             return torch.nn.Parameter(remote, requires_grad=obj.requires_grad)
         return remote.requires_grad_(obj.requires_grad)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import runpy
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -429,3 +430,9 @@ def test_modes_pushed_by_the_script_still_see_cuda_redirected(cumulus, compat):
 
     with Recorder():
         assert torch.zeros(2, device="cuda").device == CUMULUS0
+
+
+def test_the_mode_imports_before_either_device_exists():
+    # A script (or the native shim) may import it first: "cumulus" is no device type yet.
+    code = "import cumulus_p2p.cuda_compat as c; assert not c.is_enabled()"
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
