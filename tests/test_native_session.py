@@ -129,6 +129,44 @@ def test_readbacks_return_the_executors_bytes():
 
 
 @in_native_process
+def test_torch_save_writes_the_executors_bytes_and_views_stay_views():
+    import io
+
+    model = torch.nn.Linear(4, 3)
+    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with _session():
+        model.to("cumulus")
+        weight = model.weight.detach()
+        buffer = io.BytesIO()
+        torch.save({"state": model.state_dict(), "view": weight.t()[1:]}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, map_location="cpu")
+    assert loaded["state"].keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(loaded["state"][key], value)
+    assert torch.equal(loaded["view"], expected["weight"].t()[1:])
+    # One storage saved for both: the view still shares the weight's bytes.
+    assert loaded["view"].untyped_storage().data_ptr() == (
+        loaded["state"]["weight"].untyped_storage().data_ptr()
+    )
+
+
+@in_native_process
+def test_torch_load_of_tensors_saved_on_the_device_restores_them_there():
+    import io
+
+    expected = torch.arange(12.0).reshape(3, 4)
+    buffer = io.BytesIO()
+    with _session():
+        torch.save({"w": expected.to("cumulus")}, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer)["w"]
+        assert loaded.device.type == "cumulus"
+        assert torch.equal(loaded.cpu(), expected)
+        assert (loaded * 2).sum().item() == 2 * expected.sum().item()
+
+
+@in_native_process
 def test_an_executor_failure_is_raised_at_the_next_readback_and_every_later_one():
     from cumulus_p2p.native.session import NativeSessionError
 

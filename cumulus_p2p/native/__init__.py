@@ -85,6 +85,18 @@ class _DeviceModule:
     def _is_in_bad_fork() -> bool:
         return False
 
+    class device:  # noqa: N801 - torch asks for torch.<device>.device(index)
+        """``with torch.cumulus.device(0):``: there is one device, so nothing changes."""
+
+        def __init__(self, device) -> None:
+            self.index = device
+
+        def __enter__(self) -> None:
+            return None
+
+        def __exit__(self, *exc) -> None:
+            return None
+
     @staticmethod
     def manual_seed_all(seed: int) -> None:
         """``torch.manual_seed`` reaches the executor's generator: a SEED record, in

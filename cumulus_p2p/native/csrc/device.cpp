@@ -65,7 +65,9 @@ void free_handle(void* ctx) {
   append_free(handle);
 }
 
-struct HandleAllocator final : c10::Allocator {
+// The kernels' allocator: a fresh handle, and nothing recorded. The kernels record an
+// ALLOC themselves (empty), or the executor binds an op's output to the handle.
+struct HandleAllocator : c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
     const uint64_t handle = next_handle.fetch_add(1);
     bytes().set(handle, nbytes);
@@ -78,8 +80,20 @@ struct HandleAllocator final : c10::Allocator {
   }
 };
 
-HandleAllocator allocator;
-REGISTER_ALLOCATOR(kType, &allocator);
+// The allocator torch itself gets for the device. A storage it makes outside any
+// kernel (`UntypedStorage(n, device="cumulus")`, as torch.load restores one) must exist
+// on the executor before bytes are copied into it: an ALLOC.
+struct RecordingAllocator final : HandleAllocator {
+  c10::DataPtr allocate(size_t nbytes) override {
+    c10::DataPtr ptr = HandleAllocator::allocate(nbytes);
+    append_alloc(reinterpret_cast<uint64_t>(ptr.get()), nbytes);
+    return ptr;
+  }
+};
+
+HandleAllocator quiet;
+RecordingAllocator recording;
+REGISTER_ALLOCATOR(kType, &recording);
 
 struct Guard final : c10::impl::DeviceGuardImplInterface {
   c10::DeviceType type() const override { return kType; }
@@ -125,6 +139,8 @@ const bool hooks_registered = [] {
 }();
 
 }  // namespace
+
+c10::Allocator* kernel_allocator() { return &quiet; }
 
 uint64_t begin_session() {
   session_floor.store(next_handle.load());

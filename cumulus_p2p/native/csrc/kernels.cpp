@@ -39,15 +39,10 @@ namespace {
 
 constexpr c10::DeviceType kType = c10::DeviceType::PrivateUse1;
 
-c10::Allocator* device_allocator() { return c10::GetAllocator(kType); }
+c10::Allocator* device_allocator() { return kernel_allocator(); }
 
 void record_alloc(const at::TensorBase& t) {
-  Writer w;
-  w.begin_record(Kind::Alloc);
-  w.put<uint64_t>(handle_of(t.storage()));
-  w.put<uint64_t>(t.storage().nbytes());
-  w.end_record();
-  append_record(w);
+  append_alloc(handle_of(t.storage()), t.storage().nbytes());
 }
 
 // ---- factories ----------------------------------------------------------------------
@@ -98,6 +93,37 @@ at::Tensor reshape_alias(const at::Tensor& self, c10::SymIntArrayRef size,
                          c10::SymIntArrayRef stride) {
   return at::native::_reshape_alias(self, C10_AS_INTARRAYREF_SLOW(size),
                                     C10_AS_INTARRAYREF_SLOW(stride));
+}
+
+// `set_` points a tensor at a storage: metadata only, as a view is (the executor learns
+// the geometry from the next reference). torch's storage copies wrap storages in
+// tensors with it: torch.save reads each storage back through `storage.cpu()`.
+void point_at(const at::Tensor& self, c10::Storage source, int64_t offset,
+              c10::IntArrayRef sizes, std::optional<c10::IntArrayRef> strides) {
+  TORCH_CHECK(source.device().type() == kType, "cumulus: set_ to a storage on ",
+              source.device(), " (copy it to the device instead)");
+  c10::TensorImpl* impl = self.unsafeGetTensorImpl();
+  impl->set_storage_keep_dtype(std::move(source));
+  if (strides) {
+    impl->set_sizes_and_strides(sizes, *strides, offset);
+  } else {
+    impl->set_sizes_contiguous(sizes);
+    impl->set_storage_offset(offset);
+  }
+}
+
+at::Tensor& set_storage(at::Tensor& self, c10::Storage source) {
+  const int64_t numel = static_cast<int64_t>(source.nbytes() / self.dtype().itemsize());
+  point_at(self, std::move(source), 0, {numel}, std::nullopt);
+  return self;
+}
+
+at::Tensor& set_storage_offset(at::Tensor& self, c10::Storage source, c10::SymInt offset,
+                               c10::SymIntArrayRef size, c10::SymIntArrayRef stride) {
+  std::optional<c10::IntArrayRef> strides;
+  if (!stride.empty()) strides = C10_AS_INTARRAYREF_SLOW(stride);
+  point_at(self, std::move(source), offset.expect_int(), C10_AS_INTARRAYREF_SLOW(size), strides);
+  return self;
 }
 
 // Growing a storage keeps its handle (the executor resizes it in place), so tensors
@@ -569,6 +595,8 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("view", cumulus::view);
   m.impl("_reshape_alias", cumulus::reshape_alias);
   m.impl("resize_", cumulus::resize_);
+  m.impl("set_.source_Storage", cumulus::set_storage);
+  m.impl("set_.source_Storage_storage_offset", cumulus::set_storage_offset);
   m.impl("_has_compatible_shallow_copy_type", cumulus::has_compatible_shallow_copy_type);
   m.impl("_copy_from", cumulus::copy_from);
   m.impl("_copy_from_and_resize", cumulus::copy_from_and_resize);

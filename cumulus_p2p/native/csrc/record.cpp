@@ -157,6 +157,15 @@ uint64_t ops_recorded() {
   return b.ops;
 }
 
+void append_alloc(uint64_t handle, uint64_t nbytes) {
+  Writer w;
+  w.begin_record(Kind::Alloc);
+  w.put<uint64_t>(handle);
+  w.put<uint64_t>(nbytes);
+  w.end_record();
+  append_record(w);
+}
+
 void append_free(uint64_t handle) {
   Writer w;
   w.begin_record(Kind::Free);

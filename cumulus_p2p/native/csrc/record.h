@@ -165,6 +165,7 @@ void put_value(Writer& w, const c10::IValue& v);
 // The session's batch: records appended by any thread (autograd's device thread
 // included), taken whole by Python at a flush.
 void append_record(const Writer& w);
+void append_alloc(uint64_t handle, uint64_t nbytes);
 void append_free(uint64_t handle);
 void append_seed(uint64_t seed);
 std::pair<std::string, uint64_t> take_batch();
@@ -177,6 +178,10 @@ uint64_t ops_recorded();
 // (whose executor is gone) append no FREE when they die. Returns the first handle the
 // new session's storages get.
 uint64_t begin_session();
+
+// The allocator the kernels use (device.cpp): it records nothing, where the one torch
+// gets for the device records an ALLOC for each storage it makes.
+c10::Allocator* kernel_allocator();
 
 // The bytes of this session's live storages (device.cpp): a storage that grows says so
 // through set_storage_bytes, which sets its size.
