@@ -94,7 +94,7 @@ class _InProcess:
         ext.begin_session()
         ext.set_readback_hook(self)
         ext.set_sync_hook(self.sync)
-        ext.set_attention_device("cpu")
+        ext.set_executor_device("cpu")
 
     def _replay(self) -> list[bytes]:
         batch, _ = self.ext.take_batch()
@@ -118,7 +118,7 @@ class _InProcess:
     def close(self) -> None:
         self.ext.set_readback_hook(None)
         self.ext.set_sync_hook(None)
-        self.ext.set_attention_device("")
+        self.ext.set_executor_device("")
 
 
 def _cumulus_arm(steps: int) -> dict:

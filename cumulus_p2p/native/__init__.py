@@ -60,6 +60,7 @@ from ._build import missing_toolchain as missing_toolchain
 NAME = "cumulus"
 _WRAPPER = "cumulus_p2p.remote"
 _LOADED: ModuleType | None = None
+_RNG_WARNED = False
 
 
 class _DeviceModule:
@@ -175,13 +176,18 @@ class _DeviceModule:
 
     @staticmethod
     def set_rng_state(new_state, device=None) -> None:
-        import warnings
+        """A no-op, said once per process: ``fork_rng`` calls it on every exit."""
+        global _RNG_WARNED
+        if not _RNG_WARNED:
+            import warnings
 
-        warnings.warn(
-            "the native cumulus device cannot restore the executor's generator state: "
-            "random ops go on from where they are (seed with torch.manual_seed instead)",
-            stacklevel=2,
-        )
+            warnings.warn(
+                "the native cumulus device cannot restore the executor's generator "
+                "state: random ops go on from where they are (seed with "
+                "torch.manual_seed instead)",
+                stacklevel=2,
+            )
+            _RNG_WARNED = True
 
 
 def _session():

@@ -28,6 +28,7 @@ SOURCES = (
     "shapes.cpp",
     "autocast.cpp",
     "attention.cpp",
+    "dropout.cpp",
     "module.cpp",
 )
 #: The executor's replay loop: a library of its own, because the device library registers

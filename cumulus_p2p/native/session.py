@@ -128,7 +128,7 @@ class NativeSession:
         self._ext.set_readback_hook(self._read_back)
         self._ext.set_sync_hook(self._sync)
         self._ext.set_flush_hook(self.flush, min(flush_bytes or MAX_BATCH_BYTES, MAX_BATCH_BYTES))
-        self._ext.set_attention_device(_device_type(self.info))
+        self._ext.set_executor_device(_device_type(self.info))
         global _CURRENT
         _CURRENT = self
 
@@ -218,7 +218,7 @@ class NativeSession:
         self._channel.close()
         self._channel = channel
         self.info = _hello(channel, self._quota)
-        self._ext.set_attention_device(_device_type(self.info))
+        self._ext.set_executor_device(_device_type(self.info))
         self.failovers += 1
         return self._log.frames()[:-1]
 
@@ -244,7 +244,7 @@ class NativeSession:
         self._ext.set_readback_hook(None)
         self._ext.set_sync_hook(None)
         self._ext.set_flush_hook(None)
-        self._ext.set_attention_device("")
+        self._ext.set_executor_device("")
         self._reconnect = self._log = None
         try:
             self.flush()

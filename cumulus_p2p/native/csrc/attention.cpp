@@ -4,26 +4,27 @@
 // kernel to run. On this device the question runs on meta (the fallback), whose answer
 // is always "math": some 35 ops per layer and direction, and slower ones, where a CPU or
 // a GPU runs one fused kernel. So once the session knows its executor's device
-// (set_attention_device, from the welcome) the device asks the executor's own
+// (set_executor_device, from the welcome) the device asks the executor's own
 // _fused_sdp_choice, once per argument layout (a DYN round trip, then cached), and calls
 // the chosen kernel as torch's sdpa calls it on that device. The composite cannot be
 // left to do it: it calls the CPU's flash kernel on every device but CUDA.
 //
-// Only the plain case is fused: 4-D inputs, no mask, no grouped heads, on a GPU a head
-// dimension that needs no padding, and no dropout (a GPU's fused kernels return their
-// random state as host tensors that their backward reads on the host, while the executor
-// keeps every result on its device). Everything else runs the composite's math path.
+// Fused: 4-D inputs without grouped heads. On a GPU only the plain case: no mask, no
+// dropout (a GPU's fused kernels return their random state as host tensors that their
+// backward reads on the host, while the executor keeps every result on its device) and
+// head dimensions that need no padding. Everything else runs the composite's math path.
 #include <ATen/Context.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/_scaled_dot_product_cudnn_attention.h>
 #include <ATen/ops/_scaled_dot_product_efficient_attention.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
+#include <ATen/ops/zeros_like.h>
 #include <ATen/ops/scaled_dot_product_attention_native.h>
 #include <torch/library.h>
 
-#include <atomic>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <string>
@@ -37,9 +38,6 @@ namespace {
 // sdp::SDPBackend's values, as _fused_sdp_choice returns them.
 constexpr int64_t kFlash = 1, kEfficient = 2, kCudnn = 3;
 
-// The executor's device, as far as attention cares.
-enum class Executor : int { Unknown, Cpu, Gpu };
-std::atomic<Executor> executor{Executor::Unknown};
 
 struct Choices {
   std::mutex mutex;
@@ -59,13 +57,18 @@ void put_layout(std::vector<int64_t>& key, const at::Tensor& t) {
 
 // The kernel the executor's device picks for these arguments (cached per layout).
 int64_t executor_choice(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const std::optional<at::Tensor>& mask, double dropout_p,
                         bool is_causal, std::optional<double> scale) {
   std::vector<int64_t> key;
   for (const at::Tensor* t : {&q, &k, &v}) put_layout(key, *t);
+  if (mask.has_value()) put_layout(key, *mask);
+  key.push_back(mask.has_value());
   key.push_back(is_causal);
-  int64_t scale_bits = -1;
-  if (scale.has_value()) std::memcpy(&scale_bits, &*scale, sizeof scale_bits);
-  key.push_back(scale_bits);
+  for (const double x : {dropout_p, scale.value_or(-1.0)}) {
+    int64_t bits = 0;
+    std::memcpy(&bits, &x, sizeof bits);
+    key.push_back(bits);
+  }
   Choices& c = choices();
   {
     std::lock_guard<std::mutex> lock(c.mutex);
@@ -74,21 +77,35 @@ int64_t executor_choice(const at::Tensor& q, const at::Tensor& k, const at::Tens
   }
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("aten::_fused_sdp_choice", "");
+  c10::IValue mask_arg = mask.has_value() ? c10::IValue(*mask) : c10::IValue();
   c10::IValue scale_arg = scale.has_value() ? c10::IValue(*scale) : c10::IValue();
   const int64_t choice =
-      run_on_executor(op, {q, k, v, c10::IValue(), 0.0, is_causal, scale_arg, false})[0].toInt();
+      run_on_executor(op, {q, k, v, mask_arg, dropout_p, is_causal, scale_arg, false})[0]
+          .toInt();
   std::lock_guard<std::mutex> lock(c.mutex);
   c.by_layout.emplace(std::move(key), choice);
   return choice;
 }
 
-bool plain(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-           const std::optional<at::Tensor>& mask, double dropout_p, bool enable_gqa) {
-  const Executor on = executor;
-  if (on == Executor::Unknown || mask.has_value() || dropout_p != 0.0 || enable_gqa) return false;
+// Whether the executor is asked: 4-D inputs without grouped heads; on a GPU, also no
+// mask, no dropout and head dimensions that need no padding (see the top of the file).
+bool fusable(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+             const std::optional<at::Tensor>& mask, double dropout_p, bool enable_gqa) {
+  const Executor on = executor_device();
+  if (on == Executor::Unknown || enable_gqa) return false;
   if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4) return false;
-  // A GPU's flash kernel wants head dimensions padded to a multiple of 8; a CPU's does not.
-  return on == Executor::Cpu || (q.size(-1) % 8 == 0 && v.size(-1) % 8 == 0);
+  if (on == Executor::Cpu) return true;
+  return !mask.has_value() && dropout_p == 0.0 && q.size(-1) % 8 == 0 && v.size(-1) % 8 == 0;
+}
+
+// A boolean mask as the fused kernels take it, made as torch's composite makes it:
+// 0 where attending, -inf where not, in the query's dtype.
+std::optional<at::Tensor> additive(const std::optional<at::Tensor>& mask,
+                                   const at::Tensor& q) {
+  if (!mask.has_value() || mask->scalar_type() != at::kBool) return mask;
+  at::Tensor out = at::zeros_like(*mask, q.options());
+  out.masked_fill_(mask->logical_not(), -std::numeric_limits<double>::infinity());
+  return out;
 }
 
 // Whether the user's torch.nn.attention.sdpa_kernel (or torch.backends.cuda's switches)
@@ -110,17 +127,18 @@ bool allowed(int64_t choice) {
 at::Tensor sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                 const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
                 std::optional<double> scale, bool enable_gqa) {
-  const bool fused = plain(q, k, v, mask, dropout_p, enable_gqa);
-  const int64_t chosen = fused ? executor_choice(q, k, v, is_causal, scale) : 0;
+  const bool fused = fusable(q, k, v, mask, dropout_p, enable_gqa);
+  const int64_t chosen = fused ? executor_choice(q, k, v, mask, dropout_p, is_causal, scale) : 0;
   const int64_t choice = allowed(chosen) ? chosen : 0;
   const bool lse = at::GradMode::is_enabled() &&
                    (q.requires_grad() || k.requires_grad() || v.requires_grad());
+  if (choice != 0 && executor_device() == Executor::Cpu) {
+    // A CPU has one fused kernel, which takes the mask and dropout as they are.
+    return std::get<0>(at::_scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, dropout_p, is_causal, additive(mask, q), scale));
+  }
   switch (choice) {
     case kFlash:
-      if (executor == Executor::Cpu) {
-        return std::get<0>(at::_scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, is_causal, std::nullopt, scale));
-      }
       return std::get<0>(at::_scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal,
                                                                  false, scale));
     case kEfficient:
@@ -137,11 +155,10 @@ at::Tensor sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 }  // namespace
 
-void set_attention_device(const std::string& type) {
+void forget_attention_choices() {
   Choices& c = choices();
   std::lock_guard<std::mutex> lock(c.mutex);
-  c.by_layout.clear();  // a new executor may have another device
-  executor = type.empty() ? Executor::Unknown : type == "cpu" ? Executor::Cpu : Executor::Gpu;
+  c.by_layout.clear();
 }
 
 }  // namespace cumulus

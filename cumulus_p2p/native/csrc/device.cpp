@@ -142,6 +142,17 @@ const bool hooks_registered = [] {
 
 c10::Allocator* kernel_allocator() { return &quiet; }
 
+namespace {
+std::atomic<Executor> executor{Executor::Unknown};
+}  // namespace
+
+void set_executor_device(const std::string& type) {
+  forget_attention_choices();  // a new executor may have another device
+  executor = type.empty() ? Executor::Unknown : type == "cpu" ? Executor::Cpu : Executor::Gpu;
+}
+
+Executor executor_device() { return executor.load(std::memory_order_relaxed); }
+
 uint64_t begin_session() {
   session_floor.store(next_handle.load());
   take_batch();  // records for no executor, or for the last one

@@ -86,8 +86,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The most memory_allocated has been since the session began or the last reset.");
   m.def("reset_peak_memory_stats", &cumulus::reset_peak_bytes,
         "Start max_memory_allocated over from the bytes live now.");
-  m.def("set_attention_device", &cumulus::set_attention_device,
-        "The executor's device type, whose fused attention kernels run; '' for math.");
+  m.def("set_executor_device", &cumulus::set_executor_device,
+        "The executor's device type ('cpu', 'cuda'...; '' for none), whose kernels "
+        "attention and dropout take.");
   m.def("set_flush_hook", &set_flush_hook, py::arg("fn"), py::arg("nbytes") = 0,
         "fn() sends the batch once it holds nbytes, after an op record; None unsets.");
   m.def("set_sync_hook", &set_sync_hook,

@@ -220,8 +220,12 @@ std::string sync();
 std::vector<c10::IValue> run_on_executor(const c10::OperatorHandle& op,
                                          std::vector<c10::IValue> args);
 
-// The executor's device type ("cpu", "cuda"...; "" when none is attached), whose fused
-// kernel scaled_dot_product_attention then runs, rather than its math (attention.cpp).
-void set_attention_device(const std::string& type);
+// The executor's device type, from the session's welcome (device.cpp): "cpu", "cuda"...,
+// "" when none is attached. Ops whose kernel depends on the device take the one it would
+// (attention.cpp: the fused attention it picks; dropout.cpp: its dropout).
+enum class Executor : int { Unknown, Cpu, Gpu };
+void set_executor_device(const std::string& type);
+Executor executor_device();
+void forget_attention_choices();  // attention.cpp: the last executor's answers
 
 }  // namespace cumulus
