@@ -19,8 +19,8 @@
 #include <ATen/ops/_scaled_dot_product_efficient_attention.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
-#include <ATen/ops/zeros_like.h>
 #include <ATen/ops/scaled_dot_product_attention_native.h>
+#include <ATen/ops/zeros_like.h>
 #include <torch/library.h>
 
 #include <cstring>
@@ -37,7 +37,6 @@ namespace {
 
 // sdp::SDPBackend's values, as _fused_sdp_choice returns them.
 constexpr int64_t kFlash = 1, kEfficient = 2, kCudnn = 3;
-
 
 struct Choices {
   std::mutex mutex;
