@@ -266,8 +266,8 @@ def current() -> NativeSession | None:
 
 
 def _device_type(info: dict) -> str:
-    """The executor's device type from its welcome ``info`` ("cpu", "cuda"), whose fused
-    attention kernels the device then calls (``csrc/attention.cpp``)."""
+    """The executor's device type from its welcome ``info`` ("cpu", "cuda"), whose
+    kernels attention and dropout then take (``csrc/attention.cpp``, ``dropout.cpp``)."""
     return str(info.get("device", "cpu")).partition(":")[0]
 
 
