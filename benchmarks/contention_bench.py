@@ -13,15 +13,18 @@ Every arm runs in the same run, against the same executor, one after the other: 
 alone, the bystander alone, the bystander beside the lower-rank hog, and beside the
 equal-rank hog. The machine may be loaded by other work: compare figures within one run.
 
-Prints JSON and writes ``benchmarks/results/contention.json``::
+Prints JSON and writes ``benchmarks/results/contention[_cuda].json``::
 
     python benchmarks/contention_bench.py [--quick] [--hog-size N] [--sharing MODE]
+        [--device cpu|cuda]
 
 Without ``--quick`` every arm runs twice for 12 s (in rounds: drifting load from other work
 falls on all arms alike) with a 4000x4000 hog; ``--quick`` (about two minutes, nothing
 written) runs each arm once for 6 s with a 2000x2000 hog. ``--sharing`` picks how the
 supervisor shares a CPU (``scheduler.Sharing``; default: the supervisor's own choice for
-the device), to compare the modes in one place.
+the device), to compare the modes in one place. ``--device cuda`` runs the executor on a
+GPU (issue 35's CUDA target: beside a lower-rank hog, the bystander's p99 within 2x alone
+plus 2 ms), with an 8192x8192 hog unless ``--hog-size`` says otherwise.
 
 Keys: ``alone_p50_ms`` / ``alone_p99_ms``, ``lower_rank_hog_p50_ms`` /
 ``lower_rank_hog_p99_ms``, ``equal_rank_hog_p50_ms`` / ``equal_rank_hog_p99_ms`` (the
@@ -55,7 +58,7 @@ BYSTANDER_PERIOD_S = 0.05
 WARMUP_S = 3.0
 
 
-def serve(pool: int, sharing: str | None) -> None:
+def serve(pool: int, sharing: str | None, device: str) -> None:
     """The executor: port 1 serves the bystander's rank, port 2 the lower rank."""
     import trio
 
@@ -63,7 +66,7 @@ def serve(pool: int, sharing: str | None) -> None:
     from cumulus_p2p.remote.executor import ExecutorConfig
     from cumulus_p2p.remote.supervisor import SupervisorConfig, WorkerSupervisor
 
-    config = SupervisorConfig(ExecutorConfig(device="cpu"), pool=pool)
+    config = SupervisorConfig(ExecutorConfig(device=device), pool=pool)
     if sharing is not None:
         from cumulus_p2p.remote.scheduler import Sharing
 
@@ -155,19 +158,22 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="short arms, a smaller hog")
     parser.add_argument("--hog-size", type=int, help="the hog's matmul size (default 4000)")
     parser.add_argument("--sharing", help="the supervisor's sharing mode (scheduler.Sharing)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--client", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve, args.sharing)
+        serve(args.serve, args.sharing, args.device)
         return
     if args.client:
         role, address, seconds, size = args.client
         client(role, address, float(seconds), int(size))
         return
     seconds, rounds = (6.0, 1) if args.quick else (12.0, 2)
-    hog_size = args.hog_size or (2000 if args.quick else 4000)
-    server_args = ["--serve", "2"] + (["--sharing", args.sharing] if args.sharing else [])
+    cuda = args.device == "cuda"
+    hog_size = args.hog_size or (8192 if cuda else 2000 if args.quick else 4000)
+    server_args = ["--serve", "2", "--device", args.device]
+    server_args += ["--sharing", args.sharing] if args.sharing else []
     server = spawn(*server_args)
     try:
         top, low = server.stdout.readline().split()
@@ -188,6 +194,7 @@ def main() -> None:
         server.wait()
     rate = hog_rate(hog_alone)
     result = {
+        "device": args.device,
         "sharing": args.sharing or "default",
         "hog_size": hog_size,
         "arm_seconds": seconds,
@@ -204,15 +211,16 @@ def main() -> None:
         "bystander_samples": [len(alone), len(lower), len(equal)],
     }
     result = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}
+    slack_ms = 2 if cuda else 5  # the issue's allowance on each device
     result["targets"] = {
-        "lower_rank_p99_within_2x_plus_5ms": result["lower_rank_hog_p99_ms"]
-        <= 2 * result["alone_p99_ms"] + 5,
+        f"lower_rank_p99_within_2x_plus_{slack_ms}ms": result["lower_rank_hog_p99_ms"]
+        <= 2 * result["alone_p99_ms"] + slack_ms,
         "equal_rank_p99_within_10x": result["equal_rank_hog_p99_ms"] <= 10 * result["alone_p99_ms"],
         "hog_keeps_half": result["hog_throughput_share"] >= 0.5,
     }
     print(json.dumps(result, indent=2))
     if not args.quick:
-        out = ROOT / "benchmarks" / "results" / "contention.json"
+        out = ROOT / "benchmarks" / "results" / f"contention{'_cuda' if cuda else ''}.json"
         out.write_text(json.dumps(result, indent=2) + "\n")
 
 
