@@ -47,10 +47,10 @@ Limits: the device mode is thread-local (torch function modes are), so torch cal
 other threads than the enabling one are not redirected, and it costs about 1.5 µs per torch
 call in that thread. ``tensor.is_cuda`` stays ``False`` and ``tensor.device`` reads
 ``cumulus:0`` (torch itself branches on both, so faking them would send cumulus tensors
-down CUDA-only paths). The CUDA RNG state reads as empty and does not restore (with a
-warning). ``torch.Generator(device="cuda")``, CUDA graphs, ``torch.cuda.FloatTensor``-style
-types, multi-GPU (``DataParallel``, ``cuda:1``) and the rest of ``torch.cuda`` are not
-emulated.
+down CUDA-only paths). ``torch.cuda.get_rng_state`` and ``set_rng_state`` read and set the
+executor's generator. ``torch.Generator(device="cuda")``, CUDA graphs,
+``torch.cuda.FloatTensor``-style types, multi-GPU (``DataParallel``, ``cuda:1``) and the
+rest of ``torch.cuda`` are not emulated.
 """
 
 from __future__ import annotations

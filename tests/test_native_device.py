@@ -339,6 +339,8 @@ def test_the_decoder_reads_each_record_kind():
             _record(3, b"\x01" + ref + b"\x02" + host),
             _record(4, b"\x01" + ref),
             _record(5, struct.pack("<Q", 9)),
+            _record(9, b""),
+            _record(10, struct.pack("<I", 2) + b"\x07\x08"),
         ]
     )
     want_ref = TensorRef(7, 2, "float32", (3,), (1,))
@@ -348,6 +350,8 @@ def test_the_decoder_reads_each_record_kind():
         Upload(want_ref, HostTensor("int64", (), struct.pack("<q", 5))),
         Readback(want_ref),
         Free(9),
+        records.RngGet(),
+        records.RngSet(b"\x07\x08"),
     ]
 
 
@@ -355,7 +359,7 @@ def test_the_decoder_reads_each_record_kind():
     "batch",
     [
         _record(5, b"\x01\x02"),
-        _record(9, b""),
+        _record(42, b""),
         _record(5, struct.pack("<Q", 1) + b"\x00"),
         _record(1, struct.pack("<IH", 5, 0) + struct.pack("<H", 0)),
         _record(4, b"\x0c"),

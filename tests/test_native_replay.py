@@ -26,6 +26,8 @@ from cumulus_p2p.native.records import (
     Op,
     Readback,
     Resize,
+    RngGet,
+    RngSet,
     Seed,
     TensorRef,
     Upload,
@@ -204,6 +206,24 @@ def test_unset_generators_draw_from_the_sessions_generator():
     assert 0.0 <= values.min() and values.max() <= 1.0 and values.std() > 0.1
 
 
+def test_the_generators_state_reads_back_and_a_set_state_replays_the_same_draws():
+    s = Session()
+    x = _ref(1, sizes=(8,))
+    draw = Op("aten::uniform_", (x, 0.0, 1.0, None), (x,))
+    (state,) = s.run(Alloc(1, 32), Seed(7), RngGet())
+    assert state == torch.Generator().manual_seed(7).get_state().numpy().tobytes()
+    s.run(draw)
+    first = s.read(x)
+    s.run(RngSet(state), draw)
+    assert torch.equal(s.read(x), first)
+
+
+def test_a_generator_state_that_is_not_one_is_malformed():
+    with pytest.raises(ReplayError, match="not a generator state") as error:
+        Session().run(RngSet(b"\x01\x02\x03"))
+    assert error.value.kind == "malformed"
+
+
 def test_a_seed_starts_the_sessions_generator_over():
     s = Session()
     x = _ref(1, sizes=(8,))
@@ -224,7 +244,7 @@ def test_a_seed_starts_the_sessions_generator_over():
     [
         (encode([Alloc(2, 24)], [])[:-3], "record 1: body of 16 bytes truncated to 13"),
         (b"\x02\x00", "record 1: truncated header"),
-        (b"\x09\x00\x00\x00\x00", "record 1: unknown kind 9"),
+        (b"\x2a\x00\x00\x00\x00", "record 1: unknown kind 42"),
     ],
     ids=["truncated body", "truncated header", "unknown kind"],
 )

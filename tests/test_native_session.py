@@ -115,6 +115,15 @@ def test_dropout_on_a_cpu_executor_draws_the_masks_local_cpu_draws():
 
 
 @in_native_process
+def test_fork_rng_on_the_device_restores_the_executors_generator():
+    with _session():
+        with torch.random.fork_rng(device_type="cumulus"):
+            first = torch.randn(4, device="cumulus").cpu()
+        again = torch.randn(4, device="cumulus").cpu()
+    assert torch.equal(first, again)
+
+
+@in_native_process
 def test_early_flushes_change_nothing_but_when_the_executor_replays():
     with _session(flush_bytes=0) as session:
         synced, _ = _train("cumulus", steps=2)

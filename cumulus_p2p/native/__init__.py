@@ -60,7 +60,6 @@ from ._build import missing_toolchain as missing_toolchain
 NAME = "cumulus"
 _WRAPPER = "cumulus_p2p.remote"
 _LOADED: ModuleType | None = None
-_RNG_WARNED = False
 
 
 class _DeviceModule:
@@ -168,26 +167,24 @@ class _DeviceModule:
 
     @staticmethod
     def get_rng_state(device=None):
-        """Empty: the generator lives on the executor, and the native session cannot read
-        its state yet (so ``fork_rng`` and activation checkpointing run, unrestored)."""
+        """The executor generator's state as a CPU byte tensor (a sync point); empty
+        while no session is open."""
         import torch
 
-        return torch.empty(0, dtype=torch.uint8)
+        from .session import current
+
+        if current() is None:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(bytearray(_LOADED.rng_state()), dtype=torch.uint8)
 
     @staticmethod
     def set_rng_state(new_state, device=None) -> None:
-        """A no-op, said once per process: ``fork_rng`` calls it on every exit."""
-        global _RNG_WARNED
-        if not _RNG_WARNED:
-            import warnings
+        """Give the executor's generator a state ``get_rng_state`` read, in order with
+        the ops around it (``fork_rng``, activation checkpointing)."""
+        from .session import current
 
-            warnings.warn(
-                "the native cumulus device cannot restore the executor's generator "
-                "state: random ops go on from where they are (seed with "
-                "torch.manual_seed instead)",
-                stacklevel=2,
-            )
-            _RNG_WARNED = True
+        if current() is not None and new_state.numel() > 0:
+            _LOADED.set_rng_state(new_state.contiguous().numpy().tobytes())
 
 
 def _session():

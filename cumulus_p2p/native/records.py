@@ -143,7 +143,19 @@ class Seed:
     seed: int
 
 
-Record = Op | Alloc | Upload | Readback | Free | Resize | Dyn | Seed
+@dataclass(frozen=True)
+class RngGet:
+    """The client waits for the session generator's state."""
+
+
+@dataclass(frozen=True)
+class RngSet:
+    """The session's generator takes ``state`` (bytes an RNG_GET read)."""
+
+    state: bytes
+
+
+Record = Op | Alloc | Upload | Readback | Free | Resize | Dyn | Seed | RngGet | RngSet
 
 
 class _Reader:
@@ -260,6 +272,8 @@ _KINDS: dict[int, Callable[[_Reader, Sequence[str]], Record]] = {
     6: lambda r, _: Resize(r.take("<Q"), r.take("<Q")),
     7: lambda r, names: _dyn(r, names),
     8: lambda r, _: Seed(r.take("<Q")),
+    9: lambda r, _: RngGet(),
+    10: lambda r, _: RngSet(r.raw(r.take("<I"))),
 }
 
 
@@ -365,6 +379,10 @@ def _body(record: Record, names: list[str]) -> tuple[int, bytes]:
         return 6, struct.pack("<QQ", record.handle, record.nbytes)
     if isinstance(record, Seed):
         return 8, struct.pack("<Q", record.seed)
+    if isinstance(record, RngGet):
+        return 9, b""
+    if isinstance(record, RngSet):
+        return 10, struct.pack("<I", len(record.state)) + record.state
     raise TypeError(f"not a record: {record!r}")
 
 

@@ -36,7 +36,7 @@ from .._errors import MalformedMessageError, SessionClosedError
 from .protocol import decode_frame, encode_frame, split_blobs
 
 #: The native frames' version, named in the hello: both sides must speak the same.
-VERSION = 2
+VERSION = 3
 BATCH, BYE = 1, 2
 #: Requests this small are replayed on the executor's event loop (about a millisecond
 #: of records at most): cheaper than handing them to a thread and back.

@@ -69,6 +69,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pending_records", &cumulus::pending_records, "Records waiting in the batch.");
   m.def("ops_recorded", &cumulus::ops_recorded, "Op records appended since the process started.");
   m.def("seed", &cumulus::append_seed, "Append a SEED: the executor's generator starts over.");
+  m.def(
+      "rng_state", [] { return py::bytes(cumulus::rng_state()); },
+      "The executor generator's state (a sync point: the batch goes, its answer comes).");
+  m.def(
+      "set_rng_state", [](const py::bytes& state) { cumulus::append_rng_state(state); },
+      "Append an RNG_SET: the executor's generator takes a state rng_state read.");
   m.def("intern", &cumulus::intern_name, "The name table index of an op name.");
   m.def(
       "op_names",

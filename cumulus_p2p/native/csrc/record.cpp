@@ -174,6 +174,23 @@ void append_free(uint64_t handle) {
   append_record(w);
 }
 
+std::string rng_state() {
+  Writer w;
+  w.begin_record(Kind::RngGet);
+  w.end_record();
+  append_record(w);
+  return sync();
+}
+
+void append_rng_state(const std::string& state) {
+  Writer w;
+  w.begin_record(Kind::RngSet);
+  w.put<uint32_t>(static_cast<uint32_t>(state.size()));
+  w.bytes(state.data(), state.size());
+  w.end_record();
+  append_record(w);
+}
+
 void append_seed(uint64_t seed) {
   Writer w;
   w.begin_record(Kind::Seed);

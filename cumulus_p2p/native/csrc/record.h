@@ -32,6 +32,9 @@
 //
 //   kind 8 SEED     seed:u64                    the session's generator starts over from
 //                                               seed (torch.manual_seed)
+//   kind 9 RNG_GET  (empty)                     the client waits for the generator's state
+//                                               (its get_state() bytes)
+//   kind 10 RNG_SET nbytes:u32 state[nbytes]    the generator takes a state RNG_GET read
 //
 //   Result := 0 NONE | 1 TENSOR dtype:u8 ndim:u8 sizes:i64[ndim] strides:i64[ndim]
 //             offset:i64 | 3 INT i64 | 4 DOUBLE f64 | 5 BOOL u8
@@ -101,6 +104,8 @@ enum class Kind : uint8_t {
   Resize = 6,
   Dyn = 7,
   Seed = 8,
+  RngGet = 9,
+  RngSet = 10,
 };
 
 enum class Tag : uint8_t {
@@ -168,6 +173,10 @@ void append_record(const Writer& w);
 void append_alloc(uint64_t handle, uint64_t nbytes);
 void append_free(uint64_t handle);
 void append_seed(uint64_t seed);
+// The executor's generator state, read (a sync point) or set in order with the ops
+// around it (torch.cumulus.get_rng_state / set_rng_state, fork_rng).
+std::string rng_state();
+void append_rng_state(const std::string& state);
 std::pair<std::string, uint64_t> take_batch();
 uint64_t pending_records();
 // Op records (OP and DYN) appended since the process started: what a benchmark counts

@@ -307,7 +307,7 @@ class Replayer {
                               std::to_string(length) + " bytes truncated to " +
                               std::to_string(batch.size() - at - 5));
       }
-      if (kind < static_cast<uint8_t>(Kind::Op) || kind > static_cast<uint8_t>(Kind::Seed)) {
+      if (kind < static_cast<uint8_t>(Kind::Op) || kind > static_cast<uint8_t>(Kind::RngSet)) {
         throw ReplayError(static_cast<int64_t>(out.size()), "malformed",
                           "record " + std::to_string(out.size()) + ": unknown kind " +
                               std::to_string(kind));
@@ -319,8 +319,8 @@ class Replayer {
   }
 
   std::string describe(size_t index, Kind kind) const {
-    static const char* kinds[] = {"?",    "op",     "alloc", "upload",
-                                  "readback", "free", "resize", "dyn", "seed"};
+    static const char* kinds[] = {"?",    "op",     "alloc", "upload", "readback", "free",
+                                  "resize", "dyn", "seed", "rng_get", "rng_set"};
     std::string out = "record " + std::to_string(index) + " (" +
                       kinds[static_cast<uint8_t>(kind)];
     if (!current_op_.empty()) out += " " + current_op_;
@@ -328,6 +328,11 @@ class Replayer {
   }
 
   // ---- records ----
+
+  // A GPU session draws from its device's default generator (its worker's own).
+  at::Generator session_generator() const {
+    return generator_.defined() ? generator_ : at::globalContext().defaultGenerator(device_);
+  }
 
   void run_record(Kind kind, Cursor& c, std::vector<std::string>& readbacks) {
     switch (kind) {
@@ -340,11 +345,34 @@ class Replayer {
       case Kind::Seed: {
         const uint64_t seed = c.take<uint64_t>();
         end(c);
-        // A GPU session draws from its device's default generator (its worker's own).
-        at::Generator g = generator_.defined() ? generator_
-                                               : at::globalContext().defaultGenerator(device_);
+        at::Generator g = session_generator();
         std::lock_guard<std::mutex> lock(g.mutex());
         g.set_current_seed(seed);
+        return;
+      }
+      case Kind::RngGet: {
+        end(c);
+        at::Generator g = session_generator();
+        std::lock_guard<std::mutex> lock(g.mutex());
+        const at::Tensor state = g.get_state();
+        readbacks.emplace_back(static_cast<const char*>(state.const_data_ptr()),
+                               static_cast<size_t>(state.nbytes()));
+        return;
+      }
+      case Kind::RngSet: {
+        const uint32_t n = c.take<uint32_t>();
+        if (n > c.left()) fail("malformed", "a generator state longer than its record");
+        const char* bytes = c.raw(n);
+        end(c);
+        at::Tensor state = at::empty({static_cast<int64_t>(n)}, at::kByte);
+        if (n) std::memcpy(state.data_ptr(), bytes, n);
+        at::Generator g = session_generator();
+        std::lock_guard<std::mutex> lock(g.mutex());
+        try {
+          g.set_state(state);
+        } catch (const c10::Error& e) {
+          fail("malformed", std::string("not a generator state: ") + e.what_without_backtrace());
+        }
         return;
       }
       case Kind::Alloc: {
