@@ -220,6 +220,15 @@ def test_memory_allocated_counts_live_storages_as_they_grow_and_die():
     _take()
 
 
+@needs_build
+@in_native_process
+def test_set_to_a_host_storage_is_refused_with_what_to_do():
+    x = torch.empty(0, device="cumulus")
+    with pytest.raises(RuntimeError, match="set_ to a storage on cpu .copy it to the device"):
+        x.set_(torch.UntypedStorage(16))
+    _take()
+
+
 def test_compiled_graphs_on_other_devices_still_go_to_the_backend_asked_for():
     from cumulus_p2p.native.compile import OnCumulus
 
