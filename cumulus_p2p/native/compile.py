@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-NAME = "cumulus"
+from . import NAME
 
-#: Said once per process, the first time a graph on the device is compiled.
+#: Said once per compiled callable, the first time it captures a graph on the device.
 EAGER_WARNING = (
     "torch.compile on the native cumulus device: the graph is captured, and its ops are "
     "recorded and replayed one by one on the host as in eager mode (compiled graphs are "

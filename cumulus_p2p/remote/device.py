@@ -37,10 +37,8 @@ class CumulusModule:
         """True while a session is attached."""
         return CURRENT.session is not None and not CURRENT.session.closed
 
-    @staticmethod
-    def is_attached() -> bool:
-        """Whether a session is attached (``cuda_compat`` asks before using it)."""
-        return CURRENT.session is not None and not CURRENT.session.closed
+    #: What ``cuda_compat`` asks before using the session: the same question.
+    is_attached = is_available
 
     @staticmethod
     def session_info() -> dict:

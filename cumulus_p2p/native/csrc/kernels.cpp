@@ -39,8 +39,6 @@ namespace {
 
 constexpr c10::DeviceType kType = c10::DeviceType::PrivateUse1;
 
-c10::Allocator* device_allocator() { return kernel_allocator(); }
-
 void record_alloc(const at::TensorBase& t) {
   append_alloc(handle_of(t.storage()), t.storage().nbytes());
 }
@@ -56,7 +54,7 @@ at::Tensor empty_memory_format(c10::SymIntArrayRef size,
                                std::optional<c10::Device> /*device*/,
                                std::optional<bool> /*pin_memory*/,
                                std::optional<c10::MemoryFormat> memory_format) {
-  at::Tensor t = at::detail::empty_generic(C10_AS_INTARRAYREF_SLOW(size), device_allocator(),
+  at::Tensor t = at::detail::empty_generic(C10_AS_INTARRAYREF_SLOW(size), kernel_allocator(),
                                      c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
                                      c10::dtype_or_default(dtype), memory_format);
   record_alloc(t);
@@ -69,7 +67,7 @@ at::Tensor empty_strided(c10::SymIntArrayRef size, c10::SymIntArrayRef stride,
                          std::optional<c10::Device> /*device*/,
                          std::optional<bool> /*pin_memory*/) {
   at::Tensor t = at::detail::empty_strided_generic(
-      C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride), device_allocator(),
+      C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride), kernel_allocator(),
       c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), c10::dtype_or_default(dtype));
   record_alloc(t);
   return t;
@@ -131,12 +129,7 @@ at::Tensor& set_storage_offset(at::Tensor& self, c10::Storage source, c10::SymIn
 void grow_storage(const at::Tensor& self, size_t nbytes) {
   c10::StorageImpl* storage = self.storage().unsafeGetStorageImpl();
   if (nbytes <= storage->nbytes()) return;
-  Writer w;
-  w.begin_record(Kind::Resize);
-  w.put<uint64_t>(handle_of(self.storage()));
-  w.put<uint64_t>(nbytes);
-  w.end_record();
-  append_record(w);
+  append_resize(handle_of(self.storage()), nbytes);
   set_storage_bytes(storage, nbytes);
 }
 
@@ -298,8 +291,8 @@ at::Tensor from_meta(const at::Tensor& meta, MetaArgs& m) {
   }
   const size_t nbytes = meta.storage().nbytes();
   c10::Storage fresh(c10::make_intrusive<c10::StorageImpl>(
-      c10::StorageImpl::use_byte_size_t(), nbytes, device_allocator()->allocate(nbytes),
-      device_allocator(), /*resizable=*/true));
+      c10::StorageImpl::use_byte_size_t(), nbytes, kernel_allocator()->allocate(nbytes),
+      kernel_allocator(), /*resizable=*/true));
   // Later outputs over the same new storage become views of this one.
   m.storages.emplace_back(fresh, meta.storage());
   m.fresh = true;
@@ -370,8 +363,8 @@ bool unknown_on_meta(const char* what) {
 // A fresh device storage whose handle the executor will bind; sized once it answers.
 c10::Storage handle_storage() {
   return c10::Storage(c10::make_intrusive<c10::StorageImpl>(
-      c10::StorageImpl::use_byte_size_t(), 0, device_allocator()->allocate(0),
-      device_allocator(), /*resizable=*/true));
+      c10::StorageImpl::use_byte_size_t(), 0, kernel_allocator()->allocate(0),
+      kernel_allocator(), /*resizable=*/true));
 }
 
 // One of a DYN record's results (record.h's Result): a tensor's dtype and sizes, or a

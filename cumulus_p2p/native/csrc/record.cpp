@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <initializer_list>
 #include <mutex>
 #include <unordered_map>
 
@@ -157,22 +158,25 @@ uint64_t ops_recorded() {
   return b.ops;
 }
 
-void append_alloc(uint64_t handle, uint64_t nbytes) {
+namespace {
+// A record whose body is a few u64 fields (ALLOC, FREE, RESIZE, SEED).
+void append_u64s(Kind kind, std::initializer_list<uint64_t> fields) {
   Writer w;
-  w.begin_record(Kind::Alloc);
-  w.put<uint64_t>(handle);
-  w.put<uint64_t>(nbytes);
+  w.begin_record(kind);
+  for (const uint64_t field : fields) w.put<uint64_t>(field);
   w.end_record();
   append_record(w);
 }
+}  // namespace
 
-void append_free(uint64_t handle) {
-  Writer w;
-  w.begin_record(Kind::Free);
-  w.put<uint64_t>(handle);
-  w.end_record();
-  append_record(w);
+void append_alloc(uint64_t handle, uint64_t nbytes) {
+  append_u64s(Kind::Alloc, {handle, nbytes});
 }
+void append_free(uint64_t handle) { append_u64s(Kind::Free, {handle}); }
+void append_resize(uint64_t handle, uint64_t nbytes) {
+  append_u64s(Kind::Resize, {handle, nbytes});
+}
+void append_seed(uint64_t seed) { append_u64s(Kind::Seed, {seed}); }
 
 std::string rng_state() {
   Writer w;
@@ -187,14 +191,6 @@ void append_rng_state(const std::string& state) {
   w.begin_record(Kind::RngSet);
   w.put<uint32_t>(static_cast<uint32_t>(state.size()));
   w.bytes(state.data(), state.size());
-  w.end_record();
-  append_record(w);
-}
-
-void append_seed(uint64_t seed) {
-  Writer w;
-  w.begin_record(Kind::Seed);
-  w.put<uint64_t>(seed);
   w.end_record();
   append_record(w);
 }

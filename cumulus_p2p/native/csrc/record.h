@@ -172,6 +172,7 @@ void put_value(Writer& w, const c10::IValue& v);
 void append_record(const Writer& w);
 void append_alloc(uint64_t handle, uint64_t nbytes);
 void append_free(uint64_t handle);
+void append_resize(uint64_t handle, uint64_t nbytes);
 void append_seed(uint64_t seed);
 // The executor's generator state, read (a sync point) or set in order with the ops
 // around it (torch.cumulus.get_rng_state / set_rng_state, fork_rng).
