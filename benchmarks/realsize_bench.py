@@ -12,7 +12,11 @@ Prints one JSON object and writes ``benchmarks/results/realsize.json`` (``realsi
 with ``--quick``: the same at 48 MiB, a checkpoint interval of 3 s, in about a minute)::
 
     sudo .venv/bin/python benchmarks/realsize_bench.py [--quick] [--checkpoint-to PLACE]
+        [--device cpu|cuda]
 
+``--device cuda`` runs the executors on the machine's GPU (all three share it), and writes
+``realsize_cuda[_quick].json``: the failover's replayed steps then cost what they cost on a
+GPU, not seconds each on CPU executors.
 ``--checkpoint-to`` is where checkpoints go: ``standby`` (the default: host B keeps them,
 copied from the session's host, host to host), ``consumer`` (the consumer's disk, as before
 standbys existed; writes ``realsize_consumer[_quick].json``) or ``both``.
@@ -112,6 +116,7 @@ def main() -> None:
         default="standby",
         help="where checkpoints go (consumer: the placement before standbys existed)",
     )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--consumer", help=argparse.SUPPRESS)  # the consumer's role: JSON
     args = parser.parse_args()
     if args.consumer:
@@ -119,20 +124,23 @@ def main() -> None:
         return
     # SIGTERM unwinds like Ctrl-C, so the executors stop and the namespaces go.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    result = run(QUICK if args.quick else FULL, quick=args.quick, checkpoint_to=args.checkpoint_to)
+    size = QUICK if args.quick else FULL
+    result = run(size, quick=args.quick, checkpoint_to=args.checkpoint_to, device=args.device)
     text = json.dumps(result, indent=2)
     print(text)
     placement = "" if args.checkpoint_to == "standby" else f"_{args.checkpoint_to}"
-    name = f"realsize{placement}{'_quick' if args.quick else ''}.json"
+    device = "" if args.device == "cpu" else f"_{args.device}"
+    name = f"realsize{placement}{device}{'_quick' if args.quick else ''}.json"
     (RESULTS / name).write_text(text + "\n")
 
 
-def run(size: Size, *, quick: bool, checkpoint_to: str) -> dict:
+def run(size: Size, *, quick: bool, checkpoint_to: str, device: str) -> dict:
     with shaped_mesh(hosts=3, consumer_mbit=100, host_mbit=1000) as mesh:
         c, (a, b, fresh) = mesh.consumer, mesh.hosts
         progress("checking the shaping with one TCP stream per link")
         result = {
             "quick": quick,
+            "device": device,
             "consumer_link_mbit_nominal": mesh.consumer_mbit,
             "host_link_mbit_nominal": mesh.host_mbit,
             "consumer_link_mbit_measured": round(measure_mbit(c, a, seconds=2.0), 1),
@@ -141,9 +149,9 @@ def run(size: Size, *, quick: bool, checkpoint_to: str) -> dict:
             "checkpoint_to": checkpoint_to,
         }
         with tempfile.TemporaryDirectory() as work, ExitStack() as stack:
-            address_a, proc_a = stack.enter_context(executor_in(a, Path(work) / "a"))
-            address_b, _ = stack.enter_context(executor_in(b, Path(work) / "b"))
-            address_c, _ = stack.enter_context(executor_in(fresh, Path(work) / "c"))
+            address_a, proc_a = stack.enter_context(executor_in(a, Path(work) / "a", device))
+            address_b, _ = stack.enter_context(executor_in(b, Path(work) / "b", device))
+            address_c, _ = stack.enter_context(executor_in(fresh, Path(work) / "c", device))
             plan = {
                 "size": asdict(size),
                 "checkpoint_to": checkpoint_to,
@@ -159,8 +167,9 @@ def run(size: Size, *, quick: bool, checkpoint_to: str) -> dict:
 
 
 @contextmanager
-def executor_in(host, workdir: Path):
-    """Run ``cumulus-executor`` (CPU) in ``host``'s namespace; yield its address and process.
+def executor_in(host, workdir: Path, device: str):
+    """Run ``cumulus-executor`` on ``device`` in ``host``'s namespace; yield its address and
+    process.
 
     It keeps a blob store in ``workdir``, as a provider does in its data directory, so a
     second session on it can skip what it already holds. Its output goes to a log there,
@@ -169,7 +178,7 @@ def executor_in(host, workdir: Path):
     workdir.mkdir()
     log = workdir / "executor.log"
     cmd = [sys.executable, "-m", "cumulus_p2p.remote.executor_main", "--host", host.address]
-    cmd += ["--port", "0", "--device", "cpu", "--quota", "8GiB"]
+    cmd += ["--port", "0", "--device", device, "--quota", "8GiB"]
     cmd += ["--blob-dir", str(workdir / "blobs")]
     with open(log, "w+") as out:
         proc = subprocess.Popen(host.command(*cmd), stdout=out, stderr=subprocess.STDOUT)
