@@ -196,6 +196,22 @@ def test_freed_tensors_release_executor_memory(cumulus):
     assert torch.cumulus.memory_allocated() == before
 
 
+def test_an_ops_result_is_freed_when_its_last_reference_goes_without_the_gc(cumulus):
+    # A loop of big results must not pile up remote memory until a collection runs.
+    import gc
+
+    a, b = torch.ones(64, 64, device="cumulus"), torch.ones(64, 64, device="cumulus")
+    before = cumulus.stats()["bytes_in_use"]
+    gc.disable()
+    try:
+        for _ in range(5):
+            assert (a @ b)[0, 0].item() == 64.0
+        cumulus.synchronize()
+        assert cumulus.stats()["bytes_in_use"] == before
+    finally:
+        gc.enable()
+
+
 def test_quota_overflow_is_an_out_of_memory_error_and_session_survives(executor_address):
     with remote.attach(executor_address, quota_bytes=1 << 20):
         keep = torch.ones(1000, device="cumulus")

@@ -558,20 +558,23 @@ def _to_wire(session: RemoteSession, x: Any) -> Any:
 
 def _storages_by_handle(args, kwargs) -> dict[int, RemoteStorage]:
     found: dict[int, RemoteStorage] = {}
-
-    def walk(x):
-        if type(x) is RemoteTensor:
-            found[x._rs.handle] = x._rs
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-        elif isinstance(x, dict):
-            for v in x.values():
-                walk(v)
-
-    walk(args)
-    walk(kwargs)
+    _collect_storages(args, found)
+    _collect_storages(kwargs, found)
     return found
+
+
+def _collect_storages(x, found: dict[int, RemoteStorage]) -> None:
+    # A module-level function, not a closure: a nested function that calls itself is a
+    # reference cycle, which would keep ``found`` (and the op's result storages, added to it
+    # later) alive until the garbage collector runs, and their remote memory with them.
+    if type(x) is RemoteTensor:
+        found[x._rs.handle] = x._rs
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            _collect_storages(v, found)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _collect_storages(v, found)
 
 
 def _from_description(value: Any, session: RemoteSession, storages: dict) -> Any:
