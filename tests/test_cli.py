@@ -83,16 +83,30 @@ def test_bad_storage_terms_are_a_usage_error_naming_the_flag(tmp_path, flag, val
     assert flag in result.stderr and says in result.stderr
 
 
-def test_a_contend_floor_above_the_ask_is_a_usage_error():
+def test_a_contend_price_above_the_ask_is_a_usage_error():
     result = run("--provide", "--price", "0.5", "--contend-price", "0.6")
     assert result.returncode == 2
     assert "--contend-price must not be above --price" in result.stderr
 
 
-def test_the_contend_floor_and_the_contend_priority_reach_the_options():
-    args = build_parser().parse_args(["--provide", "--price", "0.5", "--contend-price", "0.2"])
+def test_contending_shares_without_a_contend_price_are_a_usage_error():
+    result = run("--provide", "--contend-shares", "4")
+    assert result.returncode == 2
+    assert "--contend-shares needs a --contend-price" in result.stderr
+
+
+def test_the_contend_terms_and_the_contend_priority_reach_the_options():
     device = OfferedDevice(DeviceFacts("cpu", 0, "cpu", 4096, None, ""), perf_units=100)
-    assert _provider_options(args, devices=(device,)).contend_price == 200_000
+    args = build_parser().parse_args(
+        ["--provide", "--price", "0.5", "--contend-price", "0.2", "--shares", "3"]
+    )
+    options = _provider_options(args, devices=(device,))
+    # As many contending shares as on-demand ones, unless told otherwise.
+    assert (options.contend_price, options.contend_shares) == (200_000, 3)
+    args = build_parser().parse_args(
+        ["--provide", "--contend-price", "0.2", "--contend-shares", "12"]
+    )
+    assert _provider_options(args, devices=(device,)).contend_shares == 12
     wish = build_parser().parse_args(["--consume", "--priority", "contend"])
     assert _consumer_options(wish, ["x.py"]).priority is PriorityClass.CONTEND
 

@@ -31,7 +31,10 @@ def offer(
     perf=10,
     min_lease=0,
     contend_price=0,
+    contend_shares=None,
 ):
+    if contend_shares is None:  # an offer selling contending use sells as many shares so
+        contend_shares = shares if contend_price else 0
     return Offer(
         host,
         offer_id,
@@ -46,6 +49,7 @@ def offer(
         expires,
         nonce,
         contend_price=contend_price,
+        contend_shares=contend_shares,
     )
 
 
@@ -379,19 +383,39 @@ def test_a_newcomer_never_evicts_vouched_authors():
 CONTEND = PriorityClass.CONTEND
 
 
-def test_a_contending_bid_below_the_ask_and_above_the_floor_fills_at_its_own_limit():
+def test_a_contending_bid_pays_the_contend_price_whatever_its_limit_above_it():
     book = OrderBook()
-    book.insert(offer("h0", price=50, contend_price=20), now=0.0)
-    (fill,) = book.match_bid(bid(max_price=30, priority=CONTEND), now=1.0)
-    assert (fill.host, fill.price, fill.priority) == ("h0", 30, CONTEND)
+    book.insert(offer("h0", price=50, contend_price=20, shares=8), now=0.0)
+    (low,) = book.match_bid(bid(max_price=30, priority=CONTEND), now=1.0)
+    (high,) = book.match_bid(bid("c1", max_price=90, priority=CONTEND), now=1.0)
+    assert (low.host, low.price, low.priority) == ("h0", 20, CONTEND)
+    assert high.price == 20
 
 
-def test_a_contending_bid_pays_the_ask_where_its_limit_reaches_it_and_tries_that_first():
+def test_a_contending_bid_takes_only_offers_that_sell_contending_leases_cheapest_first():
     book = OrderBook()
-    book.insert(offer("h0", price=50, contend_price=10), now=0.0)
-    book.insert(offer("h1", price=25), now=0.0)
-    fills = book.match_bid(bid(max_price=30, shares=8, priority=CONTEND), now=1.0)
-    assert [(f.host, f.price) for f in fills] == [("h1", 25), ("h0", 30)]
+    book.insert(offer("h0", price=50, contend_price=30), now=0.0)
+    book.insert(offer("h1", price=25), now=0.0)  # sells no contending leases
+    book.insert(offer("h2", price=90, contend_price=20), now=0.0)
+    fills = book.match_bid(bid(max_price=60, shares=12, priority=CONTEND), now=1.0)
+    assert [(f.host, f.price) for f in fills] == [("h2", 20), ("h0", 30)]
+
+
+def test_contending_fills_draw_on_the_contending_pool_and_leave_the_on_demand_shares():
+    book = OrderBook()
+    book.insert(offer("h0", price=50, contend_price=20, shares=2, contend_shares=3), now=0.0)
+    contending = book.match_bid(bid(max_price=30, shares=5, priority=CONTEND), now=1.0)
+    assert [f.shares for f in contending] == [3]
+    on_demand = book.match_bid(bid("c1", max_price=50, shares=5), now=1.0)
+    assert [f.shares for f in on_demand] == [2]
+    assert list(book.offers()) == []  # both pools are empty: the offer left
+
+
+def test_an_offer_with_only_contending_shares_left_serves_no_on_demand_bid():
+    book = OrderBook()
+    book.insert(offer("h0", price=50, contend_price=20, shares=0, contend_shares=2), now=0.0)
+    assert book.match_bid(bid(max_price=50), now=1.0) == []
+    assert [f.shares for f in book.match_bid(bid(max_price=20, priority=CONTEND), now=1.0)] == [1]
 
 
 def test_a_bid_under_every_floor_or_not_contending_fills_nothing_below_the_ask():

@@ -37,7 +37,10 @@ def offer(
     storage_price=0,
     storage_gib=0,
     contend_price=0,
+    contend_shares=None,
 ):
+    if contend_shares is None:  # an offer selling contending use sells as many shares so
+        contend_shares = shares if contend_price else 0
     return Offer(
         HOST.peer_id.to_base58(),
         offer_id,
@@ -54,6 +57,7 @@ def offer(
         storage_price,
         storage_gib,
         contend_price,
+        contend_shares,
     )
 
 
@@ -311,7 +315,7 @@ def test_a_contending_proposal_under_the_floor_is_refused_naming_the_floor():
     book = book_with(4, price=1000, contend_price=400)
     refused = book.propose(sealed(proposal(price=399, priority=PriorityClass.CONTEND)), now=NOW)
     assert refusal_of(refused) is RefusalReason.PRICE_MISMATCH
-    assert "asking 400 (its contend floor)" in refused.detail
+    assert "asking 400 (its contend price)" in refused.detail
     assert book.free_shares("gpu0") == 4
 
 
@@ -344,10 +348,10 @@ def granted(book, lease_id, **terms):
     return lease
 
 
-def test_an_on_demand_lease_preempts_the_cheapest_contending_one_on_a_full_offer():
-    book = book_with(2, price=1000, contend_price=200)
+def test_an_on_demand_lease_preempts_the_cheapest_interruptible_one_on_a_full_offer():
+    book = book_with(2, price=1000)
     granted(book, "dear", price=1200, priority=INTERRUPTIBLE)
-    granted(book, "cheap", price=300, priority=CONTEND)
+    granted(book, "cheap", price=1000, priority=INTERRUPTIBLE)
     assert book.free_shares("gpu0") == 0
     granted(book, "on-demand")
     (preempted,) = book.take_preempted()
@@ -358,20 +362,44 @@ def test_an_on_demand_lease_preempts_the_cheapest_contending_one_on_a_full_offer
 
 
 def test_without_enough_preemptible_shares_nothing_is_preempted_and_the_lease_is_refused():
-    book = book_with(2, price=1000, contend_price=200)
-    granted(book, "contending", price=300, priority=CONTEND)
+    book = book_with(2, price=1000)
+    granted(book, "interruptible", priority=INTERRUPTIBLE)
     granted(book, "on-demand")
     assert refusal_of(proposed(book, "two", shares=2)) is RefusalReason.NO_CAPACITY
-    assert book.take_preempted() == [] and book.get("contending") is not None
+    assert book.take_preempted() == [] and book.get("interruptible") is not None
 
 
 def test_only_an_on_demand_lease_preempts_and_none_is_ever_preempted():
-    book = book_with(1, price=1000, contend_price=200)
+    book = book_with(1, price=1000)
     granted(book, "first")
-    dearer = proposed(book, "dearer", price=900, priority=CONTEND)
+    dearer = proposed(book, "dearer", price=1200, priority=INTERRUPTIBLE)
     assert refusal_of(dearer) is RefusalReason.NO_CAPACITY
     assert refusal_of(proposed(book, "second")) is RefusalReason.NO_CAPACITY
     assert book.take_preempted() == []
+
+
+def test_a_contending_lease_draws_on_the_contending_pool_and_leaves_on_demand_shares():
+    book = book_with(2, price=1000, contend_price=200, contend_shares=3)
+    granted(book, "contending", shares=2, price=200, priority=CONTEND)
+    assert book.free_contend_shares("gpu0") == 1
+    assert book.free_shares("gpu0") == 2
+    granted(book, "on-demand", shares=2)  # on a full offer, the contending lease stays
+    assert book.take_preempted() == [] and book.get("contending") is not None
+
+
+def test_a_contending_proposal_beyond_the_contending_pool_is_refused_and_preempts_nothing():
+    book = book_with(4, price=1000, contend_price=200, contend_shares=1)
+    refused = proposed(book, "two", shares=2, price=200, priority=CONTEND)
+    assert refusal_of(refused) is RefusalReason.NO_CAPACITY
+    assert "1 contending free" in refused.detail
+    assert book.free_shares("gpu0") == 4
+
+
+def test_a_released_contending_lease_returns_its_shares_to_the_contending_pool():
+    book = book_with(2, price=1000, contend_price=200, contend_shares=2)
+    granted(book, "contending", shares=2, price=200, priority=CONTEND)
+    assert book.release("contending")
+    assert (book.free_contend_shares("gpu0"), book.free_shares("gpu0")) == (2, 2)
 
 
 def test_a_standby_lease_is_never_preempted():

@@ -24,7 +24,7 @@ from cumulus_p2p.market.messages import Bid, Offer, PriorityClass
 def offer(host, price, *, created=0.0, model="A100", shares=4, contend_price=0):
     return Offer(
         host, "o", model, 40, 10, shares, price, 0, "", created, 100.0, 1,
-        contend_price=contend_price,
+        contend_price=contend_price, contend_shares=shares if contend_price else 0,
     )  # fmt: skip
 
 
@@ -172,13 +172,15 @@ def test_an_unproven_host_never_takes_the_newcomer_slot_from_a_proven_one():
 
 
 def test_a_contending_bid_ranks_offers_by_what_it_pays_there():
-    book = book_of(offer("dear", 50, contend_price=10), offer("cheap", 25), offer("mid", 28))
-    # 25 and 28 at the ask, then 30 (its limit) above the dear offer's floor.
+    book = book_of(
+        offer("dear", 50, contend_price=27), offer("cheap", 40, contend_price=12), offer("od", 9)
+    )
+    # By the contend price each asks; the offer selling no contending lease is left out.
     ranked = rank_offers(book, bid(30, priority=PriorityClass.CONTEND))
-    assert [r.offer.host for r in ranked] == ["cheap", "mid", "dear"]
-    assert ranked[2].effective_price / ranked[0].effective_price == pytest.approx(30 / 25)
-    two = rank_offers(book, bid(30, priority=PriorityClass.CONTEND), limit=2)
-    assert [r.offer.host for r in two] == ["cheap", "mid"]
+    assert [r.offer.host for r in ranked] == ["cheap", "dear"]
+    assert ranked[1].effective_price / ranked[0].effective_price == pytest.approx(27 / 12)
+    one = rank_offers(book, bid(30, priority=PriorityClass.CONTEND), limit=1)
+    assert [r.offer.host for r in one] == ["cheap"]
 
 
 def test_a_bid_under_every_ask_is_told_the_bids_ahead_and_the_price_that_runs_it_now():

@@ -94,6 +94,9 @@ def test_every_message_round_trips_through_a_signed_envelope(message):
         (OFFER, {"contend_price": -1}),
         (OFFER, {"contend_price": OFFER.price + 1}),  # a floor above the ask
         (OFFER, {"contend_price": 0.5}),
+        (OFFER, {"contend_shares": 2}),  # contending shares with no contend price
+        (OFFER, {"contend_shares": -1}),
+        (OFFER, {"shares_free": 0}),  # nothing on sale
         (BID, {"priority": 7}),
         (BID, {"gpu_models": ("",)}),
         (BID, {"shares": True}),
@@ -115,6 +118,26 @@ def test_every_message_round_trips_through_a_signed_envelope(message):
 def test_an_invalid_message_cannot_be_built(message, changes):
     with pytest.raises(InvalidMessageError):
         dataclasses.replace(message, **changes)
+
+
+def test_an_offer_may_sell_only_contending_shares_once_its_others_are_leased():
+    offer = Offer(
+        H,
+        "gpu0",
+        "RTX 4090",
+        24576,
+        100,
+        0,
+        1000,
+        60,
+        "eu",
+        NOW,
+        NOW + 60,
+        1,
+        contend_price=400,
+        contend_shares=4,
+    )
+    assert decode_message(Offer.KIND, encode_message(offer)) == offer
 
 
 def test_an_offer_without_storage_terms_keeps_no_standbys():

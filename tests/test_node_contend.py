@@ -1,10 +1,11 @@
-"""A bid below the ask: a contending lease, paid at the bid. Real cumulus-node processes.
+"""A bid below the ask: a contending lease at the host's contend price. Real node processes.
 
-The host asks 0.5 per share-hour and sells contending leases from 0.2. A consumer bidding
+The host asks 0.5 per share-hour and sells contending leases at 0.2. A consumer bidding
 0.3 with ``--priority contend`` leases there as a contending tenant, trains to a local
-run's loss, and both ledgers charge its receipts at 0.3. A bid under the floor leases
-nothing: while it waits its status shows the price that would lease it now, and it ends
-saying what the floor is. An on-demand bid of 0.3 is told a contending lease would fit.
+run's loss, and both ledgers charge its receipts at 0.2: one price for every contending
+tenant (``market/pricing.py`` says why). A bid under that price leases nothing: while it
+waits its status shows the price that would lease it now, and it ends saying what the
+price is. An on-demand bid of 0.3 is told a contending lease would fit.
 """
 
 from __future__ import annotations
@@ -27,20 +28,20 @@ def share_seconds(data_dir) -> dict[str, int]:
         return {e.receipt_id: e.share_seconds for e in books.entries()}
 
 
-def test_a_bid_between_the_floor_and_the_ask_runs_contending_and_pays_its_bid(tmp_path):
+def test_a_bid_between_the_contend_price_and_the_ask_runs_contending_at_that_price(tmp_path):
     boot = loopback.start_boot(tmp_path)
     host = nodes.start_provider(
         tmp_path / "host", boot.addr, "--price", "0.5", "--contend-price", "0.2",
         "--receipt-interval", "1s",
     )  # fmt: skip
     try:
-        host.wait_for("contending from 0.200000")
+        host.wait_for("more shares at 0.200000")
         # All at once: the two that bid too little can lease nothing, whenever they come.
         consumer = nodes.start_consumer(
             tmp_path / "consumer", boot.addr, "--priority", "contend", "--max-price", "0.3",
             command=SCRIPT,
         )  # fmt: skip
-        # Under the floor: no lease, and the reason names the floor on offer.
+        # Under the contend price: no lease, and the reason names the price on offer.
         cheapskate = nodes.start_consumer(
             tmp_path / "cheapskate", boot.addr, "--priority", "contend", "--max-price", "0.1",
             "--match-timeout", "15s", command=SCRIPT,
@@ -50,7 +51,7 @@ def test_a_bid_between_the_floor_and_the_ask_runs_contending_and_pays_its_bid(tm
             tmp_path / "on-demand", boot.addr, "--max-price", "0.3", "--match-timeout", "15s",
             command=SCRIPT,
         )  # fmt: skip
-        # While it waits, its status says what would lease it now: the contend floor.
+        # While it waits, its status says what would lease it now: the contend price.
         waiting = cheapskate.wait_for_state(
             lambda s: (s.get("standing") or {}).get("run_now_price"), timeout=60
         )
@@ -63,11 +64,11 @@ def test_a_bid_between_the_floor_and_the_ask_runs_contending_and_pays_its_bid(tm
             node.stop()
     assert nodes.final_json(consumer.lines)["final_loss"] == nodes.local_final_loss(SCRIPT)
     (lease,) = json.loads((tmp_path / "consumer" / "state.json").read_text())["leases"]
-    assert lease["price"] == 300_000  # its bid: below the ask, above the floor
+    assert lease["price"] == 200_000  # the contend price, whatever its bid above it
     receipted = share_seconds(tmp_path / "consumer")
     assert receipted and receipted == share_seconds(tmp_path / "host")
-    assert lease["cost"] == sum(receipted.values()) * 300_000 // 3600
-    assert "lowest contending floor: 0.2" in " ".join(cheapskate.output().split())
+    assert lease["cost"] == sum(receipted.values()) * 200_000 // 3600
+    assert "lowest contend price: 0.2" in " ".join(cheapskate.output().split())
     hint = "a contending lease fits your limit (--priority contend"
     assert hint in " ".join(on_demand.output().split())
     assert json.loads((tmp_path / "cheapskate" / "state.json").read_text())["leases"] == []

@@ -1,10 +1,11 @@
-"""An on-demand lease preempts a contending one, and nothing is lost. Real node processes.
+"""An on-demand lease preempts an interruptible one, and nothing is lost. Real processes.
 
-The host has one share, sold on demand at 0.5 and to contending leases from 0.2. A
-contending job holds it when an on-demand job arrives: the host gives the share to the
-on-demand job, tells the contending job's node (a preemption notice) and parks its
-session. The contending job waits, unreported, until the share is free again, leases it
-anew and finishes with a local run's loss. Both ledgers agree on every lease.
+The host has one share, sold at 0.5. An interruptible job holds it when an on-demand job
+arrives: the host gives the share to the on-demand job, tells the interruptible job's
+node (a preemption notice) and parks its session. The interruptible job waits,
+unreported, until the share is free again, leases it anew and finishes with a local
+run's loss. Both ledgers agree on every lease. (A interruptible lease holds shares of its
+own, beyond the on-demand ones, so nothing preempts it: ``test_market_lease.py``.)
 """
 
 from __future__ import annotations
@@ -37,34 +38,34 @@ def local_final_loss(command: list[str]) -> float:
     return json.loads(done.stdout.splitlines()[-1])["final_loss"]
 
 
-def test_an_on_demand_job_preempts_a_contending_one_which_resumes_without_loss(tmp_path):
+def test_an_on_demand_job_preempts_an_interruptible_one_which_resumes_without_loss(tmp_path):
     boot = loopback.start_boot(tmp_path)
     host = nodes.start_provider(
-        tmp_path / "host", boot.addr, "--price", "0.5", "--contend-price", "0.2",
-        "--shares", "1", "--receipt-interval", "1s",
+        tmp_path / "host", boot.addr, "--price", "0.5", "--shares", "1",
+        "--receipt-interval", "1s",
     )  # fmt: skip
     try:
         host.wait_for("providing")
-        contending = nodes.start_consumer(
-            tmp_path / "contending", boot.addr, "--priority", "contend", "--max-price", "0.3",
-            "--checkpoint-to", "consumer", "--checkpoint-interval", "1s",
+        interruptible = nodes.start_consumer(
+            tmp_path / "interruptible", boot.addr, "--priority", "interruptible",
+            "--max-price", "0.5", "--checkpoint-to", "consumer", "--checkpoint-interval", "1s",
             "--wait-for-host", "180s", command=PACED, env={"CUMULUS_RESUME_TIMEOUT": "1"},
         )  # fmt: skip
-        contending.wait_for("step    5", timeout=120)
+        interruptible.wait_for("step    5", timeout=120)
         on_demand = nodes.start_consumer(
             tmp_path / "on-demand", boot.addr, "--max-price", "1", command=QUICK
         )
         assert on_demand.proc.wait(timeout=180) == 0, on_demand.output()
-        assert contending.proc.wait(timeout=240) == 0, contending.output()
+        assert interruptible.proc.wait(timeout=240) == 0, interruptible.output()
     finally:
         for node in (host, boot):
             node.stop()
     assert nodes.final_json(on_demand.lines)["final_loss"] == nodes.local_final_loss(QUICK)
     expected = local_final_loss(["-m", "cumulus_p2p.demo_train", "--steps", "60"])
-    assert nodes.final_json(contending.lines)["final_loss"] == expected
-    state = json.loads((tmp_path / "contending" / "state.json").read_text())
+    assert nodes.final_json(interruptible.lines)["final_loss"] == expected
+    state = json.loads((tmp_path / "interruptible" / "state.json").read_text())
     assert [lease["state"] for lease in state["leases"]][0] == "preempted"
     assert all(row["failures"] == 0 for row in state["scores"])  # no blame
-    assert "preempted this lease" in contending.output()
-    both = receipts(tmp_path / "contending") | receipts(tmp_path / "on-demand")
+    assert "preempted this lease" in interruptible.output()
+    both = receipts(tmp_path / "interruptible") | receipts(tmp_path / "on-demand")
     assert both == receipts(tmp_path / "host")

@@ -148,7 +148,7 @@ def test_the_offers_table_shows_each_offers_contend_floor():
     console = Console(width=220, record=True)
     console.print(offers_table([offer | {"contend_price": 200_000}]))
     text = console.export_text()
-    assert "contending from" in text
+    assert "contending at" in text
     cells = [c.strip() for c in next(ln for ln in text.splitlines() if "RTX" in ln).split("│")]
     assert cells[cells.index("0.500000") + 1] == "0.200000"
 

@@ -196,8 +196,15 @@ def _add_provide_flags(provide) -> None:
         type=parse_price,
         default=parse_price("0"),
         metavar="PRICE",
-        help="least credits per share-hour a contending lease pays: it runs below on-demand "
-        "tenants, in their idle gaps, and pays its bid down to this (default 0: none sold)",
+        help="credits per share-hour a contending lease pays: it runs below on-demand "
+        "tenants, in their idle gaps (default 0: none sold)",
+    )
+    provide.add_argument(
+        "--contend-shares",
+        type=int,
+        metavar="N",
+        help="contending shares each device sells beyond its --shares, never preempted "
+        "(default: as many as --shares, when a --contend-price is set)",
     )
     provide.add_argument(
         "--storage-price",
@@ -313,8 +320,8 @@ def _add_lease_wishes(consume) -> None:
         choices=["on-demand", "contend", "interruptible"],
         default="on-demand",
         help="lease class (default on-demand); contend: share a device below on-demand "
-        "tenants and pay your --max-price, which may lie below the ask down to the host's "
-        "contend floor",
+        "tenants and pay the host's contend price, below its ask, if your --max-price "
+        "reaches it",
     )
     add_duration(consume, "--duration", 3600, "lease length (default 1h)")
     add_duration(consume, "--match-timeout", 60, "how long to wait for a match (default 60s)")
@@ -434,9 +441,14 @@ def _check_node_args(parser: argparse.ArgumentParser, args, script: list[str]) -
         parser.error("--pool must not be negative (0 starts each worker when its lease comes)")
     if args.provide and args.contend_price > args.price:
         parser.error(
-            "--contend-price must not be above --price: it is the floor a contending lease "
+            "--contend-price must not be above --price: it is what a contending lease "
             "pays below the ask"
         )
+    if args.provide and args.contend_shares is not None:
+        if not 0 <= args.contend_shares <= 2**16:
+            parser.error("--contend-shares must be between 0 and 65536")
+        if args.contend_shares and not args.contend_price:
+            parser.error("--contend-shares needs a --contend-price: what those leases pay")
     if args.provide and args.device.startswith("cuda"):
         try:
             hardware.offered_devices(args.device, hardware.detect())

@@ -173,7 +173,15 @@ def _provider_options(args, devices):
         storage_price=args.storage_price,
         storage_gib=args.storage_gib,
         contend_price=args.contend_price,
+        contend_shares=_contend_shares(args),
     )
+
+
+def _contend_shares(args) -> int:
+    """``--contend-shares``, or as many as the on-demand shares when a contend price is set."""
+    if args.contend_shares is not None:
+        return args.contend_shares
+    return (args.shares or 4) if args.contend_price else 0
 
 
 class _ProviderScreen:
@@ -206,8 +214,10 @@ class _ProviderScreen:
         return f"; keeping standbys' checkpoints: {gib} GiB at {price}/GiB-hour"
 
     def _contending(self) -> str:
-        floor = self.options.contend_price
-        return f" (contending from {views.credits(floor)})" if floor else ""
+        price, shares = self.options.contend_price, self.options.contend_shares
+        if not price or not shares:
+            return ""
+        return f" (contending: {shares} more shares at {views.credits(price)})"
 
     def tick(self, provider) -> None:
         if self.live is not None:

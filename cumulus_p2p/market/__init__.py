@@ -7,7 +7,7 @@ Parts, lowest first (each imports only those above it):
   ``seal_message``/``open_message`` to carry them in signed envelopes. ``Lease`` and
   ``CountersignedReceipt`` add the other party's countersignature.
 - ``pricing``: what a compute lease pays (sans-IO): at least the ask, or for a
-  contending lease its bid, between the offer's contend floor and its ask.
+  contending lease the offer's contend price, one price for all its contending tenants.
 - ``book``: the order book (sans-IO): price-time priority per resource class,
   partial fills, cancels, expiry, amendment by newer nonce, deterministic matching.
 - ``intake``: received bytes -> envelope validator -> ``open_message`` -> book.

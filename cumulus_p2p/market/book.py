@@ -22,12 +22,13 @@ Inserting never matches: matching is a separate, deterministic step. ``match_bid
 fills one incoming bid against resting offers; ``match`` clears resting bids in bid
 priority order, each against the best offers. A fill takes
 ``min(bid shares left, offer shares left)`` at the price the bid pays there
-(``pricing.price_for``: the ask, or a contending bid's own limit above the offer's
-contend floor), so an offer is never over-filled and leftovers stay for later bids.
+(``pricing.price_for``: the ask, or for a contending bid the offer's contend price; a
+contending fill takes the offer's contending shares), so an offer is never over-filled
+and leftovers stay for later bids.
 
 Scale: an insert is a dict update plus a sorted-list insertion (O(log n)); a match
-walks offers from the best price and stops at the bid's limit or when it is filled; a
-contending bid then walks the offers whose contend floor its limit reaches.
+walks offers from the best price (for a contending bid, the best contend price) and
+stops at the bid's limit or when it is filled.
 
 Bounds (``BookLimits``)
 -----------------------
@@ -165,6 +166,12 @@ class _Live(Generic[OrderT]):
     order: OrderT
     key: tuple
     remaining: int
+    #: An offer's contending shares left (``Offer.contend_shares``); 0 for a bid.
+    contend_remaining: int = 0
+
+    def left_for(self, bid: Bid) -> int:
+        """The shares of this offer left to ``bid``: contending ones to a contending bid."""
+        return self.contend_remaining if bid.priority is PriorityClass.CONTEND else self.remaining
 
 
 @dataclass(slots=True)
@@ -347,7 +354,8 @@ class OrderBook:
             index.keys.add(key)
             if order.contend_price:
                 index.contend_keys.add(_contend_key(order))
-            self._offers[(author, order_id)] = _Live(order, key, order.shares_free)
+            live = _Live(order, key, order.shares_free, order.contend_shares)
+            self._offers[(author, order_id)] = live
             count_key = (Side.OFFER, author)
         else:
             key = _bid_key(order)
@@ -416,10 +424,10 @@ class OrderBook:
         """Offers that meet ``bid``'s requirements and limit, best first.
 
         Best means price-time priority: lowest price, then earliest ``created_at``,
-        then the canonical tie-break. A contending bid then gets the offers asking more
-        than its limit whose contend floor it reaches (it pays its limit at each: lowest
-        floor first). Offers from the bid's own author are skipped. Do not change the
-        book while iterating.
+        then the canonical tie-break. A contending bid pays the contend price
+        (``pricing.price_for``), so it gets the offers that sell contending leases, by
+        that price. Offers from the bid's own author, and those with no shares left to
+        the bid, are skipped. Do not change the book while iterating.
         """
         ceiling = (bid.max_price, math.inf)
         classes = [
@@ -428,13 +436,9 @@ class OrderBook:
             if index.vram_mib >= bid.min_vram_mib
             and (not bid.gpu_models or index.gpu_model in bid.gpu_models)
         ]
-        yield from self._meeting(bid, _merged([c.keys.irange(maximum=ceiling) for c in classes]))
-        if bid.priority is PriorityClass.CONTEND:
-            floors = _merged([c.contend_keys.irange(maximum=ceiling) for c in classes])
-            above_ask = (
-                k for k in floors if self._offers[(k[2], k[3])].order.price > bid.max_price
-            )
-            yield from self._meeting(bid, above_ask)
+        contending = bid.priority is PriorityClass.CONTEND
+        keys = [(c.contend_keys if contending else c.keys) for c in classes]
+        yield from self._meeting(bid, _merged([k.irange(maximum=ceiling) for k in keys]))
 
     def _meeting(self, bid: Bid, keys: Iterable[tuple]) -> Iterator[RestingOrder[Offer]]:
         """The offers under ``keys`` (host and offer id last) that meet ``bid``'s needs."""
@@ -442,12 +446,14 @@ class OrderBook:
         for key in keys:
             live = offers[(key[2], key[3])]
             order = live.order
+            left = live.left_for(bid)
             if (
-                order.perf_units >= bid.min_perf_units
+                left > 0
+                and order.perf_units >= bid.min_perf_units
                 and order.min_lease_s <= bid.duration_s
                 and order.host != bid.consumer
             ):
-                yield RestingOrder(order, live.remaining)
+                yield RestingOrder(order, left)
 
     def match_bid(self, bid: Bid, *, now: float) -> list[Fill]:
         """Fill an incoming bid against resting offers and take the shares from them.
@@ -500,8 +506,11 @@ class OrderBook:
         fills = []
         for offer, shares in taken:
             live = self._offers[(offer.host, offer.offer_id)]
-            live.remaining -= shares
-            if live.remaining == 0:
+            if bid.priority is PriorityClass.CONTEND:
+                live.contend_remaining -= shares
+            else:
+                live.remaining -= shares
+            if live.remaining == 0 and live.contend_remaining == 0:
                 self._remove_live(Side.OFFER, offer.host, offer.offer_id)
             fills.append(
                 Fill(

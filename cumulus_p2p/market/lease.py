@@ -12,13 +12,16 @@ through, in order:
    at for a forged or replayed proposal;
 2. the proposal's own terms against this host: addressed to us, sent by its signer,
    lease id unused, offer known and live, price at least the offer's (for a
-   contending lease, its contend floor: ``pricing.py``), duration at least the offer's
+   contending lease, its contend price: ``pricing.py``), duration at least the offer's
    minimum, start time near now;
-3. capacity: the shares must be free. For an on-demand lease, the shares of the
-   offer's contending and interruptible leases count as free: the cheapest of them are
-   preempted (released at once) when that makes room. ``take_preempted`` hands them to
-   the shell, which tells their consumers (``NOTICE_PREEMPTED``) and ends their
-   sessions; their state stays parked on the host, to resume there or move.
+3. capacity: the shares must be free. A contending lease draws on the offer's
+   contending shares (``Offer.contend_shares``), sold beyond its on-demand ones, which
+   nothing preempts. Every other compute lease draws on ``shares_free``; for an
+   on-demand lease, the shares there of interruptible leases count as free: the
+   cheapest of them are preempted (released at once) when that makes room.
+   ``take_preempted`` hands them to the shell, which tells their consumers
+   (``NOTICE_PREEMPTED``) and ends their sessions; their state stays parked on the
+   host, to resume there or move.
 
 A standby proposal (``LeaseKind.STANDBY``) leases disk for another session's
 checkpoints instead of shares. Step 2 holds it to the offer's storage terms: the offer
@@ -130,6 +133,17 @@ class Reservation:
 class _Pool:
     offer: Offer
     free: int
+    contend_free: int = 0
+
+    def free_for(self, priority: PriorityClass) -> int:
+        return self.contend_free if priority is PriorityClass.CONTEND else self.free
+
+    def take(self, proposal: LeaseProposal, shares: int) -> None:
+        """Add ``shares`` (negative: take them) to the pool ``proposal`` draws on."""
+        if proposal.priority is PriorityClass.CONTEND:
+            self.contend_free += shares
+        else:
+            self.free += shares
 
 
 class LeaseBook:
@@ -167,8 +181,9 @@ class LeaseBook:
         """Put one of this host's offers up for leasing, or re-announce it.
 
         A newer nonce for the same ``offer_id`` replaces the terms and sets the free
-        shares to ``offer.shares_free``, and the host's free storage to
-        ``offer.storage_gib``; an older or equal nonce is ignored.
+        shares to ``offer.shares_free`` (and the contending pool's to
+        ``offer.contend_shares``), and the host's free storage to ``offer.storage_gib``;
+        an older or equal nonce is ignored.
 
         Raises:
             ValueError: The offer names another host.
@@ -177,7 +192,7 @@ class LeaseBook:
             raise ValueError(f"offer names host {offer.host}, this host is {self._peer_id}")
         pool = self._pools.get(offer.offer_id)
         if pool is None or offer.nonce > pool.offer.nonce:
-            self._pools[offer.offer_id] = _Pool(offer, offer.shares_free)
+            self._pools[offer.offer_id] = _Pool(offer, offer.shares_free, offer.contend_shares)
             self._storage_free = offer.storage_gib
 
     def withdraw(self, offer_id: str) -> None:
@@ -188,6 +203,11 @@ class LeaseBook:
         """Shares of ``offer_id`` free now (0 for an unknown offer)."""
         pool = self._pools.get(offer_id)
         return 0 if pool is None else pool.free
+
+    def free_contend_shares(self, offer_id: str) -> int:
+        """Shares of ``offer_id``'s contending pool free now (0 for an unknown offer)."""
+        pool = self._pools.get(offer_id)
+        return 0 if pool is None else pool.contend_free
 
     def free_storage(self) -> int:
         """GiB of disk free for standby leases now, host-wide."""
@@ -228,7 +248,7 @@ class LeaseBook:
             refusal = self._preempt_for(proposal, refusal)
         if refusal is not None:
             return refusal
-        self._pools[proposal.offer_id].free -= proposal.shares
+        self._pools[proposal.offer_id].take(proposal, -proposal.shares)
         self._storage_free -= proposal.storage_gib
         lease = Lease.countersign(self._identity, checked)
         self._leases[proposal.lease_id] = Reservation(lease, proposal)
@@ -265,8 +285,11 @@ class LeaseBook:
                 RefusalReason.NO_STORAGE_CAPACITY,
                 f"{proposal.storage_gib} GiB wanted, {self._storage_free} GiB free",
             )
-        if proposal.shares > pool.free:
-            return Refusal(RefusalReason.NO_CAPACITY, f"{proposal.shares} wanted, {pool.free} free")
+        free = pool.free_for(proposal.priority)
+        if proposal.shares > free:
+            which = " contending" if proposal.priority is PriorityClass.CONTEND else ""
+            why = f"{proposal.shares} wanted, {free}{which} free"
+            return Refusal(RefusalReason.NO_CAPACITY, why)
         return None
 
     @staticmethod
@@ -280,14 +303,14 @@ class LeaseBook:
                 return Refusal(RefusalReason.PRICE_MISMATCH, f"{why} per {per}")
             asking = least
         if proposal.price < asking:
-            floor = " (its contend floor)" if asking < offer.price else ""
+            floor = " (its contend price)" if asking < offer.price else ""
             why = f"offered {proposal.price}, asking {asking}{floor} per {per}"
             return Refusal(RefusalReason.PRICE_MISMATCH, why)
         return None
 
     def _preempt_for(self, proposal: LeaseProposal, refusal: Refusal) -> Refusal | None:
-        """Free the shares an on-demand proposal lacks by preempting contending and
-        interruptible leases of its offer, cheapest first (the latest first among equals);
+        """Free the shares an on-demand proposal lacks by preempting interruptible
+        leases of its offer, cheapest first (the latest first among equals);
         ``refusal`` stands when there are not enough of them (nothing is preempted)."""
         if proposal.priority is not PriorityClass.ON_DEMAND or proposal.kind is LeaseKind.STANDBY:
             return refusal
@@ -305,15 +328,15 @@ class LeaseBook:
         return None
 
     def preemptible(self, offer_id: str) -> list[Reservation]:
-        """The compute leases of ``offer_id`` an on-demand lease may preempt (contending
-        and interruptible ones), in the order it does: cheapest first, the latest first
+        """The compute leases of ``offer_id`` an on-demand lease may preempt (the
+        interruptible ones), in the order it does: cheapest first, the latest first
         among equals."""
         below = (
             r
             for r in self._leases.values()
             if r.proposal.offer_id == offer_id
             and r.proposal.kind is LeaseKind.COMPUTE
-            and r.proposal.priority is not PriorityClass.ON_DEMAND
+            and r.proposal.priority is PriorityClass.INTERRUPTIBLE
         )
         return sorted(
             below, key=lambda r: (r.proposal.price, -r.proposal.start_at, r.proposal.lease_id)
@@ -333,7 +356,7 @@ class LeaseBook:
             return False
         pool = self._pools.get(reservation.proposal.offer_id)
         if pool is not None:
-            pool.free += reservation.proposal.shares
+            pool.take(reservation.proposal, reservation.proposal.shares)
         self._storage_free += reservation.proposal.storage_gib
         return True
 

@@ -3,7 +3,7 @@
 The book orders offers by their asking price alone. A consumer cares about more: an
 unreliable host or a distant one costs more than its price says. The matcher ranks
 the offers that meet a bid by what the bid pays there (``pricing.price_for``: the ask, or
-a contending bid's own limit where only the offer's contend floor is in reach)
+for a contending bid the offer's contend price)
 
     effective = paid * (1 + reliability_weight * (neutral_reliability - reliability))
                       * (1 + latency_ms / latency_scale_ms)
@@ -312,7 +312,7 @@ class Standing:
             limit, or the same limit made earlier).
         run_now_price: The least it could pay per share-hour for a lease now: over the
             offers that meet its other needs with its shares free, the ask, or for a
-            contending bid the contend floor where there is one. None: no offer does.
+            contending bid the contend price. None: no offer does.
     """
 
     bids_ahead: int

@@ -73,8 +73,8 @@ class PriorityClass(enum.IntEnum):
     ``ON_DEMAND`` leases run to their end and pay at least the offer's ask;
     ``INTERRUPTIBLE`` leases may be preempted by the host. A ``CONTEND`` lease shares the
     device at a lower rank than on-demand ones (it runs in their idle gaps and yields
-    turns to them) and pays its bid, which may lie below the ask down to the offer's
-    ``contend_price`` (``pricing.py``).
+    turns to them) and pays the offer's ``contend_price``, below the ask, whatever its
+    bid above that (``pricing.py``).
     """
 
     ON_DEMAND = 0
@@ -181,9 +181,12 @@ class Offer:
         storage_price: Micro-credits per GiB-hour of a standby lease.
         storage_gib: GiB of disk free for standbys now (what is left after the host's
             standby leases); 0 means the host keeps no standbys.
-        contend_price: The least micro-credits per share-hour a contending lease pays
-            (``PriorityClass.CONTEND``); at most ``price``; 0 means the host sells no
-            contending leases.
+        contend_price: What a contending lease (``PriorityClass.CONTEND``) pays per
+            share-hour; at most ``price``; 0 means the host sells no contending leases.
+        contend_shares: Shares free for contending leases, *beyond* ``shares_free``: a
+            contending tenant runs in the device's idle gaps, so a host sells such
+            shares on top of its on-demand ones, and an on-demand lease never preempts
+            them. Needs a ``contend_price``.
     """
 
     KIND: ClassVar[str] = "market/offer"
@@ -204,6 +207,7 @@ class Offer:
     storage_price: int = 0
     storage_gib: int = 0
     contend_price: int = 0
+    contend_shares: int = 0
 
     def __post_init__(self) -> None:
         _check_text(self, "host", _MAX_PEER_ID)
@@ -211,7 +215,9 @@ class Offer:
         _check_text(self, "gpu_model", _MAX_TEXT)
         _check_int(self, "vram_mib", 1, 2**32)
         _check_int(self, "perf_units", 0, 2**32)
-        _check_int(self, "shares_free", 1, 2**16)
+        _check_int(self, "contend_shares", 0, 2**16)
+        # An offer whose on-demand shares are all leased still sells its contending ones.
+        _check_int(self, "shares_free", 0 if self.contend_shares else 1, 2**16)
         _check_int(self, "price", 0, 2**48)
         _check_int(self, "min_lease_s", 0, 2**32)
         _check_text(self, "region", _MAX_TEXT, allow_empty=True)
@@ -221,6 +227,8 @@ class Offer:
         _check_int(self, "storage_price", 0, 2**48)
         _check_int(self, "storage_gib", 0, _MAX_GIB)
         _check_int(self, "contend_price", 0, self.price)
+        if self.contend_shares and not self.contend_price:
+            raise _bad(type(self), "contend_shares", "needs a contend_price")
         _check_window(self)
 
     @property

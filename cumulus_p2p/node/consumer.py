@@ -143,8 +143,8 @@ class ConsumerOptions:
         min_vram_mib: Least device memory.
         min_perf: Least performance units.
         max_price: Most micro-credits per share-hour.
-        priority: On-demand, contending (pays ``max_price`` where only an offer's
-            contend floor is in reach) or interruptible.
+        priority: On-demand, contending (pays an offer's contend price, below its
+            ask, and shares the device below on-demand tenants) or interruptible.
         shares: Share units wanted.
         duration_s: Lease length.
         match_timeout: Seconds to wait for a matching offer before giving up.
@@ -1075,18 +1075,18 @@ def notice_refusal(proposal: LeaseProposal | None, kind: str, sender: str) -> st
 
 
 def _floors(offers, options: ConsumerOptions) -> str:
-    """For a bid that met nothing: the lowest contend floor on offer, and for one that is
+    """For a bid that met nothing: the lowest contend price on offer, and for one that is
     not contending, whether a contending lease would have fit its limit."""
     floors = [x.contend_price for x in offers if x.contend_price]
     if options.priority is PriorityClass.CONTEND:
         return (
-            f"; lowest contending floor: {min(floors) / 1e6:g}"
+            f"; lowest contend price: {min(floors) / 1e6:g}"
             if floors
             else ("; no host sells contending leases")
         )
     if floors and min(floors) <= options.max_price:
         return (
             f"; a contending lease fits your limit (--priority contend: below on-demand "
-            f"tenants, at your price; floors from {min(floors) / 1e6:g})"
+            f"tenants, from {min(floors) / 1e6:g})"
         )
     return ""

@@ -127,9 +127,11 @@ class ProviderOptions:
         devices: The devices offered, an offer each (distinct indices).
         shares: Share units each device is split into.
         price: Micro-credits per share-hour.
-        contend_price: The least micro-credits per share-hour a contending lease pays
-            (it runs below on-demand tenants and pays its bid, down to this; 0: none
-            sold).
+        contend_price: Micro-credits per share-hour a contending lease pays (it runs
+            below on-demand tenants, in their idle gaps; 0: none sold).
+        contend_shares: Contending shares each device sells beyond its ``shares``
+            (never preempted: they hold no on-demand share). Their memory share comes on
+            top of the device's, as a contending tenant's does.
         min_lease_s: Shortest lease accepted.
         storage_price: Micro-credits per GiB-hour of a standby lease (disk kept for
             another host's session's checkpoints).
@@ -174,6 +176,7 @@ class ProviderOptions:
     storage_price: int = 0
     storage_gib: int = 0
     contend_price: int = 0
+    contend_shares: int = 0
 
     @property
     def unpaid_grace(self) -> float:
@@ -197,8 +200,14 @@ class ProviderOptions:
             raise ValueError(f"storage_price must be 0..{MAX_PRICE}, not {self.storage_price}")
         if not 0 <= self.contend_price <= self.price:
             raise ValueError(
-                f"the contend floor ({self.contend_price}) must lie between 0 and the price "
+                f"the contend price ({self.contend_price}) must lie between 0 and the price "
                 f"({self.price})"
+            )
+        unpriced = self.contend_shares and not self.contend_price
+        if not 0 <= self.contend_shares <= 2**16 or unpriced:
+            raise ValueError(
+                f"contend_shares ({self.contend_shares}) must be 0..65536, and needs a "
+                "contend price"
             )
 
 
@@ -251,14 +260,28 @@ class Provider:
     # --- offers ---------------------------------------------------------------------
 
     def free_shares(self, offer_id: str | None = None) -> int:
-        """Shares not held by any lease: of one offer, or of every device's (None)."""
-        ids = set(self.served) if offer_id is None else {offer_id}
-        held = sum(r.proposal.shares for r in self.book.leases() if r.proposal.offer_id in ids)
-        return self.options.shares * len(ids) - held
+        """On-demand shares not held by any lease: of one offer, or of every device's
+        (None)."""
+        return self.options.shares * self._count(offer_id) - self._held(offer_id, False)
+
+    def free_contend_shares(self, offer_id: str | None = None) -> int:
+        """Contending shares not held by a contending lease (``free_shares``'s way)."""
+        return self.options.contend_shares * self._count(offer_id) - self._held(offer_id, True)
+
+    def _count(self, offer_id: str | None) -> int:
+        return len(self.served) if offer_id is None else 1
+
+    def _held(self, offer_id: str | None, contending: bool) -> int:
+        return sum(
+            r.proposal.shares
+            for r in self.book.leases()
+            if (offer_id is None or r.proposal.offer_id == offer_id)
+            and (r.proposal.priority is PriorityClass.CONTEND) == contending
+        )
 
     def preemptible_shares(self, offer_id: str) -> int:
-        """Shares of ``offer_id`` held by contending and interruptible leases: an
-        on-demand lease preempts them."""
+        """Shares of ``offer_id`` held by interruptible leases: an on-demand lease
+        preempts them."""
         return sum(r.proposal.shares for r in self.book.preemptible(offer_id))
 
     def free_storage(self) -> int:
@@ -271,21 +294,22 @@ class Provider:
         """A device's offer as it stands, sealed afresh each announce round.
 
         It announces the shares an on-demand lease could have: those free, and those
-        that contending and interruptible leases hold (``LeaseBook`` preempts them for
-        it). The book is told only of those free: a pool reset to more would grant them
-        twice. A device none of whose shares is to be had is withdrawn within
-        ``keep_offer_current``'s half second; an announce round may seal its offer
-        before that, and an offer must name at least one share."""
+        that interruptible leases hold (``LeaseBook`` preempts them for it); and the
+        contending shares free. The book is told only of those free: a pool reset to
+        more would grant them twice. A device none of whose shares is to be had is
+        withdrawn within ``keep_offer_current``'s half second; an announce round may
+        seal its offer before that, and an offer must name at least one share."""
         device, now = served.device, self.runtime.clock()
         free = self.free_shares(device.offer_id)
         available = free + self.preemptible_shares(device.offer_id)
+        contending = self.free_contend_shares(device.offer_id)
         offer = Offer(
             self.runtime.peer_id,
             device.offer_id,
             device.facts.model,
             device.facts.memory_mib,
             device.perf_units,
-            max(1, available),
+            available if contending else max(1, available),
             self.options.price,
             self.options.min_lease_s,
             self.options.region,
@@ -295,8 +319,9 @@ class Provider:
             self.options.storage_price,
             self.free_storage(),
             self.options.contend_price,
+            contending,
         )
-        if free > 0:
+        if free > 0 or contending > 0:
             self.book.publish(dataclasses.replace(offer, shares_free=free))
         return encode_message(offer)
 
@@ -312,7 +337,13 @@ class Provider:
     async def _keep_current(self, served: Served) -> None:
         offer_id = served.device.offer_id
         serving = served.executor.health.healthy and not self.leaving
-        free = self.free_shares(offer_id) + self.preemptible_shares(offer_id) if serving else 0
+        free = (
+            self.free_shares(offer_id)
+            + self.preemptible_shares(offer_id)
+            + self.free_contend_shares(offer_id)
+            if serving
+            else 0
+        )
         if free > 0 and not served.announced:
             body = partial(self.offer_body, served)
             await self.runtime.mesh.announce(offer_id, Offer.KIND, body)
@@ -545,6 +576,7 @@ class Provider:
             "price": self.options.price,
             "shares_total": self.options.shares * len(self.served),
             "shares_free": self.free_shares(),
+            "contend_shares_free": self.free_contend_shares(),
             "storage_price": self.options.storage_price,
             "storage_gib_total": self.options.storage_gib,
             "storage_gib_free": self.free_storage(),

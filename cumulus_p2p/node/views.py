@@ -169,7 +169,7 @@ def offers_table(rows: Iterable[dict]) -> Table:
         "perf",
         "shares",
         "price/share-h",
-        "contending from",
+        "contending at",
         "standby GiB",
         "price/GiB-h",
         "score",

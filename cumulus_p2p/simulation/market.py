@@ -66,7 +66,8 @@ class SimHost:
     online: bool = True
     nonce: int = 0
     earned: float = 0.0
-    contend_price: int = 0  # the floor of a contending lease (0: none sold)
+    contend_price: int = 0  # what a contending lease pays (0: none sold)
+    contend_shares: int = 0  # contending shares sold beyond the on-demand ones
     # The job processes running on it; a dict keeps them in order (runs must repeat).
     jobs: dict = field(default_factory=dict)
 
@@ -120,7 +121,14 @@ class Market:
     # --- hosts ----------------------------------------------------------------------
 
     def add_host(
-        self, name: str, model: GpuModel, region: str, price: int, *, contend_price: int = 0
+        self,
+        name: str,
+        model: GpuModel,
+        region: str,
+        price: int,
+        *,
+        contend_price: int = 0,
+        contend_shares: int = 0,
     ) -> SimHost:
         identity = self.identity()
         host = SimHost(
@@ -132,11 +140,12 @@ class Market:
             LeaseBook(identity),
             SimGpu(self.env, model.perf_units),
             contend_price=contend_price,
+            contend_shares=contend_shares,
         )
         self.hosts[host.peer] = host
         for other, table in self._latency.items():
             table[host.peer] = rtt_ms(other, region)
-        self.publish(host, SHARES_PER_GPU)
+        self.publish(host, SHARES_PER_GPU, contend_shares)
         self.env.process(self._refresh(host))
         return host
 
@@ -145,19 +154,23 @@ class Market:
         while True:
             yield self.env.timeout(OFFER_TTL_S / 2)
             free = host.lease_book.free_shares("gpu0")
-            if host.online and free > 0:
+            contend_free = host.lease_book.free_contend_shares("gpu0")
+            if host.online and free + contend_free > 0:
                 self.publish(host, free)
 
-    def publish(self, host: SimHost, free: int) -> None:
-        """Re-announce ``host``'s offer with ``free`` shares (or cancel it when no share
-        is to be had): its ``LeaseBook`` knows at once, the book a gossip delay later.
-        As ``cumulus-node --provide`` does, the book is told of the shares an on-demand
+    def publish(self, host: SimHost, free: int, contend_free: int | None = None) -> None:
+        """Re-announce ``host``'s offer with ``free`` shares and ``contend_free`` contending
+        ones (what its ``LeaseBook`` has free, when None), or cancel it when no share is
+        to be had: its ``LeaseBook`` knows at once, the book a gossip delay later. As
+        ``cumulus-node --provide`` does, the book is told of the shares an on-demand
         lease could have, those free and those that preemptible leases hold."""
         host.nonce += 1
         now = self.now()
+        if contend_free is None:
+            contend_free = host.lease_book.free_contend_shares("gpu0")
         preemptible = host.lease_book.preemptible("gpu0")
         available = free + sum(r.proposal.shares for r in preemptible)
-        if available > 0:
+        if available + contend_free > 0:
             message: Offer | Cancel = Offer(
                 host.peer,
                 "gpu0",
@@ -172,8 +185,9 @@ class Market:
                 now + OFFER_TTL_S,
                 host.nonce,
                 contend_price=host.contend_price,
+                contend_shares=contend_free,
             )
-            if free > 0:
+            if free + contend_free > 0:
                 host.lease_book.publish(dataclasses.replace(message, shares_free=free))
         else:  # the LeaseBook keeps the pool, at 0 free, for the shares coming back
             message = Cancel(host.peer, Side.OFFER, "gpu0", now + OFFER_TTL_S, host.nonce)
@@ -200,7 +214,7 @@ class Market:
         """``host`` is back, with a fresh GPU and all its shares on offer."""
         host.online = True
         host.gpu = SimGpu(self.env, host.model.perf_units)
-        self.publish(host, SHARES_PER_GPU)
+        self.publish(host, SHARES_PER_GPU, host.contend_shares)
 
     # --- consumers ------------------------------------------------------------------
 
@@ -255,9 +269,10 @@ class Market:
         host that did not answer, as the node's shell tells its ``HostChoice``.
 
         The price proposed is what ``cumulus-node`` proposes (``pricing.price_for``: the
-        offer's ask, or a contending bid's limit above the offer's contend floor); with
-        ``pay_as_bid``, the bid's limit: a lease may pay more than the asking price,
-        and the executor serves dearer leases first.
+        offer's ask, or for a contending bid its contend price); with ``pay_as_bid``, the
+        bid's limit: a lease may pay more than the asking price, and the executor serves
+        dearer leases first. A contending bid paying its limit pays at most the ask (the
+        pricing ``pricing.py`` compares its own with).
         """
         for offer in offers:
             host = self.hosts[offer.host]
@@ -266,7 +281,10 @@ class Market:
                 self._refused("host unreachable")
                 unreachable(offer.host)
                 continue
-            price = bid.max_price if pay_as_bid else price_for(offer, bid) or offer.price
+            price = price_for(offer, bid) or offer.price
+            if pay_as_bid:
+                contending = bid.priority is PriorityClass.CONTEND
+                price = min(bid.max_price, offer.price) if contending else bid.max_price
             granted = self._propose(consumer, host, offer, bid, price)
             if granted is not None:
                 return granted

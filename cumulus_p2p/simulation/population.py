@@ -14,10 +14,16 @@ from .world import GPU_MIX, PRICE_SIGMA, REGIONS, SHARES_PER_GPU, Workload, pick
 
 
 def add_hosts(
-    market: Market, count: int, rng: random.Random, *, contend_floor: float = 0.0
+    market: Market,
+    count: int,
+    rng: random.Random,
+    *,
+    contend_floor: float = 0.0,
+    contend_shares: int = 0,
 ) -> list[SimHost]:
-    """``count`` hosts: a GPU from the mix, a region, a price around the model's, and a
-    contend floor of ``contend_floor`` times that price (0: no contending leases)."""
+    """``count`` hosts: a GPU from the mix, a region, a price around the model's, a
+    contend price of ``contend_floor`` times that price (0: no contending leases) and
+    ``contend_shares`` contending shares beyond the on-demand ones."""
     hosts = []
     for i in range(count):
         model = pick(rng, GPU_MIX)
@@ -25,7 +31,11 @@ def add_hosts(
         price = max(1, round(gpu_price / SHARES_PER_GPU * MICRO))
         floor = round(price * contend_floor)
         region = rng.choice(REGIONS)
-        hosts.append(market.add_host(f"host-{i}", model, region, price, contend_price=floor))
+        shares = contend_shares if floor else 0
+        host = market.add_host(
+            f"host-{i}", model, region, price, contend_price=floor, contend_shares=shares
+        )
+        hosts.append(host)
     return hosts
 
 

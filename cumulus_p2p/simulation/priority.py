@@ -8,18 +8,24 @@ and contended. Each job bids a multiple of the market's median share price (0.6x
   price, as ``cumulus-node`` did before contending leases;
 - *pay-as-bid*: the same, proposing the bid's limit (a lease may pay more than the
   asking price, and the executor's ``DeviceQueue`` serves dearer leases first);
-- *contend*: every host also sells contending leases from ``CONTEND_FLOOR`` of its ask,
-  and the interruptible half bids ``--priority contend`` instead: it pays its bid
-  wherever only a floor is in its reach (``market.pricing``), and ranks below on-demand
-  tenants on the device. The on-demand half of that run, run alone (the contending
-  jobs left out), is the baseline its slowdown is compared with.
+- *contend*: every host also sells ``CONTEND_SHARES`` contending shares beyond its
+  on-demand ones, at a contend price of ``CONTEND_FLOOR`` of its ask, and the
+  interruptible half bids ``--priority contend`` instead: it pays the contend price
+  (``market.pricing``), and ranks below on-demand tenants on the device. The on-demand
+  half of that run, run alone (the contending jobs left out), is the baseline its
+  slowdown is compared with;
+- *contend-pay-as-bid*: the same market, but a contending tenant pays its bid's limit
+  (at most the ask): the pricing ``market.pricing`` was chosen against;
+- *whole-gpu*: the same jobs renting whole GPUs on demand at the ask, one tenant per GPU,
+  as the marketplaces without sharing rent them: the baseline of host earnings.
 
 Read, per bid level and class: how many jobs got a lease, how long they waited for it,
 how much slower than alone they ran, and what they paid against the median. The
-top-level keys are issue 31's: ``contending_saving``, ``on_demand_slowdown_ratio``,
-``leased_within_1h_at_0_8``, ``mix_utilization`` (device time computed over device time
-there was, in the contend run) and ``host_earnings_over_whole_gpu`` (None: the scenario
-has no whole-GPU rental to compare with).
+top-level keys are issue 31's, from the contend run: ``contending_saving``,
+``on_demand_slowdown_ratio``, ``leased_within_1h_at_0_8``, ``mix_utilization`` (device
+time computed over device time there was) and ``host_earnings_over_whole_gpu`` (hosts'
+earnings per GPU-hour over the whole-gpu run's); ``contending_saving_pay_as_bid`` is the
+saving under the other pricing.
 """
 
 from __future__ import annotations
@@ -32,22 +38,25 @@ import simpy
 from ..market.messages import PriorityClass
 from .market import Market
 from .population import add_hosts, job_trace, launch, mean_hold_s
-from .world import WORKLOADS
+from .world import SHARES_PER_GPU, WORKLOADS
 
 FINE_TUNING = tuple(w for w in WORKLOADS if w.name == "fine-tuning")
 MULTIPLIERS = (0.6, 0.8, 1.0, 1.25, 1.5, 2.0)
-STRATEGIES = ("ask", "pay-as-bid", "contend")
+STRATEGIES = ("ask", "pay-as-bid", "contend-pay-as-bid", "contend")
 CLASSES = {
     "on-demand": PriorityClass.ON_DEMAND,
     "interruptible": PriorityClass.INTERRUPTIBLE,
     "contend": PriorityClass.CONTEND,
 }
-#: A host's contend floor, as a fraction of its ask, in the contend strategy.
-CONTEND_FLOOR = 0.4
+#: A host's contend price, as a fraction of its ask, in the contend strategies.
+CONTEND_FLOOR = 0.3
+#: Contending shares a host sells beyond its on-demand ones, in the contend strategies.
+CONTEND_SHARES = SHARES_PER_GPU
 #: The cheaper class each strategy's other half of the jobs bids in.
 _CHEAPER = {
     "ask": PriorityClass.INTERRUPTIBLE,
     "pay-as-bid": PriorityClass.INTERRUPTIBLE,
+    "contend-pay-as-bid": PriorityClass.CONTEND,
     "contend": PriorityClass.CONTEND,
 }
 
@@ -57,8 +66,8 @@ def run(seed: int, *, quick: bool) -> dict:
     hosts, horizon_h = (12, 8.0) if quick else (48, 24.0)
     rows, savings, runs = [], {}, {}
     for strategy in STRATEGIES:
-        jobs, median, utilization = simulate(seed, strategy, hosts=hosts, horizon_h=horizon_h)
-        runs[strategy] = (jobs, median, utilization)
+        runs[strategy] = simulate(seed, strategy, hosts=hosts, horizon_h=horizon_h)
+        jobs, median, _, _ = runs[strategy]
         for class_name, priority in CLASSES.items():
             for m in MULTIPLIERS:
                 group = [j for j, jm in jobs if j.priority == priority and jm == m]
@@ -73,7 +82,8 @@ def run(seed: int, *, quick: bool) -> dict:
                     }
                 )
         savings[strategy] = _saving([j for j, _ in jobs], _CHEAPER[strategy])
-    alone, _, _ = simulate(seed, "contend", hosts=hosts, horizon_h=horizon_h, on_demand_only=True)
+    alone = simulate(seed, "contend", hosts=hosts, horizon_h=horizon_h, on_demand_only=True)[0]
+    whole = simulate(seed, "whole-gpu", hosts=hosts, horizon_h=horizon_h)
     return {
         "scenario": "priority",
         "seed": seed,
@@ -81,23 +91,34 @@ def run(seed: int, *, quick: bool) -> dict:
         "hosts": hosts,
         "horizon_h": horizon_h,
         "rows": rows,
-        "interruptible_saving": {k: v for k, v in savings.items() if k != "contend"},
+        "interruptible_saving": {k: savings[k] for k in ("ask", "pay-as-bid")},
         "claimed_interruptible_saving": "50-80% (Vast.ai)",
-        **_contend_keys(runs["contend"], alone),
+        **_contend_keys(runs["contend"], alone, whole_gpu_earnings=whole[3]),
+        "contending_saving_pay_as_bid": savings["contend-pay-as-bid"],
+        "whole_gpu_leased_share": round(
+            sum(j.leased_s is not None for j, _ in whole[0]) / len(whole[0]), 3
+        ),
     }
 
 
 def simulate(
     seed: int, strategy: str, *, hosts: int, horizon_h: float, on_demand_only: bool = False
 ):
-    """One run; returns the jobs with their bid multiples, the median share price, and
-    the fleet's utilization (device time computed over device time there was).
-    ``on_demand_only``: the same run without the jobs of the cheaper class."""
+    """One run; returns the jobs with their bid multiples, the median share price, the
+    fleet's utilization (device time computed over device time there was) and the hosts'
+    earnings per GPU-hour. ``on_demand_only``: the same run without the jobs of the
+    cheaper class."""
     rng = random.Random(seed)
     env = simpy.Environment()
     market = Market(env, rng, mesh_nodes=hosts * 4)
-    floor = CONTEND_FLOOR if strategy == "contend" else 0.0
-    fleet = add_hosts(market, hosts, rng, contend_floor=floor)
+    contend = strategy.startswith("contend")
+    fleet = add_hosts(
+        market,
+        hosts,
+        rng,
+        contend_floor=CONTEND_FLOOR if contend else 0.0,
+        contend_shares=CONTEND_SHARES if contend else 0,
+    )
     median = statistics.median(h.price for h in fleet)
     rate = 3.0 * hosts / mean_hold_s(FINE_TUNING)
     trace = job_trace(
@@ -107,25 +128,27 @@ def simulate(
     jobs = []
     for job in trace:
         m = bids.choice(MULTIPLIERS)
-        priority = bids.choice([PriorityClass.ON_DEMAND, _CHEAPER[strategy]])
+        priority = bids.choice([PriorityClass.ON_DEMAND, _CHEAPER.get(strategy)])
         if on_demand_only and priority is not PriorityClass.ON_DEMAND:
             continue
-        jobs.append(
-            (
-                job.fresh(
-                    max_price=round(m * median),
-                    priority=priority,
-                    pay_as_bid=strategy == "pay-as-bid",
-                ),
-                m,
-            )
-        )
+        jobs.append((job.fresh(**_terms(strategy, priority, round(m * median))), m))
     launch(env, market, [j for j, _ in jobs], rng)
     env.run(until=horizon_h * 3600)
     for granted in list(market.active.values()):
         market.settle(granted)
     utilization = sum(h.gpu.busy_s for h in fleet) / (len(fleet) * horizon_h * 3600)
-    return jobs, median, utilization
+    earnings = sum(h.earned for h in fleet) / (len(fleet) * horizon_h)
+    return jobs, median, utilization, earnings
+
+
+def _terms(strategy: str, priority: PriorityClass | None, max_price: int) -> dict:
+    """How a job bids under ``strategy``; ``whole-gpu`` rents a whole GPU on demand."""
+    if strategy == "whole-gpu":
+        return {"max_price": max_price, "shares": SHARES_PER_GPU}
+    pays_bid = strategy == "pay-as-bid" or (
+        strategy == "contend-pay-as-bid" and priority is PriorityClass.CONTEND
+    )
+    return {"max_price": max_price, "priority": priority, "pay_as_bid": pays_bid}
 
 
 def _figures(group, median: int) -> dict:
@@ -155,9 +178,10 @@ def _saving(jobs, cheaper: PriorityClass) -> float | None:
     return round(1 - ratio, 3)
 
 
-def _contend_keys(contend_run, alone: list) -> dict:
-    """Issue 31's figures, from the contend run and its on-demand jobs run alone."""
-    jobs, _, utilization = contend_run
+def _contend_keys(contend_run, alone: list, *, whole_gpu_earnings: float) -> dict:
+    """Issue 31's figures, from the contend run, its on-demand jobs run alone, and the
+    hosts' earnings per GPU-hour renting whole GPUs."""
+    jobs, _, utilization, earnings = contend_run
     on_demand = _mean_slowdown(j for j, _ in jobs if j.priority == PriorityClass.ON_DEMAND)
     by_itself = _mean_slowdown(j for j, _ in alone)
     at_0_8 = [j for j, m in jobs if j.priority == PriorityClass.CONTEND and m == 0.8]
@@ -169,7 +193,9 @@ def _contend_keys(contend_run, alone: list) -> dict:
         ),
         "leased_within_1h_at_0_8": round(len(within) / len(at_0_8), 3) if at_0_8 else None,
         "mix_utilization": round(utilization, 3),
-        "host_earnings_over_whole_gpu": None,
+        "host_earnings_over_whole_gpu": (
+            round(earnings / whole_gpu_earnings, 3) if whole_gpu_earnings else None
+        ),
         "contend_floor": CONTEND_FLOOR,
     }
 

@@ -125,12 +125,15 @@ def _priority(result: dict):
         + f"\n{result['hosts']} hosts, {result['horizon_h']} h. Interruptible saving (1 - "
         f"interruptible price / on-demand price): {result['interruptible_saving']}; claimed: "
         f"{result['claimed_interruptible_saving']}.\n\n"
-        f"Contending leases (hosts sell them from {result['contend_floor']} of their ask): "
-        f"saving {result['contending_saving']} (target at least 0.5); on-demand slowdown "
-        f"beside them over alone {result['on_demand_slowdown_ratio']} (at most 1.1); bids at "
-        f"0.8x the median leased within 1 h {result['leased_within_1h_at_0_8']} (at least "
-        f"0.9); utilization {result['mix_utilization']} (at least 0.85); host earnings over "
-        f"whole-GPU rental {result['host_earnings_over_whole_gpu']} (not modelled here).\n\n"
+        f"Contending leases (hosts sell them beyond their on-demand shares at "
+        f"{result['contend_floor']} of their ask): saving {result['contending_saving']} "
+        f"(target at least 0.5; paying their bids instead: "
+        f"{result['contending_saving_pay_as_bid']}); on-demand slowdown beside them over "
+        f"alone {result['on_demand_slowdown_ratio']} (at most 1.1); bids at 0.8x the median "
+        f"leased within 1 h {result['leased_within_1h_at_0_8']} (at least 0.9); utilization "
+        f"{result['mix_utilization']} (at least 0.85); host earnings over whole-GPU rental "
+        f"{result['host_earnings_over_whole_gpu']} (at least 1; whole GPUs leased "
+        f"{result['whole_gpu_leased_share']} of the jobs).\n\n"
         + _table(
             [
                 "strategy",
