@@ -67,7 +67,7 @@ def test_failover_finishes_more_jobs_and_loses_less_work_than_restarting():
 
 @pytest.fixture(scope="module")
 def quick_priority():
-    """The priority scenario's quick run (four simulated markets), read by two specs."""
+    """The priority scenario's quick run (six simulated markets), read by two specs."""
     return priority.run(1, quick=True)
 
 

@@ -68,6 +68,7 @@ class Job:
     remaining_s: float = 0.0  # reference device seconds still to compute
     saved_s: float = 0.0  # remaining_s as of the last checkpoint
     paid_share_price: list[int] = field(default_factory=list)
+    leased_models: list[str] = field(default_factory=list)  # each lease's GPU, in order
     failovers: int = 0
     restarts: int = 0
     preemptions: int = 0
@@ -79,7 +80,7 @@ class Job:
     def fresh(self, **fields) -> Job:
         """A copy with no outcomes (``dataclasses.replace`` would share the price list)
         and ``fields`` changed: the same job, run under another policy."""
-        return dataclasses.replace(self, paid_share_price=[], **fields)
+        return dataclasses.replace(self, paid_share_price=[], leased_models=[], **fields)
 
     @property
     def slowdown(self) -> float | None:
@@ -100,6 +101,7 @@ def run(env: simpy.Environment, market: Market, job: Job, rng: random.Random):
         if granted is None:
             break
         job.paid_share_price.append(granted.proposal.price)
+        job.leased_models.append(granted.host.model.name)
         host = granted.host
         host.jobs[env.active_process] = None
         lost = False

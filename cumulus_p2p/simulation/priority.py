@@ -49,7 +49,7 @@ CLASSES = {
     "contend": PriorityClass.CONTEND,
 }
 #: A host's contend price, as a fraction of its ask, in the contend strategies.
-CONTEND_FLOOR = 0.3
+CONTEND_FLOOR = 0.4
 #: Contending shares a host sells beyond its on-demand ones, in the contend strategies.
 CONTEND_SHARES = SHARES_PER_GPU
 #: The cheaper class each strategy's other half of the jobs bids in.
@@ -167,14 +167,22 @@ def _figures(group, median: int) -> dict:
 
 
 def _saving(jobs, cheaper: PriorityClass) -> float | None:
-    """1 - (mean price the cheaper class paid) / (mean price on-demand leases paid)."""
-    paid = {
-        priority: [p for j in jobs if j.priority == priority for p in j.paid_share_price]
-        for priority in (PriorityClass.ON_DEMAND, cheaper)
-    }
-    if not all(paid.values()):
+    """1 - (mean price the cheaper class paid) / (mean price on-demand leases paid), on
+    the same GPU model: the ratio per model, weighted by the cheaper class's leases there.
+    (Across models, a lease on an H100 and one on an RTX 4090 would be compared.)"""
+    paid: dict[tuple, list[int]] = {}
+    for job in jobs:
+        for price, model in zip(job.paid_share_price, job.leased_models, strict=True):
+            paid.setdefault((job.priority, model), []).append(price)
+    ratios, weights = [], []
+    for (priority, model), prices in paid.items():
+        on_demand = paid.get((PriorityClass.ON_DEMAND, model))
+        if priority is cheaper and on_demand:
+            ratios.append(statistics.fmean(prices) / statistics.fmean(on_demand))
+            weights.append(len(prices))
+    if not ratios:
         return None
-    ratio = statistics.fmean(paid[cheaper]) / statistics.fmean(paid[PriorityClass.ON_DEMAND])
+    ratio = sum(r * w for r, w in zip(ratios, weights, strict=True)) / sum(weights)
     return round(1 - ratio, 3)
 
 
