@@ -10,15 +10,14 @@ runs in their idle gaps, so it is worth less to its holder, and costs the host l
 
 Contending use clears at one price per offer: every contending tenant of an offer pays
 its ``contend_price``, whatever its bid above it. Pay-your-bid was the first design; the
-priority simulation (``simulations/priority.py``, seed 1) chose between them at the same
-demand:
+priority simulation (``simulations/priority.py``, seed 1, full run) compared them at the
+same demand, with contend prices at 0.4 of the ask:
 
-- paying its bid, a contending tenant paid about what an on-demand one did (a saving of
-  0.1%): bids spread around the market price whatever the class, and a bid is what the
-  holder is willing to pay, not what the capacity is worth;
-- at one price, the tenants of the cheaper class paid the contend price, 40% of the ask
-  (a saving of about 60%), and hosts still earned more per GPU-hour than renting whole
-  GPUs, because contending shares are sold beyond the on-demand ones.
+- paying their bids (at most the ask), contending tenants paid 17% less than on-demand
+  ones on the same GPU model: bids spread around the market price whatever the class,
+  and a bid is what its holder would pay at most, not what idle gaps are worth;
+- at one price, they paid 47% less, and hosts earned 1.46 times what renting whole GPUs
+  earned them, since contending shares are sold beyond the on-demand ones.
 
 A uniform price also asks nothing of the bidder: bidding one's true limit costs nothing,
 where pay-your-bid rewards guessing the floor. The host sets the price; a consumer sees
