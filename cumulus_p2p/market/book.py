@@ -173,6 +173,13 @@ class _Live(Generic[OrderT]):
         """The shares of this offer left to ``bid``: contending ones to a contending bid."""
         return self.contend_remaining if bid.priority is PriorityClass.CONTEND else self.remaining
 
+    def take_for(self, bid: Bid, shares: int) -> None:
+        """Take ``shares`` from the ones ``left_for(bid)`` counts."""
+        if bid.priority is PriorityClass.CONTEND:
+            self.contend_remaining -= shares
+        else:
+            self.remaining -= shares
+
 
 @dataclass(slots=True)
 class _ClassIndex:
@@ -506,10 +513,7 @@ class OrderBook:
         fills = []
         for offer, shares in taken:
             live = self._offers[(offer.host, offer.offer_id)]
-            if bid.priority is PriorityClass.CONTEND:
-                live.contend_remaining -= shares
-            else:
-                live.remaining -= shares
+            live.take_for(bid, shares)
             if live.remaining == 0 and live.contend_remaining == 0:
                 self._remove_live(Side.OFFER, offer.host, offer.offer_id)
             fills.append(

@@ -128,6 +128,7 @@ def simulate(
     jobs = []
     for job in trace:
         m = bids.choice(MULTIPLIERS)
+        # Drawn in every strategy (whole-gpu ignores it), so each run gets the same bids.
         priority = bids.choice([PriorityClass.ON_DEMAND, _CHEAPER.get(strategy)])
         if on_demand_only and priority is not PriorityClass.ON_DEMAND:
             continue
