@@ -46,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cumulus_p2p.remote.scheduler import lease_rank  # noqa: E402 - after the path fix
+from cumulus_p2p.host.scheduler import lease_rank  # noqa: E402 - after the path fix
 
 BYSTANDER = lease_rank(True, 900)  # on-demand at a high price
 LOWER = lease_rank(False, 100)  # interruptible at a low price
@@ -63,12 +63,12 @@ def serve(pool: int, sharing: str | None, device: str) -> None:
     import trio
 
     from cumulus_p2p.channel.transport import TrioFrameChannel
-    from cumulus_p2p.remote.executor import ExecutorConfig
-    from cumulus_p2p.remote.supervisor import SupervisorConfig, WorkerSupervisor
+    from cumulus_p2p.host.executor import ExecutorConfig
+    from cumulus_p2p.host.supervisor import SupervisorConfig, WorkerSupervisor
 
     config = SupervisorConfig(ExecutorConfig(device=device), pool=pool)
     if sharing is not None:
-        from cumulus_p2p.remote.scheduler import Sharing
+        from cumulus_p2p.host.scheduler import Sharing
 
         config.sharing = Sharing(sharing)
     supervisor = WorkerSupervisor(config)

@@ -22,11 +22,11 @@ from pathlib import Path
 import msgpack
 import torch
 
-from cumulus_p2p.executor_options import GraphCompiler
+from cumulus_p2p.host.graph_compiler import GraphRunner
+from cumulus_p2p.host.graphs import build_program
+from cumulus_p2p.host.options import GraphCompiler
 from cumulus_p2p.remote.capture import capture
 from cumulus_p2p.remote.compiled import encode_graph
-from cumulus_p2p.remote.graph_compiler import GraphRunner
-from cumulus_p2p.remote.graphs import build_program
 from cumulus_p2p.testing.models import TinyTransformer
 from cumulus_p2p.wire.protocol import decode_ext, encode_value
 

@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cumulus_p2p.remote.scheduler import lease_rank  # noqa: E402 - after the path fix
+from cumulus_p2p.host.scheduler import lease_rank  # noqa: E402 - after the path fix
 
 FOREGROUND = lease_rank(True, 900)  # on-demand at a high price
 BACKGROUND = lease_rank(False, 100)  # interruptible at a low price
@@ -51,9 +51,9 @@ def serve(ranked: bool, isolation: str = "shared", pool: int = 4) -> None:
     import trio
 
     from cumulus_p2p.channel.transport import TrioFrameChannel
-    from cumulus_p2p.remote.executor import ExecutorConfig
-    from cumulus_p2p.remote.executor_main import build_executor
-    from cumulus_p2p.remote.supervisor import WorkerSupervisor
+    from cumulus_p2p.host.executor import ExecutorConfig
+    from cumulus_p2p.host.executor_main import build_executor
+    from cumulus_p2p.host.supervisor import WorkerSupervisor
 
     config = ExecutorConfig(device="cpu")
     executor = build_executor(config, workers=isolation == "worker", pool=pool)

@@ -177,7 +177,7 @@ def executor_in(host, workdir: Path, device: str):
     """
     workdir.mkdir()
     log = workdir / "executor.log"
-    cmd = [sys.executable, "-m", "cumulus_p2p.remote.executor_main", "--host", host.address]
+    cmd = [sys.executable, "-m", "cumulus_p2p.host.executor_main", "--host", host.address]
     cmd += ["--port", "0", "--device", device, "--quota", "8GiB"]
     cmd += ["--blob-dir", str(workdir / "blobs")]
     with open(log, "w+") as out:

@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = (
     "cumulus_p2p.shim",
-    "cumulus_p2p.remote.executor_main",
+    "cumulus_p2p.host.executor_main",
     "cumulus_p2p.remote",
     "cumulus_p2p.cli",
 )
@@ -53,7 +53,7 @@ def executor_start() -> tuple[float, float]:
 
     started = time.perf_counter()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cumulus_p2p.remote.executor_main", "--device", "cpu"],
+        [sys.executable, "-m", "cumulus_p2p.host.executor_main", "--device", "cpu"],
         stdout=subprocess.PIPE,
         text=True,
         cwd=ROOT,

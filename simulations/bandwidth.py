@@ -70,12 +70,12 @@ from dataclasses import asdict, dataclass, field, fields
 
 import simpy
 
+from cumulus_p2p.blobs.names import PIECE, piece_count
+from cumulus_p2p.host.scheduler import lease_rank
 from cumulus_p2p.market.hostchoice import BackoffPolicy, HostChoice
 from cumulus_p2p.market.messages import PriorityClass
 from cumulus_p2p.node.consumer import ConsumerOptions
-from cumulus_p2p.remote.blobs import PIECE, piece_count
 from cumulus_p2p.remote.failover import CheckpointPolicy
-from cumulus_p2p.remote.scheduler import lease_rank
 from cumulus_p2p.simulation.churn import LONG_TRAINING, come_and_go
 from cumulus_p2p.simulation.cli import save_run, scenario_parser
 from cumulus_p2p.simulation.gpu import DeviceGone

@@ -11,6 +11,8 @@ import msgpack
 import pytest
 import trio
 
+from cumulus_p2p.blobs.names import digest
+from cumulus_p2p.blobs.store import BlobStore
 from cumulus_p2p.market.rpc import call_rpc, serve_rpc
 from cumulus_p2p.node.blobshare import (
     BLOB_PROTOCOL,
@@ -21,8 +23,6 @@ from cumulus_p2p.node.blobshare import (
     call_fetch,
     serve_fetches,
 )
-from cumulus_p2p.remote.blobs import digest
-from cumulus_p2p.remote.blobstore import BlobStore
 from cumulus_p2p.reputation import BadBlob, EvidenceKind
 from cumulus_p2p.reputation.served import BlobServed, seal_served
 from cumulus_p2p.testing.mesh import open_mesh

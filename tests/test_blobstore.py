@@ -1,5 +1,5 @@
-"""A host's blob store (``remote/blobstore.py``) on a real directory, and the eviction plan
-it follows (``remote/blobs.py``): verified, atomic, capped, least recently used first,
+"""A host's blob store (``blobs/store.py``) on a real directory, and the eviction plan
+it follows (``blobs/names.py``): verified, atomic, capped, least recently used first,
 and pinned blobs kept."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from cumulus_p2p._errors import BlobMismatchError
-from cumulus_p2p.remote.blobs import StoredBlob, digest, is_digest, plan_eviction
-from cumulus_p2p.remote.blobstore import BlobStore
+from cumulus_p2p.blobs.names import StoredBlob, digest, is_digest, plan_eviction
+from cumulus_p2p.blobs.store import BlobStore
 
 MiB = 2**20
 
@@ -128,8 +128,8 @@ def test_a_full_disk_leaves_no_blob_under_its_name_and_no_temporary_file(tmp_pat
     script = textwrap.dedent(
         f"""
         import resource, signal
-        from cumulus_p2p.remote.blobstore import BlobStore
-        from cumulus_p2p.remote.blobs import digest
+        from cumulus_p2p.blobs.store import BlobStore
+        from cumulus_p2p.blobs.names import digest
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, ({MiB}, {MiB}))
         data = bytes(range(256)) * ({4 * MiB} // 256)

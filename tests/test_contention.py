@@ -18,8 +18,8 @@ import torch
 import trio
 import trio.testing
 
-from cumulus_p2p.remote.executor import Executor, ExecutorConfig
-from cumulus_p2p.remote.scheduler import (
+from cumulus_p2p.host.executor import Executor, ExecutorConfig
+from cumulus_p2p.host.scheduler import (
     DeviceQueue,
     DeviceScheduler,
     Handback,
@@ -28,9 +28,9 @@ from cumulus_p2p.remote.scheduler import (
     lease_rank,
     sharing_for,
 )
-from cumulus_p2p.remote.supervisor import SupervisorConfig, WorkerSupervisor, _Worker
-from cumulus_p2p.remote.worker import SupervisorTurns
-from cumulus_p2p.remote.workerlink import TurnFlag, WorkerLink
+from cumulus_p2p.host.supervisor import SupervisorConfig, WorkerSupervisor, _Worker
+from cumulus_p2p.host.worker import SupervisorTurns
+from cumulus_p2p.host.workerlink import TurnFlag, WorkerLink
 from cumulus_p2p.testing.executor import one_batch
 from cumulus_p2p.wire.protocol import TensorRef
 

@@ -88,7 +88,7 @@ def test_the_worker_allocator_cap_stops_what_the_quota_would_miss():
     # The cap is per process: measure it in a fresh one, as a worker would set it.
     code = (
         "import torch\n"
-        "from cumulus_p2p.remote.worker import _cap_device_memory\n"
+        "from cumulus_p2p.host.worker import _cap_device_memory\n"
         "device = torch.device('cuda', 0)\n"
         "_cap_device_memory(device, 1 << 30)\n"
         "held = torch.empty(1 << 30, dtype=torch.uint8, device=device)\n"

@@ -269,7 +269,7 @@ def test_random_bytes_frames_never_take_the_executor_down(executor_address, hone
 def test_sans_io_core_survives_many_thousands_of_random_frames():
     """The decode path itself, fed 20,000 random and mutated frames in-process."""
     from cumulus_p2p._errors import RemoteProtocolError
-    from cumulus_p2p.remote.session import DeviceContext, ExecutorSession, parse_batch
+    from cumulus_p2p.host.session import DeviceContext, ExecutorSession, parse_batch
 
     rng = random.Random(7)
     session = ExecutorSession(DeviceContext(torch.device("cpu")), quota_bytes=1 << 24)

@@ -4,7 +4,7 @@ import trio
 import trio.testing
 
 from cumulus_p2p.channel.transport import TrioFrameChannel
-from cumulus_p2p.remote.executor import Executor, ExecutorConfig
+from cumulus_p2p.host.executor import Executor, ExecutorConfig
 from cumulus_p2p.wire.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
 
 

@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 
 import cumulus_p2p.remote as remote
-from cumulus_p2p.executor_options import GraphCompiler
-from cumulus_p2p.remote import graph_compiler
-from cumulus_p2p.remote.graph_compiler import GraphRunner
-from cumulus_p2p.remote.graphs import NodeFailed, build_program
+from cumulus_p2p.host import graph_compiler
+from cumulus_p2p.host.graph_compiler import GraphRunner
+from cumulus_p2p.host.graphs import NodeFailed, build_program
+from cumulus_p2p.host.options import GraphCompiler
 from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.testing.models import TinyTransformer
 from cumulus_p2p.wire.protocol import GraphValue

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cumulus_p2p.remote.graphs import GraphError, NodeFailed, ProgramCache, build_program
+from cumulus_p2p.host.graphs import GraphError, NodeFailed, ProgramCache, build_program
 from cumulus_p2p.wire.protocol import GraphValue
 
 CPU = torch.device("cpu")

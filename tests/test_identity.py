@@ -55,7 +55,7 @@ def test_peer_ids_are_the_ones_libp2p_derives_from_the_same_key(seed):
 
 def test_the_executor_the_shim_and_the_op_stream_load_no_libp2p():
     probe = (
-        "import sys, cumulus_p2p.remote, cumulus_p2p.remote.executor_main, cumulus_p2p.shim,"
+        "import sys, cumulus_p2p.remote, cumulus_p2p.host.executor_main, cumulus_p2p.shim,"
         " cumulus_p2p.node.attach; from cumulus_p2p.identity import NodeIdentity;"
         " NodeIdentity.generate().peer_id_text;"
         " print(sorted(m for m in sys.modules if 'libp2p' in m or 'multiaddr' in m))"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cumulus_p2p.remote.blobs import is_digest
+from cumulus_p2p.blobs.names import is_digest
 from cumulus_p2p.testing import loopback, nodes
 
 # Starts real cumulus-node processes: scripts/test --fast skips it.

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from cumulus_p2p.host.session import SessionStats
 from cumulus_p2p.identity import NodeIdentity
 from cumulus_p2p.market import Meter
 from cumulus_p2p.market.lease_state import LeaseEvent
 from cumulus_p2p.node.hardware import DeviceFacts
 from cumulus_p2p.node.payment import ActiveLease
 from cumulus_p2p.node.provider import FINISHED_KEPT, OfferedDevice, Provider, ProviderOptions
-from cumulus_p2p.remote.session import SessionStats
 from cumulus_p2p.reputation.testing import Minter
 
 NOW = 1_700_000_000.0

@@ -1,4 +1,4 @@
-"""Content-addressed uploads (``remote/blobs.py``): a host that keeps a blob store is sent
+"""Content-addressed uploads (``blobs/names.py``): a host that keeps a blob store is sent
 the bytes it lacks and only the names of those it holds. Hosts are real executor
 processes; bytes are counted on the consumer's channel."""
 
@@ -12,8 +12,8 @@ import torch
 
 import cumulus_p2p.remote as remote
 from cumulus_p2p._errors import RemoteExecutionError
+from cumulus_p2p.blobs.names import BLOB_MIN, digest, is_digest
 from cumulus_p2p.channel.transport import CountingFrameChannel, SocketFrameChannel
-from cumulus_p2p.remote.blobs import BLOB_MIN, digest, is_digest
 from cumulus_p2p.testing.executor import executor_process
 
 MiB = 2**20

@@ -20,28 +20,22 @@ from cumulus_p2p._errors import (
     RemoteProtocolError,
     SessionClosedError,
 )
+from cumulus_p2p.blobs.names import PIECE, digest
 from cumulus_p2p.channel.secure import connect_secure
 from cumulus_p2p.channel.transport import SocketFrameChannel
+from cumulus_p2p.host.hostcache import HostCache
+from cumulus_p2p.host.session import Batch, DeviceContext, ExecutorSession
 from cumulus_p2p.identity import NodeIdentity
-from cumulus_p2p.remote.blobs import PIECE, digest
 from cumulus_p2p.remote.checkpoint import (
     Checkpoint,
     DirectoryCheckpointStore,
     StorageImage,
 )
 from cumulus_p2p.remote.client import RemoteSession
-from cumulus_p2p.remote.failover import (
-    CheckpointPolicy,
-    ImageAssembler,
-    Manifest,
-    ReplayLog,
-    StorageEntry,
-    plan_reads,
-)
-from cumulus_p2p.remote.hostcache import HostCache
-from cumulus_p2p.remote.session import Batch, DeviceContext, ExecutorSession
+from cumulus_p2p.remote.failover import CheckpointPolicy, ImageAssembler, ReplayLog, plan_reads
 from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.testing.models import TASKS
+from cumulus_p2p.wire.manifest import Manifest, StorageEntry
 from cumulus_p2p.wire.protocol import (
     PROTOCOL_VERSION,
     CpuTensorRef,

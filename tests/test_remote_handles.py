@@ -1,4 +1,4 @@
-"""The executor's handle table (``remote/handles.py``), without an executor."""
+"""The executor's handle table (``host/handles.py``), without an executor."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from cumulus_p2p.remote.handles import (
+from cumulus_p2p.host.handles import (
     MAX_HANDLE,
     MAX_VIEWS_PER_STORAGE,
     ErrorKind,
@@ -16,7 +16,7 @@ from cumulus_p2p.remote.handles import (
     OpFailed,
     raw_bytes,
 )
-from cumulus_p2p.remote.session import SessionStats
+from cumulus_p2p.host.session import SessionStats
 from cumulus_p2p.wire.protocol import TensorRef
 
 CPU = torch.device("cpu")

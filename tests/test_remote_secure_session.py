@@ -58,7 +58,7 @@ def test_consumer_off_the_allow_list_is_refused(secure_executor):
 
 
 def test_bad_allow_key_flag_is_a_clear_cli_error(capsys):
-    from cumulus_p2p.remote.executor_main import main
+    from cumulus_p2p.host.executor_main import main
 
     with pytest.raises(SystemExit):
         main(["--secure", "--allow-key", "not-hex"])

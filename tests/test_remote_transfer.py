@@ -13,10 +13,10 @@ import torch
 import cumulus_p2p.remote as remote
 from cumulus_p2p._errors import RemoteExecutionError
 from cumulus_p2p.channel.transport import SocketFrameChannel
+from cumulus_p2p.host.session import MAX_READ_BYTES
 from cumulus_p2p.remote.checkpoint import DirectoryCheckpointStore
 from cumulus_p2p.remote.client import RemoteSession
 from cumulus_p2p.remote.errors import RemoteOutOfMemoryError
-from cumulus_p2p.remote.session import MAX_READ_BYTES
 from cumulus_p2p.remote.transfer import STREAM_CHUNK, TransferProgress, pieces
 from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.testing.memory import peak_since_reset, reset_peak

@@ -14,12 +14,12 @@ import pytest
 import trio
 
 from cumulus_p2p.dht import MeshConfig
+from cumulus_p2p.host.executor import Executor, ExecutorConfig
+from cumulus_p2p.host.health import DeviceHealth
 from cumulus_p2p.node.datadir import DataDir
 from cumulus_p2p.node.hardware import cpu_facts
 from cumulus_p2p.node.provider import OfferedDevice, Provider, ProviderOptions
 from cumulus_p2p.node.runtime import open_runtime
-from cumulus_p2p.remote.executor import Executor, ExecutorConfig
-from cumulus_p2p.remote.health import DeviceHealth
 from cumulus_p2p.testing import nodes
 
 # Starts real cumulus-node processes: scripts/test --fast skips it.

@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cumulus_p2p.channel.transport import TrioFrameChannel
-from cumulus_p2p.remote.executor import Executor, ExecutorConfig
-from cumulus_p2p.remote.scheduler import DeviceQueue, DeviceScheduler, lease_rank
+from cumulus_p2p.host.executor import Executor, ExecutorConfig
+from cumulus_p2p.host.scheduler import DeviceQueue, DeviceScheduler, lease_rank
 from cumulus_p2p.testing.executor import one_batch
 from cumulus_p2p.wire.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
 

@@ -15,19 +15,12 @@ import trio
 
 import cumulus_p2p.remote as remote
 from cumulus_p2p._errors import StandbyFullError
+from cumulus_p2p.blobs.names import digest
+from cumulus_p2p.blobs.service import HELLO, PullError, Source, grant_of, pull, serve_blobs
+from cumulus_p2p.blobs.store import BlobStore
 from cumulus_p2p.channel.transport import SocketFrameChannel, TrioFrameChannel
-from cumulus_p2p.remote.blobs import digest
-from cumulus_p2p.remote.blobservice import (
-    HELLO,
-    PullError,
-    Source,
-    grant_of,
-    pull,
-    serve_blobs,
-)
-from cumulus_p2p.remote.blobstore import BlobStore
+from cumulus_p2p.host.session import DeviceContext, ExecutorSession
 from cumulus_p2p.remote.checkpoint import Checkpoint
-from cumulus_p2p.remote.session import DeviceContext, ExecutorSession
 from cumulus_p2p.remote.standby import HostCheckpoint
 from cumulus_p2p.testing import models
 from cumulus_p2p.testing.executor import executor_process

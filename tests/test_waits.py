@@ -1,6 +1,6 @@
-"""Specs for cumulus_p2p.remote.waits: a session's waits for the device, last minute."""
+"""Specs for cumulus_p2p.host.waits: a session's waits for the device, last minute."""
 
-from cumulus_p2p.remote.waits import WaitWindow
+from cumulus_p2p.host.waits import WaitWindow
 
 
 def test_no_turn_taken_gives_no_percentiles():

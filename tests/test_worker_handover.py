@@ -19,9 +19,9 @@ from cumulus_p2p._errors import SessionClosedError
 from cumulus_p2p.channel.secure import connect_secure
 from cumulus_p2p.channel.secure.server import open_secure_server
 from cumulus_p2p.channel.transport import CountingChannel, SocketFrameChannel
+from cumulus_p2p.host.executor import ExecutorConfig
+from cumulus_p2p.host.supervisor import MAX_FIRST_FRAME, SupervisorConfig, WorkerSupervisor
 from cumulus_p2p.identity import NodeIdentity
-from cumulus_p2p.remote.executor import ExecutorConfig
-from cumulus_p2p.remote.supervisor import MAX_FIRST_FRAME, SupervisorConfig, WorkerSupervisor
 from cumulus_p2p.wire.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
 
 # Starts supervisors and their worker processes: scripts/test --fast skips it.

@@ -26,8 +26,8 @@ import cumulus_p2p.remote as remote
 from cumulus_p2p._errors import RemoteExecutionError, RemoteProtocolError, SessionClosedError
 from cumulus_p2p.channel.secure import connect_secure
 from cumulus_p2p.channel.transport import SocketFrameChannel
+from cumulus_p2p.host.executor import Executor, ExecutorConfig
 from cumulus_p2p.identity import KEY_FILE_NAME, NodeIdentity
-from cumulus_p2p.remote.executor import Executor, ExecutorConfig
 from cumulus_p2p.testing.executor import executor_process, secure_executor_channel
 from cumulus_p2p.testing.models import train
 from cumulus_p2p.testing.nodes import (
@@ -177,7 +177,7 @@ def test_a_worker_holds_its_consumers_connection_but_not_the_node_key(tmp_path):
 
 
 def test_bad_isolation_flags_are_refused_with_a_clear_error():
-    cmd = [sys.executable, "-m", "cumulus_p2p.remote.executor_main", "--pool", "-1"]
+    cmd = [sys.executable, "-m", "cumulus_p2p.host.executor_main", "--pool", "-1"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "--pool must not be negative" in out.stderr

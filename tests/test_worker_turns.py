@@ -17,9 +17,9 @@ import trio
 import trio.testing
 
 from cumulus_p2p.channel.transport import Handover
-from cumulus_p2p.remote.executor import ExecutorConfig
-from cumulus_p2p.remote.scheduler import lease_rank
-from cumulus_p2p.remote.supervisor import (
+from cumulus_p2p.host.executor import ExecutorConfig
+from cumulus_p2p.host.scheduler import lease_rank
+from cumulus_p2p.host.supervisor import (
     MAX_WAITING_TURNS,
     SessionView,
     SupervisorConfig,
@@ -27,8 +27,8 @@ from cumulus_p2p.remote.supervisor import (
     _Handed,
     _Worker,
 )
-from cumulus_p2p.remote.worker import SupervisorTurns
-from cumulus_p2p.remote.workerlink import MAX_MESSAGE, LinkClosedError, WorkerLink
+from cumulus_p2p.host.worker import SupervisorTurns
+from cumulus_p2p.host.workerlink import MAX_MESSAGE, LinkClosedError, WorkerLink
 
 ON_DEMAND = lease_rank(True, 900)
 INTERRUPTIBLE = lease_rank(False, 100)

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from .. import explorer
-from ..executor_options import parse_size
+from ..host.options import parse_size
 from ..node import hardware
 from ..node.datadir import DataDir, default_data_dir
 

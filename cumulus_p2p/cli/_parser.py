@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from .._errors import CumulusError, NodeConfigError
-from ..executor_options import add_blob_cap_flag, add_graph_compiler_flag, add_isolation_flags
+from ..host.options import add_blob_cap_flag, add_graph_compiler_flag, add_isolation_flags
 from ..node import control, hardware
 from ..node.datadir import DataDir
 from . import _explore, _views

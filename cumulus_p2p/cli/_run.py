@@ -17,7 +17,7 @@ from rich.live import Live
 from .._errors import CumulusError, NodeConfigError
 from ..dht import MeshConfig
 from ..dht.nat import NatConfig
-from ..executor_options import GraphCompiler
+from ..host.options import GraphCompiler
 from ..market import BookLimits, PriorityClass
 from ..market.hostchoice import BackoffPolicy
 from ..node import hardware, logs, views

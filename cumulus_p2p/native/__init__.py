@@ -17,7 +17,7 @@ dispatch key itself:
 
 The executor side replays those batches in C++ (``csrc/replay.cpp``, a library of its
 own that registers nothing, loaded by ``executor.py``): the host's own executor
-(``cumulus_p2p.remote.executor``) runs a native session beside the Python device's,
+(``cumulus_p2p.host.executor``) runs a native session beside the Python device's,
 with the lease's quota, device turns and worker process, over plain TCP or the secure
 channel. ``session.py`` sends the device's batches there (frames in
 ``cumulus_p2p.wire.native``) and answers reads back through the device's readback hook

@@ -5,7 +5,7 @@ its op name table and its resolved operator handles; ``replay(batch, new_names)`
 one batch of wire records and returns the readbacks' bytes, raising ``ReplayError``
 (``errors.py``) for a record that cannot run. Unlike the device library, the replay
 library registers nothing with the dispatcher, so any process may load it: the host's
-executor (``cumulus_p2p.remote.executor``) serves native sessions with it beside the
+executor (``cumulus_p2p.host.executor``) serves native sessions with it beside the
 Python device's, a ``ReplaySession`` each.
 """
 

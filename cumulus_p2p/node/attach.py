@@ -20,7 +20,7 @@ from .._errors import (
     CumulusError,
     PeerUnreachableError,
 )
-from ..remote.blobservice import Source
+from ..blobs.service import Source
 from ..remote.checkpoint import DirectoryCheckpointStore
 from ..remote.standby import CheckpointPlacement
 from .control import ENV_CHECKPOINT_TO, ENV_PRIVATE, ControlClient, SessionTicket

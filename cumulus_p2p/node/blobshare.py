@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-A model's weights reach a host as 16 MiB pieces named by digest (``remote/blobs.py``);
+A model's weights reach a host as 16 MiB pieces named by digest (``blobs/names.py``);
 the host's blob store keeps them. The second user of a popular model on a host uploads
 nothing. This module lets the first user on *another* host upload nothing either:
 
@@ -42,13 +42,13 @@ from libp2p.custom_types import TProtocol
 from libp2p.exceptions import BaseLibp2pError
 
 from .._errors import BlobMismatchError, CumulusError, EnvelopeRejectedError, MalformedMessageError
+from ..blobs.names import MAX_HAVE, PIECE, is_digest
+from ..blobs.service import Pulled
+from ..blobs.store import BlobStore
 from ..dht.node import MeshNode
 from ..dht.records import NAMESPACE
 from ..envelope import Envelope
 from ..market.rpc import call_rpc, serve_rpc
-from ..remote.blobs import MAX_HAVE, PIECE, is_digest
-from ..remote.blobservice import Pulled
-from ..remote.blobstore import BlobStore
 from ..reputation.served import BlobServed, open_served, seal_served
 
 log = logging.getLogger(__name__)

@@ -58,7 +58,7 @@ MAX_STANDBY_GIB = 2**20
 #: Set when the job's uploads are private (``remote.attach(private=True)``).
 ENV_PRIVATE = "CUMULUS_PRIVATE"
 MAX_FRAME = 128 * 1024
-#: Most pieces one fetch names: one ``have`` question's worth (``remote.blobs.MAX_HAVE``).
+#: Most pieces one fetch names: one ``have`` question's worth (``blobs.names.MAX_HAVE``).
 MAX_FETCH = 1024
 
 

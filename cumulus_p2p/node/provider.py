@@ -47,13 +47,20 @@ import trio
 from libp2p.exceptions import BaseLibp2pError
 
 from .._errors import CumulusError
+from ..blobs import service as blobservice
+from ..blobs.store import BlobStore
 from ..channel.secure import SessionSettings, serve_secure
 from ..channel.secure.libp2p_path import handle_libp2p_sessions
 from ..channel.transport import CountingChannel
 from ..dht import MeshConfig
 from ..dht.host import interface_ipv4s, observed_ipv4s
 from ..envelope import Envelope
-from ..executor_options import GraphCompiler
+from ..host.executor import DEFAULT_BLOB_CAP, Executor, ExecutorConfig
+from ..host.executor_main import build_executor
+from ..host.options import GraphCompiler
+from ..host.scheduler import lease_rank
+from ..host.session import SessionStats
+from ..host.supervisor import WorkerSupervisor
 from ..market import (
     BookLimits,
     Cancel,
@@ -77,14 +84,7 @@ from ..market.settlement import (
     call_lease_notice,
     serve_lease_close,
 )
-from ..remote import blobservice
-from ..remote.blobstore import BlobStore
-from ..remote.executor import DEFAULT_BLOB_CAP, Executor, ExecutorConfig
-from ..remote.executor_main import build_executor
-from ..remote.scheduler import lease_rank
-from ..remote.session import SessionStats
 from ..remote.standby import STANDBY_QUOTA
-from ..remote.supervisor import WorkerSupervisor
 from ..reputation import BadBlob
 from .blobshare import BlobSharing, serve_fetches
 from .datadir import DataDir
@@ -374,7 +374,7 @@ class Provider:
     def authorize(self, consumer_key: bytes, token: bytes | None) -> str | None:
         """Admit a consumer presenting a lease this host granted and still holds; or
         another host reading a session's kept pieces by the grant its consumer gave it
-        (``remote.blobservice``: a standby copying a checkpoint, a failover's restore)."""
+        (``blobs.service``: a standby copying a checkpoint, a failover's restore)."""
         grant = blobservice.grant_in(token)
         if grant is not None:
             keeper = next((s for s in self.served.values() if s.executor.holds_grant(grant)), None)

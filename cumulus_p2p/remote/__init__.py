@@ -1,20 +1,20 @@
-"""Remote execution: the ``cumulus`` torch device and the executor that serves it.
+"""The consumer's side: the ``cumulus`` torch device in Python, talking to a host's executor.
 
-Parts (the channels the op stream travels on are ``cumulus_p2p.channel``):
+The executor that serves it is ``cumulus_p2p.host``; what the two say to each other is
+``cumulus_p2p.wire``; the channels the op stream travels on are ``cumulus_p2p.channel``.
+Parts:
 
-- ``protocol``: the op-stream codec (sans-IO).
-- ``session``: the executor's per-session state machine (op execution, graphs, blobs);
-  ``handles``: its handle table (storages, their views, the quota, poisoned handles).
-- ``transfer``: how a tensor of any size is cut into pieces, and transfer progress.
-- ``blobs`` and ``blobstore``: content-addressed upload pieces, and the host's capped,
-  least-recently-used store of them on disk.
-- ``executor``: the trio service that runs sessions; ``executor_main`` is its command.
-- ``client``: the consumer's session: batching, sync points, frees, failover.
-- ``failover``, ``checkpoint`` and ``hostcache``: surviving a lost host: the replay log and
-  checkpoint policy, checkpoints and where the consumer keeps them, and the executor's
-  cache of sessions whose consumer vanished.
 - ``tensor``, ``kernels`` and ``device``: ``RemoteTensor`` and its dispatch, the PrivateUse1
-  kernels dispatch cannot reach, and the ``torch.cumulus`` module.
+  kernels dispatch cannot reach, and the ``torch.cumulus`` module; ``autocast``: mixed
+  precision as on CUDA.
+- ``client``: the consumer's session: batching, sync points, frees, failover.
+- ``transfer``: how a tensor of any size is cut into pieces, and transfer progress.
+- ``failover``, ``checkpoint`` and ``standby``: surviving a lost host: the replay log and
+  checkpoint policy, checkpoints and where the consumer keeps them, and a second host that
+  keeps them off the consumer's link.
+- ``capture``, ``compiled``, ``compiled_optimizer`` and ``compile_routing``: compiled steps
+  sent as graphs, once.
+- ``errors``: the executor's errors as the consumer sees them.
 
 Typical use, against an executor started with ``cumulus-executor --port 5555``::
 

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ..wire.ops import written_arguments
 from ..wire.protocol import storage_extent
-from .ops import written_arguments
 
 
 class CaptureError(Exception):

@@ -33,8 +33,8 @@ import msgpack
 import torch
 
 from .._errors import CheckpointCorruptError
+from ..blobs.names import PIECE, digest, is_digest, piece_count
 from ..wire.protocol import DTYPE_CODE, DTYPES
-from .blobs import PIECE, digest, is_digest, piece_count
 
 _MAGIC = b"CUMCKPT2"
 

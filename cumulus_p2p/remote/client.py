@@ -14,7 +14,7 @@ the channel breaks the session dials a new executor, restores the checkpoint the
 resumes from the old host's cache), replays the log and retries what it was doing. The
 caller sees a pause, nothing else.
 
-Large uploads name their bytes (``blobs.py``): ``upload`` queues an ``@blob`` record whose
+Large uploads name their bytes (``blobs/names.py``): ``upload`` queues an ``@blob`` record whose
 digest and bytes are settled when its batch leaves, with one ``have`` question for all the
 batch's records, so the bytes a host already holds never cross again. The replay log keeps
 every record with its bytes: a failover's new host may hold none of them.
@@ -35,7 +35,10 @@ from typing import Any
 import torch
 
 from .._errors import CumulusError, FailoverError, RemoteProtocolError, SessionClosedError
+from ..blobs.names import MAX_HAVE, NAMED_WINDOW, PIECE, digest
+from ..blobs.service import Source, grant_of
 from ..channel.transport import FrameChannel
+from ..wire.manifest import Manifest, parse_manifest
 from ..wire.protocol import (
     PROTOCOL_VERSION,
     CpuTensorRef,
@@ -45,8 +48,6 @@ from ..wire.protocol import (
     lost_reason,
     split_blobs,
 )
-from .blobs import MAX_HAVE, NAMED_WINDOW, PIECE, digest
-from .blobservice import Source, grant_of
 from .checkpoint import Checkpoint, CheckpointStore, MemoryCheckpointStore
 from .errors import remote_error
 from .failover import (
@@ -55,9 +56,7 @@ from .failover import (
     CheckpointPolicy,
     FailoverStatistics,
     ImageAssembler,
-    Manifest,
     ReplayLog,
-    parse_manifest,
     plan_reads,
     restore_batches,
     rng_record,

@@ -45,10 +45,10 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..wire.ops import op_name
 from ..wire.protocol import GraphValue, tensor_ext, tensor_layout
 from .capture import Captured, CaptureError, capture
 from .client import RemoteSession, current_session
-from .ops import op_name
 from .tensor import RemoteStorage, RemoteTensor
 
 #: Signatures one compiled callable captures before it runs eagerly (dynamo's default).

@@ -20,8 +20,8 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ..wire.ops import op_name
 from .client import current_session
-from .ops import op_name
 from .tensor import (
     DEVICE,
     RemoteTensor,

@@ -11,7 +11,7 @@ With one, the consumer keeps only the manifest of digests:
 1. At a checkpoint the primary host copies the pieces that changed into memory and names
    every piece (``["checkpoint", {"keep": true}]``, ``kept.py``); the op stream goes on.
 2. The consumer tells the standby to pull them from the primary, host to host
-   (``blobservice.py``), in the background. The standby keeps them pinned in its store.
+   (``blobs/service.py``), in the background. The standby keeps them pinned in its store.
 3. Only when the standby has them all does the checkpoint count: the replay log is cut
    there (``HostCheckpoint.seq``). Until then the previous one stands (the standby keeps
    its pieces pinned until a copy succeeds), so a host lost mid-copy costs a longer
@@ -41,10 +41,10 @@ import time
 from dataclasses import dataclass
 
 from .._errors import CumulusError, SessionClosedError
+from ..blobs.service import Source, grant_of
 from ..channel.transport import FrameChannel
+from ..wire.manifest import Manifest
 from ..wire.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
-from .blobservice import Source, grant_of
-from .failover import Manifest
 
 log = logging.getLogger(__name__)
 

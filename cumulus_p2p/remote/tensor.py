@@ -32,10 +32,10 @@ import torch
 from torch.optim import optimizer as _torch_optimizer
 from torch.utils import _foreach_utils
 
+from ..blobs.names import BLOB_MIN, MAX_HAVE, digest
+from ..wire.ops import op_name, written_arguments
 from ..wire.protocol import EXT_TENSOR, TensorRef, aligned_bytes, pack_tensor_ref, storage_extent
-from .blobs import BLOB_MIN, MAX_HAVE, digest
 from .client import RemoteSession, current_session, stream_chunk
-from .ops import op_name, written_arguments
 from .transfer import STREAM_CHUNK, pieces
 
 #: Named by PrivateUse1's own name so it exists before ``device.register()``; torch calls
@@ -675,7 +675,7 @@ def _upload_in_pieces(session: RemoteSession, dst: RemoteTensor, src: torch.Tens
 
 def _upload_named(session: RemoteSession, dst: RemoteTensor, src: torch.Tensor, plan) -> None:
     """Upload by content: the host gets each piece's digest, and its bytes only when it
-    does not hold them already (``blobs.py``).
+    does not hold them already (``blobs/names.py``).
 
     A tensor of one piece is queued like any op, its question asked with the rest of its
     batch (a model's hundreds of tensors cost a question per batch, not per tensor).

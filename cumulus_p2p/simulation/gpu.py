@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import simpy
 
-from ..remote.scheduler import DeviceQueue
+from ..host.scheduler import DeviceQueue
 
 
 class DeviceGone(Exception):

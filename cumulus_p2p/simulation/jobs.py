@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import simpy
 
+from ..host.scheduler import lease_rank
 from ..market.hostchoice import BackoffPolicy, GiveUp, HostChoice, Wait
 from ..market.messages import PriorityClass
-from ..remote.scheduler import lease_rank
 from .gpu import DeviceGone
 from .market import Market
 from .world import CHECKPOINT_S_PER_MB, FAILOVER_S, Workload

@@ -36,7 +36,7 @@ def executor_process(
 
     The process is terminated (then killed) on exit, whatever happened inside.
     """
-    cmd = [sys.executable, "-m", "cumulus_p2p.remote.executor_main", "--host", "127.0.0.1"]
+    cmd = [sys.executable, "-m", "cumulus_p2p.host.executor_main", "--host", "127.0.0.1"]
     cmd += ["--port", "0", "--device", device, "--quota", quota, *(extra or [])]
     environ = {**os.environ, **(env or {})}
     proc = subprocess.Popen(

@@ -8,4 +8,7 @@ cannot share a process, yet both speak to the same executor.
   Every session opens with its ``hello``, and the Python device speaks it throughout.
 - ``native``: the frames of a native session after its ``hello``: batches of C++ wire
   records (``cumulus_p2p/native/csrc/record.h``) and the executor's replies.
+- ``ops``: which aten ops an executor runs, named the same on both sides.
+- ``manifest``: a checkpoint's manifest, the executor's answer to a ``checkpoint`` query
+  and what a failover's ``restore`` names.
 """

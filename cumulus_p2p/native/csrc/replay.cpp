@@ -194,7 +194,7 @@ at::Tensor read_host_tensor(Cursor& c) {
 
 // Ops that reach past the session's own tensors (files, process state), or rebind or
 // restride a tensor in place behind the client's picture of it; as
-// cumulus_p2p/remote/ops.py's BLOCKED.
+// cumulus_p2p/wire/ops.py's BLOCKED.
 const std::unordered_set<std::string>& blocked() {
   static const auto* names = new std::unordered_set<std::string>{
       "from_file", "_print", "set_", "resize_", "resize_as_", "_resize_output_",

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .blobstore import PinnedBlob
+from ..blobs.store import PinnedBlob
 
 
 class KeptPieces:

@@ -5,7 +5,7 @@ tenant broke its own context (a device-side assert: the device is fine) or the d
 itself is sick (an Xid error, a fallen-off-the-bus GPU). A fresh process has a fresh
 context: if it computes a small matmul correctly, the device is healthy.
 
-``python -m cumulus_p2p.remote.health --device cuda:0`` exits 0 when the device works and
+``python -m cumulus_p2p.host.health --device cuda:0`` exits 0 when the device works and
 prints why not otherwise.
 """
 

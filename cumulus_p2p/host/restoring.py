@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from .._errors import BlobMismatchError
-from .blobs import PIECE, digest
-from .blobstore import BlobStore
-from .failover import StorageEntry
+from ..blobs.names import PIECE, digest
+from ..blobs.store import BlobStore
+from ..wire.manifest import StorageEntry
 from .handles import raw_bytes
 
 

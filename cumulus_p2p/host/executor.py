@@ -30,24 +30,19 @@ from typing import Any
 import torch
 import trio
 
-from .._errors import (
-    FrameTooLargeError,
-    RemoteProtocolError,
-    SessionClosedError,
-    StandbyFullError,
-)
+from .._errors import FrameTooLargeError, RemoteProtocolError, SessionClosedError, StandbyFullError
+from ..blobs import service as blobservice
+from ..blobs.store import BlobStore
 from ..channel.transport import DEFAULT_MAX_FRAME, AsyncFrameChannel, TrioFrameChannel
-from ..executor_options import GraphCompiler
 from ..native.executor import ReplaySession, new_replayer
 from ..wire import native as native_wire
+from ..wire.manifest import parse_storage_entries
 from ..wire.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
-from . import blobservice
-from .blobstore import BlobStore
-from .failover import parse_storage_entries
 from .graph_compiler import GraphRunner
 from .handles import OpFailed
 from .health import DeviceHealth
 from .hostcache import HostCache
+from .options import GraphCompiler
 from .scheduler import DEFAULT_RANK, DeviceScheduler
 from .session import Batch, DeviceContext, ExecutorSession, Reply, SessionStats, parse_batch
 from .waits import WaitWindow
@@ -59,7 +54,7 @@ DEFAULT_QUOTA = 8 * 1024**3
 DEFAULT_CACHE_GRACE = 60.0
 #: Host memory that parked sessions may hold, all together.
 DEFAULT_CACHE_BYTES = 4 * 1024**3
-#: Disk the host's blob store may take (``blobstore.py``).
+#: Disk the host's blob store may take (``blobs/store.py``).
 DEFAULT_BLOB_CAP = 20 * 1024**3
 #: How long a resume waits for the session's old connection to let go of it.
 TAKEOVER_TIMEOUT = 30.0
@@ -290,7 +285,7 @@ class Executor:
         return grant in self._grants
 
     def _granted(self, grant: str) -> Callable[[str], memoryview | None] | None:
-        """The kept pieces of the session ``grant`` opens (``blobservice.py``)."""
+        """The kept pieces of the session ``grant`` opens (``blobs/service.py``)."""
         session = self._grants.get(grant)
         return None if session is None else session.kept.piece
 

@@ -19,17 +19,17 @@ from pathlib import Path
 import torch
 import trio
 
+from ..blobs import service as blobservice
 from ..channel.secure import serve_secure
-from ..executor_options import (
+from ..identity import NodeIdentity
+from .executor import Executor, ExecutorConfig
+from .options import (
     GraphCompiler,
     add_blob_flags,
     add_graph_compiler_flag,
     add_isolation_flags,
     parse_size,
 )
-from ..identity import NodeIdentity
-from . import blobservice
-from .executor import Executor, ExecutorConfig
 from .supervisor import SupervisorConfig, WorkerSupervisor
 
 

@@ -64,9 +64,9 @@ import trio
 
 from ..channel.secure.server import SecureServer, SecureServerChannel
 from ..channel.transport import AsyncFrameChannel, Handover, TrioFrameChannel, nbytes
-from ..executor_options import GraphCompiler
 from ..wire.protocol import decode_frame
 from .executor import DEFAULT_BLOB_CAP, Executor, ExecutorConfig
+from .options import GraphCompiler
 from .scheduler import DeviceScheduler, Sharing
 from .workerlink import LinkClosedError, TurnFlag, WorkerLink
 

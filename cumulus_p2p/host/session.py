@@ -22,7 +22,7 @@ host memory, pinned, when they lived on a GPU) and resume later on a new connect
 answering the last query again if its reply was lost (``resend``).
 
 Uploads of large CPU tensors arrive as ``@blob`` records naming their bytes by digest
-(``blobs.py``): ``have`` pins the blobs of the host's store (``DeviceContext.blobs``) that
+(``blobs/names.py``): ``have`` pins the blobs of the host's store (``DeviceContext.blobs``) that
 the client may then name without bytes; bytes that do come are checked against their
 digest before they are used or kept, and a private session's are never kept.
 
@@ -41,6 +41,10 @@ from typing import Any
 import torch
 
 from .._errors import BlobMismatchError, RemoteProtocolError, StandbyFullError
+from ..blobs.names import MAX_HAVE, PIECE, digest, is_digest
+from ..blobs.store import BlobStore, PinnedBlob
+from ..wire.manifest import StorageEntry
+from ..wire.ops import UnknownOpError, resolve_op
 from ..wire.protocol import (
     CpuTensorRef,
     DeviceToken,
@@ -49,27 +53,10 @@ from ..wire.protocol import (
     split_blobs,
     storage_extent,
 )
-from .blobs import MAX_HAVE, PIECE, digest, is_digest
-from .blobstore import BlobStore, PinnedBlob
-from .failover import StorageEntry
 from .graph_compiler import GraphRunner
-from .graphs import (
-    MAX_SESSION_GRAPHS,
-    PROGRAMS,
-    GraphError,
-    GraphProgram,
-    NodeFailed,
-)
-from .handles import (
-    MAX_HANDLE,
-    ErrorKind,
-    HandleTable,
-    OpFailed,
-    anchor_over,
-    raw_bytes,
-)
+from .graphs import MAX_SESSION_GRAPHS, PROGRAMS, GraphError, GraphProgram, NodeFailed
+from .handles import MAX_HANDLE, ErrorKind, HandleTable, OpFailed, anchor_over, raw_bytes
 from .kept import KeptPieces
-from .ops import UnknownOpError, resolve_op
 from .restoring import PieceTargets
 from .waits import WaitWindow
 

@@ -48,17 +48,12 @@ from typing import Protocol
 import blake3
 import trio
 
-from .._errors import (
-    BlobMismatchError,
-    CumulusError,
-    RemoteProtocolError,
-    SessionClosedError,
-)
+from .._errors import BlobMismatchError, CumulusError, RemoteProtocolError, SessionClosedError
 from ..channel.secure import connect_secure
 from ..channel.transport import AsyncFrameChannel, ThreadedFrameChannel, TrioFrameChannel
 from ..identity import NodeIdentity
 from ..wire.protocol import PROTOCOL_VERSION, decode_frame, encode_frame, split_blobs
-from .blobs import PIECE, is_digest
+from .names import PIECE, is_digest
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ else.
 - **Routing.** A ``hello`` goes to a pooled worker. A ``resume`` goes to the worker that
   welcomed that session token (the worker reports each token it welcomes); an unknown
   token goes to a pooled worker, which refuses it as an executor would, and the consumer
-  says ``hello`` on the same connection. A blob connection (``blobservice.py``: another
+  says ``hello`` on the same connection. A blob connection (``blobs/service.py``: another
   host pulling a session's checkpoint) goes to the worker of the session its grant
   names, which keeps the pieces.
 - **What the supervisor still answers for** (``_Handed``). A secure-channel resume that
@@ -72,9 +72,9 @@ from pathlib import Path
 import trio
 
 from .._errors import FrameTooLargeError, RemoteProtocolError, SessionClosedError
+from ..blobs import service as blobservice
 from ..channel.transport import AsyncFrameChannel, Handover, HandoverError, frame_header
 from ..wire.protocol import decode_frame
-from . import blobservice
 from .executor import ExecutorConfig, pick_device, send_last, serve_plain_tcp
 from .health import CHECK_TIMEOUT_S, DeviceHealth
 from .scheduler import (
@@ -386,7 +386,7 @@ class WorkerSupervisor:
         cmd = [
             sys.executable,
             "-m",
-            "cumulus_p2p.remote.worker",
+            "cumulus_p2p.host.worker",
             "--link-fd",
             str(fd),
             "--spec",
@@ -851,7 +851,7 @@ async def _namespaces_work() -> bool:
 
 
 async def _run_health_check(device: str) -> str | None:
-    cmd = [sys.executable, "-m", "cumulus_p2p.remote.health", "--device", device]
+    cmd = [sys.executable, "-m", "cumulus_p2p.host.health", "--device", device]
     with trio.move_on_after(CHECK_TIMEOUT_S):
         done = await trio.run_process(cmd, check=False, capture_stderr=True)
         if done.returncode == 0:

@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-One directory holds every blob under its digest's hex name (``blobs.py``); it is shared by
+One directory holds every blob under its digest's hex name (``blobs/names.py``); it is shared by
 all sessions of all executor and worker processes of a host, so every rule holds across
 processes, with the file system as the only shared state:
 
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .._errors import BlobMismatchError
-from .blobs import StoredBlob, digest, is_digest, plan_eviction
+from .names import StoredBlob, digest, is_digest, plan_eviction
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ records whose digests the host lacks. The host checks every attached piece again
 digest before it uses or keeps it, so a blob is always the bytes its name says.
 
 Each host keeps its blobs in one directory shared by all its sessions and worker
-processes (``blobstore.py``), capped in size. When a new blob does not fit, the least
+processes (``blobs/store.py``), capped in size. When a new blob does not fit, the least
 recently used blobs go first (``plan_eviction``); a pinned blob stays.
 
 Smaller tensors keep the inline path (their bytes ride in the batch): for them a digest

@@ -43,8 +43,8 @@ from typing import Any
 import msgpack
 import torch
 
+from ..wire.ops import UnknownOpError, resolve_op, written_arguments
 from ..wire.protocol import DeviceToken, GraphValue, encode_value
-from .ops import UnknownOpError, resolve_op, written_arguments
 
 #: Most nodes one graph may have: a 12-layer GPT's backward has a few thousand.
 MAX_GRAPH_NODES = 50_000

@@ -37,8 +37,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..executor_options import GraphCompiler
 from .graphs import GraphProgram
+from .options import GraphCompiler
 
 log = logging.getLogger(__name__)
 
