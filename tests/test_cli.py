@@ -95,6 +95,18 @@ def test_contending_shares_without_a_contend_price_are_a_usage_error():
     assert "--contend-shares needs a --contend-price" in result.stderr
 
 
+def test_paying_the_bid_on_a_contending_lease_is_a_usage_error():
+    result = run("--consume", "--priority", "contend", "--pay-bid", "--", "python", "x.py")
+    assert result.returncode == 2
+    assert "--pay-bid does not apply to --priority contend" in result.stderr
+
+
+def test_paying_the_bid_reaches_the_consumers_options():
+    wish = build_parser().parse_args(["--consume", "--max-price", "0.7", "--pay-bid"])
+    assert _consumer_options(wish, ["x.py"]).pay_bid
+    assert not _consumer_options(build_parser().parse_args(["--consume"]), ["x.py"]).pay_bid
+
+
 def test_the_contend_terms_and_the_contend_priority_reach_the_options():
     device = OfferedDevice(DeviceFacts("cpu", 0, "cpu", 4096, None, ""), perf_units=100)
     args = build_parser().parse_args(

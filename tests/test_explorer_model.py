@@ -133,6 +133,6 @@ def test_history_forgets_the_hosts_seen_least_recently_first():
 
 def test_the_cli_json_views_serve_what_the_explorer_serves(tmp_path, capsys):
     DataDir(tmp_path).write_state({**STATE, "updated": 1.0})
-    for view, expected in (("peers", model.peers(STATE)), ("offers", model.book(STATE)["offers"])):
+    for view, expected in (("peers", model.peers(STATE)), ("offers", model.offers(STATE))):
         assert main([view, "--data-dir", str(tmp_path), "--json"]) == 0
         assert json.loads(capsys.readouterr().out) == expected

@@ -4,15 +4,20 @@ The host asks 0.5 per share-hour and sells contending leases at 0.2. A consumer 
 0.3 with ``--priority contend`` leases there as a contending tenant, trains to a local
 run's loss, and both ledgers charge its receipts at 0.2: one price for every contending
 tenant (``market/pricing.py`` says why). The host has one on-demand share and one
-contending share beyond it: an on-demand job paying the ask runs beside the contending
-one, and neither is preempted. A bid under the contend price leases nothing: while it
+contending share beyond it: an on-demand job runs beside the contending one, and neither
+is preempted. That job pays its bid of 0.6 over the ask (``--pay-bid``), which would rank
+it ahead of other on-demand tenants. A bid under the contend price leases nothing: while it
 waits its status shows the price that would lease it now, and it ends saying what the
-price is. An on-demand bid of 0.3 is told a contending lease would fit.
+price is. An on-demand bid of 0.3 is told a contending lease would fit. Once the two jobs
+end, their service records reach the boot node, whose ``cumulus-node offers`` shows what
+each class cleared at beside the ask and the contending floor.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -30,6 +35,17 @@ def share_seconds(data_dir) -> dict[str, int]:
         return {e.receipt_id: e.share_seconds for e in books.entries()}
 
 
+def cleared(state: dict) -> dict | None:
+    """The boot node's price row once both jobs' leases are counted in it and the host's
+    shares are free again."""
+    rows = [
+        r
+        for r in state.get("prices", [])
+        if r["contend_leases"] and r["on_demand_leases"] and r["ask"] and r["contend_floor"]
+    ]
+    return rows[0] if rows else None
+
+
 def test_a_bid_between_the_contend_price_and_the_ask_runs_contending_at_that_price(tmp_path):
     boot = loopback.start_boot(tmp_path)
     host = nodes.start_provider(
@@ -43,9 +59,9 @@ def test_a_bid_between_the_contend_price_and_the_ask_runs_contending_at_that_pri
             tmp_path / "consumer", boot.addr, "--priority", "contend", "--max-price", "0.3",
             command=SCRIPT,
         )  # fmt: skip
-        # On demand at the ask: the host's one on-demand share, beside the contending one.
+        # On demand, paying its bid over the ask: the host's one on-demand share.
         payer = nodes.start_consumer(
-            tmp_path / "payer", boot.addr, "--max-price", "0.5", command=SCRIPT
+            tmp_path / "payer", boot.addr, "--max-price", "0.6", "--pay-bid", command=SCRIPT
         )
         # Under the contend price: no lease, and the reason names the price on offer.
         cheapskate = nodes.start_consumer(
@@ -66,6 +82,12 @@ def test_a_bid_between_the_contend_price_and_the_ask_runs_contending_at_that_pri
         assert on_demand.proc.wait(timeout=120) != 0
         assert consumer.proc.wait(timeout=180) == 0, consumer.output()
         assert payer.proc.wait(timeout=180) == 0, payer.output()
+        # Every node sees what the two leases cleared at, from their service records.
+        prices = cleared(boot.wait_for_state(cleared, timeout=60))
+        offers = subprocess.run(
+            [sys.executable, "-m", "cumulus_p2p.cli", "offers", "--data-dir", str(boot.data_dir)],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
     finally:
         for node in (host, boot):
             node.stop()
@@ -74,7 +96,7 @@ def test_a_bid_between_the_contend_price_and_the_ask_runs_contending_at_that_pri
     assert nodes.final_json(payer.lines)["final_loss"] == local
     # One lease each: nothing was preempted.
     (paid,) = json.loads((tmp_path / "payer" / "state.json").read_text())["leases"]
-    assert paid["price"] == 500_000
+    assert paid["price"] == 600_000
     (lease,) = json.loads((tmp_path / "consumer" / "state.json").read_text())["leases"]
     assert lease["price"] == 200_000  # the contend price, whatever its bid above it
     receipted = share_seconds(tmp_path / "consumer")
@@ -85,3 +107,6 @@ def test_a_bid_between_the_contend_price_and_the_ask_runs_contending_at_that_pri
     hint = "a contending lease fits your limit (--priority contend"
     assert hint in " ".join(on_demand.output().split())
     assert json.loads((tmp_path / "cheapskate" / "state.json").read_text())["leases"] == []
+    assert (prices["ask"], prices["contend_floor"]) == (500_000, 200_000)
+    assert (prices["on_demand_cleared"], prices["contend_cleared"]) == (600_000, 200_000)
+    assert "0.200000 (1)" in offers and "0.600000 (1)" in offers

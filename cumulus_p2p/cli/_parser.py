@@ -323,6 +323,13 @@ def _add_lease_wishes(consume) -> None:
         "tenants and pay the host's contend price, below its ask, if your --max-price "
         "reaches it",
     )
+    consume.add_argument(
+        "--pay-bid",
+        action="store_true",
+        help="propose your --max-price rather than the ask: on a shared device your job "
+        "then runs ahead of the other tenants of its class (not with --priority contend, "
+        "whose tenants all pay the host's contend price)",
+    )
     add_duration(consume, "--duration", 3600, "lease length (default 1h)")
     add_duration(consume, "--match-timeout", 60, "how long to wait for a match (default 60s)")
     add_duration(
@@ -449,6 +456,11 @@ def _check_node_args(parser: argparse.ArgumentParser, args, script: list[str]) -
             parser.error("--contend-shares must be between 0 and 65536")
         if args.contend_shares and not args.contend_price:
             parser.error("--contend-shares needs a --contend-price: what those leases pay")
+    if args.consume and args.pay_bid and args.priority == "contend":
+        parser.error(
+            "--pay-bid does not apply to --priority contend: every contending tenant pays "
+            "the host's contend price and none ranks ahead; bid on demand to buy rank"
+        )
     if args.provide and args.device.startswith("cuda"):
         try:
             hardware.offered_devices(args.device, hardware.detect())

@@ -280,6 +280,7 @@ def _consumer_options(args, script: list[str]):
         min_perf=args.min_perf,
         max_price=args.max_price,
         priority=PriorityClass[args.priority.upper().replace("-", "_")],
+        pay_bid=args.pay_bid,
         shares=args.shares or 1,
         duration_s=args.duration,
         match_timeout=args.match_timeout,

@@ -20,13 +20,13 @@ DATA_DIR_HELP = "the node's data directory (default $CUMULUS_DATA_DIR or ~/.cumu
 STATE_VIEWS = {
     "status": (lambda state: state, views.status_table),
     "peers": (model.peers, views.peers_table),
-    "offers": (lambda state: model.book(state)["offers"], views.offers_table),
+    "offers": (model.offers, views.market_tables),
     "reputation": (lambda state: state.get("scores", []), views.scores_table),
 }
 ABOUT = {
     "status": "the node's summary and its leases",
     "peers": "the peers it is connected to",
-    "offers": "the live offers, with each host's score",
+    "offers": "prices per GPU model, and the live offers with each host's score",
     "reputation": "every host's reliability score and the evidence behind it",
     "ledger": "the receipts and the disputed ones",
 }

@@ -71,8 +71,10 @@ def host(
 
 
 def book(state: dict) -> dict:
-    """The live order book: offers cheapest first, bids dearest first, and the depth of
-    the offers by GPU model and price (shares at or below each price)."""
+    """The live order book: per GPU model the ask, the contending floor and what recent
+    leases cleared at (``market/clearing.py``); offers cheapest first, bids dearest
+    first, and the depth of the offers by GPU model and price (shares at or below each
+    price)."""
     offers, bids = state.get("offers", []), state.get("bids", [])
     levels: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
     for row in offers:
@@ -85,7 +87,13 @@ def book(state: dict) -> dict:
             depth.append(
                 {"gpu": gpu, "price": price, "shares": levels[gpu][price], "cumulative": total}
             )
-    return {"offers": offers, "bids": bids, "depth": depth}
+    return {"prices": state.get("prices", []), "offers": offers, "bids": bids, "depth": depth}
+
+
+def offers(state: dict) -> dict:
+    """What ``cumulus-node offers`` shows: the book's prices per GPU model and its offers."""
+    shown = book(state)
+    return {"prices": shown["prices"], "offers": shown["offers"]}
 
 
 def leases(state: dict, ledger: Iterable[LedgerEntry]) -> dict:

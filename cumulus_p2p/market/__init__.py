@@ -10,6 +10,8 @@ Parts, lowest first (each imports only those above it):
   contending lease the offer's contend price, one price for all its contending tenants.
 - ``book``: the order book (sans-IO): price-time priority per resource class,
   partial fills, cancels, expiry, amendment by newer nonce, deterministic matching.
+- ``clearing``: what GPUs cost now (sans-IO): per GPU model the ask, the contending
+  floor, and what recent leases cleared at, from accepted service records.
 - ``intake``: received bytes -> envelope validator -> ``open_message`` -> book.
 - ``matcher``: the consumer's ranking of offers by effective price (reliability and
   latency are inputs).

@@ -105,10 +105,12 @@ class Fill:
 
 @dataclass(frozen=True, slots=True)
 class RestingOrder(Generic[OrderT]):
-    """A live order and the shares it has left (``RestingOrder[Offer]`` for an offer)."""
+    """A live order and the shares it has left (``RestingOrder[Offer]`` for an offer);
+    an offer's contending shares left beside its on-demand ones."""
 
     order: OrderT
     remaining: int
+    contend_remaining: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -538,13 +540,18 @@ class OrderBook:
         """The live order ``(side, author, order_id)``, or ``None``."""
         if side is Side.OFFER:
             offer = self._offers.get((author, order_id))
-            return None if offer is None else RestingOrder(offer.order, offer.remaining)
+            if offer is None:
+                return None
+            return RestingOrder(offer.order, offer.remaining, offer.contend_remaining)
         bid = self._bids.get((author, order_id))
         return None if bid is None else RestingOrder(bid.order, bid.remaining)
 
     def offers(self) -> Iterator[RestingOrder[Offer]]:
         """Every live offer, in no particular order."""
-        return (RestingOrder(live.order, live.remaining) for live in self._offers.values())
+        return (
+            RestingOrder(live.order, live.remaining, live.contend_remaining)
+            for live in self._offers.values()
+        )
 
     def bids(self) -> Iterator[RestingOrder[Bid]]:
         """Every live bid, in priority order (highest limit, then oldest, then key)."""

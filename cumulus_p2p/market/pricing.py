@@ -23,13 +23,20 @@ A uniform price also asks nothing of the bidder: bidding one's true limit costs 
 where pay-your-bid rewards guessing the floor. The host sets the price; a consumer sees
 it in the offer before it proposes. An offer without a contend price sells no
 contending lease at any price: its host has not agreed to share at a lower rank.
+
+Paying for priority is the other way round. On a shared device the host ranks tenants by
+class, then by the price their lease pays (``host/scheduler.py``'s ``lease_rank``). An
+on-demand or interruptible consumer may propose its whole limit instead of the ask
+(``proposed_price`` with ``pay_bid``): it pays more, and its session runs ahead of the
+other tenants of its class. Contending tenants all pay one price, so among them no one
+buys rank.
 """
 
 from __future__ import annotations
 
 from .messages import Bid, Offer, PriorityClass
 
-__all__ = ["least_price", "paid_on", "price_for"]
+__all__ = ["least_price", "paid_on", "price_for", "proposed_price"]
 
 
 def least_price(offer: Offer, priority: PriorityClass) -> int | None:
@@ -53,3 +60,13 @@ def paid_on(offer: Offer, bid: Bid) -> int:
     price = price_for(offer, bid)
     assert price is not None, "not an offer this bid may lease"
     return price
+
+
+def proposed_price(offer: Offer, bid: Bid, *, pay_bid: bool = False) -> int | None:
+    """What ``bid``'s lease proposes to pay on ``offer``: the least it may pay there, or,
+    to rank ahead of its class on the device (``pay_bid``, not for contending use), its
+    whole limit; None when it cannot lease there."""
+    price = price_for(offer, bid)
+    if price is None or not pay_bid or bid.priority is PriorityClass.CONTEND:
+        return price
+    return bid.max_price

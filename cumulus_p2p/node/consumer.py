@@ -73,7 +73,7 @@ from ..market.liveness import CHALLENGE_SIZE, Liveness
 from ..market.matcher import Entry, entry_of, proposal_batch, standing
 from ..market.messages import encode_message, seal_message
 from ..market.negotiation import call_propose_lease
-from ..market.pricing import price_for
+from ..market.pricing import proposed_price
 from ..market.probing import call_probe
 from ..market.settlement import (
     NOTICE_PREEMPTED,
@@ -145,6 +145,8 @@ class ConsumerOptions:
         max_price: Most micro-credits per share-hour.
         priority: On-demand, contending (pays an offer's contend price, below its
             ask, and shares the device below on-demand tenants) or interruptible.
+        pay_bid: Propose ``max_price`` rather than the ask, to run ahead of the other
+            tenants of the same class on a shared device (``pricing.proposed_price``).
         shares: Share units wanted.
         duration_s: Lease length.
         match_timeout: Seconds to wait for a matching offer before giving up.
@@ -169,6 +171,7 @@ class ConsumerOptions:
     min_perf: int = 0
     max_price: int = 2**48
     priority: PriorityClass = PriorityClass.ON_DEMAND
+    pay_bid: bool = False
     shares: int = 1
     duration_s: int = 3600
     match_timeout: float = 60.0
@@ -491,7 +494,7 @@ class Consumer:
         rt, now = self.runtime, self.runtime.clock()
         proposal = proposal or LeaseProposal(
             secrets.token_hex(16), rt.peer_id, offer.host, offer.offer_id, offer.nonce,
-            self.options.shares, price_for(offer, self.bid) or offer.price, now,
+            self.options.shares, self._price_on(offer), now,
             self.options.duration_s,
             self.options.priority, now + 60, rt.mesh.next_nonce(),
         )  # fmt: skip
@@ -533,6 +536,11 @@ class Consumer:
             return None
         key = peer.extract_public_key().to_bytes()
         return Held(grant.lease, proposal, offer, key, self._likeliest_first(peer, grant.endpoints))
+
+    def _price_on(self, offer: Offer) -> int:
+        """What this job proposes to pay on ``offer`` (the book gave it as a candidate)."""
+        price = proposed_price(offer, self.bid, pay_bid=self.options.pay_bid)
+        return offer.price if price is None else price
 
     def _likeliest_first(self, peer, endpoints: tuple[str, ...]) -> tuple[str, ...]:
         """The session endpoints on an address this node knows the host's libp2p

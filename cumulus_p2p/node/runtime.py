@@ -8,6 +8,7 @@ a node with neither role is a bootstrap peer that only routes and relays.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -23,9 +24,12 @@ from ..dht.gossip import TOPICS
 from ..envelope import Envelope
 from ..identity import NodeIdentity
 from ..market import KINDS as MARKET_KINDS
-from ..market import BookLimits, MarketIntake, Offer, OrderBook
+from ..market import BookLimits, MarketIntake, Offer, OrderBook, Side
+from ..market.clearing import ClearingPrices, price_rows
 from ..market.intake import ORDER_KINDS, Admitted
+from ..market.messages import open_message
 from ..reputation import REPORT_KIND, Accepted, Evidence, Report, Reputation, seal_report
+from ..reputation.evidence import ServiceRecord
 from .datadir import DataDir
 
 log = logging.getLogger(__name__)
@@ -49,6 +53,8 @@ class Runtime:
     #: The host-signed envelope of each live offer, by ``(host, offer_id, nonce)``: a
     #: lease names one, and evidence about the lease (a performance report) carries it.
     offer_envelopes: dict[tuple[str, str, int], Envelope] = field(default_factory=dict)
+    #: What recent leases cleared at, from the service records this node accepted.
+    clearing: ClearingPrices = field(default_factory=ClearingPrices)
 
     @property
     def peer_id(self) -> str:
@@ -71,9 +77,7 @@ class Runtime:
 
     async def publish_report(self, envelope: Envelope) -> None:
         """Gossip a signed reputation report (and count it ourselves)."""
-        result = self.reputation.receive_envelope(envelope, now=self.clock())
-        if isinstance(result, Accepted):
-            self._vouch_if_served(result.report.host, self.clock())
+        self._take_report(envelope, self.clock())
         await self.mesh.publish(envelope, topic=REPUTATION_TOPIC)
 
     async def consume_messages(self) -> None:
@@ -89,9 +93,31 @@ class Runtime:
                     key = (offer.host, offer.offer_id, offer.nonce)
                     self.offer_envelopes[key] = msg.envelope
             elif kind == REPORT_KIND:
-                result = self.reputation.receive_envelope(msg.envelope, now=now)
-                if isinstance(result, Accepted):
-                    self._vouch_if_served(result.report.host, now)
+                self._take_report(msg.envelope, now)
+
+    def _take_report(self, envelope: Envelope, now: float) -> None:
+        """Count a reputation report; an accepted service record's lease is also a price."""
+        result = self.reputation.receive_envelope(envelope, now=now)
+        if not isinstance(result, Accepted):
+            return
+        self._vouch_if_served(result.report.host, now)
+        evidence = result.report.evidence
+        if type(evidence) is ServiceRecord:
+            proposal = evidence.lease.proposal
+            model = self._gpu_model_of(proposal.host, proposal.offer_id, proposal.offer_nonce)
+            if model is not None:
+                self.clearing.record(proposal, model, now=now)
+
+    def _gpu_model_of(self, host: str, offer_id: str, nonce: int) -> str | None:
+        """The GPU model of an offer this node has seen: the very version a lease names,
+        or the live one under its ID (a long lease outlives the version it named)."""
+        envelope = self.offer_envelopes.get((host, offer_id, nonce))
+        if envelope is not None:
+            offer = open_message(envelope)
+            if type(offer) is Offer:
+                return offer.gpu_model
+        live = self.book.get(Side.OFFER, host, offer_id)
+        return None if live is None else live.order.gpu_model
 
     def _vouch_if_served(self, host: str, now: float) -> None:
         """A host with credible evidence of service (paid leases) is vouched for in the
@@ -106,6 +132,7 @@ class Runtime:
             now = self.clock()
             self.book.expire(now)
             self.reputation.expire(now)
+            self.clearing.expire(now)
             for key, envelope in list(self.offer_envelopes.items()):
                 if envelope.expires_at <= now:
                     del self.offer_envelopes[key]
@@ -134,11 +161,17 @@ class Runtime:
             "peers": self.peers(),
             "topics": list(TOPICS),
             "offers": _offer_rows(offers, scores, now),
+            "prices": _price_rows(offers, self.clearing.recent(now)),
             "bids": _bid_rows(self.book.bids(), now),
             "scores": _score_rows(scores.values()),
             "evidence": _evidence_rows(self.reputation.store.findings(), weight),
             "updated": time.time(),
         }
+
+
+def _price_rows(offers: list, clearings: list) -> list[dict]:
+    """Per GPU model: the ask, the contending floor, and what recent leases cleared at."""
+    return [dataclasses.asdict(row) for row in price_rows(offers, clearings)]
 
 
 def _offer_rows(offers: list, scores: dict, now: float) -> list[dict]:
@@ -151,6 +184,7 @@ def _offer_rows(offers: list, scores: dict, now: float) -> list[dict]:
             "vram_mib": r.order.vram_mib,
             "perf": r.order.perf_units,
             "shares": r.remaining,
+            "contend_shares": r.contend_remaining,
             "price": r.order.price,
             "contend_price": r.order.contend_price,
             "storage_gib": r.order.storage_gib,
@@ -172,6 +206,7 @@ def _bid_rows(bids, now: float) -> list[dict]:
             "gpu_models": list(r.order.gpu_models),
             "min_vram_mib": r.order.min_vram_mib,
             "shares": r.remaining,
+            "contend_shares": r.contend_remaining,
             "max_price": r.order.max_price,
             "priority": r.order.priority.name.lower().replace("_", "-"),
             "expires_in": round(r.order.expires_at - now, 1),

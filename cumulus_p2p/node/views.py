@@ -159,6 +159,37 @@ def peers_table(rows: Iterable[dict]) -> Table:
     return table
 
 
+def market_tables(shown: dict) -> Group:
+    """``cumulus-node offers``: prices per GPU model above the live offers."""
+    return Group(prices_table(shown["prices"]), offers_table(shown["offers"]))
+
+
+def prices_table(rows: Iterable[dict]) -> Table:
+    """Per GPU model: the cheapest ask and contending floor with shares free, and the
+    share-weighted median price of the last hour's leases (how many in brackets)."""
+    table = Table(title="prices per share-hour (cleared: the last hour's leases)")
+    for column in ("gpu", "on-demand ask", "contending floor", "on-demand cleared",
+                   "contending cleared"):  # fmt: skip
+        table.add_column(column)
+    for row in rows:
+        table.add_row(
+            row["gpu_model"],
+            _price(row["ask"]),
+            _price(row["contend_floor"]),
+            _cleared(row["on_demand_cleared"], row["on_demand_leases"]),
+            _cleared(row["contend_cleared"], row["contend_leases"]),
+        )
+    return table
+
+
+def _price(micro: int | None) -> str:
+    return "-" if micro is None else credits(micro)
+
+
+def _cleared(micro: int | None, leases: int) -> str:
+    return "-" if micro is None else f"{credits(micro)} ({leases})"
+
+
 def offers_table(rows: Iterable[dict]) -> Table:
     """Live offers, cheapest first, with the host's reliability score."""
     table = Table(title="offers")

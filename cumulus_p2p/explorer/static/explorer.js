@@ -250,6 +250,10 @@ function receiptsTable(rows) {
   ], rows);
 }
 
+function cleared(price, leases) {
+  return price === null || price === undefined ? "–" : `${fmt.credits(price)} (${leases})`;
+}
+
 const bookView = {
   mount() {},
   async load() {
@@ -257,6 +261,13 @@ const bookView = {
     const top = Math.max(1, ...book.depth.map((d) => d.cumulative));
     main.replaceChildren(
       el("h1", {}, "Order book"),
+      section("Prices by GPU model (per share-hour; cleared: the last hour's leases)", table("prices", [
+        { label: "GPU", cell: (p) => p.gpu_model },
+        { label: "on-demand ask", cell: (p) => fmt.credits(p.ask) },
+        { label: "contending floor", cell: (p) => fmt.credits(p.contend_floor) },
+        { label: "on-demand cleared", cell: (p) => cleared(p.on_demand_cleared, p.on_demand_leases) },
+        { label: "contending cleared", cell: (p) => cleared(p.contend_cleared, p.contend_leases) },
+      ], book.prices)),
       section("Offers", table("offers", [
         { label: "host", cell: (r) => hostLink(r.host) },
         { label: "GPU", cell: (r) => r.gpu },
