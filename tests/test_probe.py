@@ -26,6 +26,11 @@ def test_far_less_performance_than_claimed_is_a_misrepresentation():
     assert "measured 60" in judge(OFFER, facts(perf=60))
 
 
+def test_a_tenant_below_on_demand_judges_the_model_but_not_its_share_of_the_speed():
+    assert judge(OFFER, facts(perf=60), on_demand=False) is None
+    assert "runs on 'cpu'" in judge(OFFER, facts(name="cpu"), on_demand=False)
+
+
 def test_a_busy_device_somewhat_below_its_claim_passes():
     assert judge(OFFER, facts(perf=12_000)) is None
 

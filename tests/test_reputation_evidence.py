@@ -5,6 +5,7 @@ import pytest
 from cumulus_p2p._errors import InvalidEvidenceError, InvalidMessageError, MalformedMessageError
 from cumulus_p2p.envelope import Envelope
 from cumulus_p2p.identity import NodeIdentity
+from cumulus_p2p.market.messages import PriorityClass
 from cumulus_p2p.reputation import (
     BadBlob,
     EvidenceKind,
@@ -71,6 +72,14 @@ def test_measured_performance_below_the_claim_gives_the_ratio():
     offer = MINT.offer(HOST, now=NOW - 8000, perf_units=100)
     observed = PerformanceObservation(LEASE, HOST.public_key, offer, 25, NOW - 7000)
     assert observed.check(peer(CONSUMER)).ratio == 0.25
+
+
+@pytest.mark.parametrize("priority", [PriorityClass.CONTEND, PriorityClass.INTERRUPTIBLE])
+def test_a_lease_below_on_demand_cannot_claim_the_device_is_slow(priority):
+    lease = MINT.lease(CONSUMER, HOST, start=NOW - 7200, priority=priority)
+    offer = MINT.offer(HOST, now=NOW - 8000, perf_units=100)
+    with pytest.raises(InvalidEvidenceError, match="only an on-demand lease measures"):
+        PerformanceObservation(lease, HOST.public_key, offer, 5, NOW - 7000).check(peer(CONSUMER))
 
 
 def test_a_nonpayment_claim_is_about_the_consumer_and_weighed_by_the_host():

@@ -768,7 +768,7 @@ class Consumer:
         held = next((h for h in reversed(self.sessions) if h.state is LeaseState.HELD), None)
         if held is None:
             raise CumulusError("no lease is held: nothing to judge the probe against")
-        why = judge(held.offer, facts)
+        why = judge(held.offer, facts, on_demand=held.proposal.priority is PriorityClass.ON_DEMAND)
         if why is None:
             log.info("host %s's device fits its offer: %s", held.proposal.host[:12], facts)
             return None

@@ -165,10 +165,23 @@ def best_of(
     return dataclasses.replace(best, seconds=seconds)
 
 
-def judge(offer: Offer, facts: ProbeFacts, *, min_ratio: float = MIN_PERF_RATIO) -> str | None:
-    """Why ``facts`` show that ``offer`` misrepresents the device, or ``None`` if they fit."""
+def judge(
+    offer: Offer,
+    facts: ProbeFacts,
+    *,
+    on_demand: bool = True,
+    min_ratio: float = MIN_PERF_RATIO,
+) -> str | None:
+    """Why ``facts`` show that ``offer`` misrepresents the device, or ``None`` if they fit.
+
+    A lease below on-demand (``on_demand=False``: contending, interruptible) yields the
+    device to on-demand tenants by design, so its measured speed is its share, not the
+    device's: only the device's model is judged then.
+    """
     if facts.device_name.strip().lower() != offer.gpu_model.strip().lower():
         return f"offered {offer.gpu_model!r}, the session runs on {facts.device_name!r}"
+    if not on_demand:
+        return None
     if facts.perf_units < min_ratio * offer.perf_units:
         return (
             f"offered {offer.perf_units} perf units, measured {facts.perf_units} "

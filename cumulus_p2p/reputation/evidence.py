@@ -58,6 +58,7 @@ from ..market.messages import (
     Lease,
     LeaseProposal,
     Offer,
+    PriorityClass,
     Receipt,
     open_message,
     peer_id_of,
@@ -445,6 +446,12 @@ class PerformanceObservation:
         """
         proposal = _verified_lease(self.lease, self.host_key)
         _require_consumer(reporter, proposal)
+        if proposal.priority is not PriorityClass.ON_DEMAND:
+            # Such a tenant yields the device to on-demand ones by design: it measured
+            # its share of a contended device, not the device.
+            raise InvalidEvidenceError(
+                "only an on-demand lease measures the device; this one ranks below others"
+            )
         claimed = self._claimed(proposal)
         if not proposal.start_at <= self.measured_at <= proposal.end_at:
             raise InvalidEvidenceError("measured_at lies outside the lease")

@@ -66,8 +66,10 @@ class Minter:
         shares: int = 1,
         offer_id: str = "gpu0",
         offer_nonce: int = 1,
+        priority: PriorityClass = PriorityClass.ON_DEMAND,
     ) -> Lease:
-        """A lease ``consumer`` proposed and ``host`` countersigned."""
+        """A lease ``consumer`` proposed and ``host`` countersigned (on demand unless
+        ``priority`` says)."""
         proposal = LeaseProposal(
             f"L{next(self._lease_ids)}",
             peer(consumer),
@@ -78,7 +80,7 @@ class Minter:
             1000,
             float(start),
             duration_s,
-            PriorityClass.ON_DEMAND,
+            priority,
             float(start) + 30.0,
             self.nonce(),
         )
