@@ -21,7 +21,12 @@ through, in order:
    cheapest of them are preempted (released at once) when that makes room.
    ``take_preempted`` hands them to the shell, which tells their consumers
    (``NOTICE_PREEMPTED``) and ends their sessions; their state stays parked on the
-   host, to resume there or move.
+   host, to resume there or move;
+4. admission: the free shares go to the best bid waiting for them first
+   (``admission.py``). When other consumers' bids resting in the host's book fit the
+   offer and rank ahead of the proposer, and the proposal would leave them too few
+   shares, it is refused as ``OUTBID``, for at most ``admission.HOLD_S`` from the first
+   proposal outbid on that offer.
 
 A standby proposal (``LeaseKind.STANDBY``) leases disk for another session's
 checkpoints instead of shares. Step 2 holds it to the offer's storage terms: the offer
@@ -47,12 +52,14 @@ from __future__ import annotations
 
 import enum
 import heapq
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .._errors import MalformedMessageError
 from ..envelope import EnvelopeValidator, Rejected, Rejection
 from ..identity import NodeIdentity
-from .messages import Lease, LeaseKind, LeaseProposal, Offer, PriorityClass, open_message
+from .admission import HOLD_S, waiting_ahead
+from .messages import Bid, Lease, LeaseKind, LeaseProposal, Offer, PriorityClass, open_message
 from .pricing import least_price
 
 __all__ = ["LeaseBook", "RefusalReason", "Refusal", "Reservation"]
@@ -74,6 +81,7 @@ class RefusalReason(enum.Enum):
     TOO_SHORT = "shorter than the offer's minimum lease"
     BAD_START = "start time too far from now"
     NO_CAPACITY = "not enough free shares"
+    OUTBID = "the free shares go to a better bid waiting for them"
     NO_STORAGE = "this host keeps no standbys"
     NO_STORAGE_CAPACITY = "not enough free storage"
     OVERLOADED = "host overloaded"
@@ -171,6 +179,8 @@ class LeaseBook:
         self._leases: dict[str, Reservation] = {}
         self._ends: list[tuple[float, str]] = []
         self._preempted: list[Reservation] = []
+        #: When a proposal was first outbid on each offer since its last grant.
+        self._outbid_since: dict[str, float] = {}
 
     @property
     def peer_id(self) -> str:
@@ -221,7 +231,14 @@ class LeaseBook:
         """The lease ``lease_id`` if it still holds shares, else ``None``."""
         return self._leases.get(lease_id)
 
-    def propose(self, raw: bytes, *, now: float, sender: str | None = None) -> Lease | Refusal:
+    def propose(
+        self,
+        raw: bytes,
+        *,
+        now: float,
+        sender: str | None = None,
+        waiting: Iterable[Bid] = (),
+    ) -> Lease | Refusal:
         """Grant or refuse a lease proposal.
 
         Args:
@@ -229,6 +246,8 @@ class LeaseBook:
             now: The current Unix time.
             sender: The authenticated peer ID it arrived from, when known; it must
                 be the proposal's signer.
+            waiting: The bids resting in the host's book: one ranked ahead of the
+                proposer may hold the free shares back from it (``admission.py``).
 
         Returns:
             The countersigned ``Lease`` (the shares or GiB are now reserved), or a
@@ -244,11 +263,14 @@ class LeaseBook:
         if type(proposal) is not LeaseProposal:
             return Refusal(RefusalReason.MALFORMED, "not a lease proposal")
         refusal = self._check_terms(proposal, now, sender)
+        if refusal is None or refusal.reason is RefusalReason.NO_CAPACITY:
+            refusal = self._admit(proposal, waiting, now) or refusal
         if refusal is not None and refusal.reason is RefusalReason.NO_CAPACITY:
             refusal = self._preempt_for(proposal, refusal)
         if refusal is not None:
             return refusal
         self._pools[proposal.offer_id].take(proposal, -proposal.shares)
+        self._outbid_since.pop(proposal.offer_id, None)
         self._storage_free -= proposal.storage_gib
         lease = Lease.countersign(self._identity, checked)
         self._leases[proposal.lease_id] = Reservation(lease, proposal)
@@ -291,6 +313,20 @@ class LeaseBook:
             why = f"{proposal.shares} wanted, {free}{which} free"
             return Refusal(RefusalReason.NO_CAPACITY, why)
         return None
+
+    def _admit(self, proposal: LeaseProposal, waiting: Iterable[Bid], now: float) -> Refusal | None:
+        """``OUTBID`` when a better bid waits for the shares this proposal would take,
+        within ``HOLD_S`` of the first proposal it outbid there."""
+        if proposal.kind is LeaseKind.STANDBY:
+            return None
+        pool = self._pools[proposal.offer_id]
+        ahead = waiting_ahead(proposal, pool.offer, pool.free_for(proposal.priority), waiting)
+        if ahead is None:
+            return None
+        if now - self._outbid_since.setdefault(proposal.offer_id, now) >= HOLD_S:
+            return None
+        why = f"a bid of {ahead.max_price} per share-hour waits for these shares; bid above it"
+        return Refusal(RefusalReason.OUTBID, why)
 
     @staticmethod
     def _check_price(proposal: LeaseProposal, offer: Offer) -> Refusal | None:

@@ -19,7 +19,7 @@ Use hosts built with Noise as their only security transport.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import msgpack
@@ -34,7 +34,7 @@ from .._errors import (
 )
 from ..envelope import Envelope
 from .lease import LeaseBook, Refusal, RefusalReason, Reservation
-from .messages import Lease
+from .messages import Bid, Lease
 from .rpc import call_rpc, serve_rpc
 
 __all__ = [
@@ -89,6 +89,8 @@ class LeaseServer:
             now (shutting down, an unpaid record), or ``None``; asked before the book.
         on_preempted: Given the leases preempted to make room for one just granted
             (``LeaseBook.take_preempted``): tell their consumers, end their sessions.
+        waiting: Returns the bids resting in the host's order book, so the best one
+            waiting gets free shares first (``admission.py``).
     """
 
     def __init__(
@@ -100,9 +102,11 @@ class LeaseServer:
         endpoints: Callable[[], list[str]] = list,
         screen: Callable[[str], str | None] = lambda consumer: None,
         on_preempted: Callable[[list[Reservation]], None] = lambda preempted: None,
+        waiting: Callable[[], Iterable[Bid]] = tuple,
     ) -> None:
         self.book = book
         self._screen = screen
+        self._waiting = waiting
         self._on_preempted = on_preempted
         self._clock = clock
         self.timeout = timeout
@@ -120,7 +124,7 @@ class LeaseServer:
             return _packb([False, RefusalReason.CONSUMER_REFUSED.name, refusal])
         now = self._clock()
         self.book.expire(now)
-        result = self.book.propose(request, now=now, sender=context.peer)
+        result = self.book.propose(request, now=now, sender=context.peer, waiting=self._waiting())
         if isinstance(result, Refusal):
             return _packb([False, result.reason.name, result.detail])
         preempted = self.book.take_preempted()

@@ -124,10 +124,12 @@ NEWCOMER_SHARE = 0.2
 PROBE_POLL_S = 1.0
 #: Refusals that say the offer moved on (the host re-announced): not held against it.
 _STALE_OFFER = frozenset({RefusalReason.UNKNOWN_OFFER, RefusalReason.OFFER_EXPIRED})
-#: Refusals of an offer that is full: its copy in the book was stale. That offer is not
-#: proposed to again, without blame to its host (one device of a rig may be taken, not
-#: the rest); a newer offer from it is.
-_FULL_OFFER = frozenset({RefusalReason.NO_CAPACITY, RefusalReason.NO_STORAGE_CAPACITY})
+#: Refusals of an offer that is full (its copy in the book was stale), or whose free
+#: shares wait for a better bid. That offer is not proposed to again, without blame to
+#: its host (one device of a rig may be taken, not the rest); a newer offer from it is.
+_FULL_OFFER = frozenset(
+    {RefusalReason.NO_CAPACITY, RefusalReason.NO_STORAGE_CAPACITY, RefusalReason.OUTBID}
+)
 #: A host may end a session this long before its lease ends (clocks differ) and still
 #: count as having served the whole term.
 LEASE_END_SLACK_S = 2.0
@@ -236,6 +238,8 @@ class Consumer:
     options: ConsumerOptions
     desk: ReceiptDesk
     bid: Bid | None = None
+    #: Whether the bid is announced: while the job waits for a host, and only then.
+    bid_resting: bool = False
     held: list[Held] = field(default_factory=list)
     #: Which hosts may be tried, which are set aside and until when (sans-IO).
     choice: HostChoice = field(default_factory=HostChoice)
@@ -282,8 +286,19 @@ class Consumer:
         )  # fmt: skip
         return encode_message(self.bid)
 
+    async def rest_bid(self) -> None:
+        """Announce the bid while the job waits for a host (the book then shows it as
+        demand, and hosts serve the best waiting bid first: ``market/admission.py``)."""
+        if not self.bid_resting:
+            await self.runtime.mesh.announce(BID_NAME, Bid.KIND, self.bid_body)
+            self.bid_resting = True
+
     async def withdraw_bid(self) -> None:
-        """Stop announcing the bid and tell the market it is gone."""
+        """Stop announcing the bid and tell the market it is gone (it was filled, or the
+        job ended)."""
+        if not self.bid_resting:
+            return
+        self.bid_resting = False
         self.runtime.mesh.withdraw(BID_NAME)
         now = self.runtime.clock()
         cancel = Cancel(
@@ -303,6 +318,7 @@ class Consumer:
         """
         choice = self.choice
         choice.search(now=self.runtime.clock(), patience_s=patience)
+        await self.rest_bid()
         newcomers_first: bool | None = None
         probed_for_share = False
         while True:
@@ -343,6 +359,7 @@ class Consumer:
                 choice.leased(held.proposal.host, now=self.runtime.clock())
                 self.held.append(held)
                 self.desk.open_account(held.proposal, counts_bytes=True)
+                await self.withdraw_bid()  # filled: it no longer waits in anyone's book
                 return held
             await trio.sleep(0.25)
 
@@ -931,6 +948,7 @@ def _held_row(held: Held, desk: ReceiptDesk) -> dict:
         "endpoints": list(held.endpoints),
         "path": held.path,
         "price": held.proposal.price,
+        "start_at": held.proposal.start_at,
         "receipts": len(entries),
         "share_seconds": share_seconds,
         "cost": held.proposal.owed(share_seconds),
@@ -997,7 +1015,6 @@ async def run_consumer(
             consumer.nursery = nursery
             nursery.start_soon(_tick, consumer, on_tick)
             nursery.start_soon(consumer.keep_probing)
-            await runtime.mesh.announce(BID_NAME, Bid.KIND, consumer.bid_body)
             consumer.status = "matching"
             await consumer.lease(options.match_timeout)
             consumer.status = "running"

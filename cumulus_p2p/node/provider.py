@@ -710,6 +710,7 @@ async def run_provider(
             endpoints=provider.current_endpoints,
             screen=provider.screen,
             on_preempted=provider.preempted,
+            waiting=lambda: (r.order for r in runtime.book.bids()),
         )
         serve_leases(runtime.mesh.host, server)
         serve_liveness(
