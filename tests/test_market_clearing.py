@@ -43,16 +43,21 @@ def test_a_standby_lease_buys_disk_and_is_not_a_gpu_price():
     assert prices.recent(NOW) == []
 
 
-def test_a_lease_older_than_the_window_or_from_the_future_is_not_counted():
+def test_a_lease_that_ended_before_the_window_or_starts_later_is_not_counted():
     prices = ClearingPrices(window_s=3600)
-    assert not prices.record(lease("old", start=NOW - 3601), "A100", now=NOW)
+    assert not prices.record(lease("old", start=NOW - 7201), "A100", now=NOW)
     assert not prices.record(lease("future", start=NOW + 3600), "A100", now=NOW)
     assert prices.recent(NOW) == []
 
 
-def test_a_lease_leaves_the_window_an_hour_after_it_started():
+def test_a_long_lease_reported_at_its_end_still_counts():
+    # Started 83 minutes ago, ended 23 minutes ago: within the hour, it counts.
+    assert ClearingPrices(window_s=3600).record(lease(start=NOW - 5000), "A100", now=NOW)
+
+
+def test_a_lease_leaves_the_window_an_hour_after_it_was_seen():
     prices = ClearingPrices(window_s=3600)
-    prices.record(lease(start=NOW), "A100", now=NOW)
+    prices.record(lease(start=NOW - 60), "A100", now=NOW)
     assert len(prices.recent(NOW + 3599)) == 1
     prices.expire(NOW + 3600)
     assert len(prices) == 0

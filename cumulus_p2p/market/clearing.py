@@ -11,8 +11,10 @@ checks both signatures and the receipts before accepting one). Each accepted rec
 lease is one clearing: its price, class and shares. A lease names its host's offer, so
 the node resolves the GPU model from the offers it has seen.
 
-Clearings are kept for ``window_s`` after their lease started (an hour by default), at
-most ``max_leases`` of them, the oldest dropped first, and each lease counts once however
+A consumer reports its leases when its job ends, so a clearing is kept for ``window_s``
+after the node first saw it (an hour by default), and a lease whose term ended before the
+window began is not counted: a long job's price counts, an old one's does not. At most
+``max_leases`` are kept, the oldest dropped first, and each lease counts once however
 often it is reported. The price shown is the median of the window's leases, weighted by
 shares: a few leases at odd prices (a host and consumer colluding) move it only as far as
 their shares outnumber the honest ones. Standby leases buy disk, not GPU time, and are not
@@ -41,13 +43,14 @@ MAX_FUTURE_S = 300.0
 
 @dataclass(frozen=True, slots=True)
 class Clearing:
-    """One lease as a price: which GPU model, which class, how many shares, when."""
+    """One lease as a price: which GPU model, which class, how many shares, and when this
+    node saw it."""
 
     gpu_model: str
     priority: PriorityClass
     price: int
     shares: int
-    started_at: float
+    seen_at: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,27 +93,27 @@ class ClearingPrices:
 
     def record(self, proposal: LeaseProposal, gpu_model: str, *, now: float) -> bool:
         """Count a verified lease's price; False when it does not count (a standby lease,
-        one already counted, one outside the window)."""
+        one already counted, one that ended before the window or starts in the future)."""
         if proposal.kind is not LeaseKind.COMPUTE or proposal.lease_id in self._by_lease:
             return False
-        if not now - self.window_s < proposal.start_at <= now + MAX_FUTURE_S:
+        if proposal.end_at <= now - self.window_s or proposal.start_at > now + MAX_FUTURE_S:
             return False
         self._by_lease[proposal.lease_id] = Clearing(
-            gpu_model, proposal.priority, proposal.price, proposal.shares, proposal.start_at
+            gpu_model, proposal.priority, proposal.price, proposal.shares, now
         )
         while len(self._by_lease) > self.max_leases:
             self._by_lease.popitem(last=False)
         return True
 
     def expire(self, now: float) -> None:
-        """Forget leases that started more than ``window_s`` ago."""
-        stale = [k for k, c in self._by_lease.items() if c.started_at <= now - self.window_s]
+        """Forget leases seen more than ``window_s`` ago."""
+        stale = [k for k, c in self._by_lease.items() if c.seen_at <= now - self.window_s]
         for key in stale:
             del self._by_lease[key]
 
     def recent(self, now: float) -> list[Clearing]:
         """The leases within the window at ``now``."""
-        return [c for c in self._by_lease.values() if c.started_at > now - self.window_s]
+        return [c for c in self._by_lease.values() if c.seen_at > now - self.window_s]
 
 
 def price_rows(

@@ -206,7 +206,6 @@ def _bid_rows(bids, now: float) -> list[dict]:
             "gpu_models": list(r.order.gpu_models),
             "min_vram_mib": r.order.min_vram_mib,
             "shares": r.remaining,
-            "contend_shares": r.contend_remaining,
             "max_price": r.order.max_price,
             "priority": r.order.priority.name.lower().replace("_", "-"),
             "expires_in": round(r.order.expires_at - now, 1),
