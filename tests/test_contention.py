@@ -24,6 +24,7 @@ from cumulus_p2p.host.scheduler import (
     DeviceScheduler,
     Handback,
     Sharing,
+    cpu_idle,
     cpu_nice,
     lease_rank,
     sharing_for,
@@ -115,6 +116,7 @@ def test_a_cpu_is_shared_concurrently_with_interruptible_tenants_weighted_lowest
     assert sharing_for("cuda") is Sharing.EXCLUSIVE
     assert cpu_nice(ON_DEMAND) == cpu_nice(CHEAPER_ON_DEMAND) == 0
     assert cpu_nice(INTERRUPTIBLE) == 19
+    assert cpu_idle(INTERRUPTIBLE) and not cpu_idle(ON_DEMAND)
 
 
 # --- the shells: the supervisor's flag, the worker's reading of it ---------------------------

@@ -8,11 +8,12 @@ the higher price first. A device is shared in one of two ways (``Sharing``):
 
 - **Concurrently** (a CPU; ``sharing_for``): every tenant runs at once, each in its worker
   process, and rank sets each one's *share*: the supervisor gives an interruptible
-  tenant's threads the OS's lowest scheduling weight (``cpu_nice``), so the kernel runs an
-  on-demand tenant's op the moment it is ready, and the interruptible one on every cycle
-  left over. Exclusive turns lose here: a single 4000x4000 matmul is a second of CPU, and
-  a turn cannot end inside an op, so a bystander beside it waited that second (issue 35's
-  contention_bench: p99 0.2 s beside a 2000x2000 hog with turns, a few ms without).
+  tenant's threads the OS's lowest scheduling weight (``cpu_nice``) and its idle policy
+  (``cpu_idle``), so the kernel runs an on-demand tenant's op the moment it is ready, and
+  the interruptible one on every cycle left over. Exclusive turns lose here: a single
+  4000x4000 matmul is a second of CPU, and a turn cannot end inside an op, so a bystander
+  beside it waited that second (issue 35's contention_bench: p99 0.2 s beside a 2000x2000
+  hog with turns, a few ms without).
 - **In exclusive turns** (a GPU): one tenant holds the device at a time. When several
   want it, it goes to the best rank first, and among equal ranks in arrival order. A
   turn ends early, *at the holder's next op* (the shell checks between ops, not between
@@ -46,6 +47,7 @@ __all__ = [
     "DeviceScheduler",
     "Handback",
     "Sharing",
+    "cpu_idle",
     "cpu_nice",
     "lease_rank",
     "sharing_for",
@@ -89,6 +91,14 @@ def cpu_nice(rank: tuple) -> int:
     still order exclusive turns).
     """
     return INTERRUPTIBLE_NICE if rank and rank[0] > 0 else 0
+
+
+def cpu_idle(rank: tuple) -> bool:
+    """Whether a tenant of ``rank`` runs under the OS's idle policy (Linux's
+    ``SCHED_IDLE``) on a concurrently shared CPU: the classes below on-demand. An idle
+    thread is preempted the moment an on-demand thread wakes, where a thread at nice 19
+    still holds its core until the kernel's wakeup granularity runs out."""
+    return bool(rank) and rank[0] > 0
 
 
 class Handback(enum.Enum):

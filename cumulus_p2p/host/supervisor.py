@@ -27,11 +27,12 @@ else.
   behind NAT) is bridged: the worker gets one end of a socket pair, and this process
   copies bytes between the other end and the stream.
 - **Sharing the device** (``scheduler.Sharing``). On a CPU, workers run concurrently and
-  never ask for turns: the supervisor sets each worker's threads' nice value from its
-  lease (``scheduler.cpu_nice``), so an interruptible tenant gets what on-demand tenants
-  leave idle. On a GPU, workers ask for the device before a batch; the supervisor grants
-  turns with the same sans-IO ``DeviceQueue`` an in-process executor uses, ranked by each
-  worker's lease, so price and priority order tenants across processes. A worker keeps
+  never ask for turns: the supervisor sets each worker's threads' nice value and
+  scheduling policy from its lease (``scheduler.cpu_nice``, ``cpu_idle``), so an
+  interruptible tenant gets what on-demand tenants leave idle. On a GPU, workers ask for
+  the device before a batch; the supervisor grants turns with the same sans-IO
+  ``DeviceQueue`` an in-process executor uses, ranked by each worker's lease, so price
+  and priority order tenants across processes. A worker keeps
   its turn until another one asks. Then the queue says when it hands back: after its
   batch (the supervisor sends ``yield``), or at its next op (the supervisor also sets the
   worker's ``TurnFlag``, which the worker reads between ops): at once for a better-ranked
@@ -83,6 +84,7 @@ from .scheduler import (
     DeviceQueue,
     Handback,
     Sharing,
+    cpu_idle,
     cpu_nice,
     sharing_for,
 )
@@ -709,7 +711,7 @@ class WorkerSupervisor:
     def _weigh(self, worker: _Worker) -> None:
         """On a concurrently shared CPU, give the worker's threads its rank's share."""
         if self.sharing is Sharing.CONCURRENT:
-            _renice(worker.pid, cpu_nice(worker.rank))
+            _weigh_threads(worker.pid, cpu_nice(worker.rank), idle=cpu_idle(worker.rank))
 
     async def serve_tcp(
         self,
@@ -758,10 +760,11 @@ def _now() -> float:
     return time.monotonic()
 
 
-def _renice(pid: int, nice: int) -> None:
-    """Set the nice value of every thread of process ``pid`` (Linux: nice is per thread;
-    threads it starts later inherit their starter's). Lowering one needs a privilege the
-    supervisor may lack: then the thread keeps its value."""
+def _weigh_threads(pid: int, nice: int, *, idle: bool) -> None:
+    """Set the nice value, and with ``idle`` the idle policy, of every thread of process
+    ``pid`` (Linux: both are per thread; threads it starts later inherit their starter's).
+    Lowering a nice value needs a privilege the supervisor may lack: then the thread keeps
+    its value."""
     try:
         tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
     except OSError:
@@ -769,8 +772,10 @@ def _renice(pid: int, nice: int) -> None:
     for tid in tids:
         try:
             os.setpriority(os.PRIO_PROCESS, tid, nice)
+            if idle and hasattr(os, "SCHED_IDLE"):
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
         except OSError as exc:
-            log.debug("could not set thread %d's nice value to %d: %s", tid, nice, exc)
+            log.debug("could not weigh thread %d (nice %d, idle %s): %s", tid, nice, idle, exc)
 
 
 class _Unavailable(Exception):
