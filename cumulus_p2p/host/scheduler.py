@@ -90,7 +90,7 @@ def cpu_nice(rank: tuple) -> int:
     raise one but never lower it back, so prices within a class share equally here (they
     still order exclusive turns).
     """
-    return INTERRUPTIBLE_NICE if rank and rank[0] > 0 else 0
+    return INTERRUPTIBLE_NICE if cpu_idle(rank) else 0
 
 
 def cpu_idle(rank: tuple) -> bool:

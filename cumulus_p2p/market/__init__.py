@@ -8,10 +8,10 @@ Parts, lowest first (each imports only those above it):
   ``CountersignedReceipt`` add the other party's countersignature.
 - ``pricing``: what a compute lease pays (sans-IO): at least the ask, or for a
   contending lease the offer's contend price, one price for all its contending tenants.
-- ``admission``: who gets a host's free shares (sans-IO): the best bid waiting for them
-  in the host's book first, not the first proposal to arrive.
 - ``book``: the order book (sans-IO): price-time priority per resource class,
   partial fills, cancels, expiry, amendment by newer nonce, deterministic matching.
+- ``admission``: who gets a host's free shares (sans-IO): the best bid waiting for them
+  in the host's book first, not the first proposal to arrive.
 - ``clearing``: what GPUs cost now (sans-IO): per GPU model the ask, the contending
   floor, and what recent leases cleared at, from accepted service records.
 - ``intake``: received bytes -> envelope validator -> ``open_message`` -> book.

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from .book import meets_terms
 from .messages import Bid, LeaseProposal, Offer, PriorityClass
 from .pricing import price_for
 
@@ -42,11 +43,9 @@ HOLD_S = 10.0
 def fits(offer: Offer, bid: Bid) -> bool:
     """Whether ``bid`` may lease ``offer``: its device, terms and price (shares aside)."""
     return (
-        offer.host != bid.consumer
-        and offer.vram_mib >= bid.min_vram_mib
+        offer.vram_mib >= bid.min_vram_mib
         and (not bid.gpu_models or offer.gpu_model in bid.gpu_models)
-        and offer.perf_units >= bid.min_perf_units
-        and offer.min_lease_s <= bid.duration_s
+        and meets_terms(offer, bid)
         and price_for(offer, bid) is not None
     )
 

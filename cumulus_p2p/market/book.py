@@ -204,6 +204,16 @@ def _bid_key(bid: Bid) -> tuple:
     return (-bid.max_price, bid.created_at, bid.consumer, bid.bid_id)
 
 
+def meets_terms(offer: Offer, bid: Bid) -> bool:
+    """Whether ``offer`` meets ``bid``'s terms beyond its device class and price: the
+    performance it needs, a minimum lease within its duration, and another author."""
+    return (
+        offer.perf_units >= bid.min_perf_units
+        and offer.min_lease_s <= bid.duration_s
+        and offer.host != bid.consumer
+    )
+
+
 class OrderBook:
     """Every live offer and bid this node knows, for all resource classes.
 
@@ -456,12 +466,7 @@ class OrderBook:
             live = offers[(key[2], key[3])]
             order = live.order
             left = live.left_for(bid)
-            if (
-                left > 0
-                and order.perf_units >= bid.min_perf_units
-                and order.min_lease_s <= bid.duration_s
-                and order.host != bid.consumer
-            ):
+            if left > 0 and meets_terms(order, bid):
                 yield RestingOrder(order, left)
 
     def match_bid(self, bid: Bid, *, now: float) -> list[Fill]:

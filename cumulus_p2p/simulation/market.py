@@ -39,7 +39,7 @@ from ..market.messages import (
     seal_message,
 )
 from ..market.metering import Meter, check_receipt
-from ..market.pricing import price_for
+from ..market.pricing import proposed_price
 from .gpu import SimGpu
 from .world import REGIONS, SHARES_PER_GPU, GpuModel, gossip_delay_s, rtt_ms
 
@@ -268,11 +268,11 @@ class Market:
         round trip). Returns a ``Granted`` or None; ``unreachable(host)`` hears of each
         host that did not answer, as the node's shell tells its ``HostChoice``.
 
-        The price proposed is what ``cumulus-node`` proposes (``pricing.price_for``: the
-        offer's ask, or for a contending bid its contend price); with ``pay_as_bid``, the
-        bid's limit: a lease may pay more than the asking price, and the executor serves
-        dearer leases first. A contending bid paying its limit pays at most the ask (the
-        pricing ``pricing.py`` compares its own with).
+        The price proposed is what ``cumulus-node`` proposes (``pricing.proposed_price``:
+        the offer's ask, or for a contending bid its contend price); with ``pay_as_bid``,
+        the bid's limit, as ``--pay-bid`` proposes: a lease may pay more than the asking
+        price, and the executor serves dearer leases first. A contending bid paying its
+        limit pays at most the ask (the pricing ``pricing.py`` compares its own with).
         """
         for offer in offers:
             host = self.hosts[offer.host]
@@ -281,10 +281,9 @@ class Market:
                 self._refused("host unreachable")
                 unreachable(offer.host)
                 continue
-            price = price_for(offer, bid) or offer.price
-            if pay_as_bid:
-                contending = bid.priority is PriorityClass.CONTEND
-                price = min(bid.max_price, offer.price) if contending else bid.max_price
+            price = proposed_price(offer, bid, pay_bid=pay_as_bid) or offer.price
+            if pay_as_bid and bid.priority is PriorityClass.CONTEND:
+                price = min(bid.max_price, offer.price)
             granted = self._propose(consumer, host, offer, bid, price)
             if granted is not None:
                 return granted
