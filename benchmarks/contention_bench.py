@@ -21,8 +21,8 @@ Prints JSON and writes ``benchmarks/results/contention[_cuda].json``::
 Without ``--quick`` every arm runs twice for 12 s (in rounds: drifting load from other work
 falls on all arms alike) with a 4000x4000 hog; ``--quick`` (about two minutes, nothing
 written) runs each arm once for 6 s with a 2000x2000 hog. ``--sharing`` picks how the
-supervisor shares a CPU (``scheduler.Sharing``; default: the supervisor's own choice for
-the device), to compare the modes in one place. ``--device cuda`` runs the executor on a
+supervisor shares the device (``scheduler.Sharing``; default:
+``scheduler.DEFAULT_SHARING``), to compare the modes in one place. ``--device cuda`` runs the executor on a
 GPU (issue 35's CUDA target: beside a lower-rank hog, the bystander's p99 within 2x alone
 plus 2 ms), with an 8192x8192 hog unless ``--hog-size`` says otherwise.
 

@@ -20,6 +20,7 @@ import trio.testing
 
 from cumulus_p2p.host.executor import Executor, ExecutorConfig
 from cumulus_p2p.host.scheduler import (
+    DEFAULT_SHARING,
     DeviceQueue,
     DeviceScheduler,
     Handback,
@@ -27,7 +28,6 @@ from cumulus_p2p.host.scheduler import (
     cpu_idle,
     cpu_nice,
     lease_rank,
-    sharing_for,
 )
 from cumulus_p2p.host.supervisor import SupervisorConfig, WorkerSupervisor, _Worker
 from cumulus_p2p.host.worker import SupervisorTurns
@@ -111,9 +111,8 @@ def test_equal_tenants_share_the_device_within_20_percent(ops) -> None:
     assert abs(a - b) <= 0.2 * max(a, b)
 
 
-def test_a_cpu_is_shared_concurrently_with_interruptible_tenants_weighted_lowest() -> None:
-    assert sharing_for("cpu") is Sharing.CONCURRENT
-    assert sharing_for("cuda") is Sharing.EXCLUSIVE
+def test_devices_are_shared_concurrently_with_interruptible_tenants_weighted_lowest() -> None:
+    assert SupervisorConfig().sharing is DEFAULT_SHARING is Sharing.CONCURRENT
     assert cpu_nice(ON_DEMAND) == cpu_nice(CHEAPER_ON_DEMAND) == 0
     assert cpu_nice(INTERRUPTIBLE) == 19
     assert cpu_idle(INTERRUPTIBLE) and not cpu_idle(ON_DEMAND)

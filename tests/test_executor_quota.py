@@ -55,3 +55,33 @@ async def test_a_session_whose_time_is_up_is_parked_for_its_next_lease():
             while executor.sessions:  # the lease runs out while the client is idle
                 await trio.sleep(0.05)
     assert token in executor.cache
+
+
+def test_a_dynamic_ops_input_is_freed_when_its_handle_goes_without_the_gc():
+    # On a GPU the collector runs tens of 256 MiB results late: a reference cycle that
+    # holds an op's inputs is an out-of-memory error there, not a leak to tidy later.
+    import gc
+    import weakref
+
+    import torch
+
+    from cumulus_p2p.host.session import DeviceContext, ExecutorSession, parse_batch
+    from cumulus_p2p.wire.protocol import tensor_ext, tensor_layout
+
+    session = ExecutorSession(DeviceContext(torch.device("cpu")), quota_bytes=1 << 24)
+
+    def batch(seq: int, ops: list, frees: list) -> None:
+        frame = b"".join(encode_frame(["batch", seq, ops, frees, ["sync"], []]))
+        reply = session.run_batch(parse_batch(*decode_frame(bytearray(frame))))
+        assert reply.error is None
+
+    batch(1, [["aten.ones.default", [[1024]], {}, [[1, [1024], [1], 0]]]], [])
+    anchor = weakref.ref(session._handles.get(1).anchor)
+    ones = tensor_ext(1, tensor_layout(torch.float32, 0, (1024,), (1,)))
+    gc.disable()
+    try:
+        batch(2, [["aten.nonzero.default", [ones], {}, ["dyn", 2]]], [])
+        batch(3, [], [1, 2])
+        assert anchor() is None
+    finally:
+        gc.enable()

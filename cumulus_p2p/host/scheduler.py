@@ -6,15 +6,23 @@ A rank is a tuple compared in the usual way, smaller first; the provider builds 
 the lease (``lease_rank``): on-demand leases before interruptible ones, and within a class
 the higher price first. A device is shared in one of two ways (``Sharing``):
 
-- **Concurrently** (a CPU; ``sharing_for``): every tenant runs at once, each in its worker
-  process, and rank sets each one's *share*: the supervisor gives an interruptible
-  tenant's threads the OS's lowest scheduling weight (``cpu_nice``) and its idle policy
-  (``cpu_idle``), so the kernel runs an on-demand tenant's op the moment it is ready, and
-  the interruptible one on every cycle left over. Exclusive turns lose here: a single
-  4000x4000 matmul is a second of CPU, and a turn cannot end inside an op, so a bystander
-  beside it waited that second (issue 35's contention_bench: p99 0.2 s beside a 2000x2000
+- **Concurrently** (``DEFAULT_SHARING``, on a CPU and on a GPU alike): every tenant runs
+  at once, each in its worker process, and rank sets each one's *share* of the CPU: the
+  supervisor gives an interruptible tenant's threads the OS's lowest scheduling weight
+  (``cpu_nice``) and its idle policy (``cpu_idle``), so the kernel runs an on-demand
+  tenant's op the moment it is ready, and the interruptible one on every cycle left over.
+  On a GPU the worker processes' CUDA contexts are time-sliced by the driver, so a
+  bystander's small kernel runs within a slice of a hog's large one instead of after it;
+  rank weighs only the CPU threads that launch kernels (issue 35's contention_bench on an
+  H200, beside an 8192x8192 hog: p99 2.6-3.1 ms concurrently against 2.2 ms alone, and
+  24 ms in exclusive turns, with the hog keeping 99% of its throughput either way).
+  Exclusive turns lose on both: a turn cannot end inside an op, and a GPU op that
+  syncs holds its turn until its kernels finish, so a bystander beside a hog waits out
+  the hog's kernel (on a CPU: a 4000x4000 matmul, a second; p99 0.2 s beside a 2000x2000
   hog with turns, a few ms without).
-- **In exclusive turns** (a GPU): one tenant holds the device at a time. When several
+- **In exclusive turns** (``Sharing.EXCLUSIVE``, which a supervisor may be configured to
+  take; an in-process executor's sessions always do, sharing one thread): one tenant
+  holds the device at a time. When several
   want it, it goes to the best rank first, and among equal ranks in arrival order. A
   turn ends early, *at the holder's next op* (the shell checks between ops, not between
   batches), when a better-ranked tenant arrives, or when an equal-ranked one waits and the
@@ -22,7 +30,9 @@ the higher price first. A device is shared in one of two ways (``Sharing``):
   worse-ranked waiter never cuts a turn short: it gets the device when the holder's batch
   ends, that is when the device would otherwise idle. Ranks are strict: an interruptible
   tenant that always finds on-demand work queued waits for as long as it does; that is
-  what interruptible means. ``HANDBACK`` is that rule, as a table.
+  what interruptible means. ``HANDBACK`` is that rule, as a table. What strict ranks
+  buy over concurrency is throughput between two tenants that both keep a GPU busy, which
+  time-slicing splits evenly whatever their ranks; that is not measured yet.
 
 ``DeviceQueue`` is the state machine for turns (no I/O, no clock: time is passed in);
 ``DeviceScheduler`` is its trio shell inside one executor, and the supervisor
@@ -42,6 +52,7 @@ import trio
 __all__ = [
     "DEFAULT_QUANTUM_S",
     "DEFAULT_RANK",
+    "DEFAULT_SHARING",
     "HANDBACK",
     "DeviceQueue",
     "DeviceScheduler",
@@ -50,7 +61,6 @@ __all__ = [
     "cpu_idle",
     "cpu_nice",
     "lease_rank",
-    "sharing_for",
 ]
 
 #: The rank of a session nobody priced (an executor attached directly): on-demand, free.
@@ -72,15 +82,15 @@ def lease_rank(on_demand: bool, price: int) -> tuple:
 class Sharing(enum.Enum):
     """How tenants share one device."""
 
-    #: All at once, rank as an OS scheduling weight (a CPU).
+    #: All at once, rank as an OS scheduling weight of the tenants' threads.
     CONCURRENT = "concurrent"
-    #: One at a time, in turns preempted at op boundaries (a GPU).
+    #: One at a time, in turns preempted at op boundaries.
     EXCLUSIVE = "exclusive"
 
 
-def sharing_for(device_type: str) -> Sharing:
-    """How tenants of a device of this type share it (see the module's docstring)."""
-    return Sharing.CONCURRENT if device_type == "cpu" else Sharing.EXCLUSIVE
+#: How a supervisor's workers share a device unless configured otherwise: concurrently on a
+#: CPU and on a GPU (measured; see the module's docstring).
+DEFAULT_SHARING = Sharing.CONCURRENT
 
 
 def cpu_nice(rank: tuple) -> int:

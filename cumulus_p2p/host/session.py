@@ -32,6 +32,7 @@ sends back what it returns. It does run torch ops, on the device it was given.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Iterator
@@ -664,41 +665,33 @@ class ExecutorSession:
         """Register an op's outputs whose shapes the client could not know; describe them."""
         if type(first_handle) is not int:
             raise OpFailed(ErrorKind.PROTOCOL_ERROR, "dyn output needs an integer first handle")
-        next_handle = first_handle
         if len(_flat_tensors(result)) > DYN_BLOCK:
             raise OpFailed(ErrorKind.RUNTIME, f"an op may return at most {DYN_BLOCK} tensors")
-
-        def describe(value: Any) -> Any:
-            nonlocal next_handle
-            if isinstance(value, torch.Tensor):
-                for tensor, ref in self._input_refs(inputs):
-                    if tensor.untyped_storage()._cdata == value.untyped_storage()._cdata:
-                        return TensorRef(
-                            ref,
-                            value.dtype,
-                            value.storage_offset(),
-                            tuple(value.shape),
-                            tuple(value.stride()),
-                        )
-                handle = next_handle
-                next_handle += 1
-                self._handles.add(handle, value)
-                return TensorRef(
-                    handle,
-                    value.dtype,
-                    value.storage_offset(),
-                    tuple(value.shape),
-                    tuple(value.stride()),
-                )
-            if isinstance(value, (list, tuple)):
-                return [describe(v) for v in value]
-            if isinstance(value, (bool, int, float, complex)) or value is None:
-                return value
-            raise OpFailed(ErrorKind.TYPE, f"op returned an unsendable {type(value).__name__}")
-
-        described = describe(result)
+        refs = {tensor.untyped_storage()._cdata: ref for tensor, ref in self._input_refs(inputs)}
+        described = self._describe(result, refs, itertools.count(first_handle))
         self._handles.check_quota(0)
         return described
+
+    def _describe(self, value: Any, refs: dict[int, int], handles: Iterator[int]) -> Any:
+        """``value`` as the client will see it: a tensor sharing an input's storage names
+        that input's handle; any other takes the next of ``handles``.
+
+        A method, not a closure calling itself: such a closure is a reference cycle that
+        keeps the op's inputs alive until the garbage collector runs, which on a GPU is
+        tens of large results later.
+        """
+        if isinstance(value, torch.Tensor):
+            ref = refs.get(value.untyped_storage()._cdata)
+            if ref is None:
+                ref = next(handles)
+                self._handles.add(ref, value)
+            shape, stride = tuple(value.shape), tuple(value.stride())
+            return TensorRef(ref, value.dtype, value.storage_offset(), shape, stride)
+        if isinstance(value, (list, tuple)):
+            return [self._describe(v, refs, handles) for v in value]
+        if isinstance(value, (bool, int, float, complex)) or value is None:
+            return value
+        raise OpFailed(ErrorKind.TYPE, f"op returned an unsendable {type(value).__name__}")
 
     def _input_refs(self, inputs: list) -> list[tuple[torch.Tensor, int]]:
         by_storage = {e.anchor.untyped_storage()._cdata: h for h, e in self._handles.items()}

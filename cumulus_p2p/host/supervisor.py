@@ -26,14 +26,14 @@ else.
   session ends. A stream that has no socket to pass (a libp2p stream, for consumers
   behind NAT) is bridged: the worker gets one end of a socket pair, and this process
   copies bytes between the other end and the stream.
-- **Sharing the device** (``scheduler.Sharing``). On a CPU, workers run concurrently and
-  never ask for turns: the supervisor sets each worker's threads' nice value and
-  scheduling policy from its lease (``scheduler.cpu_nice``, ``cpu_idle``), so an
-  interruptible tenant gets what on-demand tenants leave idle. On a GPU, workers ask for
-  the device before a batch; the supervisor grants turns with the same sans-IO
-  ``DeviceQueue`` an in-process executor uses, ranked by each worker's lease, so price
-  and priority order tenants across processes. A worker keeps
-  its turn until another one asks. Then the queue says when it hands back: after its
+- **Sharing the device** (``scheduler.Sharing``). By default workers run concurrently, on
+  a CPU and on a GPU, and never ask for turns: the supervisor sets each worker's threads'
+  nice value and scheduling policy from its lease (``scheduler.cpu_nice``, ``cpu_idle``),
+  so an interruptible tenant gets the CPU that on-demand tenants leave idle, and a GPU's
+  driver time-slices the workers' contexts. A supervisor configured for exclusive turns
+  has workers ask for the device before a batch; it grants turns with the same sans-IO
+  ``DeviceQueue`` an in-process executor uses, ranked by each worker's lease. A worker
+  keeps its turn until another one asks. Then the queue says when it hands back: after its
   batch (the supervisor sends ``yield``), or at its next op (the supervisor also sets the
   worker's ``TurnFlag``, which the worker reads between ops): at once for a better-ranked
   waiter, after its quantum for an equal one. A tenant alone pays nothing per batch.
@@ -81,12 +81,12 @@ from .health import CHECK_TIMEOUT_S, DeviceHealth
 from .scheduler import (
     DEFAULT_QUANTUM_S,
     DEFAULT_RANK,
+    DEFAULT_SHARING,
     DeviceQueue,
     Handback,
     Sharing,
     cpu_idle,
     cpu_nice,
-    sharing_for,
 )
 from .session import SessionStats
 from .worker import EXIT_POISONED, WorkerSpec
@@ -123,13 +123,13 @@ _SANDBOX_SCRIPT = (
 class SupervisorConfig:
     """How workers run: their executor's settings, how many wait pre-started, which
     directories (the node's data directory: its key) they must not see, and how they
-    share the device (None: ``scheduler.sharing_for`` the device; ``quantum``: an
-    exclusive turn's length while an equal-ranked tenant waits)."""
+    share the device (``scheduler.Sharing``; ``quantum``: an exclusive turn's length while
+    an equal-ranked tenant waits)."""
 
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     pool: int = DEFAULT_POOL
     hidden: tuple[Path, ...] = ()
-    sharing: Sharing | None = None
+    sharing: Sharing = DEFAULT_SHARING
     quantum: float = DEFAULT_QUANTUM_S
 
 
@@ -291,7 +291,7 @@ class WorkerSupervisor:
         self.health = DeviceHealth()
         self.sessions: dict[int, SessionView] = {}
         self.sandboxed = False
-        self.sharing = self.config.sharing or sharing_for(self.device.type)
+        self.sharing = self.config.sharing
         self.queue = DeviceQueue(quantum=self.config.quantum)
         self._turn_changed = trio.Event()
         self._workers: dict[int, _Worker] = {}

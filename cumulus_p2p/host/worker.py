@@ -17,8 +17,8 @@ Messages on the link (``workerlink.py``), worker to supervisor:
 - ``["ready", pid]``: started, the device is initialised.
 - ``["acquire", n]`` / ``["release"]`` / ``["cancel", n]``: device turns
   (``SupervisorTurns``), granted across all workers by the supervisor's ``DeviceQueue``
-  in the rank of each worker's lease. Only on an exclusively shared device (a GPU): on a
-  CPU, workers run at once (``scheduler.Sharing``) and never ask.
+  in the rank of each worker's lease. Only on an exclusively shared device: by default
+  workers run at once (``scheduler.Sharing``) and never ask.
 - ``["stats", ops, bytes_in_use, wait_p50_ms, wait_p99_ms]``: its session at work, every
   ``STATS_EVERY_S`` while it serves one (the provider's status shows it; the waits are
   nil while it took no device turn in the last minute).
@@ -67,7 +67,7 @@ from ..channel.transport import AsyncFrameChannel, Handover, TrioFrameChannel, n
 from ..wire.protocol import decode_frame
 from .executor import DEFAULT_BLOB_CAP, Executor, ExecutorConfig
 from .options import GraphCompiler
-from .scheduler import DeviceScheduler, Sharing
+from .scheduler import DEFAULT_SHARING, DeviceScheduler, Sharing
 from .workerlink import LinkClosedError, TurnFlag, WorkerLink
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class WorkerSpec:
     blob_cap: int = DEFAULT_BLOB_CAP
     #: How tenants share the device (``scheduler.Sharing``): only exclusive turns are asked
     #: of the supervisor.
-    sharing: str = Sharing.EXCLUSIVE.value
+    sharing: str = DEFAULT_SHARING.value
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
