@@ -61,6 +61,15 @@ def test_a_busy_device_measured_short_once_is_measured_again_and_judged_on_its_b
     assert judge(OFFER, best) is None
 
 
+def test_the_pause_before_each_new_measurement_doubles(monkeypatch):
+    # A burst of other work on the host gets 0.5 + 1 + 2 + 4 s to pass, not 0.5 s each.
+    pauses = []
+    monkeypatch.setattr("cumulus_p2p.node.probe.time.sleep", pauses.append)
+    once, _ = measurements(*[60] * ATTEMPTS)
+    best_of(once, claimed_perf=50_000, pause_s=0.5)
+    assert pauses == [0.5 * 2**i for i in range(ATTEMPTS - 1)]
+
+
 def test_a_device_short_every_time_is_a_misrepresentation_after_every_attempt():
     once, taken = measurements(*[60 + i for i in range(ATTEMPTS + 1)])
     best = best_of(once, claimed_perf=50_000, pause_s=0)
