@@ -22,9 +22,10 @@ Without ``--quick`` every arm runs twice for 12 s (in rounds: drifting load from
 falls on all arms alike) with a 4000x4000 hog; ``--quick`` (about two minutes, nothing
 written) runs each arm once for 6 s with a 2000x2000 hog. ``--sharing`` picks how the
 supervisor shares the device (``scheduler.Sharing``; default:
-``scheduler.DEFAULT_SHARING``), to compare the modes in one place. ``--device cuda`` runs the executor on a
-GPU (issue 35's CUDA target: beside a lower-rank hog, the bystander's p99 within 2x alone
-plus 2 ms), with an 8192x8192 hog unless ``--hog-size`` says otherwise.
+``scheduler.DEFAULT_SHARING``), to compare the modes in one place. ``--device cuda`` runs
+the executor on a GPU (issue 35's CUDA target: beside a lower-rank hog, the bystander's
+p99 within 2x alone plus 2 ms), with an 8192x8192 hog unless ``--hog-size`` says
+otherwise.
 
 Keys: ``alone_p50_ms`` / ``alone_p99_ms``, ``lower_rank_hog_p50_ms`` /
 ``lower_rank_hog_p99_ms``, ``equal_rank_hog_p50_ms`` / ``equal_rank_hog_p99_ms`` (the
