@@ -264,7 +264,7 @@ def test_a_session_whose_log_outgrew_its_bound_says_it_cannot_move():
         channel = SocketFrameChannel.connect(*_split(address))
         with NativeSession(channel, reconnect=_never, log_bytes=1024) as session:
             x = torch.ones(1024).to("cumulus")  # a 4 KiB upload: over the bound
-            assert x.sum().item() == 1024.0
+            session.flush()  # no readback, so no checkpoint, before the executor is lost
             killed.kill()
             killed.wait()
             with pytest.raises(SessionClosedError, match="outgrew the 1024 bytes"):
@@ -287,6 +287,80 @@ def test_a_session_closed_after_its_executor_is_gone_just_ends():
         session.flush()  # the first write to a closed peer still succeeds; it answers RST
         time.sleep(0.2)
         session.close()  # the next write fails: no move to another host, and no error
+
+
+@contextlib.contextmanager
+def _two_executors():
+    """A plain-TCP channel to a first executor, its process (to kill), and a
+    ``reconnect`` that opens a channel to a second one."""
+    from cumulus_p2p.channel.transport import SocketFrameChannel
+    from cumulus_p2p.testing.executor import executor_process
+
+    one_thread = {"OMP_NUM_THREADS": "1"}
+    with executor_process(env=one_thread) as (first, killed):
+        with executor_process(env=one_thread) as (second, _):
+
+            def reconnect(lost: str):
+                return SocketFrameChannel.connect(*_split(second))
+
+            yield SocketFrameChannel.connect(*_split(first)), killed, reconnect
+
+
+@in_native_process
+def test_a_lost_executor_is_replaced_from_the_last_checkpoint_with_the_same_losses():
+    from cumulus_p2p.native.session import NativeSession
+
+    with _two_executors() as (channel, killed, reconnect):
+        # A log this small holds about a step: without checkpoints the session could not
+        # move by the time the executor is lost.
+        options = {"reconnect": reconnect, "checkpoint_interval": 0, "log_bytes": 256 * 1024}
+        with NativeSession(channel, **options) as session:
+            moved, moved_params = _train("cumulus", steps=6, kill_after=4, kill=killed.kill)
+            assert session.failovers == 1 and session.checkpoints >= 4
+    local, local_params = _train("cpu", steps=6)
+    assert moved == local
+    for remote, here in zip(moved_params, local_params, strict=True):
+        assert torch.equal(remote, here)
+
+
+@in_native_process
+def test_a_moved_session_draws_the_random_numbers_it_would_have_drawn():
+    from cumulus_p2p.native.session import NativeSession
+
+    def draws(kill=lambda: None) -> torch.Tensor:
+        torch.manual_seed(3)  # a SEED record, before the checkpoint: the move must not need it
+        first = torch.rand(8, device="cumulus")
+        assert first.sum().item() > 0  # a sync point: the checkpoint
+        kill()
+        return torch.cat([first, torch.rand(8, device="cumulus")]).cpu()
+
+    with _session():
+        expected = draws()
+    with _two_executors() as (channel, killed, reconnect):
+        with NativeSession(channel, reconnect=reconnect, checkpoint_interval=0) as session:
+            moved = draws(killed.kill)
+            assert session.failovers == 1
+    assert torch.equal(moved, expected)
+
+
+@in_native_process
+def test_a_checkpoint_reads_back_only_the_pieces_that_changed():
+    from cumulus_p2p.native.session import NativeSession
+
+    with _two_executors() as (channel, killed, reconnect):
+        with NativeSession(channel, reconnect=reconnect) as session:
+            frozen = torch.arange(5 * 1024 * 1024, dtype=torch.float32).to("cumulus")  # 2 pieces
+            trained = torch.zeros(16).to("cumulus")
+            session.checkpoint()
+            assert session.checkpoint_bytes == frozen.nbytes + trained.nbytes
+            trained.add_(1)
+            session.checkpoint()
+            assert session.checkpoint_bytes == frozen.nbytes + 2 * trained.nbytes
+            killed.kill()
+            killed.wait()
+            assert torch.equal(trained.cpu(), torch.ones(16))
+            assert torch.equal(frozen.cpu(), torch.arange(5 * 1024 * 1024, dtype=torch.float32))
+            assert session.failovers == 1
 
 
 def _never(lost: str):

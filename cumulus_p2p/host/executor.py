@@ -529,9 +529,12 @@ class Executor:
             going = True
             while going:
                 frame = await channel.receive_frame()
-                light = len(frame) <= native_wire.LIGHT_BYTES
                 going, reply = await self._on_device(
-                    replaying.run, frame, inline=light, rank=rank, waits=waits
+                    replaying.run,
+                    frame,
+                    inline=native_wire.runs_inline(frame),
+                    rank=rank,
+                    waits=waits,
                 )
                 if reply is not None:
                     await channel.send_frame(reply)

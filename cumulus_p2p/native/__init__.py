@@ -22,8 +22,9 @@ with the lease's quota, device turns and worker process, over plain TCP or the s
 channel. ``session.py`` sends the device's batches there (frames in
 ``cumulus_p2p.wire.native``) and answers reads back through the device's readback hook
 (``set_readback_hook``). ``torch.cumulus`` (``_DeviceModule``) answers what torch and
-CUDA compatibility mode (``cumulus_p2p.cuda_compat``) ask of the device. Failover from
-checkpoints and parking are not there yet.
+CUDA compatibility mode (``cumulus_p2p.cuda_compat``) ask of the device. A session
+fails over from checkpoints the client keeps in memory (``checkpoint.py``); checkpoints
+on disk or on a standby host, and parking, are not there yet.
 
 One owner per process
 ---------------------
@@ -40,7 +41,8 @@ Parts:
 
 - ``load()``: build if needed, load, and register ``cumulus`` (idempotent);
 - ``missing_toolchain()``: why the extension cannot be built here, or None;
-- ``records``: the wire record decoder (and an encoder, for tests);
+- ``records``: the wire record decoder (and an encoder: tests, checkpoints' restores);
+- ``checkpoint``, ``replaylog``: what a session keeps to move to another host;
 - ``executor``, ``errors``: the C++ replay loop, a session's state around it
   (``ReplaySession``) and the ``ReplayError`` it raises;
 - ``session``: a session with a host's executor, over any frame channel;

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from ..blobs.names import PIECE, digest
 from ..wire import native as wire
 from .errors import ReplayError as ReplayError
 
@@ -63,7 +64,10 @@ class ReplaySession:
         if kind == wire.BYE:
             return False, None
         readbacks: list[bytes] = []
-        if self.failure is None:
+        if kind == wire.DIGESTS:
+            if self.failure is None:
+                readbacks = [self._manifest()]
+        elif self.failure is None:
             try:
                 readbacks = self._replayer.replay(bytes(batch), names)
                 self.batches += 1
@@ -74,3 +78,12 @@ class ReplaySession:
         if self.failure is not None:
             return True, wire.failed(self.failure.record, self.failure.kind, str(self.failure))
         return True, wire.ok(readbacks)
+
+    def _manifest(self) -> bytes:
+        """Every live storage's pieces, named: the DIGESTS answer a checkpoint reads."""
+        entries = []
+        for handle in self._replayer.handles():
+            data = memoryview(self._replayer.storage_bytes(handle))
+            pieces = [digest(data[at : at + PIECE]) for at in range(0, len(data), PIECE)]
+            entries.append((handle, len(data), pieces))
+        return wire.encode_manifest(entries)

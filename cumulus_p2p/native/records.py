@@ -6,8 +6,9 @@ table (``op_names()``). The tests use it to check what the device recorded; the
 executor's replay loop (``csrc/replay.cpp``) reads the same format. Malformed bytes
 raise ``MalformedMessageError``, since a batch is a peer's input on the executor.
 
-``encode(records, names)`` is the inverse, for tests that feed the executor batches
-the device would not write (forged handles, unknown ops, truncations).
+``encode(records, names)`` is the inverse: a session's checkpoints read and restore
+storages with it (``checkpoint.py``), and tests feed the executor batches the device
+would not write (forged handles, unknown ops, truncations).
 """
 
 from __future__ import annotations
@@ -301,7 +302,7 @@ def decode(batch: bytes, names: Sequence[str]) -> list[Record]:
     return records
 
 
-# ---- encoding (tests: batches the device would not write) ------------------------------
+# ---- encoding (checkpoints; tests: batches the device would not write) -----------------
 
 
 def _put_value(out: bytearray, value: Any) -> None:

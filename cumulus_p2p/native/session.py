@@ -30,17 +30,21 @@ later one. An executor that ends the session raises ``SessionClosedError`` with 
 reason.
 
 Failover (with ``reconnect``): a lost executor is replaced by another, and the session
-is replayed there from its start (``replaylog``: the batches it sent, bounded in size).
-Random ops draw from the executor session's generator, which ``torch.manual_seed``
-seeds (a SEED record, in order with the ops around it).
+is rebuilt there from its last checkpoint (``checkpoint``: the storages' pieces, read
+back only where they changed) and the batches sent since (``replaylog``, bounded in
+size), or from its start while it has no checkpoint. A checkpoint is taken at a sync
+point (a readback) every ``checkpoint_interval`` seconds, and whenever the log is half
+full. Random ops draw from the executor session's generator, which ``torch.manual_seed``
+seeds (a SEED record, in order with the ops around it); a checkpoint keeps its state.
 
-Not in this slice: checkpoints (so a long session's log outgrows its bound and it can
-no longer move), parking, and device turns cut between the ops of a batch.
+Not in this slice: checkpoints kept off the client (on disk, or on a standby host, as
+the Python device keeps them), parking, and device turns cut between the ops of a batch.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -50,6 +54,7 @@ from ..channel.transport import FrameChannel, SocketFrameChannel
 from ..wire import native as wire
 from ..wire.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
 from . import load
+from .checkpoint import Checkpoint, PieceStore, groups, pieces_of, readback_batch, rng_batch
 from .replaylog import DEFAULT_LIMIT_BYTES, ReplayLog
 
 #: A batch goes once it holds this much (about 150 records), so that the executor replays
@@ -91,14 +96,17 @@ class NativeSession:
         flush_bytes: int = DEFAULT_FLUSH_BYTES,
         reconnect: Callable[[str], FrameChannel] | None = None,
         log_bytes: int = DEFAULT_LIMIT_BYTES,
+        checkpoint_interval: float | None = None,
     ) -> None:
         """Open a session over ``channel``: at most ``quota`` bytes of storages (the
         executor caps it at its own), batches sent early once they hold ``flush_bytes``
         (0: only at sync points and once they hold ``MAX_BATCH_BYTES``).
 
         With ``reconnect``, a lost executor is replaced: ``reconnect(why)`` returns a
-        channel to another one, and the session is replayed there from its start
-        (``replaylog``), while its batches fit in ``log_bytes``.
+        channel to another one, and the session is rebuilt there from its last
+        checkpoint and the batches sent since, kept while they fit in ``log_bytes``.
+        A checkpoint is taken at a readback every ``checkpoint_interval`` seconds (0:
+        at every one; None: only when the log is half full).
 
         Raises:
             SessionClosedError: the executor refused the session; the message says why.
@@ -109,8 +117,15 @@ class NativeSession:
         self.info = _hello(channel, quota)
         self._reconnect = reconnect
         self._log = ReplayLog(log_bytes) if reconnect is not None else None
-        #: Times the session moved to another executor.
+        self._interval = checkpoint_interval
+        self._checkpoint: Checkpoint | None = None
+        self._pieces = PieceStore()
+        self._checkpointed_at = time.monotonic()
+        #: Times the session moved to another executor, checkpoints it took, and the
+        #: bytes those read back (only pieces that changed).
         self.failovers = 0
+        self.checkpoints = 0
+        self.checkpoint_bytes = 0
         # A new executor knows no names (the whole table goes with the first flush) and
         # no storages: records pending from before, and the deaths of tensors made
         # before, are not for it.
@@ -184,9 +199,10 @@ class NativeSession:
             raise self._failure
         return reply
 
-    def _exchange(self, request: list, wait: bool) -> bytearray | None:
-        """Send ``request`` and, with ``wait``, receive its reply; on another executor
-        if this one is lost and the session can move (``MAX_MOVES`` times in a row)."""
+    def _exchange(self, request: list, wait: bool, *, logged: bool = True) -> bytearray | None:
+        """Send ``request`` (the log's last batch, when ``logged``) and, with ``wait``,
+        receive its reply; on another executor if this one is lost and the session can
+        move (``MAX_MOVES`` times in a row)."""
         replay: list[list[bytes]] = []
         for _ in range(MAX_MOVES + 1):
             try:
@@ -195,14 +211,15 @@ class NativeSession:
                 self._channel.send_frame(request)
                 return self._channel.recv_frame() if wait else None
             except (OSError, SessionClosedError) as exc:
-                replay = self._move(f"lost the executor ({exc})")
+                replay = self._move(f"lost the executor ({exc})", logged)
         raise SessionClosedError(
             f"the session could not move: {MAX_MOVES} hosts in a row were lost"
         )
 
-    def _move(self, lost: str) -> list[list[bytes]]:
-        """Open the session on the executor ``reconnect`` gives; return the batches to
-        replay there before the one in flight (the log's last, which the caller sends).
+    def _move(self, lost: str, logged: bool) -> list[list[bytes]]:
+        """Open the session on the executor ``reconnect`` gives; return what to send
+        there before the request in flight: the last checkpoint's restore, then the
+        batches logged since (but the last, when it is the request in flight).
 
         Raises:
             SessionClosedError: the session cannot move; the message says why.
@@ -211,8 +228,8 @@ class NativeSession:
         if why is not None:
             raise SessionClosedError(
                 f"{lost}, and the session cannot move to another host: {why}. Its "
-                "tensors are gone with that host; run without --native for failover "
-                "from checkpoints"
+                "tensors are gone with that host; take checkpoints more often "
+                "(checkpoint_interval)"
             )
         channel = self._reconnect(lost)
         self._channel.close()
@@ -220,7 +237,77 @@ class NativeSession:
         self.info = _hello(channel, self._quota)
         self._ext.set_executor_device(_device_type(self.info))
         self.failovers += 1
-        return self._log.frames()[:-1]
+        frames = self._log.frames()
+        return self._restore() + (frames[:-1] if logged else frames)
+
+    def _restore(self) -> list[list[bytes]]:
+        """The requests that rebuild the last checkpoint on a fresh executor (none
+        without one): the op names interned by then go with the first."""
+        if self._checkpoint is None:
+            return []
+        names = self._ext.op_names(0)[: self._checkpoint.names]
+        out = []
+        for batch in self._pieces.restore_batches(self._checkpoint):
+            out.append(wire.request(wire.BATCH, names, batch, reply=False))
+            names = []
+        return out
+
+    # --- checkpoints ----------------------------------------------------------------------
+
+    def checkpoint(self) -> Checkpoint:
+        """Take a checkpoint now (see the module's docstring): afterwards a move
+        replays only what is sent from here on.
+
+        Raises:
+            ValueError: the session has no failover (no ``reconnect``).
+            NativeSessionError: the executor failed a record.
+            MalformedMessageError: the executor's answer is not what it asked for.
+        """
+        if self._log is None:
+            raise ValueError("a session without failover (reconnect) takes no checkpoints")
+        self.flush(wait=True)
+        with self._lock:
+            manifest = wire.parse_manifest(self._ask(wire.DIGESTS, b"")[0])
+            pieces = pieces_of(manifest)
+            missing = self._pieces.missing(pieces)
+            self.checkpoint_bytes += sum(piece.nbytes for piece in missing)
+            for group in groups(missing):
+                for piece, data in zip(
+                    group, self._ask(wire.BATCH, readback_batch(group)), strict=True
+                ):
+                    self._pieces.add(piece, data)
+            (rng_state,) = self._ask(wire.BATCH, rng_batch())
+            storages = tuple((handle, nbytes) for handle, nbytes, _ in manifest)
+            self._checkpoint = Checkpoint(
+                storages, tuple(pieces), bytes(rng_state), self._names_sent
+            )
+            self._pieces.keep_only(pieces)
+            self._log = ReplayLog(self._log.limit_bytes)
+            self._checkpointed_at = time.monotonic()
+            self.checkpoints += 1
+        return self._checkpoint
+
+    def _ask(self, kind: int, batch: bytes) -> list[memoryview]:
+        """The readbacks of a request that reads only: it is not logged, since replaying
+        it changes nothing."""
+        reply = wire.parse_reply(
+            self._exchange(wire.request(kind, [], batch, True), True, logged=False)
+        )
+        if isinstance(reply, tuple):
+            record, kind_name, message = reply
+            self._failure = NativeSessionError(f"the executor failed: {message}", record, kind_name)
+            raise self._failure
+        return reply
+
+    def _checkpoint_due(self) -> bool:
+        if self._log is None:
+            return False
+        if self._log.lost_because is not None or self._log.nbytes > self._log.limit_bytes // 2:
+            return True
+        return (
+            self._interval is not None
+            and time.monotonic() - self._checkpointed_at >= self._interval
+        )
 
     def _sync(self) -> bytes:
         # As a readback: the device appended a DYN record last, whose answer comes last.
@@ -234,6 +321,8 @@ class NativeSession:
         if host.nbytes:
             host.view(-1).view(torch.uint8).copy_(torch.frombuffer(data, dtype=torch.uint8))
         dst.copy_(host)
+        if self._checkpoint_due():
+            self.checkpoint()
 
     def close(self) -> None:
         """Flush what is pending, end the session and detach the hooks. A session whose

@@ -5,9 +5,9 @@ less what the native device cannot do yet: it asks the consumer node for the lea
 matched, opens the secure session channel to that provider (``dial``), opens a native
 session over it and probes the device, moving on to the next host the node leases
 while one misrepresents its device. When the host is lost past the channel's resume
-grace period, the node leases another and the session is replayed there from its start
-(``native.replaylog``); there are no checkpoints yet, so a session whose batches
-outgrow the log cannot move, and says so. Importing this module never imports the
+grace period, the node leases another and the session is rebuilt there from its last
+checkpoint and the batches sent since (``native.checkpoint``, ``native.replaylog``);
+checkpoints stay in the client's memory. Importing this module never imports the
 Python device (``cumulus_p2p.remote``), which cannot share a process with the native
 one.
 """
@@ -32,7 +32,8 @@ def attach_native_leased(client: ControlClient) -> NativeSession:
     """A native session with the provider the node leased, its device probed.
 
     ``CUMULUS_RESUME_TIMEOUT`` (seconds) is how long a dropped connection is retried
-    before the session is lost.
+    before the session is lost; ``CUMULUS_CHECKPOINT_INTERVAL`` (seconds, default 30)
+    how often a checkpoint is taken at a sync point.
 
     Raises:
         PeerUnreachableError: the provider cannot be reached, or ``MAX_PROBED_HOSTS``
@@ -40,6 +41,7 @@ def attach_native_leased(client: ControlClient) -> NativeSession:
     """
     identity = DataDir(default_data_dir()).identity()
     resume = float(os.environ.get("CUMULUS_RESUME_TIMEOUT", "10"))
+    interval = float(os.environ.get("CUMULUS_CHECKPOINT_INTERVAL", "30"))
 
     def dial(ticket: SessionTicket) -> CountingFrameChannel:
         opened = open_channel(ticket, identity, resume_timeout=resume)
@@ -53,7 +55,7 @@ def attach_native_leased(client: ControlClient) -> NativeSession:
     why = None
     for _ in range(MAX_PROBED_HOSTS):
         ticket = client.session()
-        session = NativeSession(dial(ticket), reconnect=reconnect)
+        session = NativeSession(dial(ticket), reconnect=reconnect, checkpoint_interval=interval)
         why = client.probe(measure(session, ticket.claimed_perf).to_wire())
         if why is None:
             USAGE.session = session

@@ -14,12 +14,17 @@ Client to executor::
                      the names to the session's op name table (the names the client
                      interned since its last frame); `reply` 1: answer when done
       kind 2 BYE     the session ends (no reply)
+      kind 3 DIGESTS name every live storage's pieces (`reply` 1, no names, no batch):
+                     what a checkpoint reads to fetch only the pieces that changed
 
 Executor to client, only for a request with `reply` 1, an op-stream frame
 (``protocol.encode_frame``: a msgpack header, then the blobs)::
 
     ["ok", lengths] + blobs          the batch's readbacks, in order
     ["failed", record, kind, why]    the session's first failed record
+    ["ok", [n]] + [manifest]         a DIGESTS answer: msgpack [[handle, nbytes,
+                                     [digest, ...]], ...], a digest (``blobs.names``)
+                                     per ``PIECE`` of each storage, by handle
     ["fatal", why]                   the session is over (sent unasked, as for any session)
 
 A failure ends the session's usefulness: the executor replays nothing after it and
@@ -32,12 +37,15 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
+import msgpack
+
 from .._errors import MalformedMessageError, SessionClosedError
+from ..blobs.names import is_digest, piece_count
 from .protocol import decode_frame, encode_frame, split_blobs
 
 #: The native frames' version, named in the hello: both sides must speak the same.
-VERSION = 3
-BATCH, BYE = 1, 2
+VERSION = 4
+BATCH, BYE, DIGESTS = 1, 2, 3
 #: Requests this small are replayed on the executor's event loop (about a millisecond
 #: of records at most): cheaper than handing them to a thread and back.
 LIGHT_BYTES = 64 * 1024
@@ -65,7 +73,7 @@ def parse_request(frame: bytes | bytearray) -> tuple[int, bool, list[str], memor
     if len(view) < _HEAD.size:
         raise MalformedMessageError("request shorter than its header")
     kind, reply, count = _HEAD.unpack_from(view)
-    if kind not in (BATCH, BYE):
+    if kind not in (BATCH, BYE, DIGESTS):
         raise MalformedMessageError(f"unknown request kind {kind}")
     at, names = _HEAD.size, []
     for _ in range(count):
@@ -78,6 +86,43 @@ def parse_request(frame: bytes | bytearray) -> tuple[int, bool, list[str], memor
         names.append(bytes(view[at : at + length]).decode())
         at += length
     return kind, bool(reply), names, view[at:]
+
+
+def runs_inline(frame: bytes | bytearray) -> bool:
+    """Whether a request is light enough to replay on the executor's event loop: a small
+    batch, but never DIGESTS, which hashes every storage."""
+    return len(frame) <= LIGHT_BYTES and frame[:1] != bytes((DIGESTS,))
+
+
+def encode_manifest(entries: Sequence[tuple[int, int, Sequence[str]]]) -> bytes:
+    """A DIGESTS answer's manifest: ``(handle, nbytes, piece digests)`` per storage."""
+    return msgpack.packb([[h, n, list(d)] for h, n, d in entries])
+
+
+def parse_manifest(data: bytes | memoryview) -> list[tuple[int, int, list[str]]]:
+    """The entries of a DIGESTS answer, checked: each storage's digests are one per
+    ``PIECE`` of its bytes.
+
+    Raises:
+        MalformedMessageError: the manifest is not that.
+    """
+    try:
+        entries = msgpack.unpackb(data, use_list=True)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise MalformedMessageError(f"a storage manifest that is not msgpack: {exc}") from exc
+    if not isinstance(entries, list):
+        raise MalformedMessageError("a storage manifest must be a list")
+    out = []
+    for entry in entries:
+        match entry:
+            case [int(handle), int(nbytes), list(digests)] if (
+                handle > 0 and nbytes >= 0 and len(digests) == piece_count(nbytes)
+                and all(is_digest(d) for d in digests)
+            ):  # fmt: skip
+                out.append((handle, nbytes, digests))
+            case _:
+                raise MalformedMessageError(f"a malformed storage manifest entry: {entry!r:.80}")
+    return out
 
 
 def ok(readbacks: Sequence[bytes]) -> list:

@@ -270,7 +270,7 @@ class Replayer {
     std::sort(out.begin(), out.end());
     return out;
   }
-  // A storage's bytes, for tests and the session's stats: a contiguous uint8 copy.
+  // A storage's bytes, a contiguous uint8 copy on the CPU: what a checkpoint names.
   std::string storage_bytes(uint64_t handle) const {
     auto found = table_.find(handle);
     TORCH_CHECK(found != table_.end(), "no storage with handle ", handle);
@@ -906,5 +906,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("quota_bytes", &Replayer::quota_bytes)
       .def_property_readonly("ops_run", &Replayer::ops_run)
       .def("handles", &Replayer::handles, "The live storage handles, sorted.")
-      .def("storage_bytes", &Replayer::storage_bytes, "A storage's bytes (tests, debugging).");
+      .def(
+          "storage_bytes",
+          [](const Replayer& r, uint64_t handle) { return py::bytes(r.storage_bytes(handle)); },
+          py::arg("handle"), "A storage's bytes: what a checkpoint names and reads.");
 }

@@ -1,0 +1,162 @@
+"""A native session's checkpoints: its storages' pieces, kept by the client. Sans-IO.
+
+Theory of operation
+-------------------
+Without checkpoints a native session moves to another host by replaying every batch it
+ever sent (``replaylog``), so a long session outgrows its log and cannot move. A
+checkpoint bounds that: at a sync point the client asks the executor to name every live
+storage's pieces (a DIGESTS request: a BLAKE3 digest per ``PIECE``), reads back only the
+pieces it does not hold already (READBACK records of byte views), and the generator's
+state (RNG_GET). The log then starts over: a move restores the checkpoint on the new
+executor (ALLOC, then UPLOAD of each piece, then RNG_SET) and replays only the batches
+sent since.
+
+A piece unchanged since the last checkpoint (frozen weights, an embedding that is not
+trained) has the same digest and is never read again, so a checkpoint costs the
+consumer's link the bytes that changed. Each piece read is checked against the digest
+the executor named; a piece that does not match is refused, not kept.
+
+The pieces live in the client's memory, keyed by digest; those no checkpoint names are
+dropped when the next one is taken.
+
+This module plans and holds; ``session.py`` does the I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from .._errors import MalformedMessageError
+from ..blobs.names import PIECE, digest
+from . import records
+
+#: Bytes of pieces one batch uploads or reads back, so that its frame (or its reply) stays
+#: well under the channel's limit (256 MiB).
+GROUP_BYTES = 64 * 1024**2
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One piece of a storage: ``nbytes`` bytes at byte ``offset`` of storage ``handle``,
+    named ``name``."""
+
+    handle: int
+    offset: int
+    nbytes: int
+    name: str
+
+    def view(self) -> records.TensorRef:
+        """The piece as a flat byte view of its storage (a READBACK's source, an
+        UPLOAD's destination)."""
+        return records.TensorRef(self.handle, self.offset, "uint8", (self.nbytes,), (1,))
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A session as one executor held it at a sync point.
+
+    Attributes:
+        storages: ``(handle, nbytes)`` of every live storage.
+        pieces: every storage's pieces, in storage order.
+        rng_state: the session generator's state.
+        names: how many op names the executor had interned: a move sends these first,
+            then the batches sent since, which carry the rest.
+    """
+
+    storages: tuple[tuple[int, int], ...]
+    pieces: tuple[Piece, ...]
+    rng_state: bytes
+    names: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n in self.storages)
+
+
+def pieces_of(manifest: Sequence[tuple[int, int, Sequence[str]]]) -> list[Piece]:
+    """The pieces a DIGESTS answer names (``wire.native.parse_manifest``'s entries)."""
+    out = []
+    for handle, nbytes, names in manifest:
+        for index, name in enumerate(names):
+            offset = index * PIECE
+            out.append(Piece(handle, offset, min(PIECE, nbytes - offset), name))
+    return out
+
+
+class PieceStore:
+    """The pieces the client holds, by name; what the current checkpoint needs."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, bytes] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._data
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(data) for data in self._data.values())
+
+    def missing(self, pieces: Sequence[Piece]) -> list[Piece]:
+        """The pieces to read back: those not held, each name once."""
+        wanted: dict[str, Piece] = {}
+        for piece in pieces:
+            if piece.name not in self._data:
+                wanted.setdefault(piece.name, piece)
+        return list(wanted.values())
+
+    def add(self, piece: Piece, data: bytes | memoryview) -> None:
+        """Keep ``data`` as ``piece``'s bytes.
+
+        Raises:
+            MalformedMessageError: the bytes are not the piece the executor named.
+        """
+        if len(data) != piece.nbytes or digest(data) != piece.name:
+            raise MalformedMessageError(
+                f"storage {piece.handle}'s piece at byte {piece.offset} read back is not "
+                "the bytes its digest names"
+            )
+        self._data[piece.name] = bytes(data)
+
+    def keep_only(self, pieces: Sequence[Piece]) -> None:
+        """Drop every piece no checkpoint of ``pieces`` names."""
+        named = {piece.name for piece in pieces}
+        self._data = {name: data for name, data in self._data.items() if name in named}
+
+    def restore_batches(self, checkpoint: Checkpoint) -> Iterator[bytes]:
+        """The batches that rebuild ``checkpoint`` on a fresh executor: the storages,
+        their pieces' bytes, then the generator's state."""
+        yield records.encode([records.Alloc(h, n) for h, n in checkpoint.storages], [])
+        for group in groups(checkpoint.pieces):
+            uploads = [
+                records.Upload(
+                    p.view(), records.HostTensor("uint8", (p.nbytes,), self._data[p.name])
+                )
+                for p in group
+            ]
+            yield records.encode(uploads, [])
+        yield records.encode([records.RngSet(checkpoint.rng_state)], [])
+
+
+def groups(pieces: Sequence[Piece]) -> Iterator[list[Piece]]:
+    """``pieces`` in order, in groups of at most ``GROUP_BYTES`` (one piece at least)."""
+    group: list[Piece] = []
+    held = 0
+    for piece in pieces:
+        if group and held + piece.nbytes > GROUP_BYTES:
+            yield group
+            group, held = [], 0
+        group.append(piece)
+        held += piece.nbytes
+    if group:
+        yield group
+
+
+def readback_batch(pieces: Sequence[Piece]) -> bytes:
+    """The batch that reads ``pieces`` back: its readbacks come in that order."""
+    return records.encode([records.Readback(piece.view()) for piece in pieces], [])
+
+
+def rng_batch() -> bytes:
+    """The batch that reads the session generator's state back."""
+    return records.encode([records.RngGet()], [])

@@ -1,0 +1,108 @@
+"""A native session's checkpoints, sans-IO: what is read back, what is refused, what a
+move sends. The end-to-end moves are in ``test_native_session.py``."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from cumulus_p2p._errors import MalformedMessageError
+from cumulus_p2p.blobs.names import PIECE, digest
+from cumulus_p2p.native import records
+from cumulus_p2p.native.checkpoint import (
+    GROUP_BYTES,
+    Checkpoint,
+    Piece,
+    PieceStore,
+    groups,
+    pieces_of,
+)
+from cumulus_p2p.wire import native as wire
+
+
+def piece(handle: int, data: bytes, offset: int = 0) -> Piece:
+    return Piece(handle, offset, len(data), digest(data))
+
+
+def test_a_storage_is_named_by_one_digest_per_piece():
+    head, tail = b"a" * PIECE, b"b" * 10
+    pieces = pieces_of([(7, PIECE + 10, [digest(head), digest(tail)]), (8, 0, [])])
+    assert pieces == [
+        Piece(7, 0, PIECE, digest(head)),
+        Piece(7, PIECE, 10, digest(tail)),
+    ]
+
+
+def test_only_pieces_not_held_are_read_back_each_name_once():
+    store = PieceStore()
+    held, same = piece(1, b"held"), piece(2, b"same")
+    store.add(held, b"held")
+    assert store.missing([held, same, piece(3, b"same")]) == [same]
+
+
+def test_bytes_that_are_not_the_named_piece_are_refused_and_not_kept():
+    store = PieceStore()
+    named = piece(1, b"the real bytes")
+    with pytest.raises(MalformedMessageError, match="not the bytes its digest names"):
+        store.add(named, b"forged  bytes!")
+    assert named.name not in store
+
+
+def test_pieces_no_checkpoint_names_are_dropped():
+    store = PieceStore()
+    old, new = piece(1, b"old"), piece(1, b"new")
+    store.add(old, b"old")
+    store.add(new, b"new")
+    store.keep_only([new])
+    assert old.name not in store and new.name in store
+
+
+def test_a_restore_allocates_every_storage_uploads_its_pieces_then_sets_the_generator():
+    store = PieceStore()
+    a, b = piece(1, b"\x01" * 8), piece(2, b"\x02" * 4)
+    store.add(a, b"\x01" * 8)
+    store.add(b, b"\x02" * 4)
+    checkpoint = Checkpoint(((1, 8), (2, 4), (3, 0)), (a, b), b"rng", names=5)
+    decoded = [r for batch in store.restore_batches(checkpoint) for r in records.decode(batch, [])]
+    assert decoded == [
+        records.Alloc(1, 8),
+        records.Alloc(2, 4),
+        records.Alloc(3, 0),
+        records.Upload(a.view(), records.HostTensor("uint8", (8,), b"\x01" * 8)),
+        records.Upload(b.view(), records.HostTensor("uint8", (4,), b"\x02" * 4)),
+        records.RngSet(b"rng"),
+    ]
+
+
+def test_pieces_go_in_groups_that_keep_a_frame_under_its_limit():
+    pieces = [Piece(1, i * PIECE, PIECE, f"{i:064x}") for i in range(9)]
+    sizes = [sum(p.nbytes for p in group) for group in groups(pieces)]
+    assert all(size <= GROUP_BYTES for size in sizes)
+    assert sum(sizes) == 9 * PIECE
+
+
+@pytest.mark.parametrize(
+    "manifest",
+    [
+        b"\xc1",  # not msgpack
+        msgpack.packb({"handle": 1}),
+        msgpack.packb([[1, PIECE + 1, [digest(b"x")]]]),  # two pieces, one digest
+        msgpack.packb([[1, 4, ["not a digest"]]]),
+        msgpack.packb([[0, 4, [digest(b"x")]]]),  # handle 0 is no storage
+        msgpack.packb([[1, -4, []]]),
+    ],
+)
+def test_a_malformed_storage_manifest_is_refused(manifest):
+    with pytest.raises(MalformedMessageError):
+        wire.parse_manifest(manifest)
+
+
+def test_a_manifest_round_trips():
+    entries = [(3, 5, [digest(b"12345")]), (4, 0, [])]
+    assert wire.parse_manifest(wire.encode_manifest(entries)) == entries
+
+
+def test_naming_storages_never_runs_on_the_executors_event_loop():
+    digests = b"".join(wire.request(wire.DIGESTS, [], b"", reply=True))
+    small = b"".join(wire.request(wire.BATCH, [], b"", reply=True))
+    assert not wire.runs_inline(digests) and wire.runs_inline(small)
