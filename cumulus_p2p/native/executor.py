@@ -83,7 +83,8 @@ class ReplaySession:
         """Every live storage's pieces, named: the DIGESTS answer a checkpoint reads."""
         entries = []
         for handle in self._replayer.handles():
-            data = memoryview(self._replayer.storage_bytes(handle))
+            # A GPU's storage comes to the host once; a CPU's is hashed where it lies.
+            data = memoryview(self._replayer.storage_view(handle).cpu().numpy())
             pieces = [digest(data[at : at + PIECE]) for at in range(0, len(data), PIECE)]
             entries.append((handle, len(data), pieces))
         return wire.encode_manifest(entries)

@@ -270,14 +270,13 @@ class Replayer {
     std::sort(out.begin(), out.end());
     return out;
   }
-  // A storage's bytes, a contiguous uint8 copy on the CPU: what a checkpoint names.
-  std::string storage_bytes(uint64_t handle) const {
+  // A storage's bytes as a flat uint8 tensor on its device, sharing its memory: what a
+  // checkpoint names (a CPU storage is hashed where it lies, without a copy).
+  at::Tensor storage_view(uint64_t handle) const {
     auto found = table_.find(handle);
     TORCH_CHECK(found != table_.end(), "no storage with handle ", handle);
     const c10::Storage& s = found->second.storage;
-    at::Tensor bytes = over(s, c10::ScalarType::Byte, {static_cast<int64_t>(s.nbytes())}, {1}, 0)
-                           .to(c10::kCPU);
-    return std::string(static_cast<const char*>(bytes.const_data_ptr()), bytes.nbytes());
+    return over(s, c10::ScalarType::Byte, {static_cast<int64_t>(s.nbytes())}, {1}, 0);
   }
 
  private:
@@ -906,8 +905,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("quota_bytes", &Replayer::quota_bytes)
       .def_property_readonly("ops_run", &Replayer::ops_run)
       .def("handles", &Replayer::handles, "The live storage handles, sorted.")
-      .def(
-          "storage_bytes",
-          [](const Replayer& r, uint64_t handle) { return py::bytes(r.storage_bytes(handle)); },
-          py::arg("handle"), "A storage's bytes: what a checkpoint names and reads.");
+      .def("storage_view", &Replayer::storage_view, py::arg("handle"),
+           "A storage's bytes as a flat uint8 tensor sharing its memory.");
 }
