@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from cumulus_p2p._errors import MalformedMessageError
+from cumulus_p2p._errors import BlobMismatchError, MalformedMessageError
 from cumulus_p2p.blobs.names import PIECE, digest
 from cumulus_p2p.native import records
 from cumulus_p2p.native.checkpoint import (
@@ -106,3 +106,44 @@ def test_naming_storages_never_runs_on_the_executors_event_loop():
     digests = b"".join(wire.request(wire.DIGESTS, [], b"", reply=True))
     small = b"".join(wire.request(wire.BATCH, [], b"", reply=True))
     assert not wire.runs_inline(digests) and wire.runs_inline(small)
+
+
+def on_disk(tmp_path, *datas: bytes) -> tuple[PieceStore, list[Piece]]:
+    store = PieceStore(tmp_path / "checkpoints")
+    store.make_room(sum(len(d) for d in datas))
+    pieces = [piece(i + 1, data) for i, data in enumerate(datas)]
+    for p, data in zip(pieces, datas, strict=True):
+        store.add(p, data)
+    return store, pieces
+
+
+def test_pieces_on_disk_restore_the_bytes_they_were_given(tmp_path):
+    store, (a,) = on_disk(tmp_path, b"\x07" * 100)
+    checkpoint = Checkpoint(((1, 100),), (a,), b"rng", names=0)
+    uploads = [r for batch in store.restore_batches(checkpoint) for r in records.decode(batch, [])]
+    assert records.Upload(a.view(), records.HostTensor("uint8", (100,), b"\x07" * 100)) in uploads
+
+
+def test_a_piece_damaged_on_disk_is_refused_naming_the_directory(tmp_path):
+    store, (a,) = on_disk(tmp_path, b"\x07" * 100)
+    (tmp_path / "checkpoints" / a.name).write_bytes(b"\x08" * 100)
+    with pytest.raises(BlobMismatchError, match="damaged on disk"):
+        store.read(a.name)
+
+
+def test_the_checkpoint_directory_holds_at_most_twice_the_state(tmp_path):
+    store = PieceStore(tmp_path / "checkpoints")
+    for version in range(6):  # every checkpoint changes the whole state
+        data = bytes([version]) * 1000
+        store.make_room(len(data))
+        store.add(p := piece(1, data), data)
+        store.keep_only([p])
+    files = [f for f in (tmp_path / "checkpoints").iterdir() if f.is_file() and len(f.name) == 64]
+    assert sum(f.stat().st_size for f in files) <= 2 * 1000  # not 6000: old pieces go
+    assert store.nbytes == 1000
+
+
+def test_closing_the_store_removes_its_directory(tmp_path):
+    store, _ = on_disk(tmp_path, b"x" * 10)
+    store.close()
+    assert not (tmp_path / "checkpoints").exists()

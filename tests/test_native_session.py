@@ -324,6 +324,21 @@ def test_a_lost_executor_is_replaced_from_the_last_checkpoint_with_the_same_loss
 
 
 @in_native_process
+def test_checkpoints_kept_on_disk_move_a_session_and_go_when_it_closes(tmp_path):
+    from cumulus_p2p.native.session import NativeSession
+
+    directory = tmp_path / "checkpoints"
+    with _two_executors() as (channel, killed, reconnect):
+        options = {"reconnect": reconnect, "checkpoint_interval": 0, "checkpoint_dir": directory}
+        with NativeSession(channel, **options) as session:
+            moved, _ = _train("cumulus", steps=4, kill_after=2, kill=killed.kill)
+            assert session.failovers == 1 and session.checkpoints >= 2
+            assert any(directory.iterdir())
+    assert not directory.exists()
+    assert moved == _train("cpu", steps=4)[0]
+
+
+@in_native_process
 def test_a_moved_session_draws_the_random_numbers_it_would_have_drawn():
     from cumulus_p2p.native.session import NativeSession
 

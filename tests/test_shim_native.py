@@ -77,7 +77,7 @@ def test_a_script_that_loses_its_executor_ends_saying_it_cannot_fail_over(tmp_pa
         out, err = script.communicate(timeout=60)
     assert script.returncode == 1
     assert "lost the executor" in err
-    assert "run without --native for failover" in err
+    assert "the session cannot move: it was opened with one executor" in err
 
 
 def test_an_unreachable_executor_is_a_start_failure_naming_the_address():

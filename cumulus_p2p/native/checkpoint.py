@@ -16,19 +16,26 @@ trained) has the same digest and is never read again, so a checkpoint costs the
 consumer's link the bytes that changed. Each piece read is checked against the digest
 the executor named; a piece that does not match is refused, not kept.
 
-The pieces live in the client's memory, keyed by digest; those no checkpoint names are
-dropped when the next one is taken.
+The pieces live in the client's memory, keyed by digest, or in a directory of its disk
+(a ``BlobStore`` of its own: written atomically, checked against their names when read
+back, so a piece damaged on disk fails the move with that reason instead of restoring
+wrong bytes). Those the latest checkpoint does not name are dropped from memory when it is
+taken; on disk they stay until room is needed, the directory holding at most the last
+checkpoint's pieces and the next one's.
 
 This module plans and holds; ``session.py`` does the I/O.
 """
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-from .._errors import MalformedMessageError
+from .._errors import BlobMismatchError, MalformedMessageError
 from ..blobs.names import PIECE, digest
+from ..blobs.store import BlobStore, PinnedBlob
 from . import records
 
 #: Bytes of pieces one batch uploads or reads back, so that its frame (or its reply) stays
@@ -85,43 +92,87 @@ def pieces_of(manifest: Sequence[tuple[int, int, Sequence[str]]]) -> list[Piece]
 
 
 class PieceStore:
-    """The pieces the client holds, by name; what the current checkpoint needs."""
+    """The pieces the client holds, by name: in memory, or under ``directory``, which it
+    then owns (``close`` removes it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, directory: Path | None = None) -> None:
         self._data: dict[str, bytes] = {}
+        self._disk = None if directory is None else BlobStore(directory, cap=0)
+        self._pins: dict[str, PinnedBlob] = {}
 
     def __contains__(self, name: str) -> bool:
-        return name in self._data
+        return name in self._data or name in self._pins
 
     @property
     def nbytes(self) -> int:
-        return sum(len(data) for data in self._data.values())
+        """Bytes of the pieces held for checkpoints."""
+        held = sum(len(data) for data in self._data.values())
+        return held + sum(pin.size for pin in self._pins.values())
 
     def missing(self, pieces: Sequence[Piece]) -> list[Piece]:
         """The pieces to read back: those not held, each name once."""
         wanted: dict[str, Piece] = {}
         for piece in pieces:
-            if piece.name not in self._data:
+            if piece.name not in self:
                 wanted.setdefault(piece.name, piece)
         return list(wanted.values())
+
+    def make_room(self, state_bytes: int) -> None:
+        """Before a checkpoint of a session holding ``state_bytes``: the disk keeps the
+        last checkpoint's pieces while the next one's arrive, and no more."""
+        if self._disk is not None:
+            self._disk.cap = self.nbytes + state_bytes
 
     def add(self, piece: Piece, data: bytes | memoryview) -> None:
         """Keep ``data`` as ``piece``'s bytes.
 
         Raises:
             MalformedMessageError: the bytes are not the piece the executor named.
+            OSError: the checkpoint directory could not keep them.
         """
         if len(data) != piece.nbytes or digest(data) != piece.name:
             raise MalformedMessageError(
                 f"storage {piece.handle}'s piece at byte {piece.offset} read back is not "
                 "the bytes its digest names"
             )
-        self._data[piece.name] = bytes(data)
+        if self._disk is None:
+            self._data[piece.name] = bytes(data)
+            return
+        pinned = (
+            self._disk.pin(piece.name) if self._disk.put(piece.name, memoryview(data)) else None
+        )
+        if pinned is None:
+            raise OSError(f"the checkpoint directory {self._disk.root} could not keep a piece")
+        self._pins[piece.name] = pinned
+
+    def read(self, name: str) -> bytes | memoryview:
+        """A held piece's bytes.
+
+        Raises:
+            BlobMismatchError: the piece was damaged on disk.
+        """
+        if self._disk is None:
+            return self._data[name]
+        try:
+            return self._pins[name].read()
+        except BlobMismatchError as exc:
+            raise BlobMismatchError(
+                f"a checkpoint piece in {self._disk.root} is damaged on disk ({exc}); the "
+                "session cannot be restored from it"
+            ) from exc
 
     def keep_only(self, pieces: Sequence[Piece]) -> None:
-        """Drop every piece no checkpoint of ``pieces`` names."""
+        """Let go of every piece no checkpoint of ``pieces`` names."""
         named = {piece.name for piece in pieces}
         self._data = {name: data for name, data in self._data.items() if name in named}
+        for name in [name for name in self._pins if name not in named]:
+            self._pins.pop(name).close()
+
+    def close(self) -> None:
+        """Let go of every piece; remove the directory, if any."""
+        self.keep_only([])
+        if self._disk is not None:
+            shutil.rmtree(self._disk.root, ignore_errors=True)
 
     def restore_batches(self, checkpoint: Checkpoint) -> Iterator[bytes]:
         """The batches that rebuild ``checkpoint`` on a fresh executor: the storages,
@@ -130,7 +181,7 @@ class PieceStore:
         for group in groups(checkpoint.pieces):
             uploads = [
                 records.Upload(
-                    p.view(), records.HostTensor("uint8", (p.nbytes,), self._data[p.name])
+                    p.view(), records.HostTensor("uint8", (p.nbytes,), bytes(self.read(p.name)))
                 )
                 for p in group
             ]

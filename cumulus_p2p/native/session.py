@@ -37,8 +37,8 @@ point (a readback) every ``checkpoint_interval`` seconds, and whenever the log i
 full. Random ops draw from the executor session's generator, which ``torch.manual_seed``
 seeds (a SEED record, in order with the ops around it); a checkpoint keeps its state.
 
-Not in this slice: checkpoints kept off the client (on disk, or on a standby host, as
-the Python device keeps them), parking, and device turns cut between the ops of a batch.
+Not in this slice: checkpoints kept on a standby host (the Python device's), parking,
+and device turns cut between the ops of a batch.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -97,6 +98,7 @@ class NativeSession:
         reconnect: Callable[[str], FrameChannel] | None = None,
         log_bytes: int = DEFAULT_LIMIT_BYTES,
         checkpoint_interval: float | None = None,
+        checkpoint_dir: Path | None = None,
     ) -> None:
         """Open a session over ``channel``: at most ``quota`` bytes of storages (the
         executor caps it at its own), batches sent early once they hold ``flush_bytes``
@@ -106,7 +108,9 @@ class NativeSession:
         channel to another one, and the session is rebuilt there from its last
         checkpoint and the batches sent since, kept while they fit in ``log_bytes``.
         A checkpoint is taken at a readback every ``checkpoint_interval`` seconds (0:
-        at every one; None: only when the log is half full).
+        at every one; None: only when the log is half full), its pieces kept in memory,
+        or under ``checkpoint_dir`` (a directory the session then owns, removed when it
+        closes).
 
         Raises:
             SessionClosedError: the executor refused the session; the message says why.
@@ -119,7 +123,7 @@ class NativeSession:
         self._log = ReplayLog(log_bytes) if reconnect is not None else None
         self._interval = checkpoint_interval
         self._checkpoint: Checkpoint | None = None
-        self._pieces = PieceStore()
+        self._pieces = PieceStore(checkpoint_dir)
         self._checkpointed_at = time.monotonic()
         #: Times the session moved to another executor, checkpoints it took, and the
         #: bytes those read back (only pieces that changed).
@@ -224,12 +228,17 @@ class NativeSession:
         Raises:
             SessionClosedError: the session cannot move; the message says why.
         """
-        why = self._log.lost_because if self._log is not None else "it has no other host"
-        if why is not None:
+        if self._log is None:
             raise SessionClosedError(
-                f"{lost}, and the session cannot move to another host: {why}. Its "
-                "tensors are gone with that host; take checkpoints more often "
-                "(checkpoint_interval)"
+                f"{lost}, and the session cannot move: it was opened with one executor and "
+                "no other to move to, and its tensors are gone with that host (under "
+                "cumulus-node --consume --native the node leases another)"
+            )
+        if self._log.lost_because is not None:
+            raise SessionClosedError(
+                f"{lost}, and the session cannot move to another host: "
+                f"{self._log.lost_because}. Its tensors are gone with that host; take "
+                "checkpoints more often (checkpoint_interval)"
             )
         channel = self._reconnect(lost)
         self._channel.close()
@@ -269,6 +278,7 @@ class NativeSession:
         with self._lock:
             manifest = wire.parse_manifest(self._ask(wire.DIGESTS, b"")[0])
             pieces = pieces_of(manifest)
+            self._pieces.make_room(sum(nbytes for _, nbytes, _ in manifest))
             missing = self._pieces.missing(pieces)
             self.checkpoint_bytes += sum(piece.nbytes for piece in missing)
             for group in groups(missing):
@@ -342,6 +352,7 @@ class NativeSession:
             pass
         finally:
             self._channel.close()
+            self._pieces.close()
 
 
 #: The open session, which ``torch.cumulus`` answers for (one per process, as the device's

@@ -7,7 +7,8 @@ session over it and probes the device, moving on to the next host the node lease
 while one misrepresents its device. When the host is lost past the channel's resume
 grace period, the node leases another and the session is rebuilt there from its last
 checkpoint and the batches sent since (``native.checkpoint``, ``native.replaylog``);
-checkpoints stay in the client's memory. Importing this module never imports the
+checkpoints are kept on this machine's disk, under the data directory, for the run's
+life. Importing this module never imports the
 Python device (``cumulus_p2p.remote``), which cannot share a process with the native
 one.
 """
@@ -39,7 +40,10 @@ def attach_native_leased(client: ControlClient) -> NativeSession:
         PeerUnreachableError: the provider cannot be reached, or ``MAX_PROBED_HOSTS``
             hosts in a row misrepresented their device.
     """
-    identity = DataDir(default_data_dir()).identity()
+    data = DataDir(default_data_dir())
+    identity = data.identity()
+    # On disk, not in memory: a model's pieces would otherwise double the script's RAM.
+    checkpoints = data.path / "native-checkpoints" / f"run-{os.getpid()}"
     resume = float(os.environ.get("CUMULUS_RESUME_TIMEOUT", "10"))
     interval = float(os.environ.get("CUMULUS_CHECKPOINT_INTERVAL", "30"))
 
@@ -55,7 +59,12 @@ def attach_native_leased(client: ControlClient) -> NativeSession:
     why = None
     for _ in range(MAX_PROBED_HOSTS):
         ticket = client.session()
-        session = NativeSession(dial(ticket), reconnect=reconnect, checkpoint_interval=interval)
+        session = NativeSession(
+            dial(ticket),
+            reconnect=reconnect,
+            checkpoint_interval=interval,
+            checkpoint_dir=checkpoints,
+        )
         why = client.probe(measure(session, ticket.claimed_perf).to_wire())
         if why is None:
             USAGE.session = session
