@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..blobs.names import PIECE, digest
+from ..blobs.store import BlobStore, PinnedBlob
 from ..wire.protocol import TensorRef, storage_extent
 
 if TYPE_CHECKING:
@@ -244,6 +246,48 @@ class HandleTable:
             entry.anchor = anchor
             entry.views.clear()
 
+    def page_out(self, store: BlobStore) -> dict[int, list[PinnedBlob]]:
+        """Write every storage to ``store`` as named pieces, pinned, then let go of its
+        memory: each anchor becomes an empty placeholder of its dtype until ``page_in``.
+        Either every storage is paged out or, when the store cannot keep a piece, none
+        is (and no piece stays pinned).
+
+        Raises:
+            OSError: the store could not keep a piece (full, or the disk refused it).
+        """
+        paged: dict[int, list[PinnedBlob]] = {}
+        try:
+            for handle, entry in self._entries.items():
+                paged[handle] = _page_out(entry.anchor, store)
+        except BaseException:
+            for pins in paged.values():
+                for pin in pins:
+                    pin.close()
+            raise
+        for entry in self._entries.values():
+            entry.anchor = torch.empty(0, dtype=entry.anchor.dtype)
+            entry.views.clear()
+        return paged
+
+    def page_in(self, paged: dict[int, list[PinnedBlob]], device: torch.device) -> None:
+        """Bring the storages ``page_out`` wrote back onto ``device``, each piece checked
+        against its name; the pins are closed either way.
+
+        Raises:
+            BlobMismatchError: a piece was damaged on disk (no anchor changed then).
+        """
+        try:
+            anchors = {
+                h: _paged_in(pins, self._entries[h].anchor.dtype, device)
+                for h, pins in paged.items()
+            }
+        finally:
+            for pins in paged.values():
+                for pin in pins:
+                    pin.close()
+        for handle, anchor in anchors.items():
+            self._entries[handle].anchor = anchor
+
     # --- restoring ----------------------------------------------------------------------
 
     def restore_target(
@@ -300,6 +344,37 @@ def raw_bytes(anchor: torch.Tensor, start: int, length: int) -> torch.Tensor:
     """Bytes ``[start, start + length)`` of an anchor's storage, as a uint8 view."""
     raw = torch.empty(0, dtype=torch.uint8, device=anchor.device)
     return raw.set_(anchor.untyped_storage(), start, (length,), (1,))
+
+
+def _page_out(anchor: torch.Tensor, store: BlobStore) -> list[PinnedBlob]:
+    """An anchor's whole storage written to ``store`` in ``PIECE``s, each pinned."""
+    nbytes = anchor.untyped_storage().nbytes()
+    data = raw_bytes(anchor, 0, nbytes).cpu().numpy()
+    pins: list[PinnedBlob] = []
+    try:
+        for start in range(0, nbytes, PIECE):
+            piece = memoryview(data[start : start + PIECE])
+            name = digest(piece)
+            pin = store.pin(name) if store.put(name, piece) else None
+            if pin is None:
+                raise OSError(f"the blob store {store.root} could not keep an evicted piece")
+            pins.append(pin)
+    except BaseException:
+        for pin in pins:
+            pin.close()
+        raise
+    return pins
+
+
+def _paged_in(pins: list[PinnedBlob], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A new anchor on ``device`` holding the pieces ``pins`` name, checked."""
+    host = torch.empty(sum(pin.size for pin in pins), dtype=torch.uint8)
+    view, start = memoryview(host.numpy()), 0
+    for pin in pins:
+        pin.read_into(view[start : start + pin.size])
+        start += pin.size
+    copy = host.to(device) if device.type != "cpu" else host
+    return anchor_over(copy.untyped_storage(), dtype, device)
 
 
 def _moved(anchor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -54,6 +54,7 @@ from ..wire.protocol import (
     split_blobs,
     storage_extent,
 )
+from .eviction import Tier
 from .graph_compiler import GraphRunner
 from .graphs import MAX_SESSION_GRAPHS, PROGRAMS, GraphError, GraphProgram, NodeFailed
 from .handles import MAX_HANDLE, ErrorKind, HandleTable, OpFailed, anchor_over, raw_bytes
@@ -195,6 +196,9 @@ class ExecutorSession:
         self._handles = HandleTable(self.device, self.stats, quota_bytes=quota_bytes)
         self._error: tuple[str, str, str] | None = None
         self._dyn_result: Any = None
+        #: Where the storages are (``eviction.Tier``), and their pieces while on disk.
+        self.tier = Tier.DEVICE
+        self._paged: dict[int, list[PinnedBlob]] = {}
         self._graphs: dict[int, tuple[bytes, GraphProgram]] = {}  # graph id -> (key, program)
         self._last_answer: tuple[int, list, Any, Any] | None = None  # seq, query, error, result
         self.last_seq = 0
@@ -208,6 +212,8 @@ class ExecutorSession:
     def run_batch(self, batch: Batch) -> Reply | None:
         """Run every op of ``batch`` in order, apply its frees, answer its query."""
         started = time.perf_counter()
+        if self.tier is not Tier.DEVICE:
+            self.bring_back()
         self.ctx.take_rng(self)
         self.last_seq = batch.seq
         for record in batch.ops:
@@ -860,6 +866,50 @@ class ExecutorSession:
         if self.device.type == "cuda":
             self._handles.move_to(self.device)
 
+    # --- tiers (``eviction.py``) ----------------------------------------------------------
+
+    def evict(self, tier: Tier) -> int:
+        """Move the session's storages off the device: to the host's memory (``RAM``) or
+        to the host's blob store on disk (``DISK``), between batches. Handles, graphs and
+        the generator's state stay; the storages come back before the next batch runs
+        (``bring_back``). Returns the bytes moved.
+
+        Raises:
+            ValueError: ``tier`` is the device, or the disk tier without a blob store.
+            OSError: the blob store could not keep the pieces (nothing moved then).
+        """
+        if tier is Tier.DEVICE or tier is self.tier:
+            raise ValueError(f"a session on the {self.tier.value} tier cannot go to {tier.value}")
+        self.bring_back()
+        self._handles.forget_views()
+        if tier is Tier.DISK:
+            if self.ctx.blobs is None:
+                raise ValueError("this executor has no blob store (--blob-dir) to evict to disk")
+            self._paged = self._handles.page_out(self.ctx.blobs)
+        elif self.device.type == "cuda":
+            self._handles.move_to(torch.device("cpu"))
+        self.tier = tier
+        return self._handles.bytes_in_use
+
+    def bring_back(self) -> None:
+        """Put an evicted session's storages back on its device (nothing if they are).
+
+        Raises:
+            BlobMismatchError: a piece on disk was damaged; the storages stay off the
+                device, and the session can no longer run.
+        """
+        if self.tier is Tier.DISK:
+            paged, self._paged = self._paged, {}
+            try:
+                self._handles.page_in(paged, self.device)
+            except BlobMismatchError as exc:
+                raise BlobMismatchError(
+                    f"this session's memory evicted to disk is damaged ({exc}); it cannot run on"
+                ) from exc
+        elif self.tier is Tier.RAM and self.device.type == "cuda":
+            self._handles.move_to(self.device)
+        self.tier = Tier.DEVICE
+
     def _stats_map(self) -> dict:
         s = self.stats
         return {
@@ -871,6 +921,7 @@ class ExecutorSession:
             "storages": s.storages,
             "compiled_graph_runs": s.compiled_graph_runs,
             "quota": self.quota_bytes,
+            "tier": self.tier.value,
         }
 
     def snapshot_storages(self) -> dict[int, torch.Tensor]:
@@ -878,7 +929,11 @@ class ExecutorSession:
         return {h: e.anchor for h, e in self._handles.items()}
 
     def close(self) -> None:
-        """Release every tensor of the session."""
+        """Release every tensor of the session, in every tier."""
+        for pins in self._paged.values():
+            for pin in pins:
+                pin.close()
+        self._paged = {}
         self._handles.clear()
         self._graphs.clear()
         self._unpin()

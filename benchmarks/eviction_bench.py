@@ -1,0 +1,120 @@
+"""A session's memory off the device and back (issue 32): GB/s and resume latency.
+
+One executor session (``host.session.ExecutorSession``, in this process) holds a storage
+of 1 GiB (``--quick``: 128 MiB). It is evicted to the host's memory and brought back by
+its next batch, then to the disk tier (the host's blob store, in a temporary directory)
+and back, each timed, beside a plain ``copy_`` of the same bytes in the same run. The
+next batch's result is checked against the same batch on a session never evicted.
+
+On a CPU executor the device is the host's memory, so the RAM tier moves nothing (its
+rates are left out) and its resume is the cost of the next batch alone; ``--device
+cuda`` moves the storages to pinned host memory and back (the plain copy is then a
+pinned device-to-host copy).
+
+Prints JSON (``benchmarks/results/eviction[_cuda][_quick].json``)::
+
+    python benchmarks/eviction_bench.py [--quick] [--device cpu|cuda]
+
+Keys: ``evict_gb_s`` and ``restore_gb_s`` (the disk tier: written to the blob store as
+named pieces, and read back checked), ``ram_evict_gb_s`` and ``ram_restore_gb_s``,
+``copy_gb_s``, ``resume_from_ram_s`` and ``resume_from_disk_s`` (the first batch after
+an eviction, a small op on the storage, bringing it back included), ``exact`` (1 when
+every result matched the session never evicted). Not measured yet: the overcommit run
+(``overcommit_steps_ratio``, ``overcommit_losses_exact``), which needs eviction under
+memory pressure in the executor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cumulus_p2p.blobs.store import BlobStore  # noqa: E402 - after the path fix
+from cumulus_p2p.host.eviction import Tier  # noqa: E402
+from cumulus_p2p.host.session import DeviceContext, ExecutorSession, parse_batch  # noqa: E402
+from cumulus_p2p.wire.protocol import (  # noqa: E402
+    decode_frame,
+    encode_frame,
+    tensor_ext,
+    tensor_layout,
+)
+
+GB = 1e9
+
+
+def batch(session: ExecutorSession, seq: int, ops: list, query: list) -> bytes:
+    frame = b"".join(encode_frame(["batch", seq, ops, [], query, []]))
+    reply = session.run_batch(parse_batch(*decode_frame(bytearray(frame))))
+    if reply.error is not None:
+        raise RuntimeError(reply.error)
+    return b"".join(bytes(b) for b in reply.blobs)
+
+
+def probe(session: ExecutorSession, seq: int, n: int) -> bytes:
+    """A small op on the big storage, read back: what a resumed tenant's next step does."""
+    ref = tensor_ext(1, tensor_layout(torch.float32, (n - 1024) * 4 // 4, (1024,), (1,)))
+    out = [[1000 + seq, [1024], [1], 0]]
+    done = tensor_ext(1000 + seq, tensor_layout(torch.float32, 0, (1024,), (1,)))
+    return batch(session, seq, [["aten.mul.Tensor", [ref, 3.0], {}, out]], ["fetch", done])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="128 MiB instead of 1 GiB")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    args = parser.parse_args()
+    nbytes = (128 if args.quick else 1024) << 20
+    n = nbytes // 4
+    device = torch.device(args.device)
+    with tempfile.TemporaryDirectory(prefix="cumulus-eviction-") as root:
+        store = BlobStore(root, cap=4 * nbytes)
+        ctx = DeviceContext(device, blobs=store)
+        sessions = [ExecutorSession(ctx, quota_bytes=2 * nbytes) for _ in range(2)]
+        for session in sessions:
+            batch(session, 1, [["aten.randn.default", [[n]], {}, [[1, [n], [1], 0]]]], ["sync"])
+        stayed, moved = sessions
+        result = {"device": args.device, "bytes": nbytes}
+        src = torch.randn(n, device=device)
+        dst = torch.empty(n, pin_memory=device.type == "cuda")
+        dst.copy_(src)  # the first copy faults the pages in; the second is the figure
+        started = time.perf_counter()
+        dst.copy_(src)
+        result["copy_gb_s"] = nbytes / (time.perf_counter() - started) / GB
+        expected, exact = probe(stayed, 2, n), True
+        for tier, name in ((Tier.RAM, "ram"), (Tier.DISK, "disk")):
+            started = time.perf_counter()
+            moved.evict(tier)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            evict_s = time.perf_counter() - started
+            started = time.perf_counter()
+            exact = exact and probe(moved, 2 if tier is Tier.RAM else 3, n) == expected
+            resume_s = time.perf_counter() - started
+            result[f"resume_from_{name}_s"] = resume_s
+            if tier is Tier.RAM and device.type == "cpu":
+                continue  # nothing moved: a rate would be meaningless
+            prefix = "ram_" if tier is Tier.RAM else ""
+            result[f"{prefix}evict_gb_s"] = nbytes / evict_s / GB
+            result[f"{prefix}restore_gb_s"] = nbytes / resume_s / GB
+        result["exact"] = int(exact)
+    result = {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}
+    print(json.dumps(result, indent=2))
+    name = (
+        "eviction" + ("_cuda" if args.device == "cuda" else "") + ("_quick" if args.quick else "")
+    )
+    (ROOT / "benchmarks" / "results" / f"{name}.json").write_text(
+        json.dumps(result, indent=2) + "\n"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Whose memory leaves the device when room is needed, and where it goes. Sans-IO.
+
+Theory of operation
+-------------------
+A session's storages live in one of three tiers (``Tier``): on the device, in the host's
+memory, or on its disk. An evicted session keeps everything else (handles, graphs, its
+generator's state, its token); its storages come back before its next op runs. So a host
+can hold more sessions than its device has memory for, and a session that waits costs
+the device nothing.
+
+When the device needs ``need`` bytes, ``choose`` names the sessions to evict, in this
+order, until their device bytes cover it:
+
+1. sessions paused because their lease went unpaid;
+2. preempted sessions (contending or interruptible leases whose shares an on-demand
+   lease took);
+3. idle sessions: no op for ``idle_after_s`` seconds, the longest idle first;
+4. then the least recently used among the worst-ranked payers (``scheduler.lease_rank``:
+   interruptible below on-demand, cheaper below dearer).
+
+An on-demand session in the middle of its device turn is never chosen, whatever its
+standing: its ops are running. Sessions holding nothing on the device are skipped.
+When the candidates cannot cover ``need``, ``choose`` names none: evicting some would
+cost their tenants a round trip and still not make the room.
+
+Time is passed in; this module does no I/O (``session.py`` moves the bytes).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+__all__ = ["IDLE_AFTER_S", "Candidate", "Tier", "choose"]
+
+#: Seconds without an op after which a session counts as idle.
+IDLE_AFTER_S = 60.0
+
+
+class Tier(enum.Enum):
+    """Where a session's storages are."""
+
+    DEVICE = "device"
+    RAM = "ram"
+    DISK = "disk"
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A session as the policy sees it.
+
+    Attributes:
+        key: whatever names the session to the caller.
+        rank: its lease's rank (``scheduler.lease_rank``): lower runs first.
+        on_demand: its lease is on-demand.
+        device_bytes: what it holds on the device now (0 once evicted).
+        last_op_at: when its last op ran.
+        unpaid: paused for non-payment.
+        preempted: its shares went to an on-demand lease.
+        in_turn: its ops are running on the device now.
+    """
+
+    key: Hashable
+    rank: tuple
+    on_demand: bool
+    device_bytes: int
+    last_op_at: float
+    unpaid: bool = False
+    preempted: bool = False
+    in_turn: bool = False
+
+
+def choose(
+    candidates: Sequence[Candidate], need: int, *, now: float, idle_after_s: float = IDLE_AFTER_S
+) -> list[Hashable]:
+    """The keys of the sessions to evict so that ``need`` device bytes come free, in the
+    order to evict them; empty when ``need`` is covered already (0 or less) or cannot be."""
+    if need <= 0:
+        return []
+    movable = [c for c in candidates if c.device_bytes > 0 and not (c.on_demand and c.in_turn)]
+    chosen, freed = [], 0
+    for candidate in sorted(movable, key=lambda c: _order(c, now, idle_after_s)):
+        chosen.append(candidate.key)
+        freed += candidate.device_bytes
+        if freed >= need:
+            return chosen
+    return []
+
+
+def _order(candidate: Candidate, now: float, idle_after_s: float) -> tuple:
+    """Sort key: the standing's place in the order, then within it who goes first."""
+    idle_s = now - candidate.last_op_at
+    if candidate.unpaid:
+        return (0, -idle_s)
+    if candidate.preempted:
+        return (1, -idle_s)
+    if idle_s >= idle_after_s:
+        return (2, -idle_s)
+    # The worst rank first (ranks sort best first), and within it the least recent.
+    return (3, tuple(-x for x in candidate.rank), candidate.last_op_at)

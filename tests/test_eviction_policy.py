@@ -1,0 +1,72 @@
+"""Whose memory leaves the device when room is needed (``host/eviction.py``, sans-IO)."""
+
+from __future__ import annotations
+
+from cumulus_p2p.host.eviction import Candidate, choose
+from cumulus_p2p.host.scheduler import lease_rank
+
+NOW = 1000.0
+ON_DEMAND, DEAR_ON_DEMAND = lease_rank(True, 100), lease_rank(True, 900)
+INTERRUPTIBLE, CHEAP_INTERRUPTIBLE = lease_rank(False, 100), lease_rank(False, 50)
+
+
+def tenant(key, rank=ON_DEMAND, *, nbytes=100, ago=1.0, **standing) -> Candidate:
+    return Candidate(key, rank, rank[0] == 0, nbytes, NOW - ago, **standing)
+
+
+def test_the_unpaid_go_first_then_the_preempted_then_the_idle():
+    tenants = [
+        tenant("idle", ago=600),
+        tenant("preempted", INTERRUPTIBLE, preempted=True),
+        tenant("busy"),
+        tenant("unpaid", unpaid=True),
+    ]
+    assert choose(tenants, 300, now=NOW) == ["unpaid", "preempted", "idle"]
+
+
+def test_among_the_idle_the_longest_idle_goes_first():
+    tenants = [tenant("a", ago=100), tenant("b", ago=900), tenant("c", ago=300)]
+    assert choose(tenants, 200, now=NOW) == ["b", "c"]
+
+
+def test_then_the_least_recently_used_of_the_worst_ranked_payers():
+    tenants = [
+        tenant("dear", DEAR_ON_DEMAND, ago=30),
+        tenant("on-demand", ON_DEMAND, ago=5),
+        tenant("interruptible, recent", INTERRUPTIBLE, ago=1),
+        tenant("interruptible, older", INTERRUPTIBLE, ago=20),
+        tenant("cheapest", CHEAP_INTERRUPTIBLE, ago=2),
+    ]
+    assert choose(tenants, 500, now=NOW) == [
+        "cheapest",
+        "interruptible, older",
+        "interruptible, recent",
+        "on-demand",
+        "dear",
+    ]
+
+
+def test_an_on_demand_session_in_its_turn_is_never_evicted_even_unpaid():
+    tenants = [tenant("running", unpaid=True, in_turn=True), tenant("other", ago=600)]
+    assert choose(tenants, 100, now=NOW) == ["other"]
+    assert choose(tenants, 200, now=NOW) == []  # the room cannot be made without it
+
+
+def test_an_interruptible_session_in_its_turn_may_be_evicted():
+    tenants = [tenant("running", INTERRUPTIBLE, in_turn=True)]
+    assert choose(tenants, 100, now=NOW) == ["running"]
+
+
+def test_only_as_many_as_the_room_needs_and_none_when_none_is_needed():
+    tenants = [tenant("a", ago=900, nbytes=400), tenant("b", ago=800)]
+    assert choose(tenants, 300, now=NOW) == ["a"]
+    assert choose(tenants, 0, now=NOW) == []
+
+
+def test_sessions_already_off_the_device_free_nothing_and_are_skipped():
+    tenants = [tenant("evicted", unpaid=True, nbytes=0), tenant("idle", ago=600)]
+    assert choose(tenants, 100, now=NOW) == ["idle"]
+
+
+def test_when_every_candidate_together_falls_short_none_is_evicted():
+    assert choose([tenant("a", unpaid=True), tenant("b", ago=600)], 1_000, now=NOW) == []
