@@ -14,7 +14,13 @@ from cumulus_p2p._errors import BlobMismatchError
 from cumulus_p2p.blobs.store import BlobStore
 from cumulus_p2p.host.eviction import Tier
 from cumulus_p2p.host.session import DeviceContext, ExecutorSession, parse_batch
-from cumulus_p2p.wire.protocol import decode_frame, encode_frame, tensor_ext, tensor_layout
+from cumulus_p2p.wire.protocol import (
+    decode_frame,
+    encode_frame,
+    split_blobs,
+    tensor_ext,
+    tensor_layout,
+)
 
 N = 300_000  # 1.2 MB: a storage of one piece
 
@@ -110,3 +116,74 @@ def _blob(data: bytes):
     from cumulus_p2p.blobs.names import digest
 
     return digest(data), memoryview(data)
+
+
+# --- the executor: quotas adding up to more than the device, sessions evicted to fit -----
+
+
+class Tenant:
+    """A session of the in-process executor, driven frame by frame over a memory stream."""
+
+    def __init__(self, executor, nursery, rank) -> None:
+        import trio.testing
+
+        from cumulus_p2p.channel.transport import TrioFrameChannel
+
+        client, server = trio.testing.memory_stream_pair()
+        self.channel = TrioFrameChannel(client)
+        nursery.start_soon(lambda: executor.run_session(TrioFrameChannel(server), rank=rank))
+        self.seq = 0
+
+    async def hello(self) -> None:
+        from cumulus_p2p.wire.protocol import PROTOCOL_VERSION
+
+        await self.channel.send_frame(encode_frame(["hello", PROTOCOL_VERSION, {}]))
+        assert decode_frame(await self.channel.receive_frame())[0][0] == "welcome"
+
+    async def batch(self, ops: list, query: list, frees: tuple = ()) -> tuple:
+        self.seq += 1
+        frame = ["batch", self.seq, ops, list(frees), query, []]
+        await self.channel.send_frame(encode_frame(frame))
+        header, area = decode_frame(await self.channel.receive_frame())
+        assert header[2] is None, header
+        return header, area
+
+    async def stats(self) -> dict:
+        return (await self.batch([], ["stats"]))[0][3]
+
+
+async def test_quotas_past_the_device_evict_the_least_recently_used_and_results_stay_exact(
+    tmp_path,
+):
+    import trio
+
+    from cumulus_p2p.host.executor import Executor, ExecutorConfig
+
+    # Room on the device for two tenants' storages, not three.
+    config = ExecutorConfig(device="cpu", blob_dir=str(tmp_path), device_bytes=2 * N * 4 + 4096)
+    executor = Executor(config)
+    async with trio.open_nursery() as nursery:
+        tenants = [Tenant(executor, nursery, rank=(0, -100)) for _ in range(3)]
+        for tenant in tenants:
+            await tenant.hello()
+            await tenant.batch([["aten.ones.default", [[N]], {}, [[1, [N], [1], 0]]]], ["sync"])
+        # The third made room by evicting the first, the least recently used.
+        assert [(await t.stats())["tier"] for t in tenants[1:]] == ["device", "device"]
+        assert [s.tier.value for s in executor.sessions.values()] == ["disk", "device", "device"]
+        for step in range(2):  # round robin: each batch brings its tenant back
+            for i, tenant in enumerate(tenants):
+                old, new = 1 + step, 2 + step
+                add = ["aten.add.Tensor", [ref(old), float(i + 1)], {}, [[new, [N], [1], 0]]]
+                await tenant.batch([add], ["sync"], frees=[old])
+        sums = []
+        for tenant in tenants:
+            total = ["aten.sum.default", [ref(3)], {}, [[99, [], [], 0]]]
+            scalar = tensor_ext(99, tensor_layout(torch.float32, 0, (), ()))
+            header, area = await tenant.batch([total], ["fetch", scalar])
+            (value,) = split_blobs(area, header[4])
+            sums.append(torch.frombuffer(bytearray(value), dtype=torch.float32).item())
+        tiers = [s.tier.value for s in executor.sessions.values()]
+        for tenant in tenants:
+            await tenant.channel.send_frame(encode_frame(["bye"]))
+    assert sums == [N * (1 + 2 * (i + 1)) for i in range(3)]
+    assert sorted(tiers) == ["device", "device", "disk"]

@@ -38,6 +38,7 @@ from ..native.executor import ReplaySession, new_replayer
 from ..wire import native as native_wire
 from ..wire.manifest import parse_storage_entries
 from ..wire.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
+from .eviction import Candidate, Tier, choose
 from .graph_compiler import GraphRunner
 from .handles import OpFailed
 from .health import DeviceHealth
@@ -93,7 +94,9 @@ class ExecutorConfig:
     (``cache_bytes``) sessions whose consumer vanished are kept for it to resume, how
     it runs compiled graphs (``graph_compiler.py``), and where its blob store lives
     (``blob_dir``, None: no store, uploads carry their bytes every time) and how large it
-    may grow (``blob_cap``, bytes)."""
+    may grow (``blob_cap``, bytes). ``device_bytes`` is what its sessions' storages may
+    hold on the device together (None: no bound): past it, sessions are evicted
+    (``eviction.py``) so that quotas may add up to more than the device has."""
 
     device: str = "auto"
     quota_bytes: int = DEFAULT_QUOTA
@@ -103,6 +106,7 @@ class ExecutorConfig:
     graph_compiler: GraphCompiler = GraphCompiler.LOOP
     blob_dir: str | None = None
     blob_cap: int = DEFAULT_BLOB_CAP
+    device_bytes: int | None = None
 
 
 @dataclass
@@ -472,12 +476,44 @@ class Executor:
         what it computes does not depend on where the batch was cut.
         """
         turn = {"inline": inline, "rank": rank, "waits": session.waits}
+        session.rank = rank
+        if self._over_device_bytes(session):
+            await self._on_device(self._make_room, session, rank=rank)
         if not getattr(self.scheduler, "preemptive", False):
             return await self._on_device(session.run_batch, batch, **turn)
         start: int | None = 0
         while start is not None:  # None: the whole batch ran
             start, reply = await self._on_device(self._run_ops, session, batch, start, **turn)
         return reply
+
+    def _over_device_bytes(self, session: ExecutorSession) -> bool:
+        """Whether ``session``'s storages on the device would exceed ``device_bytes``."""
+        if self.config.device_bytes is None:
+            return False
+        return self._device_bytes(session) > self.config.device_bytes
+
+    def _device_bytes(self, session: ExecutorSession) -> int:
+        """What the sessions on the device hold, ``session`` counted as if it were."""
+        others = [s for s in self.sessions.values() if s is not session]
+        held = sum(s.bytes_on_device for s in others)
+        return held + session.stats.bytes_in_use
+
+    def _make_room(self, session: ExecutorSession) -> None:
+        """Evict the sessions ``eviction.choose`` names so that ``session`` fits on the
+        device: to host memory on a GPU, to the blob store on a CPU (whose device is host
+        memory). Without a place to put them nothing moves, and quotas still hold."""
+        tier = Tier.DISK if self.ctx.device.type == "cpu" else Tier.RAM
+        if tier is Tier.DISK and self.ctx.blobs is None:
+            return
+        need = self._device_bytes(session) - (self.config.device_bytes or 0)
+        others = [s for s in self.sessions.values() if s is not session and s.tier is Tier.DEVICE]
+        candidates = [_candidate(s) for s in others]
+        for chosen in choose(candidates, need, now=time.monotonic()):
+            try:
+                chosen.evict(tier)
+            except OSError as exc:  # the store is full: the others stay, quotas still hold
+                log.warning("could not evict a session to make room: %s", exc)
+                return
 
     def _run_ops(
         self, session: ExecutorSession, batch: Batch, start: int
@@ -664,6 +700,18 @@ def _resume_token(header: list) -> str:
             "token from welcome"
         )
     return token
+
+
+def _candidate(session: ExecutorSession) -> Candidate:
+    """A session on the device as the eviction policy weighs it (the in-process executor
+    runs one session's batch at a time, so no other is in its turn)."""
+    return Candidate(
+        session,
+        session.rank,
+        session.rank[0] == 0,
+        session.bytes_on_device,
+        session.last_op_at,
+    )
 
 
 def _owner(channel: AsyncFrameChannel) -> object:

@@ -199,6 +199,10 @@ class ExecutorSession:
         #: Where the storages are (``eviction.Tier``), and their pieces while on disk.
         self.tier = Tier.DEVICE
         self._paged: dict[int, list[PinnedBlob]] = {}
+        #: The lease's rank (``scheduler.lease_rank``) and when a batch last ran: what
+        #: the eviction policy weighs.
+        self.rank: tuple = (0, 0)
+        self.last_op_at = time.monotonic()
         self._graphs: dict[int, tuple[bytes, GraphProgram]] = {}  # graph id -> (key, program)
         self._last_answer: tuple[int, list, Any, Any] | None = None  # seq, query, error, result
         self.last_seq = 0
@@ -214,6 +218,7 @@ class ExecutorSession:
         started = time.perf_counter()
         if self.tier is not Tier.DEVICE:
             self.bring_back()
+        self.last_op_at = time.monotonic()
         self.ctx.take_rng(self)
         self.last_seq = batch.seq
         for record in batch.ops:
@@ -890,6 +895,11 @@ class ExecutorSession:
             self._handles.move_to(torch.device("cpu"))
         self.tier = tier
         return self._handles.bytes_in_use
+
+    @property
+    def bytes_on_device(self) -> int:
+        """What the session's storages hold on the device: none while evicted."""
+        return self._handles.bytes_in_use if self.tier is Tier.DEVICE else 0
 
     def bring_back(self) -> None:
         """Put an evicted session's storages back on its device (nothing if they are).
