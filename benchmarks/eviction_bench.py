@@ -15,19 +15,27 @@ Prints JSON (``benchmarks/results/eviction[_cuda][_quick].json``)::
 
     python benchmarks/eviction_bench.py [--quick] [--device cpu|cuda]
 
+Then the overcommit run: a ``cumulus-executor --shared-process --device-memory``
+process with room for two training tenants' tensors, and four tenants (client processes
+on the Python device, each an MLP of 32 MiB of weights, ``--quick`` 8 MiB, trained with
+SGD) at once, against two tenants alone on the same executor settings.
+
 Keys: ``evict_gb_s`` and ``restore_gb_s`` (the disk tier: written to the blob store as
 named pieces, and read back checked), ``ram_evict_gb_s`` and ``ram_restore_gb_s``,
 ``copy_gb_s``, ``resume_from_ram_s`` and ``resume_from_disk_s`` (the first batch after
 an eviction, a small op on the storage, bringing it back included), ``exact`` (1 when
-every result matched the session never evicted). Not measured yet: the overcommit run
-(``overcommit_steps_ratio``, ``overcommit_losses_exact``), which needs eviction under
-memory pressure in the executor.
+every result matched the session never evicted); ``overcommit_steps_ratio`` (the four
+tenants' steps per second together over the two's, each tenant's time from its own
+clock, after its process started), ``overcommit_evictions`` (sessions sent to disk to
+make room) and ``overcommit_losses_exact`` (1
+when every tenant's losses equal the same training run locally, bit for bit).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -67,11 +75,91 @@ def probe(session: ExecutorSession, seq: int, n: int) -> bytes:
     return batch(session, seq, [["aten.mul.Tensor", [ref, 3.0], {}, out]], ["fetch", done])
 
 
+def train(device: str, mib: int, steps: int, seed: int) -> list[float]:
+    """An MLP with ``mib`` MiB of weights, ``steps`` of SGD on ``device``; its losses."""
+    torch.manual_seed(seed)
+    width = 1024
+    model = torch.nn.Sequential(
+        torch.nn.Linear(width, mib * 2**20 // 4 // width), torch.nn.ReLU(), torch.nn.LazyLinear(1)
+    )
+    x, y = torch.randn(16, width), torch.randn(16, 1)
+    model(x)  # the lazy layer takes its shape
+    model, x, y = model.to(device), x.to(device), y.to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def tenant(address: str, mib: int, steps: int, seed: int) -> None:
+    """One tenant's process: train on the executor at ``address``; print losses, seconds."""
+    import cumulus_p2p.remote as remote
+
+    with remote.attach(address) as session:
+        started = time.perf_counter()
+        losses = train("cumulus", mib, steps, seed)
+        seconds = time.perf_counter() - started
+        evictions = session.stats()["evictions"]
+        print(json.dumps({"losses": losses, "seconds": seconds, "evictions": evictions}))
+
+
+def tenants_at_once(address: str, count: int, mib: int, steps: int) -> list[dict]:
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--tenant", address, str(mib), str(steps), str(seed)],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        for seed in range(count)
+    ]
+    return [json.loads(p.communicate(timeout=900)[0].strip().splitlines()[-1]) for p in procs]
+
+
+def overcommit(quick: bool) -> dict:
+    """Four tenants on room for two, against two alone: steps per second, losses."""
+    from cumulus_p2p.testing.executor import executor_process
+
+    mib, steps = (8, 6) if quick else (32, 8)
+    # A tenant holds its weights and, during a step, their gradients: twice them.
+    room = f"{2 * 2 * mib + 8}MiB"
+    rates, evictions, exact = {}, {}, True
+    torch.set_num_threads(1)
+    for count in (2, 4):
+        with tempfile.TemporaryDirectory(prefix="cumulus-overcommit-") as blobs:
+            flags = ["--shared-process", "--device-memory", room, "--blob-dir", blobs]
+            with executor_process(extra=flags, env={"OMP_NUM_THREADS": "1"}) as (address, _):
+                runs = tenants_at_once(address, count, mib, steps)
+        # From the tenants' own clocks: their processes' start-up is not the executor's.
+        rates[count] = count * steps / max(run["seconds"] for run in runs)
+        evictions[count] = sum(run["evictions"] for run in runs)
+        for seed, run in enumerate(runs):
+            exact = exact and run["losses"] == train("cpu", mib, steps, seed)
+    return {
+        "overcommit_tenant_mib": mib,
+        "overcommit_steps_per_s_two": rates[2],
+        "overcommit_steps_per_s_four": rates[4],
+        "overcommit_steps_ratio": rates[4] / rates[2],
+        "overcommit_evictions": evictions[4],
+        "overcommit_losses_exact": int(exact),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="128 MiB instead of 1 GiB")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--tenant", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.tenant:
+        address, mib, steps, seed = args.tenant
+        tenant(address, int(mib), int(steps), int(seed))
+        return
     nbytes = (128 if args.quick else 1024) << 20
     n = nbytes // 4
     device = torch.device(args.device)
@@ -106,6 +194,8 @@ def main() -> None:
             result[f"{prefix}evict_gb_s"] = nbytes / evict_s / GB
             result[f"{prefix}restore_gb_s"] = nbytes / resume_s / GB
         result["exact"] = int(exact)
+    if args.device == "cpu":
+        result |= overcommit(args.quick)
     result = {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}
     print(json.dumps(result, indent=2))
     name = (

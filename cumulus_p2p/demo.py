@@ -96,6 +96,7 @@ class Demo:
                     "--storage-price",
                     "0.01",
                     receipt_interval="3s",
+                    perf_units=None,  # the demo shows each node's own self benchmark
                     bench_seconds="0.2",
                 )
             for name in PRICES:

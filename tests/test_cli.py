@@ -95,6 +95,26 @@ def test_contending_shares_without_a_contend_price_are_a_usage_error():
     assert "--contend-shares needs a --contend-price" in result.stderr
 
 
+def test_a_declared_performance_below_one_unit_is_a_usage_error():
+    result = run("--provide", "--perf-units", "0")
+    assert result.returncode == 2
+    assert "--perf-units must be at least 1" in result.stderr
+
+
+def test_a_declared_performance_is_offered_instead_of_the_self_benchmark():
+    import trio
+    from rich.console import Console
+
+    from cumulus_p2p.cli._run import _benchmarked
+
+    args = build_parser().parse_args(["--provide", "--perf-units", "7", "--bench-seconds", "60"])
+    facts = DeviceFacts("cpu", 0, "cpu", 4096, None, "")
+    started = time.monotonic()
+    (device,) = trio.run(_benchmarked, [facts], args, Console(quiet=True))
+    assert device.perf_units == 7
+    assert time.monotonic() - started < 5  # the 60 s benchmark never ran
+
+
 def test_paying_the_bid_on_a_contending_lease_is_a_usage_error():
     result = run("--consume", "--priority", "contend", "--pay-bid", "--", "python", "x.py")
     assert result.returncode == 2

@@ -240,6 +240,15 @@ def _add_provide_flags(provide) -> None:
         default=0.5,
         help="length of the start-up self benchmark (default 0.5)",
     )
+    provide.add_argument(
+        "--perf-units",
+        type=int,
+        default=None,
+        metavar="N",
+        help="offer N performance units (float32 GFLOP/s) per device instead of the "
+        "self benchmark's figure: what a machine that also runs other work can keep up. "
+        "Consumers' probes hold the host to it (default: the self benchmark)",
+    )
 
 
 def _add_session_flags(provide) -> None:
@@ -446,6 +455,8 @@ def _check_node_args(parser: argparse.ArgumentParser, args, script: list[str]) -
         parser.error("--shares must be between 1 and 65536")
     if args.pool < 0:
         parser.error("--pool must not be negative (0 starts each worker when its lease comes)")
+    if args.provide and args.perf_units is not None and args.perf_units < 1:
+        parser.error("--perf-units must be at least 1 (float32 GFLOP/s the device keeps up)")
     if args.provide and args.contend_price > args.price:
         parser.error(
             "--contend-price must not be above --price: it is what a contending lease "

@@ -203,6 +203,7 @@ class ExecutorSession:
         #: the eviction policy weighs.
         self.rank: tuple = (0, 0)
         self.last_op_at = time.monotonic()
+        self.evictions = 0
         self._graphs: dict[int, tuple[bytes, GraphProgram]] = {}  # graph id -> (key, program)
         self._last_answer: tuple[int, list, Any, Any] | None = None  # seq, query, error, result
         self.last_seq = 0
@@ -894,6 +895,7 @@ class ExecutorSession:
         elif self.device.type == "cuda":
             self._handles.move_to(torch.device("cpu"))
         self.tier = tier
+        self.evictions += 1
         return self._handles.bytes_in_use
 
     @property
@@ -932,6 +934,7 @@ class ExecutorSession:
             "compiled_graph_runs": s.compiled_graph_runs,
             "quota": self.quota_bytes,
             "tier": self.tier.value,
+            "evictions": self.evictions,
         }
 
     def snapshot_storages(self) -> dict[int, torch.Tensor]:

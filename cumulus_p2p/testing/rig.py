@@ -21,8 +21,9 @@ import trio
 from ..cli import parse_price
 from ..dht import MeshConfig
 from ..node.datadir import DataDir
-from ..node.hardware import cpu_facts, self_benchmark
+from ..node.hardware import cpu_facts
 from ..node.provider import OfferedDevice, ProviderOptions, run_provider
+from .nodes import SHARED_MACHINE_PERF
 
 
 def ready(provider) -> None:
@@ -36,7 +37,7 @@ async def main(args: argparse.Namespace) -> None:
     config = MeshConfig(
         listen_addrs=("/ip4/127.0.0.1/tcp/0",), bootstrap=(args.bootstrap,), announce_interval=1.0
     )
-    cpu, perf = cpu_facts(), self_benchmark("cpu", seconds=0.1)
+    cpu, perf = cpu_facts(), int(SHARED_MACHINE_PERF)  # see there
     devices = tuple(
         OfferedDevice(dataclasses.replace(cpu, index=i), perf) for i in range(args.devices)
     )
