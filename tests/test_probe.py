@@ -61,20 +61,28 @@ def test_a_busy_device_measured_short_once_is_measured_again_and_judged_on_its_b
     assert judge(OFFER, best) is None
 
 
+def test_a_device_a_hundredfold_short_is_judged_at_once_without_measuring_again():
+    # A CPU offered as a GPU: no load on the host explains a thousandth of the claim.
+    once, taken = measurements(40, 40_000)
+    best = best_of(once, claimed_perf=50_000, pause_s=0)
+    assert taken == [40]
+    assert "measured 40" in judge(OFFER, best)
+
+
 def test_the_pause_before_each_new_measurement_doubles(monkeypatch):
     # A burst of other work on the host gets 0.5 + 1 + 2 + 4 s to pass, not 0.5 s each.
     pauses = []
     monkeypatch.setattr("cumulus_p2p.node.probe.time.sleep", pauses.append)
-    once, _ = measurements(*[60] * ATTEMPTS)
+    once, _ = measurements(*[2_000] * ATTEMPTS)  # 4% of the claim: a busy host, maybe
     best_of(once, claimed_perf=50_000, pause_s=0.5)
     assert pauses == [0.5 * 2**i for i in range(ATTEMPTS - 1)]
 
 
 def test_a_device_short_every_time_is_a_misrepresentation_after_every_attempt():
-    once, taken = measurements(*[60 + i for i in range(ATTEMPTS + 1)])
+    once, taken = measurements(*[2_000 + i for i in range(ATTEMPTS + 1)])
     best = best_of(once, claimed_perf=50_000, pause_s=0)
     assert len(taken) == ATTEMPTS
-    assert f"measured {60 + ATTEMPTS - 1}" in judge(OFFER, best)
+    assert f"measured {2_000 + ATTEMPTS - 1}" in judge(OFFER, best)
 
 
 @pytest.mark.parametrize("claim, side", [(50, 384), (60_000, 3904), (10**9, 8192), (0, 128)])
