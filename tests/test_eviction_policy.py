@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cumulus_p2p.host.eviction import Candidate, choose
-from cumulus_p2p.host.scheduler import lease_rank
+from cumulus_p2p.host.scheduler import lease_rank, on_demand
 
 NOW = 1000.0
 ON_DEMAND, DEAR_ON_DEMAND = lease_rank(True, 100), lease_rank(True, 900)
@@ -11,7 +11,7 @@ INTERRUPTIBLE, CHEAP_INTERRUPTIBLE = lease_rank(False, 100), lease_rank(False, 5
 
 
 def tenant(key, rank=ON_DEMAND, *, nbytes=100, ago=1.0, **standing) -> Candidate:
-    return Candidate(key, rank, rank[0] == 0, nbytes, NOW - ago, **standing)
+    return Candidate(key, rank, on_demand(rank), nbytes, NOW - ago, **standing)
 
 
 def test_the_unpaid_go_first_then_the_preempted_then_the_idle():

@@ -202,6 +202,15 @@ class BlobStore:
                 with contextlib.suppress(OSError):
                     os.unlink(temporary)
 
+    def keep(self, value: str, data: memoryview) -> PinnedBlob | None:
+        """``put`` the blob, then pin it for the caller; None when the store could not
+        keep it (as ``put`` returns False).
+
+        Raises:
+            BlobMismatchError: ``data`` is not what ``value`` names; nothing is written.
+        """
+        return self.pin(value) if self.put(value, data) else None
+
     def _mark_public(self, value: str) -> None:
         with contextlib.suppress(OSError):  # a marker lost costs an announcement, no more
             (self.root / _PUBLIC / value).touch()

@@ -44,7 +44,7 @@ from .handles import OpFailed
 from .health import DeviceHealth
 from .hostcache import HostCache
 from .options import GraphCompiler
-from .scheduler import DEFAULT_RANK, DeviceScheduler
+from .scheduler import DEFAULT_RANK, DeviceScheduler, on_demand
 from .session import Batch, DeviceContext, ExecutorSession, Reply, SessionStats, parse_batch
 from .waits import WaitWindow
 
@@ -506,8 +506,8 @@ class Executor:
         if tier is Tier.DISK and self.ctx.blobs is None:
             return
         need = self._device_bytes(session) - (self.config.device_bytes or 0)
-        others = [s for s in self.sessions.values() if s is not session and s.tier is Tier.DEVICE]
-        candidates = [_candidate(s) for s in others]
+        # Sessions evicted already hold nothing on the device: ``choose`` passes them by.
+        candidates = [_candidate(s) for s in self.sessions.values() if s is not session]
         for chosen in choose(candidates, need, now=time.monotonic()):
             try:
                 chosen.evict(tier)
@@ -708,7 +708,7 @@ def _candidate(session: ExecutorSession) -> Candidate:
     return Candidate(
         session,
         session.rank,
-        session.rank[0] == 0,
+        on_demand(session.rank),
         session.bytes_on_device,
         session.last_op_at,
     )

@@ -260,9 +260,7 @@ class HandleTable:
             for handle, entry in self._entries.items():
                 paged[handle] = _page_out(entry.anchor, store)
         except BaseException:
-            for pins in paged.values():
-                for pin in pins:
-                    pin.close()
+            unpin(paged)
             raise
         for entry in self._entries.values():
             entry.anchor = torch.empty(0, dtype=entry.anchor.dtype)
@@ -282,9 +280,7 @@ class HandleTable:
                 for h, pins in paged.items()
             }
         finally:
-            for pins in paged.values():
-                for pin in pins:
-                    pin.close()
+            unpin(paged)
         for handle, anchor in anchors.items():
             self._entries[handle].anchor = anchor
 
@@ -346,6 +342,13 @@ def raw_bytes(anchor: torch.Tensor, start: int, length: int) -> torch.Tensor:
     return raw.set_(anchor.untyped_storage(), start, (length,), (1,))
 
 
+def unpin(paged: dict[int, list[PinnedBlob]]) -> None:
+    """Let go of every piece ``page_out`` pinned."""
+    for pins in paged.values():
+        for pin in pins:
+            pin.close()
+
+
 def _page_out(anchor: torch.Tensor, store: BlobStore) -> list[PinnedBlob]:
     """An anchor's whole storage written to ``store`` in ``PIECE``s, each pinned."""
     nbytes = anchor.untyped_storage().nbytes()
@@ -355,7 +358,7 @@ def _page_out(anchor: torch.Tensor, store: BlobStore) -> list[PinnedBlob]:
         for start in range(0, nbytes, PIECE):
             piece = memoryview(data[start : start + PIECE])
             name = digest(piece)
-            pin = store.pin(name) if store.put(name, piece) else None
+            pin = store.keep(name, piece)
             if pin is None:
                 raise OSError(f"the blob store {store.root} could not keep an evicted piece")
             pins.append(pin)

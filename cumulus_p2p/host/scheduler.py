@@ -61,6 +61,7 @@ __all__ = [
     "cpu_idle",
     "cpu_nice",
     "lease_rank",
+    "on_demand",
 ]
 
 #: The rank of a session nobody priced (an executor attached directly): on-demand, free.
@@ -108,7 +109,13 @@ def cpu_idle(rank: tuple) -> bool:
     ``SCHED_IDLE``) on a concurrently shared CPU: the classes below on-demand. An idle
     thread is preempted the moment an on-demand thread wakes, where a thread at nice 19
     still holds its core until the kernel's wakeup granularity runs out."""
-    return bool(rank) and rank[0] > 0
+    return not on_demand(rank)
+
+
+def on_demand(rank: tuple) -> bool:
+    """Whether ``rank`` is an on-demand lease's (``lease_rank``), or nobody's price
+    (an executor attached directly, ``DEFAULT_RANK``)."""
+    return not rank or rank[0] == 0
 
 
 class Handback(enum.Enum):

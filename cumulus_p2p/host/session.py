@@ -57,9 +57,18 @@ from ..wire.protocol import (
 from .eviction import Tier
 from .graph_compiler import GraphRunner
 from .graphs import MAX_SESSION_GRAPHS, PROGRAMS, GraphError, GraphProgram, NodeFailed
-from .handles import MAX_HANDLE, ErrorKind, HandleTable, OpFailed, anchor_over, raw_bytes
+from .handles import (
+    MAX_HANDLE,
+    ErrorKind,
+    HandleTable,
+    OpFailed,
+    anchor_over,
+    raw_bytes,
+    unpin,
+)
 from .kept import KeptPieces
 from .restoring import PieceTargets
+from .scheduler import DEFAULT_RANK
 from .waits import WaitWindow
 
 #: torch's own default CPU seed, so an unseeded session draws what a fresh process draws.
@@ -201,7 +210,7 @@ class ExecutorSession:
         self._paged: dict[int, list[PinnedBlob]] = {}
         #: The lease's rank (``scheduler.lease_rank``) and when a batch last ran: what
         #: the eviction policy weighs.
-        self.rank: tuple = (0, 0)
+        self.rank: tuple = DEFAULT_RANK
         self.last_op_at = time.monotonic()
         self.evictions = 0
         self._graphs: dict[int, tuple[bytes, GraphProgram]] = {}  # graph id -> (key, program)
@@ -943,9 +952,7 @@ class ExecutorSession:
 
     def close(self) -> None:
         """Release every tensor of the session, in every tier."""
-        for pins in self._paged.values():
-            for pin in pins:
-                pin.close()
+        unpin(self._paged)
         self._paged = {}
         self._handles.clear()
         self._graphs.clear()

@@ -138,9 +138,7 @@ class PieceStore:
         if self._disk is None:
             self._data[piece.name] = bytes(data)
             return
-        pinned = (
-            self._disk.pin(piece.name) if self._disk.put(piece.name, memoryview(data)) else None
-        )
+        pinned = self._disk.keep(piece.name, memoryview(data))
         if pinned is None:
             raise OSError(f"the checkpoint directory {self._disk.root} could not keep a piece")
         self._pins[piece.name] = pinned
