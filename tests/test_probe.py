@@ -69,6 +69,15 @@ def test_a_device_a_hundredfold_short_is_judged_at_once_without_measuring_again(
     assert "measured 40" in judge(OFFER, best)
 
 
+def test_a_small_claim_measured_at_zero_units_is_measured_again():
+    # 0 units is anything under 1 (a first product slowed past the budget by a busy host):
+    # for a claim of 1 that is no proof of a lie.
+    once, taken = measurements(0, 3)
+    best = best_of(once, claimed_perf=1, pause_s=0)
+    assert taken == [0, 3]
+    assert best.perf_units == 3
+
+
 def test_the_pause_before_each_new_measurement_doubles(monkeypatch):
     # A burst of other work on the host gets 0.5 + 1 + 2 + 4 s to pass, not 0.5 s each.
     pauses = []

@@ -181,7 +181,9 @@ def best_of(
     for retry in range(attempts - 1):
         if best.perf_units >= MIN_PERF_RATIO * claimed_perf:
             break
-        if best.perf_units < HOPELESS_RATIO * claimed_perf:
+        # Units are whole: a measured 0 is anything under 1, which says nothing of a
+        # claim under 100. Only a measurement short even rounded up is hopeless.
+        if best.perf_units + 1 <= HOPELESS_RATIO * claimed_perf:
             break
         time.sleep(pause_s * 2**retry)
         facts = measure_once()
