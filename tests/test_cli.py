@@ -89,6 +89,23 @@ def test_a_contend_price_above_the_ask_is_a_usage_error():
     assert "--contend-price must not be above --price" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--provide", "--overcommit", "2.5"], "--overcommit must be between 1.0 and 2.0"),
+        (["--provide", "--overcommit", "0.5"], "--overcommit must be between 1.0 and 2.0"),
+        (
+            ["--consume", "--max-overcommit", "3", "--", "python", "x.py"],
+            "--max-overcommit must be between 1.0 and 2.0",
+        ),
+    ],
+)
+def test_an_overcommit_out_of_range_is_a_usage_error(args, says):
+    result = run(*args)
+    assert result.returncode == 2
+    assert says in result.stderr
+
+
 def test_contending_shares_without_a_contend_price_are_a_usage_error():
     result = run("--provide", "--contend-shares", "4")
     assert result.returncode == 2

@@ -32,6 +32,7 @@ def offer(
     min_lease=0,
     contend_price=0,
     contend_shares=None,
+    overcommit_pct=100,
 ):
     if contend_shares is None:  # an offer selling contending use sells as many shares so
         contend_shares = shares if contend_price else 0
@@ -50,6 +51,7 @@ def offer(
         nonce,
         contend_price=contend_price,
         contend_shares=contend_shares,
+        overcommit_pct=overcommit_pct,
     )
 
 
@@ -67,6 +69,7 @@ def bid(
     min_perf=0,
     duration=60,
     priority=PriorityClass.ON_DEMAND,
+    max_overcommit_pct=200,
 ):
     return Bid(
         consumer,
@@ -81,6 +84,7 @@ def bid(
         created,
         expires,
         nonce,
+        max_overcommit_pct,
     )
 
 
@@ -102,6 +106,7 @@ offers = st.builds(
     vram=st.sampled_from([40, 80]),
     perf=st.sampled_from([5, 10]),
     min_lease=st.sampled_from([0, 100]),
+    overcommit_pct=st.sampled_from([100, 150, 200]),
 )
 bids = st.builds(
     bid,
@@ -114,6 +119,7 @@ bids = st.builds(
     min_vram=st.sampled_from([0, 80]),
     min_perf=st.sampled_from([0, 10]),
     duration=st.sampled_from([60, 200]),
+    max_overcommit_pct=st.sampled_from([100, 200]),
 )
 cancels = st.builds(
     Cancel,
@@ -281,6 +287,15 @@ def test_cheaper_offer_fills_first_then_older_at_equal_price():
     book.insert(offer("h2", price=4, created=3.0), now=0.0)
     fills = book.match_bid(bid(shares=12), now=0.0)
     assert [f.host for f in fills] == ["h2", "h1", "h0"]
+
+
+def test_a_bid_that_keeps_its_memory_on_the_device_skips_overcommitted_offers():
+    book = OrderBook()
+    book.insert(offer("h0", price=4, overcommit_pct=200), now=0.0)
+    book.insert(offer("h1", price=5), now=0.0)
+    resident = [f.host for f in book.match_bid(bid(shares=8, max_overcommit_pct=100), now=0.0)]
+    assert resident == ["h1"]
+    assert [f.host for f in book.match_bid(bid("c1", shares=8), now=0.0)] == ["h0"]
 
 
 def test_newer_nonce_replaces_and_older_nonce_is_ignored():

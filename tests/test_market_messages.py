@@ -97,6 +97,11 @@ def test_every_message_round_trips_through_a_signed_envelope(message):
         (OFFER, {"contend_shares": 2}),  # contending shares with no contend price
         (OFFER, {"contend_shares": -1}),
         (OFFER, {"shares_free": 0}),  # nothing on sale
+        (OFFER, {"overcommit_pct": 99}),  # sells less memory than it has: not an overcommit
+        (OFFER, {"overcommit_pct": 201}),
+        (OFFER, {"overcommit_pct": 1.5}),
+        (BID, {"max_overcommit_pct": 0}),
+        (BID, {"max_overcommit_pct": 300}),
         (BID, {"priority": 7}),
         (BID, {"gpu_models": ("",)}),
         (BID, {"shares": True}),

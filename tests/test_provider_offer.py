@@ -72,6 +72,19 @@ def test_storage_terms_out_of_range_are_refused(terms):
         provider(**terms)
 
 
+def test_an_overcommitted_device_sells_more_shares_of_the_same_memory_and_says_so():
+    p = provider(overcommit=1.5)
+    assert [(o.shares_free, o.overcommit_pct) for o in offers(p, 1)] == [(6, 150)] * 2
+    assert p.served["device0"].share_bytes == 4096 * 2**20 // 4  # a share's memory as before
+    assert (p.snapshot()["shares_total"], p.snapshot()["overcommit"]) == (12, 1.5)
+
+
+@pytest.mark.parametrize("factor", [0.9, 2.1])
+def test_an_overcommit_out_of_range_is_refused(factor):
+    with pytest.raises(ValueError, match="overcommit must be 1.0..2"):
+        provider(overcommit=factor)
+
+
 def test_an_offer_sealed_while_its_device_is_fully_leased_frees_no_share():
     p = provider()
     offers(p, 1)

@@ -78,13 +78,19 @@ def test_on_disk_the_storages_memory_is_let_go_and_the_pieces_are_pinned(tmp_pat
     assert not store.put(*_blob(b"squeezed"))  # the pinned piece cannot be evicted for it
 
 
-def test_a_piece_damaged_on_disk_is_that_sessions_error_never_its_data(tmp_path):
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda data: data[:100] + bytes([data[100] ^ 0xFF]) + data[101:],  # a flipped bit
+        lambda data: data[: len(data) // 2],  # truncated
+    ],
+    ids=["flipped", "truncated"],
+)
+def test_a_piece_damaged_on_disk_is_that_sessions_error_never_its_data(tmp_path, damage):
     session, store = a_session(tmp_path)
     session.evict(Tier.DISK)
     (piece,) = [p for p in (tmp_path / "blobs").iterdir() if len(p.name) == 64]
-    damaged = bytearray(piece.read_bytes())
-    damaged[100] ^= 0xFF
-    piece.write_bytes(bytes(damaged))
+    piece.write_bytes(damage(piece.read_bytes()))
     with pytest.raises(BlobMismatchError, match="evicted to disk is damaged"):
         doubled(session, 2)
 
@@ -96,6 +102,20 @@ def test_a_disk_that_cannot_keep_the_pieces_leaves_the_session_on_the_device(tmp
         session.evict(Tier.DISK)
     assert session.tier is Tier.DEVICE
     assert doubled(session, 3)[: N * 4] == before[: N * 4]
+
+
+def test_the_disk_tiers_cap_holds_across_sessions(tmp_path):
+    # Room on disk for one session's storage, not two.
+    store = BlobStore(tmp_path / "blobs", N * 4 + N * 2)
+    ctx = DeviceContext(torch.device("cpu"), blobs=store)
+    first, _ = a_session(tmp_path, ctx=ctx)
+    second, _ = a_session(tmp_path, ctx=ctx)
+    doubled(second, 2)  # storages of its own (both drew the same first storage)
+    first.evict(Tier.DISK)
+    with pytest.raises(OSError, match="could not keep"):
+        second.evict(Tier.DISK)  # the first's pinned piece is not evicted for it
+    assert store.statistics().nbytes <= store.cap
+    assert (first.tier, second.tier) == (Tier.DISK, Tier.DEVICE)
 
 
 def test_closing_an_evicted_session_unpins_its_pieces(tmp_path):
@@ -134,11 +154,15 @@ class Tenant:
         nursery.start_soon(lambda: executor.run_session(TrioFrameChannel(server), rank=rank))
         self.seq = 0
 
-    async def hello(self) -> None:
+    async def hello(self, opening: str = "hello", options: dict | None = None) -> dict:
+        """Open the session (or resume one: ``opening="resume"`` with its token); returns
+        the welcome's information."""
         from cumulus_p2p.wire.protocol import PROTOCOL_VERSION
 
-        await self.channel.send_frame(encode_frame(["hello", PROTOCOL_VERSION, {}]))
-        assert decode_frame(await self.channel.receive_frame())[0][0] == "welcome"
+        await self.channel.send_frame(encode_frame([opening, PROTOCOL_VERSION, options or {}]))
+        header = decode_frame(await self.channel.receive_frame())[0]
+        assert header[0] == "welcome", header
+        return header[2]
 
     async def batch(self, ops: list, query: list, frees: tuple = ()) -> tuple:
         self.seq += 1
@@ -187,3 +211,84 @@ async def test_quotas_past_the_device_evict_the_least_recently_used_and_results_
             await tenant.channel.send_frame(encode_frame(["bye"]))
     assert sums == [N * (1 + 2 * (i + 1)) for i in range(3)]
     assert sorted(tiers) == ["device", "device", "disk"]
+
+
+async def test_a_dropped_tenants_memory_is_parked_on_disk_and_its_resume_is_exact(tmp_path):
+    """A preempted lease's session is hung up and parked (``Provider.end_preempted``): on
+    a device with bounded room its storages leave it, and come back exactly."""
+    import trio
+
+    from cumulus_p2p.host.executor import Executor, ExecutorConfig
+
+    config = ExecutorConfig(device="cpu", blob_dir=str(tmp_path), device_bytes=4 * N * 4)
+    executor = Executor(config)
+    async with trio.open_nursery() as nursery:
+        tenant = Tenant(executor, nursery, rank=(1, 0))
+        token = (await tenant.hello())["token"]
+        await tenant.batch([["aten.randn.default", [[N]], {}, [[1, [N], [1], 0]]]], ["sync"])
+        expected = bytes((await tenant.batch([], ["fetch", ref(1)]))[1])
+        await tenant.channel.aclose()  # hung up, as a preempted lease is
+        await _until(lambda: executor.cache.statistics().entries == 1)
+        (parked,) = [e.value for e in executor.cache._entries.values()]
+        assert parked.tier is Tier.DISK
+        assert executor.cache.statistics().bytes == 0  # none of the cache's host memory
+        again = Tenant(executor, nursery, rank=(1, 0))
+        assert (await again.hello("resume", {"token": token}))["resumed"]
+        assert bytes((await again.batch([], ["fetch", ref(1)]))[1]) == expected
+        await again.channel.send_frame(encode_frame(["bye"]))
+
+
+@pytest.mark.slow  # tenant processes
+async def test_a_sigkilled_consumers_session_leaves_no_tier_holding_anything(tmp_path):
+    """Two tenant processes on room for one: the paused one is evicted to disk, then
+    SIGKILLed. Once its grace ends, no tier holds anything of it: no session, nothing
+    parked, no piece pinned (each pin is an open descriptor on the store)."""
+    import signal
+
+    import trio
+
+    from cumulus_p2p.host.executor import Executor, ExecutorConfig
+    from cumulus_p2p.testing.tenant import Tenant as TenantProcess
+
+    store = tmp_path / "blobs"
+    config = ExecutorConfig(
+        device="cpu", blob_dir=str(store), device_bytes=200_000, cache_grace=0.5
+    )
+    executor = Executor(config)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(executor.serve_tcp)
+        address = f"127.0.0.1:{port}"
+        killed = TenantProcess(address, "mlp", 4, pause_after=2)
+        await trio.to_thread.run_sync(killed.read)  # its welcome
+        assert (await trio.to_thread.run_sync(killed.read)) == {"paused": 2}
+        other = TenantProcess(address, "mlp", 4)
+        assert "losses" in await trio.to_thread.run_sync(other.finish)
+        assert [s.tier for s in executor.sessions.values()] == [Tier.DISK]
+        assert _pins(store) > 0
+        killed.proc.send_signal(signal.SIGKILL)
+        killed.proc.wait()
+        await _until(lambda: executor.idle, timeout=10)
+        assert _pins(store) == 0
+        nursery.cancel_scope.cancel()
+
+
+def _pins(store) -> int:
+    """This process's open descriptors on ``store``'s files: the pinned pieces."""
+    import os
+
+    fds = os.listdir("/proc/self/fd")
+    targets = []
+    for fd in fds:
+        try:
+            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue
+    return sum(t.startswith(str(store)) for t in targets)
+
+
+async def _until(condition, timeout: float = 5.0) -> None:
+    import trio
+
+    with trio.fail_after(timeout):
+        while not condition():
+            await trio.sleep(0.02)

@@ -207,6 +207,14 @@ def _add_provide_flags(provide) -> None:
         "(default: as many as --shares, when a --contend-price is set)",
     )
     provide.add_argument(
+        "--overcommit",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="sell X times each device's memory in shares, 1.0 to 2.0 (default 1.0): idle "
+        "tenants' memory is paged out to RAM or disk to make room, and the offer says so",
+    )
+    provide.add_argument(
         "--storage-price",
         type=parse_storage_price,
         default=parse_storage_price("0"),
@@ -331,6 +339,15 @@ def _add_lease_wishes(consume) -> None:
         help="lease class (default on-demand); contend: share a device below on-demand "
         "tenants and pay the host's contend price, below its ask, if your --max-price "
         "reaches it",
+    )
+    consume.add_argument(
+        "--max-overcommit",
+        type=float,
+        default=2.0,
+        metavar="X",
+        help="the most a host may overcommit its memory (--overcommit) for this job: 1.0 "
+        "keeps the job's memory on the device; above, an idle job's memory may be paged "
+        "out and pays the transfer back at its next op (default 2.0, any host)",
     )
     consume.add_argument(
         "--pay-bid",
@@ -467,6 +484,16 @@ def _check_node_args(parser: argparse.ArgumentParser, args, script: list[str]) -
             parser.error("--contend-shares must be between 0 and 65536")
         if args.contend_shares and not args.contend_price:
             parser.error("--contend-shares needs a --contend-price: what those leases pay")
+    if args.provide and not 1.0 <= args.overcommit <= 2.0:
+        parser.error(
+            f"--overcommit must be between 1.0 and 2.0, not {args.overcommit:g} (1.0: "
+            "sell only the memory the device has)"
+        )
+    if args.consume and not 1.0 <= args.max_overcommit <= 2.0:
+        parser.error(
+            f"--max-overcommit must be between 1.0 and 2.0, not {args.max_overcommit:g} "
+            "(1.0: only hosts that keep the job's memory on the device)"
+        )
     if args.consume and args.pay_bid and args.priority == "contend":
         parser.error(
             "--pay-bid does not apply to --priority contend: every contending tenant pays "

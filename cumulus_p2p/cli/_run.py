@@ -174,6 +174,7 @@ def _provider_options(args, devices):
         storage_gib=args.storage_gib,
         contend_price=args.contend_price,
         contend_shares=_contend_shares(args),
+        overcommit=args.overcommit,
     )
 
 
@@ -196,7 +197,8 @@ class _ProviderScreen:
         offered = ", ".join(f"{d.facts.model} ({d.perf_units} perf units)" for d in devices)
         each = " each" if len(devices) > 1 else ""
         self.console.print(
-            f"providing {offered}: {self.options.shares} shares{each} at "
+            f"providing {offered}: {self.options.sold_shares} shares{each}"
+            f"{self._overcommitted()} at "
             f"{views.credits(self.options.price)}/share-hour{self._contending()}"
             f"{self._standbys()}; sessions "
             f"on {', '.join(provider.current_endpoints())}",
@@ -212,6 +214,10 @@ class _ProviderScreen:
             return ""
         price = views.credits(self.options.storage_price)
         return f"; keeping standbys' checkpoints: {gib} GiB at {price}/GiB-hour"
+
+    def _overcommitted(self) -> str:
+        factor = self.options.overcommit
+        return f" ({factor:g}x the memory, paged out when idle)" if factor > 1 else ""
 
     def _contending(self) -> str:
         price, shares = self.options.contend_price, self.options.contend_shares
@@ -283,6 +289,7 @@ def _consumer_options(args, script: list[str]):
         max_price=args.max_price,
         priority=PriorityClass[args.priority.upper().replace("-", "_")],
         pay_bid=args.pay_bid,
+        max_overcommit_pct=round(100 * args.max_overcommit),
         shares=args.shares or 1,
         duration_s=args.duration,
         match_timeout=args.match_timeout,

@@ -23,6 +23,11 @@ standing: its ops are running. Sessions holding nothing on the device are skippe
 When the candidates cannot cover ``need``, ``choose`` names none: evicting some would
 cost their tenants a round trip and still not make the room.
 
+Where the provider pauses an unpaid lease or preempts one, it hangs up the session, and
+the executor parks it off the device at once (``Executor._park``: host memory, or disk
+where the device is host memory): those sessions leave before any of the above is
+weighed. The first two standings serve an executor that keeps such sessions attached.
+
 Time is passed in; this module does no I/O (``session.py`` moves the bytes).
 """
 

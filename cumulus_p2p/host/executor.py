@@ -167,12 +167,11 @@ class Executor:
         if not found:
             return None
         session = found[-1]
+        stats = dataclasses.replace(session.stats, tier=session.tier.value)
         waits = session.waits.percentiles(now=time.monotonic())
         if waits is None:
-            return dataclasses.replace(session.stats)
-        return dataclasses.replace(
-            session.stats, wait_p50_ms=waits.p50_ms, wait_p99_ms=waits.p99_ms
-        )
+            return stats
+        return dataclasses.replace(stats, wait_p50_ms=waits.p50_ms, wait_p99_ms=waits.p99_ms)
 
     @property
     def idle(self) -> bool:
@@ -583,7 +582,9 @@ class Executor:
     ) -> None:
         attached = self._attached.get(token) if token is not None else None
         if park and token is not None:
-            nbytes = await self._on_device(session.park, inline=self.ctx.device.type != "cuda")
+            nbytes = await self._on_device(
+                self._park, session, inline=self.ctx.device.type != "cuda"
+            )
             now = trio.current_time()
             dropped = self.cache.park(token, session, nbytes, now=now, owner=_owner(channel))
             for old in dropped:
@@ -594,6 +595,18 @@ class Executor:
             del self._attached[token]
             attached.released.set()
         self._expire_parked()
+
+    def _park(self, session: ExecutorSession) -> int:
+        """Park ``session`` off the device: in host memory, or on disk where the device
+        is host memory and its room is bounded (``device_bytes``), so a vanished
+        tenant's memory goes to the tenants still here. Returns its bytes in memory."""
+        bounded = self.config.device_bytes is not None and self.ctx.blobs is not None
+        if self.ctx.device.type == "cpu" and bounded:
+            try:
+                return session.park(Tier.DISK)
+            except OSError as exc:  # the store is full: it stays in memory, as unbounded
+                log.warning("could not park a session on disk: %s", exc)
+        return session.park(Tier.RAM)
 
     def _expire_parked(self) -> None:
         for session in self.cache.expire(now=trio.current_time()):

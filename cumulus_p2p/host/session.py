@@ -176,6 +176,9 @@ class SessionStats:
     #: in that minute (or takes none: a CPU).
     wait_p50_ms: float | None = None
     wait_p99_ms: float | None = None
+    #: Where its storages are (``eviction.Tier``'s value): also filled in by
+    #: ``Executor.session_stats``.
+    tier: str = "device"
 
 
 class ExecutorSession:
@@ -863,23 +866,22 @@ class ExecutorSession:
                 reply.error, reply.result = (exc.kind, str(exc), "query"), None
         return reply
 
-    def park(self) -> int:
-        """Set the session aside while its consumer is away; returns the bytes it holds.
+    def park(self, tier: Tier = Tier.RAM) -> int:
+        """Set the session aside while its consumer is away: its storages leave the
+        device for ``tier`` (``evict``), its RNG state stays with it, and ``unpark``
+        brings them back. Returns the bytes it holds in host memory (none on disk).
 
-        The RNG state stays with the session. On a GPU, tensors move to pinned host memory
-        so the device serves other tenants meanwhile; ``unpark`` moves them back.
+        Raises:
+            OSError: the disk tier could not keep the pieces (the session stays as it was).
         """
         self.ctx.release(self)
-        self._handles.forget_views()
-        if self.device.type == "cuda":
-            self._handles.move_to(torch.device("cpu"))
-        return self._handles.bytes_in_use
+        if self.tier is Tier.DEVICE:
+            self.evict(tier)
+        return 0 if self.tier is Tier.DISK else self._handles.bytes_in_use
 
     def unpark(self) -> None:
-        """Bring a parked session's tensors back to its device."""
-        self._handles.forget_views()
-        if self.device.type == "cuda":
-            self._handles.move_to(self.device)
+        """Bring a parked session's storages back to its device."""
+        self.bring_back()
 
     # --- tiers (``eviction.py``) ----------------------------------------------------------
 

@@ -206,10 +206,12 @@ def _bid_key(bid: Bid) -> tuple:
 
 def meets_terms(offer: Offer, bid: Bid) -> bool:
     """Whether ``offer`` meets ``bid``'s terms beyond its device class and price: the
-    performance it needs, a minimum lease within its duration, and another author."""
+    performance it needs, a minimum lease within its duration, no more overcommitted
+    memory than it accepts, and another author."""
     return (
         offer.perf_units >= bid.min_perf_units
         and offer.min_lease_s <= bid.duration_s
+        and offer.overcommit_pct <= bid.max_overcommit_pct
         and offer.host != bid.consumer
     )
 

@@ -43,6 +43,7 @@ __all__ = [
     "Lease",
     "LeaseKind",
     "LeaseProposal",
+    "MAX_OVERCOMMIT_PCT",
     "MarketMessage",
     "Offer",
     "PriorityClass",
@@ -64,6 +65,9 @@ _MAX_U64 = 2**64 - 1
 _MAX_GIB = 2**20
 #: The most micro-credits per share-hour a bid may offer.
 MAX_PRICE = 2**48
+#: The most an offer may overcommit its VRAM, in percent: its shares' memory may add up
+#: to twice the device's.
+MAX_OVERCOMMIT_PCT = 200
 _COUNTERSIGN_DOMAIN = "cumulus/countersign/v1"
 
 
@@ -187,6 +191,10 @@ class Offer:
             contending tenant runs in the device's idle gaps, so a host sells such
             shares on top of its on-demand ones, and an on-demand lease never preempts
             them. Needs a ``contend_price``.
+        overcommit_pct: The memory the host's shares grant together, in percent of its
+            VRAM (100..``MAX_OVERCOMMIT_PCT``). Above 100 the host pages idle tenants'
+            memory to its RAM or disk (``host/eviction.py``), and a tenant whose memory
+            was paged out pays the transfer back at its next op.
     """
 
     KIND: ClassVar[str] = "market/offer"
@@ -208,6 +216,7 @@ class Offer:
     storage_gib: int = 0
     contend_price: int = 0
     contend_shares: int = 0
+    overcommit_pct: int = 100
 
     def __post_init__(self) -> None:
         _check_text(self, "host", _MAX_PEER_ID)
@@ -229,6 +238,7 @@ class Offer:
         _check_int(self, "contend_price", 0, self.price)
         if self.contend_shares and not self.contend_price:
             raise _bad(type(self), "contend_shares", "needs a contend_price")
+        _check_int(self, "overcommit_pct", 100, MAX_OVERCOMMIT_PCT)
         _check_window(self)
 
     @property
@@ -264,6 +274,8 @@ class Bid:
         created_at: When the bid was made (time priority in the book).
         expires_at: When the bid lapses.
         nonce: The consumer's increasing nonce.
+        max_overcommit_pct: The most overcommitted offer acceptable (``Offer.
+            overcommit_pct``): 100 for a tenant whose memory must stay on the device.
     """
 
     KIND: ClassVar[str] = "market/bid"
@@ -281,6 +293,7 @@ class Bid:
     created_at: float
     expires_at: float
     nonce: int
+    max_overcommit_pct: int = MAX_OVERCOMMIT_PCT
 
     def __post_init__(self) -> None:
         _check_text(self, "consumer", _MAX_PEER_ID)
@@ -305,6 +318,7 @@ class Bid:
         _check_float(self, "created_at")
         _check_float(self, "expires_at")
         _check_int(self, "nonce", 0)
+        _check_int(self, "max_overcommit_pct", 100, MAX_OVERCOMMIT_PCT)
         _check_window(self)
 
     @property
@@ -323,6 +337,7 @@ class Bid:
             offer.vram_mib >= self.min_vram_mib
             and offer.perf_units >= self.min_perf_units
             and offer.min_lease_s <= self.duration_s
+            and offer.overcommit_pct <= self.max_overcommit_pct
             and (not self.gpu_models or offer.gpu_model in self.gpu_models)
         )
 

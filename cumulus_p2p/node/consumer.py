@@ -71,7 +71,7 @@ from ..market.hostchoice import BackoffPolicy, GiveUp, HostChoice, Wait
 from ..market.lease import RefusalReason
 from ..market.liveness import CHALLENGE_SIZE, Liveness
 from ..market.matcher import Entry, entry_of, proposal_batch, standing
-from ..market.messages import encode_message, seal_message
+from ..market.messages import MAX_OVERCOMMIT_PCT, encode_message, seal_message
 from ..market.negotiation import call_propose_lease
 from ..market.pricing import proposed_price
 from ..market.probing import call_probe
@@ -165,6 +165,8 @@ class ConsumerOptions:
         wait_for_host: Seconds a job whose host failed waits for a usable one before it
             gives up; meanwhile its state is safe in its checkpoints.
         backoff: How long a failed host is set aside (``market.hostchoice``).
+        max_overcommit_pct: The most overcommitted host memory acceptable
+            (``Offer.overcommit_pct``); 100 keeps the job's memory on the device.
     """
 
     command: tuple[str, ...]
@@ -186,6 +188,7 @@ class ConsumerOptions:
     max_storage_price: int = 10**6
     wait_for_host: float = WAIT_FOR_HOST_S
     backoff: BackoffPolicy = BackoffPolicy()
+    max_overcommit_pct: int = MAX_OVERCOMMIT_PCT
 
 
 class LeaseState(enum.Enum):
@@ -283,6 +286,7 @@ class Consumer:
         self.bid = Bid(
             self.runtime.peer_id, BID_NAME, o.min_vram_mib, o.gpu_models, o.min_perf,
             o.shares, o.max_price, o.priority, o.duration_s, now, expires_at, nonce,
+            o.max_overcommit_pct,
         )  # fmt: skip
         return encode_message(self.bid)
 

@@ -76,7 +76,13 @@ from ..market import (
 )
 from ..market.lease import Reservation
 from ..market.lease_state import LeaseEvent, LeaseState
-from ..market.messages import LeaseKind, encode_message, peer_id_of, seal_message
+from ..market.messages import (
+    MAX_OVERCOMMIT_PCT,
+    LeaseKind,
+    encode_message,
+    peer_id_of,
+    seal_message,
+)
 from ..market.probing import serve_liveness
 from ..market.settlement import (
     NOTICE_LEAVING,
@@ -154,6 +160,10 @@ class ProviderOptions:
         pool: Worker processes kept started for the next lease, per device.
         graph_compiler: How the executor runs compiled graphs (``graph_compiler.py``).
         blob_cap: Bytes of disk the blob store (``<data dir>/blobs``) may take.
+        overcommit: How many times its memory each device sells (1.0..2.0): a share
+            grants 1/``shares`` of the device's memory, and ``overcommit * shares`` of
+            them are sold. The executor pages idle tenants' memory out to make room
+            (``host/eviction.py``); the offer says so (``Offer.overcommit_pct``).
     """
 
     devices: tuple[OfferedDevice, ...]
@@ -177,6 +187,17 @@ class ProviderOptions:
     storage_gib: int = 0
     contend_price: int = 0
     contend_shares: int = 0
+    overcommit: float = 1.0
+
+    @property
+    def sold_shares(self) -> int:
+        """On-demand shares each device sells: ``shares`` times the overcommit."""
+        return round(self.shares * self.overcommit)
+
+    @property
+    def overcommit_pct(self) -> int:
+        """The overcommit as an offer states it."""
+        return round(100 * self.overcommit)
 
     @property
     def unpaid_grace(self) -> float:
@@ -198,6 +219,10 @@ class ProviderOptions:
             raise ValueError(f"storage_gib must be 0..{MAX_STORAGE_GIB}, not {self.storage_gib}")
         if not 0 <= self.storage_price <= MAX_PRICE:
             raise ValueError(f"storage_price must be 0..{MAX_PRICE}, not {self.storage_price}")
+        if not 100 <= self.overcommit_pct <= MAX_OVERCOMMIT_PCT:
+            raise ValueError(
+                f"overcommit must be 1.0..{MAX_OVERCOMMIT_PCT / 100:g}, not {self.overcommit}"
+            )
         if not 0 <= self.contend_price <= self.price:
             raise ValueError(
                 f"the contend price ({self.contend_price}) must lie between 0 and the price "
@@ -262,7 +287,7 @@ class Provider:
     def free_shares(self, offer_id: str | None = None) -> int:
         """On-demand shares not held by any lease: of one offer, or of every device's
         (None)."""
-        return self.options.shares * self._count(offer_id) - self._held(offer_id, False)
+        return self.options.sold_shares * self._count(offer_id) - self._held(offer_id, False)
 
     def free_contend_shares(self, offer_id: str | None = None) -> int:
         """Contending shares not held by a contending lease (``free_shares``'s way)."""
@@ -320,6 +345,7 @@ class Provider:
             self.free_storage(),
             self.options.contend_price,
             contending,
+            self.options.overcommit_pct,
         )
         if free > 0 or contending > 0:
             self.book.publish(dataclasses.replace(offer, shares_free=free))
@@ -574,7 +600,8 @@ class Provider:
             "role": "provider",
             "session_endpoint": ", ".join(self.current_endpoints()),
             "price": self.options.price,
-            "shares_total": self.options.shares * len(self.served),
+            "shares_total": self.options.sold_shares * len(self.served),
+            "overcommit": self.options.overcommit,
             "shares_free": self.free_shares(),
             "contend_shares_free": self.free_contend_shares(),
             "storage_price": self.options.storage_price,
@@ -616,6 +643,7 @@ class Provider:
                 "ops_per_s": round(active.ops_per_s, 1),
                 "bytes_per_s": round(active.bytes_per_s),
                 "memory": stats.bytes_in_use,
+                "tier": stats.tier,
                 "quota": served.share_bytes * active.proposal.shares,
             }
             if stats.wait_p99_ms is not None:  # it took device turns in the last minute
@@ -760,6 +788,9 @@ def _executor_for(
         graph_compiler=options.graph_compiler,
         blob_dir=str(data.path / "blobs"),
         blob_cap=options.blob_cap,
+        # Quotas add up past the device (overcommit, contending shares): its sessions are
+        # paged out to make room. A worker per session holds its own memory (not yet paged).
+        device_bytes=None if options.uses_workers else device.facts.memory_mib * 2**20,
     )
     return build_executor(
         config, workers=options.uses_workers, pool=options.pool, hidden=[data.path]

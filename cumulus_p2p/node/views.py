@@ -139,6 +139,9 @@ def _session(row: dict) -> str:
     on = f"{row['offer_id']}: " if "offer_id" in row else ""
     if "ops" in row:
         memory = f"{_bytes(row['memory'])} of {_bytes(row['quota'])}"
+        tier = row.get("tier", "device")
+        if tier != "device":  # paged out to make room (``host/eviction.py``)
+            memory += f" in {'host RAM' if tier == 'ram' else 'disk'}"
         moving = row.get("bytes_per_s", 0)
         rate = f", moving {moving / 1e6:.1f} MB/s" if moving >= 1e6 else ""
         waits = ""
