@@ -57,6 +57,15 @@ def test_pooling_lifts_utilization_over_whole_gpu_allocation():
     assert pooled["utilization"] > whole["utilization"] + 0.2
 
 
+def test_overcommitted_hosts_page_memory_and_their_tenants_pay_it_in_slowdown():
+    saturated = pooling.LOADS["saturated"]
+    plain = pooling.simulate(1, MIX, "pooled", saturated, hosts=8, horizon_h=3)
+    doubled = pooling.simulate(1, MIX, "pooled-2x", saturated, hosts=8, horizon_h=3)
+    assert (plain["page_ins"], doubled["overcommit"]) == (0, 2.0)
+    assert doubled["page_ins"] > 0 and doubled["paging_share"] > 0
+    assert doubled["slowdown_mean"] > plain["slowdown_mean"]
+
+
 def test_failover_finishes_more_jobs_and_loses_less_work_than_restarting():
     with_failover = churn.simulate(1, 0.2, 300.0, hosts=16, horizon_h=24, quick=True)
     restarting = churn.simulate(1, 0.2, None, hosts=16, horizon_h=24, quick=True)

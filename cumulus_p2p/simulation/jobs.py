@@ -124,6 +124,7 @@ def run(env: simpy.Environment, market: Market, job: Job, rng: random.Random):
                 job.failovers += 1
         finally:
             host.jobs.pop(env.active_process, None)
+            host.gpu.forget(job)
             job.cost += market.settle(granted)
         if lost:  # back to the last checkpoint (a restart's is the start), then reattach
             job.lost_device_s += job.saved_s - job.remaining_s
@@ -204,7 +205,7 @@ def _work(env, job: Job, host, granted, rng: random.Random, market: Market):
         yield env.timeout(rng.expovariate(1 / idle) if idle > 0 else 0)
         if granted.proposal.lease_id in market.preempted:
             raise Preempted
-        yield from host.gpu.compute(job, rank, wall)
+        yield from host.gpu.compute(job, rank, wall, job.shares)
         job.remaining_s -= burst
         job.busy_wall_s += wall
         job.ideal_s += wall + idle

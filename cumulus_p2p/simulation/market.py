@@ -41,7 +41,7 @@ from ..market.messages import (
 from ..market.metering import Meter, check_receipt
 from ..market.pricing import proposed_price
 from .gpu import SimGpu
-from .world import REGIONS, SHARES_PER_GPU, GpuModel, gossip_delay_s, rtt_ms
+from .world import REGIONS, SHARES_PER_GPU, GpuModel, gossip_delay_s, page_s_per_share, rtt_ms
 
 #: Simulated time zero, as Unix time (signatures and books want real timestamps).
 EPOCH = 1_700_000_000.0
@@ -68,12 +68,27 @@ class SimHost:
     earned: float = 0.0
     contend_price: int = 0  # what a contending lease pays (0: none sold)
     contend_shares: int = 0  # contending shares sold beyond the on-demand ones
+    overcommit: float = 1.0  # memory sold over memory held (``--overcommit``)
     # The job processes running on it; a dict keeps them in order (runs must repeat).
     jobs: dict = field(default_factory=dict)
 
     @property
     def peer(self) -> str:
         return self.lease_book.peer_id
+
+    @property
+    def shares_sold(self) -> int:
+        """On-demand shares its GPU is sold in: more than its memory holds if overcommitted."""
+        return round(SHARES_PER_GPU * self.overcommit)
+
+    def new_gpu(self, env: simpy.Environment) -> SimGpu:
+        """A fresh GPU of its model, paging its tenants' memory when overcommitted."""
+        if self.overcommit == 1.0:
+            return SimGpu(env, self.model.perf_units)
+        paging = page_s_per_share(self.model)
+        return SimGpu(
+            env, self.model.perf_units, memory_shares=SHARES_PER_GPU, page_s_per_share=paging
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +144,7 @@ class Market:
         *,
         contend_price: int = 0,
         contend_shares: int = 0,
+        overcommit: float = 1.0,
     ) -> SimHost:
         identity = self.identity()
         host = SimHost(
@@ -141,11 +157,13 @@ class Market:
             SimGpu(self.env, model.perf_units),
             contend_price=contend_price,
             contend_shares=contend_shares,
+            overcommit=overcommit,
         )
+        host.gpu = host.new_gpu(self.env)
         self.hosts[host.peer] = host
         for other, table in self._latency.items():
             table[host.peer] = rtt_ms(other, region)
-        self.publish(host, SHARES_PER_GPU, contend_shares)
+        self.publish(host, host.shares_sold, contend_shares)
         self.env.process(self._refresh(host))
         return host
 
@@ -186,6 +204,7 @@ class Market:
                 host.nonce,
                 contend_price=host.contend_price,
                 contend_shares=contend_free,
+                overcommit_pct=round(100 * host.overcommit),
             )
             if free + contend_free > 0:
                 host.lease_book.publish(dataclasses.replace(message, shares_free=free))
@@ -213,8 +232,8 @@ class Market:
     def rejoin(self, host: SimHost) -> None:
         """``host`` is back, with a fresh GPU and all its shares on offer."""
         host.online = True
-        host.gpu = SimGpu(self.env, host.model.perf_units)
-        self.publish(host, SHARES_PER_GPU, host.contend_shares)
+        host.gpu = host.new_gpu(self.env)
+        self.publish(host, host.shares_sold, host.contend_shares)
 
     # --- consumers ------------------------------------------------------------------
 

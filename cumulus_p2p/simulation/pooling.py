@@ -7,6 +7,10 @@ on it through the executor's ``DeviceQueue``. Two loads: *saturated* (jobs arriv
 times faster than whole GPUs free up, so every GPU always has someone waiting: this is
 where utilization is read) and *moderate* (0.8 of whole-GPU capacity: queueing time,
 cost and earnings are read there).
+
+The mix and inference run pooled twice more, on hosts that sell their memory 1.5 and 2
+times over (``--overcommit``): more tenants per GPU, whose idle memory is paged out to
+make room (``gpu.py``). Utilization and slowdown are read against the pooled run at 1.0.
 """
 
 from __future__ import annotations
@@ -24,6 +28,11 @@ from .world import SHARES_PER_GPU, WORKLOADS
 CLAIMED_WHOLE_GPU = {"inference": 0.15, "fine-tuning": 0.50, "training": 0.70}
 LOADS = {"saturated": 4.0, "moderate": 0.8}
 MIXES = {**{w.name: (w,) for w in WORKLOADS}, "mix": WORKLOADS}
+#: The overcommitted policies, run on the mix: policy name -> memory sold over held.
+OVERCOMMITTED = {"pooled-1.5x": 1.5, "pooled-2x": 2.0}
+#: The mixes run overcommitted: the mix, and inference, whose GPUs fill up on memory
+#: (eight tenants of 1-2 shares) while their compute idles.
+OVERCOMMITTED_MIXES = ("inference", "mix")
 
 
 def run(seed: int, *, quick: bool) -> dict:
@@ -32,7 +41,9 @@ def run(seed: int, *, quick: bool) -> dict:
     rows = []
     for load_name, load in LOADS.items():
         for mix_name, mix in MIXES.items():
-            for policy in ("whole-GPU", "pooled"):
+            paged = mix_name in OVERCOMMITTED_MIXES
+            policies = ["whole-GPU", "pooled"] + (list(OVERCOMMITTED) if paged else [])
+            for policy in policies:
                 row = simulate(seed, mix, policy, load, hosts=hosts, horizon_h=horizon_h)
                 rows.append({"mix": mix_name, "policy": policy, "load": load_name, **row})
     return {
@@ -52,7 +63,7 @@ def simulate(seed: int, mix, policy: str, load: float, *, hosts: int, horizon_h:
     rng = random.Random(seed)
     env = simpy.Environment()
     market = Market(env, rng, mesh_nodes=hosts * 4)
-    fleet = add_hosts(market, hosts, rng)
+    fleet = add_hosts(market, hosts, rng, overcommit=OVERCOMMITTED.get(policy, 1.0))
     horizon_s, warmup_s = horizon_h * 3600, 3600.0
     rate = load * hosts / mean_hold_s(mix)
     trace = job_trace(random.Random(seed + 1), mix, rate_per_s=rate, horizon_s=horizon_s)
@@ -63,6 +74,7 @@ def simulate(seed: int, mix, policy: str, load: float, *, hosts: int, horizon_h:
     busy_at_warmup = sum(h.gpu.busy_s for h in fleet)
     env.run(until=horizon_s)
     busy = sum(h.gpu.busy_s for h in fleet) - busy_at_warmup
+    paging = sum(h.gpu.paging_s for h in fleet)
     for granted in list(market.active.values()):  # bill what is still running
         market.settle(granted)
     done = [j for j in trace if j.done_s is not None]
@@ -70,6 +82,10 @@ def simulate(seed: int, mix, policy: str, load: float, *, hosts: int, horizon_h:
     compute_h = sum(j.compute_s for j in done) / 3600
     return {
         "utilization": round(busy / (hosts * (horizon_s - warmup_s)), 4),
+        "overcommit": OVERCOMMITTED.get(policy, 1.0),
+        # The device's time spent copying tenants' memory in and out (the whole run).
+        "paging_share": round(paging / (hosts * horizon_s), 4),
+        "page_ins": sum(h.gpu.page_ins for h in fleet),
         "jobs_arrived": len(trace),
         "jobs_done": len(done),
         "never_leased": sum(j.leased_s is None for j in trace),

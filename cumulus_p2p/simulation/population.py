@@ -20,10 +20,12 @@ def add_hosts(
     *,
     contend_floor: float = 0.0,
     contend_shares: int = 0,
+    overcommit: float = 1.0,
 ) -> list[SimHost]:
     """``count`` hosts: a GPU from the mix, a region, a price around the model's, a
-    contend price of ``contend_floor`` times that price (0: no contending leases) and
-    ``contend_shares`` contending shares beyond the on-demand ones."""
+    contend price of ``contend_floor`` times that price (0: no contending leases),
+    ``contend_shares`` contending shares beyond the on-demand ones, and their memory
+    sold ``overcommit`` times over."""
     hosts = []
     for i in range(count):
         model = pick(rng, GPU_MIX)
@@ -33,7 +35,13 @@ def add_hosts(
         region = rng.choice(REGIONS)
         shares = contend_shares if floor else 0
         host = market.add_host(
-            f"host-{i}", model, region, price, contend_price=floor, contend_shares=shares
+            f"host-{i}",
+            model,
+            region,
+            price,
+            contend_price=floor,
+            contend_shares=shares,
+            overcommit=overcommit,
         )
         hosts.append(host)
     return hosts

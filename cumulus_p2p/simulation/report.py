@@ -82,6 +82,33 @@ def _pooling(result: dict):
             for r in mod
         ],
     )
+    paged = {r["mix"] for r in rows if r["overcommit"] > 1}
+    overcommit = _table(
+        [
+            "mix",
+            "load",
+            "overcommit",
+            "utilization",
+            "slowdown",
+            "paging share",
+            "page-ins",
+            "jobs done",
+        ],
+        [
+            (
+                r["mix"],
+                r["load"],
+                r["overcommit"],
+                r["utilization"],
+                r["slowdown_mean"],
+                r["paging_share"],
+                r["page_ins"],
+                r["jobs_done"],
+            )
+            for r in rows
+            if r["mix"] in paged and r["policy"] != "whole-GPU"
+        ],
+    )
     text = (
         _heading(result, "Fractional pooling against whole-GPU allocation")
         + f"\n{result['hosts']} hosts, {result['horizon_h']} h.\n\n"
@@ -89,6 +116,8 @@ def _pooling(result: dict):
         + util
         + "\n\n## Queueing, cost and earnings, moderate load\n\n"
         + money
+        + "\n\n## Overcommitted memory (pooled at 1.0, 1.5 and 2x)\n\n"
+        + overcommit
         + "\n"
     )
     fig, ax = plt.subplots(figsize=(7, 3.5))

@@ -71,6 +71,18 @@ FAILOVER_S = 1.98
 CHECKPOINT_S_PER_MB = 0.0351 / 51.1
 
 
+#: Paging a tenant's memory between GPU and host RAM: ASSUMED, not measured here (no GPU
+#: was lent for it): pinned copies over PCIe 4.0 x16 reach about 25 GB/s one way; half
+#: of that is assumed for the executor's page-out and page-in of many storages.
+#: ``benchmarks/eviction_bench.py --device cuda`` measures it on a GPU.
+PAGE_GB_S = 12.0
+
+
+def page_s_per_share(model: GpuModel) -> float:
+    """Seconds to copy one share of ``model``'s memory between device and host, one way."""
+    return model.vram_mib * 2**20 / SHARES_PER_GPU / (PAGE_GB_S * 1e9)
+
+
 def rtt_ms(a: str, b: str) -> float:
     """Round trip between two regions."""
     if a == b:
