@@ -85,6 +85,30 @@ def test_each_session_runs_in_a_worker_process_of_its_own(isolated):
     assert proc.pid not in (a, b)
 
 
+def test_past_the_device_memory_a_paused_workers_session_goes_to_disk_and_resumes_exactly(
+    tmp_path, reference
+):
+    """Room for one tenant's memory: the supervisor asks the least recently used worker to
+    evict (``WorkerSupervisor._review_memory``); its pieces land in the blob store, and
+    both tenants finish with the losses of a run nobody disturbed."""
+    blobs = tmp_path / "blobs"
+    extra = [*WORKERS, "--device-memory", "150KB", "--blob-dir", str(blobs)]
+    with executor_process(extra=extra) as (address, _):
+        first = Tenant(address, "mlp", 6, pause_after=2)
+        first.read()
+        assert first.read() == {"paused": 2}
+        second = Tenant(address, "mlp", 6, pause_after=2)
+        second.read()
+        assert second.read() == {"paused": 2}
+        deadline = time.monotonic() + 20
+        while not [p for p in blobs.iterdir() if len(p.name) == 64]:
+            assert time.monotonic() < deadline, "no session was evicted to the blob store"
+            time.sleep(0.1)
+        first.go_on()
+        second.go_on()
+        assert first.finish() == second.finish() == {"losses": reference}
+
+
 def test_a_killed_worker_ends_only_its_session(isolated, reference):
     address, _ = isolated
     bystander = Tenant(address, "mlp", 6, pause_after=2)

@@ -125,8 +125,11 @@ async def test_an_acquire_cancelled_while_waiting_tells_the_supervisor():
 # --- the supervisor's side: turns across workers, in lease rank -----------------------------
 
 
-def supervisor_with(*ranks: tuple) -> tuple[WorkerSupervisor, list[_Worker], list[WorkerLink]]:
-    sup = WorkerSupervisor(SupervisorConfig(ExecutorConfig(device="cpu")))
+def supervisor_with(
+    *ranks: tuple, device_bytes: int | None = None
+) -> tuple[WorkerSupervisor, list[_Worker], list[WorkerLink]]:
+    config = ExecutorConfig(device="cpu", device_bytes=device_bytes)
+    sup = WorkerSupervisor(SupervisorConfig(config))
     workers, far_ends = [], []
     for pid, rank in enumerate(ranks, start=100):
         near, far = link_pair()
@@ -173,12 +176,14 @@ async def test_a_dead_holders_turn_passes_on():
         ["release", 1],
         ["launch", 1],
         ["stats", 5],
-        ["stats", -1, 0, None, None],
-        ["stats", 1, "lots", None, None],
+        ["stats", -1, 0, None, None, "device"],
+        ["stats", 1, "lots", None, None, "device"],
         ["stats", 1, 0],
-        ["stats", 1, 0, -1.0, 2.0],
-        ["stats", 1, 0, 1.0, float("nan")],
-        ["stats", 1, 0, "1 ms", None],
+        ["stats", 1, 0, None, None],  # where its memory is goes unsaid
+        ["stats", 1, 0, -1.0, 2.0, "device"],
+        ["stats", 1, 0, 1.0, float("nan"), "device"],
+        ["stats", 1, 0, "1 ms", None, "device"],
+        ["stats", 1, 0, None, None, "the moon"],
         ["traffic", 1, -5],
         ["traffic", "1", 5],
         ["ended", 1],
@@ -251,11 +256,48 @@ async def test_a_yield_right_behind_the_grant_waits_for_the_granted_batch():
 def test_a_workers_stats_are_what_status_shows_for_its_consumers_session():
     sup, (worker,), _ = supervisor_with(ON_DEMAND)
     sup.sessions[1] = SessionView(worker.pid, owner=b"k" * 32)
-    sup._on_message(worker, ["stats", 120, 4096, 0.5, 12.0])
+    sup._on_message(worker, ["stats", 120, 4096, 0.5, 12.0, "disk"])
     stats = sup.session_stats(b"k" * 32)
-    assert (stats.ops, stats.bytes_in_use) == (120, 4096)
+    assert (stats.ops, stats.bytes_in_use, stats.tier) == (120, 4096, "disk")
     assert (stats.wait_p50_ms, stats.wait_p99_ms) == (0.5, 12.0)
     assert sup.session_stats(b"x" * 32) is None
+
+
+# --- memory across workers: past the device's bound, the supervisor asks for evictions ----
+
+
+async def test_past_the_device_bound_the_worker_the_policy_names_is_asked_to_evict():
+    sup, (busy, cheap), (to_busy, to_cheap) = supervisor_with(
+        ON_DEMAND, INTERRUPTIBLE, device_bytes=1000
+    )
+    sup._on_message(busy, ["stats", 5, 600, None, None, "device"])
+    sup._on_message(cheap, ["stats", 5, 600, None, None, "device"])
+    assert (await to_cheap.receive())[0] == ["evict"]  # the worse-ranked payer goes
+    assert await nothing_arrives(to_busy)
+    # Asked once: its report that it still holds the memory does not ask again at once.
+    assert cheap.evicting
+    sup._on_message(cheap, ["stats", 5, 600, None, None, "disk"])
+    assert not cheap.evicting and await nothing_arrives(to_cheap)
+
+
+async def test_within_the_device_bound_or_without_one_nobody_is_asked_to_evict():
+    for bound in (None, 1200):
+        sup, workers, far_ends = supervisor_with(ON_DEMAND, INTERRUPTIBLE, device_bytes=bound)
+        for worker in workers:
+            sup._on_message(worker, ["stats", 5, 600, None, None, "device"])
+        assert all([await nothing_arrives(far) for far in far_ends])
+
+
+async def test_an_exclusive_turns_holder_is_not_evicted_in_its_turn():
+    sup, (holder, other), (to_holder, to_other) = supervisor_with(
+        INTERRUPTIBLE, ON_DEMAND, device_bytes=1000
+    )
+    sup._on_message(holder, ["acquire", 1])
+    assert (await to_holder.receive())[0] == ["grant", 1]
+    sup._on_message(holder, ["stats", 5, 600, None, None, "device"])
+    sup._on_message(other, ["stats", 5, 600, None, None, "device"])
+    assert (await to_other.receive())[0] == ["evict"]
+    assert await nothing_arrives(to_holder)
 
 
 def test_a_worker_asking_for_turns_without_end_is_cut_off():

@@ -499,10 +499,10 @@ class Executor:
 
     def _make_room(self, session: ExecutorSession) -> None:
         """Evict the sessions ``eviction.choose`` names so that ``session`` fits on the
-        device: to host memory on a GPU, to the blob store on a CPU (whose device is host
-        memory). Without a place to put them nothing moves, and quotas still hold."""
-        tier = Tier.DISK if self.ctx.device.type == "cpu" else Tier.RAM
-        if tier is Tier.DISK and self.ctx.blobs is None:
+        device (to ``_evict_tier``). Without a place to put them nothing moves, and
+        quotas still hold."""
+        tier = self._evict_tier()
+        if tier is None:
             return
         need = self._device_bytes(session) - (self.config.device_bytes or 0)
         # Sessions evicted already hold nothing on the device: ``choose`` passes them by.
@@ -513,6 +513,28 @@ class Executor:
             except OSError as exc:  # the store is full: the others stay, quotas still hold
                 log.warning("could not evict a session to make room: %s", exc)
                 return
+
+    def _evict_tier(self) -> Tier | None:
+        """Where evicted storages go: host memory on a GPU, the blob store on a CPU (whose
+        device is host memory); None where there is no such place."""
+        if self.ctx.device.type != "cpu":
+            return Tier.RAM
+        return None if self.ctx.blobs is None else Tier.DISK
+
+    async def evict_all(self) -> int:
+        """Move every live session's storages off the device, each between two of its
+        batches (a supervisor makes room across its workers so). Returns the bytes moved;
+        0 where there is no place to put them or nothing is on the device."""
+        tier, moved = self._evict_tier(), 0
+        for session in list(self.sessions.values()) if tier is not None else []:
+            if session.tier is Tier.DEVICE:
+                try:
+                    moved += await self._on_device(session.evict, tier, rank=session.rank)
+                except OSError as exc:
+                    log.warning("could not evict a session: %s", exc)
+        if moved and self.ctx.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the memory back for other processes
+        return moved
 
     def _run_ops(
         self, session: ExecutorSession, batch: Batch, start: int

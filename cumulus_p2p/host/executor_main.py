@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="what all sessions' tensors may hold on the device together; past it, idle "
         "and lower-priority sessions are evicted (to host memory on a GPU, to the blob "
-        "store on a CPU) and come back at their next op (default: no bound)",
+        "store on a CPU) and come back at their next op; with a worker per session, "
+        "within a second of going past it (default: no bound)",
     )
     add_graph_compiler_flag(parser)
     add_blob_flags(parser)
@@ -198,11 +199,6 @@ def main(argv: list[str] | None = None) -> int:
         device_bytes=args.device_memory,
     )
     workers = torch.cuda.is_available() if args.workers is None else args.workers
-    if args.device_memory is not None and workers:
-        parser.error(
-            "--device-memory evicts between sessions of one process for now: add "
-            "--shared-process (a worker per session holds one session each)"
-        )
     hidden = [args.data_dir] if args.secure else []
     try:
         executor = build_executor(config, workers=workers, pool=args.pool, hidden=hidden)

@@ -37,6 +37,11 @@ else.
   batch (the supervisor sends ``yield``), or at its next op (the supervisor also sets the
   worker's ``TurnFlag``, which the worker reads between ops): at once for a better-ranked
   waiter, after its quantum for an equal one. A tenant alone pays nothing per batch.
+- **Memory past the device** (``eviction.py``). With ``device_bytes`` set, each worker's
+  report says what its session holds and where (device, host memory, disk). When those
+  on the device add up past the bound, the workers ``eviction.choose`` names are sent
+  ``evict``: they move their storages off between two batches and bring them back at the
+  next. Room is made as reports come, each second, not before a batch.
 - **A worker dies.** Its consumer's connection closes with it (only the worker held
   it). A secure consumer resumes, and the node refuses the resume with what happened:
   "the worker process running it was killed by SIGKILL (a host failure)". With failover
@@ -76,6 +81,7 @@ from .._errors import FrameTooLargeError, RemoteProtocolError, SessionClosedErro
 from ..blobs import service as blobservice
 from ..channel.transport import AsyncFrameChannel, Handover, HandoverError, frame_header
 from ..wire.protocol import decode_frame
+from .eviction import Candidate, Tier, choose
 from .executor import ExecutorConfig, pick_device, send_last, serve_plain_tcp
 from .health import CHECK_TIMEOUT_S, DeviceHealth
 from .scheduler import (
@@ -87,6 +93,7 @@ from .scheduler import (
     Sharing,
     cpu_idle,
     cpu_nice,
+    on_demand,
 )
 from .session import SessionStats
 from .worker import EXIT_POISONED, WorkerSpec
@@ -149,6 +156,10 @@ class _Worker:
     handed: dict[int, _Handed] = field(default_factory=dict)
     #: Its session's ops and memory in use, as it last reported them.
     stats: SessionStats | None = None
+    #: When its reported op count last moved (the eviction policy's recency).
+    last_op_at: float = 0.0
+    #: Asked to ``evict`` and not yet reported since.
+    evicting: bool = False
     #: Set to end its exclusive turn at its next op (None: it never takes turns).
     flag: TurnFlag | None = None
 
@@ -433,7 +444,11 @@ class WorkerSupervisor:
 
     def _on_message(self, worker: _Worker, message: list) -> None:
         if message[0] == "stats":
-            worker.stats = _stats(message)
+            stats = _stats(message)
+            if worker.stats is None or stats.ops != worker.stats.ops:
+                worker.last_op_at = _now()
+            worker.stats, worker.evicting = stats, False
+            self._review_memory()
             return
         if message[0] in ("traffic", "ended", "token"):
             self._on_session_message(worker, message)
@@ -461,6 +476,37 @@ class WorkerSupervisor:
                 self.queue.withdraw(ticket)
         else:
             raise LinkClosedError(f"it sent an unknown message {kind!r}")
+
+    def _review_memory(self) -> None:
+        """Past ``device_bytes``, ask the workers ``eviction.choose`` names to evict.
+
+        Each worker holds its own memory, so the room is made as reports come (every
+        ``STATS_EVERY_S``), not before a batch as in one process: a tenant coming back
+        to the device may overrun the bound until the next report. A worker in its
+        exclusive turn counts as in its turn."""
+        bound = self.config.executor.device_bytes
+        if bound is None:
+            return
+        held = [w for w in self._workers.values() if _on_device(w) and not w.evicting]
+        need = sum(w.stats.bytes_in_use for w in held) - bound  # type: ignore[union-attr]
+        holder = self.queue.holder
+        candidates = [
+            Candidate(
+                w,
+                w.rank,
+                on_demand(w.rank),
+                w.stats.bytes_in_use,  # type: ignore[union-attr]
+                w.last_op_at,
+                in_turn=holder is not None and holder[0] == w.pid,
+            )
+            for w in held
+        ]
+        for chosen in choose(candidates, need, now=_now()):
+            chosen.evicting = True
+            try:
+                chosen.link.send_nowait(["evict"])
+            except LinkClosedError:
+                pass  # it is gone: its memory goes with it
 
     def _on_session_message(self, worker: _Worker, message: list) -> None:
         kind, *args = message
@@ -783,16 +829,30 @@ class _Unavailable(Exception):
 
 
 def _stats(message: list) -> SessionStats:
-    """A worker's ``["stats", ops, bytes_in_use, wait_p50_ms, wait_p99_ms]``, checked: a
-    worker runs tenant code."""
-    if len(message) != 5 or not all(type(v) is int and v >= 0 for v in message[1:3]):
+    """A worker's ``["stats", ops, bytes_in_use, wait_p50_ms, wait_p99_ms, tier]``,
+    checked: a worker runs tenant code."""
+    if len(message) != 6 or not all(type(v) is int and v >= 0 for v in message[1:3]):
         raise LinkClosedError("it sent malformed stats")
-    waits = message[3:]
+    waits = message[3:5]
     if not all(v is None or (type(v) is float and 0 <= v < math.inf) for v in waits):
         raise LinkClosedError("it sent malformed waits")
+    if message[5] not in _TIERS:
+        raise LinkClosedError("it named no tier its memory could be in")
     return SessionStats(
-        ops=message[1], bytes_in_use=message[2], wait_p50_ms=waits[0], wait_p99_ms=waits[1]
+        ops=message[1],
+        bytes_in_use=message[2],
+        wait_p50_ms=waits[0],
+        wait_p99_ms=waits[1],
+        tier=message[5],
     )
+
+
+_TIERS = frozenset(t.value for t in Tier)
+
+
+def _on_device(worker: _Worker) -> bool:
+    """Whether ``worker``'s session holds memory on the device, as it last reported."""
+    return worker.stats is not None and worker.stats.tier == Tier.DEVICE.value
 
 
 def _wake(owner: object, name: str) -> None:

@@ -19,9 +19,10 @@ Messages on the link (``workerlink.py``), worker to supervisor:
   (``SupervisorTurns``), granted across all workers by the supervisor's ``DeviceQueue``
   in the rank of each worker's lease. Only on an exclusively shared device: by default
   workers run at once (``scheduler.Sharing``) and never ask.
-- ``["stats", ops, bytes_in_use, wait_p50_ms, wait_p99_ms]``: its session at work, every
-  ``STATS_EVERY_S`` while it serves one (the provider's status shows it; the waits are
-  nil while it took no device turn in the last minute).
+- ``["stats", ops, bytes_in_use, wait_p50_ms, wait_p99_ms, tier]``: its session at work,
+  every ``STATS_EVERY_S`` while it serves one and at once after an ``evict`` (the
+  provider's status shows it; the waits are nil while it took no device turn in the
+  last minute; ``tier``: where its storages are, ``eviction.Tier``'s value).
 - ``["token", token]``: a session it welcomed (resumes naming it are routed here).
 - ``["traffic", n, bytes]``: frame bytes session ``n`` carried since the last report,
   every ``STATS_EVERY_S`` and at its end (the provider meters the lease with them).
@@ -36,6 +37,8 @@ Supervisor to worker:
 - ``["resume", n, hello, buffered]`` with a new connection: the consumer of secure session
   ``n`` resumes on it (its ``RESUME_HELLO`` was read by the supervisor).
 - ``["close", n, reason]``: end secure session ``n`` (the provider paused its lease).
+- ``["evict"]``: move the sessions' storages off the device (``Executor.evict_all``): the
+  supervisor makes room for another worker's tenant. They come back at their next batch.
 - ``["grant", n]``: turn ``n`` is yours, until you are asked to ``["yield"]`` it (at the
   end of the running batch) or the ``TurnFlag`` the worker was started with is set (at its
   next op; the executor reads it between ops).
@@ -277,6 +280,7 @@ class Worker:
         self._secure: SecureServer | None = None
         self._channels: dict[int, SecureServerChannel] = {}  # secure sessions, by number
         self._numbers: dict[bytes, int] = {}  # by session id
+        self._owners: list[bytes | None] = []  # of the sessions whose stats are reported
 
     async def run(self) -> int:
         """Serve until done; return the process's exit status."""
@@ -313,6 +317,8 @@ class Worker:
             elif kind == "close" and n == 3:
                 if message[1] in self._channels:
                     nursery.start_soon(self._channels[message[1]].aclose, message[2])
+            elif kind == "evict" and n == 1 and fd is None:
+                nursery.start_soon(self._evict)
             else:
                 if fd is not None:
                     os.close(fd)
@@ -383,12 +389,28 @@ class Worker:
             self._context_lost()
 
     async def _report_stats(self, owner: bytes | None) -> None:
-        while True:
-            await trio.sleep(STATS_EVERY_S)
-            stats = self.executor.session_stats(owner)
-            if stats is not None:
-                waits = [stats.wait_p50_ms, stats.wait_p99_ms]
-                await self.link.send(["stats", stats.ops, stats.bytes_in_use, *waits])
+        self._owners.append(owner)
+        try:
+            while True:
+                await trio.sleep(STATS_EVERY_S)
+                await self._send_stats(owner)
+        finally:
+            self._owners.remove(owner)
+
+    async def _send_stats(self, owner: bytes | None) -> None:
+        stats = self.executor.session_stats(owner)
+        if stats is not None:
+            waits = [stats.wait_p50_ms, stats.wait_p99_ms]
+            await self.link.send(["stats", stats.ops, stats.bytes_in_use, *waits, stats.tier])
+
+    async def _evict(self) -> None:
+        """The supervisor's ``evict``: off the device, then say so at once."""
+        await self.executor.evict_all()
+        try:
+            for owner in list(self._owners):
+                await self._send_stats(owner)
+        except LinkClosedError:
+            pass  # the supervisor is gone; the link's reader ends the worker
 
     async def _report_forever(self) -> None:
         """Report each session's traffic every ``STATS_EVERY_S``."""

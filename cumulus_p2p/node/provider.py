@@ -789,8 +789,8 @@ def _executor_for(
         blob_dir=str(data.path / "blobs"),
         blob_cap=options.blob_cap,
         # Quotas add up past the device (overcommit, contending shares): its sessions are
-        # paged out to make room. A worker per session holds its own memory (not yet paged).
-        device_bytes=None if options.uses_workers else device.facts.memory_mib * 2**20,
+        # paged out to make room.
+        device_bytes=device.facts.memory_mib * 2**20,
     )
     return build_executor(
         config, workers=options.uses_workers, pool=options.pool, hidden=[data.path]
