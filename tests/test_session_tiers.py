@@ -213,6 +213,35 @@ async def test_quotas_past_the_device_evict_the_least_recently_used_and_results_
     assert sorted(tiers) == ["device", "device", "disk"]
 
 
+async def test_an_evicted_session_that_fits_comes_back_ahead_of_its_turn(tmp_path):
+    import trio
+
+    from cumulus_p2p.host.executor import Executor, ExecutorConfig
+
+    config = ExecutorConfig(device="cpu", blob_dir=str(tmp_path), device_bytes=4 * N * 4)
+    executor = Executor(config)
+    async with trio.open_nursery() as nursery:
+        tenant = Tenant(executor, nursery, rank=(0, -100))
+        await tenant.hello()
+        await tenant.batch([["aten.ones.default", [[N]], {}, [[1, [N], [1], 0]]]], ["sync"])
+        (session,) = executor.sessions.values()
+        session.evict(Tier.DISK)
+        await executor.scheduler.acquire((0, -100))  # another tenant's long turn
+        added = ["aten.add.Tensor", [ref(1), 1.0], {}, [[2, [N], [1], 0]]]
+        replied = trio.Event()
+
+        async def waiting_batch():
+            await tenant.batch([added], ["fetch", ref(2)])
+            replied.set()
+
+        nursery.start_soon(waiting_batch)
+        await _until(lambda: session.tier is Tier.DEVICE)
+        assert session.stats.ops == 1 and not replied.is_set()  # its op waits for a turn
+        executor.scheduler.release()
+        await replied.wait()
+        await tenant.channel.send_frame(encode_frame(["bye"]))
+
+
 async def test_a_dropped_tenants_memory_is_parked_on_disk_and_its_resume_is_exact(tmp_path):
     """A preempted lease's session is hung up and parked (``Provider.end_preempted``): on
     a device with bounded room its storages leave it, and come back exactly."""

@@ -468,6 +468,10 @@ class Executor:
     ) -> Reply | None:
         """Run ``batch`` in device turns that may end between any two of its ops.
 
+        An evicted session is brought back first: ahead of its turn when it fits beside
+        the sessions on the device (its disk reads overlap their compute), or in its
+        turn after making room.
+
         A scheduler that preempts (``DeviceScheduler.preemptive``) is asked between ops
         whether a better-ranked tenant waits (a read of shared state, no message); then
         the turn is handed back there and the rest of the batch waits for the next one.
@@ -476,6 +480,9 @@ class Executor:
         """
         turn = {"inline": inline, "rank": rank, "waits": session.waits}
         session.rank = rank
+        if session.tier is not Tier.DEVICE and not self._over_device_bytes(session):
+            # It fits beside the others: back ahead of its turn, while they compute.
+            await trio.to_thread.run_sync(session.bring_back)
         if self._over_device_bytes(session):
             await self._on_device(self._make_room, session, rank=rank)
         if not getattr(self.scheduler, "preemptive", False):

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -211,6 +212,9 @@ class ExecutorSession:
         #: Where the storages are (``eviction.Tier``), and their pieces while on disk.
         self.tier = Tier.DEVICE
         self._paged: dict[int, list[PinnedBlob]] = {}
+        # A session may be brought back ahead of its turn, in a thread, while another
+        # session's turn evicts: one move at a time.
+        self._moving = threading.RLock()
         #: The lease's rank (``scheduler.lease_rank``) and when a batch last ran: what
         #: the eviction policy weighs.
         self.rank: tuple = DEFAULT_RANK
@@ -895,6 +899,10 @@ class ExecutorSession:
             ValueError: ``tier`` is the device, or the disk tier without a blob store.
             OSError: the blob store could not keep the pieces (nothing moved then).
         """
+        with self._moving:
+            return self._evict(tier)
+
+    def _evict(self, tier: Tier) -> int:
         if tier is Tier.DEVICE or tier is self.tier:
             raise ValueError(f"a session on the {self.tier.value} tier cannot go to {tier.value}")
         self.bring_back()
@@ -921,6 +929,10 @@ class ExecutorSession:
             BlobMismatchError: a piece on disk was damaged; the storages stay off the
                 device, and the session can no longer run.
         """
+        with self._moving:
+            self._bring_back()
+
+    def _bring_back(self) -> None:
         if self.tier is Tier.DISK:
             paged, self._paged = self._paged, {}
             try:
