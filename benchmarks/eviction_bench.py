@@ -28,7 +28,9 @@ every result matched the session never evicted); ``overcommit_steps_ratio`` (the
 tenants' steps per second together over the two's, each tenant's time from its own
 clock, after its process started), ``overcommit_evictions`` (sessions sent to disk to
 make room) and ``overcommit_losses_exact`` (1
-when every tenant's losses equal the same training run locally, bit for bit).
+when every tenant's losses equal the same training run locally, bit for bit). The same
+run with a worker process per session (the supervisor asks workers to evict as their
+reports come, each second) gives the ``overcommit_workers_*`` keys.
 """
 
 from __future__ import annotations
@@ -121,8 +123,11 @@ def tenants_at_once(address: str, count: int, mib: int, steps: int) -> list[dict
     return [json.loads(p.communicate(timeout=900)[0].strip().splitlines()[-1]) for p in procs]
 
 
-def overcommit(quick: bool) -> dict:
-    """Four tenants on room for two, against two alone: steps per second, losses."""
+def overcommit(quick: bool, isolation: str = "shared-process") -> dict:
+    """Four tenants on room for two, against two alone: steps per second, losses.
+
+    ``isolation``: ``shared-process`` (the executor evicts before a batch) or
+    ``worker-per-session`` (the supervisor asks workers to evict, as reports come)."""
     from cumulus_p2p.testing.executor import executor_process
 
     mib, steps = (8, 6) if quick else (32, 8)
@@ -132,7 +137,8 @@ def overcommit(quick: bool) -> dict:
     torch.set_num_threads(1)
     for count in (2, 4):
         with tempfile.TemporaryDirectory(prefix="cumulus-overcommit-") as blobs:
-            flags = ["--shared-process", "--device-memory", room, "--blob-dir", blobs]
+            flags = [f"--{isolation}", "--device-memory", room, "--blob-dir", blobs]
+            flags += ["--pool", "4"] if isolation == "worker-per-session" else []
             with executor_process(extra=flags, env={"OMP_NUM_THREADS": "1"}) as (address, _):
                 runs = tenants_at_once(address, count, mib, steps)
         # From the tenants' own clocks: their processes' start-up is not the executor's.
@@ -140,13 +146,14 @@ def overcommit(quick: bool) -> dict:
         evictions[count] = sum(run["evictions"] for run in runs)
         for seed, run in enumerate(runs):
             exact = exact and run["losses"] == train("cpu", mib, steps, seed)
+    prefix = "overcommit_" if isolation == "shared-process" else "overcommit_workers_"
     return {
         "overcommit_tenant_mib": mib,
-        "overcommit_steps_per_s_two": rates[2],
-        "overcommit_steps_per_s_four": rates[4],
-        "overcommit_steps_ratio": rates[4] / rates[2],
-        "overcommit_evictions": evictions[4],
-        "overcommit_losses_exact": int(exact),
+        f"{prefix}steps_per_s_two": rates[2],
+        f"{prefix}steps_per_s_four": rates[4],
+        f"{prefix}steps_ratio": rates[4] / rates[2],
+        f"{prefix}evictions": evictions[4],
+        f"{prefix}losses_exact": int(exact),
     }
 
 
@@ -196,6 +203,7 @@ def main() -> None:
         result["exact"] = int(exact)
     if args.device == "cpu":
         result |= overcommit(args.quick)
+        result |= overcommit(args.quick, "worker-per-session")
     result = {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}
     print(json.dumps(result, indent=2))
     name = (

@@ -535,6 +535,10 @@ def _restore_record(handle, dtype, nbytes, start, data_len, blob=0) -> list:
     return ["@restore", [handle, dtype, nbytes, start, data], {}, None]
 
 
+def _named_restore(nbytes, start, name) -> list:
+    return ["@restore", [7, torch.float32, nbytes, start, name], {}, None]
+
+
 def _refused(session: RemoteSession, ops: list, blobs: list[bytes], kind: str) -> str:
     for record in ops:
         session.submit(record)
@@ -570,6 +574,9 @@ def raw_session(executor_address):
         (_restore_record(9, torch.float32, 16, 8, 8), "InvalidHandleError", "byte 0"),
         (_restore_record(7, torch.float32, 1 << 30, 0, 8), "OutOfMemoryError", "quota"),
         (["@restore", [7, torch.float32, 8], {}, None], "RemoteProtocolError", "takes"),
+        (_named_restore(8, 0, "ab" * 32), "RemoteProtocolError", "does not hold blob"),
+        (_named_restore(8, 4, "ab" * 32), "IndexError", "multiple of"),
+        (_named_restore(8, 0, "not a name"), "RemoteProtocolError", "a piece's name"),
     ],
     ids=[
         "handle_zero",
@@ -585,6 +592,9 @@ def raw_session(executor_address):
         "continuation_of_unknown_storage",
         "over_quota",
         "too_few_fields",
+        "named_piece_not_held",
+        "named_piece_not_at_a_piece_boundary",
+        "data_neither_bytes_nor_name",
     ],
 )
 def test_bad_restore_record_is_refused_with_a_clear_error(raw_session, record, kind, words):

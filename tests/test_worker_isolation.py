@@ -109,6 +109,33 @@ def test_past_the_device_memory_a_paused_workers_session_goes_to_disk_and_resume
         assert first.finish() == second.finish() == {"losses": reference}
 
 
+def test_a_session_evicted_to_disk_comes_back_from_there_after_its_worker_is_killed(tmp_path):
+    """Its worker dies with the session's handles, but not its pieces: the consumer fails
+    over to the same host, and the restore finds them on its disk instead of sending them."""
+    blobs = tmp_path / "blobs"
+    extra = [*WORKERS, "--device-memory", "4200KiB", "--blob-dir", str(blobs)]
+    with executor_process(extra=extra) as (address, _):
+        host, port = address.split(":")
+        redial = lambda: SocketFrameChannel.connect(host, int(port))  # noqa: E731
+        with remote.attach(address, reconnect=redial, checkpoint_interval=0.0) as session:
+            torch.manual_seed(0)
+            weights = torch.randn(1 << 20, device="cumulus")  # 4 MiB, one piece
+            expected = (weights.cpu() * 2).sum().item()  # a sync point: checkpointed
+            bystander = Tenant(address, "mlp", 2, pause_after=0)  # past the bound
+            bystander.read()
+            assert bystander.read() == {"paused": 0}
+            deadline = time.monotonic() + 20
+            while not [p for p in blobs.iterdir() if len(p.name) == 64]:
+                assert time.monotonic() < deadline, "the idle session was not evicted"
+                time.sleep(0.1)
+            kill(session.info["worker_pid"])
+            assert (weights * 2).sum().item() == expected
+            assert session.failovers == 1
+            assert session.blob_bytes_skipped >= 4 << 20
+            bystander.go_on()
+            bystander.finish()
+
+
 def test_a_killed_worker_ends_only_its_session(isolated, reference):
     address, _ = isolated
     bystander = Tenant(address, "mlp", 6, pause_after=2)

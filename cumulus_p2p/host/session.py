@@ -408,7 +408,8 @@ class ExecutorSession:
         """``@restore [handle, dtype, nbytes, start, data]``: one piece of a storage's bytes.
 
         The piece at ``start`` 0 creates the storage (a new handle, within quota); later
-        pieces fill the same storage and must repeat its dtype and size.
+        pieces fill the same storage and must repeat its dtype and size. ``data`` is
+        inline bytes, or the name of a whole ``PIECE`` the host's store holds (``have``).
         """
         if not (isinstance(args, list) and len(args) == 5):
             raise OpFailed(
@@ -423,9 +424,7 @@ class ExecutorSession:
             raise OpFailed(
                 ErrorKind.VALUE, "@restore: size and start must be non-negative integers"
             )
-        if type(data) is not CpuTensorRef or data.dtype != torch.uint8 or len(data.sizes) != 1:
-            raise OpFailed(ErrorKind.PROTOCOL_ERROR, "@restore: data must be inline uint8 bytes")
-        piece = _inline_tensor(data, blobs)
+        piece = self._restore_piece(data, blobs, nbytes, start)
         if start + piece.numel() > nbytes:
             raise OpFailed(
                 ErrorKind.INDEX,
@@ -437,6 +436,23 @@ class ExecutorSession:
         anchor = self._handles.restore_target(handle, dtype, nbytes, start)
         raw_bytes(anchor, start, piece.numel()).copy_(piece)
         self._handles.restored(handle, start + piece.numel())
+
+    def _restore_piece(self, data: Any, blobs: list[memoryview], nbytes: int, start: int):
+        """A ``@restore`` record's bytes: inline, or a whole piece from the store."""
+        if isinstance(data, str) and is_digest(data):
+            if start % PIECE or start >= nbytes:
+                raise OpFailed(
+                    ErrorKind.INDEX,
+                    f"@restore: a named piece starts at a multiple of {PIECE} bytes below "
+                    f"the storage's {nbytes}, not at {start}",
+                )
+            return self._stored_blob(data, min(PIECE, nbytes - start))
+        if type(data) is not CpuTensorRef or data.dtype != torch.uint8 or len(data.sizes) != 1:
+            raise OpFailed(
+                ErrorKind.PROTOCOL_ERROR,
+                "@restore: data must be inline uint8 bytes or a piece's name",
+            )
+        return _inline_tensor(data, blobs)
 
     def open_pulled_restore(self, entries: tuple[StorageEntry, ...]) -> PieceTargets:
         """Create a checkpoint's storages, within quota, for a pull to fill

@@ -865,9 +865,21 @@ class RemoteSession:
         if checkpoint is None or checkpoint.seq != self._log.after_seq:
             raise FailoverError("the checkpoint store no longer holds the latest checkpoint")
         with_rng = _rng_fits(info, checkpoint.device)
-        batches = restore_batches(checkpoint, with_rng=with_rng, budget=_chunk(channel))
-        self._send_restore(channel, checkpoint.seq, batches, total=checkpoint.nbytes)
+        held = _held_by(channel, info, checkpoint)
+        batches = restore_batches(
+            checkpoint, with_rng=with_rng, budget=_chunk(channel), held=held
+        )
+        skipped = sum(
+            len(p)
+            for image in checkpoint.storages
+            for p, name in zip(image.pieces, image.digests, strict=True)
+            if name in held
+        )
+        self.blob_bytes_skipped += skipped
+        self._send_restore(channel, checkpoint.seq, batches, total=checkpoint.nbytes - skipped)
         self._restored_from = "this machine's checkpoint"
+        if skipped:
+            self._restored_from += f" ({skipped / 2**20:.0f} MiB of it already on that host)"
 
     def _pull_hosted(self, channel: FrameChannel, hosted: HostCheckpoint) -> None:
         """Have the fresh host make ``hosted``'s storages and pull their pieces into them
@@ -1015,6 +1027,24 @@ def print_progress(progress: TransferProgress) -> None:
 def stream_chunk(channel: FrameChannel) -> int:
     """Bytes per piece of a streamed upload or read over ``channel``."""
     return max(1, min(STREAM_CHUNK, channel.max_frame // 4))
+
+
+def _held_by(channel: FrameChannel, info: dict, checkpoint: Checkpoint) -> frozenset[str]:
+    """The checkpoint's pieces the fresh session's host holds already (one ``have``, for
+    the first ``MAX_HAVE``): the same host after its worker died, with the session's
+    memory evicted to its disk, or any host that kept the same bytes."""
+    if not info.get("blob_store"):
+        return frozenset()
+    names = list(dict.fromkeys(n for image in checkpoint.storages for n in image.digests))
+    names = names[:MAX_HAVE]
+    if not names:
+        return frozenset()
+    channel.send_frame(encode_frame(["have", names]))
+    header, _ = decode_frame(channel.recv_frame())
+    answer = header[1] if header[0] == "have" and len(header) == 2 else None
+    if not (isinstance(answer, list) and len(answer) == len(names)):
+        raise RemoteProtocolError(f"unexpected answer to have: {header[0]!r}")
+    return frozenset(n for n, here in zip(names, answer, strict=True) if here is True)
 
 
 def _chunk(channel: FrameChannel) -> int:

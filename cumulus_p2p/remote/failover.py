@@ -262,22 +262,32 @@ class ImageAssembler:
 
 
 def restore_batches(
-    checkpoint: Checkpoint, *, with_rng: bool, budget: int = TRANSFER_CHUNK
+    checkpoint: Checkpoint,
+    *,
+    with_rng: bool,
+    budget: int = TRANSFER_CHUNK,
+    held: frozenset[str] = frozenset(),
 ) -> Iterator[tuple[list, list[memoryview]]]:
     """The op records and blobs that rebuild ``checkpoint`` in a fresh session, per frame.
 
     Each storage becomes one ``@restore`` record per piece of at most ``budget`` bytes (an
-    empty storage still gets one, so its handle exists); ``@rng`` comes last.
+    empty storage still gets one, so its handle exists); ``@rng`` comes last. A whole
+    piece whose digest is in ``held`` (the host's store has it: ``have``) is named
+    instead of sent.
     """
     ops: list = []
     blobs: list[memoryview] = []
     size = 0
     for image in checkpoint.storages:
-        for start, piece in _ranges(image, budget):
+        for start, piece, name in _ranges(image, budget, held):
             if ops and size + len(piece) > budget:
                 yield ops, blobs
                 ops, blobs, size = [], [], 0
-            ops.append(_restore_record(image, start, piece, len(blobs)))
+            if name is not None:
+                ops.append(_restore_record(image, start, name))
+                continue
+            data = CpuTensorRef(torch.uint8, (len(piece),), len(blobs))
+            ops.append(_restore_record(image, start, data))
             blobs.append(piece)
             size += len(piece)
     if with_rng:
@@ -292,16 +302,21 @@ def rng_record(rng_state: memoryview, blob: int) -> list:
     return ["@rng", [CpuTensorRef(torch.uint8, (len(rng_state),), blob)], {}, None]
 
 
-def _ranges(image: StorageImage, budget: int) -> Iterator[tuple[int, memoryview]]:
-    """``(start, bytes)`` of an image in ranges of at most ``budget`` bytes; an empty
-    storage still has one (empty) range, so its handle exists."""
+def _ranges(
+    image: StorageImage, budget: int, held: frozenset[str]
+) -> Iterator[tuple[int, memoryview, str | None]]:
+    """``(start, bytes, name)`` of an image in ranges of at most ``budget`` bytes, ``name``
+    set (and the bytes to send empty) for a whole piece in ``held``; an empty storage
+    still has one (empty) range, so its handle exists."""
     if not image.pieces:
-        yield 0, memoryview(b"")
-    for index, piece in enumerate(image.pieces):
+        yield 0, memoryview(b""), None
+    for index, (piece, name) in enumerate(zip(image.pieces, image.digests, strict=True)):
+        if name in held:
+            yield index * PIECE, memoryview(b""), name
+            continue
         for offset in range(0, len(piece), budget):
-            yield index * PIECE + offset, piece[offset : offset + budget]
+            yield index * PIECE + offset, piece[offset : offset + budget], None
 
 
-def _restore_record(image: StorageImage, start: int, piece: memoryview, blob: int) -> list:
-    data = CpuTensorRef(torch.uint8, (len(piece),), blob)
+def _restore_record(image: StorageImage, start: int, data: CpuTensorRef | str) -> list:
     return ["@restore", [image.handle, image.dtype, image.nbytes, start, data], {}, None]
