@@ -53,6 +53,14 @@ def kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
+def wait_for_pieces(blobs: Path, timeout: float = 20.0) -> None:
+    """Until a session's memory is evicted to the blob store ``blobs`` (named pieces)."""
+    deadline = time.monotonic() + timeout
+    while not [p for p in blobs.iterdir() if len(p.name) == 64]:
+        assert time.monotonic() < deadline, "no session was evicted to the blob store"
+        time.sleep(0.1)
+
+
 def last_json(node) -> dict:
     return json.loads(next(x for x in reversed(node.lines) if x.startswith("{")))
 
@@ -100,10 +108,7 @@ def test_past_the_device_memory_a_paused_workers_session_goes_to_disk_and_resume
         second = Tenant(address, "mlp", 6, pause_after=2)
         second.read()
         assert second.read() == {"paused": 2}
-        deadline = time.monotonic() + 20
-        while not [p for p in blobs.iterdir() if len(p.name) == 64]:
-            assert time.monotonic() < deadline, "no session was evicted to the blob store"
-            time.sleep(0.1)
+        wait_for_pieces(blobs)
         first.go_on()
         second.go_on()
         assert first.finish() == second.finish() == {"losses": reference}
@@ -124,10 +129,7 @@ def test_a_session_evicted_to_disk_comes_back_from_there_after_its_worker_is_kil
             bystander = Tenant(address, "mlp", 2, pause_after=0)  # past the bound
             bystander.read()
             assert bystander.read() == {"paused": 0}
-            deadline = time.monotonic() + 20
-            while not [p for p in blobs.iterdir() if len(p.name) == 64]:
-                assert time.monotonic() < deadline, "the idle session was not evicted"
-                time.sleep(0.1)
+            wait_for_pieces(blobs)
             kill(session.info["worker_pid"])
             assert (weights * 2).sum().item() == expected
             assert session.failovers == 1
