@@ -143,6 +143,15 @@ def test_a_provider_shows_how_long_a_session_waited_for_the_device():
     assert "waits" not in shown(provider_state([device(0)], [lease("device0")]))
 
 
+def test_a_provider_shows_where_each_sessions_memory_is_and_its_overcommit():
+    paged = lease("device0") | {"tier": "disk"}
+    text = shown(provider_state([device(0)], [paged]) | {"overcommit": 1.5})
+    assert "1.0 kB of 4.1 kB in disk" in text
+    assert "8 (1.5x the memory: idle tenants paged out)" in row(text, "shares free")
+    plain = shown(provider_state([device(0)], [lease("device0") | {"tier": "device"}]))
+    assert " in disk" not in plain and "x the memory" not in plain
+
+
 def test_the_offers_table_shows_each_offers_contend_floor():
     offer = OFFER
     console = Console(width=220, record=True)

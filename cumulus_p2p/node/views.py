@@ -53,7 +53,10 @@ def status_table(state: dict) -> Group:
             summary.add_row(f"device {device['device']}", _device_text(device))
         summary.add_row("session channel", state.get("session_endpoint", ""))
         summary.add_row("price", f"{credits(state['price'])} per share-hour")
-        summary.add_row("shares free", f"{state['shares_free']} of {state['shares_total']}")
+        shares = f"{state['shares_free']} of {state['shares_total']}"
+        if state.get("overcommit", 1.0) > 1.0:
+            shares += f" ({state['overcommit']:g}x the memory: idle tenants paged out)"
+        summary.add_row("shares free", shares)
         if state.get("storage_gib_total"):
             summary.add_row(
                 "standby storage",
