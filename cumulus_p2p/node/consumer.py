@@ -618,8 +618,8 @@ class Consumer:
             f"(min VRAM {o.min_vram_mib} MiB, min perf {o.min_perf}, max price "
             f"{o.max_price / 1e6:g}/share-hour, models {list(o.gpu_models) or 'any'}). "
             f"Largest VRAM offered: {max(x.vram_mib for x in offers)} MiB; cheapest price: "
-            f"{min(x.price for x in offers) / 1e6:g}{_floors(offers, o)}. Relax the "
-            "requirements and retry."
+            f"{min(x.price for x in offers) / 1e6:g}{_floors(offers, o)}"
+            f"{_overcommitted(offers, o)}. Relax the requirements and retry."
         )
 
     # --- the shim's requests ----------------------------------------------------------
@@ -1101,6 +1101,18 @@ def notice_refusal(proposal: LeaseProposal | None, kind: str, sender: str) -> st
     if kind == NOTICE_PREEMPTED and proposal.priority is PriorityClass.ON_DEMAND:
         return "an on-demand lease is never preempted"
     return None
+
+
+def _overcommitted(offers, options: ConsumerOptions) -> str:
+    """For a bid that met nothing: whether the offers overcommit more memory than it
+    accepts (``--max-overcommit``)."""
+    least = min(x.overcommit_pct for x in offers)
+    if least <= options.max_overcommit_pct:
+        return ""
+    return (
+        f"; every host overcommits its memory (least: {least / 100:g}x) past your "
+        f"--max-overcommit {options.max_overcommit_pct / 100:g}"
+    )
 
 
 def _floors(offers, options: ConsumerOptions) -> str:

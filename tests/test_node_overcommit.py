@@ -1,0 +1,54 @@
+"""A host that sells twice its memory: two tenants on one share's worth. Real node processes.
+
+The host splits its device into one share and overcommits it twice (``--overcommit 2``):
+it sells two shares of the whole device's memory, and says so in its offer. Two jobs lease
+one share each and run side by side to a local run's loss, where at 1.0 the second would
+wait. A third job whose memory must stay on the device (``--max-overcommit 1``) leases
+nothing there, and says why.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cumulus_p2p.testing import loopback, nodes
+
+# Starts real cumulus-node processes: scripts/test --fast skips it.
+pytestmark = pytest.mark.slow
+
+SCRIPT = ["-m", "cumulus_p2p.demo_train", "--steps", "20", "--log-every", "10"]
+
+
+def running(state: dict) -> list[dict]:
+    return [row for row in state.get("leases", []) if row["state"] == "running"]
+
+
+def test_an_overcommitted_host_runs_two_tenants_on_one_shares_memory(tmp_path):
+    boot = loopback.start_boot(tmp_path)
+    host = nodes.start_provider(
+        tmp_path / "host", boot.addr, "--shares", "1", "--overcommit", "2",
+        "--receipt-interval", "1s",
+    )  # fmt: skip
+    try:
+        host.wait_for("2 shares (2x the memory, paged out when idle)")
+        resident = nodes.start_consumer(
+            tmp_path / "resident", boot.addr, "--max-overcommit", "1", "--match-timeout", "15s",
+            command=SCRIPT,
+        )  # fmt: skip
+        tenants = [
+            nodes.start_consumer(tmp_path / name, boot.addr, command=SCRIPT)
+            for name in ("first", "second")
+        ]
+        # Both hold a lease at once: the host's two shares.
+        state = host.wait_for_state(lambda s: len(running(s)) == 2, timeout=120)
+        assert (state["shares_total"], state["overcommit"]) == (2, 2.0)
+        for tenant in tenants:
+            assert tenant.proc.wait(timeout=180) == 0, tenant.output()
+        assert resident.proc.wait(timeout=120) != 0
+    finally:
+        for node in (host, boot):
+            node.stop()
+    local = nodes.local_final_loss(SCRIPT)
+    assert [nodes.final_json(t.lines)["final_loss"] for t in tenants] == [local, local]
+    said = " ".join(resident.output().split())
+    assert "every host overcommits its memory (least: 2x) past your --max-overcommit 1" in said
