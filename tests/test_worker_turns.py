@@ -184,6 +184,9 @@ async def test_a_dead_holders_turn_passes_on():
         ["stats", 1, 0, 1.0, float("nan"), "device"],
         ["stats", 1, 0, "1 ms", None, "device"],
         ["stats", 1, 0, None, None, "the moon"],
+        ["room", 1],
+        ["room", -1, 4096],
+        ["room", 1, "lots"],
         ["traffic", 1, -5],
         ["traffic", "1", 5],
         ["ended", 1],
@@ -298,6 +301,35 @@ async def test_an_exclusive_turns_holder_is_not_evicted_in_its_turn():
     sup._on_message(other, ["stats", 5, 600, None, None, "device"])
     assert (await to_other.receive())[0] == ["evict"]
     assert await nothing_arrives(to_holder)
+
+
+async def test_a_session_coming_back_gets_its_room_once_the_others_evicted():
+    sup, (coming, idle), (to_coming, to_idle) = supervisor_with(
+        ON_DEMAND, ON_DEMAND, device_bytes=1000
+    )
+    async with trio.open_nursery() as nursery:
+        sup._nursery = nursery
+        sup._on_message(idle, ["stats", 5, 600, None, None, "device"])
+        sup._on_message(coming, ["stats", 5, 600, None, None, "disk"])
+        sup._on_message(coming, ["room", 1, 600])
+        assert (await to_idle.receive())[0] == ["evict"]
+        assert await nothing_arrives(to_coming)  # not before the other's memory moved
+        sup._on_message(idle, ["stats", 5, 600, None, None, "disk"])
+        with trio.fail_after(5):
+            assert (await to_coming.receive())[0] == ["roomed", 1]
+
+
+async def test_a_session_that_fits_gets_its_room_at_once():
+    sup, (coming, other), (to_coming, to_other) = supervisor_with(
+        ON_DEMAND, ON_DEMAND, device_bytes=1000
+    )
+    async with trio.open_nursery() as nursery:
+        sup._nursery = nursery
+        sup._on_message(other, ["stats", 5, 300, None, None, "device"])
+        sup._on_message(coming, ["room", 1, 600])
+        with trio.fail_after(5):
+            assert (await to_coming.receive())[0] == ["roomed", 1]
+        assert await nothing_arrives(to_other)
 
 
 def test_a_worker_asking_for_turns_without_end_is_cut_off():

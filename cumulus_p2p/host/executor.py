@@ -23,7 +23,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,11 +134,14 @@ class Executor:
         scheduler: DeviceScheduler | None = None,
         welcome_extra: dict | None = None,
         context_lost: Callable[[], bool] | None = None,
+        ask_room: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
         """``scheduler`` grants device turns (a worker process asks its supervisor's);
         ``welcome_extra`` is added to every session's welcome (a worker names its pid);
         ``context_lost`` is asked after an op failed whether the device context is now
-        unusable (a CUDA device-side assert): then the session ends after that reply."""
+        unusable (a CUDA device-side assert): then the session ends after that reply;
+        ``ask_room(n)`` returns once ``n`` bytes may come back to the device (a worker
+        asks its supervisor, which bounds the device across workers)."""
         self.config = config or ExecutorConfig()
         blob_dir = self.config.blob_dir
         self.ctx = DeviceContext(
@@ -156,6 +159,7 @@ class Executor:
         self.scheduler = scheduler if scheduler is not None else DeviceScheduler()
         self._welcome_extra = welcome_extra or {}
         self._context_lost = context_lost
+        self._ask_room = ask_room
         self._next_id = 1
         #: Always healthy: a shared process has no fresh process to check the device with.
         self.health = DeviceHealth()
@@ -480,6 +484,8 @@ class Executor:
         """
         turn = {"inline": inline, "rank": rank, "waits": session.waits}
         session.rank = rank
+        if session.tier is not Tier.DEVICE and self._ask_room is not None:
+            await self._ask_room(session.stats.bytes_in_use)
         if session.tier is not Tier.DEVICE and not self._over_device_bytes(session):
             # It fits beside the others: back ahead of its turn, while they compute.
             await trio.to_thread.run_sync(session.bring_back)

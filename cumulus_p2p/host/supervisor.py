@@ -96,7 +96,7 @@ from .scheduler import (
     on_demand,
 )
 from .session import SessionStats
-from .worker import EXIT_POISONED, WorkerSpec
+from .worker import EXIT_POISONED, ROOM_WAIT_S, WorkerSpec
 from .workerlink import LinkClosedError, TurnFlag, WorkerLink
 
 log = logging.getLogger(__name__)
@@ -158,8 +158,9 @@ class _Worker:
     stats: SessionStats | None = None
     #: When its reported op count last moved (the eviction policy's recency).
     last_op_at: float = 0.0
-    #: Asked to ``evict`` and not yet reported since.
+    #: Asked to ``evict`` and not yet reported since; ``evicted`` is set once it did.
     evicting: bool = False
+    evicted: trio.Event = field(default_factory=trio.Event)
     #: Set to end its exclusive turn at its next op (None: it never takes turns).
     flag: TurnFlag | None = None
 
@@ -448,7 +449,13 @@ class WorkerSupervisor:
             if worker.stats is None or stats.ops != worker.stats.ops:
                 worker.last_op_at = _now()
             worker.stats, worker.evicting = stats, False
+            if not _on_device(worker):
+                worker.evicted.set()
             self._review_memory()
+            return
+        if message[0] == "room":
+            number, nbytes = _room(message)
+            self._nursery.start_soon(self._make_room_for, worker, number, nbytes)
             return
         if message[0] in ("traffic", "ended", "token"):
             self._on_session_message(worker, message)
@@ -480,15 +487,37 @@ class WorkerSupervisor:
     def _review_memory(self) -> None:
         """Past ``device_bytes``, ask the workers ``eviction.choose`` names to evict.
 
-        Each worker holds its own memory, so the room is made as reports come (every
-        ``STATS_EVERY_S``), not before a batch as in one process: a tenant coming back
-        to the device may overrun the bound until the next report. A worker in its
-        exclusive turn counts as in its turn."""
+        Each worker holds its own memory, so this runs as reports come (every
+        ``STATS_EVERY_S``): a session that grew past the bound is caught then. A session
+        coming back from eviction asks first (``_make_room_for``)."""
+        self._evict_for(0, None)
+
+    async def _make_room_for(self, asking: _Worker, number: int, nbytes: int) -> None:
+        """A worker's evicted session is coming back with ``nbytes``: evict others until
+        it fits, wait (up to ``ROOM_WAIT_S``) until they report their memory moved,
+        then answer ``roomed``."""
+        chosen = self._evict_for(nbytes, asking)
+        with trio.move_on_after(ROOM_WAIT_S):
+            for worker in chosen:
+                await worker.evicted.wait()
+        try:
+            asking.link.send_nowait(["roomed", number])
+        except LinkClosedError:
+            pass  # it is gone; so is its question
+
+    def _evict_for(self, incoming: int, asking: _Worker | None) -> list[_Worker]:
+        """Send ``evict`` to the workers ``eviction.choose`` names so that what is on the
+        device, and ``incoming`` more bytes for ``asking``, fit ``device_bytes``. A
+        worker in its exclusive turn counts as in its turn. Returns those asked."""
         bound = self.config.executor.device_bytes
         if bound is None:
-            return
-        held = [w for w in self._workers.values() if _on_device(w) and not w.evicting]
-        need = sum(w.stats.bytes_in_use for w in held) - bound  # type: ignore[union-attr]
+            return []
+        held = [
+            w
+            for w in self._workers.values()
+            if w is not asking and _on_device(w) and not w.evicting
+        ]
+        need = sum(w.stats.bytes_in_use for w in held) + incoming - bound  # type: ignore[union-attr]
         holder = self.queue.holder
         candidates = [
             Candidate(
@@ -501,12 +530,14 @@ class WorkerSupervisor:
             )
             for w in held
         ]
-        for chosen in choose(candidates, need, now=_now()):
-            chosen.evicting = True
+        chosen = choose(candidates, need, now=_now())
+        for worker in chosen:
+            worker.evicting, worker.evicted = True, trio.Event()
             try:
-                chosen.link.send_nowait(["evict"])
+                worker.link.send_nowait(["evict"])
             except LinkClosedError:
-                pass  # it is gone: its memory goes with it
+                worker.evicted.set()  # it is gone: its memory goes with it
+        return chosen
 
     def _on_session_message(self, worker: _Worker, message: list) -> None:
         kind, *args = message
@@ -587,6 +618,7 @@ class WorkerSupervisor:
         """The worker is gone: give back its turns and tokens; check the device if need be."""
         worker.link.close()
         worker.exited.set()
+        worker.evicted.set()  # nobody waits for its memory to move: it is freed
         del self._workers[worker.pid]
         if worker in self._idle:
             self._idle.remove(worker)
@@ -848,6 +880,13 @@ def _stats(message: list) -> SessionStats:
 
 
 _TIERS = frozenset(t.value for t in Tier)
+
+
+def _room(message: list) -> tuple[int, int]:
+    """A worker's ``["room", n, nbytes]``, checked."""
+    if len(message) != 3 or not all(type(v) is int and v >= 0 for v in message[1:]):
+        raise LinkClosedError("it sent a malformed room request")
+    return message[1], message[2]
 
 
 def _on_device(worker: _Worker) -> bool:

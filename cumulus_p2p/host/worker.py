@@ -39,6 +39,9 @@ Supervisor to worker:
 - ``["close", n, reason]``: end secure session ``n`` (the provider paused its lease).
 - ``["evict"]``: move the sessions' storages off the device (``Executor.evict_all``): the
   supervisor makes room for another worker's tenant. They come back at their next batch.
+- ``["roomed", n]``: the answer to the worker's ``["room", n, nbytes]`` (worker to
+  supervisor: an evicted session is coming back with ``nbytes``): others were asked to
+  evict, and reported it, or the supervisor's wait ran out.
 - ``["grant", n]``: turn ``n`` is yours, until you are asked to ``["yield"]`` it (at the
   end of the running batch) or the ``TurnFlag`` the worker was started with is set (at its
   next op; the executor reads it between ops).
@@ -52,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import json
 import logging
 import math
@@ -79,6 +83,9 @@ log = logging.getLogger(__name__)
 EXIT_POISONED = 3
 #: Room above the session quota for the CUDA allocator's cache, in its own cap.
 ALLOCATOR_HEADROOM = 256 * 1024**2
+#: How long the supervisor waits for other workers to evict before it answers a room
+#: request (a worker waits twice that for the answer).
+ROOM_WAIT_S = 10.0
 #: How often an idle worker checks whether its parked session has expired.
 IDLE_CHECK_S = 0.25
 #: Seconds between a serving worker's reports of its session's ops and memory.
@@ -275,7 +282,10 @@ class Worker:
             scheduler=self.turns,
             welcome_extra={"worker_pid": os.getpid()},
             context_lost=self._context_lost,
+            ask_room=self._ask_room,
         )
+        self._rooms: dict[int, trio.Event] = {}  # room requests awaiting an answer
+        self._room_numbers = itertools.count(1)
         self._carried: dict[int, _Carried] = {}
         self._secure: SecureServer | None = None
         self._channels: dict[int, SecureServerChannel] = {}  # secure sessions, by number
@@ -319,6 +329,10 @@ class Worker:
                     nursery.start_soon(self._channels[message[1]].aclose, message[2])
             elif kind == "evict" and n == 1 and fd is None:
                 nursery.start_soon(self._evict)
+            elif kind == "roomed" and n == 2 and fd is None:
+                answered = self._rooms.get(message[1])
+                if answered is not None:
+                    answered.set()
             else:
                 if fd is not None:
                     os.close(fd)
@@ -402,6 +416,18 @@ class Worker:
         if stats is not None:
             waits = [stats.wait_p50_ms, stats.wait_p99_ms]
             await self.link.send(["stats", stats.ops, stats.bytes_in_use, *waits, stats.tier])
+
+    async def _ask_room(self, nbytes: int) -> None:
+        """Before an evicted session comes back: the supervisor makes its room."""
+        number = next(self._room_numbers)
+        answered = self._rooms[number] = trio.Event()
+        try:
+            await self.link.send(["room", number, nbytes])
+            # The supervisor answers within its own wait; a lost answer must not hang.
+            with trio.move_on_after(2 * ROOM_WAIT_S):
+                await answered.wait()
+        finally:
+            del self._rooms[number]
 
     async def _evict(self) -> None:
         """The supervisor's ``evict``: off the device, then say so at once."""

@@ -866,9 +866,7 @@ class RemoteSession:
             raise FailoverError("the checkpoint store no longer holds the latest checkpoint")
         with_rng = _rng_fits(info, checkpoint.device)
         held = _held_by(channel, info, checkpoint)
-        batches = restore_batches(
-            checkpoint, with_rng=with_rng, budget=_chunk(channel), held=held
-        )
+        batches = restore_batches(checkpoint, with_rng=with_rng, budget=_chunk(channel), held=held)
         skipped = sum(
             len(p)
             for image in checkpoint.storages
