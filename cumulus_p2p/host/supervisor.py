@@ -41,7 +41,9 @@ else.
   report says what its session holds and where (device, host memory, disk). When those
   on the device add up past the bound, the workers ``eviction.choose`` names are sent
   ``evict``: they move their storages off between two batches and bring them back at the
-  next. Room is made as reports come, each second, not before a batch.
+  next. A worker whose session comes back asks for its room first (``room``); the
+  supervisor evicts others and answers once they reported it done. A session that grows
+  on the device is caught as reports come, each second, not before its batch.
 - **A worker dies.** Its consumer's connection closes with it (only the worker held
   it). A secure consumer resumes, and the node refuses the resume with what happened:
   "the worker process running it was killed by SIGKILL (a host failure)". With failover
