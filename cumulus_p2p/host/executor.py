@@ -322,7 +322,9 @@ class Executor:
                 await attached.released.wait()
         session = self.cache.take(token, now=trio.current_time(), owner=owner)
         if session is not None:
-            await self._on_device(session.unpark, inline=self.ctx.device.type != "cuda")
+            # In a thread where bytes move: from host memory to a GPU, or from disk.
+            moves = self.ctx.device.type != "cpu" or session.tier is Tier.DISK
+            await self._on_device(session.unpark, inline=not moves)
         return session
 
     # --- serving ------------------------------------------------------------------------
@@ -617,9 +619,7 @@ class Executor:
     ) -> None:
         attached = self._attached.get(token) if token is not None else None
         if park and token is not None:
-            nbytes = await self._on_device(
-                self._park, session, inline=self.ctx.device.type != "cuda"
-            )
+            nbytes = await self._on_device(self._park, session, inline=not self._parks_off_device())
             now = trio.current_time()
             dropped = self.cache.park(token, session, nbytes, now=now, owner=_owner(channel))
             for old in dropped:
@@ -631,12 +631,17 @@ class Executor:
             attached.released.set()
         self._expire_parked()
 
+    def _parks_off_device(self) -> bool:
+        """Whether parking moves bytes (a GPU's to host memory, a bounded CPU's to disk):
+        then it runs in a thread, not in the event loop."""
+        bounded = self.config.device_bytes is not None and self.ctx.blobs is not None
+        return self.ctx.device.type != "cpu" or bounded
+
     def _park(self, session: ExecutorSession) -> int:
         """Park ``session`` off the device: in host memory, or on disk where the device
         is host memory and its room is bounded (``device_bytes``), so a vanished
         tenant's memory goes to the tenants still here. Returns its bytes in memory."""
-        bounded = self.config.device_bytes is not None and self.ctx.blobs is not None
-        if self.ctx.device.type == "cpu" and bounded:
+        if self.ctx.device.type == "cpu" and self._parks_off_device():
             try:
                 return session.park(Tier.DISK)
             except OSError as exc:  # the store is full: it stays in memory, as unbounded
