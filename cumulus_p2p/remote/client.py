@@ -349,10 +349,7 @@ class RemoteSession:
         if header[0] == "fatal":
             self.closed = True
             raise SessionClosedError(f"executor ended the session: {header[1]}")
-        answer = header[1] if header[0] == "have" and len(header) == 2 else None
-        if not (isinstance(answer, list) and len(answer) == len(names)):
-            raise RemoteProtocolError(f"unexpected answer to have: {header[0]!r}")
-        return [a is True for a in answer]
+        return _have_answer(header, names)
 
     def _settle_named(
         self, ops: list, named: list[_Named], blobs: list
@@ -1039,10 +1036,16 @@ def _held_by(channel: FrameChannel, info: dict, checkpoint: Checkpoint) -> froze
         return frozenset()
     channel.send_frame(encode_frame(["have", names]))
     header, _ = decode_frame(channel.recv_frame())
+    held = _have_answer(header, names)
+    return frozenset(n for n, here in zip(names, held, strict=True) if here)
+
+
+def _have_answer(header: list, names: list[str]) -> list[bool]:
+    """The host's answer to ``["have", names]``, checked: which of them it holds."""
     answer = header[1] if header[0] == "have" and len(header) == 2 else None
     if not (isinstance(answer, list) and len(answer) == len(names)):
         raise RemoteProtocolError(f"unexpected answer to have: {header[0]!r}")
-    return frozenset(n for n, here in zip(names, answer, strict=True) if here is True)
+    return [a is True for a in answer]
 
 
 def _chunk(channel: FrameChannel) -> int:
