@@ -3,6 +3,8 @@ move sends. The end-to-end moves are in ``test_native_session.py``."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgpack
 import pytest
 
@@ -147,3 +149,55 @@ def test_closing_the_store_removes_its_directory(tmp_path):
     store, _ = on_disk(tmp_path, b"x" * 10)
     store.close()
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_keeping_pieces_for_a_standby_never_runs_on_the_executors_event_loop():
+    keep = b"".join(wire.request(wire.KEEP, [], b"", reply=True))
+    assert not wire.runs_inline(keep)
+
+
+def test_a_restore_request_round_trips():
+    sources = [("127.0.0.1:9", "ab" * 32)]
+    entries = [(3, 5, [digest(b"12345")]), (4, 0, [])]
+    parsed = wire.parse_restore(wire.encode_restore(sources, entries))
+    assert parsed == ([["127.0.0.1:9", "ab" * 32]], entries)
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        b"\xc1",  # not msgpack
+        msgpack.packb([["127.0.0.1:9", "ab" * 32]]),  # not a map
+        msgpack.packb({"sources": []}),  # no storages
+        msgpack.packb({"sources": [["127.0.0.1:9"]], "storages": []}),  # not a pair
+        msgpack.packb({"sources": [["a:1", "b"]] * (wire.MAX_SOURCES + 1), "storages": []}),
+        msgpack.packb({"sources": [], "storages": [[1, 4, ["not a digest"]]]}),
+        msgpack.packb({"sources": [], "storages": [[1, 0, []], [1, 0, []]]}),  # named twice
+    ],
+    ids=[
+        "not msgpack",
+        "a list",
+        "no storages",
+        "a lone address",
+        "too many sources",
+        "a bad digest",
+        "a storage named twice",
+    ],
+)
+def test_a_malformed_restore_request_is_refused(request_):
+    with pytest.raises(MalformedMessageError):
+        wire.parse_restore(request_)
+
+
+def test_a_standby_checkpoint_restores_from_its_standby_then_sets_the_generator():
+    from cumulus_p2p.blobs.service import Source
+    from cumulus_p2p.native.checkpoint import StandbyCheckpoint, host_checkpoint
+
+    manifest = [(1, 5, [digest(b"12345")]), (2, 0, [])]
+    primary, standby = Source("127.0.0.1:1", "aa" * 32), Source("127.0.0.1:2", "bb" * 32)
+    held = host_checkpoint(7, manifest, b"rng", primary)
+    checkpoint = StandbyCheckpoint(dataclasses.replace(held, sources=(standby,)), names=3)
+    assert held.digests == [digest(b"12345")] and checkpoint.nbytes == 5
+    sources, entries = wire.parse_restore(checkpoint.restore_request())
+    assert sources == [["127.0.0.1:2", "bb" * 32]] and entries == manifest
+    assert records.decode(checkpoint.rng_batch(), []) == [records.RngSet(b"rng")]

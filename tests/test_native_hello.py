@@ -95,3 +95,82 @@ def test_a_host_that_cannot_build_the_replay_loop_refuses_saying_what_is_missing
             assert "this host cannot run native sessions" in header[1]
             assert "no C++ compiler ('no-such-compiler' is not on PATH)" in header[1]
             assert "run without the native device" in header[1]
+
+
+def _restore(channel: SocketFrameChannel, sources: list, entries: list):
+    """Send a RESTORE and return its reply (``wire.parse_reply``)."""
+    body = wire.encode_restore(sources, entries)
+    channel.send_frame(wire.request(wire.RESTORE, [], body, reply=True))
+    return wire.parse_reply(channel.recv_frame())
+
+
+def test_pieces_kept_for_a_standby_are_pulled_by_the_grant_of_the_welcomes_token(
+    executor, tmp_path
+):
+    import trio
+
+    from cumulus_p2p.blobs.names import digest
+    from cumulus_p2p.blobs.service import Source, grant_of, pull
+    from cumulus_p2p.blobs.store import BlobStore
+    from cumulus_p2p.native import records
+
+    data = b"kept"
+    upload = records.Upload(
+        records.TensorRef(1, 0, "uint8", (4,), (1,)), records.HostTensor("uint8", (4,), data)
+    )
+    with _hello(executor, {"native": wire.VERSION}) as (welcome, channel):
+        batch = records.encode([records.Alloc(1, 4), upload], [])
+        channel.send_frame(wire.request(wire.BATCH, [], batch, reply=False))
+        channel.send_frame(wire.request(wire.KEEP, [], b"", reply=True))
+        (manifest,) = wire.parse_reply(channel.recv_frame())
+        assert wire.parse_manifest(manifest) == [(1, 4, [digest(data)])]
+        source = Source("{}:{}".format(*executor), grant_of(welcome[2]["token"]))
+        store = BlobStore(tmp_path / "standby", cap=1 << 20)
+        pulled = trio.run(lambda: pull(store, [source], [digest(data)], max_frame=1 << 20))
+        assert pulled.fetched_bytes == 4 and bytes(store.pin(digest(data)).read()) == data
+
+
+def test_a_malformed_restore_ends_the_session_with_a_reason(executor):
+    with _hello(executor, {"native": wire.VERSION}) as (_, channel):
+        channel.send_frame(wire.request(wire.RESTORE, [], b"\xc1", reply=True))
+        header, _ = decode_frame(channel.recv_frame())
+        assert header[0] == "fatal" and "restore" in header[1]
+
+
+def test_a_restore_whose_pieces_no_source_has_fails_and_leaves_no_storage(executor):
+    from cumulus_p2p.blobs.names import digest
+
+    nowhere = [["127.0.0.1:1", "ab" * 32]]  # nothing listens on port 1
+    with _hello(executor, {"native": wire.VERSION}) as (_, channel):
+        record, kind, why = _restore(channel, nowhere, [(1, 4, [digest(b"four")])])
+        assert (record, kind) == (-1, "restore") and "no source" in why
+        # The storage is gone and the session goes on: the handle can be made again.
+        channel.send_frame(wire.request(wire.BATCH, [], _alloc(1, 4), reply=True))
+        assert wire.parse_reply(channel.recv_frame()) == []
+
+
+def test_a_restore_over_the_quota_makes_no_storage(executor):
+    from cumulus_p2p.blobs.names import PIECE, digest
+
+    big = 2 << 20  # over the executor's 1 MiB
+    digests = [digest(bytes([i])) for i in range(-(-big // PIECE))]
+    with _hello(executor, {"native": wire.VERSION}) as (_, channel):
+        record, kind, why = _restore(channel, [], [(1, big, digests)])
+        assert (record, kind) == (-1, "restore") and "could not be made" in why
+        assert _empty_batch(channel) == []
+
+
+def test_a_restore_from_a_source_that_refuses_the_grant_fails_saying_so(executor):
+    from cumulus_p2p.blobs.names import digest
+
+    host, port = executor
+    stranger = [[f"{host}:{port}", "cd" * 32]]  # this executor, a grant it never gave
+    with _hello(executor, {"native": wire.VERSION}) as (_, channel):
+        record, kind, why = _restore(channel, stranger, [(1, 4, [digest(b"four")])])
+        assert (record, kind) == (-1, "restore") and "grant" in why
+
+
+def _alloc(handle: int, nbytes: int) -> bytes:
+    from cumulus_p2p.native import records
+
+    return records.encode([records.Alloc(handle, nbytes)], [])

@@ -361,3 +361,30 @@ def test_the_quota_refuses_allocations_resizes_and_op_outputs_that_exceed_it():
     assert (s.replayer.live_bytes, s.replayer.handles()) == (24, [1])
     s.run(Op("aten::add.Tensor", (a, a, 1), (_ref(2),)))  # 24 more still fits
     assert s.replayer.live_bytes == 48
+
+
+def test_a_restore_naming_a_live_handle_makes_none_of_its_storages():
+    from cumulus_p2p.native.executor import ReplaySession
+
+    session = Session()
+    session.upload(2, A)
+    replaying = ReplaySession(session.replayer)
+    with pytest.raises(ReplayError):
+        replaying.open_restore([(1, 8, ["aa" * 32]), (2, 8, ["bb" * 32])])
+    assert session.replayer.handles() == [2]
+    assert torch.equal(session.read(_ref(2)), A)
+
+
+def test_a_restores_pieces_land_in_its_storages_once_checked():
+    from cumulus_p2p._errors import BlobMismatchError
+    from cumulus_p2p.blobs.names import digest
+    from cumulus_p2p.native.executor import ReplaySession
+
+    session = Session()
+    data = A.numpy().tobytes()
+    targets = ReplaySession(session.replayer).open_restore([(1, len(data), [digest(data)])])
+    with pytest.raises(BlobMismatchError):
+        targets.put(digest(data), memoryview(bytes(len(data))))  # not the named bytes
+    targets.put(digest(data), memoryview(data))
+    assert targets.missing() == []
+    assert torch.equal(session.read(_ref(1)), A)

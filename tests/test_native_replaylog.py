@@ -38,3 +38,26 @@ def test_a_log_past_its_limit_is_dropped_and_says_why_it_cannot_replay():
         log.frames()
     log.keep([], b"z")  # nothing comes back once the start is gone
     assert log.lost_because is not None
+
+
+def test_a_cut_drops_the_batches_before_its_mark_and_their_bytes():
+    log = ReplayLog(limit_bytes=1024)
+    log.keep([], b"\x01before")
+    mark = log.mark()
+    log.keep([], b"\x01after")
+    after_bytes = log.nbytes - sum(len(part) for part in log.frames()[0])
+    log.keep([], b"\x01later")
+    log.cut(mark)
+    assert [batch for _, batch, _ in _batches(log)] == [b"\x01after", b"\x01later"]
+    assert log.nbytes == after_bytes + sum(len(part) for part in log.frames()[1])
+
+
+def test_marks_count_from_the_start_across_cuts():
+    log = ReplayLog(limit_bytes=1024)
+    log.keep([], b"\x01a")
+    log.cut(log.mark())
+    log.keep([], b"\x01b")
+    second = log.mark()
+    log.keep([], b"\x01c")
+    log.cut(second)
+    assert [batch for _, batch, _ in _batches(log)] == [b"\x01c"]

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from cumulus_p2p import native
 from cumulus_p2p._errors import SessionClosedError
+from cumulus_p2p.testing.models import train_tiny_transformer as _train
 from cumulus_p2p.testing.native_process import in_native_process, stop_native_process
 from cumulus_p2p.wire import native as wire
 
@@ -48,33 +49,6 @@ def _session(*, executor_quota: str = "8GiB", extra: tuple[str, ...] = (), **opt
         host, port = address.split(":")
         with NativeSession.connect(host, int(port), **options) as session:
             yield session
-
-
-def _train(
-    device: str, steps: int, *, kill_after: int = -1, kill=None, compiled: bool = False
-) -> tuple[list[float], list[torch.Tensor]]:
-    """A few seeded Adam steps of a tiny transformer; weights and data made on the CPU.
-    Before step ``kill_after``, ``kill()`` (the executor). With ``compiled``, the forward
-    pass runs through ``torch.compile(model)``."""
-    from cumulus_p2p.testing.models import TinyTransformer
-
-    torch.manual_seed(0)
-    model = TinyTransformer(vocab=16, dim=8, heads=2, layers=2, ctx=4, dropout=0.0)
-    x = torch.randint(0, 16, (2, 4))
-    y = torch.roll(x, -1, dims=1)
-    model, x, y = model.to(device), x.to(device), y.to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True)
-    forward = torch.compile(model) if compiled else model
-    losses = []
-    for step in range(steps):
-        if step == kill_after:
-            kill()
-        opt.zero_grad()
-        loss = F.cross_entropy(forward(x).reshape(-1, 16), y.reshape(-1))
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, [p.detach().cpu() for p in model.parameters()]
 
 
 @in_native_process

@@ -17,11 +17,11 @@ import cumulus_p2p.remote as remote
 from cumulus_p2p._errors import StandbyFullError
 from cumulus_p2p.blobs.names import digest
 from cumulus_p2p.blobs.service import HELLO, PullError, Source, grant_of, pull, serve_blobs
+from cumulus_p2p.blobs.standby import HostCheckpoint
 from cumulus_p2p.blobs.store import BlobStore
 from cumulus_p2p.channel.transport import SocketFrameChannel, TrioFrameChannel
 from cumulus_p2p.host.session import DeviceContext, ExecutorSession
 from cumulus_p2p.remote.checkpoint import Checkpoint
-from cumulus_p2p.remote.standby import HostCheckpoint
 from cumulus_p2p.testing import models
 from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.testing.memory import peak_since_reset, reset_peak

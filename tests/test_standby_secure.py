@@ -16,10 +16,10 @@ import torch
 import cumulus_p2p.remote as remote
 from cumulus_p2p._errors import SessionRefusedError
 from cumulus_p2p.blobs.service import HELLO, ONLY_BLOBS, Source, grant_of, reader_token
+from cumulus_p2p.blobs.standby import HostCheckpoint
 from cumulus_p2p.channel.secure import connect_secure
 from cumulus_p2p.channel.transport import CountingFrameChannel
 from cumulus_p2p.identity import NodeIdentity
-from cumulus_p2p.remote.standby import HostCheckpoint
 from cumulus_p2p.testing import models
 from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.wire.protocol import PROTOCOL_VERSION, decode_frame, encode_frame

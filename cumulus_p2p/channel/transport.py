@@ -174,7 +174,7 @@ class SocketFrameChannel:
     @property
     def peer_address(self) -> str:
         """``host:port`` of the other end, as this side dialled it (a standby dials the
-        same address: ``remote/standby.py``)."""
+        same address: ``blobs/standby.py``)."""
         host, port = self._sock.getpeername()[:2]
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 

@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import torch
 import trio
 
@@ -34,7 +35,7 @@ from .._errors import FrameTooLargeError, RemoteProtocolError, SessionClosedErro
 from ..blobs import service as blobservice
 from ..blobs.store import BlobStore
 from ..channel.transport import DEFAULT_MAX_FRAME, AsyncFrameChannel, TrioFrameChannel
-from ..native.executor import ReplaySession, new_replayer
+from ..native.executor import ReplayError, ReplaySession, new_replayer
 from ..wire import native as native_wire
 from ..wire.manifest import parse_storage_entries
 from ..wire.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
@@ -155,7 +156,7 @@ class Executor:
         )
         self._attached: dict[str, _Attached] = {}
         #: Each live or parked session by its grant (``blobservice.grant_of`` its token).
-        self._grants: dict[str, ExecutorSession] = {}
+        self._grants: dict[str, ExecutorSession | ReplaySession] = {}
         self.scheduler = scheduler if scheduler is not None else DeviceScheduler()
         self._welcome_extra = welcome_extra or {}
         self._context_lost = context_lost
@@ -577,7 +578,8 @@ class Executor:
     ) -> None:
         """A native device's session (``cumulus_p2p.native``): each batch replayed in C++,
         whole, in one device turn. Nothing is parked: when its connection drops or its
-        time is up, the session ends and its memory is freed."""
+        time is up, the session ends and its memory is freed. Its welcome carries a
+        token whose grant opens the pieces a KEEP copied to a standby (``_granted``)."""
         if options["native"] != native_wire.VERSION:
             raise RemoteProtocolError(
                 f"client speaks native version {options['native']!r}; this executor speaks "
@@ -592,25 +594,68 @@ class Executor:
                 f"this host cannot run native sessions ({exc}); run without the native device"
             ) from exc
         replaying, waits = ReplaySession(replayer), WaitWindow()
+        token = secrets.token_hex(16)
         info = {"session": session_id, "native": native_wire.VERSION, "device": device}
-        info |= {"device_name": _device_name(self.ctx.device), "quota": quota}
-        await channel.send_frame(
-            encode_frame(["welcome", PROTOCOL_VERSION, info | self._welcome_extra])
-        )
-        with trio.move_on_at(until):
-            going = True
-            while going:
-                frame = await channel.receive_frame()
-                going, reply = await self._on_device(
-                    replaying.run,
-                    frame,
-                    inline=native_wire.runs_inline(frame),
-                    rank=rank,
-                    waits=waits,
-                )
-                if reply is not None:
-                    await channel.send_frame(reply)
+        info |= {"device_name": _device_name(self.ctx.device), "quota": quota, "token": token}
+        self._grants[blobservice.grant_of(token)] = replaying
+        try:
+            await channel.send_frame(
+                encode_frame(["welcome", PROTOCOL_VERSION, info | self._welcome_extra])
+            )
+            with trio.move_on_at(until):
+                going = True
+                while going:
+                    going = await self._native_request(channel, replaying, rank, waits)
+        finally:
+            del self._grants[blobservice.grant_of(token)]
+            replaying.close()
         log.info("native session %d: ended after %d batches", session_id, replaying.batches)
+
+    async def _native_request(
+        self, channel: AsyncFrameChannel, replaying: ReplaySession, rank: tuple, waits: WaitWindow
+    ) -> bool:
+        """Serve one request of a native session; whether the session goes on."""
+        frame = await channel.receive_frame()
+        if frame[:1] == bytes((native_wire.RESTORE,)):
+            await channel.send_frame(await self._restore_native(replaying, frame, rank))
+            return True
+        going, reply = await self._on_device(
+            replaying.run,
+            frame,
+            inline=native_wire.runs_inline(frame),
+            rank=rank,
+            waits=waits,
+        )
+        if reply is not None:
+            await channel.send_frame(reply)
+        return going
+
+    async def _restore_native(
+        self, replaying: ReplaySession, frame: bytearray, rank: tuple
+    ) -> list[bytes]:
+        """A native failover's RESTORE: make the storages and fill them with their pieces,
+        from this host's store first, then pulled from the sources (``restoring.py``).
+        The reply says what it fetched, or why not (then none of them is left)."""
+        _, _, _, batch = native_wire.parse_request(frame)
+        wanted, entries = native_wire.parse_restore(batch)
+        sources = blobservice.parse_sources({"sources": wanted})
+        if replaying.failure is not None:
+            return native_wire.failed(-1, "restore", str(replaying.failure))
+        try:
+            targets = await self._on_device(replaying.open_restore, entries, rank=rank)
+        except ReplayError as exc:
+            return native_wire.failed(-1, "restore", f"its storages could not be made: {exc}")
+        store = self.ctx.blobs
+        local = 0 if store is None else await trio.to_thread.run_sync(targets.fill_from, store)
+        try:
+            pulled = await blobservice.pull(
+                targets, sources, targets.missing(), max_frame=self.config.max_frame
+            )
+        except blobservice.PullError as exc:
+            await self._on_device(replaying.drop, [handle for handle, _, _ in entries], rank=rank)
+            return native_wire.failed(-1, "restore", str(exc))
+        result = {"fetched_bytes": pulled.fetched_bytes, "local_bytes": local}
+        return native_wire.ok([msgpack.packb(result)])
 
     # --- letting go: close or park --------------------------------------------------------
 

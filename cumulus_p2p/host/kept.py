@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-With a standby (``standby.py``), a checkpoint stays on the host side: the consumer's link
+With a standby (``blobs/standby.py``), a checkpoint stays on the host side: the consumer's link
 carries only the manifest of digests. Two hosts keep pieces for a session:
 
 - The **primary**, the host that runs the session, keeps its latest checkpoint's pieces in

@@ -23,6 +23,13 @@ wrong bytes). Those the latest checkpoint does not name are dropped from memory 
 taken; on disk they stay until room is needed, the directory holding at most the last
 checkpoint's pieces and the next one's.
 
+With a standby host (``blobs.standby``) the pieces stay on the host side: a KEEP
+request names them as DIGESTS does, and the executor copies them for the standby to
+pull (``host/kept.py``). The checkpoint counts (``StandbyCheckpoint``) once the standby
+holds every piece; the client keeps the manifest, and the log is cut there. A move then
+sends the fresh executor a RESTORE: it makes the storages and pulls their pieces from
+the standby, host to host, so the consumer's link carries digests, not state.
+
 This module plans and holds; ``session.py`` does the I/O.
 """
 
@@ -33,9 +40,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from .._errors import BlobMismatchError, MalformedMessageError
 from ..blobs.names import PIECE, digest
+from ..blobs.service import Source
+from ..blobs.standby import HostCheckpoint
 from ..blobs.store import BlobStore, PinnedBlob
+from ..wire import native as wire
+from ..wire.manifest import Manifest, StorageEntry
 from . import records
 
 #: Bytes of pieces one batch uploads or reads back, so that its frame (or its reply) stays
@@ -79,6 +92,47 @@ class Checkpoint:
     @property
     def nbytes(self) -> int:
         return sum(n for _, n in self.storages)
+
+
+@dataclass(frozen=True)
+class StandbyCheckpoint:
+    """A checkpoint whose pieces a standby host keeps (``blobs.standby``): the client
+    holds only its manifest and the generator's state.
+
+    Attributes:
+        held: the storages' pieces by digest, the generator's state, and the hosts that
+            keep the pieces (with the grants that open them).
+        names: as ``Checkpoint.names``.
+    """
+
+    held: HostCheckpoint
+    names: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.held.nbytes
+
+    def restore_request(self) -> bytes:
+        """The RESTORE batch that rebuilds the storages on a fresh executor, which pulls
+        their pieces from the hosts that keep them."""
+        sources = [(source.address, source.grant) for source in self.held.sources]
+        entries = [(e.handle, e.nbytes, e.digests) for e in self.held.manifest.storages]
+        return wire.encode_restore(sources, entries)
+
+    def rng_batch(self) -> bytes:
+        """The batch that sets the generator's state back, after the storages."""
+        return records.encode([records.RngSet(bytes(self.held.manifest.rng_state))], [])
+
+
+def host_checkpoint(
+    seq: int,
+    manifest: Sequence[tuple[int, int, Sequence[str]]],
+    rng_state: bytes,
+    source: Source,
+) -> HostCheckpoint:
+    """A KEEP answer's manifest as the standby link copies it: the pieces at ``source``."""
+    storages = tuple(StorageEntry(h, torch.uint8, n, tuple(d)) for h, n, d in manifest)
+    return HostCheckpoint(seq, Manifest("", memoryview(rng_state), storages), (source,))
 
 
 def pieces_of(manifest: Sequence[tuple[int, int, Sequence[str]]]) -> list[Piece]:

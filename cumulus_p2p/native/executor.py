@@ -6,15 +6,26 @@ one batch of wire records and returns the readbacks' bytes, raising ``ReplayErro
 (``errors.py``) for a record that cannot run. Unlike the device library, the replay
 library registers nothing with the dispatcher, so any process may load it: the host's
 executor (``cumulus_p2p.host.executor``) serves native sessions with it beside the
-Python device's, a ``ReplaySession`` each.
+Python device's, a ``ReplaySession`` each. A session's checkpoint can stay on the host
+side: KEEP copies its pieces for a standby host to pull (``kept``), and a failover's fresh
+host makes the storages and fills them from the standby (``open_restore``; the executor
+does the pulling).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from types import ModuleType
 
+import torch
+
+from .._errors import MalformedMessageError
 from ..blobs.names import PIECE, digest
+from ..host.kept import KeptPieces
+from ..host.restoring import PieceTargets
 from ..wire import native as wire
+from ..wire.manifest import StorageEntry
+from . import records
 from .errors import ReplayError as ReplayError
 
 #: Per-session memory quota when none is given: as the Python executor's default.
@@ -52,6 +63,8 @@ class ReplaySession:
         self._replayer = replayer
         self.failure: ReplayError | None = None
         self.batches = 0
+        #: Checkpoint pieces kept for a standby to pull (KEEP), under the session's grant.
+        self.kept = KeptPieces()
 
     def run(self, frame: bytes | bytearray) -> tuple[bool, list[bytes] | None]:
         """Run one request: (whether the session goes on, the reply's parts or None when
@@ -64,9 +77,11 @@ class ReplaySession:
         if kind == wire.BYE:
             return False, None
         readbacks: list[bytes] = []
-        if kind == wire.DIGESTS:
+        if kind == wire.RESTORE:  # it pulls from other hosts: the executor's I/O
+            raise MalformedMessageError("a restore is the executor's to run, not run's")
+        if kind in (wire.DIGESTS, wire.KEEP):
             if self.failure is None:
-                readbacks = [self._manifest()]
+                readbacks = [self._manifest(keep=kind == wire.KEEP)]
         elif self.failure is None:
             try:
                 readbacks = self._replayer.replay(bytes(batch), names)
@@ -79,12 +94,46 @@ class ReplaySession:
             return True, wire.failed(self.failure.record, self.failure.kind, str(self.failure))
         return True, wire.ok(readbacks)
 
-    def _manifest(self) -> bytes:
-        """Every live storage's pieces, named: the DIGESTS answer a checkpoint reads."""
-        entries = []
+    def _manifest(self, keep: bool) -> bytes:
+        """Every live storage's pieces, named: the DIGESTS answer a checkpoint reads. With
+        ``keep``, the pieces are copied into ``kept`` too (those unchanged since the last
+        KEEP are not copied again)."""
+        entries, kept = [], []
         for handle in self._replayer.handles():
             # A GPU's storage comes to the host once; a CPU's is hashed where it lies.
             data = memoryview(self._replayer.storage_view(handle).cpu().numpy())
-            pieces = [digest(data[at : at + PIECE]) for at in range(0, len(data), PIECE)]
-            entries.append((handle, len(data), pieces))
+            spans = [data[at : at + PIECE] for at in range(0, len(data), PIECE)]
+            names = [digest(span) for span in spans]
+            entries.append((handle, len(data), names))
+            kept += zip(names, spans, strict=True)
+        if keep:
+            self.kept.snapshot(kept)
         return wire.encode_manifest(entries)
+
+    def open_restore(self, entries: Sequence[tuple[int, int, Sequence[str]]]) -> PieceTargets:
+        """Make a RESTORE's storages, empty, and say where each of their pieces goes.
+
+        Raises:
+            ReplayError: a storage could not be made (over the quota, a handle in use);
+                none of the restore's is left.
+        """
+        before = set(self._replayer.handles())
+        allocs = [records.Alloc(handle, nbytes) for handle, nbytes, _ in entries]
+        try:
+            self._replayer.replay(records.encode(allocs, []), [])
+        except ReplayError:
+            self.drop(set(self._replayer.handles()) - before)
+            raise
+        anchors = {handle: self._replayer.storage_view(handle) for handle, _, _ in entries}
+        storages = tuple(StorageEntry(h, torch.uint8, n, tuple(d)) for h, n, d in entries)
+        return PieceTargets(storages, anchors)
+
+    def drop(self, handles: Iterable[int]) -> None:
+        """Free ``handles``' storages (a restore that could not be filled)."""
+        frees = [records.Free(handle) for handle in handles]
+        if frees:
+            self._replayer.replay(records.encode(frees, []), [])
+
+    def close(self) -> None:
+        """Let go of the pieces kept for a standby."""
+        self.kept.close()

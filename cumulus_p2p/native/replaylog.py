@@ -1,10 +1,10 @@
 """What a native session keeps to rebuild itself on another host: every batch it sent.
 
-A native session has no checkpoints yet, so its failover replays the whole session from
-its hello: every batch in order, uploads included, on a fresh executor. The replay is
-deterministic (the executor's ops are, given the same inputs, and the session's
-generator starts from the same seed), so the new host ends up holding the storages the
-lost one held, and the session goes on from the batch that was in flight.
+Every batch since the last checkpoint (``checkpoint``), or since its hello before the
+first, in order, uploads included: a failover replays them on a fresh executor. The
+replay is deterministic (the executor's ops are, given the same inputs, and the
+session's generator starts from the same seed), so the new host ends up holding the
+storages the lost one held, and the session goes on from the batch that was in flight.
 
 The log costs the client memory: it is bounded (``limit_bytes``). A session whose
 batches outgrow it drops the log and can no longer move; ``lost_because`` says so.
@@ -29,6 +29,7 @@ class ReplayLog:
         self.limit_bytes = limit_bytes
         self._frames: list[list[bytes]] | None = []
         self.nbytes = 0
+        self._cut = 0  # batches dropped from the front: the marks count from the start
 
     @property
     def lost_because(self) -> str | None:
@@ -47,6 +48,19 @@ class ReplayLog:
             self._frames = None
             return
         self._frames.append(frame)
+
+    def mark(self) -> int:
+        """Where the log stands now, for ``cut``: a checkpoint whose copy to a standby is
+        under way stands only once the copy is done."""
+        return 0 if self._frames is None else self._cut + len(self._frames)
+
+    def cut(self, mark: int) -> None:
+        """Drop the batches sent before ``mark`` (a checkpoint now holds them)."""
+        if self._frames is None:
+            return
+        dropped, self._frames = self._frames[: mark - self._cut], self._frames[mark - self._cut :]
+        self._cut = mark
+        self.nbytes -= sum(len(part) for frame in dropped for part in frame)
 
     def frames(self) -> list[list[bytes]]:
         """The kept batches as requests that ask for no reply, oldest first (a copy).

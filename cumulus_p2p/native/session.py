@@ -37,26 +37,49 @@ point (a readback) every ``checkpoint_interval`` seconds, and whenever the log i
 full. Random ops draw from the executor session's generator, which ``torch.manual_seed``
 seeds (a SEED record, in order with the ops around it); a checkpoint keeps its state.
 
-Not in this slice: checkpoints kept on a standby host (the Python device's), parking,
-and device turns cut between the ops of a batch.
+With a ``standby`` (``blobs.standby.StandbyLink``, a second host), checkpoints stay on
+the host side: the executor keeps a copy of the pieces (a KEEP request), the standby
+pulls them from it while the session goes on, and the checkpoint counts once the
+standby holds them all; a move has the fresh executor pull them from the standby (a
+RESTORE request). The consumer's link carries the manifest of digests, not the state.
+One copy runs at a time. A standby that is lost, or fails copy after copy, is let go,
+and the checkpoints come to the client from then on, as without one.
+
+Not in this slice: a standby replaced when lost, parking, and device turns cut between
+the ops of a batch.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import msgpack
 import torch
 
 from .._errors import CumulusError, SessionClosedError
+from ..blobs.service import Source, grant_of
+from ..blobs.standby import StandbyLink
 from ..channel.transport import FrameChannel, SocketFrameChannel
 from ..wire import native as wire
 from ..wire.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
 from . import load
-from .checkpoint import Checkpoint, PieceStore, groups, pieces_of, readback_batch, rng_batch
+from .checkpoint import (
+    Checkpoint,
+    PieceStore,
+    StandbyCheckpoint,
+    groups,
+    host_checkpoint,
+    pieces_of,
+    readback_batch,
+    rng_batch,
+)
 from .replaylog import DEFAULT_LIMIT_BYTES, ReplayLog
+
+log = logging.getLogger(__name__)
 
 #: A batch goes once it holds this much (about 150 records), so that the executor replays
 #: the start of a step while the client records the rest: a seventh of a tiny
@@ -99,6 +122,7 @@ class NativeSession:
         log_bytes: int = DEFAULT_LIMIT_BYTES,
         checkpoint_interval: float | None = None,
         checkpoint_dir: Path | None = None,
+        standby: StandbyLink | None = None,
     ) -> None:
         """Open a session over ``channel``: at most ``quota`` bytes of storages (the
         executor caps it at its own), batches sent early once they hold ``flush_bytes``
@@ -110,7 +134,7 @@ class NativeSession:
         A checkpoint is taken at a readback every ``checkpoint_interval`` seconds (0:
         at every one; None: only when the log is half full), its pieces kept in memory,
         or under ``checkpoint_dir`` (a directory the session then owns, removed when it
-        closes).
+        closes), or on ``standby``'s host (the session then owns the link).
 
         Raises:
             SessionClosedError: the executor refused the session; the message says why.
@@ -122,14 +146,21 @@ class NativeSession:
         self._reconnect = reconnect
         self._log = ReplayLog(log_bytes) if reconnect is not None else None
         self._interval = checkpoint_interval
-        self._checkpoint: Checkpoint | None = None
+        self._checkpoint: Checkpoint | StandbyCheckpoint | None = None
         self._pieces = PieceStore(checkpoint_dir)
+        self._standby = standby if reconnect is not None else None
+        #: The checkpoint the standby is copying, and where the log stood when it was taken.
+        self._copying: tuple[StandbyCheckpoint, int] | None = None
         self._checkpointed_at = time.monotonic()
         #: Times the session moved to another executor, checkpoints it took, and the
         #: bytes those read back (only pieces that changed).
         self.failovers = 0
         self.checkpoints = 0
         self.checkpoint_bytes = 0
+        #: Bytes fresh executors pulled from the standby to restore this session, and
+        #: where the last move's state came from.
+        self.restored_bytes = 0
+        self._restored_from = ""
         # A new executor knows no names (the whole table goes with the first flush) and
         # no storages: records pending from before, and the deaths of tensors made
         # before, are not for it.
@@ -246,20 +277,52 @@ class NativeSession:
         self.info = _hello(channel, self._quota)
         self._ext.set_executor_device(_device_type(self.info))
         self.failovers += 1
+        restore = self._restore()  # first: a standby's copy may cut the log
         frames = self._log.frames()
-        return self._restore() + (frames[:-1] if logged else frames)
+        # A host lost is news to whoever runs the script: said whatever the log level.
+        log.warning(
+            "cumulus: session moved to another host; its state came from %s", self._restored_from
+        )
+        return restore + (frames[:-1] if logged else frames)
 
     def _restore(self) -> list[list[bytes]]:
         """The requests that rebuild the last checkpoint on a fresh executor (none
-        without one): the op names interned by then go with the first."""
-        if self._checkpoint is None:
+        without one): the op names interned by then go with the first. A standby's
+        checkpoint is pulled there first, before this returns.
+
+        Raises:
+            SessionClosedError: the fresh executor could not pull the standby's pieces.
+        """
+        self._take_copied(wait=True)
+        checkpoint = self._checkpoint
+        if checkpoint is None:
+            self._restored_from = "a replay from the session's start (no checkpoint yet)"
             return []
-        names = self._ext.op_names(0)[: self._checkpoint.names]
+        names = self._ext.op_names(0)[: checkpoint.names]
+        if isinstance(checkpoint, StandbyCheckpoint):
+            self._pull_restore(checkpoint)
+            return [wire.request(wire.BATCH, names, checkpoint.rng_batch(), reply=False)]
+        self._restored_from = "this machine's checkpoint"
         out = []
-        for batch in self._pieces.restore_batches(self._checkpoint):
+        for batch in self._pieces.restore_batches(checkpoint):
             out.append(wire.request(wire.BATCH, names, batch, reply=False))
             names = []
         return out
+
+    def _pull_restore(self, checkpoint: StandbyCheckpoint) -> None:
+        """Have the fresh executor make the checkpoint's storages and pull their pieces
+        from the hosts that keep them."""
+        request = wire.request(wire.RESTORE, [], checkpoint.restore_request(), reply=True)
+        self._channel.send_frame(request)
+        reply = wire.parse_reply(self._channel.recv_frame())
+        if isinstance(reply, tuple):
+            raise SessionClosedError(
+                f"the new host could not restore the session from its standby: {reply[2]}"
+            )
+        fetched = msgpack.unpackb(reply[0]).get("fetched_bytes", 0)
+        self.restored_bytes += fetched
+        where = f"{fetched / 2**20:.1f} MiB pulled from the standby"
+        self._restored_from = f"the hosts that keep its checkpoint ({where})"
 
     # --- checkpoints ----------------------------------------------------------------------
 
@@ -276,25 +339,105 @@ class NativeSession:
             raise ValueError("a session without failover (reconnect) takes no checkpoints")
         self.flush(wait=True)
         with self._lock:
-            manifest = wire.parse_manifest(self._ask(wire.DIGESTS, b"")[0])
-            pieces = pieces_of(manifest)
-            self._pieces.make_room(sum(nbytes for _, nbytes, _ in manifest))
-            missing = self._pieces.missing(pieces)
-            self.checkpoint_bytes += sum(piece.nbytes for piece in missing)
-            for group in groups(missing):
-                for piece, data in zip(
-                    group, self._ask(wire.BATCH, readback_batch(group)), strict=True
-                ):
-                    self._pieces.add(piece, data)
-            (rng_state,) = self._ask(wire.BATCH, rng_batch())
-            storages = tuple((handle, nbytes) for handle, nbytes, _ in manifest)
-            self._checkpoint = Checkpoint(
-                storages, tuple(pieces), bytes(rng_state), self._names_sent
-            )
-            self._pieces.keep_only(pieces)
+            taken = self._take_checkpoint()
+            if isinstance(taken, StandbyCheckpoint):
+                taken = self._copied(taken) or self._to_client()
+            return taken
+
+    def _take_checkpoint(self) -> Checkpoint | StandbyCheckpoint:
+        """Take a checkpoint where it goes: to the standby while one is usable (after
+        the copy under way), else to the client."""
+        standby = self._usable_standby()
+        if standby is None:
+            return self._to_client()
+        self._take_copied(wait=True)
+        gap = self._log.lost_because is not None
+        taken = self._to_standby(standby)
+        if gap:  # no log to move with until the copy is done: wait for it
+            return self._copied(taken) or self._to_client()
+        return taken
+
+    def _copied(self, taken: StandbyCheckpoint) -> StandbyCheckpoint | None:
+        """Wait for the standby's copy of ``taken``: the checkpoint as it stands now, or
+        None if the standby could not keep it."""
+        self._take_copied(wait=True)
+        now = self._checkpoint
+        held = isinstance(now, StandbyCheckpoint) and now.held.seq == taken.held.seq
+        return now if held else None
+
+    def _to_standby(self, standby: StandbyLink) -> StandbyCheckpoint:
+        """Have the executor keep the pieces, and the standby start copying them; the
+        checkpoint counts once the copy is done (``_take_copied``)."""
+        manifest = wire.parse_manifest(self._ask(wire.KEEP, b"")[0])
+        (rng_state,) = self._ask(wire.BATCH, rng_batch())
+        if self._log.lost_because is not None:
             self._log = ReplayLog(self._log.limit_bytes)
-            self._checkpointed_at = time.monotonic()
-            self.checkpoints += 1
+        source = Source(self._channel.peer_address, grant_of(self.info["token"]))
+        held = host_checkpoint(self.checkpoints + 1, manifest, bytes(rng_state), source)
+        taken = StandbyCheckpoint(held, self._names_sent)
+        self._copying = (taken, self._log.mark())
+        standby.replicate(held)
+        self._checkpointed_at = time.monotonic()
+        self.checkpoints += 1
+        return taken
+
+    def _take_copied(self, *, wait: bool = False) -> None:
+        """Count the checkpoint the standby finished copying: the log is cut there. A
+        copy that failed leaves the previous checkpoint standing."""
+        if self._standby is None or self._copying is None:
+            return
+        if wait:
+            self._standby.wait()
+        elif self._standby.busy:
+            return
+        (taken, mark), self._copying = self._copying, None
+        finished = self._standby.take_finished()
+        if finished is None or finished.seq != taken.held.seq:
+            return
+        self._checkpoint = StandbyCheckpoint(finished, taken.names)
+        self._log.cut(mark)
+        self._pieces.keep_only([])
+
+    def _usable_standby(self) -> StandbyLink | None:
+        """The standby for the next checkpoint; one that is lost or failing copy after
+        copy (or a channel that cannot name its host to it) is let go."""
+        standby = self._standby
+        if standby is None:
+            return None
+        why = standby.why_unusable
+        if not why and getattr(self._channel, "peer_address", None) is None:
+            why = "this session's channel cannot name its host to the standby"
+        if not why and not isinstance(self.info.get("token"), str):
+            why = "the executor gave no token to grant the standby its pieces"
+        if not why:
+            return standby
+        self._take_copied(wait=True)
+        standby.close()
+        self._standby = None
+        log.warning("cumulus: %s; checkpoints come to this machine from now on", why)
+        return None
+
+    def _to_client(self) -> Checkpoint:
+        """Read back the pieces the client does not hold, and keep the checkpoint here;
+        the log starts over."""
+        manifest = wire.parse_manifest(self._ask(wire.DIGESTS, b"")[0])
+        pieces = pieces_of(manifest)
+        self._pieces.make_room(sum(nbytes for _, nbytes, _ in manifest))
+        missing = self._pieces.missing(pieces)
+        self.checkpoint_bytes += sum(piece.nbytes for piece in missing)
+        for group in groups(missing):
+            for piece, data in zip(
+                group, self._ask(wire.BATCH, readback_batch(group)), strict=True
+            ):
+                self._pieces.add(piece, data)
+        (rng_state,) = self._ask(wire.BATCH, rng_batch())
+        storages = tuple((handle, nbytes) for handle, nbytes, _ in manifest)
+        self._checkpoint = Checkpoint(storages, tuple(pieces), bytes(rng_state), self._names_sent)
+        self._pieces.keep_only(pieces)
+        self._log = ReplayLog(self._log.limit_bytes)
+        self._checkpointed_at = time.monotonic()
+        self.checkpoints += 1
+        self._copying = None
         return self._checkpoint
 
     def _ask(self, kind: int, batch: bytes) -> list[memoryview]:
@@ -314,6 +457,8 @@ class NativeSession:
             return False
         if self._log.lost_because is not None or self._log.nbytes > self._log.limit_bytes // 2:
             return True
+        if self._copying is not None:  # the next one waits for the standby's copy
+            return False
         return (
             self._interval is not None
             and time.monotonic() - self._checkpointed_at >= self._interval
@@ -331,8 +476,10 @@ class NativeSession:
         if host.nbytes:
             host.view(-1).view(torch.uint8).copy_(torch.frombuffer(data, dtype=torch.uint8))
         dst.copy_(host)
+        self._take_copied()
         if self._checkpoint_due():
-            self.checkpoint()
+            with self._lock:
+                self._take_checkpoint()
 
     def close(self) -> None:
         """Flush what is pending, end the session and detach the hooks. A session whose
@@ -353,6 +500,8 @@ class NativeSession:
         finally:
             self._channel.close()
             self._pieces.close()
+            if self._standby is not None:
+                self._standby.close()
 
 
 #: The open session, which ``torch.cumulus`` answers for (one per process, as the device's

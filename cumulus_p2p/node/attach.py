@@ -21,8 +21,8 @@ from .._errors import (
     PeerUnreachableError,
 )
 from ..blobs.service import Source
+from ..blobs.standby import CheckpointPlacement
 from ..remote.checkpoint import DirectoryCheckpointStore
-from ..remote.standby import CheckpointPlacement
 from .control import ENV_CHECKPOINT_TO, ENV_PRIVATE, ControlClient, SessionTicket
 from .datadir import DataDir, default_data_dir
 from .dial import USAGE, open_channel

@@ -214,7 +214,7 @@ class LeaseRole(enum.Enum):
 
     #: The script's session runs under it.
     SESSION = "session"
-    #: Its host keeps the session's checkpoints (``remote.standby``).
+    #: Its host keeps the session's checkpoints (``blobs.standby``).
     STANDBY = "standby"
 
 

@@ -50,7 +50,7 @@ ENV_ADDRESS = "CUMULUS_CONTROL"
 ENV_TOKEN = "CUMULUS_CONTROL_TOKEN"
 #: The node's pid, so the script can tell it outlived its node before it could watch.
 ENV_NODE_PID = "CUMULUS_NODE_PID"
-#: Where the script's checkpoints go (``remote.standby.CheckpointPlacement``'s values).
+#: Where the script's checkpoints go (``blobs.standby.CheckpointPlacement``'s values).
 ENV_CHECKPOINT_TO = "CUMULUS_CHECKPOINT_TO"
 CHECKPOINT_PLACES = ("standby", "consumer", "both")
 #: The most GiB a shim may ask its node to lease a standby of (an offer's storage_gib bound).

@@ -6,9 +6,13 @@ matched, opens the secure session channel to that provider (``dial``), opens a n
 session over it and probes the device, moving on to the next host the node leases
 while one misrepresents its device. When the host is lost past the channel's resume
 grace period, the node leases another and the session is rebuilt there from its last
-checkpoint and the batches sent since (``native.checkpoint``, ``native.replaylog``);
-checkpoints are kept on this machine's disk, under the data directory, for the run's
-life. Importing this module never imports the
+checkpoint and the batches sent since (``native.checkpoint``, ``native.replaylog``).
+Checkpoints go where ``CUMULUS_CHECKPOINT_TO`` says, as for the Python device: by
+default to a standby host the node leases (``blobs.standby``), which pulls them from
+the session's host, so a model's state does not cross this machine's link; without one
+(``consumer``, or none to be had), to this machine's disk, under the data directory, for
+the run's life. ``both`` keeps them on the standby only. Importing this module never
+imports the
 Python device (``cumulus_p2p.remote``), which cannot share a process with the native
 one.
 """
@@ -18,10 +22,12 @@ from __future__ import annotations
 import logging
 import os
 
-from .._errors import PeerUnreachableError
+from .._errors import CumulusError, PeerUnreachableError
+from ..blobs.service import Source
+from ..blobs.standby import CheckpointPlacement, StandbyLink
 from ..channel.transport import CountingFrameChannel
 from ..native.session import NativeSession
-from .control import ControlClient, SessionTicket
+from .control import ENV_CHECKPOINT_TO, ControlClient, SessionTicket
 from .datadir import DataDir, default_data_dir
 from .dial import USAGE, open_channel
 from .probe import MAX_PROBED_HOSTS, measure
@@ -47,10 +53,31 @@ def attach_native_leased(client: ControlClient) -> NativeSession:
     resume = float(os.environ.get("CUMULUS_RESUME_TIMEOUT", "10"))
     interval = float(os.environ.get("CUMULUS_CHECKPOINT_INTERVAL", "30"))
 
+    placement = CheckpointPlacement(os.environ.get(ENV_CHECKPOINT_TO, "standby"))
+
     def dial(ticket: SessionTicket) -> CountingFrameChannel:
         opened = open_channel(ticket, identity, resume_timeout=resume)
         client.report_path(ticket, opened.path)
-        return USAGE.count(opened, ticket)
+        address = opened.endpoint and Source.secure_address(ticket.provider_key, opened.endpoint)
+        return USAGE.count(opened, ticket, peer_address=address)
+
+    def standby() -> StandbyLink | None:
+        if not placement.on_standby:
+            return None
+        ticket, why = client.standby()
+        if ticket is None:
+            log.warning("no standby (%s): checkpoints go to this machine's disk", why)
+            return None
+        try:
+            channel = dial(ticket)
+            if channel.peer_address is None:  # reached through a relay: no host can pull
+                channel.close()
+                log.warning("the standby has no direct address: checkpoints go to this disk")
+                return None
+            return StandbyLink(channel, address=channel.peer_address)
+        except (OSError, CumulusError) as exc:
+            log.warning("the standby cannot be reached (%s): checkpoints go to this disk", exc)
+            return None
 
     def reconnect(lost: str) -> CountingFrameChannel:
         log.warning("%s; asking the node for another host", lost)
@@ -64,6 +91,7 @@ def attach_native_leased(client: ControlClient) -> NativeSession:
             reconnect=reconnect,
             checkpoint_interval=interval,
             checkpoint_dir=checkpoints,
+            standby=standby(),
         )
         why = client.probe(measure(session, ticket.claimed_perf).to_wire())
         if why is None:

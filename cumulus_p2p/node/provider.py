@@ -48,6 +48,7 @@ from libp2p.exceptions import BaseLibp2pError
 
 from .._errors import CumulusError
 from ..blobs import service as blobservice
+from ..blobs.standby import STANDBY_QUOTA
 from ..blobs.store import BlobStore
 from ..channel.secure import SessionSettings, serve_secure
 from ..channel.secure.libp2p_path import handle_libp2p_sessions
@@ -90,7 +91,6 @@ from ..market.settlement import (
     call_lease_notice,
     serve_lease_close,
 )
-from ..remote.standby import STANDBY_QUOTA
 from ..reputation import BadBlob
 from .blobshare import BlobSharing, serve_fetches
 from .datadir import DataDir

@@ -9,9 +9,9 @@ Parts:
   precision as on CUDA.
 - ``client``: the consumer's session: batching, sync points, frees, failover.
 - ``transfer``: how a tensor of any size is cut into pieces, and transfer progress.
-- ``failover``, ``checkpoint`` and ``standby``: surviving a lost host: the replay log and
-  checkpoint policy, checkpoints and where the consumer keeps them, and a second host that
-  keeps them off the consumer's link.
+- ``failover`` and ``checkpoint``: surviving a lost host: the replay log and checkpoint
+  policy, checkpoints and where the consumer keeps them (a second host that keeps them off
+  the consumer's link: ``blobs.standby``, which the native device uses too).
 - ``capture``, ``compiled``, ``compiled_optimizer`` and ``compile_routing``: compiled steps
   sent as graphs, once.
 - ``errors``: the executor's errors as the consumer sees them.
@@ -35,6 +35,7 @@ from collections.abc import Callable
 import torch
 
 from .._errors import CheckpointCorruptError, FailoverError
+from ..blobs.standby import CheckpointPlacement, HostCheckpoint, StandbyLink
 from ..channel.transport import FrameChannel, SocketFrameChannel
 from . import device as _device
 from . import kernels as _kernels  # noqa: F401 - PrivateUse1 kernels: factories, copies, sdpa
@@ -47,7 +48,6 @@ from .checkpoint import (
 from .client import CURRENT, RemoteSession, current_session
 from .errors import RemoteOutOfMemoryError
 from .failover import FailoverStatistics
-from .standby import CheckpointPlacement, HostCheckpoint, StandbyLink
 from .tensor import RemoteTensor
 
 __all__ = [
@@ -122,7 +122,7 @@ def attach(
         private: the host keeps none of this session's uploads once it ends (nothing of
             it enters the host's blob store).
         standby: ``"host:port"`` of a second executor that keeps the checkpoints, copied
-            there host to host (``standby.py``): they stay off the consumer's link, and a
+            there host to host (``blobs/standby.py``): they stay off the consumer's link, and a
             failover pulls the state from there. Or a connected channel to it whose
             ``peer_address`` says where other hosts reach it (a market host's secure
             channel). Needs ``reconnect``.

@@ -37,6 +37,7 @@ import torch
 from .._errors import CumulusError, FailoverError, RemoteProtocolError, SessionClosedError
 from ..blobs.names import MAX_HAVE, NAMED_WINDOW, PIECE, digest
 from ..blobs.service import Source, grant_of
+from ..blobs.standby import CheckpointPlacement, HostCheckpoint, StandbyLink
 from ..channel.transport import FrameChannel
 from ..wire.manifest import Manifest, parse_manifest
 from ..wire.protocol import (
@@ -61,7 +62,6 @@ from .failover import (
     restore_batches,
     rng_record,
 )
-from .standby import CheckpointPlacement, HostCheckpoint, StandbyLink
 from .transfer import PROGRESS_INTERVAL, STREAM_CHUNK, TransferProgress
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class RemoteSession:
         failover_attempts: ``reconnect()`` calls per failover before ``FailoverError``.
         private: the host keeps none of this session's uploads after it ends (they are
             not added to its blob store); uploads still skip bytes the host already holds.
-        standby: a second host that keeps the checkpoints (``standby.py``): the host
+        standby: a second host that keeps the checkpoints (``blobs/standby.py``): the host
             copies them there itself, and a failover pulls them from there, so neither
             crosses the consumer's link. Needs ``reconnect`` and a channel that knows its
             peer's address (``peer_address``).

@@ -17,7 +17,7 @@ rebuilt anywhere from
 When the host vanishes, the client (``client.py``) dials a new one through the consumer's
 ``reconnect`` callable, uploads the checkpoint with ``@restore`` and ``@rng`` records (or,
 when a standby holds it, sends the manifest and the new host pulls the pieces from the
-standby: ``standby.py``), sends the logged frames again (reading and discarding the
+standby: ``blobs/standby.py``), sends the logged frames again (reading and discarding the
 replies to those that asked something, except the one it was waiting for) and carries
 on. If it dials the *same* host and that host kept the session in its cache
 (``hostcache.py``), it presents the session token instead and resends only what the host

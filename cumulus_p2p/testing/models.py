@@ -201,3 +201,29 @@ def train(
         on_step(len(losses) - 1)
     params = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return losses, params
+
+
+def train_tiny_transformer(
+    device: str, steps: int, *, kill_after: int = -1, kill=None, compiled: bool = False
+) -> tuple[list[float], list[torch.Tensor]]:
+    """A few seeded Adam steps of a tiny transformer on ``device``, weights and data made
+    on the CPU: the losses and the weights after. Before step ``kill_after``, ``kill()``
+    (a host, to move the session). With ``compiled``, the forward pass runs through
+    ``torch.compile(model)``."""
+    torch.manual_seed(0)
+    model = TinyTransformer(vocab=16, dim=8, heads=2, layers=2, ctx=4, dropout=0.0)
+    x = torch.randint(0, 16, (2, 4))
+    y = torch.roll(x, -1, dims=1)
+    model, x, y = model.to(device), x.to(device), y.to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True)
+    forward = torch.compile(model) if compiled else model
+    losses = []
+    for step in range(steps):
+        if step == kill_after:
+            kill()
+        opt.zero_grad()
+        loss = F.cross_entropy(forward(x).reshape(-1, 16), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, [p.detach().cpu() for p in model.parameters()]

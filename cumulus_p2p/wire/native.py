@@ -16,15 +16,25 @@ Client to executor::
       kind 2 BYE     the session ends (no reply)
       kind 3 DIGESTS name every live storage's pieces (`reply` 1, no names, no batch):
                      what a checkpoint reads to fetch only the pieces that changed
+      kind 4 KEEP    as DIGESTS, and the executor keeps a copy of every piece for a
+                     standby host to pull under the session's grant (``host/kept.py``)
+      kind 5 RESTORE `batch` is msgpack {"sources": [[address, grant], ...],
+                     "storages": [[handle, nbytes, [digest, ...]], ...]}: make those
+                     storages and fill them with their pieces, from this host's store
+                     or pulled from the sources (a failover's fresh host, `reply` 1)
 
 Executor to client, only for a request with `reply` 1, an op-stream frame
 (``protocol.encode_frame``: a msgpack header, then the blobs)::
 
     ["ok", lengths] + blobs          the batch's readbacks, in order
     ["failed", record, kind, why]    the session's first failed record
-    ["ok", [n]] + [manifest]         a DIGESTS answer: msgpack [[handle, nbytes,
+    ["ok", [n]] + [manifest]         a DIGESTS or KEEP answer: msgpack [[handle, nbytes,
                                      [digest, ...]], ...], a digest (``blobs.names``)
                                      per ``PIECE`` of each storage, by handle
+    ["ok", [n]] + [result]           a RESTORE answer: msgpack {"fetched_bytes": n,
+                                     "local_bytes": n}
+    ["failed", -1, "restore", why]   a RESTORE that could not fill every storage: none
+                                     is left, and the session goes on without them
     ["fatal", why]                   the session is over (sent unasked, as for any session)
 
 A failure ends the session's usefulness: the executor replays nothing after it and
@@ -44,8 +54,11 @@ from ..blobs.names import is_digest, piece_count
 from .protocol import decode_frame, encode_frame, split_blobs
 
 #: The native frames' version, named in the hello: both sides must speak the same.
-VERSION = 4
-BATCH, BYE, DIGESTS = 1, 2, 3
+VERSION = 5
+BATCH, BYE, DIGESTS, KEEP, RESTORE = 1, 2, 3, 4, 5
+#: A restore's most storages and sources: far more than a session holds or needs.
+MAX_RESTORE_STORAGES = 1 << 20
+MAX_SOURCES = 16
 #: Requests this small are replayed on the executor's event loop (about a millisecond
 #: of records at most): cheaper than handing them to a thread and back.
 LIGHT_BYTES = 64 * 1024
@@ -73,7 +86,7 @@ def parse_request(frame: bytes | bytearray) -> tuple[int, bool, list[str], memor
     if len(view) < _HEAD.size:
         raise MalformedMessageError("request shorter than its header")
     kind, reply, count = _HEAD.unpack_from(view)
-    if kind not in (BATCH, BYE, DIGESTS):
+    if kind not in (BATCH, BYE, DIGESTS, KEEP, RESTORE):
         raise MalformedMessageError(f"unknown request kind {kind}")
     at, names = _HEAD.size, []
     for _ in range(count):
@@ -90,8 +103,8 @@ def parse_request(frame: bytes | bytearray) -> tuple[int, bool, list[str], memor
 
 def runs_inline(frame: bytes | bytearray) -> bool:
     """Whether a request is light enough to replay on the executor's event loop: a small
-    batch, but never DIGESTS, which hashes every storage."""
-    return len(frame) <= LIGHT_BYTES and frame[:1] != bytes((DIGESTS,))
+    batch, but never DIGESTS or KEEP, which hash every storage."""
+    return len(frame) <= LIGHT_BYTES and frame[:1] not in (bytes((DIGESTS,)), bytes((KEEP,)))
 
 
 def encode_manifest(entries: Sequence[tuple[int, int, Sequence[str]]]) -> bytes:
@@ -110,6 +123,10 @@ def parse_manifest(data: bytes | memoryview) -> list[tuple[int, int, list[str]]]
         entries = msgpack.unpackb(data, use_list=True)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise MalformedMessageError(f"a storage manifest that is not msgpack: {exc}") from exc
+    return _checked_entries(entries)
+
+
+def _checked_entries(entries: object) -> list[tuple[int, int, list[str]]]:
     if not isinstance(entries, list):
         raise MalformedMessageError("a storage manifest must be a list")
     out = []
@@ -123,6 +140,47 @@ def parse_manifest(data: bytes | memoryview) -> list[tuple[int, int, list[str]]]
             case _:
                 raise MalformedMessageError(f"a malformed storage manifest entry: {entry!r:.80}")
     return out
+
+
+def encode_restore(
+    sources: Sequence[tuple[str, str]], entries: Sequence[tuple[int, int, Sequence[str]]]
+) -> bytes:
+    """A RESTORE request's batch: the storages to make, and the hosts their pieces are at
+    (``(address, grant)``, tried in order)."""
+    storages = [[h, n, list(d)] for h, n, d in entries]
+    return msgpack.packb({"sources": [list(s) for s in sources], "storages": storages})
+
+
+def parse_restore(
+    data: bytes | memoryview,
+) -> tuple[list[list], list[tuple[int, int, list[str]]]]:
+    """(sources, storages) of a RESTORE request's batch; each storage checked as a
+    manifest's entry is, a handle named once. The sources are only ``[str, str]`` here:
+    the executor checks them as addresses and grants (``blobs.service.parse_sources``).
+
+    Raises:
+        MalformedMessageError: the batch is not that.
+    """
+    try:
+        request = msgpack.unpackb(data, use_list=True)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise MalformedMessageError(f"a restore that is not msgpack: {exc}") from exc
+    match request:
+        case {"sources": list(sources), "storages": list(storages)} if (
+            len(sources) <= MAX_SOURCES and len(storages) <= MAX_RESTORE_STORAGES
+        ):
+            pass
+        case _:
+            raise MalformedMessageError(
+                'a restore is {"sources": [[address, grant], ...], "storages": [[handle, '
+                f"nbytes, [digest, ...]], ...]}} with at most {MAX_SOURCES} sources"
+            )
+    if not all(isinstance(s, list) and [type(x) for x in s] == [str, str] for s in sources):
+        raise MalformedMessageError("a restore's sources are [address, grant] pairs")
+    entries = _checked_entries(storages)
+    if len({handle for handle, _, _ in entries}) != len(entries):
+        raise MalformedMessageError("a restore names a storage twice")
+    return sources, entries
 
 
 def ok(readbacks: Sequence[bytes]) -> list:

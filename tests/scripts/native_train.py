@@ -2,9 +2,11 @@
 
 ``python native_train.py DEVICE [steps] [gate]``: trains on DEVICE (``cumulus`` under
 ``python -m cumulus_p2p.shim --native``, or ``cpu``) and prints one JSON line with the
-losses. With ``gate``, after the first step it prints ``holding`` and waits until that
-file exists, then trains on (a test kills the host meanwhile). Attention is pinned to
-the math path, as a user's script may pin it: the device honours ``sdpa_kernel``.
+losses. With ``gate``, it pauses 1.1 s after the first step (so that a checkpoint every
+second falls due at the second step's readback), prints ``holding`` after the second
+and waits until that file exists, then trains on (a test kills the host meanwhile).
+Attention is pinned to the math path, as a user's script may pin it: the device honours
+``sdpa_kernel``.
 """
 
 import json
@@ -37,6 +39,8 @@ with sdpa_kernel(SDPBackend.MATH):
         opt.step()
         losses.append(loss.item())
         if gate is not None and step == 0:
+            time.sleep(1.1)
+        if gate is not None and step == 1:
             print("holding", flush=True)
             while not gate.exists():
                 time.sleep(0.05)
