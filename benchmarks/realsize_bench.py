@@ -66,7 +66,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -77,7 +77,7 @@ from torch import nn
 import cumulus_p2p.remote as remote
 from cumulus_p2p.channel.transport import SocketFrameChannel
 from cumulus_p2p.remote.checkpoint import DirectoryCheckpointStore
-from cumulus_p2p.testing.executor import stop
+from cumulus_p2p.testing.executor import executor_in, stop
 from cumulus_p2p.testing.linkrate import measure_mbit
 from cumulus_p2p.testing.netns import interface_bytes, shaped_mesh
 
@@ -164,39 +164,6 @@ def run(size: Size, *, quick: bool, checkpoint_to: str, device: str) -> dict:
             }
             result |= run_consumer(c, plan)
     return result
-
-
-@contextmanager
-def executor_in(host, workdir: Path, device: str):
-    """Run ``cumulus-executor`` on ``device`` in ``host``'s namespace; yield its address and
-    process.
-
-    It keeps a blob store in ``workdir``, as a provider does in its data directory, so a
-    second session on it can skip what it already holds. Its output goes to a log there,
-    not a pipe, so nobody has to keep reading it.
-    """
-    workdir.mkdir()
-    log = workdir / "executor.log"
-    cmd = [sys.executable, "-m", "cumulus_p2p.host.executor_main", "--host", host.address]
-    cmd += ["--port", "0", "--device", device, "--quota", "8GiB"]
-    cmd += ["--blob-dir", str(workdir / "blobs")]
-    with open(log, "w+") as out:
-        proc = subprocess.Popen(host.command(*cmd), stdout=out, stderr=subprocess.STDOUT)
-        try:
-            yield wait_listening(proc, log), proc
-        finally:
-            stop(proc)
-
-
-def wait_listening(proc: subprocess.Popen, log: Path, timeout: float = 120.0) -> str:
-    """The ``host:port`` the executor printed, once it has."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        for line in log.read_text().splitlines():
-            if "listening on " in line:
-                return line.split("listening on ")[1].split()[0]
-        time.sleep(0.1)  # the executor's start-up (importing torch) takes seconds
-    raise RuntimeError(f"executor did not start: {log.read_text()}")
 
 
 def run_consumer(consumer, plan: dict) -> dict:

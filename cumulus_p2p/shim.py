@@ -16,10 +16,9 @@ holding it for a consumer that might come back.
 With ``--native`` the script runs on the native C++ device instead
 (``cumulus_p2p.native``; ``connect_native``): eager ops cost what a CPU tensor's do on
 this side, and the host replays each batch in C++. A leased session that loses its host
-is replayed from its start on another (``native.replaylog``, bounded). There are no
-checkpoints yet: a script whose session outgrew the replay log ends with an error that
-says so when its host is lost. CUDA compatibility mode works on it as on the Python
-device.
+is rebuilt on another from its last checkpoint (on a standby host, or this machine's
+disk) and the batches sent since (``native.checkpoint``, ``native.replaylog``). CUDA
+compatibility mode works on it as on the Python device.
 
 Exit status: the script's own (an uncaught exception prints its traceback and exits 1, as
 in plain Python; SIGTERM exits 143); 2 when the shim cannot start the script: a bad command

@@ -174,3 +174,41 @@ def _alloc(handle: int, nbytes: int) -> bytes:
     from cumulus_p2p.native import records
 
     return records.encode([records.Alloc(handle, nbytes)], [])
+
+
+def test_a_resume_no_session_here_answers_is_refused_and_a_hello_may_follow(executor):
+    resume = {"token": "f" * 32, "native": wire.VERSION}
+    channel = SocketFrameChannel.connect(*executor)
+    try:
+        channel.send_frame(encode_frame(["resume", PROTOCOL_VERSION, resume]))
+        assert decode_frame(channel.recv_frame())[0][0] == "refused"
+        channel.send_frame(encode_frame(["hello", PROTOCOL_VERSION, {"native": wire.VERSION}]))
+        assert decode_frame(channel.recv_frame())[0][0] == "welcome"
+        assert _empty_batch(channel) == []
+    finally:
+        channel.close()
+
+
+def test_a_dropped_session_is_resumed_with_the_count_of_batches_it_received(executor):
+    with _hello(executor, {"native": wire.VERSION}) as (welcome, channel):
+        token = welcome[2]["token"]
+        channel.send_frame(wire.request(wire.BATCH, [], _alloc(1, 4), reply=False))
+        assert _empty_batch(channel) == []
+    resume = {"token": token, "native": wire.VERSION}
+    channel = SocketFrameChannel.connect(*executor)
+    try:
+        channel.send_frame(encode_frame(["resume", PROTOCOL_VERSION, resume]))
+        header, _ = decode_frame(channel.recv_frame())
+        assert header[0] == "welcome" and header[2]["resumed"] is True
+        assert header[2]["batches"] == 2 and header[2]["token"] == token
+        channel.send_frame(wire.request(wire.RESEND, [], b"", reply=True))
+        assert wire.parse_reply(channel.recv_frame()) == []  # the empty batch's reply
+    finally:
+        channel.close()
+
+
+def test_resend_before_any_batch_asked_for_a_reply_ends_the_session(executor):
+    with _hello(executor, {"native": wire.VERSION}) as (_, channel):
+        channel.send_frame(wire.request(wire.RESEND, [], b"", reply=True))
+        header, _ = decode_frame(channel.recv_frame())
+        assert header[0] == "fatal" and "RESEND" in header[1]

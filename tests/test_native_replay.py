@@ -385,6 +385,6 @@ def test_a_restores_pieces_land_in_its_storages_once_checked():
     targets = ReplaySession(session.replayer).open_restore([(1, len(data), [digest(data)])])
     with pytest.raises(BlobMismatchError):
         targets.put(digest(data), memoryview(bytes(len(data))))  # not the named bytes
-    targets.put(digest(data), memoryview(data))
+    targets.put(digest(data), memoryview(bytearray(data)))
     assert targets.missing() == []
     assert torch.equal(session.read(_ref(1)), A)

@@ -61,3 +61,22 @@ def test_marks_count_from_the_start_across_cuts():
     log.keep([], b"\x01c")
     log.cut(second)
     assert [batch for _, batch, _ in _batches(log)] == [b"\x01c"]
+
+
+def test_a_resumed_session_sends_again_only_the_batches_its_executor_did_not_receive():
+    log = ReplayLog(limit_bytes=1024)
+    log.keep([], b"\x01zero", counted=0)
+    log.keep([], b"\x01two", counted=2)  # count 1 was a read that is not logged
+    log.keep([], b"\x01three", counted=3)
+    again = [wire.parse_request(b"".join(f))[3].tobytes() for f in log.unreceived(2)]
+    assert again == [b"\x01two", b"\x01three"]
+    assert log.last_counted == 3
+
+
+def test_a_fresh_executor_counts_the_replayed_batches_from_where_the_restore_left_off():
+    log = ReplayLog(limit_bytes=1024)
+    log.keep([], b"\x01a", counted=7)
+    log.keep([], b"\x01b", counted=9)
+    assert len(log.frames(first=3)) == 2
+    assert log.last_counted == 4
+    assert len(log.unreceived(4)) == 1

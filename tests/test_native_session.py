@@ -578,3 +578,82 @@ def test_autocast_on_cumulus_casts_as_on_cuda():
         assert (product.dtype, kept.dtype) == (torch.bfloat16, torch.float32)
         assert torch.equal(product.cpu(), (a.bfloat16() @ w.bfloat16()))
         assert summed.item() == (a.bfloat16() @ w.bfloat16()).float().sum().item()
+
+
+def _cuttable(address: str):
+    """A channel to ``address`` and its socket: ``sock.shutdown(SHUT_RDWR)`` is a cut."""
+    import socket
+
+    from cumulus_p2p.channel.transport import SocketFrameChannel
+
+    sock = socket.create_connection(_split(address), timeout=10)
+    sock.settimeout(None)
+    return SocketFrameChannel(sock), sock
+
+
+@in_native_process
+def test_a_cut_connection_resumes_the_session_parked_on_its_host_without_a_restore():
+    import socket
+
+    from cumulus_p2p.channel.transport import SocketFrameChannel
+    from cumulus_p2p.native.session import NativeSession
+    from cumulus_p2p.testing.executor import executor_process
+
+    with executor_process(env={"OMP_NUM_THREADS": "1"}) as (address, _):
+        channel, sock = _cuttable(address)
+
+        def reconnect(lost: str):
+            return SocketFrameChannel.connect(*_split(address))
+
+        with NativeSession(channel, reconnect=reconnect) as session:
+            moved, params = _train(
+                "cumulus", steps=4, kill_after=2, kill=lambda: sock.shutdown(socket.SHUT_RDWR)
+            )
+            counts = (session.resumes, session.failovers)
+            assert counts == (1, 0), counts
+    local, local_params = _train("cpu", steps=4)
+    assert moved == local
+    for remote, here in zip(params, local_params, strict=True):
+        assert torch.equal(remote, here)
+
+
+@in_native_process
+def test_a_batch_that_ran_before_the_cut_is_not_run_again_and_its_reply_is_sent_again():
+    import socket
+
+    from cumulus_p2p.channel.transport import SocketFrameChannel
+    from cumulus_p2p.native.session import NativeSession
+    from cumulus_p2p.testing.executor import executor_process
+
+    with executor_process() as (address, _):
+        channel, sock = _cuttable(address)
+        cut = []
+
+        def reconnect(lost: str):
+            return SocketFrameChannel.connect(*_split(address))
+
+        class CutAfterSend:
+            """The cut comes after the request went out, before its reply is read."""
+
+            def __init__(self, inner):
+                self.inner = inner
+
+            def __getattr__(self, name):
+                return getattr(self.inner, name)
+
+            def send_frame(self, parts):
+                self.inner.send_frame(parts)
+                if cut == ["armed"]:
+                    time.sleep(0.5)  # the executor runs the batch and answers
+                    sock.shutdown(socket.SHUT_RDWR)
+                    sock.close()  # the answer is lost with the connection
+                    cut.append("done")
+
+        with NativeSession(CutAfterSend(channel), reconnect=reconnect) as session:
+            x = torch.ones(4).to("cumulus")
+            cut.append("armed")
+            x.add_(1)  # in place: run twice, the sum would be 12
+            assert x.sum().item() == 8.0
+            assert cut == ["armed", "done"], cut
+            counts = (session.resumes, session.failovers)
+            assert counts == (1, 0), counts

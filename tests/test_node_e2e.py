@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -241,6 +242,31 @@ def test_a_native_script_trains_on_a_leased_host_with_matching_books(mesh):
     # The provider's receipts count the native session's bytes as the consumer counted them.
     (lease,) = json.loads((root / "native" / "state.json").read_text())["leases"]
     assert lease["bytes_counted"] == lease["bytes"] == bytes_moved(root / "native") > 0
+
+
+def test_a_native_job_outlasting_its_lease_resumes_where_it_was_parked(mesh, tmp_path):
+    root, boot, _ = mesh
+    gate, script = tmp_path / "gate", SCRIPTS / "native_train.py"
+    consumer = nodes.start_consumer(
+        root / "native-renewing",
+        boot.addr,
+        "--native",
+        "--duration",
+        "4s",
+        command=[str(script), "cumulus", "4", str(gate)],
+    )
+    consumer.wait_for("holding", timeout=120)
+    time.sleep(5)  # the lease's 4 s run out while the job holds: its host parks it
+    gate.touch()
+    assert consumer.proc.wait(timeout=180) == 0, consumer.output()
+    local = subprocess.run(
+        [sys.executable, str(script), "cpu", "4"], capture_output=True, text=True, check=True
+    )
+    assert last_json(consumer)["losses"] == json.loads(local.stdout.splitlines()[-1])["losses"]
+    assert "session resumed on its host" in consumer.output()
+    state = json.loads((root / "native-renewing" / "state.json").read_text())
+    states = [lease["state"] for lease in state["leases"]]
+    assert len(states) >= 2 and set(states[:-1]) == {"ended"}, states
 
 
 def test_a_native_job_is_replayed_on_another_host_when_its_provider_is_killed(tmp_path):

@@ -14,6 +14,8 @@ the host-side cache (``hostcache.py``) under the token ``welcome`` gave the clie
 ``resume`` with that token on a new connection picks it up where it stopped. A resume that
 finds the session still attached to a connection the executor has not yet seen die takes
 it over: the old connection's task is cancelled between two batches and parks it first.
+The native device's sessions (``_serve_native``: a C++ replay loop each) are parked and
+resumed the same way, and a failover's fresh host fills theirs from a standby's pieces.
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ class ExecutorConfig:
 class _Attached:
     """A session attached to a connection, as a resume from another connection sees it."""
 
-    session: ExecutorSession
+    session: ExecutorSession | ReplaySession
     owner: object
     scope: trio.CancelScope
     released: trio.Event
@@ -151,7 +153,7 @@ class Executor:
             blobs=None if blob_dir is None else BlobStore(blob_dir, self.config.blob_cap),
         )
         self.sessions: dict[int, ExecutorSession] = {}
-        self.cache: HostCache[ExecutorSession] = HostCache(
+        self.cache: HostCache[ExecutorSession | ReplaySession] = HostCache(
             max_bytes=self.config.cache_bytes, grace=self.config.cache_grace
         )
         self._attached: dict[str, _Attached] = {}
@@ -168,7 +170,11 @@ class Executor:
     def session_stats(self, owner: bytes) -> SessionStats | None:
         """The running session of the consumer with key ``owner``: ops, memory in use,
         and its waits for the device over the last minute (a copy, as of now)."""
-        found = [a.session for a in self._attached.values() if a.owner == owner]
+        found = [
+            a.session
+            for a in self._attached.values()
+            if a.owner == owner and isinstance(a.session, ExecutorSession)
+        ]
         if not found:
             return None
         session = found[-1]
@@ -226,8 +232,8 @@ class Executor:
             if only_blobs:
                 raise RemoteProtocolError(blobservice.ONLY_BLOBS)
             limit = min(quota_bytes or self.config.quota_bytes, self.config.quota_bytes)
-            if header[0] == "hello" and "native" in (options := _hello_options(header)):
-                await self._serve_native(channel, options, session_id, limit, rank, until)
+            if _is_native(header):
+                await self._serve_native(channel, header, session_id, limit, rank, until)
                 return
             token, session = await self._open(channel, header, session_id, limit, hold_bytes)
             self.sessions[session_id] = session
@@ -268,6 +274,9 @@ class Executor:
             if header[0] == "resume":
                 token = _resume_token(header)
                 session = await self._take(token, _owner(channel))
+                if isinstance(session, ReplaySession):  # a native session's token
+                    self._forget(session)
+                    session = None
                 if session is None:
                     reason = "unknown or expired session token; send hello for a new session"
                     await channel.send_frame(encode_frame(["refused", reason]))
@@ -297,7 +306,7 @@ class Executor:
         session = self._grants.get(grant)
         return None if session is None else session.kept.piece
 
-    def _forget(self, session: ExecutorSession) -> None:
+    def _forget(self, session: ExecutorSession | ReplaySession) -> None:
         """A session is gone for good: release it and close its grant."""
         session.close()
         self._grants = {g: s for g, s in self._grants.items() if s is not session}
@@ -314,7 +323,7 @@ class Executor:
             "private": session.private,
         } | self._welcome_extra
 
-    async def _take(self, token: str, owner: object) -> ExecutorSession | None:
+    async def _take(self, token: str, owner: object) -> ExecutorSession | ReplaySession | None:
         """The session parked under ``token``, taken over from its old connection if need be."""
         attached = self._attached.get(token)
         if attached is not None and attached.owner == owner:
@@ -322,7 +331,7 @@ class Executor:
             with trio.move_on_after(TAKEOVER_TIMEOUT):
                 await attached.released.wait()
         session = self.cache.take(token, now=trio.current_time(), owner=owner)
-        if session is not None:
+        if isinstance(session, ExecutorSession):
             # In a thread where bytes move: from host memory to a GPU, or from disk.
             moves = self.ctx.device.type != "cpu" or session.tier is Tier.DISK
             await self._on_device(session.unpark, inline=not moves)
@@ -570,46 +579,87 @@ class Executor:
     async def _serve_native(
         self,
         channel: AsyncFrameChannel,
-        options: dict,
+        header: list,
         session_id: int,
         limit: int,
         rank: tuple,
         until: float,
     ) -> None:
         """A native device's session (``cumulus_p2p.native``): each batch replayed in C++,
-        whole, in one device turn. Nothing is parked: when its connection drops or its
-        time is up, the session ends and its memory is freed. Its welcome carries a
-        token whose grant opens the pieces a KEEP copied to a standby (``_granted``)."""
-        if options["native"] != native_wire.VERSION:
-            raise RemoteProtocolError(
-                f"client speaks native version {options['native']!r}; this executor speaks "
-                f"{native_wire.VERSION}. Upgrade the older side."
-            )
-        quota = min(options.get("quota", limit), limit)
-        device = str(self.ctx.device)
-        try:
-            replayer = await trio.to_thread.run_sync(new_replayer, device, quota)
-        except RuntimeError as exc:  # no replay library here, and none can be built
-            raise RemoteProtocolError(
-                f"this host cannot run native sessions ({exc}); run without the native device"
-            ) from exc
-        replaying, waits = ReplaySession(replayer), WaitWindow()
-        token = secrets.token_hex(16)
-        info = {"session": session_id, "native": native_wire.VERSION, "device": device}
-        info |= {"device_name": _device_name(self.ctx.device), "quota": quota, "token": token}
+        whole, in one device turn. Its welcome carries a token: its grant opens the pieces
+        a KEEP copied to a standby (``_granted``), and a ``resume`` naming it takes the
+        session back after its connection dropped or its time was up (it waits parked in
+        the host cache meanwhile, as the Python device's sessions do). A BYE, or a failed
+        record, ends it for good."""
+        token, replaying, info = await self._open_native(channel, header, session_id, limit)
         self._grants[blobservice.grant_of(token)] = replaying
+        scope = trio.CancelScope(deadline=until)
+        attached = _Attached(replaying, _owner(channel), scope, trio.Event())
+        self._attached[token] = attached
+        park, waits = False, WaitWindow()
         try:
             await channel.send_frame(
                 encode_frame(["welcome", PROTOCOL_VERSION, info | self._welcome_extra])
             )
-            with trio.move_on_at(until):
-                going = True
-                while going:
-                    going = await self._native_request(channel, replaying, rank, waits)
+            with scope:
+                park = True  # its time is up, or a resume took it over, unless it says bye
+                while await self._native_request(channel, replaying, rank, waits):
+                    pass
+                park = False
+        except SessionClosedError:
+            pass  # the connection dropped: parked, for its client to resume
+        except BaseException:
+            park = False
+            raise
         finally:
+            park = park and replaying.failure is None
             del self._grants[blobservice.grant_of(token)]
-            replaying.close()
-        log.info("native session %d: ended after %d batches", session_id, replaying.batches)
+            if park:
+                now, nbytes = trio.current_time(), replaying.live_bytes
+                dropped = self.cache.park(token, replaying, nbytes, now=now, owner=attached.owner)
+                for old in dropped:
+                    self._forget(old)
+            else:
+                replaying.close()
+            del self._attached[token]
+            attached.released.set()
+        done = "parked" if park else "ended"
+        log.info("native session %d: %s after %d batches", session_id, done, replaying.batches)
+
+    async def _open_native(
+        self, channel: AsyncFrameChannel, header: list, session_id: int, limit: int
+    ) -> tuple[str, ReplaySession, dict]:
+        """A native hello's new session, or the parked one a resume names: its token,
+        the session and its welcome's info. A resume of a session not parked here is
+        refused, and the client may send a hello next, on the same connection."""
+        owner = _owner(channel)
+        for refused in range(MAX_REFUSALS + 1):
+            if refused:
+                header, _ = decode_frame(await channel.receive_frame())
+            options = _native_options(header)
+            info = {"session": session_id, "native": native_wire.VERSION}
+            info |= {"device": str(self.ctx.device), "device_name": _device_name(self.ctx.device)}
+            if header[0] == "resume":
+                token = _resume_token(header)
+                parked = await self._take(token, owner)
+                if not isinstance(parked, ReplaySession):
+                    if parked is not None:  # a Python session's token: not this kind
+                        self._forget(parked)
+                    reason = "no native session parked here under that token; send hello"
+                    await channel.send_frame(encode_frame(["refused", reason]))
+                    continue
+                resumed = {"resumed": True, "batches": parked.received, "token": token}
+                return token, parked, info | {"quota": parked.quota_bytes} | resumed
+            quota = min(options.get("quota", limit), limit)
+            try:
+                replayer = await trio.to_thread.run_sync(new_replayer, info["device"], quota)
+            except RuntimeError as exc:  # no replay library here, and none can be built
+                raise RemoteProtocolError(
+                    f"this host cannot run native sessions ({exc}); run without the native device"
+                ) from exc
+            token = secrets.token_hex(16)
+            return token, ReplaySession(replayer), info | {"quota": quota, "token": token}
+        raise RemoteProtocolError(f"more than {MAX_REFUSALS} refused resumes on one connection")
 
     async def _native_request(
         self, channel: AsyncFrameChannel, replaying: ReplaySession, rank: tuple, waits: WaitWindow
@@ -771,6 +821,29 @@ async def send_last(channel: AsyncFrameChannel, header: list) -> None:
             await channel.send_frame(encode_frame(header))
     except SessionClosedError:
         pass
+
+
+def _is_native(header: list) -> bool:
+    """Whether a session's first message opens or resumes a native session."""
+    options = header[2] if len(header) == 3 else None
+    return header[0] in ("hello", "resume") and isinstance(options, dict) and "native" in options
+
+
+def _native_options(header: list) -> dict:
+    """A native hello's or resume's options, checked; the version must be this side's.
+
+    Raises:
+        RemoteProtocolError: they are not one, or of another version.
+    """
+    if header[0] not in ("hello", "resume") or len(header) != 3:
+        raise RemoteProtocolError("expected a native hello (or resume) message")
+    options = _hello_options(["hello", *header[1:]])
+    if options.get("native") != native_wire.VERSION:
+        raise RemoteProtocolError(
+            f"client speaks native version {options.get('native')!r}; this executor speaks "
+            f"{native_wire.VERSION}. Upgrade the older side."
+        )
+    return options
 
 
 def _hello_options(header: list) -> dict:

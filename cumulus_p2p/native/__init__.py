@@ -23,8 +23,9 @@ channel. ``session.py`` sends the device's batches there (frames in
 ``cumulus_p2p.wire.native``) and answers reads back through the device's readback hook
 (``set_readback_hook``). ``torch.cumulus`` (``_DeviceModule``) answers what torch and
 CUDA compatibility mode (``cumulus_p2p.cuda_compat``) ask of the device. A session
-fails over from checkpoints the client keeps in memory or on its disk
-(``checkpoint.py``); checkpoints on a standby host, and parking, are not there yet.
+fails over from checkpoints the client keeps in memory or on its disk, or a standby
+host keeps, pulled from the session's host (``checkpoint.py``), and resumes where its
+host parked it when only its connection or its lease's time ran out.
 
 One owner per process
 ---------------------

@@ -63,6 +63,10 @@ class ReplaySession:
         self._replayer = replayer
         self.failure: ReplayError | None = None
         self.batches = 0
+        #: BATCH requests received, run or not: a resumed client resends those after.
+        self.received = 0
+        #: The reply to the last BATCH that asked for one (RESEND sends it again).
+        self._last_reply: list[bytes] | None = None
         #: Checkpoint pieces kept for a standby to pull (KEEP), under the session's grant.
         self.kept = KeptPieces()
 
@@ -76,23 +80,37 @@ class ReplaySession:
         kind, reply, names, batch = wire.parse_request(frame)
         if kind == wire.BYE:
             return False, None
-        readbacks: list[bytes] = []
         if kind == wire.RESTORE:  # it pulls from other hosts: the executor's I/O
             raise MalformedMessageError("a restore is the executor's to run, not run's")
-        if kind in (wire.DIGESTS, wire.KEEP):
-            if self.failure is None:
-                readbacks = [self._manifest(keep=kind == wire.KEEP)]
-        elif self.failure is None:
-            try:
-                readbacks = self._replayer.replay(bytes(batch), names)
-                self.batches += 1
-            except ReplayError as exc:
-                self.failure = exc
+        if kind == wire.RESEND:
+            if self._last_reply is None:
+                raise MalformedMessageError("RESEND, but no batch asked for a reply")
+            return True, self._last_reply
+        if kind == wire.BATCH:
+            self.received += 1
+            self._last_reply = None
+        readbacks = self._answer(kind, names, batch) if self.failure is None else []
         if not reply:
             return True, None
         if self.failure is not None:
-            return True, wire.failed(self.failure.record, self.failure.kind, str(self.failure))
-        return True, wire.ok(readbacks)
+            answer = wire.failed(self.failure.record, self.failure.kind, str(self.failure))
+        else:
+            answer = wire.ok(readbacks)
+        if kind == wire.BATCH:
+            self._last_reply = answer
+        return True, answer
+
+    def _answer(self, kind: int, names: list[str], batch: memoryview) -> list[bytes]:
+        """Run a BATCH (its readbacks), or name the storages (DIGESTS, KEEP)."""
+        if kind in (wire.DIGESTS, wire.KEEP):
+            return [self._manifest(keep=kind == wire.KEEP)]
+        try:
+            readbacks = self._replayer.replay(bytes(batch), names)
+        except ReplayError as exc:
+            self.failure = exc
+            return []
+        self.batches += 1
+        return readbacks
 
     def _manifest(self, keep: bool) -> bytes:
         """Every live storage's pieces, named: the DIGESTS answer a checkpoint reads. With
@@ -134,6 +152,17 @@ class ReplaySession:
         if frees:
             self._replayer.replay(records.encode(frees, []), [])
 
+    @property
+    def quota_bytes(self) -> int:
+        """The most bytes the session's storages may hold."""
+        return self._replayer.quota_bytes
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of the session's live storages."""
+        return self._replayer.live_bytes
+
     def close(self) -> None:
-        """Let go of the pieces kept for a standby."""
+        """Let go of the pieces kept for a standby, and of the storages."""
         self.kept.close()
+        self._replayer = None

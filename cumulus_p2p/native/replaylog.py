@@ -28,6 +28,8 @@ class ReplayLog:
     def __init__(self, limit_bytes: int = DEFAULT_LIMIT_BYTES) -> None:
         self.limit_bytes = limit_bytes
         self._frames: list[list[bytes]] | None = []
+        #: Where the executor counted each batch among the BATCH requests it received.
+        self._counted: list[int] = []
         self.nbytes = 0
         self._cut = 0  # batches dropped from the front: the marks count from the start
 
@@ -38,8 +40,9 @@ class ReplayLog:
             return None
         return f"its batches outgrew the {self.limit_bytes} bytes kept to replay it on another host"
 
-    def keep(self, names: Sequence[str], batch: bytes) -> None:
-        """Add a sent batch (and the op names it introduced); past the limit, drop all."""
+    def keep(self, names: Sequence[str], batch: bytes, counted: int = 0) -> None:
+        """Add a batch sent as the executor's ``counted``-th BATCH request (and the op
+        names it introduced); past the limit, drop all."""
         if self._frames is None:
             return
         frame = wire.request(wire.BATCH, names, batch, reply=False)
@@ -48,6 +51,7 @@ class ReplayLog:
             self._frames = None
             return
         self._frames.append(frame)
+        self._counted.append(counted)
 
     def mark(self) -> int:
         """Where the log stands now, for ``cut``: a checkpoint whose copy to a standby is
@@ -59,15 +63,34 @@ class ReplayLog:
         if self._frames is None:
             return
         dropped, self._frames = self._frames[: mark - self._cut], self._frames[mark - self._cut :]
+        self._counted = self._counted[mark - self._cut :]
         self._cut = mark
         self.nbytes -= sum(len(part) for frame in dropped for part in frame)
 
-    def frames(self) -> list[list[bytes]]:
-        """The kept batches as requests that ask for no reply, oldest first (a copy).
+    def frames(self, first: int = 0) -> list[list[bytes]]:
+        """The kept batches as requests that ask for no reply, oldest first (a copy), to
+        send a fresh executor, which counts them from ``first`` on.
 
         Raises:
             ValueError: the log was dropped (``lost_because``).
         """
         if self._frames is None:
             raise ValueError(self.lost_because)
+        self._counted = list(range(first, first + len(self._frames)))
         return list(self._frames)
+
+    def unreceived(self, received: int) -> list[list[bytes]]:
+        """The kept batches an executor that received ``received`` BATCH requests lacks,
+        oldest first: what a resumed session sends again (it counts them on from there).
+
+        Raises:
+            ValueError: the log was dropped (``lost_because``).
+        """
+        if self._frames is None:
+            raise ValueError(self.lost_because)
+        return [f for f, n in zip(self._frames, self._counted, strict=True) if n >= received]
+
+    @property
+    def last_counted(self) -> int | None:
+        """Where the executor counts the last kept batch (None: none kept)."""
+        return self._counted[-1] if self._frames and self._counted else None

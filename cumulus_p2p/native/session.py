@@ -45,8 +45,16 @@ RESTORE request). The consumer's link carries the manifest of digests, not the s
 One copy runs at a time. A standby that is lost, or fails copy after copy, is let go,
 and the checkpoints come to the client from then on, as without one.
 
-Not in this slice: a standby replaced when lost, parking, and device turns cut between
-the ops of a batch.
+A lost connection is first resumed where the session was: the host keeps a native
+session parked (its storages, its generator, its kept pieces) when its connection drops
+or its lease's time is up, as it keeps the Python device's. The client presents the
+session's token on the channel ``reconnect`` gives; the executor says how many batches
+it received, and the client sends only those after (or asks for the last reply again,
+RESEND, when the batch in flight ran but its reply was lost). Nothing is restored. A
+host that holds no such session refuses, and the session is rebuilt there as above.
+
+Not in this slice: a standby replaced when lost, and device turns cut between the ops of
+a batch.
 """
 
 from __future__ import annotations
@@ -155,6 +163,10 @@ class NativeSession:
         #: Times the session moved to another executor, checkpoints it took, and the
         #: bytes those read back (only pieces that changed).
         self.failovers = 0
+        #: Times the session was taken up again where it was parked (nothing restored),
+        #: and the BATCH requests its executor counted.
+        self.resumes = 0
+        self._counted = 0
         self.checkpoints = 0
         self.checkpoint_bytes = 0
         #: Bytes fresh executors pulled from the standby to restore this session, and
@@ -219,7 +231,7 @@ class NativeSession:
             names = self._ext.op_names(self._names_sent)
             self._names_sent += len(names)
             if self._log is not None:
-                self._log.keep(names, batch)
+                self._log.keep(names, batch, counted=self._counted)
             request = wire.request(wire.BATCH, names, batch, reply=wait)
             self.flushes += 1
             self.ops_sent += records
@@ -236,25 +248,34 @@ class NativeSession:
 
     def _exchange(self, request: list, wait: bool, *, logged: bool = True) -> bytearray | None:
         """Send ``request`` (the log's last batch, when ``logged``) and, with ``wait``,
-        receive its reply; on another executor if this one is lost and the session can
-        move (``MAX_MOVES`` times in a row)."""
+        receive its reply; if the executor is lost, on the session resumed or moved
+        (``_move``), ``MAX_MOVES`` times in a row at most."""
         replay: list[list[bytes]] = []
+        now: list | None = request
         for _ in range(MAX_MOVES + 1):
             try:
-                for frame in replay:
-                    self._channel.send_frame(frame)
-                self._channel.send_frame(request)
+                for frame in [*replay, *([now] if now is not None else [])]:
+                    self._send(frame)
                 return self._channel.recv_frame() if wait else None
             except (OSError, SessionClosedError) as exc:
-                replay = self._move(f"lost the executor ({exc})", logged)
+                replay, now = self._move(f"lost the executor ({exc})", request, wait, logged)
         raise SessionClosedError(
             f"the session could not move: {MAX_MOVES} hosts in a row were lost"
         )
 
-    def _move(self, lost: str, logged: bool) -> list[list[bytes]]:
-        """Open the session on the executor ``reconnect`` gives; return what to send
-        there before the request in flight: the last checkpoint's restore, then the
-        batches logged since (but the last, when it is the request in flight).
+    def _send(self, frame: list) -> None:
+        """Send one request, counting the BATCH requests as the executor counts them."""
+        self._channel.send_frame(frame)
+        if frame[0][:1] == bytes((wire.BATCH,)):
+            self._counted += 1
+
+    def _move(
+        self, lost: str, request: list, wait: bool, logged: bool
+    ) -> tuple[list[list[bytes]], list | None]:
+        """Take the session up on the executor ``reconnect`` gives: resumed there if it
+        kept it parked, else rebuilt. Returns what to send before the reply is read: the
+        requests that catch the executor up, and the request in flight (or RESEND, when
+        the executor ran it already; None when nothing is to come back).
 
         Raises:
             SessionClosedError: the session cannot move; the message says why.
@@ -274,16 +295,38 @@ class NativeSession:
         channel = self._reconnect(lost)
         self._channel.close()
         self._channel = channel
+        resumed = _resume(channel, self.info.get("token"))
+        if resumed is not None:
+            return self._caught_up(resumed, request, wait, logged)
         self.info = _hello(channel, self._quota)
         self._ext.set_executor_device(_device_type(self.info))
         self.failovers += 1
+        self._counted = 0
         restore = self._restore()  # first: a standby's copy may cut the log
-        frames = self._log.frames()
+        counted = sum(frame[0][:1] == bytes((wire.BATCH,)) for frame in restore)
+        frames = self._log.frames(first=counted)
         # A host lost is news to whoever runs the script: said whatever the log level.
         log.warning(
             "cumulus: session moved to another host; its state came from %s", self._restored_from
         )
-        return restore + (frames[:-1] if logged else frames)
+        return restore + (frames[:-1] if logged else frames), request
+
+    def _caught_up(
+        self, info: dict, request: list, wait: bool, logged: bool
+    ) -> tuple[list[list[bytes]], list | None]:
+        """What a resumed session sends its executor: the logged batches it never
+        received, then the request in flight, unless it received that one too."""
+        self.info = info
+        self.resumes += 1
+        received = info["batches"]
+        missing = self._log.unreceived(received)
+        self._counted = received
+        log.warning("cumulus: session resumed on its host, %d batches sent again", len(missing))
+        in_flight = self._log.last_counted if logged else None
+        if in_flight is None or in_flight >= received:
+            return (missing[:-1] if logged else missing), request
+        resend = wire.request(wire.RESEND, [], b"", reply=True)
+        return missing, resend if wait else None
 
     def _restore(self) -> list[list[bytes]]:
         """The requests that rebuild the last checkpoint on a fresh executor (none
@@ -518,6 +561,24 @@ def _device_type(info: dict) -> str:
     """The executor's device type from its welcome ``info`` ("cpu", "cuda"), whose
     kernels attention and dropout then take (``csrc/attention.cpp``, ``dropout.cpp``)."""
     return str(info.get("device", "cpu")).partition(":")[0]
+
+
+def _resume(channel: FrameChannel, token: object) -> dict | None:
+    """Ask the executor for the session parked under ``token``: its welcome info, or
+    None when it has none (a fresh host; the session then says hello on this channel)."""
+    if not isinstance(token, str):
+        return None
+    options = {"token": token, "native": wire.VERSION}
+    channel.send_frame(encode_frame(["resume", PROTOCOL_VERSION, options]))
+    header, _ = decode_frame(channel.recv_frame())
+    match header:
+        case ["welcome", _, dict(info)] if info.get("resumed") and type(info.get("batches")) is int:
+            return info
+        case ["refused", *_]:
+            return None
+        case ["fatal", str(why)]:
+            raise SessionClosedError(f"the executor refused to resume the session: {why}")
+    raise SessionClosedError(f"the executor answered the resume with {header[0]!r}")
 
 
 def _hello(channel: FrameChannel, quota: int | None) -> dict:

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -71,6 +72,39 @@ def secure_executor_channel(
             host, int(port), identity=consumer, expected_peer_public_key=proc.provider_key
         )
         yield channel, proc
+
+
+@contextmanager
+def executor_in(host, workdir: Path, device: str = "cpu") -> Iterator[tuple[str, subprocess.Popen]]:
+    """Run ``cumulus-executor`` on ``device`` in ``host``'s namespace (``netns.Host``);
+    yield its address and process.
+
+    It keeps a blob store in ``workdir``, as a provider does in its data directory, so a
+    second session on it can skip what it already holds. Its output goes to a log there,
+    not a pipe, so nobody has to keep reading it.
+    """
+    workdir.mkdir()
+    log = workdir / "executor.log"
+    cmd = [sys.executable, "-m", "cumulus_p2p.host.executor_main", "--host", host.address]
+    cmd += ["--port", "0", "--device", device, "--quota", "8GiB"]
+    cmd += ["--blob-dir", str(workdir / "blobs")]
+    with open(log, "w+") as out:
+        proc = subprocess.Popen(host.command(*cmd), stdout=out, stderr=subprocess.STDOUT)
+        try:
+            yield wait_listening(proc, log), proc
+        finally:
+            stop(proc)
+
+
+def wait_listening(proc: subprocess.Popen, log: Path, timeout: float = 120.0) -> str:
+    """The ``host:port`` the executor printed, once it has."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        for line in log.read_text().splitlines():
+            if "listening on " in line:
+                return line.split("listening on ")[1].split()[0]
+        time.sleep(0.1)  # the executor's start-up (importing torch) takes seconds
+    raise RuntimeError(f"executor did not start: {log.read_text()}")
 
 
 def stop(proc: subprocess.Popen) -> None:

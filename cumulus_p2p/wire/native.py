@@ -22,6 +22,12 @@ Client to executor::
                      "storages": [[handle, nbytes, [digest, ...]], ...]}: make those
                      storages and fill them with their pieces, from this host's store
                      or pulled from the sources (a failover's fresh host, `reply` 1)
+      kind 6 RESEND  the reply to the last BATCH received, again: a resumed client's
+                     request that ran while its connection dropped (`reply` 1)
+
+A session that resumes (``["resume", PROTOCOL_VERSION, {"token": ..., "native": VERSION}]``)
+is welcomed with ``"batches"``: how many BATCH requests it has received in all. The
+client sends again only those after.
 
 Executor to client, only for a request with `reply` 1, an op-stream frame
 (``protocol.encode_frame``: a msgpack header, then the blobs)::
@@ -55,7 +61,7 @@ from .protocol import decode_frame, encode_frame, split_blobs
 
 #: The native frames' version, named in the hello: both sides must speak the same.
 VERSION = 5
-BATCH, BYE, DIGESTS, KEEP, RESTORE = 1, 2, 3, 4, 5
+BATCH, BYE, DIGESTS, KEEP, RESTORE, RESEND = 1, 2, 3, 4, 5, 6
 #: A restore's most storages and sources: far more than a session holds or needs.
 MAX_RESTORE_STORAGES = 1 << 20
 MAX_SOURCES = 16
@@ -86,7 +92,7 @@ def parse_request(frame: bytes | bytearray) -> tuple[int, bool, list[str], memor
     if len(view) < _HEAD.size:
         raise MalformedMessageError("request shorter than its header")
     kind, reply, count = _HEAD.unpack_from(view)
-    if kind not in (BATCH, BYE, DIGESTS, KEEP, RESTORE):
+    if kind not in (BATCH, BYE, DIGESTS, KEEP, RESTORE, RESEND):
         raise MalformedMessageError(f"unknown request kind {kind}")
     at, names = _HEAD.size, []
     for _ in range(count):
