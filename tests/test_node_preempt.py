@@ -4,8 +4,9 @@ The host has one share, sold at 0.5. An interruptible job holds it when an on-de
 arrives: the host gives the share to the on-demand job, tells the interruptible job's
 node (a preemption notice) and parks its session. The interruptible job waits,
 unreported, until the share is free again, leases it anew and finishes with a local
-run's loss. Both ledgers agree on every lease. (A interruptible lease holds shares of its
-own, beyond the on-demand ones, so nothing preempts it: ``test_market_lease.py``.)
+run's loss, on the Python device or the native one. Both ledgers agree on every lease.
+(A contending lease holds shares of its own, beyond the on-demand ones, so nothing
+preempts it: ``test_market_lease.py``.)
 """
 
 from __future__ import annotations
@@ -38,7 +39,11 @@ def local_final_loss(command: list[str]) -> float:
     return json.loads(done.stdout.splitlines()[-1])["final_loss"]
 
 
-def test_an_on_demand_job_preempts_an_interruptible_one_which_resumes_without_loss(tmp_path):
+@pytest.mark.parametrize("device", ["python", "native"])
+def test_an_on_demand_job_preempts_an_interruptible_one_which_resumes_without_loss(
+    tmp_path, device
+):
+    native = ["--native"] if device == "native" else []
     boot = loopback.start_boot(tmp_path)
     host = nodes.start_provider(
         tmp_path / "host", boot.addr, "--price", "0.5", "--shares", "1",
@@ -47,7 +52,7 @@ def test_an_on_demand_job_preempts_an_interruptible_one_which_resumes_without_lo
     try:
         host.wait_for("providing")
         interruptible = nodes.start_consumer(
-            tmp_path / "interruptible", boot.addr, "--priority", "interruptible",
+            tmp_path / "interruptible", boot.addr, *native, "--priority", "interruptible",
             "--max-price", "0.5", "--checkpoint-to", "consumer", "--checkpoint-interval", "1s",
             "--wait-for-host", "180s", command=PACED, env={"CUMULUS_RESUME_TIMEOUT": "1"},
         )  # fmt: skip
@@ -67,5 +72,7 @@ def test_an_on_demand_job_preempts_an_interruptible_one_which_resumes_without_lo
     assert [lease["state"] for lease in state["leases"]][0] == "preempted"
     assert all(row["failures"] == 0 for row in state["scores"])  # no blame
     assert "preempted this lease" in interruptible.output()
+    if native:  # its host kept the session parked: nothing was restored
+        assert "session resumed on its host" in interruptible.output()
     both = receipts(tmp_path / "interruptible") | receipts(tmp_path / "on-demand")
     assert both == receipts(tmp_path / "host")
