@@ -212,3 +212,24 @@ def test_resend_before_any_batch_asked_for_a_reply_ends_the_session(executor):
         channel.send_frame(wire.request(wire.RESEND, [], b"", reply=True))
         header, _ = decode_frame(channel.recv_frame())
         assert header[0] == "fatal" and "RESEND" in header[1]
+
+
+async def test_a_native_sessions_ops_and_memory_show_in_its_stats():
+    import trio
+    import trio.testing
+
+    from cumulus_p2p.channel.transport import TrioFrameChannel
+    from cumulus_p2p.host.executor import Executor, ExecutorConfig
+
+    executor = Executor(ExecutorConfig(device="cpu"))
+    client_stream, server_stream = trio.testing.memory_stream_pair()
+    client = TrioFrameChannel(client_stream)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(executor.run_session, TrioFrameChannel(server_stream))
+        await client.send_frame(encode_frame(["hello", PROTOCOL_VERSION, {"native": wire.VERSION}]))
+        assert decode_frame(await client.receive_frame())[0][0] == "welcome"
+        await client.send_frame(wire.request(wire.BATCH, [], _alloc(1, 4096), reply=True))
+        assert wire.parse_reply(await client.receive_frame()) == []
+        stats = executor.session_stats(None)
+        assert (stats.bytes_in_use, stats.tier) == (4096, "device")
+        await client.send_frame(wire.request(wire.BYE, [], b"", reply=False))

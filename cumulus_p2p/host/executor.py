@@ -170,15 +170,12 @@ class Executor:
     def session_stats(self, owner: bytes) -> SessionStats | None:
         """The running session of the consumer with key ``owner``: ops, memory in use,
         and its waits for the device over the last minute (a copy, as of now)."""
-        found = [
-            a.session
-            for a in self._attached.values()
-            if a.owner == owner and isinstance(a.session, ExecutorSession)
-        ]
+        found = [a.session for a in self._attached.values() if a.owner == owner]
         if not found:
             return None
         session = found[-1]
-        stats = dataclasses.replace(session.stats, tier=session.tier.value)
+        tier = session.tier if isinstance(session, ExecutorSession) else Tier.DEVICE
+        stats = dataclasses.replace(session.stats, tier=tier.value)
         waits = session.waits.percentiles(now=time.monotonic())
         if waits is None:
             return stats
@@ -596,7 +593,7 @@ class Executor:
         scope = trio.CancelScope(deadline=until)
         attached = _Attached(replaying, _owner(channel), scope, trio.Event())
         self._attached[token] = attached
-        park, waits = False, WaitWindow()
+        park, waits = False, replaying.waits
         try:
             await channel.send_frame(
                 encode_frame(["welcome", PROTOCOL_VERSION, info | self._welcome_extra])

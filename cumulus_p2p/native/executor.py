@@ -23,6 +23,8 @@ from .._errors import MalformedMessageError
 from ..blobs.names import PIECE, digest
 from ..host.kept import KeptPieces
 from ..host.restoring import PieceTargets
+from ..host.session import SessionStats
+from ..host.waits import WaitWindow
 from ..wire import native as wire
 from ..wire.manifest import StorageEntry
 from . import records
@@ -67,6 +69,8 @@ class ReplaySession:
         self.received = 0
         #: The reply to the last BATCH that asked for one (RESEND sends it again).
         self._last_reply: list[bytes] | None = None
+        #: Its waits for device turns (``waits.py``), as status shows them.
+        self.waits = WaitWindow()
         #: Checkpoint pieces kept for a standby to pull (KEEP), under the session's grant.
         self.kept = KeptPieces()
 
@@ -161,6 +165,13 @@ class ReplaySession:
     def live_bytes(self) -> int:
         """Bytes of the session's live storages."""
         return self._replayer.live_bytes
+
+    @property
+    def stats(self) -> SessionStats:
+        """Its ops run and memory in use, as a Python session's ``stats`` (a copy)."""
+        replayer = self._replayer
+        live = replayer.live_bytes
+        return SessionStats(ops=replayer.ops_run, bytes_in_use=live, peak_bytes=live)
 
     def close(self) -> None:
         """Let go of the pieces kept for a standby, and of the storages."""
