@@ -21,10 +21,11 @@ from cumulus_p2p.market.matcher import (
 from cumulus_p2p.market.messages import Bid, Offer, PriorityClass
 
 
-def offer(host, price, *, created=0.0, model="A100", shares=4, contend_price=0):
+def offer(host, price, *, created=0.0, model="A100", shares=4, contend_price=0, overcommit=100):
     return Offer(
         host, "o", model, 40, 10, shares, price, 0, "", created, 100.0, 1,
         contend_price=contend_price, contend_shares=shares if contend_price else 0,
+        overcommit_pct=overcommit,
     )  # fmt: skip
 
 
@@ -75,6 +76,25 @@ def test_effective_price_is_neutral_for_unknown_hosts_and_clamps_scores():
     assert effective_price(100, reliability=7.0, latency_ms=-3.0, policy=policy) == 50.0
 
 
+def test_an_overcommitted_offer_ranks_below_an_equal_price_that_keeps_its_memory():
+    book = book_of(offer("pages", 100, overcommit=200), offer("keeps", 100))
+    assert [r.offer.host for r in rank_offers(book, bid())] == ["keeps", "pages"]
+
+
+def test_an_overcommitted_offer_cheap_enough_still_ranks_first():
+    # Twice the memory sold counts 1.5 times the price: 60 ranks as 90, under 100.
+    book = book_of(offer("pages", 60, overcommit=200), offer("keeps", 100))
+    assert [r.offer.host for r in rank_offers(book, bid())] == ["pages", "keeps"]
+
+
+def test_overcommit_counts_in_the_effective_price_by_its_weight():
+    policy = RankingPolicy(default_latency_ms=0.0)
+    price = effective_price(100, reliability=0.5, latency_ms=0.0, policy=policy, overcommit_pct=150)
+    assert price == 125.0
+    with pytest.raises(InvalidMessageError):
+        RankingPolicy(overcommit_weight=-0.1)
+
+
 def test_a_policy_that_could_make_prices_negative_is_refused():
     with pytest.raises(InvalidMessageError):
         RankingPolicy(reliability_weight=3.0)
@@ -82,13 +102,16 @@ def test_a_policy_that_could_make_prices_negative_is_refused():
 
 @settings(max_examples=100, deadline=None)
 @given(
-    st.lists(st.tuples(st.integers(0, 50), st.floats(0, 1), st.floats(0, 500)), max_size=30),
+    st.lists(
+        st.tuples(st.integers(0, 50), st.floats(0, 1), st.floats(0, 500), st.integers(100, 200)),
+        max_size=30,
+    ),
     st.integers(1, 5),
 )
 def test_early_stop_returns_exactly_the_top_of_a_full_sort(hosts, limit):
-    offers = [offer(f"h{i}", price) for i, (price, _, _) in enumerate(hosts)]
-    reliability = {f"h{i}": r for i, (_, r, _) in enumerate(hosts)}
-    latency = {f"h{i}": lat for i, (_, _, lat) in enumerate(hosts)}
+    offers = [offer(f"h{i}", price, overcommit=pct) for i, (price, *_, pct) in enumerate(hosts)]
+    reliability = {f"h{i}": r for i, (_, r, *_) in enumerate(hosts)}
+    latency = {f"h{i}": lat for i, (_, _, lat, _) in enumerate(hosts)}
     ranked = rank_offers(
         book_of(*offers), bid(), reliability=reliability, latency_ms=latency, limit=limit
     )
@@ -97,7 +120,11 @@ def test_early_stop_returns_exactly_the_top_of_a_full_sort(hosts, limit):
         offers,
         key=lambda o: (
             effective_price(
-                o.price, reliability=reliability[o.host], latency_ms=latency[o.host], policy=policy
+                o.price,
+                reliability=reliability[o.host],
+                latency_ms=latency[o.host],
+                policy=policy,
+                overcommit_pct=o.overcommit_pct,
             ),
             o.price,
             o.created_at,

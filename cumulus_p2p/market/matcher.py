@@ -7,11 +7,17 @@ for a contending bid the offer's contend price)
 
     effective = paid * (1 + reliability_weight * (neutral_reliability - reliability))
                       * (1 + latency_ms / latency_scale_ms)
+                      * (1 + overcommit_weight * (overcommit_pct - 100) / 100)
 
 ``reliability`` is the host's score in [0, 1] from the reputation room (unknown hosts
 get ``neutral_reliability``, so a newcomer is neither favoured nor punished), and
 ``latency_ms`` the consumer's measured round trip to it (unknown: ``default_latency_ms``).
-Both are inputs: the matcher does no I/O.
+Both are inputs: the matcher does no I/O. ``overcommit_pct`` is the offer's own: a host
+that sells more memory than it has (``Offer.overcommit_pct``, 100-200) pages idle
+tenants out, and a tenant paged out pays the copies back in on the device, so a
+share-hour there buys less work. The pooling simulation measured 1.26-1.66x the
+slowdown at 1.5x and 1.67-2.23x at 2x (inference to the mix, ``simulations/README.md``);
+the default weight, 0.5, counts the lower end: a 2x offer ranks as 1.5 times its price.
 
 Walking every offer under the bid's limit would cost O(n). Instead offers are read
 from the book cheapest first, and the walk stops once even the best possible
@@ -75,12 +81,15 @@ class RankingPolicy:
             defaults, a perfect host's price counts half, a worthless one's 1.5 times.
         latency_scale_ms: The latency that doubles the effective price.
         default_latency_ms: The latency assumed for an unmeasured host.
+        overcommit_weight: How much an overcommitted offer's price counts extra, per 100
+            points of overcommit (a 2x offer: 1 + the weight).
     """
 
     neutral_reliability: float = 0.5
     reliability_weight: float = 1.0
     latency_scale_ms: float = 100.0
     default_latency_ms: float = 50.0
+    overcommit_weight: float = 0.5
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.neutral_reliability <= 1.0:
@@ -89,6 +98,8 @@ class RankingPolicy:
             raise InvalidMessageError("reliability_weight must keep every multiplier positive")
         if not self.latency_scale_ms > 0.0 or not self.default_latency_ms >= 0.0:
             raise InvalidMessageError("latency_scale_ms must be positive, default latency >= 0")
+        if not self.overcommit_weight >= 0.0:
+            raise InvalidMessageError("overcommit_weight must not be negative")
 
     @property
     def best_multiplier(self) -> float:
@@ -97,18 +108,25 @@ class RankingPolicy:
 
 
 def effective_price(
-    price: int, *, reliability: float, latency_ms: float, policy: RankingPolicy
+    price: int,
+    *,
+    reliability: float,
+    latency_ms: float,
+    policy: RankingPolicy,
+    overcommit_pct: int = 100,
 ) -> float:
-    """Return ``price`` adjusted for the host's reliability and latency.
+    """Return ``price`` adjusted for the host's reliability, latency and overcommit.
 
     Args:
         price: Asking price, micro-credits per share-hour.
         reliability: Host score; clamped to [0, 1].
         latency_ms: Measured round trip; negatives count as 0.
         policy: The weights.
+        overcommit_pct: The offer's memory sold over memory held, in percent (100: none).
     """
     reliability = min(1.0, max(0.0, reliability))
     factor = 1.0 + policy.reliability_weight * (policy.neutral_reliability - reliability)
+    factor *= 1.0 + policy.overcommit_weight * max(0, overcommit_pct - 100) / 100
     return price * factor * (1.0 + max(0.0, latency_ms) / policy.latency_scale_ms)
 
 
@@ -268,7 +286,13 @@ def rank_offers(
             continue  # a lease takes its shares from one offer: this one cannot serve it
         score = reliability.get(offer.host, policy.neutral_reliability)
         latency = latency_ms.get(offer.host, policy.default_latency_ms)
-        price = effective_price(paid, reliability=score, latency_ms=latency, policy=policy)
+        price = effective_price(
+            paid,
+            reliability=score,
+            latency_ms=latency,
+            policy=policy,
+            overcommit_pct=offer.overcommit_pct,
+        )
         key = (paid, offer.created_at, offer.host, offer.offer_id)
         ranked = RankedOffer(offer, resting.remaining, price, score, latency)
         item = (-price, tuple(_Reversed(k) for k in key), ranked)
@@ -297,7 +321,13 @@ def _rank_by_entry(
         score = reliability.get(offer.host, policy.neutral_reliability)
         latency = latency_ms.get(offer.host, policy.default_latency_ms)
         paid = paid_on(offer, bid)
-        price = effective_price(paid, reliability=score, latency_ms=latency, policy=policy)
+        price = effective_price(
+            paid,
+            reliability=score,
+            latency_ms=latency,
+            policy=policy,
+            overcommit_pct=offer.overcommit_pct,
+        )
         key = (entry(offer), price, paid, offer.created_at, offer.host, offer.offer_id)
         rows.append((key, RankedOffer(offer, resting.remaining, price, score, latency)))
     return [ranked for _, ranked in heapq.nsmallest(limit, rows, key=lambda row: row[0])]
