@@ -154,6 +154,47 @@ def test_a_lost_standby_sends_the_checkpoints_to_the_consumer_and_the_session_st
 
 
 @in_native_process
+def test_a_lost_standby_is_replaced_and_the_new_one_restores_the_moved_session(tmp_path):
+    from cumulus_p2p.blobs.standby import StandbyLink
+    from cumulus_p2p.channel.transport import SocketFrameChannel
+    from cumulus_p2p.native.checkpoint import StandbyCheckpoint
+    from cumulus_p2p.native.session import NativeSession
+    from cumulus_p2p.testing.executor import executor_process
+
+    frozen_cpu, trained_cpu = _weights()
+    spare = ["--blob-dir", str(tmp_path / "spare")]
+    with (
+        executor_process(extra=spare) as (spare_address, _),
+        _hosts(tmp_path) as (channel, standby, reconnect, hosts),
+    ):
+        asked = []
+
+        def replace(why: str, gib: int):
+            asked.append(why)
+            link = SocketFrameChannel.connect(*_split(spare_address))
+            return StandbyLink(link, address=spare_address)
+
+        options = {"reconnect": reconnect, "standby": standby, "replace_standby": replace}
+        with NativeSession(channel, **options) as session:
+            frozen, trained = frozen_cpu.to("cumulus"), trained_cpu.to("cumulus")
+            session.checkpoint()
+            hosts["standby_process"].kill()
+            hosts["standby_process"].wait()
+            trained.add_(1)
+            session.checkpoint()  # the copy fails: this one comes to the consumer
+            trained.add_(1)
+            taken = session.checkpoint()  # to the new standby
+            assert isinstance(taken, StandbyCheckpoint)
+            assert taken.held.sources[0].address == spare_address
+            assert len(asked) == 1 and "lost the standby" in asked[0]
+            hosts["killed"].kill()
+            hosts["killed"].wait()
+            assert torch.equal(trained.cpu(), trained_cpu + 2)
+            assert torch.equal(frozen.cpu(), frozen_cpu)
+            assert session.restored_bytes >= frozen_cpu.nbytes
+
+
+@in_native_process
 def test_a_restore_the_standby_cannot_serve_says_the_session_cannot_move(tmp_path):
     from cumulus_p2p.native.session import NativeSession
 

@@ -60,6 +60,7 @@ a batch.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -131,6 +132,7 @@ class NativeSession:
         checkpoint_interval: float | None = None,
         checkpoint_dir: Path | None = None,
         standby: StandbyLink | None = None,
+        replace_standby: Callable[[str, int], StandbyLink | None] | None = None,
     ) -> None:
         """Open a session over ``channel``: at most ``quota`` bytes of storages (the
         executor caps it at its own), batches sent early once they hold ``flush_bytes``
@@ -142,7 +144,10 @@ class NativeSession:
         A checkpoint is taken at a readback every ``checkpoint_interval`` seconds (0:
         at every one; None: only when the log is half full), its pieces kept in memory,
         or under ``checkpoint_dir`` (a directory the session then owns, removed when it
-        closes), or on ``standby``'s host (the session then owns the link).
+        closes), or on ``standby``'s host (the session then owns the link). A standby
+        that is lost or fails is replaced by ``replace_standby(why, gib)`` (``gib``: the
+        GiB the next must lend, 0 for as many as the last), or None: then the client
+        keeps the checkpoints from then on.
 
         Raises:
             SessionClosedError: the executor refused the session; the message says why.
@@ -157,6 +162,7 @@ class NativeSession:
         self._checkpoint: Checkpoint | StandbyCheckpoint | None = None
         self._pieces = PieceStore(checkpoint_dir)
         self._standby = standby if reconnect is not None else None
+        self._replace_standby = replace_standby
         #: The checkpoint the standby is copying, and where the log stood when it was taken.
         self._copying: tuple[StandbyCheckpoint, int] | None = None
         self._checkpointed_at = time.monotonic()
@@ -442,23 +448,42 @@ class NativeSession:
         self._pieces.keep_only([])
 
     def _usable_standby(self) -> StandbyLink | None:
-        """The standby for the next checkpoint; one that is lost or failing copy after
-        copy (or a channel that cannot name its host to it) is let go."""
+        """The standby for the next checkpoint. One that is lost or failing copy after
+        copy is replaced (``replace_standby``), or let go; so is every standby when this
+        session's channel cannot name its host to one."""
         standby = self._standby
         if standby is None:
             return None
+        if getattr(self._channel, "peer_address", None) is None:
+            return self._let_standby_go("this session's channel cannot name its host to it")
+        if not isinstance(self.info.get("token"), str):
+            return self._let_standby_go("the executor gave no token to grant it the pieces")
         why = standby.why_unusable
-        if not why and getattr(self._channel, "peer_address", None) is None:
-            why = "this session's channel cannot name its host to the standby"
-        if not why and not isinstance(self.info.get("token"), str):
-            why = "the executor gave no token to grant the standby its pieces"
         if not why:
             return standby
         self._take_copied(wait=True)
         standby.close()
+        # Outgrown: room for the checkpoint and half as much again, as state grows.
+        gib = math.ceil(standby.outgrown_bytes * 1.5 / 2**30)
+        replace, self._replace_standby = self._replace_standby, None  # one at a time
+        try:
+            self._standby = None if replace is None else replace(why, gib)
+        except (OSError, CumulusError) as exc:
+            log.warning("cumulus: no new standby could be had: %s", exc)
+            self._standby = None
+        if self._standby is None:
+            log.warning("cumulus: %s; checkpoints come to this machine from now on", why)
+            return None
+        self._replace_standby = replace
+        log.warning("cumulus: %s; a new standby takes the checkpoints", why)
+        return self._standby
+
+    def _let_standby_go(self, why: str) -> None:
+        log.warning("cumulus: no standby: %s; checkpoints come to this machine", why)
+        self._take_copied(wait=True)
+        if self._standby is not None:
+            self._standby.close()
         self._standby = None
-        log.warning("cumulus: %s; checkpoints come to this machine from now on", why)
-        return None
 
     def _to_client(self) -> Checkpoint:
         """Read back the pieces the client does not hold, and keep the checkpoint here;

@@ -61,10 +61,10 @@ def attach_native_leased(client: ControlClient) -> NativeSession:
         address = opened.endpoint and Source.secure_address(ticket.provider_key, opened.endpoint)
         return USAGE.count(opened, ticket, peer_address=address)
 
-    def standby() -> StandbyLink | None:
+    def standby(lost: str = "", gib: int = 0) -> StandbyLink | None:
         if not placement.on_standby:
             return None
-        ticket, why = client.standby()
+        ticket, why = client.standby(lost, gib)
         if ticket is None:
             log.warning("no standby (%s): checkpoints go to this machine's disk", why)
             return None
@@ -92,6 +92,7 @@ def attach_native_leased(client: ControlClient) -> NativeSession:
             checkpoint_interval=interval,
             checkpoint_dir=checkpoints,
             standby=standby(),
+            replace_standby=standby,
         )
         why = client.probe(measure(session, ticket.claimed_perf).to_wire())
         if why is None:
