@@ -284,18 +284,9 @@ def rank_offers(
             break
         if resting.remaining < bid.shares:
             continue  # a lease takes its shares from one offer: this one cannot serve it
-        score = reliability.get(offer.host, policy.neutral_reliability)
-        latency = latency_ms.get(offer.host, policy.default_latency_ms)
-        price = effective_price(
-            paid,
-            reliability=score,
-            latency_ms=latency,
-            policy=policy,
-            overcommit_pct=offer.overcommit_pct,
-        )
+        ranked = _ranked(offer, resting.remaining, paid, reliability, latency_ms, policy)
         key = (paid, offer.created_at, offer.host, offer.offer_id)
-        ranked = RankedOffer(offer, resting.remaining, price, score, latency)
-        item = (-price, tuple(_Reversed(k) for k in key), ranked)
+        item = (-ranked.effective_price, tuple(_Reversed(k) for k in key), ranked)
         if len(top) < limit:
             heapq.heappush(top, item)
         elif item > top[0]:
@@ -318,19 +309,33 @@ def _rank_by_entry(
         offer = resting.order
         if resting.remaining < bid.shares:
             continue
-        score = reliability.get(offer.host, policy.neutral_reliability)
-        latency = latency_ms.get(offer.host, policy.default_latency_ms)
         paid = paid_on(offer, bid)
-        price = effective_price(
-            paid,
-            reliability=score,
-            latency_ms=latency,
-            policy=policy,
-            overcommit_pct=offer.overcommit_pct,
-        )
+        ranked = _ranked(offer, resting.remaining, paid, reliability, latency_ms, policy)
+        price = ranked.effective_price
         key = (entry(offer), price, paid, offer.created_at, offer.host, offer.offer_id)
-        rows.append((key, RankedOffer(offer, resting.remaining, price, score, latency)))
+        rows.append((key, ranked))
     return [ranked for _, ranked in heapq.nsmallest(limit, rows, key=lambda row: row[0])]
+
+
+def _ranked(
+    offer: Offer,
+    remaining: int,
+    paid: int,
+    reliability: Mapping[str, float],
+    latency_ms: Mapping[str, float],
+    policy: RankingPolicy,
+) -> RankedOffer:
+    """``offer`` at the effective price of ``paid`` there."""
+    score = reliability.get(offer.host, policy.neutral_reliability)
+    latency = latency_ms.get(offer.host, policy.default_latency_ms)
+    price = effective_price(
+        paid,
+        reliability=score,
+        latency_ms=latency,
+        policy=policy,
+        overcommit_pct=offer.overcommit_pct,
+    )
+    return RankedOffer(offer, remaining, price, score, latency)
 
 
 @dataclass(frozen=True, slots=True)

@@ -125,11 +125,14 @@ def parse_manifest(data: bytes | memoryview) -> list[tuple[int, int, list[str]]]
     Raises:
         MalformedMessageError: the manifest is not that.
     """
+    return _checked_entries(_unpacked(data, "a storage manifest"))
+
+
+def _unpacked(data: bytes | memoryview, what: str) -> object:
     try:
-        entries = msgpack.unpackb(data, use_list=True)
+        return msgpack.unpackb(data, use_list=True)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-        raise MalformedMessageError(f"a storage manifest that is not msgpack: {exc}") from exc
-    return _checked_entries(entries)
+        raise MalformedMessageError(f"{what} that is not msgpack: {exc}") from exc
 
 
 def _checked_entries(entries: object) -> list[tuple[int, int, list[str]]]:
@@ -167,11 +170,7 @@ def parse_restore(
     Raises:
         MalformedMessageError: the batch is not that.
     """
-    try:
-        request = msgpack.unpackb(data, use_list=True)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-        raise MalformedMessageError(f"a restore that is not msgpack: {exc}") from exc
-    match request:
+    match _unpacked(data, "a restore"):
         case {"sources": list(sources), "storages": list(storages)} if (
             len(sources) <= MAX_SOURCES and len(storages) <= MAX_RESTORE_STORAGES
         ):
