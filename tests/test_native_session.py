@@ -592,14 +592,16 @@ def _cuttable(address: str):
 
 
 @in_native_process
-def test_a_cut_connection_resumes_the_session_parked_on_its_host_without_a_restore():
+@pytest.mark.parametrize("workers", [False, True], ids=["one process", "worker per session"])
+def test_a_cut_connection_resumes_the_session_parked_on_its_host_without_a_restore(workers):
     import socket
 
     from cumulus_p2p.channel.transport import SocketFrameChannel
     from cumulus_p2p.native.session import NativeSession
     from cumulus_p2p.testing.executor import executor_process
 
-    with executor_process(env={"OMP_NUM_THREADS": "1"}) as (address, _):
+    extra = ["--worker-per-session"] if workers else []
+    with executor_process(extra=extra, env={"OMP_NUM_THREADS": "1"}) as (address, _):
         channel, sock = _cuttable(address)
 
         def reconnect(lost: str):

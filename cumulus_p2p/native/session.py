@@ -375,7 +375,7 @@ class NativeSession:
 
     # --- checkpoints ----------------------------------------------------------------------
 
-    def checkpoint(self) -> Checkpoint:
+    def checkpoint(self) -> Checkpoint | StandbyCheckpoint:
         """Take a checkpoint now (see the module's docstring): afterwards a move
         replays only what is sent from here on.
 
