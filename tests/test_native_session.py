@@ -659,3 +659,46 @@ def test_a_batch_that_ran_before_the_cut_is_not_run_again_and_its_reply_is_sent_
             assert cut == ["armed", "done"], cut
             counts = (session.resumes, session.failovers)
             assert counts == (1, 0), counts
+
+
+@in_native_process
+def test_a_second_session_uploads_what_its_host_holds_by_digest(tmp_path):
+    from cumulus_p2p.channel.transport import SocketFrameChannel
+    from cumulus_p2p.native.session import NativeSession
+    from cumulus_p2p.testing.executor import executor_process
+
+    weights = torch.randn(5 * 1024 * 1024)  # 20 MiB: two pieces
+    with (
+        executor_process(extra=["--blob-dir", str(tmp_path / "a")]) as (first, killed),
+        executor_process() as (second, _),
+    ):
+        with NativeSession.connect(*_split(first)) as session:
+            weights.to("cumulus").sum().item()
+            assert session.upload_bytes_named == 0  # the host held nothing yet
+        # The next run: its host holds the pieces; its move goes to a host that does not.
+        channel = SocketFrameChannel.connect(*_split(first))
+        reconnect = lambda _: SocketFrameChannel.connect(*_split(second))  # noqa: E731
+        with NativeSession(channel, reconnect=reconnect) as session:
+            on_device = weights.to("cumulus")
+            assert torch.equal(on_device.cpu(), weights)
+            assert session.upload_bytes_named == weights.nbytes
+            killed.kill()
+            killed.wait()
+            assert torch.equal((on_device * 2).cpu(), weights * 2)
+            assert session.failovers == 1
+
+
+@in_native_process
+def test_a_private_session_names_no_upload_and_its_host_keeps_none(tmp_path):
+    from cumulus_p2p.blobs.names import is_digest
+    from cumulus_p2p.native.session import NativeSession
+    from cumulus_p2p.testing.executor import executor_process
+
+    weights = torch.randn(5 * 1024 * 1024)
+    blobs = tmp_path / "blobs"
+    with executor_process(extra=["--blob-dir", str(blobs)]) as (address, _):
+        for _ in range(2):
+            with NativeSession.connect(*_split(address), private=True) as session:
+                assert torch.equal(weights.to("cumulus").cpu(), weights)
+                assert session.upload_bytes_named == 0
+    assert not [p for p in blobs.rglob("*") if is_digest(p.name)]

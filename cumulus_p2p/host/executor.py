@@ -655,7 +655,8 @@ class Executor:
                     f"this host cannot run native sessions ({exc}); run without the native device"
                 ) from exc
             token = secrets.token_hex(16)
-            return token, ReplaySession(replayer), info | {"quota": quota, "token": token}
+            replaying = ReplaySession(replayer, self.ctx.blobs)
+            return token, replaying, info | {"quota": quota, "token": token}
         raise RemoteProtocolError(f"more than {MAX_REFUSALS} refused resumes on one connection")
 
     async def _native_request(

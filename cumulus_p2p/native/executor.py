@@ -17,19 +17,23 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from types import ModuleType
 
+import msgpack
 import torch
 
 from .._errors import MalformedMessageError
-from ..blobs.names import PIECE, digest
+from ..blobs.names import PIECE, digest, is_digest
+from ..blobs.store import BlobStore, PinnedBlob
 from ..host.kept import KeptPieces
 from ..host.restoring import PieceTargets
 from ..host.session import SessionStats
 from ..host.waits import WaitWindow
 from ..wire import native as wire
 from ..wire.manifest import StorageEntry
-from . import records
+from . import named, records
 from .errors import ReplayError as ReplayError
 
+#: The most bytes of a HAVE request: some thousands of digests.
+MAX_HAVE_BYTES = 1 << 20
 #: Per-session memory quota when none is given: as the Python executor's default.
 DEFAULT_QUOTA = 8 * 1024**3
 
@@ -61,8 +65,14 @@ class ReplaySession:
     only to parse) and sends back what ``run`` returns.
     """
 
-    def __init__(self, replayer) -> None:
+    def __init__(self, replayer, store: BlobStore | None = None) -> None:
+        """``store``: the host's blob store, where NAMED requests' pieces are read and
+        their large uploads kept (None: named uploads are refused, none are kept)."""
         self._replayer = replayer
+        self._store = store
+        #: The pieces the last HAVE found, pinned until the next (the NAMED that follows
+        #: it must find them).
+        self._pins: dict[str, PinnedBlob] = {}
         self.failure: ReplayError | None = None
         self.batches = 0
         #: BATCH requests received, run or not: a resumed client resends those after.
@@ -90,7 +100,9 @@ class ReplaySession:
             if self._last_reply is None:
                 raise MalformedMessageError("RESEND, but no batch asked for a reply")
             return True, self._last_reply
-        if kind == wire.BATCH:
+        if kind == wire.HAVE:
+            return True, wire.ok([msgpack.packb(self._have(batch))])
+        if kind in wire.BATCHES:
             self.received += 1
             self._last_reply = None
         readbacks = self._answer(kind, names, batch) if self.failure is None else []
@@ -100,16 +112,17 @@ class ReplaySession:
             answer = wire.failed(self.failure.record, self.failure.kind, str(self.failure))
         else:
             answer = wire.ok(readbacks)
-        if kind == wire.BATCH:
+        if kind in wire.BATCHES:
             self._last_reply = answer
         return True, answer
 
     def _answer(self, kind: int, names: list[str], batch: memoryview) -> list[bytes]:
-        """Run a BATCH (its readbacks), or name the storages (DIGESTS, KEEP)."""
+        """Run a BATCH or NAMED (its readbacks), or name the storages (DIGESTS, KEEP)."""
         if kind in (wire.DIGESTS, wire.KEEP):
             return [self._manifest(keep=kind == wire.KEEP)]
+        data = named.resolve(batch, self._piece, self._keep) if kind == wire.NAMED else batch
         try:
-            readbacks = self._replayer.replay(bytes(batch), names)
+            readbacks = self._replayer.replay(bytes(data), names)
         except ReplayError as exc:
             self.failure = exc
             return []
@@ -156,6 +169,30 @@ class ReplaySession:
         if frees:
             self._replayer.replay(records.encode(frees, []), [])
 
+    def _have(self, batch: memoryview) -> list[bool]:
+        """Which pieces of a HAVE request the host's store holds; those stay pinned."""
+        wanted = msgpack.unpackb(batch) if len(batch) <= MAX_HAVE_BYTES else None
+        if not isinstance(wanted, list) or not all(is_digest(n) for n in wanted):
+            raise MalformedMessageError("HAVE takes a msgpack list of digests")
+        for pinned in self._pins.values():
+            pinned.close()
+        self._pins = {}
+        for name in wanted:
+            pinned = None if self._store is None else self._store.pin(name)
+            if pinned is not None:
+                self._pins[name] = pinned
+        return [name in self._pins for name in wanted]
+
+    def _piece(self, name: str) -> memoryview | None:
+        pinned = self._pins.get(name)
+        return None if pinned is None else pinned.read()
+
+    def _keep(self, name: str, data: memoryview) -> None:
+        if self._store is not None and name not in self._pins:
+            kept = self._store.keep(name, data)
+            if kept is not None:
+                kept.close()  # the store's to evict: this session needs it no more
+
     @property
     def quota_bytes(self) -> int:
         """The most bytes the session's storages may hold."""
@@ -174,6 +211,9 @@ class ReplaySession:
         return SessionStats(ops=replayer.ops_run, bytes_in_use=live, peak_bytes=live)
 
     def close(self) -> None:
-        """Let go of the pieces kept for a standby, and of the storages."""
+        """Let go of the pieces kept for a standby, the pins, and the storages."""
         self.kept.close()
+        for pinned in self._pins.values():
+            pinned.close()
+        self._pins = {}
         self._replayer = None

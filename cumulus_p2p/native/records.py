@@ -14,12 +14,15 @@ would not write (forged handles, unknown ops, truncations).
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .._errors import MalformedMessageError
 
+_HEAD = struct.Struct("<BI")
+#: Bytes of a record's header (its kind and its body's length).
+HEAD_BYTES = _HEAD.size
 #: TENSOR_BITS flags: a lazily conjugated or negated view.
 CONJ_BIT, NEG_BIT = 1, 2
 #: c10::ScalarType's numbering, the `dtype` byte of tensor values (torch's names).
@@ -300,6 +303,49 @@ def decode(batch: bytes, names: Sequence[str]) -> list[Record]:
         if body.at != length:
             raise MalformedMessageError(f"{length - body.at} stray bytes after a record")
     return records
+
+
+def spans(batch: bytes | memoryview) -> Iterator[tuple[int, int, int]]:
+    """``(kind, start, end)`` of each record's body in ``batch``, in order, without
+    decoding the bodies (a record's header is its kind and its body's length).
+
+    Raises:
+        MalformedMessageError: a record runs past the batch's end.
+    """
+    view, at = memoryview(batch), 0
+    while at < len(view):
+        if at + _HEAD.size > len(view):
+            raise MalformedMessageError(f"record truncated at byte {at}")
+        kind, length = _HEAD.unpack_from(view, at)
+        start = at + _HEAD.size
+        if start + length > len(view):
+            raise MalformedMessageError(f"record truncated at byte {at}")
+        yield kind, start, start + length
+        at = start + length
+
+
+def upload_data(body: memoryview) -> tuple[int, int]:
+    """Where an UPLOAD record's host bytes lie in its ``body``: ``(start, end)``; what
+    comes before them is its destination and the host tensor's dtype and shape.
+
+    Raises:
+        MalformedMessageError: the body is not an UPLOAD's.
+    """
+    r = _Reader(body)
+    _expect(r, TensorRef)
+    if r.take("<B") != 2:  # a host tensor's tag (not a number's)
+        raise MalformedMessageError("an upload's source is not a host tensor")
+    r.dtype()
+    r.ints(r.take("<B"))
+    nbytes = r.take("<Q")
+    if r.at + nbytes != len(body):
+        raise MalformedMessageError("an upload's bytes do not fill its record")
+    return r.at, r.at + nbytes
+
+
+def head(kind: int, length: int) -> bytes:
+    """A record's header: its kind and its body's length."""
+    return _HEAD.pack(kind, length)
 
 
 # ---- encoding (checkpoints; tests: batches the device would not write) -----------------

@@ -69,13 +69,13 @@ from pathlib import Path
 import msgpack
 import torch
 
-from .._errors import CumulusError, SessionClosedError
+from .._errors import CumulusError, MalformedMessageError, SessionClosedError
 from ..blobs.service import Source, grant_of
 from ..blobs.standby import StandbyLink
 from ..channel.transport import FrameChannel, SocketFrameChannel
 from ..wire import native as wire
 from ..wire.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
-from . import load
+from . import load, named
 from .checkpoint import (
     Checkpoint,
     PieceStore,
@@ -133,6 +133,7 @@ class NativeSession:
         checkpoint_dir: Path | None = None,
         standby: StandbyLink | None = None,
         replace_standby: Callable[[str, int], StandbyLink | None] | None = None,
+        private: bool = False,
     ) -> None:
         """Open a session over ``channel``: at most ``quota`` bytes of storages (the
         executor caps it at its own), batches sent early once they hold ``flush_bytes``
@@ -147,7 +148,8 @@ class NativeSession:
         closes), or on ``standby``'s host (the session then owns the link). A standby
         that is lost or fails is replaced by ``replace_standby(why, gib)`` (``gib``: the
         GiB the next must lend, 0 for as many as the last), or None: then the client
-        keeps the checkpoints from then on.
+        keeps the checkpoints from then on. Uploads the host's blob store holds go by
+        digest (``named.py``), and the host keeps the others there, unless ``private``.
 
         Raises:
             SessionClosedError: the executor refused the session; the message says why.
@@ -163,6 +165,9 @@ class NativeSession:
         self._pieces = PieceStore(checkpoint_dir)
         self._standby = standby if reconnect is not None else None
         self._replace_standby = replace_standby
+        self._private = private
+        #: Bytes of uploads sent by digest: the host's store held them.
+        self.upload_bytes_named = 0
         #: The checkpoint the standby is copying, and where the log stood when it was taken.
         self._copying: tuple[StandbyCheckpoint, int] | None = None
         self._checkpointed_at = time.monotonic()
@@ -236,12 +241,13 @@ class NativeSession:
             batch, records = self._ext.take_batch()
             names = self._ext.op_names(self._names_sent)
             self._names_sent += len(names)
+            inline = wire.request(wire.BATCH, names, batch, reply=wait)
+            request = self._named(names, batch, wait) or inline  # before the log: it asks
             if self._log is not None:
                 self._log.keep(names, batch, counted=self._counted)
-            request = wire.request(wire.BATCH, names, batch, reply=wait)
             self.flushes += 1
             self.ops_sent += records
-            frame = self._exchange(request, wait)
+            frame = self._exchange(request, wait, inline=inline)
         if frame is None:
             return []
         reply = wire.parse_reply(frame)
@@ -252,10 +258,32 @@ class NativeSession:
             raise self._failure
         return reply
 
-    def _exchange(self, request: list, wait: bool, *, logged: bool = True) -> bytearray | None:
+    def _named(self, names: list[str], batch: bytes, wait: bool) -> list | None:
+        """``batch`` as a NAMED request whose uploads the host's store holds go by
+        digest (``named.py``); None when it has no large upload, or the session is
+        private."""
+        if self._private or len(batch) < named.MIN_NAMED:  # the hot path: most batches
+            return None
+        uploads = named.large_uploads(batch)
+        if not uploads:
+            return None
+        digests = named.digests(uploads)
+        (answer,) = self._ask(wire.HAVE, msgpack.packb(digests))
+        held = msgpack.unpackb(answer)
+        if not isinstance(held, list) or len(held) != len(digests):
+            raise MalformedMessageError("the executor's HAVE answer is not one per digest")
+        by_index = {i: d for (i, _), d, h in zip(uploads, digests, held, strict=True) if h}
+        self.upload_bytes_named += sum(len(u) for (i, u) in uploads if i in by_index)
+        return wire.request(wire.NAMED, names, named.name_uploads(batch, by_index), reply=wait)
+
+    def _exchange(
+        self, request: list, wait: bool, *, logged: bool = True, inline: list | None = None
+    ) -> bytearray | None:
         """Send ``request`` (the log's last batch, when ``logged``) and, with ``wait``,
         receive its reply; if the executor is lost, on the session resumed or moved
-        (``_move``), ``MAX_MOVES`` times in a row at most."""
+        (``_move``), ``MAX_MOVES`` times in a row at most, sending ``inline`` there
+        instead, when given (the request with its uploads' bytes: another host may not
+        hold what this one did)."""
         replay: list[list[bytes]] = []
         now: list | None = request
         for _ in range(MAX_MOVES + 1):
@@ -264,7 +292,8 @@ class NativeSession:
                     self._send(frame)
                 return self._channel.recv_frame() if wait else None
             except (OSError, SessionClosedError) as exc:
-                replay, now = self._move(f"lost the executor ({exc})", request, wait, logged)
+                again = inline or request
+                replay, now = self._move(f"lost the executor ({exc})", again, wait, logged)
         raise SessionClosedError(
             f"the session could not move: {MAX_MOVES} hosts in a row were lost"
         )
@@ -272,7 +301,7 @@ class NativeSession:
     def _send(self, frame: list) -> None:
         """Send one request, counting the BATCH requests as the executor counts them."""
         self._channel.send_frame(frame)
-        if frame[0][:1] == bytes((wire.BATCH,)):
+        if frame[0][0] in wire.BATCHES:
             self._counted += 1
 
     def _move(
@@ -309,7 +338,7 @@ class NativeSession:
         self.failovers += 1
         self._counted = 0
         restore = self._restore()  # first: a standby's copy may cut the log
-        counted = sum(frame[0][:1] == bytes((wire.BATCH,)) for frame in restore)
+        counted = sum(frame[0][0] in wire.BATCHES for frame in restore)
         frames = self._log.frames(first=counted)
         # A host lost is news to whoever runs the script: said whatever the log level.
         log.warning(

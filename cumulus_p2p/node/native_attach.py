@@ -11,10 +11,10 @@ Checkpoints go where ``CUMULUS_CHECKPOINT_TO`` says, as for the Python device: b
 default to a standby host the node leases (``blobs.standby``), which pulls them from
 the session's host, so a model's state does not cross this machine's link; without one
 (``consumer``, or none to be had), to this machine's disk, under the data directory, for
-the run's life. ``both`` keeps them on the standby only. Importing this module never
-imports the
-Python device (``cumulus_p2p.remote``), which cannot share a process with the native
-one.
+the run's life. ``both`` keeps them on the standby only. Uploads the host already holds
+go by digest (``native.named``), unless the job is ``--private``. Importing this module
+never imports the Python device (``cumulus_p2p.remote``), which cannot share a process
+with the native one.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from ..blobs.service import Source
 from ..blobs.standby import CheckpointPlacement, StandbyLink
 from ..channel.transport import CountingFrameChannel
 from ..native.session import NativeSession
-from .control import ENV_CHECKPOINT_TO, ControlClient, SessionTicket
+from .control import ENV_CHECKPOINT_TO, ENV_PRIVATE, ControlClient, SessionTicket
 from .datadir import DataDir, default_data_dir
 from .dial import USAGE, open_channel
 from .probe import MAX_PROBED_HOSTS, measure
@@ -93,6 +93,7 @@ def attach_native_leased(client: ControlClient) -> NativeSession:
             checkpoint_dir=checkpoints,
             standby=standby(),
             replace_standby=standby,
+            private=os.environ.get(ENV_PRIVATE) == "1",
         )
         why = client.probe(measure(session, ticket.claimed_perf).to_wire())
         if why is None:

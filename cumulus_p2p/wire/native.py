@@ -24,6 +24,12 @@ Client to executor::
                      or pulled from the sources (a failover's fresh host, `reply` 1)
       kind 6 RESEND  the reply to the last BATCH received, again: a resumed client's
                      request that ran while its connection dropped (`reply` 1)
+      kind 7 NAMED   a BATCH whose uploads may name their bytes by digest
+                     (``native.named``): the host fills those from its blob store, and
+                     keeps its large inline uploads there
+      kind 8 HAVE    `batch` is a msgpack list of digests: which the host's store holds
+                     (`reply` 1; the answer is a msgpack list of booleans). Those held
+                     stay pinned until the next HAVE
 
 A session that resumes (``["resume", PROTOCOL_VERSION, {"token": ..., "native": VERSION}]``)
 is welcomed with ``"batches"``: how many BATCH requests it has received in all. The
@@ -61,7 +67,9 @@ from .protocol import decode_frame, encode_frame, split_blobs
 
 #: The native frames' version, named in the hello: both sides must speak the same.
 VERSION = 5
-BATCH, BYE, DIGESTS, KEEP, RESTORE, RESEND = 1, 2, 3, 4, 5, 6
+BATCH, BYE, DIGESTS, KEEP, RESTORE, RESEND, NAMED, HAVE = 1, 2, 3, 4, 5, 6, 7, 8
+#: The requests that run a batch, and that a resumed session counts.
+BATCHES = (BATCH, NAMED)
 #: A restore's most storages and sources: far more than a session holds or needs.
 MAX_RESTORE_STORAGES = 1 << 20
 MAX_SOURCES = 16
@@ -92,7 +100,7 @@ def parse_request(frame: bytes | bytearray) -> tuple[int, bool, list[str], memor
     if len(view) < _HEAD.size:
         raise MalformedMessageError("request shorter than its header")
     kind, reply, count = _HEAD.unpack_from(view)
-    if kind not in (BATCH, BYE, DIGESTS, KEEP, RESTORE, RESEND):
+    if not BATCH <= kind <= HAVE:
         raise MalformedMessageError(f"unknown request kind {kind}")
     at, names = _HEAD.size, []
     for _ in range(count):
@@ -109,8 +117,8 @@ def parse_request(frame: bytes | bytearray) -> tuple[int, bool, list[str], memor
 
 def runs_inline(frame: bytes | bytearray) -> bool:
     """Whether a request is light enough to replay on the executor's event loop: a small
-    batch, but never DIGESTS or KEEP, which hash every storage."""
-    return len(frame) <= LIGHT_BYTES and frame[:1] not in (bytes((DIGESTS,)), bytes((KEEP,)))
+    batch, but never one that hashes storages or reads the blob store."""
+    return len(frame) <= LIGHT_BYTES and frame[0] in (BATCH, BYE, RESEND) if frame else True
 
 
 def encode_manifest(entries: Sequence[tuple[int, int, Sequence[str]]]) -> bytes:
