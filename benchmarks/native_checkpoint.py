@@ -32,10 +32,13 @@ Keys: ``state_bytes`` (the session's storages), ``upload_s``, ``first_checkpoint
 included) against ``step_s`` (an ordinary one), ``client_checkpoint_bytes`` (the pieces
 the client holds), ``standby_copied_bytes`` (what the standby pulled, host to host),
 ``restored_bytes`` (what the fresh host pulled from it), and ``losses_identical`` (1
-when every step's loss is local CPU's). With ``--shaped``: ``consumer_link_mbit_measured``,
-and the consumer's link bytes (both ways) of the upload, the first checkpoint and the
-step that moved: ``upload_link_bytes``, ``first_checkpoint_link_bytes``,
-``failover_link_bytes``.
+when every step's loss is local CPU's). With a standby, a new session then uploads the
+same frozen tensors to the standby's host, whose store holds their pieces:
+``second_upload_s``, ``second_upload_named_bytes`` (sent by digest). With ``--shaped``:
+``consumer_link_mbit_measured``, and the consumer's link bytes (both ways) of the
+upload, the first checkpoint, the step that moved and the second upload:
+``upload_link_bytes``, ``first_checkpoint_link_bytes``, ``failover_step_link_bytes``,
+``second_upload_link_bytes``.
 """
 
 from __future__ import annotations
@@ -148,6 +151,30 @@ def consume(plan: dict) -> dict:
                 r.fetched_bytes for r in link_standby.replications
             )
     figures["losses"] = losses
+    if standby:
+        figures |= second_upload(channel(standby), plan["frozen_mib"], link)
+    return figures
+
+
+def second_upload(channel, frozen_mib: int, link: Callable[[], int]) -> dict:
+    """A new session on the standby's host uploads the same frozen tensors: that host's
+    store holds their pieces (the checkpoint's), so they go by digest."""
+    import torch
+
+    from cumulus_p2p.native.session import NativeSession
+
+    torch.manual_seed(0)
+    frozen = [torch.randn(frozen_mib * MIB // 4) for _ in range(4)]
+    with NativeSession(channel) as session:
+        started, before = time.perf_counter(), link()
+        on_device = [t.to("cumulus") for t in frozen]
+        session.synchronize()
+        figures = {
+            "second_upload_s": time.perf_counter() - started,
+            "second_upload_link_bytes": link() - before,
+            "second_upload_named_bytes": session.upload_bytes_named,
+        }
+        del on_device
     return figures
 
 

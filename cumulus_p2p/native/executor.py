@@ -188,10 +188,9 @@ class ReplaySession:
         return None if pinned is None else pinned.read()
 
     def _keep(self, name: str, data: memoryview) -> None:
+        # Public, as a Python session's uploads are: other hosts may fetch it from here.
         if self._store is not None and name not in self._pins:
-            kept = self._store.keep(name, data)
-            if kept is not None:
-                kept.close()  # the store's to evict: this session needs it no more
+            self._store.put(name, data, public=True)
 
     @property
     def quota_bytes(self) -> int:

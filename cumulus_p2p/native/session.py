@@ -134,6 +134,7 @@ class NativeSession:
         standby: StandbyLink | None = None,
         replace_standby: Callable[[str, int], StandbyLink | None] | None = None,
         private: bool = False,
+        fetch_elsewhere: Callable[[list[str]], dict] | None = None,
     ) -> None:
         """Open a session over ``channel``: at most ``quota`` bytes of storages (the
         executor caps it at its own), batches sent early once they hold ``flush_bytes``
@@ -149,7 +150,9 @@ class NativeSession:
         that is lost or fails is replaced by ``replace_standby(why, gib)`` (``gib``: the
         GiB the next must lend, 0 for as many as the last), or None: then the client
         keeps the checkpoints from then on. Uploads the host's blob store holds go by
-        digest (``named.py``), and the host keeps the others there, unless ``private``.
+        digest (``named.py``), and the host keeps the others there, unless ``private``;
+        ``fetch_elsewhere(digests)`` (the node's ``fetch``) first has the host fetch the
+        pieces it lacks from other hosts that announce them.
 
         Raises:
             SessionClosedError: the executor refused the session; the message says why.
@@ -166,8 +169,11 @@ class NativeSession:
         self._standby = standby if reconnect is not None else None
         self._replace_standby = replace_standby
         self._private = private
-        #: Bytes of uploads sent by digest: the host's store held them.
+        self._fetch_elsewhere = None if private else fetch_elsewhere
+        #: Bytes of uploads sent by digest (the host's store held them), and of those
+        #: the host fetched from other hosts first.
         self.upload_bytes_named = 0
+        self.fetched_elsewhere_bytes = 0
         #: The checkpoint the standby is copying, and where the log stood when it was taken.
         self._copying: tuple[StandbyCheckpoint, int] | None = None
         self._checkpointed_at = time.monotonic()
@@ -268,13 +274,36 @@ class NativeSession:
         if not uploads:
             return None
         digests = named.digests(uploads)
+        held = self._have(digests)
+        missing = [name for name, here in zip(digests, held, strict=True) if not here]
+        if missing and self._fetched_elsewhere(missing):
+            held = self._have(digests)  # the question pins all it names: ask whole
+        by_index = {i: d for (i, _), d, h in zip(uploads, digests, held, strict=True) if h}
+        self.upload_bytes_named += sum(len(u) for (i, u) in uploads if i in by_index)
+        return wire.request(wire.NAMED, names, named.name_uploads(batch, by_index), reply=wait)
+
+    def _have(self, digests: list[str]) -> list[bool]:
+        """Which of these pieces the host's store holds (it pins them for the next
+        request)."""
         (answer,) = self._ask(wire.HAVE, msgpack.packb(digests))
         held = msgpack.unpackb(answer)
         if not isinstance(held, list) or len(held) != len(digests):
             raise MalformedMessageError("the executor's HAVE answer is not one per digest")
-        by_index = {i: d for (i, _), d, h in zip(uploads, digests, held, strict=True) if h}
-        self.upload_bytes_named += sum(len(u) for (i, u) in uploads if i in by_index)
-        return wire.request(wire.NAMED, names, named.name_uploads(batch, by_index), reply=wait)
+        return [here is True for here in held]
+
+    def _fetched_elsewhere(self, missing: list[str]) -> bool:
+        """Whether the host fetched any of ``missing`` from other hosts that announce
+        them. A fetch that fails turns fetching off: the client sends the bytes."""
+        if self._fetch_elsewhere is None:
+            return False
+        try:
+            fetched = self._fetch_elsewhere(missing)
+        except (OSError, CumulusError) as exc:
+            log.warning("cumulus: the host cannot fetch from other hosts (%s); uploading", exc)
+            self._fetch_elsewhere = None
+            return False
+        self.fetched_elsewhere_bytes += fetched.get("bytes", 0)
+        return fetched.get("pieces", 0) > 0
 
     def _exchange(
         self, request: list, wait: bool, *, logged: bool = True, inline: list | None = None

@@ -94,6 +94,7 @@ def attach_native_leased(client: ControlClient) -> NativeSession:
             standby=standby(),
             replace_standby=standby,
             private=os.environ.get(ENV_PRIVATE) == "1",
+            fetch_elsewhere=client.fetch,
         )
         why = client.probe(measure(session, ticket.claimed_perf).to_wire())
         if why is None:
