@@ -83,19 +83,33 @@ def attach_native_leased(client: ControlClient) -> NativeSession:
         log.warning("%s; asking the node for another host", lost)
         return dial(client.failover(lost))
 
-    why = None
-    for _ in range(MAX_PROBED_HOSTS):
-        ticket = client.session()
-        session = NativeSession(
+    def opened(ticket: SessionTicket, link: StandbyLink | None) -> NativeSession:
+        return NativeSession(
             dial(ticket),
             reconnect=reconnect,
             checkpoint_interval=interval,
             checkpoint_dir=checkpoints,
-            standby=standby(),
+            standby=link,
             replace_standby=standby,
             private=os.environ.get(ENV_PRIVATE) == "1",
             fetch_elsewhere=client.fetch,
         )
+
+    def first(ticket: SessionTicket) -> tuple[SessionTicket, NativeSession]:
+        link = standby()
+        try:
+            return ticket, opened(ticket, link)
+        except (OSError, CumulusError) as exc:
+            # A short lease can run out before its session opens on a busy machine: the
+            # node then leases again without blame (the term is over); a host that
+            # refused a live lease is failed over.
+            log.warning("cannot open the leased session (%s); asking the node again", exc)
+            ticket = client.failover(f"the session could not open: {exc}")
+            return ticket, opened(ticket, link)
+
+    why = None
+    for _ in range(MAX_PROBED_HOSTS):
+        ticket, session = first(client.session())
         why = client.probe(measure(session, ticket.claimed_perf).to_wire())
         if why is None:
             USAGE.session = session
