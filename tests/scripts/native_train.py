@@ -2,13 +2,14 @@
 
 ``python native_train.py DEVICE [steps] [gate]``: trains on DEVICE (``cumulus`` under
 ``python -m cumulus_p2p.shim --native``, or ``cpu``) and prints one JSON line with the
-losses. With ``gate``, it pauses 1.1 s after the first step (so that a checkpoint every
-second falls due at the second step's readback), prints ``holding`` after the second
-and waits until that file exists, then trains on (a test kills the host meanwhile).
+losses. With ``gate``, after the second step it takes a checkpoint (when its session
+can move: one the standby holds, if it has one), prints ``holding`` and waits until that
+file exists, then trains on (a test kills the host meanwhile).
 Attention is pinned to the math path, as a user's script may pin it: the device honours
 ``sdpa_kernel``.
 """
 
+import contextlib
 import json
 import sys
 import time
@@ -38,9 +39,11 @@ with sdpa_kernel(SDPBackend.MATH):
         loss.backward()
         opt.step()
         losses.append(loss.item())
-        if gate is not None and step == 0:
-            time.sleep(1.1)
         if gate is not None and step == 1:
+            session = getattr(sys.modules.get("cumulus_p2p.native.session"), "current", None)
+            with contextlib.suppress(ValueError):  # a session that cannot move takes none
+                if session is not None and session() is not None:
+                    session().checkpoint()
             print("holding", flush=True)
             while not gate.exists():
                 time.sleep(0.05)
