@@ -70,6 +70,7 @@ import msgpack
 import torch
 
 from .._errors import CumulusError, MalformedMessageError, SessionClosedError
+from ..blobs.elsewhere import FetchElsewhere
 from ..blobs.service import Source, grant_of
 from ..blobs.standby import StandbyLink
 from ..channel.transport import FrameChannel, SocketFrameChannel
@@ -169,11 +170,9 @@ class NativeSession:
         self._standby = standby if reconnect is not None else None
         self._replace_standby = replace_standby
         self._private = private
-        self._fetch_elsewhere = None if private else fetch_elsewhere
-        #: Bytes of uploads sent by digest (the host's store held them), and of those
-        #: the host fetched from other hosts first.
+        self._elsewhere = FetchElsewhere(None if private else fetch_elsewhere)
+        #: Bytes of uploads sent by digest (the host's store held them).
         self.upload_bytes_named = 0
-        self.fetched_elsewhere_bytes = 0
         #: The checkpoint the standby is copying, and where the log stood when it was taken.
         self._copying: tuple[StandbyCheckpoint, int] | None = None
         self._checkpointed_at = time.monotonic()
@@ -276,7 +275,7 @@ class NativeSession:
         digests = named.digests(uploads)
         held = self._have(digests)
         missing = [name for name, here in zip(digests, held, strict=True) if not here]
-        if missing and self._fetched_elsewhere(missing):
+        if missing and self._elsewhere(missing):
             held = self._have(digests)  # the question pins all it names: ask whole
         by_index = {i: d for (i, _), d, h in zip(uploads, digests, held, strict=True) if h}
         self.upload_bytes_named += sum(len(u) for (i, u) in uploads if i in by_index)
@@ -291,19 +290,10 @@ class NativeSession:
             raise MalformedMessageError("the executor's HAVE answer is not one per digest")
         return [here is True for here in held]
 
-    def _fetched_elsewhere(self, missing: list[str]) -> bool:
-        """Whether the host fetched any of ``missing`` from other hosts that announce
-        them. A fetch that fails turns fetching off: the client sends the bytes."""
-        if self._fetch_elsewhere is None:
-            return False
-        try:
-            fetched = self._fetch_elsewhere(missing)
-        except (OSError, CumulusError) as exc:
-            log.warning("cumulus: the host cannot fetch from other hosts (%s); uploading", exc)
-            self._fetch_elsewhere = None
-            return False
-        self.fetched_elsewhere_bytes += fetched.get("bytes", 0)
-        return fetched.get("pieces", 0) > 0
+    @property
+    def fetched_elsewhere_bytes(self) -> int:
+        """Bytes of uploads the host fetched from other hosts instead."""
+        return self._elsewhere.bytes
 
     def _exchange(
         self, request: list, wait: bool, *, logged: bool = True, inline: list | None = None

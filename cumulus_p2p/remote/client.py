@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from .._errors import CumulusError, FailoverError, RemoteProtocolError, SessionClosedError
+from ..blobs.elsewhere import FetchElsewhere
 from ..blobs.names import MAX_HAVE, NAMED_WINDOW, PIECE, digest
 from ..blobs.service import Source, grant_of
 from ..blobs.standby import CheckpointPlacement, HostCheckpoint, StandbyLink
@@ -174,9 +175,7 @@ class RemoteSession:
             self._options["private"] = True
         #: ``have`` questions asked, and blob bytes the host had (so they were not sent).
         self.blob_questions = 0
-        self._fetch_elsewhere = None if private else fetch_elsewhere
-        #: Bytes of uploads the host fetched from other hosts instead.
-        self.fetched_elsewhere_bytes = 0
+        self._elsewhere = FetchElsewhere(None if private else fetch_elsewhere)
         self.blob_bytes_skipped = 0
         self._reconnect = reconnect
         self._attempts = failover_attempts
@@ -313,23 +312,14 @@ class RemoteSession:
         held = self._ask_have(names)
         missing = [name for name, here in zip(names, held, strict=True) if not here]
         worth = sizes is None or sum(sizes[n] for n in missing) >= FETCH_MIN
-        if missing and worth and self._fetched_elsewhere(missing):
+        if missing and worth and self._elsewhere(missing):
             held = self._ask_have(names)  # the question pins all it names: ask whole
         return held
 
-    def _fetched_elsewhere(self, missing: list[str]) -> bool:
-        """Whether the host fetched any of ``missing`` from other hosts. A fetch that
-        fails turns fetching off for the session: the consumer sends the bytes."""
-        if self._fetch_elsewhere is None:
-            return False
-        try:
-            fetched = self._fetch_elsewhere(missing)
-        except (OSError, CumulusError) as exc:
-            log.warning("cumulus: the host cannot fetch from other hosts (%s); uploading", exc)
-            self._fetch_elsewhere = None
-            return False
-        self.fetched_elsewhere_bytes += fetched.get("bytes", 0)
-        return fetched.get("pieces", 0) > 0
+    @property
+    def fetched_elsewhere_bytes(self) -> int:
+        """Bytes of uploads the host fetched from other hosts instead."""
+        return self._elsewhere.bytes
 
     def _ask_have(self, names: list[str]) -> list[bool]:
         """One ``have`` round trip. A host lost meanwhile holds nothing (failover on: the
