@@ -121,7 +121,9 @@ def last_result(consumer) -> dict:
     return [json.loads(line) for line in consumer.lines if line.startswith("{")][-1]
 
 
-def test_a_second_host_fetches_an_upload_from_the_first_instead_of_the_consumer(tmp_path):
+@pytest.mark.parametrize("device", ["python", "native"])
+def test_a_second_host_fetches_an_upload_from_the_first_instead_of_the_consumer(tmp_path, device):
+    native = ["--native"] if device == "native" else []
     boot = loopback.start_boot(tmp_path)
     script = [str(Path(__file__).parent / "scripts" / "upload_weights.py")]
     first = nodes.start_provider(tmp_path / "first", boot.addr, "--price", "0.7")
@@ -129,10 +131,12 @@ def test_a_second_host_fetches_an_upload_from_the_first_instead_of_the_consumer(
     try:
         first.wait_for("providing")
         # A private job first: its host keeps none of it, so it is no one's to fetch.
-        private = nodes.start_consumer(tmp_path / "private", boot.addr, "--private", command=script)
+        private = nodes.start_consumer(
+            tmp_path / "private", boot.addr, *native, "--private", command=script
+        )
         assert private.proc.wait(timeout=180) == 0, private.output()
         assert [p for p in (tmp_path / "first" / "blobs").iterdir() if is_digest(p.name)] == []
-        one = nodes.start_consumer(tmp_path / "one", boot.addr, command=script)
+        one = nodes.start_consumer(tmp_path / "one", boot.addr, *native, command=script)
         assert one.proc.wait(timeout=180) == 0, one.output()
         first.wait_for_state(lambda s: s.get("blobs_announced", 0) >= 3)
         # A cheaper host joins: the next consumer leases it, and it has none of them. The
@@ -141,7 +145,7 @@ def test_a_second_host_fetches_an_upload_from_the_first_instead_of_the_consumer(
         nodes_up.append(second)
         second.wait_for("providing")
         two = nodes.start_consumer(
-            tmp_path / "two", boot.addr, "--max-price", "0.5", command=script
+            tmp_path / "two", boot.addr, *native, "--max-price", "0.5", command=script
         )
         assert two.proc.wait(timeout=180) == 0, two.output()
     finally:
@@ -178,32 +182,3 @@ def test_a_native_job_moves_through_its_standby_and_the_consumer_keeps_no_checkp
     assert last_result(consumer)["losses"] == json.loads(local.stdout.splitlines()[-1])["losses"]
     kept = tmp_path / "consumer" / "native-checkpoints"
     assert not kept.exists() or not any(f.is_file() for f in kept.rglob("*"))
-
-
-def test_a_native_jobs_second_host_fetches_its_upload_from_the_first(tmp_path):
-    boot = loopback.start_boot(tmp_path)
-    script = [str(Path(__file__).parent / "scripts" / "upload_weights.py")]
-    first = nodes.start_provider(tmp_path / "first", boot.addr, "--price", "0.7")
-    nodes_up = [boot, first]
-    try:
-        first.wait_for("providing")
-        one = nodes.start_consumer(tmp_path / "one", boot.addr, "--native", command=script)
-        assert one.proc.wait(timeout=180) == 0, one.output()
-        first.wait_for_state(lambda s: s.get("blobs_announced", 0) >= 3)
-        # A cheaper host joins, with none of the pieces: a price cap rules the first out.
-        second = nodes.start_provider(tmp_path / "second", boot.addr, "--price", "0.3")
-        nodes_up.append(second)
-        second.wait_for("providing")
-        two = nodes.start_consumer(
-            tmp_path / "two", boot.addr, "--native", "--max-price", "0.5", command=script
-        )
-        assert two.proc.wait(timeout=180) == 0, two.output()
-    finally:
-        for node in nodes_up:
-            node.stop()
-    (lease,) = json.loads((tmp_path / "two" / "state.json").read_text())["leases"]
-    assert lease["host"] == second.state()["peer_id"]
-    result = last_result(two)
-    assert result["sum"] == result["expected"] == last_result(one)["sum"]
-    assert result["fetched"] == 48 * 2**20
-    assert lease["bytes_counted"] < 2**20  # the consumer's link carried digests, not bytes

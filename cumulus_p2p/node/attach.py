@@ -16,16 +16,12 @@ import logging
 import os
 
 from .. import remote
-from .._errors import (
-    CumulusError,
-    PeerUnreachableError,
-)
-from ..blobs.service import Source
+from .._errors import PeerUnreachableError
 from ..blobs.standby import CheckpointPlacement
 from ..remote.checkpoint import DirectoryCheckpointStore
 from .control import ENV_CHECKPOINT_TO, ENV_PRIVATE, ControlClient, SessionTicket
 from .datadir import DataDir, default_data_dir
-from .dial import USAGE, open_channel
+from .dial import USAGE, dial_leased, open_first, standby_ticket
 from .probe import MAX_PROBED_HOSTS, measure
 
 log = logging.getLogger("cumulus_p2p.node.attach")
@@ -54,33 +50,14 @@ def attach_leased(client: ControlClient):
         return _open(client.failover(lost))
 
     def _open(ticket: SessionTicket):
-        opened = open_channel(ticket, identity, resume_timeout=resume)
-        client.report_path(ticket, opened.path)
-        address = opened.endpoint and Source.secure_address(ticket.provider_key, opened.endpoint)
-        return USAGE.count(opened, ticket, peer_address=address)
+        return dial_leased(client, ticket, identity, resume_timeout=resume)
 
     def _standby(lost: str = "", gib: int = 0):
-        if not placement.on_standby:
-            return None
-        ticket, why = client.standby(lost, gib)
-        if ticket is None:
-            log.warning("no standby (%s): checkpoints go to this machine's disk", why)
-            return None
-        return _open(ticket)
-
-    def _first(ticket: SessionTicket):
-        try:
-            return ticket, _open(ticket)
-        except (OSError, CumulusError) as exc:
-            # A short lease can run out before its session opens on a busy machine: the
-            # node then leases again without blame (the term is over); a host that
-            # refused a live lease is failed over.
-            log.warning("cannot open the leased session (%s); asking the node again", exc)
-            ticket = client.failover(f"the session could not open: {exc}")
-            return ticket, _open(ticket)
+        ticket = standby_ticket(client, placement, lost, gib)
+        return None if ticket is None else _open(ticket)
 
     for _ in range(MAX_PROBED_HOSTS):
-        ticket, channel = _first(client.session())
+        ticket, channel = open_first(client, client.session(), _open)
         standby = _standby()
         attached = remote.attach(
             channel=channel,

@@ -8,15 +8,25 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol, TypeVar
 
-from .._errors import HandshakeError, PeerAuthenticationError, PeerUnreachableError
+from .._errors import (
+    CumulusError,
+    HandshakeError,
+    PeerAuthenticationError,
+    PeerUnreachableError,
+)
+from ..blobs.service import Source
+from ..blobs.standby import CheckpointPlacement
 from ..channel.secure import connect_secure
 from ..channel.transport import CountingFrameChannel
 from ..identity import NodeIdentity
-from .control import SessionTicket, Transfer, Usage
+from .control import ControlClient, SessionTicket, Transfer, Usage
 
 log = logging.getLogger("cumulus_p2p.node.dial")
+
+T = TypeVar("T")
 
 
 class Counted(Protocol):
@@ -82,6 +92,47 @@ def open_channel(
         "The provider may be offline, or unreachable from here: a provider behind NAT "
         "should forward its session port and set --advertise-host."
     )
+
+
+def dial_leased(
+    client: ControlClient, ticket: SessionTicket, identity: NodeIdentity, *, resume_timeout: float
+) -> CountingFrameChannel:
+    """The session channel of ``ticket``'s lease (``open_channel``), its path told to the
+    node and its bytes counted (``USAGE``). Dialled directly, it names its host as other
+    hosts reach it (``peer_address``: a standby pulls checkpoints from there)."""
+    opened = open_channel(ticket, identity, resume_timeout=resume_timeout)
+    client.report_path(ticket, opened.path)
+    address = opened.endpoint and Source.secure_address(ticket.provider_key, opened.endpoint)
+    return USAGE.count(opened, ticket, peer_address=address)
+
+
+def open_first(
+    client: ControlClient, ticket: SessionTicket, open_session: Callable[[SessionTicket], T]
+) -> tuple[SessionTicket, T]:
+    """``open_session(ticket)``, once more on the node's next lease if it fails: a short
+    lease can run out before its session opens on a busy machine (the node then leases
+    again without blame: the term is over), and a host that refused a live lease is
+    failed over. Returns the ticket that opened, and the session."""
+    try:
+        return ticket, open_session(ticket)
+    except (OSError, CumulusError) as exc:
+        log.warning("cannot open the leased session (%s); asking the node again", exc)
+        ticket = client.failover(f"the session could not open: {exc}")
+        return ticket, open_session(ticket)
+
+
+def standby_ticket(
+    client: ControlClient, placement: CheckpointPlacement, lost: str = "", gib: int = 0
+) -> SessionTicket | None:
+    """The lease of a standby to keep the session's checkpoints, when ``placement`` puts
+    them on one and the node has one (``lost``, ``gib``: as ``ControlClient.standby``);
+    else None, said in the log: the consumer's disk keeps them."""
+    if not placement.on_standby:
+        return None
+    ticket, why = client.standby(lost, gib)
+    if ticket is None:
+        log.warning("no standby (%s): checkpoints go to this machine's disk", why)
+    return ticket
 
 
 class LeaseUsage:

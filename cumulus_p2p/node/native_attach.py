@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import partial
 
 from .._errors import CumulusError, PeerUnreachableError
-from ..blobs.service import Source
 from ..blobs.standby import CheckpointPlacement, StandbyLink
 from ..channel.transport import CountingFrameChannel
 from ..native.session import NativeSession
 from .control import ENV_CHECKPOINT_TO, ENV_PRIVATE, ControlClient, SessionTicket
 from .datadir import DataDir, default_data_dir
-from .dial import USAGE, open_channel
+from .dial import USAGE, dial_leased, open_first, standby_ticket
 from .probe import MAX_PROBED_HOSTS, measure
 
 log = logging.getLogger("cumulus_p2p.node.native_attach")
@@ -52,21 +52,14 @@ def attach_native_leased(client: ControlClient) -> NativeSession:
     checkpoints = data.path / "native-checkpoints" / f"run-{os.getpid()}"
     resume = float(os.environ.get("CUMULUS_RESUME_TIMEOUT", "10"))
     interval = float(os.environ.get("CUMULUS_CHECKPOINT_INTERVAL", "30"))
-
     placement = CheckpointPlacement(os.environ.get(ENV_CHECKPOINT_TO, "standby"))
 
     def dial(ticket: SessionTicket) -> CountingFrameChannel:
-        opened = open_channel(ticket, identity, resume_timeout=resume)
-        client.report_path(ticket, opened.path)
-        address = opened.endpoint and Source.secure_address(ticket.provider_key, opened.endpoint)
-        return USAGE.count(opened, ticket, peer_address=address)
+        return dial_leased(client, ticket, identity, resume_timeout=resume)
 
     def standby(lost: str = "", gib: int = 0) -> StandbyLink | None:
-        if not placement.on_standby:
-            return None
-        ticket, why = client.standby(lost, gib)
+        ticket = standby_ticket(client, placement, lost, gib)
         if ticket is None:
-            log.warning("no standby (%s): checkpoints go to this machine's disk", why)
             return None
         try:
             channel = dial(ticket)
@@ -83,7 +76,7 @@ def attach_native_leased(client: ControlClient) -> NativeSession:
         log.warning("%s; asking the node for another host", lost)
         return dial(client.failover(lost))
 
-    def opened(ticket: SessionTicket, link: StandbyLink | None) -> NativeSession:
+    def opened(link: StandbyLink | None, ticket: SessionTicket) -> NativeSession:
         return NativeSession(
             dial(ticket),
             reconnect=reconnect,
@@ -95,21 +88,11 @@ def attach_native_leased(client: ControlClient) -> NativeSession:
             fetch_elsewhere=client.fetch,
         )
 
-    def first(ticket: SessionTicket) -> tuple[SessionTicket, NativeSession]:
-        link = standby()
-        try:
-            return ticket, opened(ticket, link)
-        except (OSError, CumulusError) as exc:
-            # A short lease can run out before its session opens on a busy machine: the
-            # node then leases again without blame (the term is over); a host that
-            # refused a live lease is failed over.
-            log.warning("cannot open the leased session (%s); asking the node again", exc)
-            ticket = client.failover(f"the session could not open: {exc}")
-            return ticket, opened(ticket, link)
-
     why = None
     for _ in range(MAX_PROBED_HOSTS):
-        ticket, session = first(client.session())
+        ticket = client.session()
+        link = standby()  # after the session's lease: the standby is another host
+        ticket, session = open_first(client, ticket, partial(opened, link))
         why = client.probe(measure(session, ticket.claimed_perf).to_wire())
         if why is None:
             USAGE.session = session
