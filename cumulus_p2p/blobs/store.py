@@ -39,7 +39,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -305,6 +305,24 @@ class BlobStore:
                 if pid.isdigit() and not _alive(int(pid)):
                     with contextlib.suppress(OSError):
                         os.unlink(entry.path)
+
+
+def pin_held(store: BlobStore | None, names: Iterable[str]) -> dict[str, PinnedBlob]:
+    """Pins of those of ``names`` that ``store`` holds, each once (none without a store):
+    they stay in the store, never evicted, until closed (``close_pins``)."""
+    pins: dict[str, PinnedBlob] = {}
+    for name in names:
+        pinned = None if store is None or name in pins else store.pin(name)
+        if pinned is not None:
+            pins[name] = pinned
+    return pins
+
+
+def close_pins(pins: dict[str, PinnedBlob]) -> None:
+    """Let go of every pin of ``pins`` (``pin_held``'s); the dict is emptied."""
+    for pinned in pins.values():
+        pinned.close()
+    pins.clear()
 
 
 def _touch(file: int | Path) -> None:

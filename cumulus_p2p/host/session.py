@@ -44,7 +44,7 @@ import torch
 
 from .._errors import BlobMismatchError, RemoteProtocolError, StandbyFullError
 from ..blobs.names import MAX_HAVE, PIECE, digest, is_digest
-from ..blobs.store import BlobStore, PinnedBlob
+from ..blobs.store import BlobStore, PinnedBlob, close_pins, pin_held
 from ..wire.manifest import StorageEntry
 from ..wire.ops import UnknownOpError, resolve_op
 from ..wire.protocol import (
@@ -520,13 +520,8 @@ class ExecutorSession:
             raise RemoteProtocolError(f"have takes a list of at most {MAX_HAVE} digests")
         if not all(is_digest(v) for v in values):
             raise RemoteProtocolError("have takes blob names: 64 lower-case hex digits each")
-        self._unpin()
-        store = self.ctx.blobs
-        for value in values:
-            if store is not None and value not in self._pins:
-                pinned = store.pin(value)
-                if pinned is not None:
-                    self._pins[value] = pinned
+        close_pins(self._pins)
+        self._pins = pin_held(self.ctx.blobs, values)
         return [v in self._pins for v in values]
 
     def hold(self, names: list[str]) -> int:
@@ -536,16 +531,10 @@ class ExecutorSession:
         Raises:
             StandbyFullError: they come to more than ``hold_bytes``; those held before stay.
         """
-        store = self.ctx.blobs
-        pins = {}
-        for name in names:
-            pinned = None if store is None else store.pin(name)
-            if pinned is not None:
-                pins[name] = pinned
+        pins = pin_held(self.ctx.blobs, names)
         held = sum(p.size for p in pins.values())
         if self.hold_bytes is not None and held > self.hold_bytes:
-            for pinned in pins.values():
-                pinned.close()
+            close_pins(pins)
             raise StandbyFullError(
                 f"the checkpoint's {held / 2**30:.2f} GiB is more than the "
                 f"{self.hold_bytes / 2**30:.2f} GiB this standby is leased to keep; lease a "
@@ -554,11 +543,6 @@ class ExecutorSession:
             )
         self.kept.hold(pins)
         return len(pins)
-
-    def _unpin(self) -> None:
-        for pinned in self._pins.values():
-            pinned.close()
-        self._pins.clear()
 
     def _blob(self, args: Any, blobs: list[memoryview]) -> None:
         """``@blob [target, digest, dtype, sizes, data]``: copy the blob named ``digest``,
@@ -986,7 +970,7 @@ class ExecutorSession:
         self._paged = {}
         self._handles.clear()
         self._graphs.clear()
-        self._unpin()
+        close_pins(self._pins)
         self.kept.close()
         self.ctx.forget(self)
 

@@ -22,7 +22,7 @@ import torch
 
 from .._errors import MalformedMessageError
 from ..blobs.names import PIECE, digest, is_digest
-from ..blobs.store import BlobStore, PinnedBlob
+from ..blobs.store import BlobStore, PinnedBlob, close_pins, pin_held
 from ..host.kept import KeptPieces
 from ..host.restoring import PieceTargets
 from ..host.session import SessionStats
@@ -174,13 +174,8 @@ class ReplaySession:
         wanted = msgpack.unpackb(batch) if len(batch) <= MAX_HAVE_BYTES else None
         if not isinstance(wanted, list) or not all(is_digest(n) for n in wanted):
             raise MalformedMessageError("HAVE takes a msgpack list of digests")
-        for pinned in self._pins.values():
-            pinned.close()
-        self._pins = {}
-        for name in wanted:
-            pinned = None if self._store is None else self._store.pin(name)
-            if pinned is not None:
-                self._pins[name] = pinned
+        close_pins(self._pins)
+        self._pins = pin_held(self._store, wanted)
         return [name in self._pins for name in wanted]
 
     def _piece(self, name: str) -> memoryview | None:
@@ -212,7 +207,5 @@ class ReplaySession:
     def close(self) -> None:
         """Let go of the pieces kept for a standby, the pins, and the storages."""
         self.kept.close()
-        for pinned in self._pins.values():
-            pinned.close()
-        self._pins = {}
+        close_pins(self._pins)
         self._replayer = None
