@@ -17,8 +17,8 @@ from cumulus_p2p._errors import (
 from cumulus_p2p.channel.transport import SocketFrameChannel
 from cumulus_p2p.identity import NodeIdentity
 from cumulus_p2p.node import control
-from cumulus_p2p.node.attach import open_channel
 from cumulus_p2p.node.control import SessionTicket
+from cumulus_p2p.node.dial import open_channel
 
 TICKET = SessionTicket(
     "12D3KooWhost",
