@@ -98,10 +98,27 @@ def test_past_one_grace_a_running_lease_pauses_and_an_ending_one_waits():
     assert event_at(SETTLING, GRACE + 1) is None
 
 
-@pytest.mark.parametrize("state", [RUNNING, PAUSED, SETTLING], ids=lambda s: s.name)
-def test_past_two_graces_the_lease_defaults_whatever_it_was_doing(state):
+@pytest.mark.parametrize("state", [PAUSED, SETTLING], ids=lambda s: s.name)
+def test_past_two_graces_a_paused_or_settling_lease_defaults(state):
     assert event_at(state, 2 * GRACE + 1) is LeaseEvent.DEFAULTED
     assert TRANSITIONS[state][LeaseEvent.DEFAULTED] is UNPAID
+
+
+def test_a_running_lease_pauses_before_it_can_default_however_late_the_receipt():
+    assert event_at(RUNNING, 5 * GRACE) is LeaseEvent.RECEIPT_OVERDUE
+
+
+@pytest.mark.parametrize("state", [PAUSED, SETTLING], ids=lambda s: s.name)
+def test_a_lease_defaults_only_a_grace_after_the_host_found_it_overdue(state):
+    def found_overdue(ago: float):
+        now = 100.0 + 3 * GRACE
+        return payment_event(
+            state, oldest_unsettled_at=100.0, done_serving=False, now=now, grace=GRACE,
+            overdue_at=now - ago,
+        )  # fmt: skip
+
+    assert found_overdue(GRACE - 1) is None
+    assert found_overdue(GRACE) is LeaseEvent.DEFAULTED
 
 
 def test_once_settled_a_paused_lease_runs_again_and_a_finished_one_ends():

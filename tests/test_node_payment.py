@@ -93,7 +93,9 @@ async def test_past_two_graces_the_lease_ends_unpaid_and_the_consumer_is_reporte
     enforcer, runtime, active, ended = enforcer_with_a_lease()
     runtime.now = NOW + 1
     enforcer.issue(active)
-    runtime.now += 2 * GRACE + 1
+    runtime.now += GRACE + 1
+    await enforcer.enforce(active)
+    runtime.now += GRACE
     await enforcer.enforce(active)
     assert active.state is LeaseState.UNPAID
     assert ended == [active] and active.settled.is_set()
@@ -101,6 +103,48 @@ async def test_past_two_graces_the_lease_ends_unpaid_and_the_consumer_is_reporte
     assert about == CONSUMER.peer_id.to_base58() and isinstance(evidence, NonPayment)
     await enforcer.enforce(active)  # over: nothing more happens
     assert ended == [active] and len(runtime.reports) == 1
+
+
+async def test_an_enforcer_held_up_past_two_graces_pauses_first_and_ends_a_grace_later():
+    enforcer, runtime, active, ended = enforcer_with_a_lease()
+    runtime.now = NOW + 1
+    enforcer.issue(active)
+    runtime.now += 3 * GRACE  # the metering loop waited on a settlement that hung
+    await enforcer.enforce(active)
+    assert active.state is LeaseState.PAUSED and runtime.reports == []
+    runtime.now += GRACE - 1
+    await enforcer.enforce(active)
+    assert active.state is LeaseState.PAUSED
+    runtime.now += 1
+    await enforcer.enforce(active)
+    assert active.state is LeaseState.UNPAID and ended == [active]
+
+
+async def test_a_settling_lease_whose_enforcer_was_held_up_ends_a_grace_after_it_looked():
+    enforcer, runtime, active, ended = enforcer_with_a_lease()
+    runtime.now = NOW + 1
+    enforcer.issue(active)
+    active.session_over = True
+    runtime.now += 3 * GRACE  # the metering loop waited on a settlement that hung
+    await enforcer.enforce(active)
+    assert ended == [] and runtime.reports == []
+    runtime.now += GRACE
+    await enforcer.enforce(active)
+    assert active.state is LeaseState.UNPAID and ended == [active]
+
+
+async def test_a_lease_late_again_after_paying_gets_a_fresh_grace():
+    enforcer, runtime, active, ended = enforcer_with_a_lease()
+    runtime.now = NOW + 1
+    enforcer.issue(active)
+    runtime.now += GRACE + 1
+    await enforcer.enforce(active)
+    active.unsettled.clear()  # paid: the lease runs again
+    await enforcer.enforce(active)
+    enforcer.issue(active)
+    runtime.now += 3 * GRACE
+    await enforcer.enforce(active)
+    assert active.state is LeaseState.PAUSED and ended == []
 
 
 async def test_a_lease_with_nothing_left_to_serve_ends_once_settled():

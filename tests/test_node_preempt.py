@@ -69,7 +69,8 @@ def test_an_on_demand_job_preempts_an_interruptible_one_which_resumes_without_lo
     expected = local_final_loss(["-m", "cumulus_p2p.demo_train", "--steps", "60"])
     assert nodes.final_json(interruptible.lines)["final_loss"] == expected
     state = json.loads((tmp_path / "interruptible" / "state.json").read_text())
-    assert [lease["state"] for lease in state["leases"]][0] == "preempted"
+    states = [lease["state"] for lease in state["leases"]]
+    assert states[0] == "preempted", f"{states}: {interruptible.output()}"
     assert all(row["failures"] == 0 for row in state["scores"])  # no blame
     assert "preempted this lease" in interruptible.output()
     if native:  # its host kept the session parked: nothing was restored

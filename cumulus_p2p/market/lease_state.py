@@ -171,8 +171,15 @@ def payment_event(
     done_serving: bool,
     now: float,
     grace: float,
+    overdue_at: float | None = None,
 ) -> LeaseEvent | None:
     """The move a lease's payments call for now, if any.
+
+    A running lease always pauses before it can end unpaid, and no lease ends unpaid
+    sooner than a grace after the host found it overdue: the pause's hang-up warns the
+    consumer, the host asks again meanwhile, and a host whose own loop was held up past
+    both graces (a settlement that hung, a busy machine) must not end an honest
+    consumer's lease on the strength of one unanswered request.
 
     Args:
         state: The lease's state.
@@ -181,7 +188,8 @@ def payment_event(
         done_serving: As for ``settled_event``.
         now: The current time, on the clock ``oldest_unsettled_at`` was read from.
         grace: How long a receipt may stay unsettled before the lease pauses; it ends
-            after twice that.
+            after twice that, and a grace after ``overdue_at`` at the earliest.
+        overdue_at: When the host first found the receipt overdue (None: long ago).
 
     Returns:
         The event to ``LeaseLifecycle.process``, or ``None`` to leave the lease be.
@@ -191,8 +199,11 @@ def payment_event(
     if oldest_unsettled_at is None:
         return settled_event(state, done_serving=done_serving)
     standing = payment_standing(oldest_unsettled_at, now=now, grace=grace)
-    if standing is Standing.DEFAULTED:
-        return LeaseEvent.DEFAULTED
-    if standing is Standing.PAUSED and state is LeaseState.RUNNING:
+    if standing is Standing.CURRENT:
+        return None
+    if state is LeaseState.RUNNING:
         return LeaseEvent.RECEIPT_OVERDUE
+    warned = overdue_at is None or now - overdue_at >= grace
+    if standing is Standing.DEFAULTED and warned:
+        return LeaseEvent.DEFAULTED
     return None

@@ -73,6 +73,9 @@ NOTICE_PROTOCOL = TProtocol("/cumulus/lease-notice/1.0.0")
 NOTICE_LEAVING = "leaving"
 #: An on-demand lease took the shares of this contending or interruptible one.
 NOTICE_PREEMPTED = "preempted"
+#: How a host's hang-up begins when it pauses a lease for an overdue receipt: the
+#: consumer pays and resumes there instead of failing over (``node.payment``).
+HANGUP_PAUSED = "unpaid: the lease is paused"
 _NOTICE_KINDS = frozenset({NOTICE_LEAVING, NOTICE_PREEMPTED})
 _MAX_DETAIL = 500
 

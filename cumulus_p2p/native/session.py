@@ -69,7 +69,14 @@ from pathlib import Path
 import msgpack
 import torch
 
-from .._errors import CumulusError, MalformedMessageError, SessionClosedError
+from .._errors import (
+    CumulusError,
+    FailoverError,
+    MalformedMessageError,
+    PeerUnreachableError,
+    SessionClosedError,
+    SessionRefusedError,
+)
 from ..blobs.elsewhere import FetchElsewhere
 from ..blobs.service import Source, grant_of
 from ..blobs.standby import StandbyLink
@@ -305,16 +312,20 @@ class NativeSession:
         hold what this one did)."""
         replay: list[list[bytes]] = []
         now: list | None = request
+        lost = ""
         for _ in range(MAX_MOVES + 1):
             try:
+                if lost:  # a host that refused or dropped the move is failed over too
+                    replay, now = self._move(lost, inline or request, wait, logged)
                 for frame in [*replay, *([now] if now is not None else [])]:
                     self._send(frame)
                 return self._channel.recv_frame() if wait else None
-            except (OSError, SessionClosedError) as exc:
-                again = inline or request
-                replay, now = self._move(f"lost the executor ({exc})", again, wait, logged)
-        raise SessionClosedError(
-            f"the session could not move: {MAX_MOVES} hosts in a row were lost"
+            except FailoverError:
+                raise
+            except (OSError, SessionClosedError, SessionRefusedError, PeerUnreachableError) as exc:
+                lost = f"lost the executor ({exc})"
+        raise FailoverError(
+            f"the session could not move: {MAX_MOVES} hosts in a row were lost; the last: {lost}"
         )
 
     def _send(self, frame: list) -> None:
@@ -332,16 +343,16 @@ class NativeSession:
         the executor ran it already; None when nothing is to come back).
 
         Raises:
-            SessionClosedError: the session cannot move; the message says why.
+            FailoverError: the session cannot move; the message says why.
         """
         if self._log is None:
-            raise SessionClosedError(
+            raise FailoverError(
                 f"{lost}, and the session cannot move: it was opened with one executor and "
                 "no other to move to, and its tensors are gone with that host (under "
                 "cumulus-node --consume --native the node leases another)"
             )
         if self._log.lost_because is not None:
-            raise SessionClosedError(
+            raise FailoverError(
                 f"{lost}, and the session cannot move to another host: "
                 f"{self._log.lost_because}. Its tensors are gone with that host; take "
                 "checkpoints more often (checkpoint_interval)"

@@ -76,6 +76,7 @@ from ..market.negotiation import call_propose_lease
 from ..market.pricing import proposed_price
 from ..market.probing import call_probe
 from ..market.settlement import (
+    HANGUP_PAUSED,
     NOTICE_PREEMPTED,
     ReceiptDesk,
     call_close_lease,
@@ -852,11 +853,32 @@ class Consumer:
         sessions = self.sessions
         live = [h for h in sessions if h.state is LeaseState.HELD]
         if live and sessions[-1].state not in (LeaseState.LEFT, LeaseState.PREEMPTED):
+            if HANGUP_PAUSED in reason and self._resumable(live[-1]):
+                self.status = "running"
+                return await self._ticket(live[-1])
             if not await self._lease_lost(live[-1]):
                 self.status = "renewing the lease"
         held = await self.lease()
         self.status = "running"
         return await self._ticket(held)
+
+    def _resumable(self, paused: Held) -> bool:
+        """Whether the session of ``paused``, which its host paused for a receipt it
+        could not settle (this node was slow to answer, or the answer was lost), resumes
+        there: the host asks for the receipt again every second, this node pays it, and
+        the dial waits for the lease to run again (``node.dial``). Not once the term is
+        over, or when the host is set aside (it overcharged): the lease is then lost, as
+        a session dropped without a word."""
+        proposal, now = paused.proposal, self.runtime.clock()
+        if now >= proposal.end_at - LEASE_END_SLACK_S:
+            return False
+        if not self.choice.usable(proposal.host, now=now):
+            return False
+        log.warning(
+            "host %s paused the lease for an overdue receipt; resuming there once it is paid",
+            proposal.host[:12],
+        )
+        return True
 
     async def _lease_lost(self, gone: Held) -> bool:
         """A lease's session ended without a word: at its term, as agreed (False: its host

@@ -16,6 +16,7 @@ from .._errors import (
     HandshakeError,
     PeerAuthenticationError,
     PeerUnreachableError,
+    SessionRefusedError,
 )
 from ..blobs.service import Source
 from ..blobs.standby import CheckpointPlacement
@@ -38,6 +39,13 @@ class Counted(Protocol):
 
 #: Seconds a direct dial may take before the next address is tried.
 DIAL_TIMEOUT = 3.0
+#: How long a host that paused the lease for an overdue receipt is dialled again before
+#: the refusal stands: it asks for the receipt again every second, and the node pays.
+PAUSED_PATIENCE_S = 30.0
+PAUSED_RETRY_S = 0.5
+#: How ``Provider.authorize`` refuses a paused lease (``LeaseState.PAUSED``); spelled out
+#: here because the script's process loads no libp2p, which ``market`` imports.
+PAUSED_REFUSAL = "the lease is paused"
 
 
 class Opened(NamedTuple):
@@ -100,10 +108,27 @@ def dial_leased(
     """The session channel of ``ticket``'s lease (``open_channel``), its path told to the
     node and its bytes counted (``USAGE``). Dialled directly, it names its host as other
     hosts reach it (``peer_address``: a standby pulls checkpoints from there)."""
-    opened = open_channel(ticket, identity, resume_timeout=resume_timeout)
+    opened = _open_when_running(ticket, identity, resume_timeout=resume_timeout)
     client.report_path(ticket, opened.path)
     address = opened.endpoint and Source.secure_address(ticket.provider_key, opened.endpoint)
     return USAGE.count(opened, ticket, peer_address=address)
+
+
+def _open_when_running(
+    ticket: SessionTicket, identity: NodeIdentity, *, resume_timeout: float
+) -> Opened:
+    """``open_channel``, tried again while the host refuses because the lease is paused
+    (for ``PAUSED_PATIENCE_S`` at most): the node pays the overdue receipt when the host
+    asks again, and the session resumes where the pause parked it."""
+    deadline = time.monotonic() + PAUSED_PATIENCE_S
+    while True:
+        try:
+            return open_channel(ticket, identity, resume_timeout=resume_timeout)
+        except SessionRefusedError as exc:
+            if not exc.reason.startswith(PAUSED_REFUSAL) or time.monotonic() >= deadline:
+                raise
+            log.info("the host paused the lease (%s); dialling again once it is paid", exc.reason)
+            time.sleep(PAUSED_RETRY_S)
 
 
 def open_first(

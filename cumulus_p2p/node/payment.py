@@ -46,7 +46,8 @@ from ..market.lease_state import (
     payment_event,
     settled_event,
 )
-from ..market.settlement import settle_receipt
+from ..market.metering import Standing, payment_standing
+from ..market.settlement import HANGUP_PAUSED, settle_receipt
 from ..reputation import NonPayment
 from .runtime import Runtime, peer_of
 
@@ -86,6 +87,9 @@ class ActiveLease:
     share_seconds: int = 0
     lifecycle: LeaseLifecycle = field(default_factory=LeaseLifecycle)
     session_over: bool = False
+    #: When this host found its oldest unsettled receipt overdue (``payment_event``
+    #: waits a grace from then before ending it unpaid); None while it is not.
+    overdue_at: float | None = None
     #: Bytes its sessions moved so far (receipts carry them interval by interval).
     bytes_moved: int = 0
     #: The last two ``(time, op count, bytes moved)`` samples of its session, for the
@@ -214,20 +218,26 @@ class PaymentEnforcer:
 
     async def enforce(self, active: ActiveLease) -> None:
         """Make the move the lease's payments call for now (``payment_event``)."""
+        now = self.runtime.clock()
         oldest = active.unsettled[0].at if active.unsettled else None
+        if payment_standing(oldest, now=now, grace=self.grace) is Standing.CURRENT:
+            active.overdue_at = None  # the receipt found overdue was settled since
+        elif active.overdue_at is None:
+            active.overdue_at = now
         event = payment_event(
             active.state,
             oldest_unsettled_at=oldest,
             done_serving=active.done_serving,
-            now=self.runtime.clock(),
+            now=now,
             grace=self.grace,
+            overdue_at=active.overdue_at,
         )
         lease_id = active.proposal.lease_id
         if event is LeaseEvent.RECEIPT_OVERDUE:
             active.lifecycle.process(event)
             why = self.arrears(active)
             log.warning("lease %s paused: %s", lease_id, why)
-            await active.hang_up(f"unpaid: the lease is paused: {why}")
+            await active.hang_up(f"{HANGUP_PAUSED}: {why}")
         elif event is LeaseEvent.DEFAULTED:
             why = self.arrears(active)
             log.warning("lease %s ended unpaid: %s", lease_id, why)
