@@ -16,6 +16,8 @@ finds the session still attached to a connection the executor has not yet seen d
 it over: the old connection's task is cancelled between two batches and parks it first.
 The native device's sessions (``_serve_native``: a C++ replay loop each) are parked and
 resumed the same way, and a failover's fresh host fills theirs from a standby's pieces.
+Sessions of both devices leave the device for host memory or disk when quotas past
+``device_bytes`` need the room, and when they are parked (``eviction.py``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from .._errors import FrameTooLargeError, RemoteProtocolError, SessionClosedErro
 from ..blobs import service as blobservice
 from ..blobs.store import BlobStore
 from ..channel.transport import DEFAULT_MAX_FRAME, AsyncFrameChannel, TrioFrameChannel
-from ..native.executor import ReplayError, ReplaySession, new_replayer
+from ..native.executor import STORAGELESS, ReplayError, ReplaySession, new_replayer
 from ..wire import native as native_wire
 from ..wire.manifest import parse_storage_entries
 from ..wire.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
@@ -112,11 +114,15 @@ class ExecutorConfig:
     device_bytes: int | None = None
 
 
+#: A session of either device: both page off the device and back (``eviction.py``).
+AnySession = ExecutorSession | ReplaySession
+
+
 @dataclass
 class _Attached:
     """A session attached to a connection, as a resume from another connection sees it."""
 
-    session: ExecutorSession | ReplaySession
+    session: AnySession
     owner: object
     scope: trio.CancelScope
     released: trio.Event
@@ -152,13 +158,13 @@ class Executor:
             graphs=GraphRunner(self.config.graph_compiler),
             blobs=None if blob_dir is None else BlobStore(blob_dir, self.config.blob_cap),
         )
-        self.sessions: dict[int, ExecutorSession] = {}
-        self.cache: HostCache[ExecutorSession | ReplaySession] = HostCache(
+        self.sessions: dict[int, AnySession] = {}
+        self.cache: HostCache[AnySession] = HostCache(
             max_bytes=self.config.cache_bytes, grace=self.config.cache_grace
         )
         self._attached: dict[str, _Attached] = {}
         #: Each live or parked session by its grant (``blobservice.grant_of`` its token).
-        self._grants: dict[str, ExecutorSession | ReplaySession] = {}
+        self._grants: dict[str, AnySession] = {}
         self.scheduler = scheduler if scheduler is not None else DeviceScheduler()
         self._welcome_extra = welcome_extra or {}
         self._context_lost = context_lost
@@ -303,7 +309,7 @@ class Executor:
         session = self._grants.get(grant)
         return None if session is None else session.kept.piece
 
-    def _forget(self, session: ExecutorSession | ReplaySession) -> None:
+    def _forget(self, session: AnySession) -> None:
         """A session is gone for good: release it and close its grant."""
         session.close()
         self._grants = {g: s for g, s in self._grants.items() if s is not session}
@@ -320,7 +326,7 @@ class Executor:
             "private": session.private,
         } | self._welcome_extra
 
-    async def _take(self, token: str, owner: object) -> ExecutorSession | ReplaySession | None:
+    async def _take(self, token: str, owner: object) -> AnySession | None:
         """The session parked under ``token``, taken over from its old connection if need be."""
         attached = self._attached.get(token)
         if attached is not None and attached.owner == owner:
@@ -328,7 +334,7 @@ class Executor:
             with trio.move_on_after(TAKEOVER_TIMEOUT):
                 await attached.released.wait()
         session = self.cache.take(token, now=trio.current_time(), owner=owner)
-        if isinstance(session, ExecutorSession):
+        if session is not None:
             # In a thread where bytes move: from host memory to a GPU, or from disk.
             moves = self.ctx.device.type != "cpu" or session.tier is Tier.DISK
             await self._on_device(session.unpark, inline=not moves)
@@ -493,13 +499,10 @@ class Executor:
         """
         turn = {"inline": inline, "rank": rank, "waits": session.waits}
         session.rank = rank
-        if session.tier is not Tier.DEVICE and self._ask_room is not None:
-            await self._ask_room(session.stats.bytes_in_use)
+        await self._room_for(session, rank)
         if session.tier is not Tier.DEVICE and not self._over_device_bytes(session):
             # It fits beside the others: back ahead of its turn, while they compute.
             await trio.to_thread.run_sync(session.bring_back)
-        if self._over_device_bytes(session):
-            await self._on_device(self._make_room, session, rank=rank)
         if not getattr(self.scheduler, "preemptive", False):
             return await self._on_device(session.run_batch, batch, **turn)
         start: int | None = 0
@@ -507,19 +510,28 @@ class Executor:
             start, reply = await self._on_device(self._run_ops, session, batch, start, **turn)
         return reply
 
-    def _over_device_bytes(self, session: ExecutorSession) -> bool:
+    async def _room_for(self, session: AnySession, rank: tuple) -> None:
+        """Make room on the device for ``session``'s storages: an evicted one asks the
+        supervisor first (tenants of other workers may have to leave), and this
+        executor's other sessions leave past ``device_bytes``."""
+        if session.tier is not Tier.DEVICE and self._ask_room is not None:
+            await self._ask_room(session.stats.bytes_in_use)
+        if self._over_device_bytes(session):
+            await self._on_device(self._make_room, session, rank=rank)
+
+    def _over_device_bytes(self, session: AnySession) -> bool:
         """Whether ``session``'s storages on the device would exceed ``device_bytes``."""
         if self.config.device_bytes is None:
             return False
         return self._device_bytes(session) > self.config.device_bytes
 
-    def _device_bytes(self, session: ExecutorSession) -> int:
+    def _device_bytes(self, session: AnySession) -> int:
         """What the sessions on the device hold, ``session`` counted as if it were."""
         others = [s for s in self.sessions.values() if s is not session]
         held = sum(s.bytes_on_device for s in others)
         return held + session.stats.bytes_in_use
 
-    def _make_room(self, session: ExecutorSession) -> None:
+    def _make_room(self, session: AnySession) -> None:
         """Evict the sessions ``eviction.choose`` names so that ``session`` fits on the
         device (to ``_evict_tier``). Without a place to put them nothing moves, and
         quotas still hold."""
@@ -590,6 +602,7 @@ class Executor:
         record, ends it for good."""
         token, replaying, info = await self._open_native(channel, header, session_id, limit)
         self._grants[blobservice.grant_of(token)] = replaying
+        self.sessions[session_id] = replaying
         scope = trio.CancelScope(deadline=until)
         attached = _Attached(replaying, _owner(channel), scope, trio.Event())
         self._attached[token] = attached
@@ -611,17 +624,26 @@ class Executor:
         finally:
             park = park and replaying.failure is None
             del self._grants[blobservice.grant_of(token)]
-            if park:
-                now, nbytes = trio.current_time(), replaying.live_bytes
-                dropped = self.cache.park(token, replaying, nbytes, now=now, owner=attached.owner)
-                for old in dropped:
-                    self._forget(old)
-            else:
-                replaying.close()
-            del self._attached[token]
-            attached.released.set()
+            self.sessions.pop(session_id, None)
+            with trio.CancelScope(shield=True):
+                await self._let_go_native(token, attached, park)
         done = "parked" if park else "ended"
         log.info("native session %d: %s after %d batches", session_id, done, replaying.batches)
+
+    async def _let_go_native(self, token: str, attached: _Attached, park: bool) -> None:
+        """Park a native session off the device (as ``_let_go`` does a Python one), for
+        its client to resume, or close it."""
+        replaying = attached.session
+        if park:
+            off = self._parks_off_device()
+            nbytes = await self._on_device(self._park, replaying, inline=not off)
+            now = trio.current_time()
+            for old in self.cache.park(token, replaying, nbytes, now=now, owner=attached.owner):
+                self._forget(old)
+        else:
+            replaying.close()
+        del self._attached[token]
+        attached.released.set()
 
     async def _open_native(
         self, channel: AsyncFrameChannel, header: list, session_id: int, limit: int
@@ -667,12 +689,13 @@ class Executor:
         if frame[:1] == bytes((native_wire.RESTORE,)):
             await channel.send_frame(await self._restore_native(replaying, frame, rank))
             return True
+        replaying.rank = rank
+        if frame[:1] and frame[0] not in STORAGELESS:  # a malformed one is run's to refuse
+            await self._room_for(replaying, rank)
+        # An evicted session's request brings its storages back first: not in the loop.
+        inline = native_wire.runs_inline(frame) and replaying.tier is Tier.DEVICE
         going, reply = await self._on_device(
-            replaying.run,
-            frame,
-            inline=native_wire.runs_inline(frame),
-            rank=rank,
-            waits=waits,
+            replaying.run, frame, inline=inline, rank=rank, waits=waits
         )
         if reply is not None:
             await channel.send_frame(reply)
@@ -730,7 +753,7 @@ class Executor:
         bounded = self.config.device_bytes is not None and self.ctx.blobs is not None
         return self.ctx.device.type != "cpu" or bounded
 
-    def _park(self, session: ExecutorSession) -> int:
+    def _park(self, session: AnySession) -> int:
         """Park ``session`` off the device: in host memory, or on disk where the device
         is host memory and its room is bounded (``device_bytes``), so a vanished
         tenant's memory goes to the tenants still here. Returns its bytes in memory."""
@@ -871,7 +894,7 @@ def _resume_token(header: list) -> str:
     return token
 
 
-def _candidate(session: ExecutorSession) -> Candidate:
+def _candidate(session: AnySession) -> Candidate:
     """A session on the device as the eviction policy weighs it (the in-process executor
     runs one session's batch at a time, so no other is in its turn)."""
     return Candidate(

@@ -12,6 +12,7 @@ KINDS = (
     "out_of_memory",  # the session's quota would be exceeded
     "op_failed",  # the op itself raised (wrong shapes, wrong dtypes...)
     "poisoned_handle",  # an output the executor could not produce as the client expected
+    "evicted",  # the session's storages, evicted to the host's disk, came back damaged
 )
 
 

@@ -9,22 +9,28 @@ executor (``cumulus_p2p.host.executor``) serves native sessions with it beside t
 Python device's, a ``ReplaySession`` each. A session's checkpoint can stay on the host
 side: KEEP copies its pieces for a standby host to pull (``kept``), and a failover's fresh
 host makes the storages and fills them from the standby (``open_restore``; the executor
-does the pulling).
+does the pulling). Like a Python session, a native one can leave the device between two
+batches (``evict``: to host memory, or to the blob store on disk) and come back before
+the next (``bring_back``), so an overcommitted host pages it as it pages the others.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import msgpack
 import torch
 
-from .._errors import MalformedMessageError
+from .._errors import BlobMismatchError, MalformedMessageError
 from ..blobs.names import PIECE, digest, is_digest
 from ..blobs.store import BlobStore, PinnedBlob, close_pins, pin_held
+from ..host.eviction import Tier
 from ..host.kept import KeptPieces
 from ..host.restoring import PieceTargets
+from ..host.scheduler import DEFAULT_RANK
 from ..host.session import SessionStats
 from ..host.waits import WaitWindow
 from ..wire import native as wire
@@ -38,6 +44,8 @@ MAX_HAVE_BYTES = 1 << 20
 DEFAULT_QUOTA = 8 * 1024**3
 
 _LIBRARY: ModuleType | None = None
+#: Requests that touch no storage: they do not bring an evicted session back.
+STORAGELESS = frozenset({wire.BYE, wire.HAVE, wire.RESEND})
 
 
 def library(verbose: bool = False) -> ModuleType:
@@ -54,6 +62,26 @@ def new_replayer(device: str = "cpu", quota_bytes: int = DEFAULT_QUOTA):
     """A session's replay loop on ``device`` (``"cpu"``, ``"cuda"``...), its live storages
     capped at ``quota_bytes``."""
     return library().Replayer(device, quota_bytes)
+
+
+@dataclass
+class _Paged:
+    """A session's storages while off its device: each one's handle, size and pieces
+    (on disk, pinned in the blob store), or its copy in host memory."""
+
+    entries: list[tuple[int, int, list[str]]]
+    copies: dict[int, torch.Tensor] = field(default_factory=dict)
+    pins: list[PinnedBlob] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(nbytes for _, nbytes, _ in self.entries)
+
+    def close(self) -> None:
+        for pin in self.pins:
+            pin.close()
+        self.pins.clear()
+        self.copies.clear()
 
 
 class ReplaySession:
@@ -83,6 +111,13 @@ class ReplaySession:
         self.waits = WaitWindow()
         #: Checkpoint pieces kept for a standby to pull (KEEP), under the session's grant.
         self.kept = KeptPieces()
+        #: Where its storages are (``evict``), and what the eviction policy weighs: its
+        #: lease's rank and when a batch last ran.
+        self.tier = Tier.DEVICE
+        self._paged: _Paged | None = None
+        self.rank: tuple = DEFAULT_RANK
+        self.last_op_at = time.monotonic()
+        self.evictions = 0
 
     def run(self, frame: bytes | bytearray) -> tuple[bool, list[bytes] | None]:
         """Run one request: (whether the session goes on, the reply's parts or None when
@@ -105,6 +140,11 @@ class ReplaySession:
         if kind in wire.BATCHES:
             self.received += 1
             self._last_reply = None
+            self.last_op_at = time.monotonic()
+        try:
+            self.bring_back()
+        except BlobMismatchError as exc:
+            self.failure = ReplayError(str(exc), -1, "evicted")
         readbacks = self._answer(kind, names, batch) if self.failure is None else []
         if not reply:
             return True, None
@@ -187,6 +227,105 @@ class ReplaySession:
         if self._store is not None and name not in self._pins:
             self._store.put(name, data, public=True)
 
+    # --- tiers (``host/eviction.py``) ----------------------------------------------------
+
+    def evict(self, tier: Tier) -> int:
+        """Move the session's storages off the device between two batches: copied to the
+        host's memory (``RAM``; on a CPU they stay where they are) or written to the blob
+        store as named pieces, pinned (``DISK``); then their device memory is let go.
+        Handles, the op table and the generator stay. Returns the bytes moved.
+
+        Raises:
+            ValueError: ``tier`` is the device, or the disk tier without a blob store.
+            OSError: the blob store could not keep a piece (nothing moved then).
+        """
+        if tier is Tier.DEVICE or self.tier is not Tier.DEVICE:
+            raise ValueError(f"a session on the {self.tier.value} tier cannot go to {tier.value}")
+        if tier is Tier.DISK and self._store is None:
+            raise ValueError("this executor has no blob store (--blob-dir) to evict to disk")
+        moved = self._replayer.live_bytes
+        if tier is Tier.DISK or self._replayer.device != "cpu":
+            handles = self._replayer.handles()
+            self._paged = self._written(handles) if tier is Tier.DISK else self._copied(handles)
+            self.drop(handles)
+        self.tier = tier
+        self.evictions += 1
+        return moved
+
+    def _written(self, handles: list[int]) -> _Paged:
+        paged = _Paged([])
+        try:
+            for handle in handles:
+                data = memoryview(self._replayer.storage_view(handle).cpu().numpy())
+                names = []
+                for at in range(0, len(data), PIECE):
+                    span = data[at : at + PIECE]
+                    pinned = self._store.keep(digest(span), span)
+                    if pinned is None:
+                        raise OSError(f"the blob store {self._store.root} is full")
+                    paged.pins.append(pinned)
+                    names.append(pinned.digest)
+                paged.entries.append((handle, len(data), names))
+        except BaseException:
+            paged.close()
+            raise
+        return paged
+
+    def _copied(self, handles: list[int]) -> _Paged:
+        paged = _Paged([])
+        for handle in handles:
+            view = self._replayer.storage_view(handle)
+            copy = torch.empty(view.numel(), dtype=torch.uint8, pin_memory=True)
+            paged.copies[handle] = copy.copy_(view)
+            paged.entries.append((handle, view.numel(), []))
+        return paged
+
+    def bring_back(self) -> None:
+        """Put an evicted session's storages back on its device (nothing if they are).
+
+        Raises:
+            BlobMismatchError: a piece on disk was damaged or lost; the session can no
+                longer run (its storages stay off the device).
+        """
+        paged, self._paged = self._paged, None
+        self.tier = Tier.DEVICE
+        if paged is None:
+            return
+        try:
+            targets = self.open_restore(paged.entries)
+            for handle, copy in paged.copies.items():
+                self._replayer.storage_view(handle).copy_(copy)
+            if paged.pins:
+                targets.fill_from(self._store)
+            if targets.missing() and paged.pins:
+                self.drop(handle for handle, _, _ in paged.entries)
+                raise BlobMismatchError(
+                    f"this session's memory evicted to disk is damaged ({len(targets.missing())} "
+                    "pieces unreadable); it cannot run on"
+                )
+        finally:
+            paged.close()
+
+    @property
+    def bytes_on_device(self) -> int:
+        """What the session's storages hold on the device: none while evicted."""
+        return self._replayer.live_bytes if self.tier is Tier.DEVICE else 0
+
+    def park(self, tier: Tier = Tier.RAM) -> int:
+        """Set the session aside while its client is away, off the device (``evict``).
+        Returns the bytes it holds in host memory (none on disk).
+
+        Raises:
+            OSError: the disk tier could not keep the pieces (it stays as it was).
+        """
+        if self.tier is Tier.DEVICE:
+            self.evict(tier)
+        return 0 if self.tier is Tier.DISK else self.stats.bytes_in_use
+
+    def unpark(self) -> None:
+        """Bring a parked session's storages back to its device."""
+        self.bring_back()
+
     @property
     def quota_bytes(self) -> int:
         """The most bytes the session's storages may hold."""
@@ -201,11 +340,13 @@ class ReplaySession:
     def stats(self) -> SessionStats:
         """Its ops run and memory in use, as a Python session's ``stats`` (a copy)."""
         replayer = self._replayer
-        live = replayer.live_bytes
+        live = replayer.live_bytes if self._paged is None else self._paged.nbytes
         return SessionStats(ops=replayer.ops_run, bytes_in_use=live, peak_bytes=live)
 
     def close(self) -> None:
         """Let go of the pieces kept for a standby, the pins, and the storages."""
         self.kept.close()
         close_pins(self._pins)
+        if self._paged is not None:
+            self._paged.close()
         self._replayer = None

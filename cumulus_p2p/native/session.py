@@ -399,7 +399,7 @@ class NativeSession:
         checkpoint is pulled there first, before this returns.
 
         Raises:
-            SessionClosedError: the fresh executor could not pull the standby's pieces.
+            FailoverError: the fresh executor could not pull the standby's pieces.
         """
         self._take_copied(wait=True)
         checkpoint = self._checkpoint
@@ -424,7 +424,7 @@ class NativeSession:
         self._channel.send_frame(request)
         reply = wire.parse_reply(self._channel.recv_frame())
         if isinstance(reply, tuple):
-            raise SessionClosedError(
+            raise FailoverError(
                 f"the new host could not restore the session from its standby: {reply[2]}"
             )
         fetched = msgpack.unpackb(reply[0]).get("fetched_bytes", 0)

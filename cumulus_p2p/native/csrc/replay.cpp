@@ -261,6 +261,7 @@ class Replayer {
     return readbacks;
   }
 
+  std::string device() const { return device_.str(); }
   int64_t live_bytes() const { return static_cast<int64_t>(live_); }
   int64_t quota_bytes() const { return quota_; }
   uint64_t ops_run() const { return ops_run_; }
@@ -901,6 +902,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           py::arg("batch"), py::arg("names") = std::vector<std::string>{},
           "Run a batch after appending `names` to the op name table; the readbacks' bytes.")
+      .def_property_readonly("device", &Replayer::device)
       .def_property_readonly("live_bytes", &Replayer::live_bytes)
       .def_property_readonly("quota_bytes", &Replayer::quota_bytes)
       .def_property_readonly("ops_run", &Replayer::ops_run)

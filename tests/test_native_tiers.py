@@ -1,0 +1,236 @@
+"""A native session's memory off the device and back (issues 30 and 32), as a Python
+session's is (``test_session_tiers.py``): host RAM and the disk tier.
+
+On a CPU executor the device tier is the session's own memory, so the whole path runs
+here: the replay loop's storages written to the host's blob store as named pieces, let
+go, and made again and filled, checked, before the next request that needs them. The
+replay library registers nothing with the dispatcher, so these run in the test process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cumulus_p2p import native
+from cumulus_p2p.blobs.names import digest
+from cumulus_p2p.blobs.store import BlobStore
+from cumulus_p2p.host.eviction import Tier
+from cumulus_p2p.native.records import (
+    Alloc,
+    Free,
+    HostTensor,
+    Op,
+    Readback,
+    TensorRef,
+    Upload,
+    encode,
+)
+from cumulus_p2p.wire import native as wire
+
+_MISSING = native.missing_toolchain()
+pytestmark = pytest.mark.skipif(
+    _MISSING is not None, reason=f"the native executor cannot be built here: {_MISSING}"
+)
+
+N = 300_000  # 1.2 MB of float32: a storage of one piece
+DATA = torch.linspace(-1.0, 1.0, N)
+
+
+def ref(handle: int) -> TensorRef:
+    return TensorRef(handle, 0, "float32", (N,), (1,))
+
+
+def upload(handle: int) -> list:
+    host = HostTensor("float32", (N,), DATA.numpy().tobytes())
+    return [Alloc(handle, N * 4), Upload(ref(handle), host)]
+
+
+def add(src: int, dst: int, value: float) -> list:
+    """``dst = src + value`` (a CPU scalar tensor), then ``src`` freed."""
+    return [Op("aten::add.Scalar", (ref(src), value, 1), (ref(dst),)), Free(src)]
+
+
+def blob(data: bytes) -> tuple[str, memoryview]:
+    return digest(data), memoryview(data)
+
+
+class Client:
+    """Requests to one native session, encoded against its op name table."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self._sent = 0
+
+    def request(self, *records, kind: int = wire.BATCH) -> bytes:
+        batch = encode(records, self.names)
+        new, self._sent = self.names[self._sent :], len(self.names)
+        return b"".join(wire.request(kind, new, batch, reply=True))
+
+
+def a_session(tmp_path, cap: int = 1 << 30):
+    """A ReplaySession on a CPU with a blob store, holding ``DATA`` (handle 1)."""
+    from cumulus_p2p.native.executor import ReplaySession, new_replayer
+
+    store = BlobStore(tmp_path / "blobs", cap)
+    session, client = ReplaySession(new_replayer("cpu", 1 << 26), store), Client()
+    assert run(session, client.request(*upload(1))) == []
+    return session, client, store
+
+
+def run(session, frame: bytes) -> list[bytes] | tuple:
+    going, reply = session.run(frame)
+    assert going
+    answer = wire.parse_reply(b"".join(reply))
+    return answer if isinstance(answer, tuple) else [bytes(part) for part in answer]
+
+
+def read(session, client, handle: int) -> torch.Tensor:
+    (data,) = run(session, client.request(Readback(ref(handle))))
+    return torch.frombuffer(bytearray(data), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("tier", [Tier.RAM, Tier.DISK])
+def test_an_evicted_native_session_runs_its_next_batch_with_the_same_results(tmp_path, tier):
+    session, client, _ = a_session(tmp_path)
+    assert session.evict(tier) == N * 4
+    assert session.tier is tier
+    assert run(session, client.request(*add(1, 2, 0.5))) == []
+    assert session.tier is Tier.DEVICE
+    assert torch.equal(read(session, client, 2), DATA + 0.5)
+
+
+def test_on_disk_its_memory_is_let_go_and_the_pieces_are_pinned(tmp_path):
+    session, _, store = a_session(tmp_path)
+    session.evict(Tier.DISK)
+    assert session.live_bytes == 0 and session.bytes_on_device == 0
+    assert session.stats.bytes_in_use == N * 4  # still its own, against its quota
+    assert store.statistics().nbytes == N * 4
+    store.cap = 0
+    assert not store.put(*blob(b"squeezed"))  # the pinned piece cannot go for it
+
+
+def test_a_piece_damaged_on_disk_fails_the_session_and_says_why(tmp_path):
+    session, client, _ = a_session(tmp_path)
+    session.evict(Tier.DISK)
+    (piece,) = [p for p in (tmp_path / "blobs").iterdir() if len(p.name) == 64]
+    data = piece.read_bytes()
+    piece.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
+    record, kind, message = run(session, client.request(Readback(ref(1))))
+    assert kind == "evicted" and "evicted to disk is damaged" in message
+    assert run(session, client.request())[1] == "evicted"  # and every later reply
+
+
+def test_a_disk_that_cannot_keep_the_pieces_leaves_the_session_on_the_device(tmp_path):
+    session, client, store = a_session(tmp_path, cap=1024)
+    with pytest.raises(OSError, match="is full"):
+        session.evict(Tier.DISK)
+    assert session.tier is Tier.DEVICE and session.live_bytes == N * 4
+    assert torch.equal(read(session, client, 1), DATA)
+    assert store.statistics().nbytes == 0
+
+
+def test_closing_an_evicted_native_session_unpins_its_pieces(tmp_path):
+    session, _, store = a_session(tmp_path)
+    session.evict(Tier.DISK)
+    session.close()
+    store.cap = 16
+    assert store.put(*blob(b"room now"))  # the session's piece made way
+
+
+def test_the_device_tier_is_not_a_tier_to_evict_to(tmp_path):
+    session, _, _ = a_session(tmp_path)
+    with pytest.raises(ValueError):
+        session.evict(Tier.DEVICE)
+
+
+# --- the executor: native tenants past the device's room, evicted to fit ---------------
+
+
+class Tenant:
+    """A native session of the in-process executor, over a memory stream."""
+
+    def __init__(self, executor, nursery, rank) -> None:
+        import trio.testing
+
+        from cumulus_p2p.channel.transport import TrioFrameChannel
+
+        client, server = trio.testing.memory_stream_pair()
+        self.channel = TrioFrameChannel(client)
+        self.client = Client()
+        nursery.start_soon(lambda: executor.run_session(TrioFrameChannel(server), rank=rank))
+
+    async def hello(self, opening: str = "hello", options: dict | None = None) -> dict:
+        from cumulus_p2p.wire.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
+
+        options = {"native": wire.VERSION} | (options or {})
+        await self.channel.send_frame(encode_frame([opening, PROTOCOL_VERSION, options]))
+        header = decode_frame(await self.channel.receive_frame())[0]
+        assert header[0] == "welcome", header
+        return header[2]
+
+    async def batch(self, *records) -> list[bytes]:
+        await self.channel.send_frame([self.client.request(*records)])
+        answer = wire.parse_reply(await self.channel.receive_frame())
+        assert not isinstance(answer, tuple), answer
+        return [bytes(part) for part in answer]
+
+    async def bye(self) -> None:
+        await self.channel.send_frame(wire.request(wire.BYE, [], b"", reply=False))
+
+
+async def test_native_tenants_past_the_device_evict_the_least_recently_used_exactly(tmp_path):
+    import trio
+
+    from cumulus_p2p.host.executor import Executor, ExecutorConfig
+
+    # Room on the device for two tenants' storages, not three.
+    config = ExecutorConfig(device="cpu", blob_dir=str(tmp_path), device_bytes=2 * N * 4 + 4096)
+    executor = Executor(config)
+    async with trio.open_nursery() as nursery:
+        tenants = [Tenant(executor, nursery, rank=(0, -100)) for _ in range(3)]
+        for tenant in tenants:
+            await tenant.hello()
+            await tenant.batch(*upload(1))
+        for tenant in tenants[1:]:
+            await tenant.batch()  # a batch sees what the last one grew to, and makes room
+        # The second made room by evicting the first, the least recently used.
+        assert [s.tier.value for s in executor.sessions.values()] == ["disk", "device", "device"]
+        for step in range(2):  # round robin: each batch brings its tenant back
+            for i, tenant in enumerate(tenants):
+                await tenant.batch(*add(1 + step, 2 + step, float(i + 1)))
+        results = [await tenant.batch(Readback(ref(3))) for tenant in tenants]
+        tiers = sorted(s.tier.value for s in executor.sessions.values())
+        for tenant in tenants:
+            await tenant.bye()
+    for i, (data,) in enumerate(results):
+        assert torch.equal(
+            torch.frombuffer(bytearray(data), dtype=torch.float32), DATA + (i + 1) + (i + 1)
+        )
+    assert tiers == ["device", "device", "disk"]
+
+
+async def test_a_dropped_native_tenant_is_parked_on_disk_and_resumes_exactly(tmp_path):
+    import trio
+
+    from cumulus_p2p.host.executor import Executor, ExecutorConfig
+
+    config = ExecutorConfig(device="cpu", blob_dir=str(tmp_path), device_bytes=4 * N * 4)
+    executor = Executor(config)
+    async with trio.open_nursery() as nursery:
+        tenant = Tenant(executor, nursery, rank=(1, 0))
+        token = (await tenant.hello())["token"]
+        await tenant.batch(*upload(1))
+        await tenant.channel.aclose()  # hung up, as a preempted lease is
+        with trio.fail_after(5):
+            while executor.cache.statistics().entries != 1:
+                await trio.sleep(0.02)
+        (parked,) = [e.value for e in executor.cache._entries.values()]
+        assert parked.tier is Tier.DISK
+        assert executor.cache.statistics().bytes == 0  # none of the cache's host memory
+        again = Tenant(executor, nursery, rank=(1, 0))
+        again.client = tenant.client  # the same session's name table
+        assert (await again.hello("resume", {"token": token}))["resumed"]
+        (data,) = await again.batch(Readback(ref(1)))
+        await again.bye()
+    assert torch.equal(torch.frombuffer(bytearray(data), dtype=torch.float32), DATA)
