@@ -31,6 +31,11 @@ make room) and ``overcommit_losses_exact`` (1
 when every tenant's losses equal the same training run locally, bit for bit). The same
 run with a worker process per session (the supervisor asks workers to evict as their
 reports come, each second) gives the ``overcommit_workers_*`` keys.
+
+The native device's session (``native.executor.ReplaySession``, the C++ replay loop) is
+evicted and brought back the same way, on the same bytes: ``native_evict_gb_s`` and
+``native_restore_gb_s`` (the disk tier), ``native_ram_*`` on a GPU,
+``native_resume_from_disk_s`` and ``native_exact``.
 """
 
 from __future__ import annotations
@@ -75,6 +80,60 @@ def probe(session: ExecutorSession, seq: int, n: int) -> bytes:
     out = [[1000 + seq, [1024], [1], 0]]
     done = tensor_ext(1000 + seq, tensor_layout(torch.float32, 0, (1024,), (1,)))
     return batch(session, seq, [["aten.mul.Tensor", [ref, 3.0], {}, out]], ["fetch", done])
+
+
+def native_arm(device: torch.device, data: torch.Tensor, store: BlobStore) -> dict:
+    """A native session holding ``data`` (flat float32), evicted to each tier and brought
+    back by a small op on its storage, read back and checked against one never evicted."""
+    from cumulus_p2p.native import records
+    from cumulus_p2p.native.executor import ReplaySession, new_replayer
+    from cumulus_p2p.wire import native as wire
+
+    nbytes = data.numel() * 4
+    whole = records.TensorRef(1, 0, "float32", (data.numel(),), (1,))
+    head = records.TensorRef(1, 0, "float32", (1024,), (1,))
+    out = records.TensorRef(2, 0, "float32", (1024,), (1,))
+    sessions = [ReplaySession(new_replayer(str(device), 2 * nbytes), store) for _ in range(2)]
+    tables: dict[int, list[str]] = {id(session): [] for session in sessions}
+
+    def run(session: ReplaySession, *recs) -> list[bytes]:
+        table = tables[id(session)]  # each session's op name table
+        known = len(table)
+        batch = records.encode(recs, table)
+        _, reply = session.run(b"".join(wire.request(wire.BATCH, table[known:], batch, True)))
+        answer = wire.parse_reply(b"".join(reply))
+        if isinstance(answer, tuple):
+            raise RuntimeError(answer)
+        return [bytes(part) for part in answer]
+
+    def probe(session: ReplaySession) -> bytes:
+        (value,) = run(
+            session, records.Op("aten::mul.Scalar", (head, 3.0), (out,)), records.Readback(out),
+            records.Free(2),
+        )  # fmt: skip
+        return value
+
+    host = records.HostTensor("float32", (data.numel(),), data.numpy().tobytes())
+    for session in sessions:
+        run(session, records.Alloc(1, nbytes), records.Upload(whole, host))
+    stayed, moved = sessions
+    expected, result, exact = probe(stayed), {}, True
+    for tier, name in ((Tier.RAM, "ram"), (Tier.DISK, "disk")):
+        if tier is Tier.RAM and device.type == "cpu":
+            continue  # nothing moves: a rate would be meaningless
+        started = time.perf_counter()
+        moved.evict(tier)
+        evict_s = time.perf_counter() - started
+        started = time.perf_counter()
+        exact = exact and probe(moved) == expected
+        resume_s = time.perf_counter() - started
+        prefix = "native_ram_" if tier is Tier.RAM else "native_"
+        result[f"{prefix}evict_gb_s"] = nbytes / evict_s / GB
+        result[f"{prefix}restore_gb_s"] = nbytes / resume_s / GB
+        result[f"native_resume_from_{name}_s"] = resume_s
+    for session in sessions:
+        session.close()
+    return result | {"native_exact": int(exact)}
 
 
 def train(device: str, mib: int, steps: int, seed: int) -> list[float]:
@@ -201,6 +260,7 @@ def main() -> None:
             result[f"{prefix}evict_gb_s"] = nbytes / evict_s / GB
             result[f"{prefix}restore_gb_s"] = nbytes / resume_s / GB
         result["exact"] = int(exact)
+        result |= native_arm(device, src.cpu(), store)
     if args.device == "cpu":
         result |= overcommit(args.quick)
         result |= overcommit(args.quick, "worker-per-session")

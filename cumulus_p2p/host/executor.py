@@ -180,8 +180,7 @@ class Executor:
         if not found:
             return None
         session = found[-1]
-        tier = session.tier if isinstance(session, ExecutorSession) else Tier.DEVICE
-        stats = dataclasses.replace(session.stats, tier=tier.value)
+        stats = dataclasses.replace(session.stats, tier=session.tier.value)
         waits = session.waits.percentiles(now=time.monotonic())
         if waits is None:
             return stats
