@@ -54,15 +54,6 @@ def test_a_bid_between_the_contend_price_and_the_ask_runs_contending_at_that_pri
     )  # fmt: skip
     try:
         host.wait_for("1 more shares at 0.200000")
-        # All at once: the two that bid too little can lease nothing, whenever they come.
-        consumer = nodes.start_consumer(
-            tmp_path / "consumer", boot.addr, "--priority", "contend", "--max-price", "0.3",
-            command=SCRIPT,
-        )  # fmt: skip
-        # On demand, paying its bid over the ask: the host's one on-demand share.
-        payer = nodes.start_consumer(
-            tmp_path / "payer", boot.addr, "--max-price", "0.6", "--pay-bid", command=SCRIPT
-        )
         # Under the contend price: no lease, and the reason names the price on offer.
         cheapskate = nodes.start_consumer(
             tmp_path / "cheapskate", boot.addr, "--priority", "contend", "--max-price", "0.1",
@@ -73,11 +64,20 @@ def test_a_bid_between_the_contend_price_and_the_ask_runs_contending_at_that_pri
             tmp_path / "on-demand", boot.addr, "--max-price", "0.3", "--match-timeout", "15s",
             command=SCRIPT,
         )  # fmt: skip
-        # While it waits, its status says what would lease it now: the contend price.
+        # While it waits, its status says what would lease it now: the contend price, while
+        # the contending share is free (taken, no price would: the jobs below come after).
         waiting = cheapskate.wait_for_state(
             lambda s: (s.get("standing") or {}).get("run_now_price"), timeout=60
         )
         assert waiting["standing"]["run_now_price"] == 200_000
+        consumer = nodes.start_consumer(
+            tmp_path / "consumer", boot.addr, "--priority", "contend", "--max-price", "0.3",
+            command=SCRIPT,
+        )  # fmt: skip
+        # On demand, paying its bid over the ask: the host's one on-demand share.
+        payer = nodes.start_consumer(
+            tmp_path / "payer", boot.addr, "--max-price", "0.6", "--pay-bid", command=SCRIPT
+        )
         assert cheapskate.proc.wait(timeout=120) != 0
         assert on_demand.proc.wait(timeout=120) != 0
         assert consumer.proc.wait(timeout=180) == 0, consumer.output()
