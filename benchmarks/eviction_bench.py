@@ -56,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 from cumulus_p2p.blobs.store import BlobStore  # noqa: E402 - after the path fix
 from cumulus_p2p.host.eviction import Tier  # noqa: E402
 from cumulus_p2p.host.session import DeviceContext, ExecutorSession, parse_batch  # noqa: E402
+from cumulus_p2p.testing.executor import executor_process, log_tail  # noqa: E402
 from cumulus_p2p.wire.protocol import (  # noqa: E402
     decode_frame,
     encode_frame,
@@ -169,17 +170,28 @@ def tenant(address: str, mib: int, steps: int, seed: int) -> None:
         print(json.dumps({"losses": losses, "seconds": seconds, "evictions": evictions}))
 
 
-def tenants_at_once(address: str, count: int, mib: int, steps: int) -> list[dict]:
+def tenants_at_once(executor: subprocess.Popen, address: str, count: int, mib: int, steps: int):
+    """Each tenant's run: its losses, seconds and evictions. A tenant that fails stops the
+    bench with its error and the end of the executor's log."""
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, "--tenant", address, str(mib), str(steps), str(seed)],
             stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
             cwd=ROOT,
         )
         for seed in range(count)
     ]
-    return [json.loads(p.communicate(timeout=900)[0].strip().splitlines()[-1]) for p in procs]
+    runs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=900)
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"a tenant failed: {err[-2000:]}\nthe executor: {log_tail(executor)}"
+            )
+        runs.append(json.loads(out.strip().splitlines()[-1]))
+    return runs
 
 
 def overcommit(quick: bool, isolation: str = "shared-process") -> dict:
@@ -187,7 +199,6 @@ def overcommit(quick: bool, isolation: str = "shared-process") -> dict:
 
     ``isolation``: ``shared-process`` (the executor evicts before a batch) or
     ``worker-per-session`` (the supervisor asks workers to evict, as reports come)."""
-    from cumulus_p2p.testing.executor import executor_process
 
     mib, steps = (8, 6) if quick else (32, 8)
     # A tenant holds its weights and, during a step, their gradients: twice them.
@@ -198,8 +209,8 @@ def overcommit(quick: bool, isolation: str = "shared-process") -> dict:
         with tempfile.TemporaryDirectory(prefix="cumulus-overcommit-") as blobs:
             flags = [f"--{isolation}", "--device-memory", room, "--blob-dir", blobs]
             flags += ["--pool", "4"] if isolation == "worker-per-session" else []
-            with executor_process(extra=flags, env={"OMP_NUM_THREADS": "1"}) as (address, _):
-                runs = tenants_at_once(address, count, mib, steps)
+            with executor_process(extra=flags, env={"OMP_NUM_THREADS": "1"}) as (address, proc):
+                runs = tenants_at_once(proc, address, count, mib, steps)
         # From the tenants' own clocks: their processes' start-up is not the executor's.
         rates[count] = count * steps / max(run["seconds"] for run in runs)
         evictions[count] = sum(run["evictions"] for run in runs)

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,27 +34,35 @@ def executor_process(
     env: dict[str, str] | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """Run ``cumulus-executor`` on 127.0.0.1, yield ``("127.0.0.1:PORT", process)``;
-    ``env`` adds to this process's environment for it.
+    ``env`` adds to this process's environment for it. Its log goes to a file, not a
+    pipe nobody drains (a full one would stall it): ``log_tail(process)`` reads it.
 
     The process is terminated (then killed) on exit, whatever happened inside.
     """
     cmd = [sys.executable, "-m", "cumulus_p2p.host.executor_main", "--host", "127.0.0.1"]
     cmd += ["--port", "0", "--device", device, "--quota", quota, *(extra or [])]
     environ = {**os.environ, **(env or {})}
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ
-    )
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=environ)
+    proc.log = log
     try:
         line = proc.stdout.readline()
         match = _LISTENING.search(line)
         if match is None:
-            err = proc.stderr.read() if proc.poll() is not None else ""
-            raise RuntimeError(f"executor did not start: {line!r} {err}")
+            raise RuntimeError(f"executor did not start: {line!r} {log_tail(proc)}")
         key = _KEY.search(line)
         proc.provider_key = bytes.fromhex(key.group(1)) if key else None
         yield f"{match.group(1)}:{match.group(2)}", proc
     finally:
         stop(proc)
+        log.close()
+
+
+def log_tail(proc: subprocess.Popen, nbytes: int = 4000) -> str:
+    """The end of the log of an executor ``executor_process`` started."""
+    end = proc.log.seek(0, os.SEEK_END)
+    proc.log.seek(max(0, end - nbytes))
+    return proc.log.read().decode(errors="replace")
 
 
 @contextmanager
