@@ -242,6 +242,35 @@ async def test_an_evicted_session_that_fits_comes_back_ahead_of_its_turn(tmp_pat
         await tenant.channel.send_frame(encode_frame(["bye"]))
 
 
+async def test_two_evictions_asked_at_once_move_the_session_once_and_fail_nothing(tmp_path):
+    """A supervisor's second ``evict`` may come while the first waits for the turn: the
+    second finds the session gone from the device, and says it moved nothing."""
+    import trio
+
+    from cumulus_p2p.host.executor import Executor, ExecutorConfig
+
+    config = ExecutorConfig(device="cpu", blob_dir=str(tmp_path), device_bytes=4 * N * 4)
+    executor = Executor(config)
+    async with trio.open_nursery() as nursery:
+        tenant = Tenant(executor, nursery, rank=(0, -100))
+        await tenant.hello()
+        await tenant.batch([["aten.ones.default", [[N]], {}, [[1, [N], [1], 0]]]], ["sync"])
+        await executor.scheduler.acquire((0, -100))  # both evictions wait for the turn
+        moved = []
+
+        async def evict_all():
+            moved.append(await executor.evict_all())
+
+        async with trio.open_nursery() as evictions:
+            evictions.start_soon(evict_all)
+            evictions.start_soon(evict_all)
+            await trio.testing.wait_all_tasks_blocked()
+            executor.scheduler.release()
+        (session,) = executor.sessions.values()
+        assert sorted(moved) == [0, N * 4] and session.tier is Tier.DISK
+        await tenant.channel.send_frame(encode_frame(["bye"]))
+
+
 async def test_a_dropped_tenants_memory_is_parked_on_disk_and_its_resume_is_exact(tmp_path):
     """A preempted lease's session is hung up and parked (``Provider.end_preempted``): on
     a device with bounded room its storages leave it, and come back exactly."""

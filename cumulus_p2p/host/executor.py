@@ -560,11 +560,10 @@ class Executor:
         0 where there is no place to put them or nothing is on the device."""
         tier, moved = self._evict_tier(), 0
         for session in list(self.sessions.values()) if tier is not None else []:
-            if session.tier is Tier.DEVICE:
-                try:
-                    moved += await self._on_device(session.evict, tier, rank=session.rank)
-                except OSError as exc:
-                    log.warning("could not evict a session: %s", exc)
+            try:
+                moved += await self._on_device(_evict_on_device, session, tier, rank=session.rank)
+            except OSError as exc:
+                log.warning("could not evict a session: %s", exc)
         if moved and self.ctx.device.type == "cuda":
             torch.cuda.empty_cache()  # hand the memory back for other processes
         return moved
@@ -891,6 +890,13 @@ def _resume_token(header: list) -> str:
             "token from welcome"
         )
     return token
+
+
+def _evict_on_device(session: AnySession, tier: Tier) -> int:
+    """``session.evict(tier)`` if its storages are still on the device when its turn
+    comes: another ``evict`` from the supervisor may have moved them while this one
+    waited for the turn."""
+    return session.evict(tier) if session.tier is Tier.DEVICE else 0
 
 
 def _candidate(session: AnySession) -> Candidate:
