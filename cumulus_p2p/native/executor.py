@@ -284,8 +284,8 @@ class ReplaySession:
         """Put an evicted session's storages back on its device (nothing if they are).
 
         Raises:
-            BlobMismatchError: a piece on disk was damaged or lost; the session can no
-                longer run (its storages stay off the device).
+            BlobMismatchError: a piece on disk was damaged or lost; the storages are let
+                go, and the session can no longer run (``run`` says so in every reply).
         """
         paged, self._paged = self._paged, None
         self.tier = Tier.DEVICE
@@ -297,7 +297,7 @@ class ReplaySession:
                 self._replayer.storage_view(handle).copy_(copy)
             if paged.pins:
                 targets.fill_from(self._store)
-            if targets.missing() and paged.pins:
+            if targets.missing():  # only a disk piece can be missing: a copy is whole
                 self.drop(handle for handle, _, _ in paged.entries)
                 raise BlobMismatchError(
                     f"this session's memory evicted to disk is damaged ({len(targets.missing())} "
