@@ -633,11 +633,7 @@ class Executor:
         its client to resume, or close it."""
         replaying = attached.session
         if park:
-            off = self._parks_off_device()
-            nbytes = await self._on_device(self._park, replaying, inline=not off)
-            now = trio.current_time()
-            for old in self.cache.park(token, replaying, nbytes, now=now, owner=attached.owner):
-                self._forget(old)
+            await self._park_in_cache(token, replaying, attached.owner)
         else:
             replaying.close()
         del self._attached[token]
@@ -733,17 +729,21 @@ class Executor:
     ) -> None:
         attached = self._attached.get(token) if token is not None else None
         if park and token is not None:
-            nbytes = await self._on_device(self._park, session, inline=not self._parks_off_device())
-            now = trio.current_time()
-            dropped = self.cache.park(token, session, nbytes, now=now, owner=_owner(channel))
-            for old in dropped:
-                self._forget(old)
+            await self._park_in_cache(token, session, _owner(channel))
         else:
             self._forget(session)
         if attached is not None and attached.session is session:
             del self._attached[token]
             attached.released.set()
         self._expire_parked()
+
+    async def _park_in_cache(self, token: str, session: AnySession, owner: object) -> None:
+        """Park ``session`` off the device (``_park``) and in the host cache under
+        ``token``, for ``owner`` to resume; the sessions the cache lets go for it are
+        forgotten."""
+        nbytes = await self._on_device(self._park, session, inline=not self._parks_off_device())
+        for old in self.cache.park(token, session, nbytes, now=trio.current_time(), owner=owner):
+            self._forget(old)
 
     def _parks_off_device(self) -> bool:
         """Whether parking moves bytes (a GPU's to host memory, a bounded CPU's to disk):
