@@ -258,7 +258,7 @@ class HandleTable:
         paged: dict[int, list[PinnedBlob]] = {}
         try:
             for handle, entry in self._entries.items():
-                paged[handle] = _page_out(entry.anchor, store)
+                paged[handle] = write_pieces(entry.anchor, store)
         except BaseException:
             unpin(paged)
             raise
@@ -349,8 +349,13 @@ def unpin(paged: dict[int, list[PinnedBlob]]) -> None:
             pin.close()
 
 
-def _page_out(anchor: torch.Tensor, store: BlobStore) -> list[PinnedBlob]:
-    """An anchor's whole storage written to ``store`` in ``PIECE``s, each pinned."""
+def write_pieces(anchor: torch.Tensor, store: BlobStore) -> list[PinnedBlob]:
+    """An anchor's whole storage written to ``store`` in ``PIECE``s, each pinned (the
+    disk tier of either device's sessions).
+
+    Raises:
+        OSError: the store could not keep a piece (none stays pinned then).
+    """
     nbytes = anchor.untyped_storage().nbytes()
     data = raw_bytes(anchor, 0, nbytes).cpu().numpy()
     pins: list[PinnedBlob] = []

@@ -28,6 +28,7 @@ from .._errors import BlobMismatchError, MalformedMessageError
 from ..blobs.names import PIECE, digest, is_digest
 from ..blobs.store import BlobStore, PinnedBlob, close_pins, pin_held
 from ..host.eviction import Tier
+from ..host.handles import write_pieces
 from ..host.kept import KeptPieces
 from ..host.restoring import PieceTargets
 from ..host.scheduler import DEFAULT_RANK
@@ -256,16 +257,10 @@ class ReplaySession:
         paged = _Paged([])
         try:
             for handle in handles:
-                data = memoryview(self._replayer.storage_view(handle).cpu().numpy())
-                names = []
-                for at in range(0, len(data), PIECE):
-                    span = data[at : at + PIECE]
-                    pinned = self._store.keep(digest(span), span)
-                    if pinned is None:
-                        raise OSError(f"the blob store {self._store.root} is full")
-                    paged.pins.append(pinned)
-                    names.append(pinned.digest)
-                paged.entries.append((handle, len(data), names))
+                view = self._replayer.storage_view(handle)
+                pins = write_pieces(view, self._store)
+                paged.pins += pins
+                paged.entries.append((handle, view.numel(), [pin.digest for pin in pins]))
         except BaseException:
             paged.close()
             raise
