@@ -14,6 +14,7 @@ from cumulus_p2p.market.lease_state import (
     LeaseEvent,
     LeaseLifecycle,
     LeaseState,
+    overdue_since,
     payment_event,
     settled_event,
 )
@@ -126,6 +127,20 @@ def test_once_settled_a_paused_lease_runs_again_and_a_finished_one_ends():
     assert event_at(RUNNING, None) is None
     for state in (RUNNING, PAUSED, SETTLING):
         assert event_at(state, None, done_serving=True) is LeaseEvent.SETTLED
+
+
+def test_a_receipt_is_found_overdue_once_and_keeps_that_time_until_settled():
+    def found(previous, late):
+        oldest = None if late is None else 100.0
+        return overdue_since(
+            previous, oldest_unsettled_at=oldest, now=100.0 + (late or 0), grace=GRACE
+        )
+
+    assert found(None, GRACE) is None  # within its grace
+    assert found(None, GRACE + 1) == 100.0 + GRACE + 1  # found now
+    assert found(105.0, 3 * GRACE) == 105.0  # found before: that time stands
+    assert found(105.0, None) is None  # settled since
+    assert found(105.0, GRACE) is None  # a later receipt, still within its own grace
 
 
 @pytest.mark.parametrize("state", sorted(FINAL_STATES, key=lambda s: s.value))

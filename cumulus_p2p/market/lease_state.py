@@ -44,6 +44,7 @@ __all__ = [
     "LeaseEvent",
     "LeaseLifecycle",
     "LeaseState",
+    "overdue_since",
     "payment_event",
     "settled_event",
 ]
@@ -162,6 +163,18 @@ def settled_event(state: LeaseState, *, done_serving: bool) -> LeaseEvent | None
     if state is LeaseState.PAUSED:
         return LeaseEvent.PAID_UP
     return None
+
+
+def overdue_since(
+    overdue_at: float | None, *, oldest_unsettled_at: float | None, now: float, grace: float
+) -> float | None:
+    """When the host found the lease's oldest unsettled receipt overdue, as of ``now``
+    (what ``payment_event`` takes as ``overdue_at``): ``overdue_at`` if it had already,
+    ``now`` if it finds it so now, None while none is overdue (the one found overdue was
+    settled since, and a later one gets a grace of its own)."""
+    if payment_standing(oldest_unsettled_at, now=now, grace=grace) is Standing.CURRENT:
+        return None
+    return now if overdue_at is None else overdue_at
 
 
 def payment_event(

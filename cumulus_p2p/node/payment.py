@@ -43,10 +43,10 @@ from ..market.lease_state import (
     LeaseEvent,
     LeaseLifecycle,
     LeaseState,
+    overdue_since,
     payment_event,
     settled_event,
 )
-from ..market.metering import Standing, payment_standing
 from ..market.settlement import HANGUP_PAUSED, settle_receipt
 from ..reputation import NonPayment
 from .runtime import Runtime, peer_of
@@ -220,10 +220,9 @@ class PaymentEnforcer:
         """Make the move the lease's payments call for now (``payment_event``)."""
         now = self.runtime.clock()
         oldest = active.unsettled[0].at if active.unsettled else None
-        if payment_standing(oldest, now=now, grace=self.grace) is Standing.CURRENT:
-            active.overdue_at = None  # the receipt found overdue was settled since
-        elif active.overdue_at is None:
-            active.overdue_at = now
+        active.overdue_at = overdue_since(
+            active.overdue_at, oldest_unsettled_at=oldest, now=now, grace=self.grace
+        )
         event = payment_event(
             active.state,
             oldest_unsettled_at=oldest,
