@@ -2,10 +2,39 @@
 
 from __future__ import annotations
 
-import pytest
+import os
+import shutil
+import tempfile
 
-import cumulus_p2p.remote as remote
-from cumulus_p2p.testing.executor import executor_process
+# Before torch is first imported, here or in any process a test starts (they inherit it):
+# OpenMP's idle threads then sleep instead of spinning. The suite runs a dozen torch
+# processes at once on two cores, where each one's spinning threads burn the cores the
+# others wait for: four 60-step demo_train runs at once took 24 s and 46 CPU s spinning,
+# 9 s and 17 CPU s passive, with the same losses to the bit (the thread count is unchanged).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+
+import cumulus_p2p.remote as remote  # noqa: E402
+from cumulus_p2p.testing.executor import executor_process  # noqa: E402
+from cumulus_p2p.testing.nodes import REFERENCE_RUNS  # noqa: E402
+
+_made_here = pytest.StashKey[str]()
+
+
+def pytest_configure(config):
+    """One directory of local reference runs for the whole session, its workers included
+    (they start after this and inherit the environment): see ``nodes.LocalRun``."""
+    if REFERENCE_RUNS not in os.environ:
+        os.environ[REFERENCE_RUNS] = tempfile.mkdtemp(prefix="cumulus-reference-runs-")
+        config.stash[_made_here] = os.environ[REFERENCE_RUNS]
+
+
+def pytest_unconfigure(config):
+    made = config.stash.get(_made_here, None)
+    if made:
+        shutil.rmtree(made, ignore_errors=True)
+        del os.environ[REFERENCE_RUNS]
 
 
 @pytest.fixture(scope="session")

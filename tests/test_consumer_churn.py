@@ -17,7 +17,7 @@ import pytest
 
 from cumulus_p2p.market.ledger import Ledger
 from cumulus_p2p.testing.churn import STARTUP_S, open_provider_pool
-from cumulus_p2p.testing.nodes import LocalRun, NodeProcess, final_json
+from cumulus_p2p.testing.nodes import LocalRun, NodeProcess, demo_reference, final_json
 
 pytestmark = pytest.mark.slow
 
@@ -62,9 +62,7 @@ def test_a_job_survives_each_of_its_hosts_killed_and_restarted_twice(tmp_path):
             restarted.append(pool.restart(name))
             (gates / str(step)).touch()
         # The job now waits for a host's backoff to end: the local run fits in it.
-        with LocalRun(
-            ["-m", "cumulus_p2p.demo_train", "--steps", str(STEPS), "--log-every", "5"]
-        ) as local:
+        with LocalRun(demo_reference(STEPS)) as local:
             assert consumer.proc.wait(timeout=600) == 0, consumer.output()
             for node in restarted:
                 node.wait_for("providing", timeout=STARTUP_S)

@@ -56,6 +56,6 @@ def test_the_share_freed_goes_to_the_higher_waiting_bid_though_it_came_second(tm
         for node in (host, boot):
             node.stop()
     assert lease_start(tmp_path / "dear") < lease_start(tmp_path / "cheap")
-    local = nodes.local_final_loss(QUICK)
+    local = nodes.local_final_loss(nodes.demo_reference(10))
     assert nodes.final_json(dear.lines)["final_loss"] == local
     assert nodes.final_json(cheap.lines)["final_loss"] == local

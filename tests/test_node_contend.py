@@ -91,7 +91,7 @@ def test_a_bid_between_the_contend_price_and_the_ask_runs_contending_at_that_pri
     finally:
         for node in (host, boot):
             node.stop()
-    local = nodes.local_final_loss(SCRIPT)
+    local = nodes.local_final_loss(nodes.demo_reference(30))
     assert nodes.final_json(consumer.lines)["final_loss"] == local
     assert nodes.final_json(payer.lines)["final_loss"] == local
     # One lease each: nothing was preempted.

@@ -135,8 +135,7 @@ def test_a_job_survives_its_provider_being_killed_and_finishes_on_the_other(tmp_
         consumer.wait_for("holding at step 10", timeout=120)
         gate.touch()
         providers[0].proc.kill()
-        local_script = ["-m", "cumulus_p2p.demo_train", "--steps", "20", "--log-every", "5"]
-        with nodes.LocalRun(local_script) as local:
+        with nodes.LocalRun(nodes.demo_reference(20)) as local:
             assert consumer.proc.wait(timeout=180) == 0, consumer.output()
             expected = local.final_loss()
     finally:

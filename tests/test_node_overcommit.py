@@ -44,5 +44,5 @@ def test_an_overcommitted_host_runs_two_tenants_on_one_shares_memory(tmp_path):
     finally:
         for node in (host, boot):
             node.stop()
-    local = nodes.local_final_loss(["-m", "cumulus_p2p.demo_train", "--steps", "20"])
+    local = nodes.local_final_loss(nodes.demo_reference(20))
     assert [nodes.final_json(t.lines)["final_loss"] for t in tenants] == [local, local]

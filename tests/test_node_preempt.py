@@ -12,8 +12,6 @@ preempts it: ``test_market_lease.py``.)
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -30,13 +28,6 @@ QUICK = ["-m", "cumulus_p2p.demo_train", "--steps", "20", "--log-every", "10"]
 def receipts(data_dir) -> dict[str, int]:
     with Ledger.open(data_dir) as books:
         return {e.receipt_id: e.share_seconds for e in books.entries()}
-
-
-def local_final_loss(command: list[str]) -> float:
-    done = subprocess.run(
-        [sys.executable, *command], capture_output=True, text=True, check=True, timeout=120
-    )
-    return json.loads(done.stdout.splitlines()[-1])["final_loss"]
 
 
 @pytest.mark.parametrize("device", ["python", "native"])
@@ -65,8 +56,10 @@ def test_an_on_demand_job_preempts_an_interruptible_one_which_resumes_without_lo
     finally:
         for node in (host, boot):
             node.stop()
-    assert nodes.final_json(on_demand.lines)["final_loss"] == nodes.local_final_loss(QUICK)
-    expected = local_final_loss(["-m", "cumulus_p2p.demo_train", "--steps", "60"])
+    assert nodes.final_json(on_demand.lines)["final_loss"] == nodes.local_final_loss(
+        nodes.demo_reference(20)
+    )
+    expected = nodes.local_final_loss(nodes.demo_reference(60))
     assert nodes.final_json(interruptible.lines)["final_loss"] == expected
     state = json.loads((tmp_path / "interruptible" / "state.json").read_text())
     states = [lease["state"] for lease in state["leases"]]

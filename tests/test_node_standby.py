@@ -67,11 +67,7 @@ def consume_with_standby(tmp_path, boot, command, *flags: str):
 
 
 def assert_the_local_final_loss(consumer, command) -> None:
-    local = subprocess.run(
-        [sys.executable, *command], capture_output=True, text=True, check=True, timeout=120
-    )
-    final = [json.loads(line) for line in consumer.lines if line.startswith("{")][-1]
-    assert final["final_loss"] == json.loads(local.stdout.splitlines()[-1])["final_loss"]
+    assert nodes.final_json(consumer.lines)["final_loss"] == nodes.local_final_loss(command)
 
 
 def roles_once_both_are_leased(consumer) -> dict[str, str]:
@@ -113,7 +109,7 @@ def test_a_lost_standby_is_replaced_and_the_new_one_restores_the_session_when_it
     assert standby["price"] == 10_000  # per GiB-hour: a lease of disk, not shares
     assert "a new standby takes the checkpoints" in consumer.output()
     assert "its state came from the hosts that keep its checkpoint" in consumer.output()
-    assert_the_local_final_loss(consumer, ["-m", "cumulus_p2p.demo_train", "--steps", "60"])
+    assert_the_local_final_loss(consumer, nodes.demo_reference(60))
     assert checkpoint_bytes(tmp_path / "consumer") == 0
 
 

@@ -35,7 +35,7 @@ def test_a_host_claiming_a_gpu_it_lacks_is_dropped_after_the_probe_and_reported(
         )
         consumer.wait_for("misrepresents its device", timeout=120)
         # The job now moves to the honest host: the local run fits in that wait.
-        with nodes.LocalRun(SCRIPT) as local:
+        with nodes.LocalRun(nodes.demo_reference(10)) as local:
             assert consumer.proc.wait(timeout=240) == 0, consumer.output()
             expected = local.final_loss()
     assert "misrepresents its device" in consumer.output()

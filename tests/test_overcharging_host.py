@@ -55,7 +55,7 @@ def test_an_overcharging_hosts_receipts_are_refused_and_disputed_on_both_sides(t
             lambda s: bool(s.get("leases")) and s["leases"][0]["state"] in ("paused", "unpaid")
         )
         gate.touch()
-        with nodes.LocalRun(["-m", "cumulus_p2p.demo_train", "--steps", STEPS]) as local:
+        with nodes.LocalRun(nodes.demo_reference(int(STEPS))) as local:
             assert consumer.proc.wait(timeout=240) == 0, consumer.output()
             expected = local.final_loss()
     assert nodes.final_json(consumer.lines)["final_loss"] == expected

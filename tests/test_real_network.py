@@ -19,7 +19,13 @@ from contextlib import contextmanager
 import pytest
 
 from cumulus_p2p.testing.netns import Host, NamespacesUnavailable, two_hosts
-from cumulus_p2p.testing.nodes import final_json, local_final_loss, node_command, start_process
+from cumulus_p2p.testing.nodes import (
+    demo_reference,
+    final_json,
+    local_final_loss,
+    node_command,
+    start_process,
+)
 
 # Starts real cumulus-node processes: scripts/test --fast skips it.
 pytestmark = pytest.mark.slow
@@ -109,4 +115,4 @@ def test_a_consumer_on_another_machine_reaches_the_provider_directly(tmp_path):
     assert lease["path"].startswith(f"direct to {a.address}:"), lease
     assert state["ops"] > 0  # what the job's session sent, for its status
     assert "going through libp2p" not in consumer.output()
-    assert final_json(consumer.lines)["final_loss"] == local_final_loss(SCRIPT)
+    assert final_json(consumer.lines)["final_loss"] == local_final_loss(demo_reference(20))

@@ -50,7 +50,7 @@ def test_a_two_device_provider_serves_one_lease_on_each_device_at_once(tmp_path)
         running = [row for row in both["leases"] if row["state"] == "running"]
         assert sorted(row["offer_id"] for row in running) == ["device0", "device1"]
         gate.touch()
-        with nodes.LocalRun(["-m", "cumulus_p2p.demo_train", "--steps", "10"]) as local:
+        with nodes.LocalRun(nodes.demo_reference(10)) as local:
             for consumer in consumers:
                 assert consumer.proc.wait(timeout=120) == 0, consumer.output()
             after = rig.wait_for_state(lambda s: s["shares_free"] == s["shares_total"] == 2)

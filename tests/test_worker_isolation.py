@@ -33,6 +33,7 @@ from cumulus_p2p.testing.models import train
 from cumulus_p2p.testing.nodes import (
     LOOPBACK_LISTEN,
     LocalRun,
+    demo_reference,
     start_consumer,
     start_node,
     start_provider,
@@ -388,7 +389,7 @@ def test_a_job_whose_worker_is_killed_finishes_elsewhere_and_the_shares_come_bac
         assert 0 < busy["leases"][0]["memory"] <= busy["leases"][0]["quota"]
         kill(busy["session_workers"][0]["pid"])
         gate.touch()
-        with LocalRun(["-m", "cumulus_p2p.demo_train", "--steps", "20"]) as local:
+        with LocalRun(demo_reference(20)) as local:
             assert consumer.proc.wait(timeout=180) == 0, consumer.output()
             # The device check after the kill takes a fresh process some seconds.
             after = cheap.wait_for_state(

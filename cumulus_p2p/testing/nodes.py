@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -222,32 +223,59 @@ def final_json(lines: list[str]) -> dict:
     return json.loads(next(x for x in reversed(lines) if x.startswith("{")))
 
 
+def demo_reference(steps: int) -> list[str]:
+    """The arguments of a local ``demo_train`` run of ``steps`` steps. A job of that many
+    demo steps through the mesh must end with its loss, however often either logs: one
+    set of arguments per count lets a test session compute each count once (``LocalRun``).
+    """
+    return ["-m", "cumulus_p2p.demo_train", "--steps", str(steps)]
+
+
 def local_final_loss(script: list[str]) -> float:
     """The final loss of ``python *script`` run here, on the CPU (what a job through the
     mesh must end with)."""
-    done = subprocess.run(
-        [sys.executable, *script], capture_output=True, text=True, check=True, timeout=120
-    )
-    return final_json(done.stdout.splitlines())["final_loss"]
+    return LocalRun(script).final_loss()
+
+
+#: A directory in which ``LocalRun`` keeps each script's output, keyed by its arguments,
+#: for the rest of a test session (``tests/conftest.py`` sets it). The scripts are seeded
+#: and run on the CPU, so a second run of the same arguments prints the same bytes: a
+#: session computes each reference once instead of in every test that compares with it.
+REFERENCE_RUNS = "CUMULUS_REFERENCE_RUNS"
+
+
+def _kept_output(script: list[str]) -> Path | None:
+    root = os.environ.get(REFERENCE_RUNS)
+    if not root:
+        return None
+    key = hashlib.sha256(json.dumps([sys.executable, *script]).encode()).hexdigest()
+    return Path(root) / f"{key[:24]}.out"
 
 
 class LocalRun:
     """``python *script`` started now on this machine's CPU, in the background: what a job
     through the mesh must end with, computed while a test waits on its nodes. Read it
-    with ``result`` or ``final_loss``; a run still going at ``close`` is killed.
+    with ``result`` or ``final_loss``; a run still going at ``close`` is killed. Where
+    ``CUMULUS_REFERENCE_RUNS`` names a directory, a run of the same arguments already
+    finished there is read instead of started again.
 
-        with LocalRun(["-m", "cumulus_p2p.demo_train", "--steps", "20"]) as local:
+        with LocalRun(demo_reference(20)) as local:
             ...  # the job through the mesh
             assert final_json(consumer.lines)["final_loss"] == local.final_loss()
     """
 
     def __init__(self, script: list[str]) -> None:
         self.script = script
+        self._kept = _kept_output(script)
+        self._out: str | None = None
+        self._err = ""
+        self.proc: subprocess.Popen | None = None
+        if self._kept is not None and self._kept.exists():
+            self._out = self._kept.read_text()
+            return
         self.proc = subprocess.Popen(
             [sys.executable, *script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
-        self._out: str | None = None
-        self._err = ""
 
     def result(self, timeout: float = 120.0) -> dict:
         """The last JSON line the script printed (waits for it to exit).
@@ -256,18 +284,28 @@ class LocalRun:
             subprocess.CalledProcessError: the script failed.
         """
         if self._out is None:
+            assert self.proc is not None
             self._out, self._err = self.proc.communicate(timeout=timeout)
-        if self.proc.returncode != 0:
-            raise subprocess.CalledProcessError(
-                self.proc.returncode, self.script, self._out, self._err
-            )
+            if self.proc.returncode != 0:
+                raise subprocess.CalledProcessError(
+                    self.proc.returncode, self.script, self._out, self._err
+                )
+            self._keep(self._out)
         return final_json(self._out.splitlines())
+
+    def _keep(self, out: str) -> None:
+        if self._kept is None:
+            return
+        # Written aside and renamed, so that a test in another worker reads all or none.
+        partial = self._kept.with_suffix(f".{os.getpid()}.partial")
+        partial.write_text(out)
+        os.replace(partial, self._kept)
 
     def final_loss(self, timeout: float = 120.0) -> float:
         return self.result(timeout)["final_loss"]
 
     def close(self) -> None:
-        if self._out is None:
+        if self._out is None and self.proc is not None:
             self.proc.kill()
             self._out, self._err = self.proc.communicate()
 
