@@ -170,6 +170,62 @@ async def test_offers_of_a_departed_host_expire_everywhere_within_the_ttl() -> N
         assert leaver.peer_id not in found
 
 
+def stored_sheet_nonce(node, author) -> int | None:
+    """The nonce of ``author``'s offer sheet in ``node``'s DHT store (None: none there)."""
+    record = node.dht.value_store.get(offers_key(author.peer_id).encode())
+    return None if record is None else Envelope.from_bytes(record.value).nonce
+
+
+def offer_nonce(mesh: Mesh, index: int) -> int:
+    """The newest offer nonce node ``index`` received by gossip (0: none yet)."""
+    return max((m.envelope.nonce for m in mesh.received(index)), default=0)
+
+
+async def test_an_unchanged_offer_sheet_is_stored_again_only_as_it_ages() -> None:
+    # A heartbeat every 0.2 s, envelopes living 12 s: a stored sheet lives on for 5.8 s.
+    config = fast_config(announce_interval=0.2, offer_ttl=12.0)
+    async with open_mesh(2, config=config) as mesh:
+        host = mesh.nodes[0]
+        await host.announce("gpu", OFFER, b"unchanged")
+        await wait_for(
+            lambda: stored_sheet_nonce(mesh.nodes[1], host) is not None,
+            timeout=5.0,
+            what="the sheet stored at the peer",
+        )
+        first = stored_sheet_nonce(mesh.nodes[1], host)
+        # Eight heartbeats gossip the offer afresh; the stored sheet is still the first.
+        await wait_for(lambda: offer_nonce(mesh, 1) > first + 8, timeout=5.0, what="heartbeats")
+        assert stored_sheet_nonce(mesh.nodes[1], host) == first
+        # It is stored again before it has lived half its life.
+        await wait_for(
+            lambda: stored_sheet_nonce(mesh.nodes[1], host) != first,
+            timeout=config.offer_ttl / 2,
+            what="the sheet stored again",
+        )
+
+
+async def test_a_changed_offer_is_stored_in_the_sheet_at_the_next_heartbeat() -> None:
+    config = fast_config(announce_interval=0.2, offer_ttl=10.0)
+    async with open_mesh(2, config=config) as mesh:
+        host = mesh.nodes[0]
+        await host.announce("gpu", OFFER, b"first")
+        await wait_for(
+            lambda: stored_sheet_nonce(mesh.nodes[1], host) is not None,
+            timeout=5.0,
+            what="the sheet stored at the peer",
+        )
+        first = stored_sheet_nonce(mesh.nodes[1], host)
+        changed = await host.announce("gpu", OFFER, b"second")
+        await wait_for(
+            lambda: (stored_sheet_nonce(mesh.nodes[1], host) or 0) > changed.nonce,
+            timeout=2.0,
+            what="the changed sheet stored",
+        )
+        assert stored_sheet_nonce(mesh.nodes[1], host) > first
+        found = await mesh.nodes[1].sync_offers()
+        assert [e.body for e in found[host.peer_id]] == [b"second"]
+
+
 # --- bad input: each kind of bad message, sent by a peer that does not validate ---------
 
 

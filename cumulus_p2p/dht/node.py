@@ -13,8 +13,9 @@ Every envelope a node receives, by gossip or from the DHT, goes through the one
 
 Offers are *announcements*: ``announce(name, kind, body)`` hands the node a body to
 keep alive. On every announce heartbeat the node re-seals each body into a fresh
-envelope (new expiry and nonce), gossips it on the market topic, and stores all of
-them as its offer sheet in the DHT (see ``records``). A late joiner reads every
+envelope (new expiry and nonce) and gossips it on the market topic. It stores all of
+them as its offer sheet in the DHT (see ``records``) when one changed, and often
+enough that a stored sheet never holds an offer near its expiry. A late joiner reads every
 host's sheet (``sync_offers``), so it has the whole book without waiting for fresh
 gossip. When a host stops (or ``withdraw``s), nothing renews its envelopes and every
 node drops them when they expire, at most ``offer_ttl`` after the last heartbeat.
@@ -92,7 +93,7 @@ class MeshConfig:
             ``announce_interval`` so one late heartbeat does not drop the offer.
         maintenance_interval: Seconds between routing-table and peer upkeep rounds.
         reachability_interval: Seconds between AutoNAT checks (0 disables them).
-        provide_every: Re-provide the offer index every this many announce rounds.
+        provide_every: Re-provide the offer index every this many stores of the sheet.
         max_offers: Most offers one node may announce (and one sheet may list).
         sync_on_start: Read the book from the DHT once connected to bootstrap peers.
         message_buffer: Accepted messages held for a slow consumer before readers wait.
@@ -196,7 +197,11 @@ class MeshNode:
         self._announced: dict[str, tuple[str, AnnouncedBody]] = {}
         self._current: dict[str, Envelope] = {}
         self._dirty = trio.Event()
-        self._rounds = 0
+        # The offer sheet in the DHT: how many times it was stored, when last, and
+        # whether an offer was announced or withdrawn since (see _announce_once).
+        self._stores = 0
+        self._stored_at = -float("inf")
+        self._sheet_changed = False
         # Digests of offers delivered from the DHT, with their expiry: their gossip
         # copies are honest late arrivals, not replays (see gossip.TopicGate).
         self._from_dht: dict[bytes, float] = {}
@@ -319,6 +324,7 @@ class MeshNode:
         self._announced[name] = (kind, body)
         envelope = self._seal_announced(kind, body)
         self._current[name] = envelope
+        self._sheet_changed = True
         await self.publish(envelope)
         self._dirty.set()
         return envelope
@@ -330,6 +336,7 @@ class MeshNode:
         """
         self._announced.pop(name, None)
         self._current.pop(name, None)
+        self._sheet_changed = True
         self._dirty.set()
 
     # --- joining and reading the DHT ------------------------------------------------
@@ -423,19 +430,33 @@ class MeshNode:
                 envelope = self._seal_announced(kind, body)
                 self._current[name] = envelope
                 await self.publish(envelope)
-        if not self._current and self._rounds == 0:
+        if not self._current and self._stores == 0:
             return  # nothing ever announced: no sheet, no provider record
+        # Storing the sheet costs a DHT lookup and a put to the closest peers: 40 % of
+        # an idle node's CPU at a heartbeat every 2 s (an offer_ttl of 30 s). A sheet
+        # lists the same offers until one is announced or withdrawn, and a late joiner
+        # needs its offers to outlive the wait for fresh gossip: it is stored again on
+        # a change, or before the stored one has lived half of offer_ttl by the next
+        # heartbeat (at the defaults, 10 s and 30 s, that is every heartbeat).
+        now = self._clock()
+        refresh_at = self._stored_at + self.config.offer_ttl / 2 - self.config.announce_interval
+        if not self._sheet_changed and now < refresh_at:
+            return
+        self._sheet_changed = False
         sheet = self.seal(
             SHEET_KIND, encode_sheet_body(e.to_bytes() for e in self._current.values())
         )
         try:
             await self.dht.put_value(offers_key(self.peer_id), sheet.to_bytes())
-            if self._rounds % self.config.provide_every == 0:
+            if self._stores % self.config.provide_every == 0:
                 await self.dht.provide(OFFERS_INDEX)
         except Exception as exc:  # noqa: BLE001 - DHT RPC failures have no common base
             # Gossip still carries the offers; the next heartbeat retries the DHT.
             logger.warning("storing the offer sheet failed: %s", exc)
-        self._rounds += 1
+            self._sheet_changed = True
+            return
+        self._stores += 1
+        self._stored_at = now
 
     async def _announce_loop(self) -> None:
         interval = self.config.announce_interval
