@@ -1,8 +1,9 @@
 """A native session end to end: the device's batches replayed by the host's executor.
 
-Each test runs in the native-device child process (``testing/native_process.py``) and
-starts its own ``cumulus-executor`` process on loopback: in one process, a worker per
-session, or behind the secure channel.
+Each test runs in the native-device child process (``testing/native_process.py``),
+against a ``cumulus-executor`` process on loopback: the module's own, shared by the tests
+that need a plain one (each opens a session of its own there), or one started for the
+test: with a small quota, a worker per session, or behind the secure channel.
 """
 
 from __future__ import annotations
@@ -30,22 +31,50 @@ pytestmark = [
 @pytest.fixture(scope="module", autouse=True)
 def _native_child():
     yield
+    _stop_module_executor()
     stop_native_process()
 
 
+#: In the child: the module's plain executor, once its first test started it.
+_module: dict[str, object] = {}
+
+
+def _module_executor() -> str:
+    """The address of the module's plain executor (one thread, 8 GiB), started on first
+    use: starting one costs a process its torch import, 1.5 s of CPU."""
+    from cumulus_p2p.testing.executor import executor_process
+
+    if "address" not in _module:
+        stack = contextlib.ExitStack()
+        address, _ = stack.enter_context(executor_process(env={"OMP_NUM_THREADS": "1"}))
+        _module.update(address=address, stack=stack)
+    return str(_module["address"])
+
+
+@in_native_process
+def _stop_module_executor() -> None:
+    stack = _module.pop("stack", None)
+    _module.clear()
+    if isinstance(stack, contextlib.ExitStack):
+        stack.close()
+
+
 @contextlib.contextmanager
-def _session(*, executor_quota: str = "8GiB", extra: tuple[str, ...] = (), **options):
-    """A native session with a fresh ``cumulus-executor`` on loopback (plain TCP);
-    ``options`` as ``NativeSession``'s. The executor runs one thread, as this process
-    does: sums split across threads round differently."""
+def _session(*, executor_quota: str | None = None, extra: tuple[str, ...] = (), **options):
+    """A native session on loopback (plain TCP); ``options`` as ``NativeSession``'s. The
+    executor is the module's, or with a quota or ``extra`` flags a fresh one. Either runs
+    one thread, as this process does: sums split across threads round differently."""
     from cumulus_p2p.native.session import NativeSession
     from cumulus_p2p.testing.executor import executor_process
 
-    one_thread = {"OMP_NUM_THREADS": "1"}
-    with executor_process(quota=executor_quota, extra=list(extra), env=one_thread) as (
-        address,
-        _,
-    ):
+    with contextlib.ExitStack() as stack:
+        if executor_quota is None and not extra:
+            address = _module_executor()
+        else:
+            one_thread = {"OMP_NUM_THREADS": "1"}
+            quota = executor_quota or "8GiB"
+            started = executor_process(quota=quota, extra=list(extra), env=one_thread)
+            address, _ = stack.enter_context(started)
         host, port = address.split(":")
         with NativeSession.connect(host, int(port), **options) as session:
             yield session
