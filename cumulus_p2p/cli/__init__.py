@@ -38,7 +38,6 @@ from ._flags import parse_duration as parse_duration
 from ._flags import parse_price as parse_price
 from ._parser import build_parser as build_parser
 from ._parser import parse_command_line
-from ._run import run_node
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args, script = parse_command_line(list(sys.argv[1:] if argv is None else argv))
         if args.command is None:
+            # Loaded only to run a node: a bad flag, --help and the views answer without
+            # loading libp2p and the node (0.5 s of CPU).
+            from ._run import run_node
+
             return run_node(args, script, console)
         return args.run(args, console)
     except NodeConfigError as exc:

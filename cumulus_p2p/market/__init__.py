@@ -47,7 +47,13 @@ Parts, lowest first (each imports only those above it):
 
 Cores take the time as an argument and never read a clock; only ``rpc``,
 ``negotiation``, ``probing``, ``settlement`` (trio, libp2p) and ``ledger`` (files) do I/O.
+The names this package takes from ``negotiation`` and ``probing`` load on first use, so
+that a program reading only the cores (the CLI's views, the simulations) never loads
+libp2p, which costs a process 0.5 s of CPU.
 """
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from .book import BookLimits as BookLimits
 from .book import BookStatistics as BookStatistics
@@ -109,14 +115,39 @@ from .messages import peer_id_of as peer_id_of
 from .messages import seal_message as seal_message
 from .metering import Meter as Meter
 from .metering import check_receipt as check_receipt
-from .negotiation import LEASE_PROTOCOL as LEASE_PROTOCOL
-from .negotiation import LeaseGrant as LeaseGrant
-from .negotiation import LeaseServer as LeaseServer
-from .negotiation import RpcContext as RpcContext
-from .negotiation import call_propose_lease as call_propose_lease
-from .negotiation import serve_leases as serve_leases
-from .probing import LIVENESS_PROTOCOL as LIVENESS_PROTOCOL
-from .probing import call_probe as call_probe
-from .probing import serve_liveness as serve_liveness
 from .standby import choose_standby as choose_standby
 from .standby import standby_proposal as standby_proposal
+
+#: The names taken from the I/O shells, by the module that defines them.
+_SHELLS = {
+    "LEASE_PROTOCOL": "negotiation",
+    "LeaseGrant": "negotiation",
+    "LeaseServer": "negotiation",
+    "RpcContext": "negotiation",
+    "call_propose_lease": "negotiation",
+    "serve_leases": "negotiation",
+    "LIVENESS_PROTOCOL": "probing",
+    "call_probe": "probing",
+    "serve_liveness": "probing",
+}
+
+if TYPE_CHECKING:
+    from .negotiation import LEASE_PROTOCOL as LEASE_PROTOCOL
+    from .negotiation import LeaseGrant as LeaseGrant
+    from .negotiation import LeaseServer as LeaseServer
+    from .negotiation import RpcContext as RpcContext
+    from .negotiation import call_propose_lease as call_propose_lease
+    from .negotiation import serve_leases as serve_leases
+    from .probing import LIVENESS_PROTOCOL as LIVENESS_PROTOCOL
+    from .probing import call_probe as call_probe
+    from .probing import serve_liveness as serve_liveness
+
+
+def __getattr__(name: str) -> Any:
+    """A name of an I/O shell, loaded now (PEP 562)."""
+    module = _SHELLS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
