@@ -115,6 +115,25 @@ def test_past_the_device_memory_a_paused_workers_session_goes_to_disk_and_resume
         assert first.finish() == second.finish() == {"losses": reference}
 
 
+def test_a_session_that_grew_past_the_device_memory_has_room_made_before_its_reply(tmp_path):
+    """A worker asks its supervisor for room after a batch that left its session holding
+    more than it last asked room for, before the reply: another worker's session is
+    evicted then, not at the next report of sizes."""
+    blobs = tmp_path / "blobs"
+    extra = [*WORKERS, "--device-memory", "4200KiB", "--blob-dir", str(blobs)]
+    with executor_process(extra=extra) as (address, _):
+        bystander = Tenant(address, "mlp", 2, pause_after=0)
+        bystander.read()
+        assert bystander.read() == {"paused": 0}
+        with remote.attach(address):
+            weights = torch.ones(1 << 20, device="cumulus")  # 4 MiB: past the bound now
+            assert weights.sum().item() == 1 << 20
+            assert [p for p in blobs.iterdir() if len(p.name) == 64], "nothing was evicted"
+            assert (weights * 2).sum().item() == 2 << 20  # the grown session stayed
+        bystander.go_on()
+        assert "losses" in bystander.finish()
+
+
 def test_a_session_evicted_to_disk_comes_back_from_there_after_its_worker_is_killed(tmp_path):
     """Its worker dies with the session's handles, but not its pieces: the consumer fails
     over to the same host, and the restore finds them on its disk instead of sending them."""

@@ -336,6 +336,27 @@ async def test_a_session_that_fits_gets_its_room_at_once():
         assert await nothing_arrives(to_other)
 
 
+async def test_a_room_request_counts_as_the_askers_size_until_its_next_report():
+    sup, (grown, other), (to_grown, to_other) = supervisor_with(
+        ON_DEMAND, ON_DEMAND, device_bytes=1000
+    )
+    async with trio.open_nursery() as nursery:
+        sup._nursery = nursery
+        sup._on_message(other, ["stats", 5, 300, None, None, "device"])
+        # It has not reported yet: its question says what it holds now.
+        sup._on_message(grown, ["room", 1, 800])
+        assert grown.stats.bytes_in_use == 800
+        with trio.fail_after(5):
+            assert (await to_other.receive())[0] == ["evict"]
+        sup._on_message(other, ["stats", 5, 300, None, None, "disk"])
+        with trio.fail_after(5):
+            assert (await to_grown.receive())[0] == ["roomed", 1]
+        # A newcomer's question now weighs the grown session's 800 bytes.
+        sup._on_message(other, ["room", 2, 300])
+        with trio.fail_after(5):
+            assert (await to_grown.receive())[0] == ["evict"]
+
+
 def test_a_worker_asking_for_turns_without_end_is_cut_off():
     sup, (holder, greedy), _ = supervisor_with(ON_DEMAND, ON_DEMAND)
     sup._on_message(holder, ["acquire", 1])

@@ -27,6 +27,7 @@ import logging
 import math
 import secrets
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -149,8 +150,8 @@ class Executor:
         ``welcome_extra`` is added to every session's welcome (a worker names its pid);
         ``context_lost`` is asked after an op failed whether the device context is now
         unusable (a CUDA device-side assert): then the session ends after that reply;
-        ``ask_room(n)`` returns once ``n`` bytes may come back to the device (a worker
-        asks its supervisor, which bounds the device across workers)."""
+        ``ask_room(n)`` returns once a session may hold ``n`` bytes on the device (a
+        worker asks its supervisor, which bounds the device across workers)."""
         self.config = config or ExecutorConfig()
         blob_dir = self.config.blob_dir
         self.ctx = DeviceContext(
@@ -169,6 +170,8 @@ class Executor:
         self._welcome_extra = welcome_extra or {}
         self._context_lost = context_lost
         self._ask_room = ask_room
+        #: What each session last asked ``ask_room`` for.
+        self._room_asked: weakref.WeakKeyDictionary[AnySession, int] = weakref.WeakKeyDictionary()
         self._next_id = 1
         #: Always healthy: a shared process has no fresh process to check the device with.
         self.health = DeviceHealth()
@@ -503,10 +506,12 @@ class Executor:
             # It fits beside the others: back ahead of its turn, while they compute.
             await trio.to_thread.run_sync(session.bring_back)
         if not getattr(self.scheduler, "preemptive", False):
-            return await self._on_device(session.run_batch, batch, **turn)
-        start: int | None = 0
-        while start is not None:  # None: the whole batch ran
-            start, reply = await self._on_device(self._run_ops, session, batch, start, **turn)
+            reply = await self._on_device(session.run_batch, batch, **turn)
+        else:
+            start: int | None = 0
+            while start is not None:  # None: the whole batch ran
+                start, reply = await self._on_device(self._run_ops, session, batch, start, **turn)
+        await self._after_growth(session)
         return reply
 
     async def _room_for(self, session: AnySession, rank: tuple) -> None:
@@ -514,9 +519,24 @@ class Executor:
         supervisor first (tenants of other workers may have to leave), and this
         executor's other sessions leave past ``device_bytes``."""
         if session.tier is not Tier.DEVICE and self._ask_room is not None:
-            await self._ask_room(session.stats.bytes_in_use)
+            await self._ask_room(self._asked(session))
         if self._over_device_bytes(session):
             await self._on_device(self._make_room, session, rank=rank)
+
+    async def _after_growth(self, session: AnySession) -> None:
+        """Under a supervisor, a session that now holds more than it last asked room for
+        asks again before its reply leaves, so the supervisor hears of its growth at once,
+        not at the next report of sizes, and others' sessions leave before its next batch
+        (on a GPU, its growth and their memory would meet meanwhile)."""
+        if self._ask_room is not None and session.stats.bytes_in_use > self._room_asked.get(
+            session, 0
+        ):
+            await self._ask_room(self._asked(session))
+
+    def _asked(self, session: AnySession) -> int:
+        """What ``session`` holds, now remembered as what it asked room for."""
+        held = self._room_asked[session] = session.stats.bytes_in_use
+        return held
 
     def _over_device_bytes(self, session: AnySession) -> bool:
         """Whether ``session``'s storages on the device would exceed ``device_bytes``."""
@@ -691,6 +711,7 @@ class Executor:
         going, reply = await self._on_device(
             replaying.run, frame, inline=inline, rank=rank, waits=waits
         )
+        await self._after_growth(replaying)
         if reply is not None:
             await channel.send_frame(reply)
         return going

@@ -74,7 +74,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import trio
@@ -457,6 +457,10 @@ class WorkerSupervisor:
             return
         if message[0] == "room":
             number, nbytes = _room(message)
+            # Its session is at work and holds, or brings back, ``nbytes``: a report of
+            # its size, sooner than the next one (``Executor._after_growth``).
+            worker.last_op_at = _now()
+            worker.stats = replace(worker.stats or SessionStats(), bytes_in_use=nbytes)
             self._nursery.start_soon(self._make_room_for, worker, number, nbytes)
             return
         if message[0] in ("traffic", "ended", "token"):
@@ -490,14 +494,14 @@ class WorkerSupervisor:
         """Past ``device_bytes``, ask the workers ``eviction.choose`` names to evict.
 
         Each worker holds its own memory, so this runs as reports come (every
-        ``STATS_EVERY_S``): a session that grew past the bound is caught then. A session
-        coming back from eviction asks first (``_make_room_for``)."""
+        ``STATS_EVERY_S``). A session coming back from eviction, or grown past what it
+        last asked for, asks first (``_make_room_for``)."""
         self._evict_for(0, None)
 
     async def _make_room_for(self, asking: _Worker, number: int, nbytes: int) -> None:
-        """A worker's evicted session is coming back with ``nbytes``: evict others until
-        it fits, wait (up to ``ROOM_WAIT_S``) until they report their memory moved,
-        then answer ``roomed``."""
+        """A worker's session is coming back from eviction with ``nbytes``, or has grown
+        to them: evict others until it fits, wait (up to ``ROOM_WAIT_S``) until they
+        report their memory moved, then answer ``roomed``."""
         chosen = self._evict_for(nbytes, asking)
         with trio.move_on_after(ROOM_WAIT_S):
             for worker in chosen:
