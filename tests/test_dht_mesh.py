@@ -181,18 +181,24 @@ def offer_nonce(mesh: Mesh, index: int) -> int:
     return max((m.envelope.nonce for m in mesh.received(index)), default=0)
 
 
+async def announce_and_wait_for_the_sheet(mesh: Mesh, body: bytes) -> int:
+    """Node 0 announces ``body``; returns the nonce of its sheet once node 1 stores it."""
+    host = mesh.nodes[0]
+    await host.announce("gpu", OFFER, body)
+    await wait_for(
+        lambda: stored_sheet_nonce(mesh.nodes[1], host) is not None,
+        timeout=5.0,
+        what="the sheet stored at the peer",
+    )
+    return stored_sheet_nonce(mesh.nodes[1], host)
+
+
 async def test_an_unchanged_offer_sheet_is_stored_again_only_as_it_ages() -> None:
     # A heartbeat every 0.2 s, envelopes living 12 s: a stored sheet lives on for 5.8 s.
     config = fast_config(announce_interval=0.2, offer_ttl=12.0)
     async with open_mesh(2, config=config) as mesh:
         host = mesh.nodes[0]
-        await host.announce("gpu", OFFER, b"unchanged")
-        await wait_for(
-            lambda: stored_sheet_nonce(mesh.nodes[1], host) is not None,
-            timeout=5.0,
-            what="the sheet stored at the peer",
-        )
-        first = stored_sheet_nonce(mesh.nodes[1], host)
+        first = await announce_and_wait_for_the_sheet(mesh, b"unchanged")
         # Eight heartbeats gossip the offer afresh; the stored sheet is still the first.
         await wait_for(lambda: offer_nonce(mesh, 1) > first + 8, timeout=5.0, what="heartbeats")
         assert stored_sheet_nonce(mesh.nodes[1], host) == first
@@ -208,13 +214,7 @@ async def test_a_changed_offer_is_stored_in_the_sheet_at_the_next_heartbeat() ->
     config = fast_config(announce_interval=0.2, offer_ttl=10.0)
     async with open_mesh(2, config=config) as mesh:
         host = mesh.nodes[0]
-        await host.announce("gpu", OFFER, b"first")
-        await wait_for(
-            lambda: stored_sheet_nonce(mesh.nodes[1], host) is not None,
-            timeout=5.0,
-            what="the sheet stored at the peer",
-        )
-        first = stored_sheet_nonce(mesh.nodes[1], host)
+        first = await announce_and_wait_for_the_sheet(mesh, b"first")
         changed = await host.announce("gpu", OFFER, b"second")
         await wait_for(
             lambda: (stored_sheet_nonce(mesh.nodes[1], host) or 0) > changed.nonce,
