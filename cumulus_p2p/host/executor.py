@@ -528,9 +528,9 @@ class Executor:
         asks again before its reply leaves, so the supervisor hears of its growth at once,
         not at the next report of sizes, and others' sessions leave before its next batch
         (on a GPU, its growth and their memory would meet meanwhile)."""
-        if self._ask_room is not None and session.stats.bytes_in_use > self._room_asked.get(
-            session, 0
-        ):
+        if self._ask_room is None:
+            return
+        if session.stats.bytes_in_use > self._room_asked.get(session, 0):
             await self._ask_room(self._asked(session))
 
     def _asked(self, session: AnySession) -> int:
