@@ -104,11 +104,9 @@ def test_past_the_device_memory_a_paused_workers_session_goes_to_disk_and_resume
     extra = [*WORKERS, "--device-memory", "150KB", "--blob-dir", str(blobs)]
     with executor_process(extra=extra) as (address, _):
         first = Tenant(address, "mlp", 6, pause_after=2)
-        first.read()
-        assert first.read() == {"paused": 2}
+        first.wait_paused()
         second = Tenant(address, "mlp", 6, pause_after=2)
-        second.read()
-        assert second.read() == {"paused": 2}
+        second.wait_paused()
         wait_for_pieces(blobs)
         first.go_on()
         second.go_on()
@@ -123,8 +121,7 @@ def test_a_session_that_grew_past_the_device_memory_has_room_made_before_its_rep
     extra = [*WORKERS, "--device-memory", "4200KiB", "--blob-dir", str(blobs)]
     with executor_process(extra=extra) as (address, _):
         bystander = Tenant(address, "mlp", 2, pause_after=0)
-        bystander.read()
-        assert bystander.read() == {"paused": 0}
+        bystander.wait_paused()
         with remote.attach(address):
             weights = torch.ones(1 << 20, device="cumulus")  # 4 MiB: past the bound now
             assert weights.sum().item() == 1 << 20
@@ -147,8 +144,7 @@ def test_a_session_evicted_to_disk_comes_back_from_there_after_its_worker_is_kil
             weights = torch.randn(1 << 20, device="cumulus")  # 4 MiB, one piece
             expected = (weights.cpu() * 2).sum().item()  # a sync point: checkpointed
             bystander = Tenant(address, "mlp", 2, pause_after=0)  # past the bound
-            bystander.read()
-            assert bystander.read() == {"paused": 0}
+            bystander.wait_paused()
             wait_for_pieces(blobs)
             kill(session.info["worker_pid"])
             assert (weights * 2).sum().item() == expected
@@ -161,8 +157,7 @@ def test_a_session_evicted_to_disk_comes_back_from_there_after_its_worker_is_kil
 def test_a_killed_worker_ends_only_its_session(isolated, reference):
     address, _ = isolated
     bystander = Tenant(address, "mlp", 6, pause_after=2)
-    bystander.read()
-    assert bystander.read() == {"paused": 2}
+    bystander.wait_paused()
     with remote.attach(address) as session:
         x = torch.ones(4, device="cumulus")
         assert x.sum().item() == 4

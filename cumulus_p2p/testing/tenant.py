@@ -54,12 +54,20 @@ class Tenant:
         cmd = [sys.executable, "-m", "cumulus_p2p.testing.tenant", address, task, str(steps)]
         if pause_after is not None:
             cmd += ["--pause-after", str(pause_after)]
+        self.pause_after = pause_after
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def read(self) -> dict:
         line = self.proc.stdout.readline()
         assert line, f"the tenant exited early (status {self.proc.wait()})"
         return json.loads(line)
+
+    def wait_paused(self) -> dict:
+        """Its first line (the session it got), once it paused after ``pause_after``
+        steps, its memory still held."""
+        hello = self.read()
+        assert self.read() == {"paused": self.pause_after}
+        return hello
 
     def go_on(self) -> None:
         self.proc.stdin.write("\n")
