@@ -175,6 +175,11 @@ class Tenant:
     async def stats(self) -> dict:
         return (await self.batch([], ["stats"]))[0][3]
 
+    async def open_with_ones(self) -> None:
+        """Open the session and make its tensor 1: ``N`` ones, on the device."""
+        await self.hello()
+        await self.batch([["aten.ones.default", [[N]], {}, [[1, [N], [1], 0]]]], ["sync"])
+
 
 async def test_quotas_past_the_device_evict_the_least_recently_used_and_results_stay_exact(
     tmp_path,
@@ -189,8 +194,7 @@ async def test_quotas_past_the_device_evict_the_least_recently_used_and_results_
     async with trio.open_nursery() as nursery:
         tenants = [Tenant(executor, nursery, rank=(0, -100)) for _ in range(3)]
         for tenant in tenants:
-            await tenant.hello()
-            await tenant.batch([["aten.ones.default", [[N]], {}, [[1, [N], [1], 0]]]], ["sync"])
+            await tenant.open_with_ones()
         # The third made room by evicting the first, the least recently used.
         assert [(await t.stats())["tier"] for t in tenants[1:]] == ["device", "device"]
         assert [s.tier.value for s in executor.sessions.values()] == ["disk", "device", "device"]
@@ -222,8 +226,7 @@ async def test_an_evicted_session_that_fits_comes_back_ahead_of_its_turn(tmp_pat
     executor = Executor(config)
     async with trio.open_nursery() as nursery:
         tenant = Tenant(executor, nursery, rank=(0, -100))
-        await tenant.hello()
-        await tenant.batch([["aten.ones.default", [[N]], {}, [[1, [N], [1], 0]]]], ["sync"])
+        await tenant.open_with_ones()
         (session,) = executor.sessions.values()
         session.evict(Tier.DISK)
         await executor.scheduler.acquire((0, -100))  # another tenant's long turn
@@ -253,8 +256,7 @@ async def test_two_evictions_asked_at_once_move_the_session_once_and_fail_nothin
     executor = Executor(config)
     async with trio.open_nursery() as nursery:
         tenant = Tenant(executor, nursery, rank=(0, -100))
-        await tenant.hello()
-        await tenant.batch([["aten.ones.default", [[N]], {}, [[1, [N], [1], 0]]]], ["sync"])
+        await tenant.open_with_ones()
         await executor.scheduler.acquire((0, -100))  # both evictions wait for the turn
         moved = []
 
