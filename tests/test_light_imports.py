@@ -8,13 +8,18 @@ import subprocess
 import sys
 
 
+def printed(code: str) -> str:
+    """What a fresh interpreter printed running ``code`` (it must exit cleanly)."""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    return done.stdout
+
+
 def loaded_libp2p(code: str) -> list[str]:
     """The libp2p modules a fresh interpreter has loaded after running ``code``."""
     probe = f"{code}\nimport sys\nprint(sorted(m for m in sys.modules if 'libp2p' in m))"
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
-    )
-    return ast.literal_eval(done.stdout.splitlines()[-1])
+    return ast.literal_eval(printed(probe).splitlines()[-1])
 
 
 def test_the_market_cores_load_no_libp2p():
@@ -37,10 +42,7 @@ def test_an_unknown_name_of_the_market_package_is_an_attribute_error():
         "try:\n    m.NoSuchThing\nexcept AttributeError as e:\n    print(e)\n"
         "else:\n    raise SystemExit('no error')"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
-    )
-    assert "has no attribute 'NoSuchThing'" in done.stdout
+    assert "has no attribute 'NoSuchThing'" in printed(code)
 
 
 def test_a_bad_flag_help_and_a_view_answer_without_loading_libp2p(tmp_path):

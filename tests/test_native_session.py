@@ -9,6 +9,7 @@ test: with a small quota, a worker per session, or behind the secure channel.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 
 import pytest
@@ -35,28 +36,25 @@ def _native_child():
     stop_native_process()
 
 
-#: In the child: the module's plain executor, once its first test started it.
-_module: dict[str, object] = {}
+#: In the child: what stops the module's plain executor (``_module_executor``).
+_module_stack = contextlib.ExitStack()
 
 
+@functools.cache
 def _module_executor() -> str:
     """The address of the module's plain executor (one thread, 8 GiB), started on first
     use: starting one costs a process its torch import, 1.5 s of CPU."""
     from cumulus_p2p.testing.executor import executor_process
 
-    if "address" not in _module:
-        stack = contextlib.ExitStack()
-        address, _ = stack.enter_context(executor_process(env={"OMP_NUM_THREADS": "1"}))
-        _module.update(address=address, stack=stack)
-    return str(_module["address"])
+    started = executor_process(env={"OMP_NUM_THREADS": "1"})
+    address, _ = _module_stack.enter_context(started)
+    return address
 
 
 @in_native_process
 def _stop_module_executor() -> None:
-    stack = _module.pop("stack", None)
-    _module.clear()
-    if isinstance(stack, contextlib.ExitStack):
-        stack.close()
+    _module_stack.close()
+    _module_executor.cache_clear()
 
 
 @contextlib.contextmanager
