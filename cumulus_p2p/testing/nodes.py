@@ -233,8 +233,9 @@ def demo_reference(steps: int) -> list[str]:
 
 def local_final_loss(script: list[str]) -> float:
     """The final loss of ``python *script`` run here, on the CPU (what a job through the
-    mesh must end with)."""
-    return LocalRun(script).final_loss()
+    mesh must end with); a run past its timeout is killed."""
+    with LocalRun(script) as run:
+        return run.final_loss()
 
 
 #: A directory in which ``LocalRun`` keeps each script's output, keyed by its arguments,
