@@ -14,8 +14,8 @@ Every envelope a node receives, by gossip or from the DHT, goes through the one
 Offers are *announcements*: ``announce(name, kind, body)`` hands the node a body to
 keep alive. On every announce heartbeat the node re-seals each body into a fresh
 envelope (new expiry and nonce) and gossips it on the market topic. It stores all of
-them as its offer sheet in the DHT (see ``records``) when one changed, and often
-enough that a stored sheet never holds an offer near its expiry. A late joiner reads every
+them as its offer sheet in the DHT (see ``records``) when one changed, and often enough
+that a stored sheet never holds an offer near its expiry. A late joiner reads every
 host's sheet (``sync_offers``), so it has the whole book without waiting for fresh
 gossip. When a host stops (or ``withdraw``s), nothing renews its envelopes and every
 node drops them when they expire, at most ``offer_ttl`` after the last heartbeat.

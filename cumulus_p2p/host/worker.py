@@ -418,8 +418,8 @@ class Worker:
             await self.link.send(["stats", stats.ops, stats.bytes_in_use, *waits, stats.tier])
 
     async def _ask_room(self, nbytes: int) -> None:
-        """Before a session comes back from eviction or holds more than it last asked room
-        for: the supervisor makes its room."""
+        """Before a session comes back from eviction, or after a batch left it holding
+        more than it last asked room for: the supervisor makes its room."""
         number = next(self._room_numbers)
         answered = self._rooms[number] = trio.Event()
         try:
