@@ -27,8 +27,10 @@ from cumulus_p2p.host.supervisor import (
     _Handed,
     _Worker,
 )
-from cumulus_p2p.host.worker import SupervisorTurns
+from cumulus_p2p.host.worker import SupervisorTurns, Worker, WorkerSpec
 from cumulus_p2p.host.workerlink import MAX_MESSAGE, LinkClosedError, WorkerLink
+from cumulus_p2p.testing.executor import one_batch
+from cumulus_p2p.wire.protocol import TensorRef
 
 ON_DEMAND = lease_rank(True, 900)
 INTERRUPTIBLE = lease_rank(False, 100)
@@ -355,6 +357,41 @@ async def test_a_room_request_counts_as_the_askers_size_until_its_next_report():
         sup._on_message(other, ["room", 2, 300])
         with trio.fail_after(5):
             assert (await to_grown.receive())[0] == ["evict"]
+
+
+def worker_of(*, memory_bounded: bool) -> tuple[WorkerLink, Worker]:
+    """A worker in this process (supervisor end, worker) of a host bounded or not."""
+    supervisor, link = link_pair()
+    spec = WorkerSpec("cpu", 1 << 30, 1 << 26, 60.0, 1 << 30, memory_bounded=memory_bounded)
+    return supervisor, Worker(link, spec)
+
+
+#: A batch that leaves its session holding one tensor of 4 KiB, then fetches it.
+GROWING_BATCH = [
+    "batch",
+    1,
+    [["aten.ones.default", [[1024]], {}, [[1, [1024], [1], 0]]]],
+    [],
+    ["fetch", TensorRef(1, torch.float32, 0, (1024,), (1,))],
+    [],
+]
+
+
+async def test_a_grown_session_of_a_bounded_host_asks_its_supervisor_for_room():
+    supervisor, worker = worker_of(memory_bounded=True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: one_batch(worker.executor, GROWING_BATCH, rank=ON_DEMAND))
+        with trio.fail_after(5):
+            (message, _) = await supervisor.receive()
+        nursery.cancel_scope.cancel()
+    assert message == ["room", 1, 4096]
+
+
+async def test_a_worker_of_a_host_without_a_device_bound_never_asks_for_room():
+    supervisor, worker = worker_of(memory_bounded=False)
+    with trio.fail_after(5):
+        await one_batch(worker.executor, GROWING_BATCH, rank=ON_DEMAND)
+    assert await nothing_arrives(supervisor)
 
 
 def test_a_worker_asking_for_turns_without_end_is_cut_off():

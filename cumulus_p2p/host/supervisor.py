@@ -330,6 +330,7 @@ class WorkerSupervisor:
             blob_dir=None if self._blob_fd is None else f"/proc/self/fd/{self._blob_fd}",
             blob_cap=executor.blob_cap,
             sharing=self.sharing.value,
+            memory_bounded=executor.device_bytes is not None,
         )
 
     @property

@@ -113,6 +113,9 @@ class WorkerSpec:
     #: How tenants share the device (``scheduler.Sharing``): only exclusive turns are asked
     #: of the supervisor.
     sharing: str = DEFAULT_SHARING.value
+    #: Whether the host bounds the memory its workers' sessions hold on the device
+    #: together (``--device-memory``): only then does a worker ask the supervisor for room.
+    memory_bounded: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -282,7 +285,8 @@ class Worker:
             scheduler=self.turns,
             welcome_extra={"worker_pid": os.getpid()},
             context_lost=self._context_lost,
-            ask_room=self._ask_room,
+            # Without a bound there is never anyone to evict: no round trip to ask.
+            ask_room=self._ask_room if spec.memory_bounded else None,
         )
         self._rooms: dict[int, trio.Event] = {}  # room requests awaiting an answer
         self._room_numbers = itertools.count(1)

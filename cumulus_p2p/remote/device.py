@@ -16,6 +16,7 @@ captures it into graphs the executor runs (``compiled.py``).
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 import torch.utils.data._utils.pin_memory as _dataloader_pinning
@@ -193,6 +194,11 @@ def register() -> None:
     compile_routing.patch_torch_compile(NAME)
     _dataloader_pinning.pin_memory = _skip_pinning_for_cumulus(_dataloader_pinning.pin_memory)
     CumulusModule._pending_seed = torch.initial_seed()
+    # torch's first dispatch to a tensor subclass imports torch.distributed.tensor (and
+    # sympy with it: a second of CPU) to look for DTensor. Paid here, with the device's
+    # other set-up, it does not stall the first op of the first session.
+    if torch.distributed.is_available():
+        importlib.import_module("torch.distributed.tensor")
 
 
 if not torch.cuda.is_available():
