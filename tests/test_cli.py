@@ -67,6 +67,12 @@ def test_a_blob_cap_that_is_not_a_size_is_a_usage_error(tmp_path):
     assert "--blob-cap" in result.stderr and "'lots'" in result.stderr
 
 
+def test_a_ram_tier_that_is_not_a_size_is_a_usage_error(tmp_path):
+    result = run("--data-dir", str(tmp_path), "--provide", "--ram-tier", "lots")
+    assert result.returncode == 2
+    assert "--ram-tier" in result.stderr and "'lots'" in result.stderr
+
+
 @pytest.mark.parametrize(
     ("flag", "value", "says"),
     [
@@ -169,6 +175,14 @@ def test_the_storage_terms_reach_the_providers_offer():
     assert (options.storage_price, options.storage_gib) == (20_000, 50)
     defaults = _provider_options(build_parser().parse_args(["--provide"]), devices=(device,))
     assert (defaults.storage_price, defaults.storage_gib) == (0, 0)
+
+
+def test_the_ram_tier_reaches_the_providers_executor(tmp_path):
+    args = build_parser().parse_args(["--provide", "--ram-tier", "6GiB"])
+    device = OfferedDevice(DeviceFacts("cpu", 0, "cpu", 4096, None, ""), perf_units=100)
+    options = _provider_options(args, devices=(device,))
+    executor = _executor_for(device, options, DataDir(tmp_path))
+    assert executor.config.ram_bytes == 6 * 1024**3
 
 
 def test_the_blob_cap_reaches_the_providers_executor(tmp_path):

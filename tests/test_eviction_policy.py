@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cumulus_p2p.host.eviction import Candidate, choose
+from cumulus_p2p.host.eviction import Candidate, Tier, choose, destination
 from cumulus_p2p.host.scheduler import lease_rank, on_demand
 
 NOW = 1000.0
@@ -70,3 +70,21 @@ def test_sessions_already_off_the_device_free_nothing_and_are_skipped():
 
 def test_when_every_candidate_together_falls_short_none_is_evicted():
     assert choose([tenant("a", unpaid=True), tenant("b", ago=600)], 1_000, now=NOW) == []
+
+
+# --- where they go ---------------------------------------------------------------------
+
+
+def test_off_a_gpu_a_session_goes_to_host_memory_while_the_ram_tier_has_room():
+    assert destination(100, device_is_host=False, ram_free=100, disk=True) is Tier.RAM
+    assert destination(100, device_is_host=False, ram_free=None, disk=False) is Tier.RAM
+
+
+def test_past_the_ram_tiers_room_it_goes_to_disk_or_stays_without_one():
+    assert destination(101, device_is_host=False, ram_free=100, disk=True) is Tier.DISK
+    assert destination(101, device_is_host=False, ram_free=100, disk=False) is None
+
+
+def test_where_the_device_is_host_memory_a_session_goes_to_disk_or_stays():
+    assert destination(1, device_is_host=True, ram_free=None, disk=True) is Tier.DISK
+    assert destination(1, device_is_host=True, ram_free=None, disk=False) is None

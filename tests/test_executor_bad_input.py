@@ -91,6 +91,17 @@ def test_garbage_header_gets_a_fatal_reply_naming_the_problem(executor_address, 
     assert honest_ok(honest)
 
 
+@pytest.mark.parametrize("grows", [-1, "lots", 1.5, [4096]])
+def test_a_batch_whose_growth_is_not_a_byte_count_is_refused(executor_address, honest, grows):
+    sock = raw_socket(executor_address)
+    send_hello(sock)
+    body = b"".join(encode_frame(["batch", 1, [], [], ["sync"], [], grows]))
+    sock.sendall(struct.pack(">I", len(body)) + body)
+    assert "growth must be a byte count" in read_fatal(sock)
+    sock.close()
+    assert honest_ok(honest)
+
+
 def test_wrong_protocol_version_is_refused_with_advice(executor_address, honest):
     sock = raw_socket(executor_address)
     body = b"".join(encode_frame(["hello", 999, {}]))

@@ -222,6 +222,24 @@ def test_memory_allocated_counts_live_storages_as_they_grow_and_die():
 
 @needs_build
 @in_native_process
+def test_a_batchs_growth_is_the_peak_of_its_storages_over_the_last_batchs_end():
+    ext = native.load()
+    _take()
+    ext.take_growth()
+    kept = torch.empty(1000, device="cumulus")
+    passing = torch.empty(3000, device="cumulus")
+    del passing  # freed within the batch: the executor still holds it for a while
+    assert ext.take_growth() == 16000
+    grown = torch.empty(500, device="cumulus")
+    del kept
+    assert ext.take_growth() == 2000  # 6000 live at the peak, over 4000 at the last take
+    assert ext.take_growth() == 0
+    del grown
+    _take()
+
+
+@needs_build
+@in_native_process
 def test_set_to_a_host_storage_is_refused_with_what_to_do():
     x = torch.empty(0, device="cumulus")
     with pytest.raises(RuntimeError, match="set_ to a storage on cpu .copy it to the device"):

@@ -62,10 +62,10 @@ class Client:
         self.names: list[str] = []
         self._sent = 0
 
-    def request(self, *records, kind: int = wire.BATCH) -> bytes:
+    def request(self, *records, kind: int = wire.BATCH, grows: int = 0) -> bytes:
         batch = encode(records, self.names)
         new, self._sent = self.names[self._sent :], len(self.names)
-        return b"".join(wire.request(kind, new, batch, reply=True))
+        return b"".join(wire.request(kind, new, batch, reply=True, grows=grows))
 
 
 def a_session(tmp_path, cap: int = 1 << 30):
@@ -169,8 +169,8 @@ class Tenant:
         assert header[0] == "welcome", header
         return header[2]
 
-    async def batch(self, *records) -> list[bytes]:
-        await self.channel.send_frame([self.client.request(*records)])
+    async def batch(self, *records, grows: int = 0) -> list[bytes]:
+        await self.channel.send_frame([self.client.request(*records, grows=grows)])
         answer = wire.parse_reply(await self.channel.receive_frame())
         assert not isinstance(answer, tuple), answer
         return [bytes(part) for part in answer]
@@ -208,6 +208,33 @@ async def test_native_tenants_past_the_device_evict_the_least_recently_used_exac
             torch.frombuffer(bytearray(data), dtype=torch.float32), DATA + (i + 1) + (i + 1)
         )
     assert tiers == ["device", "device", "disk"]
+
+
+async def test_a_native_batch_that_says_it_grows_past_the_device_evicts_another_first(tmp_path):
+    import trio
+
+    from cumulus_p2p.host.executor import Executor, ExecutorConfig
+
+    config = ExecutorConfig(device="cpu", blob_dir=str(tmp_path), device_bytes=2 * N * 4 + 4096)
+    executor = Executor(config)
+    async with trio.open_nursery() as nursery:
+        idle, growing = (Tenant(executor, nursery, rank=(0, -100)) for _ in range(2))
+        for tenant in (idle, growing):
+            await tenant.hello()
+            await tenant.batch(*upload(1))
+        await growing.batch(*upload(2), grows=N * 4)
+        tiers = [s.tier.value for s in executor.sessions.values()]
+        for tenant in (idle, growing):
+            await tenant.bye()
+    assert tiers == ["disk", "device"]
+
+
+def test_only_a_batch_says_how_far_it_grows():
+    batch = b"".join(wire.request(wire.BATCH, ["aten::add.Scalar"], b"", reply=True, grows=7))
+    assert wire.growth(batch) == 7
+    assert wire.growth(b"".join(wire.request(wire.KEEP, [], b"", reply=True))) == 0
+    assert wire.growth(batch[:5]) == 0  # too short to say: parse_request refuses it
+    assert wire.parse_request(batch)[2] == ["aten::add.Scalar"]
 
 
 async def test_a_dropped_native_tenant_is_parked_on_disk_and_resumes_exactly(tmp_path):

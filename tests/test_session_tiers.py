@@ -164,9 +164,10 @@ class Tenant:
         assert header[0] == "welcome", header
         return header[2]
 
-    async def batch(self, ops: list, query: list, frees: tuple = ()) -> tuple:
+    async def batch(self, ops: list, query: list, frees: tuple = (), grows: int = 0) -> tuple:
+        """Send a batch (saying it creates ``grows`` bytes of storages) and read its reply."""
         self.seq += 1
-        frame = ["batch", self.seq, ops, list(frees), query, []]
+        frame = ["batch", self.seq, ops, list(frees), query, [], grows]
         await self.channel.send_frame(encode_frame(frame))
         header, area = decode_frame(await self.channel.receive_frame())
         assert header[2] is None, header
@@ -215,6 +216,27 @@ async def test_quotas_past_the_device_evict_the_least_recently_used_and_results_
             await tenant.channel.send_frame(encode_frame(["bye"]))
     assert sums == [N * (1 + 2 * (i + 1)) for i in range(3)]
     assert sorted(tiers) == ["device", "device", "disk"]
+
+
+async def test_a_batch_that_says_it_grows_past_the_device_evicts_another_before_it_runs(
+    tmp_path,
+):
+    import trio
+
+    from cumulus_p2p.host.executor import Executor, ExecutorConfig
+
+    config = ExecutorConfig(device="cpu", blob_dir=str(tmp_path), device_bytes=2 * N * 4 + 4096)
+    executor = Executor(config)
+    async with trio.open_nursery() as nursery:
+        idle, growing = (Tenant(executor, nursery, rank=(0, -100)) for _ in range(2))
+        await idle.open_with_ones()
+        await growing.open_with_ones()
+        more = ["aten.ones.default", [[N]], {}, [[2, [N], [1], 0]]]
+        await growing.batch([more], ["sync"], grows=N * 4)
+        tiers = [s.tier.value for s in executor.sessions.values()]
+        for tenant in (idle, growing):
+            await tenant.channel.send_frame(encode_frame(["bye"]))
+    assert tiers == ["disk", "device"]
 
 
 async def test_an_evicted_session_that_fits_comes_back_ahead_of_its_turn(tmp_path):

@@ -113,12 +113,16 @@ def test_past_the_device_memory_a_paused_workers_session_goes_to_disk_and_resume
         assert first.finish() == second.finish() == {"losses": reference}
 
 
-def test_a_session_that_grew_past_the_device_memory_has_room_made_before_its_reply(tmp_path):
-    """A worker asks its supervisor for room after a batch that left its session holding
-    more than it last asked room for, before the reply: another worker's session is
-    evicted then, not at the next report of sizes."""
+@pytest.mark.parametrize("workers", [WORKERS, []], ids=["worker-per-session", "in-process"])
+def test_a_session_that_grew_past_the_device_memory_has_room_made_before_its_reply(
+    tmp_path, workers
+):
+    """The client counts the bytes its batch's new storages take, and the executor makes
+    room for them before it runs the batch: another tenant's session is evicted then
+    (with workers, by the supervisor), not at the next report of sizes or the grown
+    session's next batch."""
     blobs = tmp_path / "blobs"
-    extra = [*WORKERS, "--device-memory", "4200KiB", "--blob-dir", str(blobs)]
+    extra = [*workers, "--device-memory", "4200KiB", "--blob-dir", str(blobs)]
     with executor_process(extra=extra) as (address, _):
         bystander = Tenant(address, "mlp", 2, pause_after=0)
         bystander.wait_paused()

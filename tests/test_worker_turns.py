@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -128,9 +129,17 @@ async def test_an_acquire_cancelled_while_waiting_tells_the_supervisor():
 
 
 def supervisor_with(
-    *ranks: tuple, device_bytes: int | None = None
+    *ranks: tuple,
+    device_bytes: int | None = None,
+    blob_dir: Path | None = None,
+    ram_bytes: int | None = None,
 ) -> tuple[WorkerSupervisor, list[_Worker], list[WorkerLink]]:
-    config = ExecutorConfig(device="cpu", device_bytes=device_bytes)
+    """A supervisor of workers at ``ranks`` that are link ends here, on a CPU whose memory
+    is bounded at ``device_bytes``, and evicted to a blob store at ``blob_dir``."""
+    store = None if blob_dir is None else str(blob_dir)
+    config = ExecutorConfig(
+        device="cpu", device_bytes=device_bytes, blob_dir=store, ram_bytes=ram_bytes
+    )
     sup = WorkerSupervisor(SupervisorConfig(config))
     workers, far_ends = [], []
     for pid, rank in enumerate(ranks, start=100):
@@ -271,14 +280,14 @@ def test_a_workers_stats_are_what_status_shows_for_its_consumers_session():
 # --- memory across workers: past the device's bound, the supervisor asks for evictions ----
 
 
-async def test_past_the_device_bound_the_worker_the_policy_names_is_asked_to_evict():
+async def test_past_the_device_bound_the_worker_the_policy_names_is_asked_to_evict(tmp_path):
     sup, (busy, cheap), (to_busy, to_cheap) = supervisor_with(
-        ON_DEMAND, INTERRUPTIBLE, device_bytes=1000
+        ON_DEMAND, INTERRUPTIBLE, device_bytes=1000, blob_dir=tmp_path
     )
     sup._on_message(busy, ["stats", 5, 600, None, None, "device"])
     sup._on_message(cheap, ["stats", 5, 600, None, None, "device"])
     with trio.fail_after(5):
-        assert (await to_cheap.receive())[0] == ["evict"]  # the worse-ranked payer goes
+        assert (await to_cheap.receive())[0] == ["evict", "disk"]  # the worse-ranked payer goes
     assert await nothing_arrives(to_busy)
     # Asked once: its report that it still holds the memory does not ask again at once.
     assert cheap.evicting
@@ -286,17 +295,35 @@ async def test_past_the_device_bound_the_worker_the_policy_names_is_asked_to_evi
     assert not cheap.evicting and await nothing_arrives(to_cheap)
 
 
-async def test_within_the_device_bound_or_without_one_nobody_is_asked_to_evict():
+async def test_within_the_device_bound_or_without_one_nobody_is_asked_to_evict(tmp_path):
     for bound in (None, 1200):
-        sup, workers, far_ends = supervisor_with(ON_DEMAND, INTERRUPTIBLE, device_bytes=bound)
+        sup, workers, far_ends = supervisor_with(
+            ON_DEMAND, INTERRUPTIBLE, device_bytes=bound, blob_dir=tmp_path
+        )
         for worker in workers:
             sup._on_message(worker, ["stats", 5, 600, None, None, "device"])
         assert all([await nothing_arrives(far) for far in far_ends])
 
 
-async def test_an_on_demand_holder_of_the_exclusive_turn_is_not_evicted_in_its_turn():
+async def test_off_a_gpu_sessions_go_to_host_memory_until_it_is_full_then_to_disk(tmp_path):
+    sup, (cheap, older, newer), (to_cheap, to_older, _) = supervisor_with(
+        INTERRUPTIBLE, ON_DEMAND, ON_DEMAND, device_bytes=1000, blob_dir=tmp_path, ram_bytes=700
+    )
+    sup.device = torch.device("cuda", 0)  # what the supervisor of a GPU host sees (no GPU here)
+    sup._on_message(cheap, ["stats", 5, 600, None, None, "device"])
+    sup._on_message(older, ["stats", 5, 600, None, None, "device"])
+    with trio.fail_after(5):
+        assert (await to_cheap.receive())[0] == ["evict", "ram"]
+    sup._on_message(cheap, ["stats", 5, 600, None, None, "ram"])
+    # Host memory holds 600 of its 700 now: the next 600 bytes go to disk.
+    sup._on_message(newer, ["stats", 5, 600, None, None, "device"])
+    with trio.fail_after(5):
+        assert (await to_older.receive())[0] == ["evict", "disk"]
+
+
+async def test_an_on_demand_holder_of_the_exclusive_turn_is_not_evicted_in_its_turn(tmp_path):
     sup, (holder, other), (to_holder, to_other) = supervisor_with(
-        ON_DEMAND, ON_DEMAND, device_bytes=1000
+        ON_DEMAND, ON_DEMAND, device_bytes=1000, blob_dir=tmp_path
     )
     sup._on_message(holder, ["acquire", 1])
     assert (await to_holder.receive())[0] == ["grant", 1]
@@ -304,13 +331,13 @@ async def test_an_on_demand_holder_of_the_exclusive_turn_is_not_evicted_in_its_t
     sup._on_message(holder, ["stats", 5, 600, None, None, "device"])
     sup._on_message(other, ["stats", 5, 600, None, None, "device"])
     with trio.fail_after(5):
-        assert (await to_other.receive())[0] == ["evict"]
+        assert (await to_other.receive())[0] == ["evict", "disk"]
     assert await nothing_arrives(to_holder)
 
 
-async def test_a_session_coming_back_gets_its_room_once_the_others_evicted():
+async def test_a_session_coming_back_gets_its_room_once_the_others_evicted(tmp_path):
     sup, (coming, idle), (to_coming, to_idle) = supervisor_with(
-        ON_DEMAND, ON_DEMAND, device_bytes=1000
+        ON_DEMAND, ON_DEMAND, device_bytes=1000, blob_dir=tmp_path
     )
     async with trio.open_nursery() as nursery:
         sup._nursery = nursery
@@ -318,16 +345,16 @@ async def test_a_session_coming_back_gets_its_room_once_the_others_evicted():
         sup._on_message(coming, ["stats", 5, 600, None, None, "disk"])
         sup._on_message(coming, ["room", 1, 600])
         with trio.fail_after(5):
-            assert (await to_idle.receive())[0] == ["evict"]
+            assert (await to_idle.receive())[0] == ["evict", "disk"]
         assert await nothing_arrives(to_coming)  # not before the other's memory moved
         sup._on_message(idle, ["stats", 5, 600, None, None, "disk"])
         with trio.fail_after(5):
             assert (await to_coming.receive())[0] == ["roomed", 1]
 
 
-async def test_a_session_that_fits_gets_its_room_at_once():
+async def test_a_session_that_fits_gets_its_room_at_once(tmp_path):
     sup, (coming, other), (to_coming, to_other) = supervisor_with(
-        ON_DEMAND, ON_DEMAND, device_bytes=1000
+        ON_DEMAND, ON_DEMAND, device_bytes=1000, blob_dir=tmp_path
     )
     async with trio.open_nursery() as nursery:
         sup._nursery = nursery
@@ -338,9 +365,9 @@ async def test_a_session_that_fits_gets_its_room_at_once():
         assert await nothing_arrives(to_other)
 
 
-async def test_a_room_request_counts_as_the_askers_size_until_its_next_report():
+async def test_a_room_request_counts_as_the_askers_size_until_its_next_report(tmp_path):
     sup, (grown, other), (to_grown, to_other) = supervisor_with(
-        ON_DEMAND, ON_DEMAND, device_bytes=1000
+        ON_DEMAND, ON_DEMAND, device_bytes=1000, blob_dir=tmp_path
     )
     async with trio.open_nursery() as nursery:
         sup._nursery = nursery
@@ -349,14 +376,14 @@ async def test_a_room_request_counts_as_the_askers_size_until_its_next_report():
         sup._on_message(grown, ["room", 1, 800])
         assert grown.stats.bytes_in_use == 800
         with trio.fail_after(5):
-            assert (await to_other.receive())[0] == ["evict"]
+            assert (await to_other.receive())[0] == ["evict", "disk"]
         sup._on_message(other, ["stats", 5, 300, None, None, "disk"])
         with trio.fail_after(5):
             assert (await to_grown.receive())[0] == ["roomed", 1]
         # A newcomer's question now weighs the grown session's 800 bytes.
         sup._on_message(other, ["room", 2, 300])
         with trio.fail_after(5):
-            assert (await to_grown.receive())[0] == ["evict"]
+            assert (await to_grown.receive())[0] == ["evict", "disk"]
 
 
 def worker_of(*, memory_bounded: bool) -> tuple[WorkerLink, Worker]:
@@ -385,6 +412,21 @@ async def test_a_grown_session_of_a_bounded_host_asks_its_supervisor_for_room():
             (message, _) = await supervisor.receive()
         nursery.cancel_scope.cancel()
     assert message == ["room", 1, 4096]
+
+
+async def test_a_batch_that_says_it_grows_has_its_room_asked_before_its_ops_run():
+    supervisor, worker = worker_of(memory_bounded=True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            lambda: one_batch(worker.executor, [*GROWING_BATCH, 4096], rank=ON_DEMAND)
+        )
+        with trio.fail_after(5):
+            (message, _) = await supervisor.receive()
+        (session,) = worker.executor.sessions.values()
+        ran = session.stats.ops
+        nursery.cancel_scope.cancel()
+    assert message == ["room", 1, 4096]
+    assert ran == 0
 
 
 async def test_a_worker_of_a_host_without_a_device_bound_never_asks_for_room():

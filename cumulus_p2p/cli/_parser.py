@@ -6,7 +6,12 @@ from __future__ import annotations
 import argparse
 
 from .._errors import CumulusError, NodeConfigError
-from ..host.options import add_blob_cap_flag, add_graph_compiler_flag, add_isolation_flags
+from ..host.options import (
+    add_blob_cap_flag,
+    add_graph_compiler_flag,
+    add_isolation_flags,
+    add_ram_tier_flag,
+)
 from ..node import control, hardware
 from ..node.datadir import DataDir
 from . import _explore, _views
@@ -242,6 +247,7 @@ def _add_provide_flags(provide) -> None:
     add_isolation_flags(provide, where="the node's process")
     add_graph_compiler_flag(provide)
     add_blob_cap_flag(provide)  # the store itself is <data dir>/blobs
+    add_ram_tier_flag(provide)
     provide.add_argument(
         "--bench-seconds",
         type=float,

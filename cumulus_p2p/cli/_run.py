@@ -170,6 +170,7 @@ def _provider_options(args, devices):
         pool=args.pool,
         graph_compiler=GraphCompiler(args.graph_compiler),
         blob_cap=args.blob_cap,
+        ram_tier=args.ram_tier,
         storage_price=args.storage_price,
         storage_gib=args.storage_gib,
         contend_price=args.contend_price,

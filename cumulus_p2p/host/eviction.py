@@ -23,6 +23,11 @@ standing: its ops are running. Sessions holding nothing on the device are skippe
 When the candidates cannot cover ``need``, ``choose`` names none: evicting some would
 cost their tenants a round trip and still not make the room.
 
+Where the chosen go (``destination``): to host memory on a GPU, while the memory the
+host lets evicted sessions hold (``--ram-tier``) has room for them; past it, and always
+where the device is host memory already, to the disk (the host's blob store). So a GPU
+host that sells twice its memory does not trade the device's limit for its RAM's.
+
 Where the provider pauses an unpaid lease or preempts one, it hangs up the session, and
 the executor parks it off the device at once (``Executor._park``: host memory, or disk
 where the device is host memory): those sessions leave before any of the above is
@@ -37,7 +42,7 @@ import enum
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["IDLE_AFTER_S", "Candidate", "Tier", "choose"]
+__all__ = ["IDLE_AFTER_S", "Candidate", "Tier", "choose", "destination"]
 
 #: Seconds without an op after which a session counts as idle.
 IDLE_AFTER_S = 60.0
@@ -104,3 +109,15 @@ def _order(candidate: Candidate, now: float, idle_after_s: float) -> tuple:
         return (2, -idle_s)
     # The worst rank first (ranks sort best first), and within it the least recent.
     return (3, tuple(-x for x in candidate.rank), candidate.last_op_at)
+
+
+def destination(
+    nbytes: int, *, device_is_host: bool, ram_free: int | None, disk: bool
+) -> Tier | None:
+    """Where a session's ``nbytes`` of storages go when they leave the device: host
+    memory where the device is not host memory and ``ram_free`` (None: unbounded) has
+    room for them, else the disk when there is one (``disk``); None where neither can
+    take them, and then they stay."""
+    if not device_is_host and (ram_free is None or nbytes <= ram_free):
+        return Tier.RAM
+    return Tier.DISK if disk else None

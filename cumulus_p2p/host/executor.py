@@ -44,12 +44,12 @@ from ..native.executor import STORAGELESS, ReplayError, ReplaySession, new_repla
 from ..wire import native as native_wire
 from ..wire.manifest import parse_storage_entries
 from ..wire.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
-from .eviction import Candidate, Tier, choose
+from .eviction import Candidate, Tier, choose, destination
 from .graph_compiler import GraphRunner
 from .handles import OpFailed
 from .health import DeviceHealth
 from .hostcache import HostCache
-from .options import GraphCompiler
+from .options import DEFAULT_RAM_BYTES, GraphCompiler
 from .scheduler import DEFAULT_RANK, DeviceScheduler, on_demand
 from .session import Batch, DeviceContext, ExecutorSession, Reply, SessionStats, parse_batch
 from .waits import WaitWindow
@@ -102,7 +102,9 @@ class ExecutorConfig:
     (``blob_dir``, None: no store, uploads carry their bytes every time) and how large it
     may grow (``blob_cap``, bytes). ``device_bytes`` is what its sessions' storages may
     hold on the device together (None: no bound): past it, sessions are evicted
-    (``eviction.py``) so that quotas may add up to more than the device has."""
+    (``eviction.py``) so that quotas may add up to more than the device has: from a GPU to
+    host memory, of which they may hold ``ram_bytes`` together (None: no bound), and past
+    that to the blob store."""
 
     device: str = "auto"
     quota_bytes: int = DEFAULT_QUOTA
@@ -113,6 +115,7 @@ class ExecutorConfig:
     blob_dir: str | None = None
     blob_cap: int = DEFAULT_BLOB_CAP
     device_bytes: int | None = None
+    ram_bytes: int | None = DEFAULT_RAM_BYTES
 
 
 #: A session of either device: both page off the device and back (``eviction.py``).
@@ -501,7 +504,10 @@ class Executor:
         """
         turn = {"inline": inline, "rank": rank, "waits": session.waits}
         session.rank = rank
-        await self._room_for(session, rank)
+        # The client's count is a hint: past its quota the ops fail on their own, so no
+        # more room is made than the quota leaves it.
+        grows = min(batch.grows, max(0, session.quota_bytes - session.stats.bytes_in_use))
+        await self._room_for(session, rank, grows)
         if session.tier is not Tier.DEVICE and not self._over_device_bytes(session):
             # It fits beside the others: back ahead of its turn, while they compute.
             await trio.to_thread.run_sync(session.bring_back)
@@ -514,35 +520,42 @@ class Executor:
         await self._after_growth(session)
         return reply
 
-    async def _room_for(self, session: AnySession, rank: tuple) -> None:
-        """Make room on the device for ``session``'s storages: an evicted one asks the
-        supervisor first (tenants of other workers may have to leave), and this
-        executor's other sessions leave past ``device_bytes``."""
-        if session.tier is not Tier.DEVICE and self._ask_room is not None:
-            await self._ask_room(self._asked(session))
-        if self._over_device_bytes(session):
-            await self._on_device(self._make_room, session, rank=rank)
+    async def _room_for(self, session: AnySession, rank: tuple, grows: int = 0) -> None:
+        """Make room on the device for ``session``'s storages and the ``grows`` bytes its
+        next batch creates: an evicted session, or one about to hold more than it last
+        asked room for, asks the supervisor first (tenants of other workers may have to
+        leave), and this executor's other sessions leave past ``device_bytes``."""
+        held = session.stats.bytes_in_use + grows
+        if self._ask_room is not None and (
+            session.tier is not Tier.DEVICE or held > self._room_asked.get(session, 0)
+        ):
+            await self._ask_room(self._asked(session, held))
+        if self._over_device_bytes(session, grows):
+            await self._on_device(self._make_room, session, grows, rank=rank)
 
     async def _after_growth(self, session: AnySession) -> None:
         """Under a supervisor, a session that now holds more than it last asked room for
-        asks again before its reply leaves, so the supervisor hears of its growth at once,
-        not at the next report of sizes, and others' sessions leave before its next batch
-        (on a GPU, its growth and their memory would meet meanwhile)."""
+        (its batch grew past what the client said: a data-dependent op's outputs, an old
+        client) asks again before its reply leaves, so the supervisor hears of its growth
+        at once, not at the next report of sizes, and others' sessions leave before its
+        next batch (on a GPU, its growth and their memory would meet meanwhile)."""
         if self._ask_room is None:
             return
-        if session.stats.bytes_in_use > self._room_asked.get(session, 0):
-            await self._ask_room(self._asked(session))
+        held = session.stats.bytes_in_use
+        if held > self._room_asked.get(session, 0):
+            await self._ask_room(self._asked(session, held))
 
-    def _asked(self, session: AnySession) -> int:
-        """What ``session`` holds, now remembered as what it asked room for."""
-        held = self._room_asked[session] = session.stats.bytes_in_use
+    def _asked(self, session: AnySession, held: int) -> int:
+        """``held``, now remembered as what ``session`` asked room for."""
+        self._room_asked[session] = held
         return held
 
-    def _over_device_bytes(self, session: AnySession) -> bool:
-        """Whether ``session``'s storages on the device would exceed ``device_bytes``."""
+    def _over_device_bytes(self, session: AnySession, grows: int = 0) -> bool:
+        """Whether ``session``'s storages on the device, and ``grows`` more bytes, would
+        exceed ``device_bytes``."""
         if self.config.device_bytes is None:
             return False
-        return self._device_bytes(session) > self.config.device_bytes
+        return self._device_bytes(session) + grows > self.config.device_bytes
 
     def _device_bytes(self, session: AnySession) -> int:
         """What the sessions on the device hold, ``session`` counted as if it were."""
@@ -550,38 +563,55 @@ class Executor:
         held = sum(s.bytes_on_device for s in others)
         return held + session.stats.bytes_in_use
 
-    def _make_room(self, session: AnySession) -> None:
-        """Evict the sessions ``eviction.choose`` names so that ``session`` fits on the
-        device (to ``_evict_tier``). Without a place to put them nothing moves, and
-        quotas still hold."""
-        tier = self._evict_tier()
-        if tier is None:
-            return
-        need = self._device_bytes(session) - (self.config.device_bytes or 0)
+    def _make_room(self, session: AnySession, grows: int = 0) -> None:
+        """Evict the sessions ``eviction.choose`` names so that ``session``, grown by
+        ``grows`` bytes, fits on the device (to ``_evict_tier``). Without a place to put
+        them nothing moves, and quotas still hold."""
+        need = self._device_bytes(session) + grows - (self.config.device_bytes or 0)
         # Sessions evicted already hold nothing on the device: ``choose`` passes them by.
         candidates = [_candidate(s) for s in self.sessions.values() if s is not session]
         for chosen in choose(candidates, need, now=time.monotonic()):
+            tier = self._evict_tier(chosen.stats.bytes_in_use)
+            if tier is None:
+                return
             try:
                 chosen.evict(tier)
             except OSError as exc:  # the store is full: the others stay, quotas still hold
                 log.warning("could not evict a session to make room: %s", exc)
                 return
 
-    def _evict_tier(self) -> Tier | None:
-        """Where evicted storages go: host memory on a GPU, the blob store on a CPU (whose
-        device is host memory); None where there is no such place."""
-        if self.ctx.device.type != "cpu":
-            return Tier.RAM
-        return None if self.ctx.blobs is None else Tier.DISK
+    def _evict_tier(self, nbytes: int) -> Tier | None:
+        """Where ``nbytes`` of a session's storages go off the device
+        (``eviction.destination``): host memory on a GPU while the RAM tier has room for
+        them, else the blob store; None where there is no such place."""
+        return destination(
+            nbytes,
+            device_is_host=self.ctx.device.type == "cpu",
+            ram_free=self._ram_free(),
+            disk=self.ctx.blobs is not None,
+        )
 
-    async def evict_all(self) -> int:
-        """Move every live session's storages off the device, each between two of its
-        batches (a supervisor makes room across its workers so). Returns the bytes moved;
-        0 where there is no place to put them or nothing is on the device."""
-        tier, moved = self._evict_tier(), 0
-        for session in list(self.sessions.values()) if tier is not None else []:
+    def _ram_free(self) -> int | None:
+        """What the RAM tier may still take (None: no bound). Parked sessions count
+        against the host cache's own bound (``cache_bytes``), not this one."""
+        if self.config.ram_bytes is None:
+            return None
+        sessions = self.sessions.values()
+        held = sum(s.stats.bytes_in_use for s in sessions if s.tier is Tier.RAM)
+        return max(0, self.config.ram_bytes - held)
+
+    async def evict_all(self, tier: Tier | None = None) -> int:
+        """Move every live session's storages off the device, to ``tier`` (None: where
+        ``_evict_tier`` says), each between two of its batches (a supervisor makes room
+        across its workers so, and says where to). Returns the bytes moved; 0 where there
+        is no place to put them or nothing is on the device."""
+        moved = 0
+        for session in list(self.sessions.values()):
+            where = tier or self._evict_tier(session.stats.bytes_in_use)
+            if where is None:
+                continue
             try:
-                moved += await self._on_device(_evict_on_device, session, tier, rank=session.rank)
+                moved += await self._on_device(_evict_on_device, session, where, rank=session.rank)
             except OSError as exc:
                 log.warning("could not evict a session: %s", exc)
         if moved and self.ctx.device.type == "cuda":
@@ -705,7 +735,9 @@ class Executor:
             return True
         replaying.rank = rank
         if frame[:1] and frame[0] not in STORAGELESS:  # a malformed one is run's to refuse
-            await self._room_for(replaying, rank)
+            # As for a Python batch: a hint, made room for no further than the quota.
+            headroom = max(0, replaying.quota_bytes - replaying.stats.bytes_in_use)
+            await self._room_for(replaying, rank, min(native_wire.growth(frame), headroom))
         # An evicted session's request brings its storages back first: not in the loop.
         inline = native_wire.runs_inline(frame) and replaying.tier is Tier.DEVICE
         going, reply = await self._on_device(

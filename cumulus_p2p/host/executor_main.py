@@ -28,6 +28,7 @@ from .options import (
     add_blob_flags,
     add_graph_compiler_flag,
     add_isolation_flags,
+    add_ram_tier_flag,
     parse_size,
 )
 from .supervisor import SupervisorConfig, WorkerSupervisor
@@ -75,9 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="what all sessions' tensors may hold on the device together; past it, idle "
         "and lower-priority sessions are evicted (to host memory on a GPU, to the blob "
-        "store on a CPU) and come back at their next op; with a worker per session, "
-        "within a second of going past it (default: no bound)",
+        "store on a CPU) and come back at their next op; a batch's growth is made room "
+        "for before it runs (default: no bound)",
     )
+    add_ram_tier_flag(parser)
     add_graph_compiler_flag(parser)
     add_blob_flags(parser)
     parser.add_argument(
@@ -197,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         blob_dir=args.blob_dir,
         blob_cap=args.blob_cap,
         device_bytes=args.device_memory,
+        ram_bytes=args.ram_tier,
     )
     workers = torch.cuda.is_available() if args.workers is None else args.workers
     hidden = [args.data_dir] if args.secure else []

@@ -6,7 +6,11 @@ its command line (and a boot or consumer node runs) without loading torch.
 
 from __future__ import annotations
 
+import os
 from enum import StrEnum
+
+#: Host memory that sessions evicted from a GPU may hold together: half of this machine's.
+DEFAULT_RAM_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
 class GraphCompiler(StrEnum):
@@ -88,4 +92,17 @@ def add_blob_cap_flag(parser) -> None:
         metavar="SIZE",
         help="disk the blob store may take, least recently used blobs dropped first "
         "(default 20GiB)",
+    )
+
+
+def add_ram_tier_flag(parser) -> None:
+    """``--ram-tier`` on ``parser``: the host memory sessions evicted from a GPU may hold."""
+    parser.add_argument(
+        "--ram-tier",
+        type=parse_size,
+        default=DEFAULT_RAM_BYTES,
+        metavar="SIZE",
+        help="host memory that sessions evicted from a GPU may hold together; past it "
+        "they go to the blob store on disk (default: half of this machine's memory, "
+        f"{DEFAULT_RAM_BYTES / 2**30:.1f} GiB)",
     )

@@ -139,6 +139,9 @@ class Batch:
     frees: list
     query: list | None
     blobs: list[memoryview]
+    #: Bytes of the storages its ops create, as the client counted them: the executor
+    #: makes room for them before it runs the ops (a hint; quotas are checked per op).
+    grows: int = 0
 
     @property
     def light(self) -> bool:
@@ -1040,11 +1043,14 @@ def _requested_bytes(op, args: list, kwargs: dict) -> int:
 
 def parse_batch(header: list, area: memoryview) -> Batch:
     """Validate a ``batch`` header's shape (not its ops: those fail one by one)."""
-    if len(header) != 6:
-        raise RemoteProtocolError("batch header must have 6 fields")
-    _, seq, ops, frees, query, blob_lengths = header
+    if len(header) not in (6, 7):
+        raise RemoteProtocolError("batch header must have 6 fields, or 7 with its growth")
+    _, seq, ops, frees, query, blob_lengths, *rest = header
     if type(seq) is not int or not isinstance(ops, list) or not isinstance(frees, list):
         raise RemoteProtocolError("batch needs an integer seq, an op list and a free list")
     if query is not None and not isinstance(query, list):
         raise RemoteProtocolError("batch query must be an array or nil")
-    return Batch(seq, ops, frees, query, split_blobs(area, blob_lengths))
+    grows = rest[0] if rest else 0
+    if type(grows) is not int or grows < 0:
+        raise RemoteProtocolError("batch growth must be a byte count (an integer, not negative)")
+    return Batch(seq, ops, frees, query, split_blobs(area, blob_lengths), grows)

@@ -40,10 +40,13 @@ else.
 - **Memory past the device** (``eviction.py``). With ``device_bytes`` set, each worker's
   report says what its session holds and where (device, host memory, disk). When those
   on the device add up past the bound, the workers ``eviction.choose`` names are sent
-  ``evict``: they move their storages off between two batches and bring them back at the
-  next. A worker whose session comes back asks for its room first (``room``); the
-  supervisor evicts others and answers once they reported it done. A session that grows
-  on the device is caught as reports come, each second, not before its batch.
+  ``evict`` with where to (``eviction.destination``: host memory on a GPU while the
+  sessions there fit ``ram_bytes`` together, else disk): they move their storages off
+  between two batches and bring them back at the next. A worker whose session comes
+  back, or whose batch will grow it past what it last asked for (the client says by how
+  much), asks for its room first (``room``); the supervisor evicts others and answers
+  once they reported it done. Growth the client could not foresee (a data-dependent
+  op's outputs) is asked for after the batch, before its reply.
 - **A worker dies.** Its consumer's connection closes with it (only the worker held
   it). A secure consumer resumes, and the node refuses the resume with what happened:
   "the worker process running it was killed by SIGKILL (a host failure)". With failover
@@ -83,7 +86,7 @@ from .._errors import FrameTooLargeError, RemoteProtocolError, SessionClosedErro
 from ..blobs import service as blobservice
 from ..channel.transport import AsyncFrameChannel, Handover, HandoverError, frame_header
 from ..wire.protocol import decode_frame
-from .eviction import Candidate, Tier, choose
+from .eviction import Candidate, Tier, choose, destination
 from .executor import ExecutorConfig, pick_device, send_last, serve_plain_tcp
 from .health import CHECK_TIMEOUT_S, DeviceHealth
 from .scheduler import (
@@ -160,8 +163,9 @@ class _Worker:
     stats: SessionStats | None = None
     #: When its reported op count last moved (the eviction policy's recency).
     last_op_at: float = 0.0
-    #: Asked to ``evict`` and not yet reported since; ``evicted`` is set once it did.
-    evicting: bool = False
+    #: Where it was asked to ``evict`` to, and has not reported since (None: not asked);
+    #: ``evicted`` is set once it did.
+    evicting: Tier | None = None
     evicted: trio.Event = field(default_factory=trio.Event)
     #: Set to end its exclusive turn at its next op (None: it never takes turns).
     flag: TurnFlag | None = None
@@ -451,7 +455,7 @@ class WorkerSupervisor:
             stats = _stats(message)
             if worker.stats is None or stats.ops != worker.stats.ops:
                 worker.last_op_at = _now()
-            worker.stats, worker.evicting = stats, False
+            worker.stats, worker.evicting = stats, None
             if not _on_device(worker):
                 worker.evicted.set()
             self._review_memory()
@@ -537,14 +541,38 @@ class WorkerSupervisor:
             )
             for w in held
         ]
-        chosen = choose(candidates, need, now=_now())
-        for worker in chosen:
-            worker.evicting, worker.evicted = True, trio.Event()
+        asked = []
+        for worker in choose(candidates, need, now=_now()):
+            tier = self._evict_tier(worker.stats.bytes_in_use)  # type: ignore[union-attr]
+            if tier is None:
+                break  # nowhere to put it: the rest stays, and quotas still hold
+            worker.evicting, worker.evicted = tier, trio.Event()
+            asked.append(worker)
             try:
-                worker.link.send_nowait(["evict"])
+                worker.link.send_nowait(["evict", tier.value])
             except LinkClosedError:
                 worker.evicted.set()  # it is gone: its memory goes with it
-        return chosen
+        return asked
+
+    def _evict_tier(self, nbytes: int) -> Tier | None:
+        """Where a worker's ``nbytes`` go off the device (``eviction.destination``): host
+        memory on a GPU while the RAM tier has room for them across the workers, else
+        the blob store."""
+        return destination(
+            nbytes,
+            device_is_host=self.device.type == "cpu",
+            ram_free=self._ram_free(),
+            disk=self._blob_fd is not None,
+        )
+
+    def _ram_free(self) -> int | None:
+        """What the RAM tier may still take across the workers (None: no bound): their
+        sessions in host memory, as reported, or on their way there."""
+        bound = self.config.executor.ram_bytes
+        if bound is None:
+            return None
+        in_ram = [w.stats for w in self._workers.values() if _in_ram(w)]
+        return max(0, bound - sum(stats.bytes_in_use for stats in in_ram if stats is not None))
 
     def _on_session_message(self, worker: _Worker, message: list) -> None:
         kind, *args = message
@@ -894,6 +922,13 @@ def _room(message: list) -> tuple[int, int]:
     if len(message) != 3 or not all(type(v) is int and v >= 0 for v in message[1:]):
         raise LinkClosedError("it sent a malformed room request")
     return message[1], message[2]
+
+
+def _in_ram(worker: _Worker) -> bool:
+    """Whether ``worker``'s session holds host memory as an evicted one, or will."""
+    if worker.evicting is not None:
+        return worker.evicting is Tier.RAM
+    return worker.stats is not None and worker.stats.tier == Tier.RAM.value
 
 
 def _on_device(worker: _Worker) -> bool:

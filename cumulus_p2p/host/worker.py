@@ -37,8 +37,10 @@ Supervisor to worker:
 - ``["resume", n, hello, buffered]`` with a new connection: the consumer of secure session
   ``n`` resumes on it (its ``RESUME_HELLO`` was read by the supervisor).
 - ``["close", n, reason]``: end secure session ``n`` (the provider paused its lease).
-- ``["evict"]``: move the sessions' storages off the device (``Executor.evict_all``): the
-  supervisor makes room for another worker's tenant. They come back at their next batch.
+- ``["evict", tier]``: move the sessions' storages off the device to ``tier`` ("ram" or
+  "disk", ``eviction.Tier``; ``Executor.evict_all``): the supervisor makes room for
+  another worker's tenant, and says where the host has room. They come back at their
+  next batch.
 - ``["roomed", n]``: the answer to the worker's ``["room", n, nbytes]`` (worker to
   supervisor: an evicted session is coming back with ``nbytes``): others were asked to
   evict, and reported it, or the supervisor's wait ran out.
@@ -72,6 +74,7 @@ import trio
 from ..channel.secure.server import SecureServer, SecureServerChannel
 from ..channel.transport import AsyncFrameChannel, Handover, TrioFrameChannel, nbytes
 from ..wire.protocol import decode_frame
+from .eviction import Tier
 from .executor import DEFAULT_BLOB_CAP, Executor, ExecutorConfig
 from .options import GraphCompiler
 from .scheduler import DEFAULT_SHARING, DeviceScheduler, Sharing
@@ -93,6 +96,8 @@ STATS_EVERY_S = 1.0
 _PR_SET_PDEATHSIG = 1
 #: A frame's length prefix, counted with its bytes as the provider meters them.
 FRAME_PREFIX = 4
+#: The tiers an ``evict`` may name.
+_OFF_DEVICE = (Tier.RAM.value, Tier.DISK.value)
 _WELCOME_START = b"\x93\xa7welcome"  # msgpack: a 3-element array whose first element is "welcome"
 
 
@@ -331,8 +336,8 @@ class Worker:
             elif kind == "close" and n == 3:
                 if message[1] in self._channels:
                     nursery.start_soon(self._channels[message[1]].aclose, message[2])
-            elif kind == "evict" and n == 1 and fd is None:
-                nursery.start_soon(self._evict)
+            elif kind == "evict" and n == 2 and fd is None and message[1] in _OFF_DEVICE:
+                nursery.start_soon(self._evict, Tier(message[1]))
             elif kind == "roomed" and n == 2 and fd is None:
                 answered = self._rooms.get(message[1])
                 if answered is not None:
@@ -434,9 +439,9 @@ class Worker:
         finally:
             del self._rooms[number]
 
-    async def _evict(self) -> None:
-        """The supervisor's ``evict``: off the device, then say so at once."""
-        await self.executor.evict_all()
+    async def _evict(self, tier: Tier) -> None:
+        """The supervisor's ``evict``: off the device to ``tier``, then say so at once."""
+        await self.executor.evict_all(tier)
         try:
             for owner in list(self._owners):
                 await self._send_stats(owner)

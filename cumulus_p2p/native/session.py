@@ -251,10 +251,11 @@ class NativeSession:
         """
         with self._lock:
             batch, records = self._ext.take_batch()
+            grows = self._ext.take_growth()
             names = self._ext.op_names(self._names_sent)
             self._names_sent += len(names)
-            inline = wire.request(wire.BATCH, names, batch, reply=wait)
-            request = self._named(names, batch, wait) or inline  # before the log: it asks
+            inline = wire.request(wire.BATCH, names, batch, reply=wait, grows=grows)
+            request = self._named(names, batch, wait, grows) or inline  # before the log: it asks
             if self._log is not None:
                 self._log.keep(names, batch, counted=self._counted)
             self.flushes += 1
@@ -270,7 +271,7 @@ class NativeSession:
             raise self._failure
         return reply
 
-    def _named(self, names: list[str], batch: bytes, wait: bool) -> list | None:
+    def _named(self, names: list[str], batch: bytes, wait: bool, grows: int) -> list | None:
         """``batch`` as a NAMED request whose uploads the host's store holds go by
         digest (``named.py``); None when it has no large upload, or the session is
         private."""
@@ -286,7 +287,8 @@ class NativeSession:
             held = self._have(digests)  # the question pins all it names: ask whole
         by_index = {i: d for (i, _), d, h in zip(uploads, digests, held, strict=True) if h}
         self.upload_bytes_named += sum(len(u) for (i, u) in uploads if i in by_index)
-        return wire.request(wire.NAMED, names, named.name_uploads(batch, by_index), reply=wait)
+        named_batch = named.name_uploads(batch, by_index)
+        return wire.request(wire.NAMED, names, named_batch, reply=wait, grows=grows)
 
     def _have(self, digests: list[str]) -> list[bool]:
         """Which of these pieces the host's store holds (it pins them for the next

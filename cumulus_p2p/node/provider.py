@@ -58,7 +58,7 @@ from ..dht.host import interface_ipv4s, observed_ipv4s
 from ..envelope import Envelope
 from ..host.executor import DEFAULT_BLOB_CAP, Executor, ExecutorConfig
 from ..host.executor_main import build_executor
-from ..host.options import GraphCompiler
+from ..host.options import DEFAULT_RAM_BYTES, GraphCompiler
 from ..host.scheduler import lease_rank
 from ..host.session import SessionStats
 from ..host.supervisor import WorkerSupervisor
@@ -160,6 +160,8 @@ class ProviderOptions:
         pool: Worker processes kept started for the next lease, per device.
         graph_compiler: How the executor runs compiled graphs (``graph_compiler.py``).
         blob_cap: Bytes of disk the blob store (``<data dir>/blobs``) may take.
+        ram_tier: Bytes of host memory that sessions evicted from a GPU may hold
+            together; past it they go to the blob store.
         overcommit: How many times its memory each device sells (1.0..2.0): a share
             grants 1/``shares`` of the device's memory, and ``overcommit * shares`` of
             them are sold. The executor pages idle tenants' memory out to make room
@@ -183,6 +185,7 @@ class ProviderOptions:
     pool: int = 1
     graph_compiler: GraphCompiler = GraphCompiler.LOOP
     blob_cap: int = DEFAULT_BLOB_CAP
+    ram_tier: int = DEFAULT_RAM_BYTES
     storage_price: int = 0
     storage_gib: int = 0
     contend_price: int = 0
@@ -791,6 +794,7 @@ def _executor_for(
         # Quotas add up past the device (overcommit, contending shares): its sessions are
         # paged out to make room.
         device_bytes=device.facts.memory_mib * 2**20,
+        ram_bytes=options.ram_tier,
     )
     return build_executor(
         config, workers=options.uses_workers, pool=options.pool, hidden=[data.path]

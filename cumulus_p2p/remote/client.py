@@ -170,6 +170,7 @@ class RemoteSession:
         self.ops_sent = 0
         self.bytes_allocated = 0
         self.peak_bytes_allocated = 0
+        self._grows = 0  # bytes of the storages the queued ops create
         self._options = {} if quota_bytes is None else {"quota": quota_bytes}
         if private:
             self._options["private"] = True
@@ -235,6 +236,7 @@ class RemoteSession:
 
     def allocated(self, nbytes: int) -> None:
         self.bytes_allocated += nbytes
+        self._grows += nbytes
         if self.bytes_allocated > self.peak_bytes_allocated:
             self.peak_bytes_allocated = self.bytes_allocated
 
@@ -408,8 +410,9 @@ class RemoteSession:
             ops, blobs, keepalive, named = self._ops, self._blobs, self._keepalive, self._named
             self._ops, self._blobs, self._keepalive, self._blob_bytes = [], [], [], 0
             self._named, self._named_bytes = [], 0
+            grows, self._grows = self._grows, 0
             logged = self._settle_named(ops, named, blobs) if named else None
-            seq, parts = self._encode(ops, frees, query, blobs, logged)
+            seq, parts = self._encode(ops, frees, query, blobs, logged, grows)
             frame = self._exchange(parts, seq if query is not None else None)
             del keepalive
             answer = (None, []) if frame is None else self._read_reply(frame, seq)
@@ -418,21 +421,24 @@ class RemoteSession:
             return answer
 
     def _encode(
-        self, ops: list, frees: list, query: list | None, blobs: list, logged=None
+        self, ops: list, frees: list, query: list | None, blobs: list, logged=None, grows=0
     ) -> tuple[int, list]:
         """Number a batch and encode it; with failover on, log it too (``logged``: the
-        ops and blobs to log instead, when they differ from those sent)."""
+        ops and blobs to log instead, when they differ from those sent). ``grows``: the
+        bytes of the storages its ops create, for the executor to make room first."""
         self._seq += 1
         self.ops_sent += len(ops)
         seq = self._seq
-        parts = encode_frame(["batch", seq, ops, frees, query, [len(b) for b in blobs]], blobs)
+        header = ["batch", seq, ops, frees, query, [len(b) for b in blobs]]
+        parts = encode_frame([*header, grows] if grows else header, blobs)
         if self._log is not None:
             if logged is None:
                 parts = [self._log.record(seq, parts, query is not None)]
             else:
                 full_ops, full_blobs = logged
                 lengths = [len(b) for b in full_blobs]
-                full = encode_frame(["batch", seq, full_ops, frees, query, lengths], full_blobs)
+                full_header = ["batch", seq, full_ops, frees, query, lengths]
+                full = encode_frame([*full_header, grows] if grows else full_header, full_blobs)
                 self._log.record(seq, full, query is not None)
         return seq, parts
 

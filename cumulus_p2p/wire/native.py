@@ -9,10 +9,13 @@ A native session opens as every session does (``protocol``): the client's
 
 Client to executor::
 
-    Request := kind:u8 reply:u8 nnames:u32 (len:u32 utf8)[nnames] batch
+    Request := kind:u8 reply:u8 grows:u64 nnames:u32 (len:u32 utf8)[nnames] batch
       kind 1 BATCH   run `batch` (record.h's records, to the frame's end) after adding
                      the names to the session's op name table (the names the client
-                     interned since its last frame); `reply` 1: answer when done
+                     interned since its last frame); `reply` 1: answer when done.
+                     `grows`: the most bytes its storages take beyond the last batch's,
+                     as the client counted them; a host that bounds its device's memory
+                     makes that room before it runs the batch (0 in other requests)
       kind 2 BYE     the session ends (no reply)
       kind 3 DIGESTS name every live storage's pieces (`reply` 1, no names, no batch):
                      what a checkpoint reads to fetch only the pieces that changed
@@ -66,7 +69,7 @@ from ..blobs.names import is_digest, piece_count
 from .protocol import decode_frame, encode_frame, split_blobs
 
 #: The native frames' version, named in the hello: both sides must speak the same.
-VERSION = 5
+VERSION = 6
 BATCH, BYE, DIGESTS, KEEP, RESTORE, RESEND, NAMED, HAVE = 1, 2, 3, 4, 5, 6, 7, 8
 #: The requests that run a batch, and that a resumed session counts.
 BATCHES = (BATCH, NAMED)
@@ -76,13 +79,15 @@ MAX_SOURCES = 16
 #: Requests this small are replayed on the executor's event loop (about a millisecond
 #: of records at most): cheaper than handing them to a thread and back.
 LIGHT_BYTES = 64 * 1024
-_HEAD = struct.Struct("<BBI")
+_HEAD = struct.Struct("<BBQI")
 _LEN = struct.Struct("<I")
 
 
-def request(kind: int, names: Sequence[str], batch: bytes, reply: bool) -> list[bytes]:
+def request(
+    kind: int, names: Sequence[str], batch: bytes, reply: bool, grows: int = 0
+) -> list[bytes]:
     """A request's parts (sent as one frame, without joining the batch)."""
-    head = bytearray(_HEAD.pack(kind, reply, len(names)))
+    head = bytearray(_HEAD.pack(kind, reply, grows, len(names)))
     for name in names:
         data = name.encode()
         head += _LEN.pack(len(data)) + data
@@ -99,7 +104,7 @@ def parse_request(frame: bytes | bytearray) -> tuple[int, bool, list[str], memor
     view = memoryview(frame)
     if len(view) < _HEAD.size:
         raise MalformedMessageError("request shorter than its header")
-    kind, reply, count = _HEAD.unpack_from(view)
+    kind, reply, _, count = _HEAD.unpack_from(view)
     if not BATCH <= kind <= HAVE:
         raise MalformedMessageError(f"unknown request kind {kind}")
     at, names = _HEAD.size, []
@@ -113,6 +118,14 @@ def parse_request(frame: bytes | bytearray) -> tuple[int, bool, list[str], memor
         names.append(bytes(view[at : at + length]).decode())
         at += length
     return kind, bool(reply), names, view[at:]
+
+
+def growth(frame: bytes | bytearray) -> int:
+    """The bytes a BATCH or NAMED request says its storages grow by; 0 for any other
+    request, or one too short to say (``parse_request`` refuses it)."""
+    if len(frame) < _HEAD.size or frame[0] not in BATCHES:
+        return 0
+    return _HEAD.unpack_from(frame)[2]
 
 
 def runs_inline(frame: bytes | bytearray) -> bool:

@@ -15,7 +15,7 @@ Client → executor::
 
     ["hello", version, {options}]
     ["resume", version, {"token": token}]   (take back a session the executor kept)
-    ["batch", seq, ops, frees, query, blob_lengths]
+    ["batch", seq, ops, frees, query, blob_lengths, grows?]
     ["resend", seq]                         (after a resume: the reply to batch seq again)
     ["bye"]
 
@@ -41,6 +41,10 @@ inline uint8 tensor; failover (``failover.py``) is built from these. Compiled st
 ``@graph [graph_id, definition]`` (an aten graph as data, defined once per session) and
 ``@run [graph_id, inputs]`` (one call of it; the record's ``outs`` name its outputs'
 handles), described in ``graphs.py``.
+
+A batch's optional ``grows`` counts the bytes of the storages its ops create, as the client
+sized them: a host that bounds its device's memory makes that room before the ops run
+(evicting other tenants) rather than after.
 
 An *op* is ``[name, args, kwargs, outs]``: ``name`` an aten overload such as
 ``"aten.add.Tensor"``; ``args``/``kwargs`` plain msgpack values in which tensors, dtypes

@@ -26,12 +26,15 @@ std::atomic<uint64_t> next_handle{1};
 std::atomic<uint64_t> session_floor{1};
 
 // The bytes of this session's live storages, as torch.cuda.memory_allocated counts a
-// GPU's: each handle's size, kept as its storage grows, and the peak since a reset.
+// GPU's: each handle's size, kept as its storage grows, and the peak since a reset. The
+// peak since the last batch was taken says how far the next one grows the executor's.
 struct Bytes {
   std::mutex mutex;
   std::unordered_map<uint64_t, uint64_t> of_handle;
   uint64_t live = 0;
   uint64_t peak = 0;
+  uint64_t batch_base = 0;
+  uint64_t batch_peak = 0;
 
   void set(uint64_t handle, uint64_t nbytes) {
     std::lock_guard<std::mutex> lock(mutex);
@@ -39,6 +42,7 @@ struct Bytes {
     live = live - size + nbytes;
     size = nbytes;
     peak = std::max(peak, live);
+    batch_peak = std::max(batch_peak, live);
   }
 
   void forget(uint64_t handle) {
@@ -160,7 +164,7 @@ uint64_t begin_session() {
     Bytes& b = bytes();
     std::lock_guard<std::mutex> lock(b.mutex);
     b.of_handle.clear();
-    b.live = b.peak = 0;
+    b.live = b.peak = b.batch_base = b.batch_peak = 0;
   }
   return session_floor.load();
 }
@@ -181,6 +185,14 @@ uint64_t peak_bytes_allocated() {
   Bytes& b = bytes();
   std::lock_guard<std::mutex> lock(b.mutex);
   return b.peak;
+}
+
+uint64_t take_growth() {
+  Bytes& b = bytes();
+  std::lock_guard<std::mutex> lock(b.mutex);
+  const uint64_t grown = b.batch_peak - b.batch_base;
+  b.batch_base = b.batch_peak = b.live;
+  return grown;
 }
 
 void reset_peak_bytes() {

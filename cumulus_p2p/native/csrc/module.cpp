@@ -92,6 +92,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The most memory_allocated has been since the session began or the last reset.");
   m.def("reset_peak_memory_stats", &cumulus::reset_peak_bytes,
         "Start max_memory_allocated over from the bytes live now.");
+  m.def("take_growth", &cumulus::take_growth,
+        "The bytes the pending records' storages grow the session by at most (their peak "
+        "over the live bytes when the last batch was taken); starts over.");
   m.def("set_executor_device", &cumulus::set_executor_device,
         "The executor's device type ('cpu', 'cuda'...; '' for none), whose kernels "
         "attention and dropout take.");

@@ -199,6 +199,9 @@ void set_storage_bytes(c10::StorageImpl* storage, size_t nbytes);
 uint64_t bytes_allocated();
 uint64_t peak_bytes_allocated();
 void reset_peak_bytes();  // the peak starts over from the live bytes
+// How far the live bytes peaked above those when the last batch was taken, since then;
+// starts over from the live bytes.
+uint64_t take_growth();
 
 // The operator name table: a record carries an op's index, not its name.
 uint32_t intern(const c10::OperatorHandle& op);
