@@ -138,6 +138,23 @@ def _blob(data: bytes):
     return digest(data), memoryview(data)
 
 
+@pytest.mark.parametrize(
+    ("cache_bytes", "blob_store", "tier"),
+    [(1 << 30, True, Tier.RAM), (N * 4 - 1, True, Tier.DISK), (N * 4 - 1, False, Tier.RAM)],
+    ids=["fits the host cache", "past the host cache", "past it, no disk"],
+)
+def test_off_a_gpu_a_parked_session_goes_to_disk_only_past_the_host_caches_budget(
+    tmp_path, cache_bytes, blob_store, tier
+):
+    from cumulus_p2p.host.executor import Executor, ExecutorConfig
+
+    store = str(tmp_path / "blobs") if blob_store else None
+    executor = Executor(ExecutorConfig(device="cpu", blob_dir=store, cache_bytes=cache_bytes))
+    session, _ = a_session(tmp_path, ctx=executor.ctx)
+    executor.ctx.device = torch.device("cuda", 0)  # a GPU host's, as far as the choice goes
+    assert executor._park_tier(session) is tier
+
+
 # --- the executor: quotas adding up to more than the device, sessions evicted to fit -----
 
 

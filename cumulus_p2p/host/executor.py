@@ -805,15 +805,28 @@ class Executor:
         return self.ctx.device.type != "cpu" or bounded
 
     def _park(self, session: AnySession) -> int:
-        """Park ``session`` off the device: in host memory, or on disk where the device
-        is host memory and its room is bounded (``device_bytes``), so a vanished
-        tenant's memory goes to the tenants still here. Returns its bytes in memory."""
-        if self.ctx.device.type == "cpu" and self._parks_off_device():
+        """Park ``session`` off the device (to ``_park_tier``). Returns its bytes in
+        memory."""
+        if self._park_tier(session) is Tier.DISK:
             try:
                 return session.park(Tier.DISK)
             except OSError as exc:  # the store is full: it stays in memory, as unbounded
                 log.warning("could not park a session on disk: %s", exc)
         return session.park(Tier.RAM)
+
+    def _park_tier(self, session: AnySession) -> Tier:
+        """Where a parked session goes: on disk where the device is host memory and its
+        room is bounded (``device_bytes``), so a vanished tenant's memory goes to the
+        tenants still here; off a GPU to host memory while the host cache's budget
+        (``cache_bytes``) holds it beside the sessions parked there, else to disk rather
+        than drop them (``eviction.destination``)."""
+        if self.ctx.device.type == "cpu":
+            return Tier.DISK if self._parks_off_device() else Tier.RAM
+        cached = self.cache.statistics()
+        room = cached.max_bytes - cached.bytes
+        disk = self.ctx.blobs is not None
+        spill = destination(session.bytes_on_device, device_is_host=False, ram_free=room, disk=disk)
+        return spill or Tier.RAM
 
     def _expire_parked(self) -> None:
         for session in self.cache.expire(now=trio.current_time()):
