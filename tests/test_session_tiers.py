@@ -138,6 +138,24 @@ def _blob(data: bytes):
     return digest(data), memoryview(data)
 
 
+@pytest.mark.parametrize("tier", [Tier.RAM, Tier.DISK])
+def test_evicted_storage_by_storage_the_longest_unused_leave_first_and_results_stay_exact(
+    tmp_path, tier
+):
+    session, _ = a_session(tmp_path)  # handle 1, made in batch 1
+    run(session, 2, [["aten.randn.default", [[N]], {}, [[2, [N], [1], 0]]]])
+    run(session, 3, [["aten.mul.Tensor", [ref(1), 2.0], {}, [[3, [N], [1], 0]]]])
+    expected = bytes(run(session, 4, [], ["fetch", ref(2)]).blobs[0])
+    run(session, 5, [["aten.add.Tensor", [ref(1), ref(3)], {}, [[4, [N], [1], 0]]]])
+    # Handle 2 went unnamed since batch 4; 1, 3 and 4 were named in batch 5.
+    assert session.evict(tier, need=N * 4) == N * 4
+    assert session.tier is tier and session.bytes_on_device == 3 * N * 4
+    assert session.evict(tier, need=N * 4) == N * 4  # one more, up to what is asked
+    assert session.bytes_on_device == 2 * N * 4
+    assert bytes(run(session, 6, [], ["fetch", ref(2)]).blobs[0]) == expected
+    assert session.tier is Tier.DEVICE and session.bytes_on_device == 4 * N * 4
+
+
 @pytest.mark.parametrize(
     ("cache_bytes", "blob_store", "tier"),
     [(1 << 30, True, Tier.RAM), (N * 4 - 1, True, Tier.DISK), (N * 4 - 1, False, Tier.RAM)],
@@ -254,6 +272,27 @@ async def test_a_batch_that_says_it_grows_past_the_device_evicts_another_before_
         for tenant in (idle, growing):
             await tenant.channel.send_frame(encode_frame(["bye"]))
     assert tiers == ["disk", "device"]
+
+
+async def test_making_room_moves_only_the_storages_the_room_needs(tmp_path):
+    import trio
+
+    from cumulus_p2p.host.executor import Executor, ExecutorConfig
+
+    config = ExecutorConfig(device="cpu", blob_dir=str(tmp_path), device_bytes=3 * N * 4 + 4096)
+    executor = Executor(config)
+    async with trio.open_nursery() as nursery:
+        older, newer = (Tenant(executor, nursery, rank=(0, -100)) for _ in range(2))
+        await older.open_with_ones()
+        await older.batch([["aten.ones.default", [[N]], {}, [[2, [N], [1], 0]]]], ["sync"])
+        await newer.open_with_ones()
+        await newer.batch(
+            [["aten.ones.default", [[N]], {}, [[2, [N], [1], 0]]]], ["sync"], grows=N * 4
+        )
+        on_device = [s.bytes_on_device for s in executor.sessions.values()]
+        for tenant in (older, newer):
+            await tenant.channel.send_frame(encode_frame(["bye"]))
+    assert on_device == [N * 4, 2 * N * 4]  # the older gave up one storage of its two
 
 
 async def test_an_evicted_session_that_fits_comes_back_ahead_of_its_turn(tmp_path):

@@ -152,6 +152,11 @@ def test_a_provider_shows_where_each_sessions_memory_is_and_its_overcommit():
     assert " in disk" not in plain and "x the memory" not in plain
 
 
+def test_a_provider_shows_how_much_of_a_partly_evicted_sessions_memory_left_the_device():
+    partly = lease("device0") | {"tier": "ram", "on_device": 600}
+    assert "1.0 kB of 4.1 kB, 424 bytes in host RAM" in shown(provider_state([device(0)], [partly]))
+
+
 def test_the_offers_table_shows_each_offers_contend_floor():
     offer = OFFER
     console = Console(width=220, record=True)

@@ -287,7 +287,8 @@ async def test_past_the_device_bound_the_worker_the_policy_names_is_asked_to_evi
     sup._on_message(busy, ["stats", 5, 600, None, None, "device"])
     sup._on_message(cheap, ["stats", 5, 600, None, None, "device"])
     with trio.fail_after(5):
-        assert (await to_cheap.receive())[0] == ["evict", "disk"]  # the worse-ranked payer goes
+        # The worse-ranked payer moves as much as the room needs.
+        assert (await to_cheap.receive())[0] == ["evict", "disk", 200]
     assert await nothing_arrives(to_busy)
     # Asked once: its report that it still holds the memory does not ask again at once.
     assert cheap.evicting
@@ -313,12 +314,13 @@ async def test_off_a_gpu_sessions_go_to_host_memory_until_it_is_full_then_to_dis
     sup._on_message(cheap, ["stats", 5, 600, None, None, "device"])
     sup._on_message(older, ["stats", 5, 600, None, None, "device"])
     with trio.fail_after(5):
-        assert (await to_cheap.receive())[0] == ["evict", "ram"]
-    sup._on_message(cheap, ["stats", 5, 600, None, None, "ram"])
-    # Host memory holds 600 of its 700 now: the next 600 bytes go to disk.
+        assert (await to_cheap.receive())[0] == ["evict", "ram", 200]
+    sup._on_message(cheap, ["stats", 5, 600, None, None, "ram", 400])
     sup._on_message(newer, ["stats", 5, 600, None, None, "device"])
     with trio.fail_after(5):
-        assert (await to_older.receive())[0] == ["evict", "disk"]
+        assert (await to_cheap.receive())[0] == ["evict", "ram", 600]  # its last 400 go
+        # Host memory will hold all 600 of the first's of its 700: the rest go to disk.
+        assert (await to_older.receive())[0] == ["evict", "disk", 200]
 
 
 async def test_an_on_demand_holder_of_the_exclusive_turn_is_not_evicted_in_its_turn(tmp_path):
@@ -331,7 +333,7 @@ async def test_an_on_demand_holder_of_the_exclusive_turn_is_not_evicted_in_its_t
     sup._on_message(holder, ["stats", 5, 600, None, None, "device"])
     sup._on_message(other, ["stats", 5, 600, None, None, "device"])
     with trio.fail_after(5):
-        assert (await to_other.receive())[0] == ["evict", "disk"]
+        assert (await to_other.receive())[0] == ["evict", "disk", 200]
     assert await nothing_arrives(to_holder)
 
 
@@ -345,9 +347,11 @@ async def test_a_session_coming_back_gets_its_room_once_the_others_evicted(tmp_p
         sup._on_message(coming, ["stats", 5, 600, None, None, "disk"])
         sup._on_message(coming, ["room", 1, 600])
         with trio.fail_after(5):
-            assert (await to_idle.receive())[0] == ["evict", "disk"]
+            assert (await to_idle.receive())[0] == ["evict", "disk", 200]
         assert await nothing_arrives(to_coming)  # not before the other's memory moved
-        sup._on_message(idle, ["stats", 5, 600, None, None, "disk"])
+        sup._on_message(idle, ["stats", 5, 600, None, None, "device"])  # not moved yet
+        assert await nothing_arrives(to_coming)
+        sup._on_message(idle, ["stats", 5, 600, None, None, "disk", 400])  # its coldest 200
         with trio.fail_after(5):
             assert (await to_coming.receive())[0] == ["roomed", 1]
 
@@ -376,14 +380,14 @@ async def test_a_room_request_counts_as_the_askers_size_until_its_next_report(tm
         sup._on_message(grown, ["room", 1, 800])
         assert grown.stats.bytes_in_use == 800
         with trio.fail_after(5):
-            assert (await to_other.receive())[0] == ["evict", "disk"]
+            assert (await to_other.receive())[0] == ["evict", "disk", 100]
         sup._on_message(other, ["stats", 5, 300, None, None, "disk"])
         with trio.fail_after(5):
             assert (await to_grown.receive())[0] == ["roomed", 1]
         # A newcomer's question now weighs the grown session's 800 bytes.
         sup._on_message(other, ["room", 2, 300])
         with trio.fail_after(5):
-            assert (await to_grown.receive())[0] == ["evict", "disk"]
+            assert (await to_grown.receive())[0] == ["evict", "disk", 100]
 
 
 def worker_of(*, memory_bounded: bool) -> tuple[WorkerLink, Worker]:

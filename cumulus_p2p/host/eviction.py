@@ -9,7 +9,9 @@ can hold more sessions than its device has memory for, and a session that waits 
 the device nothing.
 
 When the device needs ``need`` bytes, ``choose`` names the sessions to evict, in this
-order, until their device bytes cover it:
+order, until their device bytes cover it (the executor then moves each one's storages
+that no op named for longest, storage by storage, until ``need`` is off: the last one
+named may keep the rest on the device):
 
 1. sessions paused because their lease went unpaid;
 2. preempted sessions (contending or interruptible leases whose shares an on-demand

@@ -186,7 +186,8 @@ class Executor:
         if not found:
             return None
         session = found[-1]
-        stats = dataclasses.replace(session.stats, tier=session.tier.value)
+        where = {"tier": session.tier.value, "bytes_on_device": session.bytes_on_device}
+        stats = dataclasses.replace(session.stats, **where)
         waits = session.waits.percentiles(now=time.monotonic())
         if waits is None:
             return stats
@@ -571,11 +572,11 @@ class Executor:
         # Sessions evicted already hold nothing on the device: ``choose`` passes them by.
         candidates = [_candidate(s) for s in self.sessions.values() if s is not session]
         for chosen in choose(candidates, need, now=time.monotonic()):
-            tier = self._evict_tier(chosen.stats.bytes_in_use)
-            if tier is None:
+            tier = self._evict_tier(min(need, chosen.bytes_on_device))
+            if tier is None or need <= 0:
                 return
             try:
-                chosen.evict(tier)
+                need -= chosen.evict(tier, need)
             except OSError as exc:  # the store is full: the others stay, quotas still hold
                 log.warning("could not evict a session to make room: %s", exc)
                 return
@@ -597,21 +598,26 @@ class Executor:
         if self.config.ram_bytes is None:
             return None
         sessions = self.sessions.values()
-        held = sum(s.stats.bytes_in_use for s in sessions if s.tier is Tier.RAM)
+        held = sum(s.stats.bytes_in_use - s.bytes_on_device for s in sessions if s.tier is Tier.RAM)
         return max(0, self.config.ram_bytes - held)
 
-    async def evict_all(self, tier: Tier | None = None) -> int:
-        """Move every live session's storages off the device, to ``tier`` (None: where
-        ``_evict_tier`` says), each between two of its batches (a supervisor makes room
-        across its workers so, and says where to). Returns the bytes moved; 0 where there
-        is no place to put them or nothing is on the device."""
+    async def evict_all(self, tier: Tier | None = None, need: int | None = None) -> int:
+        """Move the live sessions' storages off the device, to ``tier`` (None: where
+        ``_evict_tier`` says), each between two of its batches: all of them, or the
+        coldest until ``need`` bytes are off (a supervisor makes room across its workers
+        so, and says where to and how much). Returns the bytes moved; 0 where there is no
+        place to put them or nothing is on the device."""
         moved = 0
         for session in list(self.sessions.values()):
-            where = tier or self._evict_tier(session.stats.bytes_in_use)
+            left = None if need is None else need - moved
+            if left is not None and left <= 0:
+                break
+            where = tier or self._evict_tier(left or session.bytes_on_device)
             if where is None:
                 continue
+            evict = _evict_on_device
             try:
-                moved += await self._on_device(_evict_on_device, session, where, rank=session.rank)
+                moved += await self._on_device(evict, session, where, left, rank=session.rank)
             except OSError as exc:
                 log.warning("could not evict a session: %s", exc)
         if moved and self.ctx.device.type == "cuda":
@@ -958,11 +964,11 @@ def _resume_token(header: list) -> str:
     return token
 
 
-def _evict_on_device(session: AnySession, tier: Tier) -> int:
-    """``session.evict(tier)`` if its storages are still on the device when its turn
+def _evict_on_device(session: AnySession, tier: Tier, need: int | None) -> int:
+    """``session.evict(tier, need)`` if storages are still on the device when its turn
     comes: another ``evict`` from the supervisor may have moved them while this one
     waited for the turn."""
-    return session.evict(tier) if session.tier is Tier.DEVICE else 0
+    return session.evict(tier, need) if session.bytes_on_device else 0
 
 
 def _candidate(session: AnySession) -> Candidate:

@@ -24,7 +24,7 @@ with the session (``session.py``), which reports it as that op's error.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -82,6 +82,8 @@ class HandleEntry:
     views: dict[TensorRef, torch.Tensor] = field(default_factory=dict)
     #: Where the next ``@restore`` piece starts, while a restore of this storage is open.
     restore_next: int | None = None
+    #: The table's ``clock`` when an op last named it: the coldest leave the device first.
+    used: int = 0
 
 
 class HandleTable:
@@ -101,6 +103,8 @@ class HandleTable:
         self.quota_bytes = quota_bytes
         self._entries: dict[int, HandleEntry] = {}
         self._poisoned: dict[int, str] = {}  # handle -> why it has no value
+        #: Advanced by the session once per batch; entries named since carry its value.
+        self.clock = 0
 
     def __contains__(self, handle: object) -> bool:
         return handle in self._entries
@@ -138,7 +142,7 @@ class HandleTable:
         if handle in self._entries:
             raise OpFailed(ErrorKind.INVALID_HANDLE, f"handle {handle} is already in use")
         nbytes = tensor.untyped_storage().nbytes()
-        self._entries[handle] = HandleEntry(tensor, nbytes)
+        self._entries[handle] = HandleEntry(tensor, nbytes, used=self.clock)
         self._poisoned.pop(handle, None)
         stats = self.stats
         stats.bytes_in_use += nbytes
@@ -199,6 +203,7 @@ class HandleTable:
         """
         entry = self._entries.get(ref.handle)
         if entry is not None:
+            entry.used = self.clock
             view = entry.views.get(ref)
             if view is not None:
                 return view
@@ -237,35 +242,62 @@ class HandleTable:
         for entry in self._entries.values():
             entry.views.clear()
 
-    def move_to(self, device: torch.device) -> None:
-        """Copy every storage to ``device`` (pinned when that is host memory, for a fast
-        way back) and forget the views of the old copies. Either every storage moves or,
-        when a copy fails, none does."""
-        moved = [_moved(entry.anchor, device) for entry in self._entries.values()]
-        for entry, anchor in zip(self._entries.values(), moved, strict=True):
+    def coldest(self, handles: Iterable[int], need: int | None) -> list[int]:
+        """Of ``handles``, those no op named for longest, taken until their storages add
+        up to ``need`` bytes (all of them for None, or when together they fall short)."""
+        if need is None:
+            return list(handles)
+        chosen, freed = [], 0
+        for handle in sorted(handles, key=lambda h: self._entries[h].used):
+            if freed >= need:
+                break
+            chosen.append(handle)
+            freed += self._entries[handle].capacity
+        return chosen
+
+    def capacity(self, handles: Iterable[int]) -> int:
+        """The bytes the storages of ``handles`` hold together."""
+        return sum(self._entries[handle].capacity for handle in handles)
+
+    def move_to(self, device: torch.device, handles: Iterable[int] | None = None) -> None:
+        """Copy the storages of ``handles`` (None: every one) to ``device`` (pinned when
+        that is host memory, for a fast way back) and forget the views of the old copies.
+        Either every one moves or, when a copy fails, none does."""
+        entries = self._chosen(handles)
+        moved = [_moved(entry.anchor, device) for entry in entries]
+        for entry, anchor in zip(entries, moved, strict=True):
             entry.anchor = anchor
             entry.views.clear()
 
-    def page_out(self, store: BlobStore) -> dict[int, list[PinnedBlob]]:
-        """Write every storage to ``store`` as named pieces, pinned, then let go of its
-        memory: each anchor becomes an empty placeholder of its dtype until ``page_in``.
-        Either every storage is paged out or, when the store cannot keep a piece, none
-        is (and no piece stays pinned).
+    def page_out(
+        self, store: BlobStore, handles: Iterable[int] | None = None
+    ) -> dict[int, list[PinnedBlob]]:
+        """Write the storages of ``handles`` (None: every one) to ``store`` as named
+        pieces, pinned, then let go of their memory: each anchor becomes an empty
+        placeholder of its dtype until ``page_in``. Either every one is paged out or,
+        when the store cannot keep a piece, none is (and no piece stays pinned).
 
         Raises:
             OSError: the store could not keep a piece (full, or the disk refused it).
         """
+        chosen = list(self._entries) if handles is None else list(handles)
         paged: dict[int, list[PinnedBlob]] = {}
         try:
-            for handle, entry in self._entries.items():
-                paged[handle] = write_pieces(entry.anchor, store)
+            for handle in chosen:
+                paged[handle] = write_pieces(self._entries[handle].anchor, store)
         except BaseException:
             unpin(paged)
             raise
-        for entry in self._entries.values():
+        for handle in chosen:
+            entry = self._entries[handle]
             entry.anchor = torch.empty(0, dtype=entry.anchor.dtype)
             entry.views.clear()
         return paged
+
+    def _chosen(self, handles: Iterable[int] | None) -> list[HandleEntry]:
+        if handles is None:
+            return list(self._entries.values())
+        return [self._entries[handle] for handle in handles]
 
     def page_in(self, paged: dict[int, list[PinnedBlob]], device: torch.device) -> None:
         """Bring the storages ``page_out`` wrote back onto ``device``, each piece checked

@@ -180,9 +180,10 @@ class SessionStats:
     #: in that minute (or takes none: a CPU).
     wait_p50_ms: float | None = None
     wait_p99_ms: float | None = None
-    #: Where its storages are (``eviction.Tier``'s value): also filled in by
-    #: ``Executor.session_stats``.
+    #: Where its evicted storages are (``eviction.Tier``'s value; "device" while none
+    #: is), and what stays on the device: also filled in by ``Executor.session_stats``.
     tier: str = "device"
+    bytes_on_device: int = 0
 
 
 class ExecutorSession:
@@ -212,8 +213,10 @@ class ExecutorSession:
         self._handles = HandleTable(self.device, self.stats, quota_bytes=quota_bytes)
         self._error: tuple[str, str, str] | None = None
         self._dyn_result: Any = None
-        #: Where the storages are (``eviction.Tier``), and their pieces while on disk.
+        #: Where its evicted storages are (``eviction.Tier``; the device while none is),
+        #: which they are, and their pieces while on disk.
         self.tier = Tier.DEVICE
+        self._off: set[int] = set()
         self._paged: dict[int, list[PinnedBlob]] = {}
         # A session may be brought back ahead of its turn, in a thread, while another
         # session's turn evicts: one move at a time.
@@ -239,6 +242,7 @@ class ExecutorSession:
         if self.tier is not Tier.DEVICE:
             self.bring_back()
         self.last_op_at = time.monotonic()
+        self._handles.clock += 1
         self.ctx.take_rng(self)
         self.last_seq = batch.seq
         for record in batch.ops:
@@ -882,7 +886,7 @@ class ExecutorSession:
             OSError: the disk tier could not keep the pieces (the session stays as it was).
         """
         self.ctx.release(self)
-        if self.tier is Tier.DEVICE:
+        if self.bytes_on_device:
             self.evict(tier)
         return 0 if self.tier is Tier.DISK else self._handles.bytes_in_use
 
@@ -892,38 +896,42 @@ class ExecutorSession:
 
     # --- tiers (``eviction.py``) ----------------------------------------------------------
 
-    def evict(self, tier: Tier) -> int:
-        """Move the session's storages off the device: to the host's memory (``RAM``) or
-        to the host's blob store on disk (``DISK``), between batches. Handles, graphs and
-        the generator's state stay; the storages come back before the next batch runs
-        (``bring_back``). Returns the bytes moved.
+    def evict(self, tier: Tier, need: int | None = None) -> int:
+        """Move the session's storages off the device, between batches: to the host's
+        memory (``RAM``) or to the host's blob store on disk (``DISK``). All of them, or
+        with ``need``, storage by storage, those no op named for longest until ``need``
+        bytes are off. Handles, graphs and the generator's state stay; the storages come
+        back before the next batch runs (``bring_back``). Returns the bytes moved.
 
         Raises:
             ValueError: ``tier`` is the device, or the disk tier without a blob store.
             OSError: the blob store could not keep the pieces (nothing moved then).
         """
         with self._moving:
-            return self._evict(tier)
+            return self._evict(tier, need)
 
-    def _evict(self, tier: Tier) -> int:
-        if tier is Tier.DEVICE or tier is self.tier:
-            raise ValueError(f"a session on the {self.tier.value} tier cannot go to {tier.value}")
-        self.bring_back()
-        self._handles.forget_views()
-        if tier is Tier.DISK:
-            if self.ctx.blobs is None:
-                raise ValueError("this executor has no blob store (--blob-dir) to evict to disk")
-            self._paged = self._handles.page_out(self.ctx.blobs)
+    def _evict(self, tier: Tier, need: int | None) -> int:
+        if tier is Tier.DEVICE:
+            raise ValueError("the device is not a tier to evict to")
+        if tier is Tier.DISK and self.ctx.blobs is None:
+            raise ValueError("this executor has no blob store (--blob-dir) to evict to disk")
+        if tier is not self.tier:
+            self._bring_back()  # off the device, its storages are in one tier at a time
+        on_device = [handle for handle, _ in self._handles.items() if handle not in self._off]
+        chosen = self._handles.coldest(on_device, need)
+        if tier is Tier.DISK and self.ctx.blobs is not None:
+            self._paged.update(self._handles.page_out(self.ctx.blobs, chosen))
         elif self.device.type == "cuda":
-            self._handles.move_to(torch.device("cpu"))
+            self._handles.move_to(torch.device("cpu"), chosen)
+        self._off.update(chosen)
         self.tier = tier
-        self.evictions += 1
-        return self._handles.bytes_in_use
+        self.evictions += 1 if chosen else 0
+        return self._handles.capacity(chosen)
 
     @property
     def bytes_on_device(self) -> int:
-        """What the session's storages hold on the device: none while evicted."""
-        return self._handles.bytes_in_use if self.tier is Tier.DEVICE else 0
+        """What the session's storages hold on the device: all but the evicted ones."""
+        return self._handles.bytes_in_use - self._handles.capacity(self._off)
 
     def bring_back(self) -> None:
         """Put an evicted session's storages back on its device (nothing if they are).
@@ -945,7 +953,8 @@ class ExecutorSession:
                     f"this session's memory evicted to disk is damaged ({exc}); it cannot run on"
                 ) from exc
         elif self.tier is Tier.RAM and self.device.type == "cuda":
-            self._handles.move_to(self.device)
+            self._handles.move_to(self.device, self._off)
+        self._off = set()
         self.tier = Tier.DEVICE
 
     def _stats_map(self) -> dict:
@@ -970,7 +979,7 @@ class ExecutorSession:
     def close(self) -> None:
         """Release every tensor of the session, in every tier."""
         unpin(self._paged)
-        self._paged = {}
+        self._paged, self._off = {}, set()
         self._handles.clear()
         self._graphs.clear()
         close_pins(self._pins)

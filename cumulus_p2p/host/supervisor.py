@@ -163,9 +163,10 @@ class _Worker:
     stats: SessionStats | None = None
     #: When its reported op count last moved (the eviction policy's recency).
     last_op_at: float = 0.0
-    #: Where it was asked to ``evict`` to, and has not reported since (None: not asked);
-    #: ``evicted`` is set once it did.
+    #: Where it was asked to ``evict`` to (None: not asked), until a report shows its
+    #: device bytes down to ``evict_down_to`` (then ``evicted`` is set) or a batch ran.
     evicting: Tier | None = None
+    evict_down_to: int = 0
     evicted: trio.Event = field(default_factory=trio.Event)
     #: Set to end its exclusive turn at its next op (None: it never takes turns).
     flag: TurnFlag | None = None
@@ -453,10 +454,15 @@ class WorkerSupervisor:
     def _on_message(self, worker: _Worker, message: list) -> None:
         if message[0] == "stats":
             stats = _stats(message)
-            if worker.stats is None or stats.ops != worker.stats.ops:
+            ran = worker.stats is None or stats.ops != worker.stats.ops
+            if ran:
                 worker.last_op_at = _now()
-            worker.stats, worker.evicting = stats, None
-            if not _on_device(worker):
+            done = worker.evicting is not None and stats.bytes_on_device <= worker.evict_down_to
+            # Asked once until it did, or ran a batch since (which brought it all back).
+            if done or ran:
+                worker.evicting = None
+            worker.stats = stats
+            if done or not _on_device(worker):
                 worker.evicted.set()
             self._review_memory()
             return
@@ -465,7 +471,8 @@ class WorkerSupervisor:
             # Its session is at work and holds, or brings back, ``nbytes``: a report of
             # its size, sooner than the next one (``Executor._after_growth``).
             worker.last_op_at = _now()
-            worker.stats = replace(worker.stats or SessionStats(), bytes_in_use=nbytes)
+            sized = {"bytes_in_use": nbytes, "bytes_on_device": nbytes, "tier": Tier.DEVICE.value}
+            worker.stats = replace(worker.stats or SessionStats(), **sized)
             self._nursery.start_soon(self._make_room_for, worker, number, nbytes)
             return
         if message[0] in ("traffic", "ended", "token"):
@@ -528,14 +535,14 @@ class WorkerSupervisor:
             for w in self._workers.values()
             if w is not asking and _on_device(w) and not w.evicting
         ]
-        need = sum(w.stats.bytes_in_use for w in held) + incoming - bound  # type: ignore[union-attr]
+        need = sum(w.stats.bytes_on_device for w in held) + incoming - bound  # type: ignore[union-attr]
         holder = self.queue.holder
         candidates = [
             Candidate(
                 w,
                 w.rank,
                 on_demand(w.rank),
-                w.stats.bytes_in_use,  # type: ignore[union-attr]
+                w.stats.bytes_on_device,  # type: ignore[union-attr]
                 w.last_op_at,
                 in_turn=holder is not None and holder[0] == w.pid,
             )
@@ -543,15 +550,19 @@ class WorkerSupervisor:
         ]
         asked = []
         for worker in choose(candidates, need, now=_now()):
-            tier = self._evict_tier(worker.stats.bytes_in_use)  # type: ignore[union-attr]
-            if tier is None:
-                break  # nowhere to put it: the rest stays, and quotas still hold
+            on_device = worker.stats.bytes_on_device  # type: ignore[union-attr]
+            tier = self._evict_tier(min(need, on_device))
+            if tier is None or need <= 0:
+                break  # nowhere to put it, or no need: the rest stays
             worker.evicting, worker.evicted = tier, trio.Event()
+            worker.evict_down_to = max(0, on_device - need)
             asked.append(worker)
             try:
-                worker.link.send_nowait(["evict", tier.value])
+                # Its coldest storages, as many as the room needs (all, past its own).
+                worker.link.send_nowait(["evict", tier.value, need])
             except LinkClosedError:
                 worker.evicted.set()  # it is gone: its memory goes with it
+            need -= on_device
         return asked
 
     def _evict_tier(self, nbytes: int) -> Tier | None:
@@ -571,8 +582,7 @@ class WorkerSupervisor:
         bound = self.config.executor.ram_bytes
         if bound is None:
             return None
-        in_ram = [w.stats for w in self._workers.values() if _in_ram(w)]
-        return max(0, bound - sum(stats.bytes_in_use for stats in in_ram if stats is not None))
+        return max(0, bound - sum(_ram_bytes(w) for w in self._workers.values()))
 
     def _on_session_message(self, worker: _Worker, message: list) -> None:
         kind, *args = message
@@ -896,21 +906,28 @@ class _Unavailable(Exception):
 
 
 def _stats(message: list) -> SessionStats:
-    """A worker's ``["stats", ops, bytes_in_use, wait_p50_ms, wait_p99_ms, tier]``,
-    checked: a worker runs tenant code."""
-    if len(message) != 6 or not all(type(v) is int and v >= 0 for v in message[1:3]):
+    """A worker's ``["stats", ops, bytes_in_use, wait_p50_ms, wait_p99_ms, tier,
+    bytes_on_device]``, checked: a worker runs tenant code. Without its last field, all
+    its bytes are on the device or none is, as ``tier`` says."""
+    if len(message) not in (6, 7) or not all(type(v) is int and v >= 0 for v in message[1:3]):
         raise LinkClosedError("it sent malformed stats")
     waits = message[3:5]
     if not all(v is None or (type(v) is float and 0 <= v < math.inf) for v in waits):
         raise LinkClosedError("it sent malformed waits")
     if message[5] not in _TIERS:
         raise LinkClosedError("it named no tier its memory could be in")
+    on_device = message[2] if message[5] == Tier.DEVICE.value else 0
+    if len(message) == 7:
+        on_device = message[6]
+        if type(on_device) is not int or not 0 <= on_device <= message[2]:
+            raise LinkClosedError("it sent malformed stats: more on the device than it holds")
     return SessionStats(
         ops=message[1],
         bytes_in_use=message[2],
         wait_p50_ms=waits[0],
         wait_p99_ms=waits[1],
         tier=message[5],
+        bytes_on_device=on_device,
     )
 
 
@@ -924,16 +941,20 @@ def _room(message: list) -> tuple[int, int]:
     return message[1], message[2]
 
 
-def _in_ram(worker: _Worker) -> bool:
-    """Whether ``worker``'s session holds host memory as an evicted one, or will."""
-    if worker.evicting is not None:
-        return worker.evicting is Tier.RAM
-    return worker.stats is not None and worker.stats.tier == Tier.RAM.value
+def _ram_bytes(worker: _Worker) -> int:
+    """What ``worker``'s session holds in host memory as an evicted one, or will: all it
+    holds, at most, while on its way there."""
+    stats = worker.stats
+    if stats is None or worker.evicting is Tier.DISK:
+        return 0
+    if worker.evicting is Tier.RAM:
+        return stats.bytes_in_use
+    return stats.bytes_in_use - stats.bytes_on_device if stats.tier == Tier.RAM.value else 0
 
 
 def _on_device(worker: _Worker) -> bool:
     """Whether ``worker``'s session holds memory on the device, as it last reported."""
-    return worker.stats is not None and worker.stats.tier == Tier.DEVICE.value
+    return worker.stats is not None and worker.stats.bytes_on_device > 0
 
 
 def _wake(owner: object, name: str) -> None:

@@ -19,10 +19,11 @@ Messages on the link (``workerlink.py``), worker to supervisor:
   (``SupervisorTurns``), granted across all workers by the supervisor's ``DeviceQueue``
   in the rank of each worker's lease. Only on an exclusively shared device: by default
   workers run at once (``scheduler.Sharing``) and never ask.
-- ``["stats", ops, bytes_in_use, wait_p50_ms, wait_p99_ms, tier]``: its session at work,
-  every ``STATS_EVERY_S`` while it serves one and at once after an ``evict`` (the
-  provider's status shows it; the waits are nil while it took no device turn in the
-  last minute; ``tier``: where its storages are, ``eviction.Tier``'s value).
+- ``["stats", ops, bytes_in_use, wait_p50_ms, wait_p99_ms, tier, bytes_on_device]``: its
+  session at work, every ``STATS_EVERY_S`` while it serves one and at once after an
+  ``evict`` (the provider's status shows it; the waits are nil while it took no device
+  turn in the last minute; ``tier``: where its evicted storages are, ``eviction.Tier``'s
+  value, and ``bytes_on_device`` what stays on the device).
 - ``["token", token]``: a session it welcomed (resumes naming it are routed here).
 - ``["traffic", n, bytes]``: frame bytes session ``n`` carried since the last report,
   every ``STATS_EVERY_S`` and at its end (the provider meters the lease with them).
@@ -37,10 +38,10 @@ Supervisor to worker:
 - ``["resume", n, hello, buffered]`` with a new connection: the consumer of secure session
   ``n`` resumes on it (its ``RESUME_HELLO`` was read by the supervisor).
 - ``["close", n, reason]``: end secure session ``n`` (the provider paused its lease).
-- ``["evict", tier]``: move the sessions' storages off the device to ``tier`` ("ram" or
-  "disk", ``eviction.Tier``; ``Executor.evict_all``): the supervisor makes room for
-  another worker's tenant, and says where the host has room. They come back at their
-  next batch.
+- ``["evict", tier, nbytes]``: move the sessions' coldest storages off the device to
+  ``tier`` ("ram" or "disk", ``eviction.Tier``; ``Executor.evict_all``) until ``nbytes``
+  are off: the supervisor makes room for another worker's tenant, and says where the
+  host has room. They come back at their next batch.
 - ``["roomed", n]``: the answer to the worker's ``["room", n, nbytes]`` (worker to
   supervisor: an evicted session is coming back with ``nbytes``): others were asked to
   evict, and reported it, or the supervisor's wait ran out.
@@ -96,8 +97,6 @@ STATS_EVERY_S = 1.0
 _PR_SET_PDEATHSIG = 1
 #: A frame's length prefix, counted with its bytes as the provider meters them.
 FRAME_PREFIX = 4
-#: The tiers an ``evict`` may name.
-_OFF_DEVICE = (Tier.RAM.value, Tier.DISK.value)
 _WELCOME_START = b"\x93\xa7welcome"  # msgpack: a 3-element array whose first element is "welcome"
 
 
@@ -336,8 +335,8 @@ class Worker:
             elif kind == "close" and n == 3:
                 if message[1] in self._channels:
                     nursery.start_soon(self._channels[message[1]].aclose, message[2])
-            elif kind == "evict" and n == 2 and fd is None and message[1] in _OFF_DEVICE:
-                nursery.start_soon(self._evict, Tier(message[1]))
+            elif kind == "evict" and n == 3 and fd is None and _evict_message(message):
+                nursery.start_soon(self._evict, Tier(message[1]), message[2])
             elif kind == "roomed" and n == 2 and fd is None:
                 answered = self._rooms.get(message[1])
                 if answered is not None:
@@ -424,7 +423,8 @@ class Worker:
         stats = self.executor.session_stats(owner)
         if stats is not None:
             waits = [stats.wait_p50_ms, stats.wait_p99_ms]
-            await self.link.send(["stats", stats.ops, stats.bytes_in_use, *waits, stats.tier])
+            where = [stats.tier, stats.bytes_on_device]
+            await self.link.send(["stats", stats.ops, stats.bytes_in_use, *waits, *where])
 
     async def _ask_room(self, nbytes: int) -> None:
         """Before a session comes back from eviction, or after a batch left it holding
@@ -439,9 +439,10 @@ class Worker:
         finally:
             del self._rooms[number]
 
-    async def _evict(self, tier: Tier) -> None:
-        """The supervisor's ``evict``: off the device to ``tier``, then say so at once."""
-        await self.executor.evict_all(tier)
+    async def _evict(self, tier: Tier, need: int) -> None:
+        """The supervisor's ``evict``: the coldest ``need`` bytes off the device to
+        ``tier``, then say so at once."""
+        await self.executor.evict_all(tier, need)
         try:
             for owner in list(self._owners):
                 await self._send_stats(owner)
@@ -514,6 +515,12 @@ def _die_with_parent() -> None:
         return
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _evict_message(message: list) -> bool:
+    """Whether ``["evict", tier, nbytes]`` names a tier off the device and a byte count."""
+    _, tier, need = message
+    return tier in (Tier.RAM.value, Tier.DISK.value) and type(need) is int and need > 0
 
 
 def main(argv: list[str] | None = None) -> int:

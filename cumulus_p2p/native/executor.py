@@ -230,16 +230,19 @@ class ReplaySession:
 
     # --- tiers (``host/eviction.py``) ----------------------------------------------------
 
-    def evict(self, tier: Tier) -> int:
+    def evict(self, tier: Tier, need: int | None = None) -> int:
         """Move the session's storages off the device between two batches: copied to the
         host's memory (``RAM``; on a CPU they stay where they are) or written to the blob
         store as named pieces, pinned (``DISK``); then their device memory is let go.
-        Handles, the op table and the generator stay. Returns the bytes moved.
+        Handles, the op table and the generator stay. Returns the bytes moved. All of
+        them move, whatever ``need`` asks: the replay loop keeps no storage's last use
+        (a Python session's move storage by storage).
 
         Raises:
             ValueError: ``tier`` is the device, or the disk tier without a blob store.
             OSError: the blob store could not keep a piece (nothing moved then).
         """
+        del need
         if tier is Tier.DEVICE or self.tier is not Tier.DEVICE:
             raise ValueError(f"a session on the {self.tier.value} tier cannot go to {tier.value}")
         if tier is Tier.DISK and self._store is None:

@@ -647,6 +647,7 @@ class Provider:
                 "bytes_per_s": round(active.bytes_per_s),
                 "memory": stats.bytes_in_use,
                 "tier": stats.tier,
+                "on_device": stats.bytes_on_device,
                 "quota": served.share_bytes * active.proposal.shares,
             }
             if stats.wait_p99_ms is not None:  # it took device turns in the last minute

@@ -144,7 +144,9 @@ def _session(row: dict) -> str:
         memory = f"{_bytes(row['memory'])} of {_bytes(row['quota'])}"
         tier = row.get("tier", "device")
         if tier != "device":  # paged out to make room (``host/eviction.py``)
-            memory += f" in {'host RAM' if tier == 'ram' else 'disk'}"
+            where = "host RAM" if tier == "ram" else "disk"
+            off = row["memory"] - row.get("on_device", 0)
+            memory += f" in {where}" if off >= row["memory"] else f", {_bytes(off)} in {where}"
         moving = row.get("bytes_per_s", 0)
         rate = f", moving {moving / 1e6:.1f} MB/s" if moving >= 1e6 else ""
         waits = ""
