@@ -27,7 +27,8 @@ an eviction, a small op on the storage, bringing it back included), ``exact`` (1
 every result matched the session never evicted); ``overcommit_steps_ratio`` (the four
 tenants' steps per second together over the two's, each tenant's time from its own
 clock, after its process started), ``overcommit_evictions`` (sessions sent to disk to
-make room) and ``overcommit_losses_exact`` (1
+make room), ``overcommit_evicted_mib`` (what those evictions moved: a session gives up
+only the storages the room needs) and ``overcommit_losses_exact`` (1
 when every tenant's losses equal the same training run locally, bit for bit). The same
 run with a worker process per session (the supervisor asks workers to evict as their
 reports come, each second) gives the ``overcommit_workers_*`` keys.
@@ -166,8 +167,9 @@ def tenant(address: str, mib: int, steps: int, seed: int) -> None:
         started = time.perf_counter()
         losses = train("cumulus", mib, steps, seed)
         seconds = time.perf_counter() - started
-        evictions = session.stats()["evictions"]
-        print(json.dumps({"losses": losses, "seconds": seconds, "evictions": evictions}))
+        stats = session.stats()
+        moved = {"evictions": stats["evictions"], "evicted_bytes": stats["evicted_bytes"]}
+        print(json.dumps({"losses": losses, "seconds": seconds} | moved))
 
 
 def tenants_at_once(executor: subprocess.Popen, address: str, count: int, mib: int, steps: int):
@@ -203,7 +205,7 @@ def overcommit(quick: bool, isolation: str = "shared-process") -> dict:
     mib, steps = (8, 6) if quick else (32, 8)
     # A tenant holds its weights and, during a step, their gradients: twice them.
     room = f"{2 * 2 * mib + 8}MiB"
-    rates, evictions, exact = {}, {}, True
+    rates, evictions, evicted, exact = {}, {}, {}, True
     torch.set_num_threads(1)
     for count in (2, 4):
         with tempfile.TemporaryDirectory(prefix="cumulus-overcommit-") as blobs:
@@ -214,6 +216,7 @@ def overcommit(quick: bool, isolation: str = "shared-process") -> dict:
         # From the tenants' own clocks: their processes' start-up is not the executor's.
         rates[count] = count * steps / max(run["seconds"] for run in runs)
         evictions[count] = sum(run["evictions"] for run in runs)
+        evicted[count] = sum(run["evicted_bytes"] for run in runs)
         for seed, run in enumerate(runs):
             exact = exact and run["losses"] == train("cpu", mib, steps, seed)
     prefix = "overcommit_" if isolation == "shared-process" else "overcommit_workers_"
@@ -223,6 +226,7 @@ def overcommit(quick: bool, isolation: str = "shared-process") -> dict:
         f"{prefix}steps_per_s_four": rates[4],
         f"{prefix}steps_ratio": rates[4] / rates[2],
         f"{prefix}evictions": evictions[4],
+        f"{prefix}evicted_mib": round(evicted[4] / 2**20, 1),
         f"{prefix}losses_exact": int(exact),
     }
 

@@ -152,6 +152,7 @@ def test_evicted_storage_by_storage_the_longest_unused_leave_first_and_results_s
     assert session.tier is tier and session.bytes_on_device == 3 * N * 4
     assert session.evict(tier, need=N * 4) == N * 4  # one more, up to what is asked
     assert session.bytes_on_device == 2 * N * 4
+    assert (session.evictions, session.evicted_bytes) == (2, 2 * N * 4)
     assert bytes(run(session, 6, [], ["fetch", ref(2)]).blobs[0]) == expected
     assert session.tier is Tier.DEVICE and session.bytes_on_device == 4 * N * 4
 

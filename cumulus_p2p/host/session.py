@@ -226,6 +226,7 @@ class ExecutorSession:
         self.rank: tuple = DEFAULT_RANK
         self.last_op_at = time.monotonic()
         self.evictions = 0
+        self.evicted_bytes = 0  # moved off the device, over all its evictions
         self._graphs: dict[int, tuple[bytes, GraphProgram]] = {}  # graph id -> (key, program)
         self._last_answer: tuple[int, list, Any, Any] | None = None  # seq, query, error, result
         self.last_seq = 0
@@ -925,8 +926,10 @@ class ExecutorSession:
             self._handles.move_to(torch.device("cpu"), chosen)
         self._off.update(chosen)
         self.tier = tier
+        moved = self._handles.capacity(chosen)
         self.evictions += 1 if chosen else 0
-        return self._handles.capacity(chosen)
+        self.evicted_bytes += moved
+        return moved
 
     @property
     def bytes_on_device(self) -> int:
@@ -970,6 +973,7 @@ class ExecutorSession:
             "quota": self.quota_bytes,
             "tier": self.tier.value,
             "evictions": self.evictions,
+            "evicted_bytes": self.evicted_bytes,
         }
 
     def snapshot_storages(self) -> dict[int, torch.Tensor]:
