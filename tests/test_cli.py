@@ -177,20 +177,15 @@ def test_the_storage_terms_reach_the_providers_offer():
     assert (defaults.storage_price, defaults.storage_gib) == (0, 0)
 
 
-def test_the_ram_tier_reaches_the_providers_executor(tmp_path):
-    args = build_parser().parse_args(["--provide", "--ram-tier", "6GiB"])
+@pytest.mark.parametrize(
+    ("flag", "setting"), [("--blob-cap", "blob_cap"), ("--ram-tier", "ram_bytes")]
+)
+def test_a_size_flag_reaches_the_providers_executor(tmp_path, flag, setting):
+    args = build_parser().parse_args(["--provide", flag, "3GiB"])
     device = OfferedDevice(DeviceFacts("cpu", 0, "cpu", 4096, None, ""), perf_units=100)
     options = _provider_options(args, devices=(device,))
     executor = _executor_for(device, options, DataDir(tmp_path))
-    assert executor.config.ram_bytes == 6 * 1024**3
-
-
-def test_the_blob_cap_reaches_the_providers_executor(tmp_path):
-    args = build_parser().parse_args(["--provide", "--blob-cap", "3GiB"])
-    device = OfferedDevice(DeviceFacts("cpu", 0, "cpu", 4096, None, ""), perf_units=100)
-    options = _provider_options(args, devices=(device,))
-    executor = _executor_for(device, options, DataDir(tmp_path))
-    assert executor.config.blob_cap == 3 * 1024**3
+    assert getattr(executor.config, setting) == 3 * 1024**3
 
 
 def test_a_gpu_this_machine_lacks_is_a_usage_error(tmp_path):

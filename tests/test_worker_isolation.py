@@ -122,7 +122,9 @@ def test_a_session_that_grew_past_the_device_memory_has_room_made_before_its_rep
     (with workers, by the supervisor), not at the next report of sizes or the grown
     session's next batch."""
     blobs = tmp_path / "blobs"
-    extra = [*workers, "--device-memory", "4200KiB", "--blob-dir", str(blobs)]
+    # The grown session's 4 MiB (and a scalar) fit alone, and not beside the bystander's
+    # weights (44 kB), whatever else it holds at its pause.
+    extra = [*workers, "--device-memory", "4100KiB", "--blob-dir", str(blobs)]
     with executor_process(extra=extra) as (address, _):
         bystander = Tenant(address, "mlp", 2, pause_after=0)
         bystander.wait_paused()
