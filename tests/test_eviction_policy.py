@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cumulus_p2p.host.eviction import Candidate, Tier, choose, destination
+from cumulus_p2p.host.eviction import Candidate, Move, Tier, choose, destination, plan
 from cumulus_p2p.host.scheduler import lease_rank, on_demand
 
 NOW = 1000.0
@@ -88,3 +88,16 @@ def test_past_the_ram_tiers_room_it_goes_to_disk_or_stays_without_one():
 def test_where_the_device_is_host_memory_a_session_goes_to_disk_or_stays():
     assert destination(1, device_is_host=True, ram_free=None, disk=True) is Tier.DISK
     assert destination(1, device_is_host=True, ram_free=None, disk=False) is None
+
+
+def test_a_plan_asks_each_session_for_what_is_still_needed_filling_host_memory_first():
+    tenants = [tenant("idle", nbytes=400, ago=600), tenant("older", ago=20, nbytes=600)]
+    moves = plan(tenants, 700, now=NOW, device_is_host=False, ram_free=500, disk=True)
+    # The idle one's 400 fit in host memory; the 300 still needed do not fit the 100 left.
+    assert moves == [Move("idle", Tier.RAM, 700), Move("older", Tier.DISK, 300)]
+
+
+def test_a_plan_stops_at_the_first_session_with_nowhere_to_go():
+    tenants = [tenant("idle", nbytes=400, ago=600), tenant("older", ago=20, nbytes=600)]
+    moves = plan(tenants, 700, now=NOW, device_is_host=False, ram_free=500, disk=False)
+    assert moves == [Move("idle", Tier.RAM, 700)]

@@ -44,7 +44,7 @@ import enum
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["IDLE_AFTER_S", "Candidate", "Tier", "choose", "destination"]
+__all__ = ["IDLE_AFTER_S", "Candidate", "Move", "Tier", "choose", "destination", "plan"]
 
 #: Seconds without an op after which a session counts as idle.
 IDLE_AFTER_S = 60.0
@@ -88,16 +88,60 @@ def choose(
 ) -> list[Hashable]:
     """The keys of the sessions to evict so that ``need`` device bytes come free, in the
     order to evict them; empty when ``need`` is covered already (0 or less) or cannot be."""
+    return [c.key for c in _chosen(candidates, need, now, idle_after_s)]
+
+
+def _chosen(
+    candidates: Sequence[Candidate], need: int, now: float, idle_after_s: float
+) -> list[Candidate]:
     if need <= 0:
         return []
     movable = [c for c in candidates if c.device_bytes > 0 and not (c.on_demand and c.in_turn)]
     chosen, freed = [], 0
     for candidate in sorted(movable, key=lambda c: _order(c, now, idle_after_s)):
-        chosen.append(candidate.key)
+        chosen.append(candidate)
         freed += candidate.device_bytes
         if freed >= need:
             return chosen
     return []
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """One eviction ``plan`` asks for: of the session ``key`` names, its storages no op
+    named for longest, ``nbytes`` of them (all it holds on the device, if fewer), to
+    ``tier``."""
+
+    key: Hashable
+    tier: Tier
+    nbytes: int
+
+
+def plan(
+    candidates: Sequence[Candidate],
+    need: int,
+    *,
+    now: float,
+    device_is_host: bool,
+    ram_free: int | None,
+    disk: bool,
+    idle_after_s: float = IDLE_AFTER_S,
+) -> list[Move]:
+    """The evictions that free ``need`` device bytes: ``choose``'s sessions in its order,
+    each asked for what is still needed, each to its ``destination`` (host memory filling
+    up as they go). It stops at the first with nowhere to go: the rest stay, and quotas
+    still hold."""
+    moves = []
+    for candidate in _chosen(candidates, need, now, idle_after_s):
+        nbytes = min(need, candidate.device_bytes)
+        tier = destination(nbytes, device_is_host=device_is_host, ram_free=ram_free, disk=disk)
+        if tier is None:
+            break
+        if tier is Tier.RAM and ram_free is not None:
+            ram_free -= nbytes
+        moves.append(Move(candidate.key, tier, need))
+        need -= candidate.device_bytes
+    return moves
 
 
 def _order(candidate: Candidate, now: float, idle_after_s: float) -> tuple:

@@ -44,7 +44,7 @@ from ..native.executor import STORAGELESS, ReplayError, ReplaySession, new_repla
 from ..wire import native as native_wire
 from ..wire.manifest import parse_storage_entries
 from ..wire.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
-from .eviction import Candidate, Tier, choose, destination
+from .eviction import Candidate, Tier, destination, plan
 from .graph_compiler import GraphRunner
 from .handles import OpFailed
 from .health import DeviceHealth
@@ -505,10 +505,7 @@ class Executor:
         """
         turn = {"inline": inline, "rank": rank, "waits": session.waits}
         session.rank = rank
-        # The client's count is a hint: past its quota the ops fail on their own, so no
-        # more room is made than the quota leaves it.
-        grows = min(batch.grows, max(0, session.quota_bytes - session.stats.bytes_in_use))
-        await self._room_for(session, rank, grows)
+        await self._room_for(session, rank, batch.grows)
         if session.tier is not Tier.DEVICE and not self._over_device_bytes(session):
             # It fits beside the others: back ahead of its turn, while they compute.
             await trio.to_thread.run_sync(session.bring_back)
@@ -523,14 +520,15 @@ class Executor:
 
     async def _room_for(self, session: AnySession, rank: tuple, grows: int = 0) -> None:
         """Make room on the device for ``session``'s storages and the ``grows`` bytes its
-        next batch creates: an evicted session, or one about to hold more than it last
-        asked room for, asks the supervisor first (tenants of other workers may have to
-        leave), and this executor's other sessions leave past ``device_bytes``."""
+        next batch creates, as its client counted them: an evicted session, or one about
+        to hold more than it last asked room for, asks the supervisor first (tenants of
+        other workers may have to leave), and this executor's other sessions leave past
+        ``device_bytes``."""
+        # The count is a hint: past its quota the ops fail on their own, so no more room
+        # is made than the quota leaves it.
+        grows = min(grows, max(0, session.quota_bytes - session.stats.bytes_in_use))
         held = session.stats.bytes_in_use + grows
-        if self._ask_room is not None and (
-            session.tier is not Tier.DEVICE or held > self._room_asked.get(session, 0)
-        ):
-            await self._ask_room(self._asked(session, held))
+        await self._ask_room_past(session, held, evicted=session.tier is not Tier.DEVICE)
         if self._over_device_bytes(session, grows):
             await self._on_device(self._make_room, session, grows, rank=rank)
 
@@ -540,16 +538,16 @@ class Executor:
         client) asks again before its reply leaves, so the supervisor hears of its growth
         at once, not at the next report of sizes, and others' sessions leave before its
         next batch (on a GPU, its growth and their memory would meet meanwhile)."""
+        await self._ask_room_past(session, session.stats.bytes_in_use)
+
+    async def _ask_room_past(self, session: AnySession, held: int, evicted: bool = False) -> None:
+        """Under a supervisor, ask room for ``session`` to hold ``held`` bytes on the
+        device when it comes back (``evicted``) or ``held`` is past what it last asked."""
         if self._ask_room is None:
             return
-        held = session.stats.bytes_in_use
-        if held > self._room_asked.get(session, 0):
-            await self._ask_room(self._asked(session, held))
-
-    def _asked(self, session: AnySession, held: int) -> int:
-        """``held``, now remembered as what ``session`` asked room for."""
-        self._room_asked[session] = held
-        return held
+        if evicted or held > self._room_asked.get(session, 0):
+            self._room_asked[session] = held
+            await self._ask_room(held)
 
     def _over_device_bytes(self, session: AnySession, grows: int = 0) -> bool:
         """Whether ``session``'s storages on the device, and ``grows`` more bytes, would
@@ -565,18 +563,15 @@ class Executor:
         return held + session.stats.bytes_in_use
 
     def _make_room(self, session: AnySession, grows: int = 0) -> None:
-        """Evict the sessions ``eviction.choose`` names so that ``session``, grown by
-        ``grows`` bytes, fits on the device (to ``_evict_tier``). Without a place to put
-        them nothing moves, and quotas still hold."""
+        """Make the evictions ``eviction.plan`` names so that ``session``, grown by
+        ``grows`` bytes, fits on the device. Without a place to put them nothing moves,
+        and quotas still hold."""
         need = self._device_bytes(session) + grows - (self.config.device_bytes or 0)
         # Sessions evicted already hold nothing on the device: ``choose`` passes them by.
         candidates = [_candidate(s) for s in self.sessions.values() if s is not session]
-        for chosen in choose(candidates, need, now=time.monotonic()):
-            tier = self._evict_tier(min(need, chosen.bytes_on_device))
-            if tier is None or need <= 0:
-                return
+        for move in plan(candidates, need, now=time.monotonic(), **self._places()):
             try:
-                need -= chosen.evict(tier, need)
+                move.key.evict(move.tier, move.nbytes)
             except OSError as exc:  # the store is full: the others stay, quotas still hold
                 log.warning("could not evict a session to make room: %s", exc)
                 return
@@ -585,12 +580,15 @@ class Executor:
         """Where ``nbytes`` of a session's storages go off the device
         (``eviction.destination``): host memory on a GPU while the RAM tier has room for
         them, else the blob store; None where there is no such place."""
-        return destination(
-            nbytes,
-            device_is_host=self.ctx.device.type == "cpu",
-            ram_free=self._ram_free(),
-            disk=self.ctx.blobs is not None,
-        )
+        return destination(nbytes, **self._places())
+
+    def _places(self) -> dict:
+        """Where evicted storages may go here, as ``eviction.destination`` asks."""
+        return {
+            "device_is_host": self.ctx.device.type == "cpu",
+            "ram_free": self._ram_free(),
+            "disk": self.ctx.blobs is not None,
+        }
 
     def _ram_free(self) -> int | None:
         """What the RAM tier may still take (None: no bound). Parked sessions count
@@ -615,9 +613,10 @@ class Executor:
             where = tier or self._evict_tier(left or session.bytes_on_device)
             if where is None:
                 continue
-            evict = _evict_on_device
             try:
-                moved += await self._on_device(evict, session, where, left, rank=session.rank)
+                moved += await self._on_device(
+                    _evict_on_device, session, where, left, rank=session.rank
+                )
             except OSError as exc:
                 log.warning("could not evict a session: %s", exc)
         if moved and self.ctx.device.type == "cuda":
@@ -741,9 +740,7 @@ class Executor:
             return True
         replaying.rank = rank
         if frame[:1] and frame[0] not in STORAGELESS:  # a malformed one is run's to refuse
-            # As for a Python batch: a hint, made room for no further than the quota.
-            headroom = max(0, replaying.quota_bytes - replaying.stats.bytes_in_use)
-            await self._room_for(replaying, rank, min(native_wire.growth(frame), headroom))
+            await self._room_for(replaying, rank, native_wire.growth(frame))
         # An evicted session's request brings its storages back first: not in the loop.
         inline = native_wire.runs_inline(frame) and replaying.tier is Tier.DEVICE
         going, reply = await self._on_device(

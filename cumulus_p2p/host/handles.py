@@ -263,7 +263,7 @@ class HandleTable:
         """Copy the storages of ``handles`` (None: every one) to ``device`` (pinned when
         that is host memory, for a fast way back) and forget the views of the old copies.
         Either every one moves or, when a copy fails, none does."""
-        entries = self._chosen(handles)
+        entries = [self._entries[handle] for handle in self._chosen(handles)]
         moved = [_moved(entry.anchor, device) for entry in entries]
         for entry, anchor in zip(entries, moved, strict=True):
             entry.anchor = anchor
@@ -280,7 +280,7 @@ class HandleTable:
         Raises:
             OSError: the store could not keep a piece (full, or the disk refused it).
         """
-        chosen = list(self._entries) if handles is None else list(handles)
+        chosen = self._chosen(handles)
         paged: dict[int, list[PinnedBlob]] = {}
         try:
             for handle in chosen:
@@ -294,10 +294,9 @@ class HandleTable:
             entry.views.clear()
         return paged
 
-    def _chosen(self, handles: Iterable[int] | None) -> list[HandleEntry]:
-        if handles is None:
-            return list(self._entries.values())
-        return [self._entries[handle] for handle in handles]
+    def _chosen(self, handles: Iterable[int] | None) -> list[int]:
+        """``handles``, or every live one for None."""
+        return list(self._entries if handles is None else handles)
 
     def page_in(self, paged: dict[int, list[PinnedBlob]], device: torch.device) -> None:
         """Bring the storages ``page_out`` wrote back onto ``device``, each piece checked

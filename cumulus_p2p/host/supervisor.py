@@ -86,7 +86,7 @@ from .._errors import FrameTooLargeError, RemoteProtocolError, SessionClosedErro
 from ..blobs import service as blobservice
 from ..channel.transport import AsyncFrameChannel, Handover, HandoverError, frame_header
 from ..wire.protocol import decode_frame
-from .eviction import Candidate, Tier, choose, destination
+from .eviction import Candidate, Tier, plan
 from .executor import ExecutorConfig, pick_device, send_last, serve_plain_tcp
 from .health import CHECK_TIMEOUT_S, DeviceHealth
 from .scheduler import (
@@ -524,9 +524,10 @@ class WorkerSupervisor:
             pass  # it is gone; so is its question
 
     def _evict_for(self, incoming: int, asking: _Worker | None) -> list[_Worker]:
-        """Send ``evict`` to the workers ``eviction.choose`` names so that what is on the
-        device, and ``incoming`` more bytes for ``asking``, fit ``device_bytes``. A
-        worker in its exclusive turn counts as in its turn. Returns those asked."""
+        """Send ``evict`` to the workers ``eviction.plan`` names, each with where to and
+        how many bytes, so that what is on the device, and ``incoming`` more bytes for
+        ``asking``, fit ``device_bytes``. A worker in its exclusive turn counts as in its
+        turn. Returns those asked."""
         bound = self.config.executor.device_bytes
         if bound is None:
             return []
@@ -548,33 +549,22 @@ class WorkerSupervisor:
             )
             for w in held
         ]
+        places = {
+            "device_is_host": self.device.type == "cpu",
+            "ram_free": self._ram_free(),
+            "disk": self._blob_fd is not None,
+        }
         asked = []
-        for worker in choose(candidates, need, now=_now()):
-            on_device = worker.stats.bytes_on_device  # type: ignore[union-attr]
-            tier = self._evict_tier(min(need, on_device))
-            if tier is None or need <= 0:
-                break  # nowhere to put it, or no need: the rest stays
-            worker.evicting, worker.evicted = tier, trio.Event()
-            worker.evict_down_to = max(0, on_device - need)
+        for move in plan(candidates, need, now=_now(), **places):
+            worker: _Worker = move.key  # type: ignore[assignment]
+            worker.evicting, worker.evicted = move.tier, trio.Event()
+            worker.evict_down_to = max(0, worker.stats.bytes_on_device - move.nbytes)  # type: ignore[union-attr]
             asked.append(worker)
             try:
-                # Its coldest storages, as many as the room needs (all, past its own).
-                worker.link.send_nowait(["evict", tier.value, need])
+                worker.link.send_nowait(["evict", move.tier.value, move.nbytes])
             except LinkClosedError:
                 worker.evicted.set()  # it is gone: its memory goes with it
-            need -= on_device
         return asked
-
-    def _evict_tier(self, nbytes: int) -> Tier | None:
-        """Where a worker's ``nbytes`` go off the device (``eviction.destination``): host
-        memory on a GPU while the RAM tier has room for them across the workers, else
-        the blob store."""
-        return destination(
-            nbytes,
-            device_is_host=self.device.type == "cpu",
-            ram_free=self._ram_free(),
-            disk=self._blob_fd is not None,
-        )
 
     def _ram_free(self) -> int | None:
         """What the RAM tier may still take across the workers (None: no bound): their

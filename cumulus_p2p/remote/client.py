@@ -429,16 +429,14 @@ class RemoteSession:
         self._seq += 1
         self.ops_sent += len(ops)
         seq = self._seq
-        header = ["batch", seq, ops, frees, query, [len(b) for b in blobs]]
-        parts = encode_frame([*header, grows] if grows else header, blobs)
+        parts = encode_frame(_batch_header(seq, ops, frees, query, blobs, grows), blobs)
         if self._log is not None:
             if logged is None:
                 parts = [self._log.record(seq, parts, query is not None)]
             else:
                 full_ops, full_blobs = logged
-                lengths = [len(b) for b in full_blobs]
-                full_header = ["batch", seq, full_ops, frees, query, lengths]
-                full = encode_frame([*full_header, grows] if grows else full_header, full_blobs)
+                header = _batch_header(seq, full_ops, frees, query, full_blobs, grows)
+                full = encode_frame(header, full_blobs)
                 self._log.record(seq, full, query is not None)
         return seq, parts
 
@@ -1099,3 +1097,10 @@ def current_session() -> RemoteSession:
             "(or run under `cumulus-node --consume`) before using device='cumulus'"
         )
     return session
+
+
+def _batch_header(seq: int, ops: list, frees: list, query, blobs: list, grows: int) -> list:
+    """A ``batch`` header; its growth only when it has some, so that a batch creating no
+    storage reads as it did before the field existed."""
+    header = ["batch", seq, ops, frees, query, [len(b) for b in blobs]]
+    return [*header, grows] if grows else header
