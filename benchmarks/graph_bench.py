@@ -26,8 +26,8 @@ from cumulus_p2p.host.graph_compiler import GraphRunner
 from cumulus_p2p.host.graphs import build_program
 from cumulus_p2p.host.options import GraphCompiler
 from cumulus_p2p.remote.capture import capture
-from cumulus_p2p.remote.compiled import encode_graph
 from cumulus_p2p.testing.models import TinyTransformer
+from cumulus_p2p.wire.graph_def import encode_graph
 from cumulus_p2p.wire.protocol import decode_ext, encode_value
 
 

@@ -726,7 +726,7 @@ class Executor:
                     f"this host cannot run native sessions ({exc}); run without the native device"
                 ) from exc
             token = secrets.token_hex(16)
-            replaying = ReplaySession(replayer, self.ctx.blobs)
+            replaying = ReplaySession(replayer, self.ctx.blobs, self.ctx.graphs)
             return token, replaying, info | {"quota": quota, "token": token}
         raise RemoteProtocolError(f"more than {MAX_REFUSALS} refused resumes on one connection")
 

@@ -29,6 +29,7 @@ SOURCES = (
     "autocast.cpp",
     "attention.cpp",
     "dropout.cpp",
+    "graphs.cpp",
     "module.cpp",
 )
 #: The executor's replay loop: a library of its own, because the device library registers

@@ -1,53 +1,148 @@
-"""``torch.compile`` on the native device: dynamo captures, the graph's ops run as eager ones.
+"""``torch.compile`` on the native device: dynamo captures, each graph goes to the host whole.
 
+Theory of operation
+-------------------
 Dynamo traces code on ``cumulus`` tensors as on any other device (the device is a real
 PrivateUse1 backend whose kernels shape outputs on meta), but inductor has no code
-generator for it and fails with a bare ``KeyError: 'cumulus'``. So once the device is
-loaded, ``torch.compile``'s default backend becomes ``OnCumulus``: graphs on other devices
-go to inductor as before, and a graph with ``cumulus`` tensors runs through AOT
-autograd's eager backend, whose aten ops reach the device's fallback and are recorded
-just as eager ops are. A script that compiles its model (nanoGPT does by default) runs,
-with a warning. The graph is not yet shipped to the host as one piece, as the Python
-device's compiled graphs are (issue 30).
+generator for it. So once the device is loaded, ``torch.compile``'s default backend
+becomes ``OnCumulus``: graphs on other devices go to inductor as before, and a graph
+with ``cumulus`` tensors goes through AOT autograd, which splits it into a forward and a
+backward aten graph over fake tensors. Each of those becomes a ``ShippedGraph``:
+
+- its definition (``wire/graph_def.py``, the Python device's format) is sent once per
+  session as a GRAPH record, and kept, so that a session that moves to another host
+  sends it there again (``NativeSession.graphs``);
+- each call is one RUN record: the inputs by reference, and a new storage for each
+  output, laid out as the capture said. An output that is an input's storage (a value
+  saved for backward is often a parameter) is a view of that input instead, made here.
+
+The executor runs the graph with the host's ``--graph-compiler`` (``host/graphs.py``,
+``graph_compiler.py``). A steady training step then costs the client two records
+(forward and backward) plus AOT autograd's own bookkeeping, whatever the model's depth.
+AOT autograd's runtime keeps what it keeps on other backends: the graphs are
+functional, and inputs the code mutates (BatchNorm's running statistics) are written
+back by ordinary ``copy_`` ops after the call.
+
+A graph that cannot travel as data (a node that is not an aten op, symbolic sizes)
+runs its aten ops one by one as eager ones are, with a one-line warning; the results
+are the same.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..wire.graph_def import GraphEncodingError, encode_graph, pack_definition
 from . import NAME
 
-#: Said once per compiled callable, the first time it captures a graph on the device.
-EAGER_WARNING = (
-    "torch.compile on the native cumulus device: the graph is captured, and its ops are "
-    "recorded and replayed one by one on the host as in eager mode (compiled graphs are "
-    "not shipped to the host yet)"
-)
+#: Said once per reason, the first time a graph on the device cannot be shipped whole.
+EAGER_WARNING = "torch.compile on the native cumulus device: a graph runs op by op on the host"
+
+_ids = itertools.count(1)
+#: Every graph's definition by id, for a session that sends them to a new host.
+DEFINITIONS: dict[int, bytes] = {}
+_warned: set[str] = set()
 
 
 class OnCumulus:
-    """A dynamo backend: AOT autograd's eager backend for a graph with ``cumulus``
-    tensors, ``other`` (inductor, with the caller's mode and options) for the rest."""
+    """A dynamo backend: AOT autograd with graphs shipped whole for a graph with
+    ``cumulus`` tensors, ``other`` (inductor, with the caller's mode and options) for the
+    rest."""
 
     def __init__(self, other: Any) -> None:
         self.other = other
-        self.warned = False
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
         if not _on_cumulus(gm, example_inputs):
             return self.other(gm, example_inputs)
-        if not self.warned:
-            warnings.warn(EAGER_WARNING, stacklevel=2)
-            self.warned = True
-        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+        from torch._dynamo.backends.common import aot_autograd
+
+        return aot_autograd(fw_compiler=ship)(gm, example_inputs)
 
     def __getattr__(self, name: str) -> Any:
         # torch.compile asks its backend for inductor's config and the like.
         return getattr(self.other, name)
+
+
+def ship(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+    """AOT autograd's compiler for each graph: a ``ShippedGraph``, or the graph's own
+    code (op by op) when it cannot travel."""
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    try:
+        return ShippedGraph(gm)
+    except GraphEncodingError as exc:
+        reason = str(exc)
+        if reason not in _warned:
+            _warned.add(reason)
+            warnings.warn(f"{EAGER_WARNING}: {reason}", UserWarning, stacklevel=2)
+        return make_boxed_func(gm.forward)
+
+
+@dataclass(frozen=True, slots=True)
+class _OnInput:
+    """An output over input ``index``'s storage: a view of it, made on the client."""
+
+    index: int
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int
+
+
+class ShippedGraph:
+    """One captured aten graph: sent once per session, then run by one record per call
+    (AOT autograd's boxed calling convention: a list of inputs, which it empties)."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        # On the instance: the wrappers AOT autograd puts around a backward copy __dict__.
+        self._boxed_call = True
+        definition, inputs, outputs = encode_graph(gm)
+        if not all(isinstance(v, torch.Tensor) for v in inputs):
+            raise GraphEncodingError("the graph takes a symbolic size or another non-tensor")
+        self.id = next(_ids)
+        self.definition = pack_definition(definition)
+        DEFINITIONS[self.id] = self.definition
+        self._plan = [_planned(value, inputs) for value in outputs]
+        self._layouts = [p if isinstance(p, torch.Tensor) else None for p in self._plan]
+
+    def __call__(self, args: list) -> list:
+        from . import load
+        from .session import current
+
+        ext = load()
+        session = current()
+        if session is None or self.id not in session.graphs:
+            ext.define_graph(self.id, self.definition)
+            if session is not None:
+                session.graphs.add(self.id)
+        outputs = ext.run_graph(self.id, args, self._layouts)
+        for index, plan in enumerate(self._plan):
+            if isinstance(plan, _OnInput):
+                outputs[index] = args[plan.index].as_strided(plan.sizes, plan.strides, plan.offset)
+        args.clear()
+        return outputs
+
+
+def _planned(value: Any, inputs: list) -> torch.Tensor | _OnInput | None:
+    """How the client makes one output: a meta tensor laid out as captured (a new
+    storage), a view of an input, or nothing (None)."""
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor):
+        raise GraphEncodingError(f"the graph returns a {type(value).__name__}, not a tensor")
+    sizes, strides = tuple(value.shape), tuple(value.stride())
+    storage = StorageWeakRef(value.untyped_storage())
+    for index, given in enumerate(inputs):
+        if StorageWeakRef(given.untyped_storage()) == storage:
+            return _OnInput(index, sizes, strides, value.storage_offset())
+    return torch.empty_strided(sizes, strides, dtype=value.dtype, device="meta")
 
 
 def _on_cumulus(gm: torch.fx.GraphModule, example_inputs: list) -> bool:

@@ -13,6 +13,7 @@ KINDS = (
     "op_failed",  # the op itself raised (wrong shapes, wrong dtypes...)
     "poisoned_handle",  # an output the executor could not produce as the client expected
     "evicted",  # the session's storages, evicted to the host's disk, came back damaged
+    "invalid_graph",  # a compiled graph's definition or call breaks a rule (host/graphs.py)
 )
 
 

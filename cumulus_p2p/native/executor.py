@@ -12,22 +12,29 @@ host makes the storages and fills them from the standby (``open_restore``; the e
 does the pulling). Like a Python session, a native one can leave the device between two
 batches (``evict``: to host memory, or to the blob store on disk) and come back before
 the next (``bring_back``), so an overcommitted host pages it as it pages the others.
+Compiled graphs (GRAPH and RUN records) are the one place the loop calls back into
+Python: ``ReplaySession`` keeps the session's definitions and runs them as a Python
+session's (``host/graphs.py``, with the host's ``--graph-compiler``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Any
 
 import msgpack
 import torch
 
-from .._errors import BlobMismatchError, MalformedMessageError
+from .._errors import BlobMismatchError, MalformedMessageError, RemoteProtocolError
 from ..blobs.names import PIECE, digest, is_digest
 from ..blobs.store import BlobStore, PinnedBlob, close_pins, pin_held
 from ..host.eviction import Tier
+from ..host.graph_compiler import GraphRunner
+from ..host.graphs import MAX_SESSION_GRAPHS, PROGRAMS, GraphError, GraphProgram, NodeFailed
 from ..host.handles import write_pieces
 from ..host.kept import KeptPieces
 from ..host.restoring import PieceTargets
@@ -35,6 +42,7 @@ from ..host.scheduler import DEFAULT_RANK
 from ..host.session import SessionStats
 from ..host.waits import WaitWindow
 from ..wire import native as wire
+from ..wire.graph_def import unpack_definition
 from ..wire.manifest import StorageEntry
 from . import named, records
 from .errors import ReplayError as ReplayError
@@ -94,11 +102,22 @@ class ReplaySession:
     only to parse) and sends back what ``run`` returns.
     """
 
-    def __init__(self, replayer, store: BlobStore | None = None) -> None:
+    def __init__(
+        self, replayer, store: BlobStore | None = None, graphs: GraphRunner | None = None
+    ) -> None:
         """``store``: the host's blob store, where NAMED requests' pieces are read and
-        their large uploads kept (None: named uploads are refused, none are kept)."""
+        their large uploads kept (None: named uploads are refused, none are kept).
+        ``graphs``: the executor's runner of compiled graphs (a plain one by default)."""
         self._replayer = replayer
         self._store = store
+        self._runner = graphs or GraphRunner()
+        self._device = torch.device(replayer.device)
+        self._graphs: dict[int, tuple[bytes, GraphProgram]] = {}  # id -> (key, program)
+        # Weakly: the loop's callbacks must not keep the session (and its storages) alive.
+        replayer.set_graphs(_weakly(self._define_graph), _weakly(self._run_graph))
+        #: Graph calls run, and those that ran code compiled for the device.
+        self.graph_runs = 0
+        self.compiled_graph_runs = 0
         #: The pieces the last HAVE found, pinned until the next (the NAMED that follows
         #: it must find them).
         self._pins: dict[str, PinnedBlob] = {}
@@ -169,6 +188,60 @@ class ReplaySession:
             return []
         self.batches += 1
         return readbacks
+
+    # --- compiled graphs (called by the replay loop, ``csrc/replay.cpp``) ---------------
+
+    def _define_graph(self, graph: int, definition: bytes) -> None:
+        """A GRAPH record: validate the definition and keep it. The same one again is
+        fine (a session that moves sends its graphs to the new host again).
+
+        Raises:
+            ReplayError: (invalid_graph) the definition breaks a rule, or the session
+                has its most graphs.
+        """
+        known = self._graphs.get(graph)
+        if known is None and len(self._graphs) >= MAX_SESSION_GRAPHS:
+            raise _graph_error(f"a session may define at most {MAX_SESSION_GRAPHS} graphs")
+        try:
+            key, program = PROGRAMS.get(unpack_definition(definition), self._device)
+        except (GraphError, RemoteProtocolError) as exc:
+            raise _graph_error(f"graph {graph}: {exc}") from None
+        if known is not None and known[0] != key:
+            raise _graph_error(f"graph {graph} is already defined otherwise")
+        self._graphs[graph] = (key, program)
+
+    def _run_graph(
+        self, graph: int, inputs: list[torch.Tensor | None], budget: int
+    ) -> list[torch.Tensor | None]:
+        """A RUN record: graph ``graph`` on ``inputs``, its intermediates within
+        ``budget`` bytes; its outputs, which the loop binds to the client's handles.
+
+        Raises:
+            ReplayError: invalid_graph (no such graph, a missing input), out_of_memory,
+                or op_failed naming the node that raised.
+        """
+        known = self._graphs.get(graph)
+        if known is None:
+            raise _graph_error(f"no graph {graph} in this session (a GRAPH record defines it)")
+        key, program = known
+        tensors = [t for t in inputs if t is not None]
+        if len(tensors) != len(inputs):
+            raise _graph_error(f"graph {graph} was called without one of its inputs")
+        if program.factory_bytes > budget:
+            why = f"graph {graph} allocates {program.factory_bytes} bytes; {budget} are free"
+            raise ReplayError(why, -1, "out_of_memory")
+        try:
+            results, compiled = self._runner.run(key, program, tensors, budget)
+        except GraphError as exc:
+            raise _graph_error(f"graph {graph}: {exc}") from None
+        except NodeFailed as exc:
+            out_of_memory = isinstance(exc.error, torch.OutOfMemoryError)
+            where = f"{exc.op} (node {exc.index} of compiled graph {graph})"
+            kind = "out_of_memory" if out_of_memory else "op_failed"
+            raise ReplayError(f"{where}: {exc.error}", -1, kind) from None
+        self.graph_runs += 1
+        self.compiled_graph_runs += compiled
+        return results
 
     def _manifest(self, keep: bool) -> bytes:
         """Every live storage's pieces, named: the DIGESTS answer a checkpoint reads. With
@@ -339,7 +412,12 @@ class ReplaySession:
         """Its ops run and memory in use, as a Python session's ``stats`` (a copy)."""
         replayer = self._replayer
         live = replayer.live_bytes if self._paged is None else self._paged.nbytes
-        return SessionStats(ops=replayer.ops_run, bytes_in_use=live, peak_bytes=live)
+        return SessionStats(
+            ops=replayer.ops_run,
+            bytes_in_use=live,
+            peak_bytes=live,
+            compiled_graph_runs=self.compiled_graph_runs,
+        )
 
     def close(self) -> None:
         """Let go of the pieces kept for a standby, the pins, and the storages."""
@@ -347,4 +425,22 @@ class ReplaySession:
         close_pins(self._pins)
         if self._paged is not None:
             self._paged.close()
+        self._graphs.clear()
         self._replayer = None
+
+
+def _graph_error(message: str) -> ReplayError:
+    return ReplayError(message, -1, "invalid_graph")
+
+
+def _weakly(method: Callable) -> Callable:
+    """``method``, called through a weak reference to its object."""
+    ref = weakref.WeakMethod(method)  # type: ignore[arg-type]
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        if bound is None:
+            raise ReplayError("the session is closed", -1, "op_failed")
+        return bound(*args)
+
+    return call

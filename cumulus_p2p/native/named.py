@@ -31,7 +31,7 @@ from ..blobs.names import digest, is_digest
 from . import records
 
 #: A record kind only the client and the host's Python read and write: an UPLOAD whose
-#: bytes the host's store holds, named by digest. Outside the C++ kinds (1-10).
+#: bytes the host's store holds, named by digest. Outside the C++ kinds (1-12).
 NAMED_UPLOAD = 64
 #: Uploads smaller than this go inline always: a HAVE round trip costs more than they do.
 MIN_NAMED = 1 << 20

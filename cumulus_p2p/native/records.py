@@ -159,7 +159,25 @@ class RngSet:
     state: bytes
 
 
-Record = Op | Alloc | Upload | Readback | Free | Resize | Dyn | Seed | RngGet | RngSet
+@dataclass(frozen=True)
+class Graph:
+    """A compiled graph's definition (``wire/graph_def.py``'s bytes), kept under ``graph``."""
+
+    graph: int
+    definition: bytes
+
+
+@dataclass(frozen=True)
+class Run:
+    """One call of graph ``graph``: its inputs, and a new-handle tensor for each output
+    the client needs (None for the others)."""
+
+    graph: int
+    args: tuple
+    outs: tuple
+
+
+Record = Op | Alloc | Upload | Readback | Free | Resize | Dyn | Seed | RngGet | RngSet | Graph | Run
 
 
 class _Reader:
@@ -260,6 +278,12 @@ def _dyn(r: _Reader, names: Sequence[str]) -> Dyn:
     return Dyn(op, args, tuple(r.take("<Q") for _ in range(r.take("<H"))))
 
 
+def _run(r: _Reader) -> Run:
+    graph = r.take("<I")
+    args = tuple(_value(r) for _ in range(r.take("<H")))
+    return Run(graph, args, tuple(_value(r) for _ in range(r.take("<H"))))
+
+
 def _expect(r: _Reader, kind: type) -> Any:
     value = _value(r)
     if not isinstance(value, kind):
@@ -278,6 +302,8 @@ _KINDS: dict[int, Callable[[_Reader, Sequence[str]], Record]] = {
     8: lambda r, _: Seed(r.take("<Q")),
     9: lambda r, _: RngGet(),
     10: lambda r, _: RngSet(r.raw(r.take("<I"))),
+    11: lambda r, _: Graph(r.take("<I"), r.raw(r.take("<I"))),
+    12: lambda r, _: _run(r),
 }
 
 
@@ -430,6 +456,16 @@ def _body(record: Record, names: list[str]) -> tuple[int, bytes]:
         return 9, b""
     if isinstance(record, RngSet):
         return 10, struct.pack("<I", len(record.state)) + record.state
+    if isinstance(record, Graph):
+        return 11, struct.pack("<II", record.graph, len(record.definition)) + record.definition
+    if isinstance(record, Run):
+        out += struct.pack("<IH", record.graph, len(record.args))
+        for value in record.args:
+            _put_value(out, value)
+        out += struct.pack("<H", len(record.outs))
+        for value in record.outs:
+            _put_value(out, value)
+        return 12, bytes(out)
     raise TypeError(f"not a record: {record!r}")
 
 

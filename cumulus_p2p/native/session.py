@@ -83,7 +83,7 @@ from ..blobs.standby import StandbyLink
 from ..channel.transport import FrameChannel, SocketFrameChannel
 from ..wire import native as wire
 from ..wire.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
-from . import load, named
+from . import load, named, records
 from .checkpoint import (
     Checkpoint,
     PieceStore,
@@ -200,6 +200,9 @@ class NativeSession:
         # no storages: records pending from before, and the deaths of tensors made
         # before, are not for it.
         self._names_sent = 0
+        #: Compiled graphs defined on this session (``compile.py``): sent again to a
+        #: host the session moves to, before the batches that call them.
+        self.graphs: set[int] = set()
         self._ext.begin_session()
         self._failure: NativeSessionError | None = None
         self.flushes = 0
@@ -369,7 +372,7 @@ class NativeSession:
         self._ext.set_executor_device(_device_type(self.info))
         self.failovers += 1
         self._counted = 0
-        restore = self._restore()  # first: a standby's copy may cut the log
+        restore = self._restore() + self._graph_definitions()  # first: a copy may cut the log
         counted = sum(frame[0][0] in wire.BATCHES for frame in restore)
         frames = self._log.frames(first=counted)
         # A host lost is news to whoever runs the script: said whatever the log level.
@@ -418,6 +421,16 @@ class NativeSession:
             out.append(wire.request(wire.BATCH, names, batch, reply=False))
             names = []
         return out
+
+    def _graph_definitions(self) -> list[list[bytes]]:
+        """A request defining this session's compiled graphs on a fresh executor (none
+        without any): the log's batches may call graphs defined before its checkpoint."""
+        if not self.graphs:
+            return []
+        from .compile import DEFINITIONS
+
+        graphs = [records.Graph(graph, DEFINITIONS[graph]) for graph in sorted(self.graphs)]
+        return [wire.request(wire.BATCH, [], records.encode(graphs, []), reply=False)]
 
     def _pull_restore(self, checkpoint: StandbyCheckpoint) -> None:
         """Have the fresh executor make the checkpoint's storages and pull their pieces

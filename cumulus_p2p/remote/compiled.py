@@ -33,7 +33,6 @@ graph break, and the rest stays compiled.
 
 from __future__ import annotations
 
-import operator
 import warnings
 import weakref
 from collections.abc import Callable
@@ -45,8 +44,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..wire.ops import op_name
-from ..wire.protocol import GraphValue, tensor_ext, tensor_layout
+from ..wire.graph_def import GraphEncodingError, encode_graph
+from ..wire.protocol import tensor_ext, tensor_layout
 from .capture import Captured, CaptureError, capture
 from .client import RemoteSession, current_session
 from .tensor import RemoteStorage, RemoteTensor
@@ -155,53 +154,6 @@ class CompiledGraph:
             specs.append(spec)
         session.submit(["@run", [graph_id, [t._wire() for t in inputs]], {}, specs])
         return results
-
-
-def encode_graph(gm: torch.fx.GraphModule) -> tuple[list, list, list]:
-    """``gm`` as a wire definition ``[n_inputs, nodes, outputs]`` (see ``graphs.py``), with
-    the captured values of its inputs and outputs.
-
-    Raises:
-        CaptureError: a node is not an aten op, or holds a value a graph cannot carry.
-    """
-    values: dict[torch.fx.Node, GraphValue] = {}
-    nodes: list[list] = []
-    inputs: list = []
-    outputs: list = []
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            values[node] = GraphValue(GraphValue.INPUT, len(inputs), -1)
-            inputs.append(node.meta.get("val"))
-        elif node.op == "call_function" and node.target is operator.getitem:
-            base = values[node.args[0]]
-            values[node] = GraphValue(base.kind, base.index, node.args[1])
-        elif node.op == "call_function" and _is_aten(node.target):
-            values[node] = GraphValue(GraphValue.NODE, len(nodes), -1)
-            args, kwargs = _encode_value(node.args, values), _encode_value(node.kwargs, values)
-            nodes.append([op_name(node.target), args, kwargs])
-        elif node.op == "output":
-            outputs = list(node.args[0])
-        else:
-            raise CaptureError(f"the graph holds {node.op} {node.target}, not an aten op")
-    wire_outputs = [None if v is None else values[v] for v in outputs]
-    vals = [None if v is None else v.meta.get("val") for v in outputs]
-    return [len(inputs), nodes, wire_outputs], inputs, vals
-
-
-def _is_aten(target: Any) -> bool:
-    return isinstance(target, torch._ops.OpOverload) and target.namespace == "aten"
-
-
-def _encode_value(value: Any, values: dict) -> Any:
-    if isinstance(value, torch.fx.Node):
-        return values[value]
-    if isinstance(value, (list, tuple)):
-        return [_encode_value(v, values) for v in value]
-    if isinstance(value, dict):
-        return {k: _encode_value(v, values) for k, v in value.items()}
-    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, torch.Tensor)):
-        raise CaptureError(f"the graph holds a {type(value).__name__} constant")
-    return value
 
 
 def _output_plan(inputs: list, outputs: list) -> list[_Output | None]:
@@ -422,7 +374,7 @@ class CompiledCode:
         try:
             captured = capture(functional, tensors)
             step: _Step | str = _Step(captured, outputs["spec"], outputs["constants"])
-        except CaptureError as exc:
+        except (CaptureError, GraphEncodingError) as exc:
             step = str(exc)
         finally:
             self.inside = False

@@ -69,7 +69,7 @@ from ..blobs.names import is_digest, piece_count
 from .protocol import decode_frame, encode_frame, split_blobs
 
 #: The native frames' version, named in the hello: both sides must speak the same.
-VERSION = 6
+VERSION = 7
 BATCH, BYE, DIGESTS, KEEP, RESTORE, RESEND, NAMED, HAVE = 1, 2, 3, 4, 5, 6, 7, 8
 #: The requests that run a batch, and that a resumed session counts.
 BATCHES = (BATCH, NAMED)
@@ -81,6 +81,9 @@ MAX_SOURCES = 16
 LIGHT_BYTES = 64 * 1024
 _HEAD = struct.Struct("<BBQI")
 _LEN = struct.Struct("<I")
+#: A batch's record header (``native/csrc/record.h``), and the kind that runs a graph.
+_RECORD = struct.Struct("<BI")
+RUN_RECORD = 12
 
 
 def request(
@@ -130,8 +133,25 @@ def growth(frame: bytes | bytearray) -> int:
 
 def runs_inline(frame: bytes | bytearray) -> bool:
     """Whether a request is light enough to replay on the executor's event loop: a small
-    batch, but never one that hashes storages or reads the blob store."""
-    return len(frame) <= LIGHT_BYTES and frame[0] in (BATCH, BYE, RESEND) if frame else True
+    batch, but never one that hashes storages, reads the blob store or calls a compiled
+    graph (a whole step's compute in one record)."""
+    if not frame:
+        return True
+    if len(frame) > LIGHT_BYTES or frame[0] not in (BATCH, BYE, RESEND):
+        return False
+    return frame[0] != BATCH or not _runs_a_graph(parse_request(frame)[3])
+
+
+def _runs_a_graph(batch: memoryview) -> bool:
+    """Whether a batch holds a RUN record (kind 12); a malformed one says no (the replay
+    loop refuses it)."""
+    at = 0
+    while at + _RECORD.size <= len(batch):
+        kind, length = _RECORD.unpack_from(batch, at)
+        if kind == RUN_RECORD:
+            return True
+        at += _RECORD.size + length
+    return False
 
 
 def encode_manifest(entries: Sequence[tuple[int, int, Sequence[str]]]) -> bytes:

@@ -85,6 +85,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("start") = 0,
       "The name table from index `start`: records carry indexes into it.");
+  m.def(
+      "define_graph",
+      [](uint32_t graph, const py::bytes& definition) { cumulus::append_graph(graph, definition); },
+      py::arg("graph"), py::arg("definition"),
+      "Append a GRAPH: a compiled graph's definition (msgpack bytes), under id `graph`.");
+  m.def("run_graph", &cumulus::run_graph, py::arg("graph"), py::arg("inputs"), py::arg("layouts"),
+        "Append a RUN of graph `graph` on `inputs`; its outputs, new device tensors laid out "
+        "as the meta tensors `layouts` (None where no storage is needed).");
   m.def("handle", &handle, "The remote storage handle behind a cumulus tensor.");
   m.def("memory_allocated", &cumulus::bytes_allocated,
         "Bytes of this session's live storages, as a GPU's memory_allocated counts.");

@@ -149,7 +149,7 @@ void append_record(const Writer& w) {
   std::lock_guard<std::mutex> lock(b.mutex);
   b.data.append(w.data());
   b.records += 1;
-  b.ops += kind == Kind::Op || kind == Kind::Dyn;
+  b.ops += kind == Kind::Op || kind == Kind::Dyn || kind == Kind::Run;
 }
 
 uint64_t ops_recorded() {

@@ -36,6 +36,16 @@
 //                                               (its get_state() bytes)
 //   kind 10 RNG_SET nbytes:u32 state[nbytes]    the generator takes a state RNG_GET read
 //
+//   kind 11 GRAPH   graph:u32 nbytes:u32 definition[nbytes]
+//                   a graph torch.compile captured, once per session before its first
+//                   RUN: the definition host/graphs.py validates, as msgpack bytes
+//                   (wire/graph_def.py). The executor's Python keeps it under `graph`.
+//   kind 12 RUN     graph:u32 nargs:u16 Value[nargs] nouts:u16 Value[nouts]
+//                   one call of a defined graph: its inputs (tensor references or NONE),
+//                   and a TENSOR with a new handle for each output the client needs (NONE
+//                   for the others); the executor binds the graph's results to them as it
+//                   binds an op's.
+//
 //   Result := 0 NONE | 1 TENSOR dtype:u8 ndim:u8 sizes:i64[ndim] strides:i64[ndim]
 //             offset:i64 | 3 INT i64 | 4 DOUBLE f64 | 5 BOOL u8
 //   A fresh result is contiguous at offset 0; an out= argument is described as the op
@@ -72,6 +82,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -106,6 +117,8 @@ enum class Kind : uint8_t {
   Seed = 8,
   RngGet = 9,
   RngSet = 10,
+  Graph = 11,
+  Run = 12,
 };
 
 enum class Tag : uint8_t {
@@ -178,9 +191,16 @@ void append_seed(uint64_t seed);
 // around it (torch.cumulus.get_rng_state / set_rng_state, fork_rng).
 std::string rng_state();
 void append_rng_state(const std::string& state);
+// A compiled graph (graphs.cpp): its definition, sent once per session, and one call,
+// whose outputs are new storages laid out as `layouts` (meta tensors; None: an output
+// the client needs no storage for) say.
+void append_graph(uint32_t graph, const std::string& definition);
+std::vector<std::optional<at::Tensor>> run_graph(
+    uint32_t graph, const std::vector<std::optional<at::Tensor>>& inputs,
+    const std::vector<std::optional<at::Tensor>>& layouts);
 std::pair<std::string, uint64_t> take_batch();
 uint64_t pending_records();
-// Op records (OP and DYN) appended since the process started: what a benchmark counts
+// Op records (OP, DYN and RUN) appended since the process started: what a benchmark counts
 // as the ops a step sent.
 uint64_t ops_recorded();
 

@@ -19,6 +19,11 @@
 //   READBACK  a view's bytes, contiguous, returned to Python in batch order.
 //   FREE      the entry is dropped (its bytes leave the quota).
 //   RESIZE    a storage grows in place, keeping its contents and its handle.
+//   GRAPH     a compiled graph's definition, handed to the executor's Python (`set_graphs`),
+//             which validates and keeps it (host/graphs.py).
+//   RUN       one call of a defined graph: the inputs are rebuilt as an op's arguments are,
+//             Python runs the graph (the host's --graph-compiler applies), and its results
+//             are registered under the client's handles as an op's outputs are.
 //
 // Strictness: the executor trusts nothing in a batch. Before any record runs, the
 // batch's framing is walked whole, so a truncated batch runs nothing. Each record is
@@ -36,6 +41,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -261,6 +267,18 @@ class Replayer {
     return readbacks;
   }
 
+  // Compiled graphs are the executor's Python's (host/graphs.py): `define` keeps a GRAPH's
+  // definition, `run` calls a graph on its inputs within `budget` bytes of intermediates
+  // and returns its results. Each raises Failure for a graph or a call that breaks a
+  // rule. Unset, GRAPH and RUN records fail as unknown ops.
+  using DefineGraph = std::function<void(uint32_t graph, const std::string& definition)>;
+  using RunGraph = std::function<std::vector<std::optional<at::Tensor>>(
+      uint32_t graph, const std::vector<std::optional<at::Tensor>>& inputs, int64_t budget)>;
+  void set_graphs(DefineGraph define, RunGraph run) {
+    define_graph_ = std::move(define);
+    run_graph_ = std::move(run);
+  }
+
   std::string device() const { return device_.str(); }
   int64_t live_bytes() const { return static_cast<int64_t>(live_); }
   int64_t quota_bytes() const { return quota_; }
@@ -307,7 +325,7 @@ class Replayer {
                               std::to_string(length) + " bytes truncated to " +
                               std::to_string(batch.size() - at - 5));
       }
-      if (kind < static_cast<uint8_t>(Kind::Op) || kind > static_cast<uint8_t>(Kind::RngSet)) {
+      if (kind < static_cast<uint8_t>(Kind::Op) || kind > static_cast<uint8_t>(Kind::Run)) {
         throw ReplayError(static_cast<int64_t>(out.size()), "malformed",
                           "record " + std::to_string(out.size()) + ": unknown kind " +
                               std::to_string(kind));
@@ -319,8 +337,9 @@ class Replayer {
   }
 
   std::string describe(size_t index, Kind kind) const {
-    static const char* kinds[] = {"?",    "op",     "alloc", "upload", "readback", "free",
-                                  "resize", "dyn", "seed", "rng_get", "rng_set"};
+    static const char* kinds[] = {"?",      "op",  "alloc", "upload",  "readback", "free",
+                                  "resize", "dyn", "seed",  "rng_get", "rng_set",  "graph",
+                                  "run"};
     std::string out = "record " + std::to_string(index) + " (" +
                       kinds[static_cast<uint8_t>(kind)];
     if (!current_op_.empty()) out += " " + current_op_;
@@ -341,6 +360,18 @@ class Replayer {
         return;
       case Kind::Dyn:
         readbacks.push_back(run_dyn(c));
+        return;
+      case Kind::Graph: {
+        const uint32_t graph = c.take<uint32_t>();
+        const uint32_t n = c.take<uint32_t>();
+        const std::string definition(c.raw(n), n);
+        end(c);
+        if (!define_graph_) fail("unknown_op", "this executor runs no compiled graphs");
+        define_graph_(graph, definition);
+        return;
+      }
+      case Kind::Run:
+        run_graph(c);
         return;
       case Kind::Seed: {
         const uint64_t seed = c.take<uint64_t>();
@@ -683,7 +714,16 @@ class Replayer {
     for (size_t i = 0; i < nouts; ++i) read_declared(c, i, -1, declared);
     end(c);
 
-    // The quota before the op runs: the new storages the client expects it to create.
+    reserve(fresh_bytes(declared));
+    op.callBoxed(&stack);
+    ops_run_ += 1;
+    // Out= arguments the op grew in place.
+    for (size_t i = 0; i < ninputs; ++i) recount(*touched_[i]);
+    register_outputs(stack, declared, ninputs);
+  }
+
+  // The quota before an op or a graph runs: the new storages the client expects.
+  uint64_t fresh_bytes(const std::vector<DeclaredOut>& declared) const {
     uint64_t fresh = 0;
     for (const auto& d : declared) {
       if (!table_.count(d.ref.handle) && !poisoned_.count(d.ref.handle)) {
@@ -691,14 +731,77 @@ class Replayer {
         fresh += extent_bytes(d.ref);
       }
     }
-    reserve(fresh);
+    return fresh;
+  }
 
-    op.callBoxed(&stack);
+  // A RUN: the graph's inputs are views of the session's storages (or host tensors), its
+  // results are bound to the declared outputs as an op's are.
+  void run_graph(Cursor& c) {
+    const uint32_t graph = c.take<uint32_t>();
+    current_op_ = "of graph " + std::to_string(graph);
+    const uint16_t nargs = c.take<uint16_t>();
+    std::vector<std::optional<at::Tensor>> inputs;
+    inputs.reserve(nargs);
+    for (uint16_t i = 0; i < nargs; ++i) {
+      const c10::IValue v = value(c, c10::OptionalType::ofTensor());
+      if (!v.isNone() && !v.isTensor()) fail("malformed", "a graph input that is not a tensor");
+      inputs.push_back(v.isTensor() ? std::optional<at::Tensor>(v.toTensor()) : std::nullopt);
+    }
+    const size_t ninputs = touched_.size();
+    const uint16_t nouts = c.take<uint16_t>();
+    std::vector<DeclaredOut> declared;
+    for (size_t i = 0; i < nouts; ++i) read_declared(c, i, -1, declared);
+    end(c);
+    if (!run_graph_) fail("unknown_op", "this executor runs no compiled graphs");
+    const uint64_t fresh = fresh_bytes(declared);
+    reserve(fresh);
+    std::vector<std::optional<at::Tensor>> results;
+    {
+      SessionGenerator drawing(generator_);
+      results = run_graph_(graph, inputs, quota_ - static_cast<int64_t>(live_ + fresh));
+    }
     ops_run_ += 1;
-    // Out= arguments the op grew in place.
+    if (results.size() != nouts) {
+      fail("op_failed", "the graph has " + std::to_string(results.size()) + " outputs; the "
+                        "call declared " + std::to_string(nouts));
+    }
     for (size_t i = 0; i < ninputs; ++i) recount(*touched_[i]);
+    torch::jit::Stack stack;
+    for (auto& r : results) stack.push_back(r ? c10::IValue(std::move(*r)) : c10::IValue());
     register_outputs(stack, declared, ninputs);
   }
+
+  // The ops of a graph take no generator argument, so they draw from the device's default
+  // one. On a CPU, whose sessions each have their own, the default holds the session's
+  // state for the run and hands the state back after (its own is restored).
+  class SessionGenerator {
+   public:
+    explicit SessionGenerator(at::Generator session) : session_(std::move(session)) {
+      if (!session_.defined()) return;
+      default_ = at::detail::getDefaultCPUGenerator();
+      saved_ = state(default_);
+      set(default_, state(session_));
+    }
+    ~SessionGenerator() {
+      if (!session_.defined()) return;
+      set(session_, state(default_));
+      set(default_, saved_);
+    }
+    SessionGenerator(const SessionGenerator&) = delete;
+    SessionGenerator& operator=(const SessionGenerator&) = delete;
+
+   private:
+    static at::Tensor state(at::Generator& g) {
+      std::lock_guard<std::mutex> lock(g.mutex());
+      return g.get_state();
+    }
+    static void set(at::Generator& g, const at::Tensor& state) {
+      std::lock_guard<std::mutex> lock(g.mutex());
+      g.set_state(state);
+    }
+    at::Generator session_, default_;
+    at::Tensor saved_;
+  };
 
   // An op only running can shape (DYN): each tensor result goes to its handle in a
   // contiguous storage of its own; the answer describes every result (record.h).
@@ -868,7 +971,18 @@ class Replayer {
   at::Generator generator_;
   std::vector<Entry*> touched_;  // the current op's tensor arguments, in order
   std::string current_op_;
+  DefineGraph define_graph_;
+  RunGraph run_graph_;
 };
+
+// A Python exception a graph callback raised, as the Failure it stands for: its `kind`
+// attribute (errors.ReplayError's) or op_failed, and its message.
+[[noreturn]] void fail_from(py::error_already_set& e) {
+  std::string kind = "op_failed";
+  if (py::hasattr(e.value(), "kind")) kind = py::str(e.value().attr("kind"));
+  const std::string message = py::str(e.value());
+  fail(kind.c_str(), message);
+}
 
 }  // namespace
 }  // namespace cumulus
@@ -902,6 +1016,36 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           py::arg("batch"), py::arg("names") = std::vector<std::string>{},
           "Run a batch after appending `names` to the op name table; the readbacks' bytes.")
+      .def(
+          "set_graphs",
+          [](Replayer& r, py::object define, py::object run) {
+            // Called from the replay loop without the GIL: each call takes it.
+            auto on_define = std::make_shared<py::object>(std::move(define));
+            auto on_run = std::make_shared<py::object>(std::move(run));
+            r.set_graphs(
+                [on_define](uint32_t graph, const std::string& definition) {
+                  py::gil_scoped_acquire gil;
+                  try {
+                    (*on_define)(graph, py::bytes(definition));
+                  } catch (py::error_already_set& e) {
+                    cumulus::fail_from(e);
+                  }
+                },
+                [on_run](uint32_t graph, const std::vector<std::optional<at::Tensor>>& inputs,
+                         int64_t budget) {
+                  py::gil_scoped_acquire gil;
+                  try {
+                    return (*on_run)(graph, inputs, budget)
+                        .cast<std::vector<std::optional<at::Tensor>>>();
+                  } catch (py::error_already_set& e) {
+                    cumulus::fail_from(e);
+                  }
+                });
+          },
+          py::arg("define"), py::arg("run"),
+          "Hand GRAPH records to define(graph, definition) and RUN records to "
+          "run(graph, inputs, budget), which returns the graph's outputs; either raises "
+          "ReplayError(message, -1, kind) to fail the record.")
       .def_property_readonly("device", &Replayer::device)
       .def_property_readonly("live_bytes", &Replayer::live_bytes)
       .def_property_readonly("quota_bytes", &Replayer::quota_bytes)
