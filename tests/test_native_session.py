@@ -93,16 +93,60 @@ def test_a_tiny_transformer_trains_bit_identically_to_local_cpu():
 
 
 @in_native_process
-def test_a_compiled_model_trains_with_the_eager_models_losses():
+def test_a_compiled_model_ships_its_graphs_and_trains_bit_identically_to_eager():
+    import warnings
+
     from cumulus_p2p.native.compile import EAGER_WARNING
 
-    with _session():
+    torch._dynamo.reset()  # this child compiled other models: their captures go
+
+    with _session() as session:
         eager, eager_params = _train("cumulus", steps=3)
-        with pytest.warns(UserWarning, match=EAGER_WARNING[:40]):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             compiled, compiled_params = _train("cumulus", steps=3, compiled=True)
-    assert compiled == pytest.approx(eager, rel=1e-5)
+        assert len(session.graphs) == 2  # the forward and the backward, each sent once
+    assert not [w for w in caught if EAGER_WARNING in str(w.message)]
+    assert compiled == eager
     for a, b in zip(compiled_params, eager_params, strict=True):
-        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+        assert torch.equal(a, b)
+
+
+@in_native_process
+def test_a_compiled_forward_and_backward_cost_the_same_few_records_at_any_depth():
+    from cumulus_p2p.testing.models import TinyTransformer
+
+    torch._dynamo.reset()  # this child compiled other models: their captures go
+
+    ext = native.load()
+    sent = {}
+    with _session():
+        for layers in (2, 4):
+            torch.manual_seed(0)
+            model = TinyTransformer(vocab=16, dim=8, heads=2, layers=layers, ctx=4).to("cumulus")
+            x = torch.randint(0, 16, (2, 4)).to("cumulus")
+            for name, forward in (("eager", model), ("compiled", torch.compile(model))):
+                forward(x).sum().backward()  # a compiled model captures on its first call
+                model.zero_grad(set_to_none=True)
+                before = ext.ops_recorded()
+                forward(x).sum().backward()
+                sent[name, layers] = ext.ops_recorded() - before
+                model.zero_grad(set_to_none=True)
+    # Two RUN records, the sum and its backward: as many for four layers as for two.
+    assert sent["compiled", 2] == sent["compiled", 4] <= 6
+    assert sent["eager", 4] > sent["eager", 2] > 10 * sent["compiled", 2]
+
+
+@in_native_process
+def test_a_compiled_models_dropout_draws_the_masks_eager_draws():
+    from cumulus_p2p.testing.models import train
+
+    torch._dynamo.reset()  # this child compiled other models: their captures go
+
+    with _session():
+        eager, _ = train("transformer", "cumulus", steps=3)  # dropout 0.1
+        compiled, _ = train("transformer", "cumulus", steps=3, compiled=True)
+    assert compiled == pytest.approx(eager, rel=1e-5)
 
 
 @in_native_process
@@ -322,6 +366,23 @@ def test_a_lost_executor_is_replaced_from_the_last_checkpoint_with_the_same_loss
     assert moved == local
     for remote, here in zip(moved_params, local_params, strict=True):
         assert torch.equal(remote, here)
+
+
+@in_native_process
+def test_a_compiled_job_moved_past_its_checkpoint_defines_its_graphs_on_the_new_host():
+    from cumulus_p2p.native.session import NativeSession
+
+    torch._dynamo.reset()  # this child compiled other models: their captures go
+
+    with _two_executors() as (channel, killed, reconnect):
+        # Checkpoints at every sync point cut the log: the batches that defined the
+        # graphs are gone from it by the time the executor is lost.
+        options = {"reconnect": reconnect, "checkpoint_interval": 0, "log_bytes": 256 * 1024}
+        with NativeSession(channel, **options) as session:
+            moved, _ = _train("cumulus", steps=5, kill_after=3, kill=killed.kill, compiled=True)
+            assert session.failovers == 1 and len(session.graphs) == 2
+    local, _ = _train("cpu", steps=5)
+    assert moved == local
 
 
 @in_native_process

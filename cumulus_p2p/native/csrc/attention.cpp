@@ -13,7 +13,14 @@
 // dropout (a GPU's fused kernels return their random state as host tensors that their
 // backward reads on the host, while the executor keeps every result on its device) and
 // head dimensions that need no padding. Everything else runs the composite's math path.
+//
+// Under torch.compile the arguments are fake (dynamo's and AOT autograd's tracing): the
+// executor is asked about empty device tensors of the same layout instead, so that a
+// compiled graph takes the kernel eager steps take. Symbolic sizes take the math path.
 #include <ATen/Context.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/_scaled_dot_product_cudnn_attention.h>
 #include <ATen/ops/_scaled_dot_product_efficient_attention.h>
@@ -54,6 +61,25 @@ void put_layout(std::vector<int64_t>& key, const at::Tensor& t) {
   key.push_back(t.storage_offset());
 }
 
+// A tensor of torch.compile's tracing (a FakeTensor, a FunctionalTensor): a Python subclass,
+// which real device tensors never are.
+bool traced(const at::Tensor& t) { return t.key_set().has(c10::DispatchKey::Python); }
+
+bool symbolic(const at::Tensor& t) { return t.unsafeGetTensorImpl()->has_symbolic_sizes_strides(); }
+
+// An empty device tensor laid out as `t` (a traced one): all the executor's choice reads.
+// Made outside torch.compile's Python modes, which would make it fake too.
+at::Tensor empty_like_layout(const at::Tensor& t) {
+  c10::impl::ExcludeDispatchKeyGuard no_modes(
+      c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+                           c10::DispatchKey::Functionalize, c10::DispatchKey::PreDispatch}));
+  const auto nbytes = at::detail::computeStorageNbytes(t.sizes(), t.strides(), t.itemsize(),
+                                                      t.storage_offset());
+  const int64_t elements = static_cast<int64_t>(nbytes) / static_cast<int64_t>(t.itemsize());
+  const auto options = at::TensorOptions().dtype(t.dtype()).device(c10::DeviceType::PrivateUse1, 0);
+  return at::empty({elements}, options).as_strided(t.sizes(), t.strides(), t.storage_offset());
+}
+
 // The kernel the executor's device picks for these arguments (cached per layout).
 int64_t executor_choice(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const std::optional<at::Tensor>& mask, double dropout_p,
@@ -76,11 +102,12 @@ int64_t executor_choice(const at::Tensor& q, const at::Tensor& k, const at::Tens
   }
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("aten::_fused_sdp_choice", "");
-  c10::IValue mask_arg = mask.has_value() ? c10::IValue(*mask) : c10::IValue();
+  auto real = [](const at::Tensor& t) { return traced(t) ? empty_like_layout(t) : t; };
+  c10::IValue mask_arg = mask.has_value() ? c10::IValue(real(*mask)) : c10::IValue();
   c10::IValue scale_arg = scale.has_value() ? c10::IValue(*scale) : c10::IValue();
-  const int64_t choice =
-      run_on_executor(op, {q, k, v, mask_arg, dropout_p, is_causal, scale_arg, false})[0]
-          .toInt();
+  const int64_t choice = run_on_executor(op, {real(q), real(k), real(v), mask_arg, dropout_p,
+                                              is_causal, scale_arg, false})[0]
+                             .toInt();
   std::lock_guard<std::mutex> lock(c.mutex);
   c.by_layout.emplace(std::move(key), choice);
   return choice;
@@ -93,6 +120,7 @@ bool fusable(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const Executor on = executor_device();
   if (on == Executor::Unknown || enable_gqa) return false;
   if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4) return false;
+  if (symbolic(q) || symbolic(k) || symbolic(v) || (mask && symbolic(*mask))) return false;
   if (on == Executor::Cpu) return true;
   return !mask.has_value() && dropout_p == 0.0 && q.size(-1) % 8 == 0 && v.size(-1) % 8 == 0;
 }
