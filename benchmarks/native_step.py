@@ -19,6 +19,10 @@ process with ``cumulus_p2p.remote``), arms in turn, over several passes:
   ``cumulus-executor --secure``, as a leased session runs. Then the
   executor's cost alone: the same step's batches replayed by a ``Replayer`` in-process,
   timed around ``replay`` only.
+- ``compiled``: the same step with ``torch.compile(model)``: locally (inductor), and on
+  the native device, whose forward and backward graphs go to the host whole and run
+  there node by node (the executor's default ``--graph-compiler loop``), or as code
+  inductor compiled for the host's device (``--graph-compiler inductor``).
 
 Prints JSON and writes ``benchmarks/results/native_step.json``::
 
@@ -29,7 +33,10 @@ Keys: ``eager_local_ms`` and ``eager_cumulus_ms`` (median step, median over pass
 compatibility mode adds), ``executor_us_per_op`` (replay time
 per op record) beside ``local_us_per_op`` (the local step over the same op count) and
 their ratio (target ≤ 2), plus ``ops_per_step``, ``records_per_step`` and
-``batch_bytes_per_step``.
+``batch_bytes_per_step``. Compiled: ``compiled_local_ms``, ``compiled_cumulus_ms``,
+``compiled_cumulus_inductor_ms``, ``compiled_records_per_step`` (the step's op
+records: two graph calls and the optimizer's ops) and
+``compiled_cumulus_over_eager_local``.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ from cumulus_p2p.testing.benchargs import median_seconds
 VOCAB, DIM, HEADS, LAYERS, CTX, BATCH = 64, 16, 2, 4, 16, 2
 
 
-def _setup(device: str):
+def _setup(device: str, compiled: bool = False):
     import torch
     import torch.nn.functional as F
 
@@ -60,10 +67,11 @@ def _setup(device: str):
     y = torch.roll(x, -1, dims=1)
     model, x, y = model.to(device), x.to(device), y.to(device)
     opt = torch.optim.Adam(model.parameters(), foreach=True)
+    forward = torch.compile(model) if compiled else model
 
     def step() -> float:
         opt.zero_grad()
-        loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+        loss = F.cross_entropy(forward(x).reshape(-1, VOCAB), y.reshape(-1))
         loss.backward()
         opt.step()
         return loss.item()
@@ -75,7 +83,10 @@ def _local_arm(steps: int) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    return {"eager_local_ms": median_seconds(_setup("cpu"), steps) * 1e3}
+    return {
+        "eager_local_ms": median_seconds(_setup("cpu"), steps) * 1e3,
+        "compiled_local_ms": median_seconds(_setup("cpu", compiled=True), steps) * 1e3,
+    }
 
 
 class _InProcess:
@@ -141,6 +152,17 @@ def _cumulus_arm(steps: int) -> dict:
             sync_only_ms = median_seconds(_setup("cumulus"), steps) * 1e3
         with NativeSession.connect(host, int(port)), cuda_compat.cuda_compat(native.load):
             compat_ms = median_seconds(_setup("cumulus"), steps) * 1e3
+        with NativeSession.connect(host, int(port)):
+            compiled_step = _setup("cumulus", compiled=True)
+            compiled_ms = median_seconds(compiled_step, steps) * 1e3
+            before = ext.ops_recorded()
+            compiled_step()
+            compiled_records = ext.ops_recorded() - before
+    inductor = ["--graph-compiler", "inductor"]
+    with executor_process(env=one_thread, extra=inductor) as (address, _):
+        host, port = address.split(":")
+        with NativeSession.connect(host, int(port)):
+            inductor_ms = median_seconds(_setup("cumulus", compiled=True), steps) * 1e3
     with tempfile.TemporaryDirectory() as data_dir:
         with secure_executor_channel(data_dir, env=one_thread) as (channel, _):
             with NativeSession(channel):
@@ -157,6 +179,9 @@ def _cumulus_arm(steps: int) -> dict:
         "eager_cumulus_sync_only_ms": sync_only_ms,
         "eager_cumulus_compat_ms": compat_ms,
         "eager_cumulus_secure_ms": secure_ms,
+        "compiled_cumulus_ms": compiled_ms,
+        "compiled_records_per_step": compiled_records,
+        "compiled_cumulus_inductor_ms": inductor_ms,
         "executor_ms_per_step": executor_ms,
         "ops_per_step": ops,
         "records_per_step": len(records),
@@ -212,6 +237,13 @@ def main() -> None:
         "eager_cumulus_compat_ms": round(m["eager_cumulus_compat_ms"], 2),
         "compat_over_cumulus": round(m["eager_cumulus_compat_ms"] / m["eager_cumulus_ms"], 2),
         "eager_cumulus_secure_ms": round(m["eager_cumulus_secure_ms"], 2),
+        "compiled_local_ms": round(m["compiled_local_ms"], 2),
+        "compiled_cumulus_ms": round(m["compiled_cumulus_ms"], 2),
+        "compiled_cumulus_over_eager_local": round(
+            m["compiled_cumulus_ms"] / m["eager_local_ms"], 2
+        ),
+        "compiled_cumulus_inductor_ms": round(m["compiled_cumulus_inductor_ms"], 2),
+        "compiled_records_per_step": int(m["compiled_records_per_step"]),
         "executor_ms_per_step": round(m["executor_ms_per_step"], 2),
         "executor_us_per_op": round(executor_us, 2),
         "local_us_per_op": round(local_us, 2),

@@ -47,7 +47,7 @@ Parts:
 - ``executor``, ``errors``: the C++ replay loop, a session's state around it
   (``ReplaySession``) and the ``ReplayError`` it raises;
 - ``session``: a session with a host's executor, over any frame channel;
-- ``compile``: ``torch.compile`` of code on the device (captured, run op by op);
+- ``compile``: ``torch.compile`` of code on the device (each graph shipped whole);
 - ``python -m cumulus_p2p.native --build``: build ahead of time (``scripts/bootstrap``).
 """
 
