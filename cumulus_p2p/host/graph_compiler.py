@@ -70,7 +70,7 @@ class GraphRunner:
         Raises:
             GraphError, NodeFailed: as ``GraphProgram.run``.
         """
-        if not self._compilable(program):
+        if not self.compiles(program):
             return program.run(inputs, budget), False
         layout = (key, *(_layout(t) for t in inputs))
         entry = self._compiled.get(layout)
@@ -98,7 +98,8 @@ class GraphRunner:
         program.write_back(inputs, outputs)
         return outputs, True
 
-    def _compilable(self, program: GraphProgram) -> bool:
+    def compiles(self, program: GraphProgram) -> bool:
+        """Whether ``run`` hands ``program`` to the compiler (after its first run)."""
         return (
             self.compiler is GraphCompiler.INDUCTOR
             and not program.in_place

@@ -35,7 +35,7 @@ SOURCES = (
 #: The executor's replay loop: a library of its own, because the device library registers
 #: PrivateUse1 kernels at load and an executor process must not own that key.
 REPLAY_NAME = "cumulus_replay"
-REPLAY_SOURCES = ("replay.cpp",)
+REPLAY_SOURCES = ("replay.cpp", "program.cpp")
 #: -O2 because the fallback runs once per op; NDEBUG drops torch's debug-only asserts.
 CFLAGS = ("-O2", "-DNDEBUG")
 

@@ -12,13 +12,15 @@ host makes the storages and fills them from the standby (``open_restore``; the e
 does the pulling). Like a Python session, a native one can leave the device between two
 batches (``evict``: to host memory, or to the blob store on disk) and come back before
 the next (``bring_back``), so an overcommitted host pages it as it pages the others.
-Compiled graphs (GRAPH and RUN records) are the one place the loop calls back into
-Python: ``ReplaySession`` keeps the session's definitions and runs them as a Python
-session's (``host/graphs.py``, with the host's ``--graph-compiler``).
+Compiled graphs (GRAPH and RUN records): ``ReplaySession`` validates each definition as
+a Python session's (``host/graphs.py``) and hands the prepared program to the loop
+(``csrc/program.h``), whose calls then run without Python; a graph the host compiles
+(``--graph-compiler inductor``) is run by Python, the loop calling back for it.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -44,8 +46,11 @@ from ..host.waits import WaitWindow
 from ..wire import native as wire
 from ..wire.graph_def import unpack_definition
 from ..wire.manifest import StorageEntry
+from ..wire.protocol import GraphValue
 from . import named, records
 from .errors import ReplayError as ReplayError
+
+log = logging.getLogger(__name__)
 
 #: The most bytes of a HAVE request: some thousands of digests.
 MAX_HAVE_BYTES = 1 << 20
@@ -115,8 +120,7 @@ class ReplaySession:
         self._graphs: dict[int, tuple[bytes, GraphProgram]] = {}  # id -> (key, program)
         # Weakly: the loop's callbacks must not keep the session (and its storages) alive.
         replayer.set_graphs(_weakly(self._define_graph), _weakly(self._run_graph))
-        #: Graph calls run, and those that ran code compiled for the device.
-        self.graph_runs = 0
+        #: Graph calls that ran code compiled for the device (``graph_compiler.py``).
         self.compiled_graph_runs = 0
         #: The pieces the last HAVE found, pinned until the next (the NAMED that follows
         #: it must find them).
@@ -209,6 +213,11 @@ class ReplaySession:
         if known is not None and known[0] != key:
             raise _graph_error(f"graph {graph} is already defined otherwise")
         self._graphs[graph] = (key, program)
+        if not self._runner.compiles(program) and not program.writes:
+            try:
+                self._replayer.set_program(graph, *_native_program(program))
+            except ValueError:  # a constant the loop cannot type: Python runs this one
+                log.warning("graph %d runs in Python", graph, exc_info=True)
 
     def _run_graph(
         self, graph: int, inputs: list[torch.Tensor | None], budget: int
@@ -239,7 +248,6 @@ class ReplaySession:
             where = f"{exc.op} (node {exc.index} of compiled graph {graph})"
             kind = "out_of_memory" if out_of_memory else "op_failed"
             raise ReplayError(f"{where}: {exc.error}", -1, kind) from None
-        self.graph_runs += 1
         self.compiled_graph_runs += compiled
         return results
 
@@ -427,6 +435,57 @@ class ReplaySession:
             self._paged.close()
         self._graphs.clear()
         self._replayer = None
+
+
+def _native_program(program: GraphProgram) -> tuple[list, list, int, int]:
+    """``program`` as the loop's ``set_program`` takes it (``csrc/program.h``): a slot
+    per schema argument of each node.
+
+    Raises:
+        ReplayError: (invalid_graph) a node's arguments do not fit its op's schema.
+    """
+    nodes = []
+    for node in program.nodes:
+        schema = node.op._schema
+        positional = [a for a in schema.arguments if not a.kwarg_only]
+        names = {a.name for a in schema.arguments}
+        if len(node.args) > len(positional) or not set(node.kwargs) <= names:
+            raise _graph_error(f"{node.name}: arguments that are not its schema's")
+        slots = []
+        for position, argument in enumerate(schema.arguments):
+            if not argument.kwarg_only and position < len(node.args):
+                slots.append(_slot(node.args[position]))
+            elif argument.name in node.kwargs:
+                slots.append(_slot(node.kwargs[argument.name]))
+            elif argument.has_default_value():
+                slots.append((3,))
+            else:
+                raise _graph_error(f"{node.name}: no value for its {argument.name} argument")
+        nodes.append((schema.name, schema.overload_name, slots, node.fresh, list(node.release)))
+    outputs = [None if ref is None else _reference(ref) for ref in program.outputs]
+    return nodes, outputs, program.n_inputs, program.factory_bytes
+
+
+def _slot(value: Any) -> tuple:
+    if type(value) is GraphValue:
+        return (1, *_reference(value))
+    if type(value) is tuple:
+        if _holds_reference(value):
+            return (2, [_slot(v) for v in value])
+        return (0, _as_lists(value))
+    return (0, value)
+
+
+def _reference(ref: GraphValue) -> tuple[bool, int, int]:
+    return ref.kind == GraphValue.INPUT, ref.index, ref.item
+
+
+def _holds_reference(value: tuple) -> bool:
+    return any(type(v) is GraphValue or (type(v) is tuple and _holds_reference(v)) for v in value)
+
+
+def _as_lists(value: Any) -> Any:
+    return [_as_lists(v) for v in value] if type(value) is tuple else value
 
 
 def _graph_error(message: str) -> ReplayError:

@@ -22,8 +22,10 @@
 //   GRAPH     a compiled graph's definition, handed to the executor's Python (`set_graphs`),
 //             which validates and keeps it (host/graphs.py).
 //   RUN       one call of a defined graph: the inputs are rebuilt as an op's arguments are,
-//             Python runs the graph (the host's --graph-compiler applies), and its results
-//             are registered under the client's handles as an op's outputs are.
+//             the graph runs, and its results are registered under the client's handles
+//             as an op's outputs are. Python prepares a graph once (`set_program`,
+//             program.h) and its calls run here, node by node, without Python; a graph
+//             the host compiles (--graph-compiler inductor) is run by Python instead.
 //
 // Strictness: the executor trusts nothing in a batch. Before any record runs, the
 // batch's framing is walked whole, so a truncated batch runs nothing. Each record is
@@ -48,6 +50,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "program.h"
 #include "record.h"
 
 namespace cumulus {
@@ -278,7 +281,12 @@ class Replayer {
     define_graph_ = std::move(define);
     run_graph_ = std::move(run);
   }
+  // Graph `graph`'s calls run `program` here from now on, not the `run` callback.
+  void set_program(uint32_t graph, Program program) {
+    programs_.insert_or_assign(graph, std::make_shared<const Program>(std::move(program)));
+  }
 
+  size_t programs() const { return programs_.size(); }
   std::string device() const { return device_.str(); }
   int64_t live_bytes() const { return static_cast<int64_t>(live_); }
   int64_t quota_bytes() const { return quota_; }
@@ -752,13 +760,21 @@ class Replayer {
     std::vector<DeclaredOut> declared;
     for (size_t i = 0; i < nouts; ++i) read_declared(c, i, -1, declared);
     end(c);
-    if (!run_graph_) fail("unknown_op", "this executor runs no compiled graphs");
+    const auto program = programs_.find(graph);
+    if (program == programs_.end() && !run_graph_) {
+      fail("unknown_op", "this executor runs no compiled graphs");
+    }
     const uint64_t fresh = fresh_bytes(declared);
     reserve(fresh);
+    const int64_t budget = quota_ - static_cast<int64_t>(live_ + fresh);
     std::vector<std::optional<at::Tensor>> results;
     {
       SessionGenerator drawing(generator_);
-      results = run_graph_(graph, inputs, quota_ - static_cast<int64_t>(live_ + fresh));
+      if (program == programs_.end()) {
+        results = run_graph_(graph, inputs, budget);
+      } else {
+        results = run_program(*program->second, inputs, budget, graph);
+      }
     }
     ops_run_ += 1;
     if (results.size() != nouts) {
@@ -769,6 +785,22 @@ class Replayer {
     torch::jit::Stack stack;
     for (auto& r : results) stack.push_back(r ? c10::IValue(std::move(*r)) : c10::IValue());
     register_outputs(stack, declared, ninputs);
+  }
+
+  static std::vector<std::optional<at::Tensor>> run_program(
+      const Program& program, const std::vector<std::optional<at::Tensor>>& inputs,
+      int64_t budget, uint32_t graph) {
+    std::vector<at::Tensor> tensors;
+    tensors.reserve(inputs.size());
+    for (const auto& t : inputs) {
+      if (!t) fail("invalid_graph", "graph " + std::to_string(graph) + " was called without one of its inputs");
+      tensors.push_back(*t);
+    }
+    try {
+      return program.run(tensors, budget, graph);
+    } catch (const ProgramError& e) {
+      fail(e.kind.c_str(), e.message);
+    }
   }
 
   // The ops of a graph take no generator argument, so they draw from the device's default
@@ -973,6 +1005,7 @@ class Replayer {
   std::string current_op_;
   DefineGraph define_graph_;
   RunGraph run_graph_;
+  std::unordered_map<uint32_t, std::shared_ptr<const Program>> programs_;
 };
 
 // A Python exception a graph callback raised, as the Failure it stands for: its `kind`
@@ -1046,6 +1079,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "Hand GRAPH records to define(graph, definition) and RUN records to "
           "run(graph, inputs, budget), which returns the graph's outputs; either raises "
           "ReplayError(message, -1, kind) to fail the record.")
+      .def(
+          "set_program",
+          [](Replayer& r, uint32_t graph, const py::list& nodes, const py::list& outputs,
+             int64_t n_inputs, int64_t factory_bytes) {
+            try {
+              r.set_program(graph,
+                            cumulus::Program::from_python(nodes, outputs, n_inputs, factory_bytes));
+            } catch (const cumulus::ProgramError& e) {
+              throw py::value_error(e.message);
+            }
+          },
+          py::arg("graph"), py::arg("nodes"), py::arg("outputs"), py::arg("n_inputs"),
+          py::arg("factory_bytes"),
+          "Run graph `graph`'s calls in C++ from now on: its nodes prepared as program.h "
+          "says. Raises ValueError for a node it cannot take.")
+      .def_property_readonly("programs", &Replayer::programs,
+                             "Graphs whose calls run in C++ (set_program).")
       .def_property_readonly("device", &Replayer::device)
       .def_property_readonly("live_bytes", &Replayer::live_bytes)
       .def_property_readonly("quota_bytes", &Replayer::quota_bytes)
