@@ -239,6 +239,7 @@ def test_a_graphs_random_ops_draw_from_the_sessions_generator_and_leave_the_defa
     assert torch.equal(drawn[1], drawn[0])
 
 
+@pytest.mark.slow  # inductor compiles the graph: seconds
 def test_the_hosts_graph_compiler_runs_a_native_sessions_graph():
     s = _Session(runner=GraphRunner(GraphCompiler.INDUCTOR))
     s.inputs(X, Y)
