@@ -155,6 +155,20 @@ def test_an_in_place_op_records_its_argument_as_its_output():
 
 @needs_build
 @in_native_process
+def test_an_in_place_foreach_op_is_one_record_over_its_lists():
+    params = [torch.empty(n, device="cumulus") for n in (3, 4, 5)]
+    grads = [torch.empty(n, device="cumulus") for n in (3, 4, 5)]
+    _take()
+    with torch.no_grad():
+        torch._foreach_add_(params, grads, alpha=0.5)
+    (op,) = _ops(_take())
+    assert op.op == "aten::_foreach_add_.List"
+    assert op.args == (tuple(map(_ref, params)), tuple(map(_ref, grads)), 0.5)
+    assert op.outs == ()
+
+
+@needs_build
+@in_native_process
 def test_host_bytes_travel_in_the_upload_record():
     host = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     _take()

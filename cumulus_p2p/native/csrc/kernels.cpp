@@ -325,6 +325,11 @@ struct OpEntry {
   ShapeFn shape;
 };
 
+// An op that only writes its arguments: it returns nothing.
+bool in_place_only(const c10::FunctionSchema& schema) {
+  return schema.returns().empty() && schema.is_mutable();
+}
+
 const OpEntry& entry(const c10::OperatorHandle& op) {
   static std::mutex mutex;
   static auto* entries = new std::unordered_map<c10::OperatorHandle, OpEntry>();
@@ -332,7 +337,11 @@ const OpEntry& entry(const c10::OperatorHandle& op) {
   auto found = entries->find(op);
   if (found != entries->end()) return found->second;
   const uint32_t id = intern(op);
-  return entries->emplace(op, OpEntry{id, find_shape_fn(op_names()[id])}).first->second;
+  ShapeFn shape = find_shape_fn(op_names()[id]);
+  if (op_names()[id].rfind("aten::_foreach_", 0) == 0 && !shape.known()) {
+    shape.nothing = in_place_only(op.schema());
+  }
+  return entries->emplace(op, OpEntry{id, shape}).first->second;
 }
 
 void run_on_meta(const c10::OperatorHandle& op, const ShapeFn& shape, torch::jit::Stack* stack) {
@@ -341,6 +350,8 @@ void run_on_meta(const c10::OperatorHandle& op, const ShapeFn& shape, torch::jit
     shape.rule(stack);
   } else if (shape.kernel) {
     shape.kernel->callBoxed(op, meta, stack);
+  } else if (shape.nothing) {
+    torch::jit::drop(*stack, op.schema().arguments().size());
   } else {
     // Straight to the meta kernel: the keys above it (autograd, autocast) already ran.
     op.redispatchBoxed(meta, stack);
@@ -612,3 +623,31 @@ TORCH_LIBRARY_IMPL(aten, Negative, m) {
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&cumulus::fallback>());
 }
+
+namespace cumulus {
+namespace {
+
+// Foreach ops (an optimizer's step, gradient clipping) have composite kernels that loop
+// over their lists: on this device they would record one op per tensor, 364 records for
+// a small transformer's Adam step. The in-place ones, registered for the device, go to
+// the fallback whole: one record each, with nothing to shape, and a GPU executor runs
+// its multi-tensor kernel. Those that return new lists stay composite: their meta kernels
+// are Python (prims references, per element, some 100 µs each), where each element's
+// own op is shaped in C++ (shapes.h). They are taken from the dispatcher at load.
+const bool foreach_registered = [] {
+  auto& dispatcher = c10::Dispatcher::singleton();
+  static auto* handles = new std::vector<c10::RegistrationHandleRAII>();
+  for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
+    if (name.name.rfind("aten::_foreach_", 0) != 0) continue;
+    const auto op = dispatcher.findSchema(name);
+    if (!op || !in_place_only(op->schema())) continue;
+    handles->push_back(dispatcher.registerImpl(
+        name, c10::DispatchKey::PrivateUse1,
+        c10::KernelFunction::makeFromBoxedFunction<&fallback>(), std::nullopt, nullptr,
+        "cumulus: foreach ops as one record"));
+  }
+  return true;
+}();
+
+}  // namespace
+}  // namespace cumulus

@@ -23,7 +23,10 @@ namespace cumulus {
 struct ShapeFn {
   std::optional<c10::KernelFunction> kernel;
   void (*rule)(torch::jit::Stack*) = nullptr;
-  bool known() const { return kernel.has_value() || rule != nullptr; }
+  // An op that writes its arguments in place and returns nothing (a foreach op,
+  // kernels.cpp) has nothing to shape.
+  bool nothing = false;
+  bool known() const { return kernel.has_value() || rule != nullptr || nothing; }
 };
 
 ShapeFn find_shape_fn(const std::string& op_name);
