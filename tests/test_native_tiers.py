@@ -144,6 +144,46 @@ def test_the_device_tier_is_not_a_tier_to_evict_to(tmp_path):
         session.evict(Tier.DEVICE)
 
 
+def a_session_of_three(tmp_path):
+    """A session holding ``DATA`` three times (handles 1, 2, 3), in which a batch read
+    handle 1 last and none has named handle 2 since it was made."""
+    session, client, store = a_session(tmp_path)
+    run(session, client.request(*upload(2)))
+    run(session, client.request(*upload(3)))
+    read(session, client, 1)
+    return session, client, store
+
+
+def test_making_room_moves_only_the_longest_unused_storages_the_room_needs(tmp_path):
+    session, _, store = a_session_of_three(tmp_path)
+    assert session.evict(Tier.DISK, need=N * 4) == N * 4  # handle 2: one storage is room enough
+    assert session.bytes_on_device == 2 * N * 4
+    assert session.stats.bytes_in_use == 3 * N * 4  # all three still its own
+    assert store.statistics().nbytes == N * 4
+    assert session.evict(Tier.DISK, need=N * 4) == N * 4  # then handle 3, not handle 1
+    assert session.bytes_on_device == N * 4
+
+
+def test_a_session_evicted_storage_by_storage_runs_on_with_the_same_results(tmp_path):
+    session, client, _ = a_session_of_three(tmp_path)
+    session.evict(Tier.DISK, need=N * 4)
+    session.evict(Tier.DISK, need=N * 4)
+    assert run(session, client.request(*add(2, 4, 0.5), *add(3, 5, 0.25))) == []
+    assert session.tier is Tier.DEVICE and session.bytes_on_device == 3 * N * 4
+    assert torch.equal(read(session, client, 4), DATA + 0.5)
+    assert torch.equal(read(session, client, 5), DATA + 0.25)
+    assert torch.equal(read(session, client, 1), DATA)
+
+
+def test_parking_a_partly_evicted_session_takes_the_rest_off_the_device(tmp_path):
+    session, client, _ = a_session_of_three(tmp_path)
+    session.evict(Tier.DISK, need=N * 4)
+    assert session.park(Tier.DISK) == 0
+    assert session.bytes_on_device == 0 and session.stats.bytes_in_use == 3 * N * 4
+    session.unpark()
+    assert torch.equal(read(session, client, 2), DATA)
+
+
 # --- the executor: native tenants past the device's room, evicted to fit ---------------
 
 

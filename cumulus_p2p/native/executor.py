@@ -91,6 +91,10 @@ class _Paged:
     def nbytes(self) -> int:
         return sum(nbytes for _, nbytes, _ in self.entries)
 
+    def merged(self, more: _Paged) -> _Paged:
+        """These storages and ``more``'s (a second eviction of the same session)."""
+        return _Paged(self.entries + more.entries, self.copies | more.copies, self.pins + more.pins)
+
     def close(self) -> None:
         for pin in self.pins:
             pin.close()
@@ -313,29 +317,48 @@ class ReplaySession:
 
     def evict(self, tier: Tier, need: int | None = None) -> int:
         """Move the session's storages off the device between two batches: copied to the
-        host's memory (``RAM``; on a CPU they stay where they are) or written to the blob
-        store as named pieces, pinned (``DISK``); then their device memory is let go.
-        Handles, the op table and the generator stay. Returns the bytes moved. All of
-        them move, whatever ``need`` asks: the replay loop keeps no storage's last use
-        (a Python session's move storage by storage).
+        host's memory (``RAM``) or written to the blob store as named pieces, pinned
+        (``DISK``); then their device memory is let go. All of them, or with ``need``,
+        storage by storage, those no batch named for longest until ``need`` bytes are
+        off. (On a CPU, host memory is the device's: to ``RAM`` nothing moves, and the
+        session counts as off the device whole.) Handles, the op table, the graphs and
+        the generator stay; the storages come back before the next batch. Returns the
+        bytes moved.
 
         Raises:
             ValueError: ``tier`` is the device, or the disk tier without a blob store.
             OSError: the blob store could not keep a piece (nothing moved then).
         """
-        del need
-        if tier is Tier.DEVICE or self.tier is not Tier.DEVICE:
-            raise ValueError(f"a session on the {self.tier.value} tier cannot go to {tier.value}")
+        if tier is Tier.DEVICE:
+            raise ValueError("the device is not a tier to evict to")
         if tier is Tier.DISK and self._store is None:
             raise ValueError("this executor has no blob store (--blob-dir) to evict to disk")
-        moved = self._replayer.live_bytes
-        if tier is Tier.DISK or self._replayer.device != "cpu":
-            handles = self._replayer.handles()
-            self._paged = self._written(handles) if tier is Tier.DISK else self._copied(handles)
-            self.drop(handles)
+        if tier is not self.tier:
+            self.bring_back()  # off the device, its storages are in one tier at a time
+        if tier is Tier.RAM and self._replayer.device == "cpu":
+            moved, self.tier = self._replayer.live_bytes, tier
+            self.evictions += 1
+            return moved
+        handles = self._chosen(need)
+        paged = self._written(handles) if tier is Tier.DISK else self._copied(handles)
+        self.drop(handles)
+        self._paged = paged if self._paged is None else self._paged.merged(paged)
         self.tier = tier
-        self.evictions += 1
-        return moved
+        self.evictions += 1 if handles else 0
+        return paged.nbytes
+
+    def _chosen(self, need: int | None) -> list[int]:
+        """The storages to move: all, or the longest unused until ``need`` bytes."""
+        coldest = self._replayer.coldest()
+        if need is None:
+            return coldest
+        chosen, moved = [], 0
+        for handle in coldest:
+            if moved >= need:
+                break
+            chosen.append(handle)
+            moved += self._replayer.storage_view(handle).numel()
+        return chosen
 
     def _written(self, handles: list[int]) -> _Paged:
         paged = _Paged([])
@@ -387,8 +410,11 @@ class ReplaySession:
 
     @property
     def bytes_on_device(self) -> int:
-        """What the session's storages hold on the device: none while evicted."""
-        return self._replayer.live_bytes if self.tier is Tier.DEVICE else 0
+        """What the session's storages hold on the device: all but the evicted ones
+        (none, for a CPU session evicted to host memory, which is its device's)."""
+        if self.tier is Tier.RAM and self._replayer.device == "cpu":
+            return 0
+        return self._replayer.live_bytes
 
     def park(self, tier: Tier = Tier.RAM) -> int:
         """Set the session aside while its client is away, off the device (``evict``).
@@ -397,8 +423,8 @@ class ReplaySession:
         Raises:
             OSError: the disk tier could not keep the pieces (it stays as it was).
         """
-        if self.tier is Tier.DEVICE:
-            self.evict(tier)
+        if self.tier is Tier.DEVICE or self.bytes_on_device:
+            self.evict(tier)  # whole, and all on one tier
         return 0 if self.tier is Tier.DISK else self.stats.bytes_in_use
 
     def unpark(self) -> None:
@@ -419,7 +445,7 @@ class ReplaySession:
     def stats(self) -> SessionStats:
         """Its ops run and memory in use, as a Python session's ``stats`` (a copy)."""
         replayer = self._replayer
-        live = replayer.live_bytes if self._paged is None else self._paged.nbytes
+        live = replayer.live_bytes + (0 if self._paged is None else self._paged.nbytes)
         return SessionStats(
             ops=replayer.ops_run,
             bytes_in_use=live,

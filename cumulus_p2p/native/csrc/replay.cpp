@@ -218,6 +218,7 @@ const std::unordered_set<std::string>& blocked() {
 struct Entry {
   c10::Storage storage;
   uint64_t nbytes;  // as counted against the quota
+  uint64_t used;    // the last batch that named it (eviction takes the longest unused)
 };
 
 // One output the client declared, matched to the op's result: return `ret`, and element
@@ -247,6 +248,7 @@ class Replayer {
       ops_.emplace_back();
     }
     const auto records = frame(batch);
+    batches_ += 1;
     // Below autograd: the executor replays what the client's autograd already decided.
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     std::vector<std::string> readbacks;
@@ -291,6 +293,15 @@ class Replayer {
   int64_t live_bytes() const { return static_cast<int64_t>(live_); }
   int64_t quota_bytes() const { return quota_; }
   uint64_t ops_run() const { return ops_run_; }
+  // The live handles, those no batch named for longest first.
+  std::vector<uint64_t> coldest() const {
+    std::vector<std::pair<uint64_t, uint64_t>> by_use;
+    for (const auto& [h, e] : table_) by_use.emplace_back(e.used, h);
+    std::sort(by_use.begin(), by_use.end());
+    std::vector<uint64_t> out;
+    for (const auto& [used, h] : by_use) out.push_back(h);
+    return out;
+  }
   std::vector<uint64_t> handles() const {
     std::vector<uint64_t> out;
     for (const auto& [h, e] : table_) out.push_back(h);
@@ -506,7 +517,7 @@ class Replayer {
 
   void add(uint64_t handle, c10::Storage storage) {
     const uint64_t nbytes = storage.nbytes();
-    table_.emplace(handle, Entry{std::move(storage), nbytes});
+    table_.emplace(handle, Entry{std::move(storage), nbytes, batches_});
     live_ += nbytes;
   }
 
@@ -537,6 +548,7 @@ class Replayer {
                             std::to_string(e.storage.nbytes()));
     }
     touched_.push_back(&e);
+    e.used = batches_;
     return over(e.storage, r.dtype, r.sizes, r.strides, r.offset);
   }
 
@@ -996,6 +1008,7 @@ class Replayer {
   int64_t quota_;
   uint64_t live_ = 0;
   uint64_t ops_run_ = 0;
+  uint64_t batches_ = 0;
   std::unordered_map<uint64_t, Entry> table_;
   std::unordered_map<uint64_t, std::string> poisoned_;
   std::vector<std::string> names_;
@@ -1101,6 +1114,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("quota_bytes", &Replayer::quota_bytes)
       .def_property_readonly("ops_run", &Replayer::ops_run)
       .def("handles", &Replayer::handles, "The live storage handles, sorted.")
+      .def("coldest", &Replayer::coldest,
+           "The live storage handles, those no batch named for longest first.")
       .def("storage_view", &Replayer::storage_view, py::arg("handle"),
            "A storage's bytes as a flat uint8 tensor sharing its memory.");
 }
