@@ -256,8 +256,9 @@ def test_graph_and_run_records_round_trip():
 
 
 def test_a_small_batch_that_runs_a_graph_is_not_replayed_on_the_event_loop():
+    session = _Session().session
     plain = wire.request(wire.BATCH, [], records.encode([Alloc(1, 16)], []), reply=False)
-    graph = records.encode([Run(1, (_ref(1),), (_ref(2),))], [])
+    graph = records.encode([Alloc(1, 16), Run(1, (_ref(1),), (_ref(2),))], [])
     calls = wire.request(wire.BATCH, [], graph, reply=False)
-    assert wire.runs_inline(b"".join(plain))
-    assert not wire.runs_inline(b"".join(calls))
+    assert session.runs_inline(b"".join(plain))
+    assert not session.runs_inline(b"".join(calls))

@@ -742,7 +742,7 @@ class Executor:
         if frame[:1] and frame[0] not in STORAGELESS:  # a malformed one is run's to refuse
             await self._room_for(replaying, rank, native_wire.growth(frame))
         # An evicted session's request brings its storages back first: not in the loop.
-        inline = native_wire.runs_inline(frame) and replaying.tier is Tier.DEVICE
+        inline = replaying.runs_inline(frame)
         going, reply = await self._on_device(
             replaying.run, frame, inline=inline, rank=rank, waits=waits
         )

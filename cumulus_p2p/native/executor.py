@@ -184,6 +184,18 @@ class ReplaySession:
             self._last_reply = answer
         return True, answer
 
+    def runs_inline(self, frame: bytes | bytearray) -> bool:
+        """Whether the executor may run this request on its event loop: a light one
+        (``wire.native.runs_inline``) of a session on its device, that calls no compiled
+        graph (a whole step's compute in one record)."""
+        if not wire.runs_inline(frame) or self.tier is not Tier.DEVICE:
+            return False
+        try:
+            kind, _, _, batch = wire.parse_request(frame)
+        except MalformedMessageError:
+            return True  # refused at once by ``run``
+        return kind != wire.BATCH or not library().calls_graph(batch)
+
     def _answer(self, kind: int, names: list[str], batch: memoryview) -> list[bytes]:
         """Run a BATCH or NAMED (its readbacks), or name the storages (DIGESTS, KEEP)."""
         if kind in (wire.DIGESTS, wire.KEEP):

@@ -81,9 +81,6 @@ MAX_SOURCES = 16
 LIGHT_BYTES = 64 * 1024
 _HEAD = struct.Struct("<BBQI")
 _LEN = struct.Struct("<I")
-#: A batch's record header (``native/csrc/record.h``), and the kind that runs a graph.
-_RECORD = struct.Struct("<BI")
-RUN_RECORD = 12
 
 
 def request(
@@ -133,25 +130,9 @@ def growth(frame: bytes | bytearray) -> int:
 
 def runs_inline(frame: bytes | bytearray) -> bool:
     """Whether a request is light enough to replay on the executor's event loop: a small
-    batch, but never one that hashes storages, reads the blob store or calls a compiled
-    graph (a whole step's compute in one record)."""
-    if not frame:
-        return True
-    if len(frame) > LIGHT_BYTES or frame[0] not in (BATCH, BYE, RESEND):
-        return False
-    return frame[0] != BATCH or not _runs_a_graph(parse_request(frame)[3])
-
-
-def _runs_a_graph(batch: memoryview) -> bool:
-    """Whether a batch holds a RUN record (kind 12); a malformed one says no (the replay
-    loop refuses it)."""
-    at = 0
-    while at + _RECORD.size <= len(batch):
-        kind, length = _RECORD.unpack_from(batch, at)
-        if kind == RUN_RECORD:
-            return True
-        at += _RECORD.size + length
-    return False
+    batch, but never one that hashes storages or reads the blob store (nor, the session
+    decides, one that calls a compiled graph: ``ReplaySession.runs_inline``)."""
+    return len(frame) <= LIGHT_BYTES and frame[0] in (BATCH, BYE, RESEND) if frame else True
 
 
 def encode_manifest(entries: Sequence[tuple[int, int, Sequence[str]]]) -> bytes:

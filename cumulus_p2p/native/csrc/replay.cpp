@@ -1045,6 +1045,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       PyErr_SetObject(cls.ptr(), exc.ptr());
     }
   });
+  m.def(
+      "calls_graph",
+      [](const py::buffer& batch) {
+        // Only the records' headers are read: a malformed batch says no (replay refuses it).
+        const py::buffer_info info = batch.request();
+        const auto* data = static_cast<const char*>(info.ptr);
+        const auto size = static_cast<size_t>(info.size * info.itemsize);
+        for (size_t at = 0; size - at >= 5;) {
+          if (data[at] == static_cast<char>(cumulus::Kind::Run)) return true;
+          uint32_t length;
+          std::memcpy(&length, data + at + 1, sizeof(length));
+          if (length > size - at - 5) return false;
+          at += 5 + length;
+        }
+        return false;
+      },
+      py::arg("batch"), "Whether a batch holds a RUN record (a compiled graph's call).");
   py::class_<Replayer>(m, "Replayer")
       .def(py::init<const std::string&, int64_t>(), py::arg("device"), py::arg("quota_bytes"))
       .def(
