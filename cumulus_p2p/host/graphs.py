@@ -430,3 +430,27 @@ class ProgramCache:
 
 #: One cache per executor process: programs are shared by its sessions (and workers).
 PROGRAMS = ProgramCache()
+
+
+def define(
+    graphs: dict[int, tuple[bytes, GraphProgram]], graph_id: int, definition: Any, device
+) -> GraphProgram:
+    """Validate ``definition`` and keep it in a session's ``graphs`` under ``graph_id``
+    (as ``(content hash, program)``). Defining an id again with the same graph is allowed
+    (a session that moves sends its graphs again).
+
+    Raises:
+        GraphError: the definition breaks a rule, the id holds another graph, or the
+            session has ``MAX_SESSION_GRAPHS`` already.
+    """
+    known = graphs.get(graph_id)
+    if known is None and len(graphs) >= MAX_SESSION_GRAPHS:
+        raise GraphError(f"a session may define at most {MAX_SESSION_GRAPHS} graphs")
+    try:
+        key, program = PROGRAMS.get(definition, device)
+    except GraphError as exc:
+        raise GraphError(f"graph {graph_id}: {exc}") from None
+    if known is not None and known[0] != key:
+        raise GraphError(f"graph {graph_id} is already defined otherwise")
+    graphs[graph_id] = (key, program)
+    return program

@@ -57,7 +57,7 @@ from ..wire.protocol import (
 )
 from .eviction import Tier
 from .graph_compiler import GraphRunner
-from .graphs import MAX_SESSION_GRAPHS, PROGRAMS, GraphError, GraphProgram, NodeFailed
+from .graphs import GraphError, GraphProgram, NodeFailed, define
 from .handles import (
     MAX_HANDLE,
     ErrorKind,
@@ -310,20 +310,10 @@ class ExecutorSession:
         if not (isinstance(args, list) and len(args) == 2 and type(args[0]) is int):
             raise OpFailed(ErrorKind.PROTOCOL_ERROR, "@graph takes [graph_id, definition]")
         graph_id, definition = args
-        known = self._graphs.get(graph_id)
-        if known is None and len(self._graphs) >= MAX_SESSION_GRAPHS:
-            raise OpFailed(
-                ErrorKind.INVALID_GRAPH, f"a session may define at most {MAX_SESSION_GRAPHS} graphs"
-            )
         try:
-            key, program = PROGRAMS.get(definition, self.device)
+            define(self._graphs, graph_id, definition, self.device)
         except GraphError as exc:
-            raise OpFailed(ErrorKind.INVALID_GRAPH, f"graph {graph_id}: {exc}") from None
-        if known is not None and known[0] != key:
-            raise OpFailed(
-                ErrorKind.INVALID_GRAPH, f"graph {graph_id} is already defined otherwise"
-            )
-        self._graphs[graph_id] = (key, program)
+            raise OpFailed(ErrorKind.INVALID_GRAPH, str(exc)) from None
 
     def _run_graph(self, args: Any, outs: Any) -> None:
         """``@run [graph_id, inputs]``: one call of a defined graph; ``outs`` gives each

@@ -36,7 +36,7 @@ from ..blobs.names import PIECE, digest, is_digest
 from ..blobs.store import BlobStore, PinnedBlob, close_pins, pin_held
 from ..host.eviction import Tier
 from ..host.graph_compiler import GraphRunner
-from ..host.graphs import MAX_SESSION_GRAPHS, PROGRAMS, GraphError, GraphProgram, NodeFailed
+from ..host.graphs import GraphError, GraphProgram, NodeFailed, define
 from ..host.handles import write_pieces
 from ..host.kept import KeptPieces
 from ..host.restoring import PieceTargets
@@ -219,16 +219,12 @@ class ReplaySession:
             ReplayError: (invalid_graph) the definition breaks a rule, or the session
                 has its most graphs.
         """
-        known = self._graphs.get(graph)
-        if known is None and len(self._graphs) >= MAX_SESSION_GRAPHS:
-            raise _graph_error(f"a session may define at most {MAX_SESSION_GRAPHS} graphs")
         try:
-            key, program = PROGRAMS.get(unpack_definition(definition), self._device)
-        except (GraphError, RemoteProtocolError) as exc:
+            program = define(self._graphs, graph, unpack_definition(definition), self._device)
+        except RemoteProtocolError as exc:
             raise _graph_error(f"graph {graph}: {exc}") from None
-        if known is not None and known[0] != key:
-            raise _graph_error(f"graph {graph} is already defined otherwise")
-        self._graphs[graph] = (key, program)
+        except GraphError as exc:
+            raise _graph_error(str(exc)) from None
         if not self._runner.compiles(program) and not program.writes:
             try:
                 self._replayer.set_program(graph, *_native_program(program))
