@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cumulus_p2p.host.eviction import Candidate, Move, Tier, choose, destination, plan
+from cumulus_p2p.host.eviction import Candidate, Move, Tier, choose, destination, enough, plan
 from cumulus_p2p.host.scheduler import lease_rank, on_demand
 
 NOW = 1000.0
@@ -101,3 +101,15 @@ def test_a_plan_stops_at_the_first_session_with_nowhere_to_go():
     tenants = [tenant("idle", nbytes=400, ago=600), tenant("older", ago=20, nbytes=600)]
     moves = plan(tenants, 700, now=NOW, device_is_host=False, ram_free=500, disk=False)
     assert moves == [Move("idle", Tier.RAM, 700)]
+
+
+def test_within_a_session_storages_go_in_order_until_the_bytes_asked_for_are_off():
+    sizes = [("cold", 4), ("warm", 4), ("hot", 4)]
+    assert enough(sizes, 5) == ["cold", "warm"]
+    assert enough(sizes, 4) == ["cold"]
+
+
+def test_within_a_session_all_storages_go_when_none_is_asked_or_together_they_fall_short():
+    sizes = [("cold", 4), ("warm", 4)]
+    assert enough(sizes, None) == ["cold", "warm"]
+    assert enough(sizes, 100) == ["cold", "warm"]

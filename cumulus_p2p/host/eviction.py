@@ -41,10 +41,22 @@ Time is passed in; this module does no I/O (``session.py`` moves the bytes).
 from __future__ import annotations
 
 import enum
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
-__all__ = ["IDLE_AFTER_S", "Candidate", "Move", "Tier", "choose", "destination", "plan"]
+__all__ = [
+    "IDLE_AFTER_S",
+    "Candidate",
+    "Move",
+    "Tier",
+    "choose",
+    "destination",
+    "enough",
+    "plan",
+]
+
+K = TypeVar("K")
 
 #: Seconds without an op after which a session counts as idle.
 IDLE_AFTER_S = 60.0
@@ -104,6 +116,20 @@ def _chosen(
         if freed >= need:
             return chosen
     return []
+
+
+def enough(sizes: Iterable[tuple[K, int]], need: int | None) -> list[K]:
+    """Within one session: of ``(storage, bytes)`` pairs in the order to give them up
+    (the longest unused first), the storages taken until their bytes add up to ``need``;
+    all of them for None, or when together they fall short."""
+    chosen: list[K] = []
+    freed = 0
+    for key, nbytes in sizes:
+        if need is not None and freed >= need:
+            break
+        chosen.append(key)
+        freed += nbytes
+    return chosen
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,7 @@ import torch
 from ..blobs.names import PIECE, digest
 from ..blobs.store import BlobStore, PinnedBlob
 from ..wire.protocol import TensorRef, storage_extent
+from .eviction import enough
 
 if TYPE_CHECKING:
     from .session import SessionStats
@@ -247,13 +248,8 @@ class HandleTable:
         up to ``need`` bytes (all of them for None, or when together they fall short)."""
         if need is None:
             return list(handles)
-        chosen, freed = [], 0
-        for handle in sorted(handles, key=lambda h: self._entries[h].used):
-            if freed >= need:
-                break
-            chosen.append(handle)
-            freed += self._entries[handle].capacity
-        return chosen
+        coldest = sorted(handles, key=lambda h: self._entries[h].used)
+        return enough(((h, self._entries[h].capacity) for h in coldest), need)
 
     def capacity(self, handles: Iterable[int]) -> int:
         """The bytes the storages of ``handles`` hold together."""

@@ -34,7 +34,7 @@ import torch
 from .._errors import BlobMismatchError, MalformedMessageError, RemoteProtocolError
 from ..blobs.names import PIECE, digest, is_digest
 from ..blobs.store import BlobStore, PinnedBlob, close_pins, pin_held
-from ..host.eviction import Tier
+from ..host.eviction import Tier, enough
 from ..host.graph_compiler import GraphRunner
 from ..host.graphs import GraphError, GraphProgram, NodeFailed, define
 from ..host.handles import write_pieces
@@ -358,15 +358,7 @@ class ReplaySession:
     def _chosen(self, need: int | None) -> list[int]:
         """The storages to move: all, or the longest unused until ``need`` bytes."""
         coldest = self._replayer.coldest()
-        if need is None:
-            return coldest
-        chosen, moved = [], 0
-        for handle in coldest:
-            if moved >= need:
-                break
-            chosen.append(handle)
-            moved += self._replayer.storage_view(handle).numel()
-        return chosen
+        return enough(((h, self._replayer.storage_view(h).numel()) for h in coldest), need)
 
     def _written(self, handles: list[int]) -> _Paged:
         paged = _Paged([])
