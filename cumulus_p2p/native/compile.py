@@ -109,7 +109,8 @@ class ShippedGraph:
         self.id = next(_ids)
         self.definition = pack_definition(definition)
         DEFINITIONS[self.id] = self.definition
-        self._plan = [_planned(value, inputs) for value in outputs]
+        by_storage = {StorageWeakRef(v.untyped_storage()): i for i, v in enumerate(inputs)}
+        self._plan = [_planned(value, by_storage) for value in outputs]
         self._layouts = [p if isinstance(p, torch.Tensor) else None for p in self._plan]
 
     def __call__(self, args: list) -> list:
@@ -130,18 +131,17 @@ class ShippedGraph:
         return outputs
 
 
-def _planned(value: Any, inputs: list) -> torch.Tensor | _OnInput | None:
+def _planned(value: Any, by_storage: dict) -> torch.Tensor | _OnInput | None:
     """How the client makes one output: a meta tensor laid out as captured (a new
-    storage), a view of an input, or nothing (None)."""
+    storage), a view of the input whose storage it is (``by_storage``), or nothing."""
     if value is None:
         return None
     if not isinstance(value, torch.Tensor):
         raise GraphEncodingError(f"the graph returns a {type(value).__name__}, not a tensor")
     sizes, strides = tuple(value.shape), tuple(value.stride())
-    storage = StorageWeakRef(value.untyped_storage())
-    for index, given in enumerate(inputs):
-        if StorageWeakRef(given.untyped_storage()) == storage:
-            return _OnInput(index, sizes, strides, value.storage_offset())
+    index = by_storage.get(StorageWeakRef(value.untyped_storage()))
+    if index is not None:
+        return _OnInput(index, sizes, strides, value.storage_offset())
     return torch.empty_strided(sizes, strides, dtype=value.dtype, device="meta")
 
 
