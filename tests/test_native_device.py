@@ -169,6 +169,39 @@ def test_an_in_place_foreach_op_is_one_record_over_its_lists():
 
 @needs_build
 @in_native_process
+def test_an_out_of_place_foreach_op_is_one_record_shaped_as_each_elements_op():
+    lists = [[torch.empty(n, device="cumulus") for n in (3, 4, 5)] for _ in range(2)]
+    cpu = [[torch.empty(n) for n in (3, 4, 5)] for _ in range(2)]
+    calls = {
+        "aten::_foreach_sqrt": lambda a, b: torch._foreach_sqrt(a),
+        "aten::_foreach_add.List": lambda a, b: torch._foreach_add(a, b, alpha=0.5),
+        "aten::_foreach_mul.Scalar": lambda a, b: torch._foreach_mul(a, 2.0),
+        "aten::_foreach_div.ScalarList": lambda a, b: torch._foreach_div(a, [1.0, 2.0, 3.0]),
+        "aten::_foreach_addcdiv.Scalar": lambda a, b: torch._foreach_addcdiv(a, a, b, 0.1),
+        "aten::_foreach_norm.Scalar": lambda a, b: torch._foreach_norm(a),
+    }
+    _take()
+    for name, call in calls.items():
+        with torch.no_grad():
+            outs = call(*lists)
+        (op,) = _ops(_take())
+        assert op.op == name
+        assert op.outs == (tuple(map(_ref, outs)),)
+        assert _shapes(outs) == _shapes(call(*cpu)), name
+
+
+@needs_build
+@in_native_process
+def test_a_foreach_op_on_integers_promotes_each_element_as_its_own_op_would():
+    ints = [torch.ones(n, dtype=torch.int64, device="cumulus") for n in (2, 3)]
+    _take()
+    outs = torch._foreach_mul(ints, 0.5) + torch._foreach_sqrt(ints)
+    assert [t.dtype for t in outs] == [torch.get_default_dtype()] * 4
+    assert len(_ops(_take())) == 2
+
+
+@needs_build
+@in_native_process
 def test_host_bytes_travel_in_the_upload_record():
     host = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     _take()
@@ -337,11 +370,14 @@ def test_a_transformer_training_step_records_ops_with_meta_shapes():
     ops = _ops(_take())
     assert len(ops) > 100
     names = {op.op for op in ops}
-    # Adam's in-place foreach ops are one record each (its out-of-place _foreach_sqrt,
-    # one per tensor).
-    optimizer = {"aten::_foreach_addcdiv_.ScalarList", "aten::_foreach_lerp_.Scalar"}
+    # Adam's foreach ops are one record each, in place or not.
+    optimizer = {
+        "aten::_foreach_addcdiv_.ScalarList",
+        "aten::_foreach_lerp_.Scalar",
+        "aten::_foreach_sqrt",
+    }
     assert {"aten::mm", "aten::native_layer_norm_backward", *optimizer} <= names
-    assert "aten::addcdiv_" not in names
+    assert not {"aten::addcdiv_", "aten::sqrt"} & names
     for op in ops:
         if op.op == "aten::copy_":
             continue  # device-to-device copies: the output is the destination

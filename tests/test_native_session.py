@@ -93,6 +93,30 @@ def test_a_tiny_transformer_trains_bit_identically_to_local_cpu():
 
 
 @in_native_process
+def test_foreach_ops_that_return_lists_give_local_cpus_values():
+    torch.manual_seed(0)
+    a, b = ([torch.rand(n) + 0.5 for n in (3, 4, 5)] for _ in range(2))
+    calls = [
+        lambda a, b: torch._foreach_sqrt(a),
+        lambda a, b: torch._foreach_exp(a),
+        lambda a, b: torch._foreach_sub(a, b, alpha=0.5),
+        lambda a, b: torch._foreach_div(a, b),
+        lambda a, b: torch._foreach_add(a, 3.0),
+        lambda a, b: torch._foreach_mul(a, [1.0, 2.0, 3.0]),
+        lambda a, b: torch._foreach_addcmul(a, a, b, 0.1),
+        lambda a, b: torch._foreach_lerp(a, b, 0.3),
+        lambda a, b: torch._foreach_pow(a, 2.0),
+        lambda a, b: torch._foreach_norm(a),
+    ]
+    with _session():
+        remote = [[t.to("cumulus") for t in x] for x in (a, b)]
+        for call in calls:
+            got = [t.cpu() for t in call(*remote)]
+            for mine, local in zip(got, call(a, b), strict=True):
+                assert torch.equal(mine, local)
+
+
+@in_native_process
 def test_a_compiled_model_ships_its_graphs_and_trains_bit_identically_to_eager():
     import warnings
 

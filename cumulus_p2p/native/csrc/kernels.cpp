@@ -631,9 +631,10 @@ namespace {
 // over their lists: on this device they would record one op per tensor, 364 records for
 // a small transformer's Adam step. The in-place ones, registered for the device, go to
 // the fallback whole: one record each, with nothing to shape, and a GPU executor runs
-// its multi-tensor kernel. Those that return new lists stay composite: their meta kernels
-// are Python (prims references, per element, some 100 µs each), where each element's
-// own op is shaped in C++ (shapes.h). They are taken from the dispatcher at load.
+// its multi-tensor kernel. They are taken from the dispatcher at load. Those that return
+// new lists are registered by shapes.cpp, which shapes them element by element in C++;
+// the rest stay composite (their meta kernels are Python prims references, some 100 µs
+// an element, where each element's own op is shaped in C++).
 const bool foreach_registered = [] {
   auto& dispatcher = c10::Dispatcher::singleton();
   static auto* handles = new std::vector<c10::RegistrationHandleRAII>();

@@ -6,6 +6,7 @@
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/ExpandUtils.h>
+#include <ATen/ScalarOps.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_log_softmax_backward_data_meta_dispatch.h>
 #include <ATen/ops/_log_softmax_meta_dispatch.h>
@@ -26,6 +27,7 @@
 #include <ATen/ops/gelu_meta_dispatch.h>
 #include <ATen/ops/isneginf_meta_dispatch.h>
 #include <ATen/ops/lerp_meta_dispatch.h>
+#include <ATen/ops/linalg_vector_norm_meta_dispatch.h>
 #include <ATen/ops/mean_meta_dispatch.h>
 #include <ATen/ops/mm_meta_dispatch.h>
 #include <ATen/ops/mul_meta_dispatch.h>
@@ -234,6 +236,100 @@ void embedding_dense_backward(Stack* stack) {
   torch::jit::push(*stack, at::detail::empty_meta({rows, grad.size(-1)}, grad.scalar_type()));
 }
 
+// ---- foreach ops that return new lists ---------------------------------------------
+// Adam's _foreach_sqrt, clip_grad_norm_'s _foreach_norm: one record for the list, each
+// element shaped by its per-tensor op's C++ meta function. (Their own meta kernels are
+// Python prims references, some 100 µs an element.)
+
+T nth(const c10::IValue& list, size_t i) { return list.toTensorList().get(i); }
+S nth_scalar(const c10::IValue& list, size_t i) { return list.toListRef()[i].toScalar(); }
+T wrapped(const S& scalar) { return at::native::wrapped_scalar_tensor(scalar); }
+
+// Pops the op's `nargs` arguments and pushes the list `each(args, i)` for each element
+// of the first argument.
+template <size_t nargs, typename Each>
+void foreach_list(Stack* stack, Each each) {
+  const auto args = torch::jit::pop(*stack, nargs);
+  const size_t n = args[0].toTensorList().size();
+  c10::List<T> out;
+  out.reserve(n);
+  for (size_t i = 0; i < n; ++i) out.push_back(each(args, i));
+  torch::jit::push(*stack, std::move(out));
+}
+
+using Args = std::vector<c10::IValue>;
+
+template <T (*fn)(const T&)>
+void foreach_unary(Stack* stack) {
+  foreach_list<1>(stack, [](const Args& a, size_t i) { return fn(nth(a[0], i)); });
+}
+
+// _foreach_<op>.List(self, other[, alpha]), .Scalar(self, scalar), .ScalarList(self,
+// scalars): the per-tensor op with the element, the scalar or the scalar's element.
+template <T (*fn)(const T&, const T&, const S&)>
+void foreach_list_alpha(Stack* stack) {
+  foreach_list<3>(stack, [](const Args& a, size_t i) {
+    return fn(nth(a[0], i), nth(a[1], i), a[2].toScalar());
+  });
+}
+template <T (*fn)(const T&, const T&)>
+void foreach_list_binary(Stack* stack) {
+  foreach_list<2>(stack, [](const Args& a, size_t i) { return fn(nth(a[0], i), nth(a[1], i)); });
+}
+template <T (*fn)(const T&, const T&)>
+void foreach_scalar(Stack* stack) {
+  foreach_list<2>(stack,
+                  [](const Args& a, size_t i) { return fn(nth(a[0], i), wrapped(a[1].toScalar())); });
+}
+template <T (*fn)(const T&, const T&)>
+void foreach_scalar_list(Stack* stack) {
+  foreach_list<2>(
+      stack, [](const Args& a, size_t i) { return fn(nth(a[0], i), wrapped(nth_scalar(a[1], i))); });
+}
+
+T add(const T& a, const T& b) { return at::meta::add(a, b, 1); }
+T sub(const T& a, const T& b) { return at::meta::sub(a, b, 1); }
+T mul(const T& a, const T& b) { return at::meta::mul(a, b); }
+T div(const T& a, const T& b) { return at::meta::div(a, b); }
+T sqrt(const T& t) { return at::meta::sqrt(t); }
+T rsqrt(const T& t) { return at::meta::rsqrt(t); }
+T exp(const T& t) { return at::meta::exp(t); }
+T neg(const T& t) { return at::meta::neg(t); }
+T tanh(const T& t) { return at::meta::tanh(t); }
+T add_alpha(const T& a, const T& b, const S& alpha) { return at::meta::add(a, b, alpha); }
+T sub_alpha(const T& a, const T& b, const S& alpha) { return at::meta::sub(a, b, alpha); }
+
+// _foreach_addc{div,mul}.Scalar(self, tensor1, tensor2, value)
+template <T (*fn)(const T&, const T&, const T&, const S&)>
+void foreach_pointwise(Stack* stack) {
+  foreach_list<4>(stack, [](const Args& a, size_t i) {
+    return fn(nth(a[0], i), nth(a[1], i), nth(a[2], i), a[3].toScalar());
+  });
+}
+T addcdiv(const T& s, const T& a, const T& b, const S& v) { return at::meta::addcdiv(s, a, b, v); }
+T addcmul(const T& s, const T& a, const T& b, const S& v) { return at::meta::addcmul(s, a, b, v); }
+
+// _foreach_lerp.Scalar(self, tensors1, weight)
+void foreach_lerp(Stack* stack) {
+  foreach_list<3>(stack, [](const Args& a, size_t i) {
+    return at::meta::lerp(nth(a[0], i), nth(a[1], i), a[2].toScalar());
+  });
+}
+
+// _foreach_pow.Scalar(self, exponent)
+void foreach_pow(Stack* stack) {
+  foreach_list<2>(stack,
+                  [](const Args& a, size_t i) { return at::meta::pow(nth(a[0], i), a[1].toScalar()); });
+}
+
+// _foreach_norm.Scalar(self, ord, dtype?): each tensor's vector norm, a 0-dim tensor.
+void foreach_norm(Stack* stack) {
+  foreach_list<3>(stack, [](const Args& a, size_t i) {
+    return at::meta::linalg_vector_norm(nth(a[0], i), a[1].toScalar(), std::nullopt, false,
+                                        a[2].toOptional<at::ScalarType>());
+  });
+}
+
 const std::unordered_map<std::string, void (*)(Stack*)>& rules() {
   static const auto* table = new std::unordered_map<std::string, void (*)(Stack*)>{
       {"aten::native_layer_norm", &layer_norm},
@@ -244,6 +340,28 @@ const std::unordered_map<std::string, void (*)(Stack*)>& rules() {
       {"aten::where.self_out", &where_out},
       {"aten::index_select", &index_select},
       {"aten::embedding_dense_backward", &embedding_dense_backward},
+      {"aten::_foreach_sqrt", &foreach_unary<sqrt>},
+      {"aten::_foreach_rsqrt", &foreach_unary<rsqrt>},
+      {"aten::_foreach_exp", &foreach_unary<exp>},
+      {"aten::_foreach_neg", &foreach_unary<neg>},
+      {"aten::_foreach_tanh", &foreach_unary<tanh>},
+      {"aten::_foreach_add.List", &foreach_list_alpha<add_alpha>},
+      {"aten::_foreach_sub.List", &foreach_list_alpha<sub_alpha>},
+      {"aten::_foreach_mul.List", &foreach_list_binary<mul>},
+      {"aten::_foreach_div.List", &foreach_list_binary<div>},
+      {"aten::_foreach_add.Scalar", &foreach_scalar<add>},
+      {"aten::_foreach_sub.Scalar", &foreach_scalar<sub>},
+      {"aten::_foreach_mul.Scalar", &foreach_scalar<mul>},
+      {"aten::_foreach_div.Scalar", &foreach_scalar<div>},
+      {"aten::_foreach_add.ScalarList", &foreach_scalar_list<add>},
+      {"aten::_foreach_sub.ScalarList", &foreach_scalar_list<sub>},
+      {"aten::_foreach_mul.ScalarList", &foreach_scalar_list<mul>},
+      {"aten::_foreach_div.ScalarList", &foreach_scalar_list<div>},
+      {"aten::_foreach_addcdiv.Scalar", &foreach_pointwise<addcdiv>},
+      {"aten::_foreach_addcmul.Scalar", &foreach_pointwise<addcmul>},
+      {"aten::_foreach_lerp.Scalar", &foreach_lerp},
+      {"aten::_foreach_pow.Scalar", &foreach_pow},
+      {"aten::_foreach_norm.Scalar", &foreach_norm},
   };
   return *table;
 }
