@@ -36,7 +36,9 @@ their ratio (target ≤ 2), plus ``ops_per_step``, ``records_per_step`` and
 ``batch_bytes_per_step``. Compiled: ``compiled_local_ms``, ``compiled_cumulus_ms``,
 ``compiled_cumulus_inductor_ms``, ``compiled_records_per_step`` (the step's op
 records: two graph calls and the optimizer's ops) and
-``compiled_cumulus_over_eager_local``.
+``compiled_cumulus_over_eager_local``. Compiled at changing lengths (``LENGTHS`` in turn,
+so dynamo's graphs get symbolic sizes): ``dynamic_compiled_local_ms``,
+``dynamic_compiled_cumulus_ms`` and ``dynamic_compiled_records_per_step``.
 """
 
 from __future__ import annotations
@@ -55,7 +57,10 @@ from cumulus_p2p.testing.benchargs import median_seconds
 VOCAB, DIM, HEADS, LAYERS, CTX, BATCH = 64, 16, 2, 4, 16, 2
 
 
-def _setup(device: str, compiled: bool = False):
+def _setup(device: str, compiled: bool = False, lengths: tuple[int, ...] = (CTX,)):
+    """One training step per call; each call's batch as long as the next of ``lengths``."""
+    import itertools
+
     import torch
     import torch.nn.functional as F
 
@@ -68,15 +73,21 @@ def _setup(device: str, compiled: bool = False):
     model, x, y = model.to(device), x.to(device), y.to(device)
     opt = torch.optim.Adam(model.parameters(), foreach=True)
     forward = torch.compile(model) if compiled else model
+    cycle = itertools.cycle(lengths)
 
     def step() -> float:
+        n = next(cycle)
         opt.zero_grad()
-        loss = F.cross_entropy(forward(x).reshape(-1, VOCAB), y.reshape(-1))
+        loss = F.cross_entropy(forward(x[:, :n]).reshape(-1, VOCAB), y[:, :n].reshape(-1))
         loss.backward()
         opt.step()
         return loss.item()
 
     return step
+
+
+#: The dynamic arm's batch lengths, in turn: dynamo's graphs get symbolic sizes.
+LENGTHS = (16, 12, 14)
 
 
 def _local_arm(steps: int) -> dict:
@@ -86,7 +97,14 @@ def _local_arm(steps: int) -> dict:
     return {
         "eager_local_ms": median_seconds(_setup("cpu"), steps) * 1e3,
         "compiled_local_ms": median_seconds(_setup("cpu", compiled=True), steps) * 1e3,
+        "dynamic_compiled_local_ms": _dynamic_ms("cpu", steps),
     }
+
+
+def _dynamic_ms(device: str, steps: int) -> float:
+    """The compiled step at ``LENGTHS`` in turn, after each length's first (its capture)."""
+    step = _setup(device, compiled=True, lengths=LENGTHS)
+    return median_seconds(step, steps, warmup=2 * len(LENGTHS)) * 1e3
 
 
 class _InProcess:
@@ -158,6 +176,16 @@ def _cumulus_arm(steps: int) -> dict:
             before = ext.ops_recorded()
             compiled_step()
             compiled_records = ext.ops_recorded() - before
+        torch._dynamo.reset()  # the compiled arm's captures go: these lengths get their own
+        with NativeSession.connect(host, int(port)):
+            dynamic_ms = _dynamic_ms("cumulus", steps)
+            dynamic_step = _setup("cumulus", compiled=True, lengths=LENGTHS)
+            for _ in range(2 * len(LENGTHS)):
+                dynamic_step()
+            before = ext.ops_recorded()
+            for _ in range(len(LENGTHS)):
+                dynamic_step()
+            dynamic_records = (ext.ops_recorded() - before) / len(LENGTHS)
     inductor = ["--graph-compiler", "inductor"]
     with executor_process(env=one_thread, extra=inductor) as (address, _):
         host, port = address.split(":")
@@ -182,6 +210,8 @@ def _cumulus_arm(steps: int) -> dict:
         "compiled_cumulus_ms": compiled_ms,
         "compiled_records_per_step": compiled_records,
         "compiled_cumulus_inductor_ms": inductor_ms,
+        "dynamic_compiled_cumulus_ms": dynamic_ms,
+        "dynamic_compiled_records_per_step": dynamic_records,
         "executor_ms_per_step": executor_ms,
         "ops_per_step": ops,
         "records_per_step": len(records),
@@ -244,6 +274,9 @@ def main() -> None:
         ),
         "compiled_cumulus_inductor_ms": round(m["compiled_cumulus_inductor_ms"], 2),
         "compiled_records_per_step": int(m["compiled_records_per_step"]),
+        "dynamic_compiled_local_ms": round(m["dynamic_compiled_local_ms"], 2),
+        "dynamic_compiled_cumulus_ms": round(m["dynamic_compiled_cumulus_ms"], 2),
+        "dynamic_compiled_records_per_step": round(m["dynamic_compiled_records_per_step"], 1),
         "executor_ms_per_step": round(m["executor_ms_per_step"], 2),
         "executor_us_per_op": round(executor_us, 2),
         "local_us_per_op": round(local_us, 2),

@@ -136,6 +136,69 @@ def test_a_compiled_model_ships_its_graphs_and_trains_bit_identically_to_eager()
         assert torch.equal(a, b)
 
 
+def _train_at_lengths(device: str, lengths: list[int], *, compiled: bool) -> list[float]:
+    """Adam steps of a tiny transformer, each step's batch as long as ``lengths`` says."""
+    from cumulus_p2p.testing.models import TinyTransformer
+
+    torch.manual_seed(0)
+    model = TinyTransformer(vocab=16, dim=8, heads=2, layers=2, ctx=8, dropout=0.0).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True)
+    forward = torch.compile(model) if compiled else model
+    losses = []
+    for length in lengths:
+        x = torch.randint(0, 16, (2, length))
+        y = torch.roll(x, -1, dims=1).to(device)
+        opt.zero_grad()
+        loss = F.cross_entropy(forward(x.to(device)).reshape(-1, 16), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _compiled_at_lengths(lengths: list[int], most_shapes: int) -> list[float]:
+    """``_train_at_lengths`` compiled, with at most ``most_shapes`` graphs per symbolic one."""
+    from cumulus_p2p.native import compile as native_compile
+
+    torch._dynamo.reset()  # earlier captures (of this child's other tests) go
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native_compile, "MAX_SHAPES", most_shapes)
+        return _train_at_lengths("cumulus", lengths, compiled=True)
+
+
+@in_native_process
+def test_a_compiled_model_whose_lengths_change_ships_a_graph_per_length():
+    import warnings
+
+    from cumulus_p2p.native.compile import EAGER_WARNING
+
+    lengths = [4, 6, 5, 6, 4, 5]  # from the second, dynamo's graphs have symbolic sizes
+    with _session() as session:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            shipped = _compiled_at_lengths(lengths, most_shapes=16)
+        # A forward and a backward at 4 (static sizes), then one of each per length.
+        assert len(session.graphs) == 2 + 2 * 3
+        assert not [w for w in caught if EAGER_WARNING in str(w.message)]
+        # The same captured graphs, their ops recorded one by one, as before.
+        with pytest.warns(UserWarning, match=EAGER_WARNING):
+            op_by_op = _compiled_at_lengths(lengths, most_shapes=0)
+        eager = _train_at_lengths("cumulus", lengths, compiled=False)
+    assert shipped == op_by_op
+    # Dynamo's symbolic graphs decompose differently from eager (so on a CPU too).
+    assert shipped == pytest.approx(eager, rel=1e-6)
+
+
+@in_native_process
+def test_a_symbolic_graph_past_its_most_shapes_runs_op_by_op_with_the_same_results():
+    lengths = [4, 5, 6, 7, 5]
+    with _session():
+        shipped = _compiled_at_lengths(lengths, most_shapes=16)
+        with pytest.warns(UserWarning, match="more than 1 shapes of one graph"):
+            capped = _compiled_at_lengths(lengths, most_shapes=1)
+    assert capped == shipped
+
+
 @in_native_process
 def test_a_compiled_forward_and_backward_cost_the_same_few_records_at_any_depth():
     from cumulus_p2p.testing.models import TinyTransformer

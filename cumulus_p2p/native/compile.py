@@ -23,9 +23,16 @@ AOT autograd's runtime keeps what it keeps on other backends: the graphs are
 functional, and inputs the code mutates (BatchNorm's running statistics) are written
 back by ordinary ``copy_`` ops after the call.
 
-A graph that cannot travel as data (a node that is not an aten op, symbolic sizes)
-runs its aten ops one by one as eager ones are, with a one-line warning; the results
-are the same.
+A graph with symbolic sizes (dynamo makes sizes symbolic once it sees them change, as
+with a shorter last batch or a new sequence length) cannot be shipped as captured: the
+host runs fixed sizes, and the client must know each output's size before the host
+answers. So each call's concrete sizes get a graph of their own (``PerShape``), traced
+once from the symbolic one on fake tensors and shipped as any other: a run of steps at
+one sequence length costs one definition and then a record a call, as with static sizes.
+Past ``MAX_SHAPES`` sizes a graph runs op by op.
+
+A graph that cannot travel as data (a node that is not an aten op) runs its aten ops one
+by one as eager ones are, with a one-line warning; the results are the same.
 """
 
 from __future__ import annotations
@@ -74,16 +81,22 @@ class OnCumulus:
 def ship(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
     """AOT autograd's compiler for each graph: a ``ShippedGraph``, or the graph's own
     code (op by op) when it cannot travel."""
-    from torch._functorch.aot_autograd import make_boxed_func
-
+    if _symbolic(gm):
+        return PerShape(gm)
     try:
         return ShippedGraph(gm)
     except GraphEncodingError as exc:
-        reason = str(exc)
-        if reason not in _warned:
-            _warned.add(reason)
-            warnings.warn(f"{EAGER_WARNING}: {reason}", UserWarning, stacklevel=2)
-        return make_boxed_func(gm.forward)
+        return _op_by_op(gm, str(exc))
+
+
+def _op_by_op(gm: torch.fx.GraphModule, reason: str) -> Any:
+    """The graph's own code, its ops recorded one by one; ``reason`` said once."""
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"{EAGER_WARNING}: {reason}", UserWarning, stacklevel=3)
+    return make_boxed_func(gm.forward)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +142,103 @@ class ShippedGraph:
                 outputs[index] = args[plan.index].as_strided(plan.sizes, plan.strides, plan.offset)
         args.clear()
         return outputs
+
+
+#: The most concrete shapes one symbolic graph is traced for; past them it runs op by op
+#: (a host keeps 256 graphs per session).
+MAX_SHAPES = 16
+
+
+class PerShape:
+    """A graph with symbolic sizes, run as one ``ShippedGraph`` per concrete shape: each
+    traced on the first call with that shape, from the symbolic graph with the call's
+    sizes, on fake tensors (nothing is recorded or sent while tracing)."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        self._boxed_call = True
+        self.gm = gm
+        self.shapes: dict[tuple, _AtShape] = {}
+        #: Why the graph cannot travel at any shape (a node that is not an aten op).
+        self.untraceable: str | None = None
+
+    def __call__(self, args: list) -> list:
+        key = tuple(_shape(a) for a in args)
+        at = self.shapes.get(key)
+        if at is None:
+            if self.untraceable is None and len(self.shapes) < MAX_SHAPES:
+                try:
+                    at = self.shapes[key] = _AtShape.traced(self.gm, args)
+                except GraphEncodingError as exc:
+                    self.untraceable = str(exc)
+            if at is None:
+                reason = self.untraceable or f"more than {MAX_SHAPES} shapes of one graph"
+                return _op_by_op(self.gm, reason)(args)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        args.clear()
+        return at(tensors)
+
+
+@dataclass(frozen=True, slots=True)
+class _AtShape:
+    """A symbolic graph at one shape: a shipped graph over its tensors, and the outputs
+    that became constants (sizes AOT autograd saves for the backward)."""
+
+    graph: ShippedGraph
+    constants: dict[int, Any]
+    n_outputs: int
+
+    @classmethod
+    def traced(cls, gm: torch.fx.GraphModule, args: list) -> _AtShape:
+        """``gm`` with the sizes of ``args``: its tensors become the inputs, anything else
+        (a size dynamo made an input) a constant."""
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        where = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        constants: dict[int, Any] = {}
+        n_outputs = 0
+
+        def at_these_sizes(*tensors: torch.Tensor) -> list:
+            nonlocal n_outputs
+            full = list(args)
+            for i, t in zip(where, tensors, strict=True):
+                full[i] = t
+            outputs = gm(*full)
+            n_outputs = len(outputs)
+            constants.update({i: v for i, v in enumerate(outputs) if not _travels(v)})
+            return [v for v in outputs if _travels(v)]
+
+        traced = make_fx(at_these_sizes, tracing_mode="fake")(*(args[i] for i in where))
+        return cls(ShippedGraph(traced), constants, n_outputs)
+
+    def __call__(self, tensors: list) -> list:
+        shipped = iter(self.graph(tensors))
+        return [
+            self.constants[i] if i in self.constants else next(shipped)
+            for i in range(self.n_outputs)
+        ]
+
+
+def _travels(value: Any) -> bool:
+    return value is None or isinstance(value, torch.Tensor)
+
+
+def _shape(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.stride(), value.storage_offset())
+    return value
+
+
+def _symbolic(gm: torch.fx.GraphModule) -> bool:
+    """Whether any of the graph's inputs is a symbolic size or has one."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return True
+        if isinstance(value, torch.Tensor) and not all(
+            isinstance(n, int) for n in (*value.shape, *value.stride(), value.storage_offset())
+        ):
+            return True
+    return False
 
 
 def _planned(value: Any, by_storage: dict) -> torch.Tensor | _OnInput | None:
