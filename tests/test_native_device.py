@@ -202,6 +202,33 @@ def test_a_foreach_op_on_integers_promotes_each_element_as_its_own_op_would():
 
 @needs_build
 @in_native_process
+def test_histogramdd_records_its_edges_and_histogram_shaped_by_the_bins():
+    samples = torch.empty(10, 3, device="cumulus")
+    _take()
+    hist, edges = torch.histogramdd(samples, bins=[2, 3, 4])
+    ops = _ops(_take())
+    assert [op.op for op in ops] == [
+        "aten::_histogramdd_bin_edges",
+        "aten::_histogramdd_from_bin_cts",
+    ]
+    assert hist.shape == (2, 3, 4)
+    assert [tuple(e.shape) for e in edges] == [(3,), (4,), (5,)]
+
+
+@needs_build
+@in_native_process
+def test_histogramdd_with_a_bin_count_per_dimension_missing_says_so_as_on_a_cpu():
+    message = "size of bins must be equal to the innermost dimension"
+    with pytest.raises(RuntimeError, match=message):
+        torch.histogramdd(torch.empty(10, 3), bins=[2, 3])
+    _take()
+    with pytest.raises(RuntimeError, match=message):
+        torch.histogramdd(torch.empty(10, 3, device="cumulus"), bins=[2, 3])
+    assert _ops(_take()) == []
+
+
+@needs_build
+@in_native_process
 def test_host_bytes_travel_in_the_upload_record():
     host = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     _take()

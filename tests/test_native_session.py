@@ -117,6 +117,21 @@ def test_foreach_ops_that_return_lists_give_local_cpus_values():
 
 
 @in_native_process
+def test_histogramdd_gives_local_cpus_histogram_and_edges():
+    torch.manual_seed(0)
+    samples, weights = torch.rand(50, 2), torch.rand(50)
+    with _session():
+        hist, edges = torch.histogramdd(
+            samples.to("cumulus"), bins=[3, 4], weight=weights.to("cumulus"), density=True
+        )
+        got = hist.cpu(), [e.cpu() for e in edges]
+    local_hist, local_edges = torch.histogramdd(samples, bins=[3, 4], weight=weights, density=True)
+    assert torch.equal(got[0], local_hist)
+    for mine, local in zip(got[1], local_edges, strict=True):
+        assert torch.equal(mine, local)
+
+
+@in_native_process
 def test_a_compiled_model_ships_its_graphs_and_trains_bit_identically_to_eager():
     import warnings
 

@@ -420,9 +420,8 @@ def _add_lease_wishes(consume) -> None:
     consume.add_argument(
         "--native",
         action="store_true",
-        help="run the script on the native C++ device: eager ops cost what they cost on a "
-        "CPU tensor; failover replays the session from its start while it fits in 256 MiB; "
-        "no checkpoints yet",
+        help="run the script on the native C++ device (built once with g++): eager ops "
+        "cost about what they cost on a CPU tensor, and compiled graphs go to the host whole",
     )
 
 

@@ -236,6 +236,52 @@ void embedding_dense_backward(Stack* stack) {
   torch::jit::push(*stack, at::detail::empty_meta({rows, grad.size(-1)}, grad.scalar_type()));
 }
 
+// ---- histogramdd -----------------------------------------------------------------
+// torch.histogramdd's three parts have no meta kernel, and the edges are a list, which
+// the executor cannot shape for the client (run_dyn). Their shapes follow from the bins.
+
+// The samples' dimension (self's last) must have one bin count or edge vector each.
+void check_bins(const T& self, size_t nbins) {
+  const int64_t dims = self.dim() == 0 ? 0 : self.size(-1);
+  // The CPU kernel's words.
+  TORCH_CHECK(self.dim() >= 1 && static_cast<int64_t>(nbins) == dims,
+              "histogramdd: The size of bins must be equal to the innermost dimension of "
+              "the input.");
+}
+
+// _histogramdd_bin_edges(self, bins, *, range?, weight?, density) -> one edge vector per
+// dimension, bins[i] + 1 long.
+void histogramdd_bin_edges(Stack* stack) {
+  const auto args = torch::jit::pop(*stack, 5);
+  const T& self = args[0].toTensor();
+  const auto bins = args[1].toIntVector();
+  check_bins(self, bins.size());
+  c10::List<T> edges;
+  for (int64_t n : bins) edges.push_back(at::detail::empty_meta({n + 1}, self.scalar_type()));
+  torch::jit::push(*stack, std::move(edges));
+}
+
+// _histogramdd_from_bin_cts(self, bins, *, range?, weight?, density) -> hist shaped bins
+void histogramdd_from_bin_cts(Stack* stack) {
+  const auto args = torch::jit::pop(*stack, 5);
+  const T& self = args[0].toTensor();
+  const auto bins = args[1].toIntVector();
+  check_bins(self, bins.size());
+  torch::jit::push(*stack, at::detail::empty_meta(bins, self.scalar_type()));
+}
+
+// _histogramdd_from_bin_tensors(self, bins, *, weight?, density) -> hist, a bin fewer
+// than each edge vector
+void histogramdd_from_bin_tensors(Stack* stack) {
+  const auto args = torch::jit::pop(*stack, 4);
+  const T& self = args[0].toTensor();
+  const auto edges = args[1].toTensorList();
+  check_bins(self, edges.size());
+  std::vector<int64_t> shape;
+  for (const T& e : edges) shape.push_back(e.numel() - 1);
+  torch::jit::push(*stack, at::detail::empty_meta(shape, self.scalar_type()));
+}
+
 // ---- foreach ops that return new lists ---------------------------------------------
 // Adam's _foreach_sqrt, clip_grad_norm_'s _foreach_norm: one record for the list, each
 // element shaped by its per-tensor op's C++ meta function. (Their own meta kernels are
@@ -340,6 +386,9 @@ const std::unordered_map<std::string, void (*)(Stack*)>& rules() {
       {"aten::where.self_out", &where_out},
       {"aten::index_select", &index_select},
       {"aten::embedding_dense_backward", &embedding_dense_backward},
+      {"aten::_histogramdd_bin_edges", &histogramdd_bin_edges},
+      {"aten::_histogramdd_from_bin_cts", &histogramdd_from_bin_cts},
+      {"aten::_histogramdd_from_bin_tensors", &histogramdd_from_bin_tensors},
       {"aten::_foreach_sqrt", &foreach_unary<sqrt>},
       {"aten::_foreach_rsqrt", &foreach_unary<rsqrt>},
       {"aten::_foreach_exp", &foreach_unary<exp>},
