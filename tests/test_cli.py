@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from cumulus_p2p._errors import NodeConfigError
 from cumulus_p2p.cli._parser import build_parser
 from cumulus_p2p.cli._run import _consumer_options, _provider_options
 from cumulus_p2p.identity import KEY_FILE_NAME, NodeIdentity
@@ -231,6 +232,51 @@ def test_an_explorer_port_in_use_is_a_clear_error(tmp_path):
     assert result.returncode == 3
     assert f"cannot listen on 127.0.0.1:{port}" in result.stdout
     assert "--explore-port" in result.stdout
+
+
+def test_a_consumer_runs_its_script_on_the_native_device_by_default():
+    options = _consumer_options(build_parser().parse_args(["--consume"]), ["x.py"])
+    assert options.native
+
+
+def test_python_device_runs_the_script_under_the_shims_python_device():
+    argv = ["--consume", "--python-device"]
+    options = _consumer_options(build_parser().parse_args(argv), ["x.py"])
+    assert not options.native
+    assert script_command(("python", "x.py"), cuda_compat=True, native=False)[2:] == [
+        "cumulus_p2p.shim",
+        "x.py",
+    ]
+
+
+def test_native_and_python_device_together_are_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["--consume", "--native", "--python-device"])
+    assert exited.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def _no_native_device(monkeypatch, tmp_path) -> None:
+    """A machine where the native device is not built and has no compiler to build it."""
+    monkeypatch.setenv("CUMULUS_NATIVE_BUILD_DIR", str(tmp_path / "unbuilt"))
+    monkeypatch.setenv("CXX", "no-such-compiler")
+
+
+def test_without_a_compiler_a_consumer_falls_back_to_the_python_device_and_says_so(
+    monkeypatch, tmp_path, capsys
+):
+    _no_native_device(monkeypatch, tmp_path)
+    options = _consumer_options(build_parser().parse_args(["--consume"]), ["x.py"])
+    assert not options.native
+    err = capsys.readouterr().err
+    assert "no C++ compiler ('no-such-compiler' is not on PATH): install g++" in err
+    assert "the script runs on the Python device" in err
+
+
+def test_native_without_a_compiler_is_an_error_naming_what_to_install(monkeypatch, tmp_path):
+    _no_native_device(monkeypatch, tmp_path)
+    with pytest.raises(NodeConfigError, match="--native: the native device cannot be built"):
+        _consumer_options(build_parser().parse_args(["--consume", "--native"]), ["x.py"])
 
 
 def test_native_with_no_cuda_compat_runs_the_native_shim_without_compatibility():

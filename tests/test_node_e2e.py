@@ -4,6 +4,10 @@ A bootstrap node, two CPU providers at different prices and a consumer whose scr
 (tests/scripts/cuda_train.py, written with .cuda() and device="cuda") must finish with
 exactly the losses of a local CPU run, on the cheaper provider, with the consumer's
 ledger holding exactly the receipts the provider holds.
+
+Consumers run their scripts on the native device, the default; the tests of a plain run,
+a renewed lease and a killed provider pass ``--python-device``, and each has a native
+twin further down.
 """
 
 from __future__ import annotations
@@ -71,8 +75,14 @@ def last_json(node) -> dict:
 
 def test_a_cuda_style_script_runs_unchanged_on_the_cheaper_provider_with_matching_books(mesh):
     root, boot, providers = mesh
+    # On the Python device; the native device's run is the native test below.
     consumer = nodes.start_consumer(
-        root / "consumer", boot.addr, "--max-price", "1.0", command=[str(SCRIPT), "2"]
+        root / "consumer",
+        boot.addr,
+        "--python-device",
+        "--max-price",
+        "1.0",
+        command=[str(SCRIPT), "2"],
     )
     assert consumer.proc.wait(timeout=240) == 0, consumer.output()
     result = last_json(consumer)
@@ -95,6 +105,7 @@ def test_a_job_outlasting_its_lease_renews_it_and_finishes_with_the_same_losses(
     consumer = nodes.start_consumer(
         root / "renewing",
         boot.addr,
+        "--python-device",  # the native device's: the native test below
         "--max-price",
         "1.0",
         "--duration",
@@ -127,6 +138,7 @@ def test_a_job_survives_its_provider_being_killed_and_finishes_on_the_other(tmp_
         consumer = nodes.start_consumer(
             tmp_path / "consumer",
             boot.addr,
+            "--python-device",  # the native device's: the native test below
             "--checkpoint-interval",
             "1s",
             command=script,

@@ -34,7 +34,7 @@ def receipts(data_dir) -> dict[str, int]:
 def test_an_on_demand_job_preempts_an_interruptible_one_which_resumes_without_loss(
     tmp_path, device
 ):
-    native = ["--native"] if device == "native" else []
+    on_device = ["--native"] if device == "native" else ["--python-device"]
     boot = loopback.start_boot(tmp_path)
     host = nodes.start_provider(
         tmp_path / "host", boot.addr, "--price", "0.5", "--shares", "1",
@@ -43,7 +43,7 @@ def test_an_on_demand_job_preempts_an_interruptible_one_which_resumes_without_lo
     try:
         host.wait_for("providing")
         interruptible = nodes.start_consumer(
-            tmp_path / "interruptible", boot.addr, *native, "--priority", "interruptible",
+            tmp_path / "interruptible", boot.addr, *on_device, "--priority", "interruptible",
             "--max-price", "0.5", "--checkpoint-to", "consumer", "--checkpoint-interval", "1s",
             "--wait-for-host", "180s", command=PACED, env={"CUMULUS_RESUME_TIMEOUT": "1"},
         )  # fmt: skip
@@ -66,7 +66,7 @@ def test_an_on_demand_job_preempts_an_interruptible_one_which_resumes_without_lo
     assert states[0] == "preempted", f"{states}: {interruptible.output()}"
     assert all(row["failures"] == 0 for row in state["scores"])  # no blame
     assert "preempted this lease" in interruptible.output()
-    if native:  # its host kept the session parked: nothing was restored
+    if device == "native":  # its host kept the session parked: nothing was restored
         assert "session resumed on its host" in interruptible.output()
     both = receipts(tmp_path / "interruptible") | receipts(tmp_path / "on-demand")
     assert both == receipts(tmp_path / "host")

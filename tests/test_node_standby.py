@@ -119,7 +119,7 @@ def last_result(consumer) -> dict:
 
 @pytest.mark.parametrize("device", ["python", "native"])
 def test_a_second_host_fetches_an_upload_from_the_first_instead_of_the_consumer(tmp_path, device):
-    native = ["--native"] if device == "native" else []
+    on_device = ["--native"] if device == "native" else ["--python-device"]
     boot = loopback.start_boot(tmp_path)
     script = [str(Path(__file__).parent / "scripts" / "upload_weights.py")]
     first = nodes.start_provider(tmp_path / "first", boot.addr, "--price", "0.7")
@@ -128,11 +128,11 @@ def test_a_second_host_fetches_an_upload_from_the_first_instead_of_the_consumer(
         first.wait_for("providing")
         # A private job first: its host keeps none of it, so it is no one's to fetch.
         private = nodes.start_consumer(
-            tmp_path / "private", boot.addr, *native, "--private", command=script
+            tmp_path / "private", boot.addr, *on_device, "--private", command=script
         )
         assert private.proc.wait(timeout=180) == 0, private.output()
         assert [p for p in (tmp_path / "first" / "blobs").iterdir() if is_digest(p.name)] == []
-        one = nodes.start_consumer(tmp_path / "one", boot.addr, *native, command=script)
+        one = nodes.start_consumer(tmp_path / "one", boot.addr, *on_device, command=script)
         assert one.proc.wait(timeout=180) == 0, one.output()
         first.wait_for_state(lambda s: s.get("blobs_announced", 0) >= 3)
         # A cheaper host joins: the next consumer leases it, and it has none of them. The
@@ -141,7 +141,7 @@ def test_a_second_host_fetches_an_upload_from_the_first_instead_of_the_consumer(
         nodes_up.append(second)
         second.wait_for("providing")
         two = nodes.start_consumer(
-            tmp_path / "two", boot.addr, *native, "--max-price", "0.5", command=script
+            tmp_path / "two", boot.addr, *on_device, "--max-price", "0.5", command=script
         )
         assert two.proc.wait(timeout=180) == 0, two.output()
     finally:

@@ -417,11 +417,20 @@ def _add_lease_wishes(consume) -> None:
         action="store_true",
         help="do not map torch.cuda and device='cuda' to the remote device",
     )
-    consume.add_argument(
+    device = consume.add_mutually_exclusive_group()
+    device.add_argument(
         "--native",
         action="store_true",
-        help="run the script on the native C++ device (built once with g++): eager ops "
-        "cost about what they cost on a CPU tensor, and compiled graphs go to the host whole",
+        default=None,
+        help="run the script on the native C++ device (the default where it can be built, "
+        "with g++, or is built): eager ops cost about what they cost on a CPU tensor, and "
+        "compiled graphs go to the host whole; an error where it cannot be built",
+    )
+    device.add_argument(
+        "--python-device",
+        dest="native",
+        action="store_false",
+        help="run the script on the Python wrapper device instead",
     )
 
 

@@ -279,6 +279,30 @@ async def _consume(args, data, mesh_config, script: list[str], console: Console)
     return consumer.exit_code if consumer.exit_code is not None else 1
 
 
+def _native_device(wanted: bool | None) -> bool:
+    """Whether the script runs on the native device: by default where it is built or can
+    be (else the Python device, said on stderr); with ``--native``, or an error.
+
+    Raises:
+        NodeConfigError: ``--native`` where the device can neither be loaded nor built.
+    """
+    if wanted is False:
+        return False
+    from .. import native
+
+    reason = None if native.is_fresh() else native.missing_toolchain()
+    if reason is None:
+        return True
+    if wanted:
+        raise NodeConfigError(f"--native: the native device cannot be built here: {reason}")
+    print(
+        f"cumulus-node: the native device cannot be built here ({reason}); "
+        "the script runs on the Python device",
+        file=sys.stderr,
+    )
+    return False
+
+
 def _consumer_options(args, script: list[str]):
     from ..node.consumer import ConsumerOptions
 
@@ -296,7 +320,7 @@ def _consumer_options(args, script: list[str]):
         match_timeout=args.match_timeout,
         wait_for_host=args.wait_for_host,
         cuda_compat=not args.no_cuda_compat,
-        native=args.native,
+        native=_native_device(args.native),
         checkpoint_interval=args.checkpoint_interval,
         backoff=BackoffPolicy(base_s=args.host_backoff),
         checkpoint_to=args.checkpoint_to,

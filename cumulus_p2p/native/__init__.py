@@ -42,6 +42,7 @@ Parts:
 
 - ``load()``: build if needed, load, and register ``cumulus`` (idempotent);
 - ``missing_toolchain()``: why the extension cannot be built here, or None;
+- ``is_fresh()``: whether it is built from the current sources (loads with no compiler);
 - ``records``: the wire record decoder (and an encoder: tests, checkpoints' restores);
 - ``checkpoint``, ``replaylog``: what a session keeps to move to another host;
 - ``executor``, ``errors``: the C++ replay loop, a session's state around it
@@ -58,6 +59,7 @@ import sys
 from types import ModuleType
 
 from ._build import build_directory as build_directory
+from ._build import is_fresh as is_fresh
 from ._build import missing_toolchain as missing_toolchain
 
 NAME = "cumulus"

@@ -154,9 +154,9 @@ class ConsumerOptions:
         duration_s: Lease length.
         match_timeout: Seconds to wait for a matching offer before giving up.
         cuda_compat: Run CUDA-style scripts unchanged on the remote device.
-        native: Run the script on the native C++ device (``cumulus_p2p.native``): eager
-            ops at a CPU tensor's cost; failover replays the session from its start
-            (bounded); no checkpoints or CUDA compatibility yet.
+        native: Run the script on the native C++ device (``cumulus_p2p.native``), as
+            ``cumulus-node --consume`` does by default; else on the Python wrapper device
+            (``cumulus_p2p.remote``).
         checkpoint_interval: Seconds between session checkpoints (failover).
         checkpoint_to: Where they are kept (``control.CHECKPOINT_PLACES``): with a
             standby, on a second leased host.
