@@ -135,7 +135,8 @@ def job_in(consumer, data_dir: Path, boot: str, sizes: tuple[int, ...]) -> dict:
     script = [__file__, "--job", ",".join(map(str, sizes))]
     flags = ["--data-dir", str(data_dir), "--consume", "--bootstrap", boot]
     flags += ["--listen", f"/ip4/{consumer.address}/tcp/0", "--announce-interval", "1"]
-    flags += ["--checkpoint-to", "consumer", "--", "python", *script]
+    # The Python device: the job reads its session's count of bytes fetched elsewhere.
+    flags += ["--python-device", "--checkpoint-to", "consumer", "--", "python", *script]
     job = start_process(consumer.command(*node_command(*flags)), data_dir, listens=False)
     try:
         if job.proc.wait(timeout=1800) != 0:
