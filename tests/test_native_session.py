@@ -215,6 +215,22 @@ def test_a_symbolic_graph_past_its_most_shapes_runs_op_by_op_with_the_same_resul
 
 
 @in_native_process
+def test_a_symbolic_graph_that_fails_to_trace_at_new_sizes_runs_op_by_op_saying_why():
+    from cumulus_p2p.native import compile as native_compile
+
+    def fails(gm, args):
+        raise RuntimeError("no fake kernel for this op")
+
+    lengths = [4, 5, 6]
+    with _session(), pytest.MonkeyPatch.context() as patch:
+        shipped = _compiled_at_lengths(lengths, most_shapes=16)
+        patch.setattr(native_compile._AtShape, "traced", staticmethod(fails))
+        with pytest.warns(UserWarning, match="tracing it at new sizes failed.*no fake kernel"):
+            op_by_op = _compiled_at_lengths(lengths, most_shapes=16)
+    assert op_by_op == shipped
+
+
+@in_native_process
 def test_a_compiled_forward_and_backward_cost_the_same_few_records_at_any_depth():
     from cumulus_p2p.testing.models import TinyTransformer
 

@@ -170,6 +170,10 @@ class PerShape:
                     at = self.shapes[key] = _AtShape.traced(self.gm, args)
                 except GraphEncodingError as exc:
                     self.untraceable = str(exc)
+                except Exception as exc:  # noqa: BLE001 - any tracing failure: op by op
+                    # (fake tensors lack a kernel, a size check fails): the graph's own
+                    # code still runs, as it did before shapes were traced.
+                    self.untraceable = f"tracing it at new sizes failed: {exc!r}"
             if at is None:
                 reason = self.untraceable or f"more than {MAX_SHAPES} shapes of one graph"
                 return _op_by_op(self.gm, reason)(args)
