@@ -212,7 +212,7 @@ class _AtShape:
             return [v for v in outputs if _travels(v)]
 
         traced = make_fx(at_these_sizes, tracing_mode="fake")(*(args[i] for i in where))
-        return cls(ShippedGraph(traced), constants, n_outputs)
+        return cls(ShippedGraph(_without_detach(traced)), constants, n_outputs)
 
     def __call__(self, tensors: list) -> list:
         shipped = iter(self.graph(tensors))
@@ -220,6 +220,17 @@ class _AtShape:
             self.constants[i] if i in self.constants else next(shipped)
             for i in range(self.n_outputs)
         ]
+
+
+def _without_detach(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` with its ``detach`` nodes replaced by their inputs. Tracing adds one per
+    input that requires grad (a quarter of a small model's forward graph); on the host,
+    which runs the graph without autograd, each would only be a view to make."""
+    for node in list(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.detach.default)):
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+    gm.recompile()
+    return gm
 
 
 def _travels(value: Any) -> bool:
