@@ -312,6 +312,7 @@ void foreach_unary(Stack* stack) {
 
 // _foreach_<op>.List(self, other[, alpha]), .Scalar(self, scalar), .ScalarList(self,
 // scalars): the per-tensor op with the element, the scalar or the scalar's element.
+// (_foreach_lerp.Scalar(self, tensors1, weight) has the first's shape.)
 template <T (*fn)(const T&, const T&, const S&)>
 void foreach_list_alpha(Stack* stack) {
   foreach_list<3>(stack, [](const Args& a, size_t i) {
@@ -344,6 +345,7 @@ T neg(const T& t) { return at::meta::neg(t); }
 T tanh(const T& t) { return at::meta::tanh(t); }
 T add_alpha(const T& a, const T& b, const S& alpha) { return at::meta::add(a, b, alpha); }
 T sub_alpha(const T& a, const T& b, const S& alpha) { return at::meta::sub(a, b, alpha); }
+T lerp(const T& a, const T& b, const S& weight) { return at::meta::lerp(a, b, weight); }
 
 // _foreach_addc{div,mul}.Scalar(self, tensor1, tensor2, value)
 template <T (*fn)(const T&, const T&, const T&, const S&)>
@@ -354,13 +356,6 @@ void foreach_pointwise(Stack* stack) {
 }
 T addcdiv(const T& s, const T& a, const T& b, const S& v) { return at::meta::addcdiv(s, a, b, v); }
 T addcmul(const T& s, const T& a, const T& b, const S& v) { return at::meta::addcmul(s, a, b, v); }
-
-// _foreach_lerp.Scalar(self, tensors1, weight)
-void foreach_lerp(Stack* stack) {
-  foreach_list<3>(stack, [](const Args& a, size_t i) {
-    return at::meta::lerp(nth(a[0], i), nth(a[1], i), a[2].toScalar());
-  });
-}
 
 // _foreach_pow.Scalar(self, exponent)
 void foreach_pow(Stack* stack) {
@@ -408,7 +403,7 @@ const std::unordered_map<std::string, void (*)(Stack*)>& rules() {
       {"aten::_foreach_div.ScalarList", &foreach_scalar_list<div>},
       {"aten::_foreach_addcdiv.Scalar", &foreach_pointwise<addcdiv>},
       {"aten::_foreach_addcmul.Scalar", &foreach_pointwise<addcmul>},
-      {"aten::_foreach_lerp.Scalar", &foreach_lerp},
+      {"aten::_foreach_lerp.Scalar", &foreach_list_alpha<lerp>},
       {"aten::_foreach_pow.Scalar", &foreach_pow},
       {"aten::_foreach_norm.Scalar", &foreach_norm},
   };
