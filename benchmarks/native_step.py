@@ -97,14 +97,16 @@ def _local_arm(steps: int) -> dict:
     return {
         "eager_local_ms": median_seconds(_setup("cpu"), steps) * 1e3,
         "compiled_local_ms": median_seconds(_setup("cpu", compiled=True), steps) * 1e3,
-        "dynamic_compiled_local_ms": _dynamic_ms("cpu", steps),
+        "dynamic_compiled_local_ms": median_seconds(_dynamic_step("cpu"), steps, warmup=0) * 1e3,
     }
 
 
-def _dynamic_ms(device: str, steps: int) -> float:
-    """The compiled step at ``LENGTHS`` in turn, after each length's first (its capture)."""
+def _dynamic_step(device: str):
+    """The compiled step at ``LENGTHS`` in turn, run past each length's capture."""
     step = _setup(device, compiled=True, lengths=LENGTHS)
-    return median_seconds(step, steps, warmup=2 * len(LENGTHS)) * 1e3
+    for _ in range(2 * len(LENGTHS)):
+        step()
+    return step
 
 
 class _InProcess:
@@ -178,14 +180,12 @@ def _cumulus_arm(steps: int) -> dict:
             compiled_records = ext.ops_recorded() - before
         torch._dynamo.reset()  # the compiled arm's captures go: these lengths get their own
         with NativeSession.connect(host, int(port)):
-            dynamic_ms = _dynamic_ms("cumulus", steps)
-            dynamic_step = _setup("cumulus", compiled=True, lengths=LENGTHS)
-            for _ in range(2 * len(LENGTHS)):
-                dynamic_step()
+            dynamic_step = _dynamic_step("cumulus")
             before = ext.ops_recorded()
             for _ in range(len(LENGTHS)):
                 dynamic_step()
             dynamic_records = (ext.ops_recorded() - before) / len(LENGTHS)
+            dynamic_ms = median_seconds(dynamic_step, steps, warmup=0) * 1e3
     inductor = ["--graph-compiler", "inductor"]
     with executor_process(env=one_thread, extra=inductor) as (address, _):
         host, port = address.split(":")
