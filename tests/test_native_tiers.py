@@ -184,6 +184,75 @@ def test_parking_a_partly_evicted_session_takes_the_rest_off_the_device(tmp_path
     assert torch.equal(read(session, client, 2), DATA)
 
 
+# --- one by one: a batch brings back the storages it names --------------------------
+
+
+def upload_scaled(handle: int, scale: float) -> list:
+    """``DATA * scale`` under ``handle``: each storage's own pieces on disk."""
+    host = HostTensor("float32", (N,), (DATA * scale).numpy().tobytes())
+    return [Alloc(handle, N * 4), Upload(ref(handle), host)]
+
+
+def a_session_of_distinct_three(tmp_path, quota: int = 1 << 26):
+    """A session holding ``DATA * handle`` under handles 1, 2 and 3, all evicted to disk."""
+    from cumulus_p2p.native.executor import ReplaySession, new_replayer
+
+    store = BlobStore(tmp_path / "blobs", 1 << 30)
+    session, client = ReplaySession(new_replayer("cpu", quota), store), Client()
+    for handle in (1, 2, 3):
+        assert run(session, client.request(*upload_scaled(handle, handle))) == []
+    assert session.evict(Tier.DISK) == 3 * N * 4
+    return session, client, store
+
+
+def test_a_batch_brings_back_only_the_storages_it_names(tmp_path):
+    session, client, store = a_session_of_distinct_three(tmp_path)
+    assert torch.equal(read(session, client, 2), DATA * 2)
+    assert session.bytes_on_device == N * 4  # handle 2 alone
+    assert session.tier is Tier.DISK and session.stats.bytes_in_use == 3 * N * 4
+    assert torch.equal(read(session, client, 3), DATA * 3)
+    assert torch.equal(read(session, client, 1), DATA)
+    assert session.tier is Tier.DEVICE and session.bytes_on_device == 3 * N * 4
+
+
+def test_a_storage_freed_off_the_device_is_let_go_without_coming_back(tmp_path):
+    session, client, store = a_session_of_distinct_three(tmp_path)
+    for piece in (tmp_path / "blobs").iterdir():  # were any read back, it would fail
+        if len(piece.name) == 64:
+            piece.write_bytes(b"damaged")
+    assert run(session, client.request(Free(1), Free(2), Free(3))) == []
+    assert session.failure is None and session.tier is Tier.DEVICE
+    assert session.stats.bytes_in_use == 0
+    store.cap = 16
+    assert store.put(*blob(b"room now"))  # none of the three pieces is pinned any more
+
+
+def test_storages_off_the_device_still_count_against_the_quota(tmp_path):
+    session, client, _ = a_session_of_distinct_three(tmp_path, quota=4 * N * 4)
+    assert run(session, client.request(*upload_scaled(4, 4))) == []
+    _, kind, message = run(session, client.request(*upload_scaled(5, 5)))
+    assert kind == "out_of_memory" and f"holds {4 * N * 4} of its quota" in message
+
+
+def test_an_op_whose_output_is_a_storage_off_the_device_brings_it_back_first(tmp_path):
+    session, client, _ = a_session_of_distinct_three(tmp_path)
+    # 1 + 3 into handle 2, which is off the device: written in place, not made anew.
+    op = Op("aten::add.out", (ref(1), ref(3), 1, ref(2)), (ref(2),))
+    assert run(session, client.request(op)) == []
+    assert torch.equal(read(session, client, 2), DATA * 4)
+    assert session.stats.bytes_in_use == 3 * N * 4
+
+
+def test_parked_in_host_memory_then_on_disk_it_runs_on_with_the_same_results(tmp_path):
+    session, client, store = a_session_of_three(tmp_path)
+    session.park(Tier.RAM)
+    assert session.park(Tier.DISK) == 0
+    assert session.tier is Tier.DISK and session.bytes_on_device == 0
+    assert store.statistics().nbytes == N * 4  # three storages of the same bytes: one piece
+    session.unpark()
+    assert torch.equal(read(session, client, 3), DATA)
+
+
 # --- the executor: native tenants past the device's room, evicted to fit ---------------
 
 

@@ -719,6 +719,35 @@ def test_host_cache_evicts_the_oldest_to_stay_within_its_bytes():
     assert "b" in cache and "c" in cache
 
 
+def test_host_cache_names_the_oldest_holding_memory_to_move_to_disk_before_a_newcomer():
+    cache: HostCache[str] = HostCache(max_bytes=100, grace=10)
+    cache.park("a", "A", 60, now=0)
+    cache.park("b", "B", 30, now=1)
+    assert cache.crowding(50) == [("a", "A")]
+    cache.demoted("a", "A")
+    assert cache.park("c", "C", 50, now=2) == []  # nothing dropped: A is on disk
+    assert cache.statistics().bytes == 80 and "a" in cache
+    assert cache.take("a", now=3) == "A"
+
+
+def test_host_cache_names_none_to_move_when_the_newcomer_fits_or_never_could():
+    cache: HostCache[str] = HostCache(max_bytes=100, grace=10)
+    cache.park("a", "A", 60, now=0)
+    assert cache.crowding(40) == []
+    assert cache.crowding(101) == []
+
+
+def test_host_cache_passes_by_entries_on_disk_and_ignores_a_demotion_after_a_take():
+    cache: HostCache[str] = HostCache(max_bytes=100, grace=10)
+    cache.park("a", "A", 60, now=0)
+    cache.demoted("a", "A")
+    cache.park("b", "B", 60, now=1)
+    assert cache.crowding(60) == [("b", "B")]
+    assert cache.take("b", now=2) == "B"
+    cache.demoted("b", "B")  # taken meanwhile: nothing to record
+    assert cache.statistics().bytes == 0
+
+
 def test_host_cache_refuses_what_it_cannot_hold():
     assert HostCache(max_bytes=100, grace=10).park("t", "S", 101, now=0) == ["S"]
     assert HostCache(max_bytes=100, grace=0).park("t", "S", 1, now=0) == ["S"]

@@ -377,6 +377,36 @@ async def test_a_dropped_tenants_memory_is_parked_on_disk_and_its_resume_is_exac
         await again.channel.send_frame(encode_frame(["bye"]))
 
 
+async def test_an_older_parked_session_moves_to_disk_for_a_newer_one_and_both_resume_exactly(
+    tmp_path,
+):
+    """The host cache's memory holds one session: when a second is parked, the first goes
+    to disk instead of being dropped, and each tenant resumes where it was."""
+    import trio
+
+    from cumulus_p2p.host.executor import Executor, ExecutorConfig
+
+    config = ExecutorConfig(device="cpu", blob_dir=str(tmp_path), cache_bytes=N * 4 + 4096)
+    executor = Executor(config)
+    async with trio.open_nursery() as nursery:
+        tokens, expected = [], []
+        for parked in (1, 2):
+            tenant = Tenant(executor, nursery, rank=(1, 0))
+            tokens.append((await tenant.hello())["token"])
+            await tenant.batch([["aten.randn.default", [[N]], {}, [[1, [N], [1], 0]]]], ["sync"])
+            expected.append(bytes((await tenant.batch([], ["fetch", ref(1)]))[1]))
+            await tenant.channel.aclose()  # its consumer vanished
+            await _until(lambda n=parked: executor.cache.statistics().entries == n)
+        first, second = [e.value for e in executor.cache._entries.values()]
+        assert (first.tier, second.tier) == (Tier.DISK, Tier.RAM)
+        assert executor.cache.statistics().bytes == N * 4
+        for token, data in zip(tokens, expected, strict=True):
+            again = Tenant(executor, nursery, rank=(1, 0))
+            assert (await again.hello("resume", {"token": token}))["resumed"]
+            assert bytes((await again.batch([], ["fetch", ref(1)]))[1]) == data
+            await again.channel.send_frame(encode_frame(["bye"]))
+
+
 @pytest.mark.slow  # tenant processes
 async def test_a_sigkilled_consumers_session_leaves_no_tier_holding_anything(tmp_path):
     """Two tenant processes on room for one: the paused one is evicted to disk, then

@@ -798,8 +798,23 @@ class Executor:
         ``token``, for ``owner`` to resume; the sessions the cache lets go for it are
         forgotten."""
         nbytes = await self._on_device(self._park, session, inline=not self._parks_off_device())
+        await self._demote_for(nbytes)
         for old in self.cache.park(token, session, nbytes, now=trio.current_time(), owner=owner):
             self._forget(old)
+
+    async def _demote_for(self, nbytes: int) -> None:
+        """Move the oldest sessions parked in host memory to disk until ``nbytes`` more
+        fit the host cache's budget, rather than have the cache drop them (where there
+        is a disk tier, and while it keeps the pieces)."""
+        if self.ctx.blobs is None:
+            return
+        for token, old in self.cache.crowding(nbytes):
+            try:  # from host memory: no device turn
+                await trio.to_thread.run_sync(old.park, Tier.DISK)
+            except OSError as exc:  # the store is full: the cache drops the rest
+                log.warning("could not move a parked session to disk: %s", exc)
+                return
+            self.cache.demoted(token, old)
 
     def _parks_off_device(self) -> bool:
         """Whether parking moves bytes (a GPU's to host memory, a bounded CPU's to disk):
@@ -821,13 +836,14 @@ class Executor:
         """Where a parked session goes: on disk where the device is host memory and its
         room is bounded (``device_bytes``), so a vanished tenant's memory goes to the
         tenants still here; off a GPU to host memory while the host cache's budget
-        (``cache_bytes``) holds it beside the sessions parked there, else to disk rather
-        than drop them (``eviction.destination``)."""
+        (``cache_bytes``) holds it, older parked sessions moving to disk to make way,
+        else to disk (``eviction.destination``)."""
         if self.ctx.device.type == "cpu":
             return Tier.DISK if self._parks_off_device() else Tier.RAM
         cached = self.cache.statistics()
-        room = cached.max_bytes - cached.bytes
         disk = self.ctx.blobs is not None
+        # With a disk, older parked sessions make way for it there (``_demote_for``).
+        room = cached.max_bytes if disk else cached.max_bytes - cached.bytes
         spill = destination(session.bytes_on_device, device_is_host=False, ram_free=room, disk=disk)
         return spill or Tier.RAM
 

@@ -9,8 +9,12 @@ memory when they lived on a GPU) and hands it back on ``resume``, so the consume
 on without uploading anything.
 
 Two bounds keep parked state from crowding out live tenants: a grace period, after which
-an entry is dropped, and a byte budget, within which the oldest entries are dropped first
-to make room. A session bigger than the whole budget is not kept at all.
+an entry is dropped, and a byte budget of host memory, within which the oldest entries are
+dropped first to make room. A session bigger than the whole budget is not kept at all.
+Where the host has a disk tier, the oldest entries need not be dropped: the caller moves
+them to disk first (``crowding`` names them, ``demoted`` records that they hold no host
+memory any more), and they stay resumable for the rest of their grace. The newest parked
+session is the likeliest to be resumed soon, so it is the one kept in memory.
 
 This module is sans-IO: it never reads the clock (callers pass ``now``) and never frees
 anything itself. It returns the values it drops, and the caller releases them.
@@ -73,6 +77,30 @@ class HostCache(Generic[T]):
         self._entries[token] = _Entry(value, nbytes, now + self.grace, owner)
         self._bytes += nbytes
         return dropped
+
+    def crowding(self, nbytes: int) -> list[tuple[str, T]]:
+        """The entries, oldest first, whose host memory must go for ``nbytes`` more to fit
+        the budget (entries holding none are passed by); none when it fits already, or
+        when ``nbytes`` alone is past the budget."""
+        excess = self._bytes + nbytes - self.max_bytes
+        if excess <= 0 or nbytes > self.max_bytes:
+            return []
+        crowding = []
+        for token, entry in self._entries.items():
+            if excess <= 0:
+                break
+            if entry.nbytes:
+                crowding.append((token, entry.value))
+                excess -= entry.nbytes
+        return crowding
+
+    def demoted(self, token: str, value: T) -> None:
+        """``value``, parked under ``token``, holds no host memory any more (it went to
+        disk). Nothing changes if it was taken meanwhile."""
+        entry = self._entries.get(token)
+        if entry is not None and entry.value is value:
+            self._bytes -= entry.nbytes
+            entry.nbytes = 0
 
     def take(self, token: str, *, now: float, owner: object = None) -> T | None:
         """Remove and return the value parked under ``token``; None if absent or expired.

@@ -877,8 +877,8 @@ class ExecutorSession:
             OSError: the disk tier could not keep the pieces (the session stays as it was).
         """
         self.ctx.release(self)
-        if self.bytes_on_device:
-            self.evict(tier)
+        if self.tier is not tier or self.bytes_on_device:
+            self.evict(tier)  # from host memory to disk too
         return 0 if self.tier is Tier.DISK else self._handles.bytes_in_use
 
     def unpark(self) -> None:
@@ -891,8 +891,10 @@ class ExecutorSession:
         """Move the session's storages off the device, between batches: to the host's
         memory (``RAM``) or to the host's blob store on disk (``DISK``). All of them, or
         with ``need``, storage by storage, those no op named for longest until ``need``
-        bytes are off. Handles, graphs and the generator's state stay; the storages come
-        back before the next batch runs (``bring_back``). Returns the bytes moved.
+        bytes are off. Storages in host memory already go on to disk with the rest when
+        ``tier`` is the disk (a demotion: from host memory, not through the device).
+        Handles, graphs and the generator's state stay; the storages come back before
+        the next batch runs (``bring_back``). Returns the bytes moved.
 
         Raises:
             ValueError: ``tier`` is the device, or the disk tier without a blob store.
@@ -906,7 +908,12 @@ class ExecutorSession:
             raise ValueError("the device is not a tier to evict to")
         if tier is Tier.DISK and self.ctx.blobs is None:
             raise ValueError("this executor has no blob store (--blob-dir) to evict to disk")
-        if tier is not self.tier:
+        demoted = 0
+        if tier is not self.tier and (self.tier, tier) == (Tier.RAM, Tier.DISK):
+            # Written from where they are: host memory (a CPU's "host memory" is its device).
+            self._paged.update(self._handles.page_out(self.ctx.blobs, self._off))
+            demoted = self._handles.capacity(self._off)
+        elif tier is not self.tier:
             self._bring_back()  # off the device, its storages are in one tier at a time
         on_device = [handle for handle, _ in self._handles.items() if handle not in self._off]
         chosen = self._handles.coldest(on_device, need)
@@ -916,7 +923,7 @@ class ExecutorSession:
             self._handles.move_to(torch.device("cpu"), chosen)
         self._off.update(chosen)
         self.tier = tier
-        moved = self._handles.capacity(chosen)
+        moved = demoted + self._handles.capacity(chosen)
         self.evictions += 1 if chosen else 0
         self.evicted_bytes += moved
         return moved

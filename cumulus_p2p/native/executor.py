@@ -10,8 +10,9 @@ Python device's, a ``ReplaySession`` each. A session's checkpoint can stay on th
 side: KEEP copies its pieces for a standby host to pull (``kept``), and a failover's fresh
 host makes the storages and fills them from the standby (``open_restore``; the executor
 does the pulling). Like a Python session, a native one can leave the device between two
-batches (``evict``: to host memory, or to the blob store on disk) and come back before
-the next (``bring_back``), so an overcommitted host pages it as it pages the others.
+batches (``evict``: to host memory, or to the blob store on disk), so an overcommitted
+host pages it as it pages the others. Its storages come back one by one as a batch names
+them (the loop calls back for each, ``_fault``), or all at once (``bring_back``).
 Compiled graphs (GRAPH and RUN records): ``ReplaySession`` validates each definition as
 a Python session's (``host/graphs.py``) and hands the prepared program to the loop
 (``csrc/program.h``), whose calls then run without Python; a graph the host compiles
@@ -21,6 +22,7 @@ a Python session's (``host/graphs.py``) and hands the prepared program to the lo
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -79,27 +81,19 @@ def new_replayer(device: str = "cpu", quota_bytes: int = DEFAULT_QUOTA):
 
 
 @dataclass
-class _Paged:
-    """A session's storages while off its device: each one's handle, size and pieces
-    (on disk, pinned in the blob store), or its copy in host memory."""
+class _Away:
+    """One storage off its device: its copy in host memory, or its pieces on disk
+    (pinned in the blob store)."""
 
-    entries: list[tuple[int, int, list[str]]]
-    copies: dict[int, torch.Tensor] = field(default_factory=dict)
+    nbytes: int
+    copy: torch.Tensor | None = None
     pins: list[PinnedBlob] = field(default_factory=list)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(nbytes for _, nbytes, _ in self.entries)
-
-    def merged(self, more: _Paged) -> _Paged:
-        """These storages and ``more``'s (a second eviction of the same session)."""
-        return _Paged(self.entries + more.entries, self.copies | more.copies, self.pins + more.pins)
 
     def close(self) -> None:
         for pin in self.pins:
             pin.close()
         self.pins.clear()
-        self.copies.clear()
+        self.copy = None
 
 
 class ReplaySession:
@@ -142,7 +136,9 @@ class ReplaySession:
         #: Where its storages are (``evict``), and what the eviction policy weighs: its
         #: lease's rank and when a batch last ran.
         self.tier = Tier.DEVICE
-        self._paged: _Paged | None = None
+        self._away: dict[int, _Away] = {}  # its storages off the device, by handle
+        self._moving = threading.RLock()  # one move between tiers at a time
+        replayer.set_fault(_weakly(self._fault))
         self.rank: tuple = DEFAULT_RANK
         self.last_op_at = time.monotonic()
         self.evictions = 0
@@ -169,10 +165,11 @@ class ReplaySession:
             self.received += 1
             self._last_reply = None
             self.last_op_at = time.monotonic()
-        try:
-            self.bring_back()
-        except BlobMismatchError as exc:
-            self.failure = ReplayError(str(exc), -1, "evicted")
+        if kind not in wire.BATCHES:  # a checkpoint names every storage: all come back
+            try:
+                self.bring_back()
+            except BlobMismatchError as exc:
+                self.failure = ReplayError(str(exc), -1, "evicted")
         readbacks = self._answer(kind, names, batch) if self.failure is None else []
         if not reply:
             return True, None
@@ -206,6 +203,8 @@ class ReplaySession:
         except ReplayError as exc:
             self.failure = exc
             return []
+        finally:
+            self._forget_freed()
         self.batches += 1
         return readbacks
 
@@ -328,10 +327,11 @@ class ReplaySession:
         host's memory (``RAM``) or written to the blob store as named pieces, pinned
         (``DISK``); then their device memory is let go. All of them, or with ``need``,
         storage by storage, those no batch named for longest until ``need`` bytes are
-        off. (On a CPU, host memory is the device's: to ``RAM`` nothing moves, and the
-        session counts as off the device whole.) Handles, the op table, the graphs and
-        the generator stay; the storages come back before the next batch. Returns the
-        bytes moved.
+        off. Storages in host memory already go on to disk with the rest when ``tier``
+        is the disk (a demotion: from host memory, not through the device). (On a CPU,
+        host memory is the device's: to ``RAM`` nothing moves, and the session counts as
+        off the device whole.) Handles, the op table, the graphs and the generator stay,
+        and every storage still counts against the quota. Returns the bytes moved.
 
         Raises:
             ValueError: ``tier`` is the device, or the disk tier without a blob store.
@@ -341,72 +341,122 @@ class ReplaySession:
             raise ValueError("the device is not a tier to evict to")
         if tier is Tier.DISK and self._store is None:
             raise ValueError("this executor has no blob store (--blob-dir) to evict to disk")
-        if tier is not self.tier:
-            self.bring_back()  # off the device, its storages are in one tier at a time
-        if tier is Tier.RAM and self._replayer.device == "cpu":
-            moved, self.tier = self._replayer.live_bytes, tier
-            self.evictions += 1
-            return moved
-        handles = self._chosen(need)
-        paged = self._written(handles) if tier is Tier.DISK else self._copied(handles)
-        self.drop(handles)
-        self._paged = paged if self._paged is None else self._paged.merged(paged)
-        self.tier = tier
-        self.evictions += 1 if handles else 0
-        return paged.nbytes
+        with self._moving:
+            if tier is Tier.RAM and self.tier is Tier.DISK:
+                self.bring_back()  # off the device, its storages are in one tier at a time
+            moved = self._demote() if tier is Tier.DISK else 0
+            if tier is Tier.RAM and self._replayer.device == "cpu":
+                self.tier = tier
+                self.evictions += 1
+                return self._replayer.live_bytes
+            handles = self._chosen(need)
+            away = self._written(handles) if tier is Tier.DISK else self._copied(handles)
+            self._replayer.set_aside(handles)
+            self._away.update(away)
+            self.tier = tier if self._away else Tier.DEVICE
+            self.evictions += 1 if handles else 0
+            return moved + sum(a.nbytes for a in away.values())
+
+    def _demote(self) -> int:
+        """Write the storages in host memory to disk; returns their bytes."""
+        if self.tier is Tier.RAM and self._replayer.device == "cpu":
+            self.tier = Tier.DEVICE  # its "host memory" is the device: written from there
+        copies = {h: a for h, a in self._away.items() if a.copy is not None}
+        written = {}
+        try:
+            for handle, away in copies.items():
+                written[handle] = write_pieces(away.copy, self._store)
+        except BaseException:
+            for pins in written.values():
+                _Away(0, pins=pins).close()
+            raise
+        for handle, pins in written.items():
+            self._away[handle] = _Away(copies[handle].nbytes, pins=pins)
+        return sum(a.nbytes for a in copies.values())
 
     def _chosen(self, need: int | None) -> list[int]:
         """The storages to move: all, or the longest unused until ``need`` bytes."""
         coldest = self._replayer.coldest()
         return enough(((h, self._replayer.storage_view(h).numel()) for h in coldest), need)
 
-    def _written(self, handles: list[int]) -> _Paged:
-        paged = _Paged([])
+    def _written(self, handles: list[int]) -> dict[int, _Away]:
+        away: dict[int, _Away] = {}
         try:
             for handle in handles:
                 view = self._replayer.storage_view(handle)
-                pins = write_pieces(view, self._store)
-                paged.pins += pins
-                paged.entries.append((handle, view.numel(), [pin.digest for pin in pins]))
+                away[handle] = _Away(view.numel(), pins=write_pieces(view, self._store))
         except BaseException:
-            paged.close()
+            for each in away.values():
+                each.close()
             raise
-        return paged
+        return away
 
-    def _copied(self, handles: list[int]) -> _Paged:
-        paged = _Paged([])
+    def _copied(self, handles: list[int]) -> dict[int, _Away]:
+        away = {}
         for handle in handles:
             view = self._replayer.storage_view(handle)
             copy = torch.empty(view.numel(), dtype=torch.uint8, pin_memory=True)
-            paged.copies[handle] = copy.copy_(view)
-            paged.entries.append((handle, view.numel(), []))
-        return paged
+            away[handle] = _Away(view.numel(), copy=copy.copy_(view))
+        return away
 
-    def bring_back(self) -> None:
-        """Put an evicted session's storages back on its device (nothing if they are).
+    def _fault(self, handle: int) -> torch.Tensor:
+        """A batch named ``handle``, which is off the device: its bytes, checked when
+        read from disk (called by the replay loop, which makes the storage again).
 
         Raises:
-            BlobMismatchError: a piece on disk was damaged or lost; the storages are let
-                go, and the session can no longer run (``run`` says so in every reply).
+            ReplayError: (evicted) a piece on disk was damaged or lost.
         """
-        paged, self._paged = self._paged, None
-        self.tier = Tier.DEVICE
-        if paged is None:
-            return
-        try:
-            targets = self.open_restore(paged.entries)
-            for handle, copy in paged.copies.items():
-                self._replayer.storage_view(handle).copy_(copy)
-            if paged.pins:
-                targets.fill_from(self._store)
-            if targets.missing():  # only a disk piece can be missing: a copy is whole
-                self.drop(handle for handle, _, _ in paged.entries)
-                raise BlobMismatchError(
-                    f"this session's memory evicted to disk is damaged ({len(targets.missing())} "
-                    "pieces unreadable); it cannot run on"
-                )
-        finally:
-            paged.close()
+        with self._moving:
+            away = self._away.pop(handle)
+            try:
+                return away.copy if away.copy is not None else self._read(handle, away)
+            finally:
+                away.close()
+                if not self._away:
+                    self.tier = Tier.DEVICE
+
+    def _read(self, handle: int, away: _Away) -> torch.Tensor:
+        data = torch.empty(away.nbytes, dtype=torch.uint8)
+        entry = StorageEntry(handle, torch.uint8, away.nbytes, tuple(p.digest for p in away.pins))
+        targets = PieceTargets((entry,), {handle: data})
+        targets.fill_from(self._store)
+        if targets.missing():
+            raise ReplayError(
+                f"this session's memory evicted to disk is damaged ({len(targets.missing())} "
+                "pieces unreadable); it cannot run on",
+                -1,
+                "evicted",
+            )
+        return data
+
+    def _forget_freed(self) -> None:
+        """After a batch: let go of the copies and pins of storages it freed while off
+        the device; with none left off it, the session is on its device again."""
+        with self._moving:
+            if self._away:
+                for handle in set(self._away) - set(self._replayer.away()):
+                    self._away.pop(handle).close()
+            if not self._away:
+                self.tier = Tier.DEVICE
+
+    def bring_back(self) -> None:
+        """Put all of an evicted session's storages back on its device (nothing if they
+        are), ahead of the batches that would bring them back one by one.
+
+        Raises:
+            BlobMismatchError: a piece on disk was damaged or lost; the session's storages
+                off the device are let go, and it can no longer run (``run`` says so in
+                every reply).
+        """
+        with self._moving:
+            try:
+                for handle in list(self._away):
+                    self._replayer.put_back(handle, self._fault(handle))
+            except ReplayError as exc:
+                self.drop(self._replayer.away())
+                self._forget_freed()
+                raise BlobMismatchError(str(exc)) from None
+            self.tier = Tier.DEVICE
 
     @property
     def bytes_on_device(self) -> int:
@@ -423,8 +473,8 @@ class ReplaySession:
         Raises:
             OSError: the disk tier could not keep the pieces (it stays as it was).
         """
-        if self.tier is Tier.DEVICE or self.bytes_on_device:
-            self.evict(tier)  # whole, and all on one tier
+        if self.tier is not tier or self.bytes_on_device:
+            self.evict(tier)  # whole, and all on one tier (from host memory to disk too)
         return 0 if self.tier is Tier.DISK else self.stats.bytes_in_use
 
     def unpark(self) -> None:
@@ -445,7 +495,7 @@ class ReplaySession:
     def stats(self) -> SessionStats:
         """Its ops run and memory in use, as a Python session's ``stats`` (a copy)."""
         replayer = self._replayer
-        live = replayer.live_bytes + (0 if self._paged is None else self._paged.nbytes)
+        live = replayer.live_bytes + replayer.away_bytes
         return SessionStats(
             ops=replayer.ops_run,
             bytes_in_use=live,
@@ -457,8 +507,9 @@ class ReplaySession:
         """Let go of the pieces kept for a standby, the pins, and the storages."""
         self.kept.close()
         close_pins(self._pins)
-        if self._paged is not None:
-            self._paged.close()
+        for away in self._away.values():
+            away.close()
+        self._away.clear()
         self._graphs.clear()
         self._replayer = None
 

@@ -27,6 +27,13 @@
 //             program.h) and its calls run here, node by node, without Python; a graph
 //             the host compiles (--graph-compiler inductor) is run by Python instead.
 //
+// Eviction: the executor may set storages aside (`set_aside`: their bytes copied to host
+// memory or disk by Python first). They leave the table but still count against the
+// quota, and their handles stay taken. A record that names one faults it back in: the
+// `fault` callback (`set_fault`) hands back its bytes, and a storage is made and filled
+// here. So a batch brings back only the storages it names; a FREE of one set aside
+// forgets it without bringing it back.
+//
 // Strictness: the executor trusts nothing in a batch. Before any record runs, the
 // batch's framing is walked whole, so a truncated batch runs nothing. Each record is
 // then parsed completely before it has any effect, every tensor reference is checked
@@ -291,6 +298,7 @@ class Replayer {
   size_t programs() const { return programs_.size(); }
   std::string device() const { return device_.str(); }
   int64_t live_bytes() const { return static_cast<int64_t>(live_); }
+  int64_t away_bytes() const { return static_cast<int64_t>(away_bytes_); }
   int64_t quota_bytes() const { return quota_; }
   uint64_t ops_run() const { return ops_run_; }
   // The live handles, those no batch named for longest first.
@@ -308,6 +316,48 @@ class Replayer {
     std::sort(out.begin(), out.end());
     return out;
   }
+  // The handles set aside, sorted.
+  std::vector<uint64_t> away() const {
+    std::vector<uint64_t> out;
+    for (const auto& [h, nbytes] : away_) out.push_back(h);
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+
+  // Take `handles`' storages out of the table: their device memory goes once nothing else
+  // holds it; they still count against the quota until freed or put back.
+  void set_aside(const std::vector<uint64_t>& handles) {
+    for (uint64_t h : handles) TORCH_CHECK(table_.count(h), "no storage with handle ", h);
+    for (uint64_t h : handles) {
+      auto found = table_.find(h);
+      const uint64_t nbytes = found->second.nbytes;
+      live_ -= nbytes;
+      away_bytes_ += nbytes;
+      away_.emplace(h, nbytes);
+      table_.erase(found);
+    }
+  }
+
+  // Make a storage set aside again, filled from `bytes` (flat uint8, any device).
+  void put_back(uint64_t handle, const at::Tensor& bytes) {
+    auto found = away_.find(handle);
+    TORCH_CHECK(found != away_.end(), "storage ", handle, " is not set aside");
+    const uint64_t nbytes = found->second;
+    TORCH_CHECK(bytes.scalar_type() == at::kByte && bytes.dim() == 1 &&
+                    static_cast<uint64_t>(bytes.numel()) == nbytes,
+                "storage ", handle, " needs ", nbytes, " bytes back");
+    at::Tensor storage = at::empty({static_cast<int64_t>(nbytes)},
+                                   at::TensorOptions().dtype(at::kByte).device(device_));
+    storage.copy_(bytes);
+    away_.erase(found);
+    away_bytes_ -= nbytes;
+    add(handle, storage.storage());
+  }
+
+  // Where a record's storage set aside comes from: its bytes. Called without the GIL.
+  using Fault = std::function<at::Tensor(uint64_t handle)>;
+  void set_fault(Fault fault) { fault_ = std::move(fault); }
+
   // A storage's bytes as a flat uint8 tensor on its device, sharing its memory: what a
   // checkpoint names (a CPU storage is hashed where it lies, without a copy).
   at::Tensor storage_view(uint64_t handle) const {
@@ -454,6 +504,11 @@ class Replayer {
         const uint64_t handle = c.take<uint64_t>();
         end(c);
         if (poisoned_.erase(handle)) return;
+        if (auto away = away_.find(handle); away != away_.end()) {  // forgotten where it is
+          away_bytes_ -= away->second;
+          away_.erase(away);
+          return;
+        }
         auto found = table_.find(handle);
         if (found == table_.end()) fail("unknown_handle", "no storage with handle " + std::to_string(handle));
         live_ -= found->second.nbytes;
@@ -493,7 +548,7 @@ class Replayer {
 
   void check_new_handle(uint64_t handle) const {
     if (handle == 0) fail("malformed", "handle 0 names no storage");
-    if (table_.count(handle) || poisoned_.count(handle)) {
+    if (table_.count(handle) || away_.count(handle) || poisoned_.count(handle)) {
       fail("malformed", "handle " + std::to_string(handle) + " is already in use");
     }
   }
@@ -501,16 +556,31 @@ class Replayer {
   Entry& entry(uint64_t handle) {
     auto found = table_.find(handle);
     if (found != table_.end()) return found->second;
+    if (away_.count(handle)) return fault_in(handle);
     auto poisoned = poisoned_.find(handle);
     if (poisoned != poisoned_.end()) fail("poisoned_handle", poisoned->second);
     fail("unknown_handle", "no storage with handle " + std::to_string(handle));
   }
 
-  // Whether `more` bytes fit under the quota now; throws out_of_memory if not.
+  // A storage set aside, back in the table from the bytes `fault_` hands back.
+  Entry& fault_in(uint64_t handle) {
+    if (!fault_) fail("unknown_handle", "storage " + std::to_string(handle) + " is set aside");
+    const at::Tensor bytes = fault_(handle);
+    try {
+      put_back(handle, bytes);
+    } catch (const c10::Error& e) {
+      fail("evicted", e.what_without_backtrace());
+    }
+    return table_.at(handle);
+  }
+
+  // Whether `more` bytes fit under the quota now; throws out_of_memory if not. Storages
+  // set aside count: they come back when named.
   void reserve(uint64_t more) const {
-    if (more > static_cast<uint64_t>(quota_) || live_ > static_cast<uint64_t>(quota_) - more) {
+    const uint64_t held = live_ + away_bytes_;
+    if (more > static_cast<uint64_t>(quota_) || held > static_cast<uint64_t>(quota_) - more) {
       fail("out_of_memory", "needs " + std::to_string(more) + " more bytes; the session holds " +
-                                std::to_string(live_) + " of its quota of " +
+                                std::to_string(held) + " of its quota of " +
                                 std::to_string(quota_));
     }
   }
@@ -743,9 +813,11 @@ class Replayer {
   }
 
   // The quota before an op or a graph runs: the new storages the client expects.
-  uint64_t fresh_bytes(const std::vector<DeclaredOut>& declared) const {
+  // A declared output over a storage set aside brings it back (it is not a new one).
+  uint64_t fresh_bytes(const std::vector<DeclaredOut>& declared) {
     uint64_t fresh = 0;
     for (const auto& d : declared) {
+      if (away_.count(d.ref.handle)) fault_in(d.ref.handle);
       if (!table_.count(d.ref.handle) && !poisoned_.count(d.ref.handle)) {
         if (d.ref.handle == 0) fail("malformed", "handle 0 names no storage");
         fresh += extent_bytes(d.ref);
@@ -778,7 +850,7 @@ class Replayer {
     }
     const uint64_t fresh = fresh_bytes(declared);
     reserve(fresh);
-    const int64_t budget = quota_ - static_cast<int64_t>(live_ + fresh);
+    const int64_t budget = quota_ - static_cast<int64_t>(live_ + away_bytes_ + fresh);
     std::vector<std::optional<at::Tensor>> results;
     {
       SessionGenerator drawing(generator_);
@@ -1011,6 +1083,9 @@ class Replayer {
   uint64_t batches_ = 0;
   std::unordered_map<uint64_t, Entry> table_;
   std::unordered_map<uint64_t, std::string> poisoned_;
+  std::unordered_map<uint64_t, uint64_t> away_;  // handles set aside -> their bytes
+  uint64_t away_bytes_ = 0;
+  Fault fault_;
   std::vector<std::string> names_;
   std::vector<std::optional<c10::OperatorHandle>> ops_;
   at::Generator generator_;
@@ -1128,6 +1203,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                              "Graphs whose calls run in C++ (set_program).")
       .def_property_readonly("device", &Replayer::device)
       .def_property_readonly("live_bytes", &Replayer::live_bytes)
+      .def_property_readonly("away_bytes", &Replayer::away_bytes,
+                             "Bytes of the storages set aside (still under the quota).")
+      .def("away", &Replayer::away, "The handles set aside, sorted.")
+      .def("set_aside", &Replayer::set_aside, py::arg("handles"),
+           "Take these storages out of the table, still counted against the quota, until a "
+           "record names one (then `fault` brings it back) or `put_back`.")
+      .def("put_back", &Replayer::put_back, py::arg("handle"), py::arg("bytes"),
+           "Make a storage set aside again, filled from flat uint8 `bytes`.")
+      .def(
+          "set_fault",
+          [](Replayer& r, py::object fault) {
+            auto call = std::make_shared<py::object>(std::move(fault));
+            r.set_fault([call](uint64_t handle) {
+              py::gil_scoped_acquire gil;
+              try {
+                return (*call)(handle).cast<at::Tensor>();
+              } catch (py::error_already_set& e) {
+                cumulus::fail_from(e);
+              }
+            });
+          },
+          py::arg("fault"),
+          "A record named a storage set aside: fault(handle) returns its bytes (flat uint8) "
+          "or raises ReplayError(message, -1, kind).")
       .def_property_readonly("quota_bytes", &Replayer::quota_bytes)
       .def_property_readonly("ops_run", &Replayer::ops_run)
       .def("handles", &Replayer::handles, "The live storage handles, sorted.")
