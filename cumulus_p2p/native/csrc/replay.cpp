@@ -338,7 +338,8 @@ class Replayer {
     }
   }
 
-  // Make a storage set aside again, filled from `bytes` (flat uint8, any device).
+  // Make a storage set aside again, filled from `bytes` (flat uint8, any device). Bytes
+  // already on the device, in a storage of their own, become the storage without a copy.
   void put_back(uint64_t handle, const at::Tensor& bytes) {
     auto found = away_.find(handle);
     TORCH_CHECK(found != away_.end(), "storage ", handle, " is not set aside");
@@ -346,9 +347,14 @@ class Replayer {
     TORCH_CHECK(bytes.scalar_type() == at::kByte && bytes.dim() == 1 &&
                     static_cast<uint64_t>(bytes.numel()) == nbytes,
                 "storage ", handle, " needs ", nbytes, " bytes back");
-    at::Tensor storage = at::empty({static_cast<int64_t>(nbytes)},
-                                   at::TensorOptions().dtype(at::kByte).device(device_));
-    storage.copy_(bytes);
+    at::Tensor storage = bytes;
+    const bool adoptable = bytes.device() == device_ && bytes.is_contiguous() &&
+                           bytes.storage_offset() == 0 && bytes.storage().nbytes() == nbytes;
+    if (!adoptable) {  // from host memory to a GPU, say: a storage of its own, filled
+      storage = at::empty({static_cast<int64_t>(nbytes)},
+                          at::TensorOptions().dtype(at::kByte).device(device_));
+      storage.copy_(bytes);
+    }
     away_.erase(found);
     away_bytes_ -= nbytes;
     add(handle, storage.storage());
