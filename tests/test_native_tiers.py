@@ -193,15 +193,17 @@ def upload_scaled(handle: int, scale: float) -> list:
     return [Alloc(handle, N * 4), Upload(ref(handle), host)]
 
 
-def a_session_of_distinct_three(tmp_path, quota: int = 1 << 26):
-    """A session holding ``DATA * handle`` under handles 1, 2 and 3, all evicted to disk."""
+def a_session_of_distinct_three(
+    tmp_path, quota: int = 1 << 26, device: str = "cpu", tier=Tier.DISK
+):
+    """A session holding ``DATA * handle`` under handles 1, 2 and 3, all evicted to ``tier``."""
     from cumulus_p2p.native.executor import ReplaySession, new_replayer
 
     store = BlobStore(tmp_path / "blobs", 1 << 30)
-    session, client = ReplaySession(new_replayer("cpu", quota), store), Client()
+    session, client = ReplaySession(new_replayer(device, quota), store), Client()
     for handle in (1, 2, 3):
         assert run(session, client.request(*upload_scaled(handle, handle))) == []
-    assert session.evict(Tier.DISK) == 3 * N * 4
+    assert session.evict(tier) == 3 * N * 4
     return session, client, store
 
 
@@ -241,6 +243,18 @@ def test_an_op_whose_output_is_a_storage_off_the_device_brings_it_back_first(tmp
     assert run(session, client.request(op)) == []
     assert torch.equal(read(session, client, 2), DATA * 4)
     assert session.stats.bytes_in_use == 3 * N * 4
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU: host memory is a tier there"
+)
+def test_on_a_gpu_storages_in_host_memory_go_on_to_disk_from_there(tmp_path):
+    session, client, store = a_session_of_distinct_three(tmp_path, device="cuda", tier=Tier.RAM)
+    assert session.bytes_on_device == 0 and session.tier is Tier.RAM
+    assert session.evict(Tier.DISK) == 3 * N * 4  # the copies, written from host memory
+    assert session.tier is Tier.DISK and store.statistics().nbytes == 3 * N * 4
+    assert torch.equal(read(session, client, 2), DATA * 2)
+    assert session.bytes_on_device == N * 4
 
 
 def test_parked_in_host_memory_then_on_disk_it_runs_on_with_the_same_results(tmp_path):
