@@ -29,8 +29,8 @@ def ref(handle: int):
     return tensor_ext(handle, tensor_layout(torch.float32, 0, (N,), (1,)))
 
 
-def run(session: ExecutorSession, seq: int, ops: list, query=None):
-    frame = b"".join(encode_frame(["batch", seq, ops, [], query or ["sync"], []]))
+def run(session: ExecutorSession, seq: int, ops: list, query=None, frees=()):
+    frame = b"".join(encode_frame(["batch", seq, ops, list(frees), query or ["sync"], []]))
     reply = session.run_batch(parse_batch(*decode_frame(bytearray(frame))))
     assert reply.error is None, reply.error
     return reply
@@ -154,7 +154,23 @@ def test_evicted_storage_by_storage_the_longest_unused_leave_first_and_results_s
     assert session.bytes_on_device == 2 * N * 4
     assert (session.evictions, session.evicted_bytes) == (2, 2 * N * 4)
     assert bytes(run(session, 6, [], ["fetch", ref(2)]).blobs[0]) == expected
+    assert session.tier is tier and session.bytes_on_device == 3 * N * 4  # 2 alone came back
+    for seq, handle in enumerate((1, 3, 4), start=7):
+        run(session, seq, [], ["fetch", ref(handle)])
     assert session.tier is Tier.DEVICE and session.bytes_on_device == 4 * N * 4
+
+
+def test_a_batch_brings_back_only_the_storages_it_names_and_lets_go_of_those_it_frees(tmp_path):
+    session, _ = a_session(tmp_path)  # handle 1
+    run(session, 2, [["aten.mul.Tensor", [ref(1), 2.0], {}, [[2, [N], [1], 0]]]])
+    run(session, 3, [["aten.mul.Tensor", [ref(1), 3.0], {}, [[3, [N], [1], 0]]]])
+    expected = bytes(run(session, 4, [], ["fetch", ref(2)]).blobs[0])
+    session.evict(Tier.DISK)
+    assert bytes(run(session, 5, [], ["fetch", ref(2)]).blobs[0]) == expected
+    assert session.tier is Tier.DISK and session.bytes_on_device == N * 4
+    run(session, 6, [], ["sync"], frees=[1, 3])  # freed where they lie, never read back
+    assert session.tier is Tier.DEVICE and session.stats.bytes_in_use == N * 4
+    assert _pins(tmp_path / "blobs") == 0
 
 
 @pytest.mark.parametrize(

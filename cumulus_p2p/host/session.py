@@ -241,7 +241,7 @@ class ExecutorSession:
         """Run every op of ``batch`` in order, apply its frees, answer its query."""
         started = time.perf_counter()
         if self.tier is not Tier.DEVICE:
-            self.bring_back()
+            self.bring_back(_named(batch))
         self.last_op_at = time.monotonic()
         self._handles.clock += 1
         self.ctx.take_rng(self)
@@ -250,6 +250,8 @@ class ExecutorSession:
             self._run_record(record, batch.blobs)
         for handle in batch.frees:
             self._handles.release(handle)
+        if self._off:
+            self._forget_freed()
         self.stats.busy_s += time.perf_counter() - started
         if batch.query is None:
             return None
@@ -933,19 +935,21 @@ class ExecutorSession:
         """What the session's storages hold on the device: all but the evicted ones."""
         return self._handles.bytes_in_use - self._handles.capacity(self._off)
 
-    def bring_back(self) -> None:
-        """Put an evicted session's storages back on its device (nothing if they are).
+    def bring_back(self, handles: set[int] | None = None) -> None:
+        """Put an evicted session's storages back on its device (nothing if they are):
+        all of them, or those of ``handles`` (what a batch names; the rest stay off).
 
         Raises:
             BlobMismatchError: a piece on disk was damaged; the storages stay off the
                 device, and the session can no longer run.
         """
         with self._moving:
-            self._bring_back()
+            self._bring_back(handles)
 
-    def _bring_back(self) -> None:
+    def _bring_back(self, handles: set[int] | None = None) -> None:
+        back = set(self._off) if handles is None else self._off & handles
         if self.tier is Tier.DISK:
-            paged, self._paged = self._paged, {}
+            paged = {h: self._paged.pop(h) for h in back if h in self._paged}
             try:
                 self._handles.page_in(paged, self.device)
             except BlobMismatchError as exc:
@@ -953,9 +957,19 @@ class ExecutorSession:
                     f"this session's memory evicted to disk is damaged ({exc}); it cannot run on"
                 ) from exc
         elif self.tier is Tier.RAM and self.device.type == "cuda":
-            self._handles.move_to(self.device, self._off)
-        self._off = set()
-        self.tier = Tier.DEVICE
+            self._handles.move_to(self.device, back)
+        self._off -= back
+        if not self._off:
+            self.tier = Tier.DEVICE
+
+    def _forget_freed(self) -> None:
+        """After a batch: let go of the pieces of storages it freed while off the device."""
+        with self._moving:
+            freed = {h for h in self._off if h not in self._handles}
+            unpin({h: self._paged.pop(h) for h in freed if h in self._paged})
+            self._off -= freed
+            if not self._off:
+                self.tier = Tier.DEVICE
 
     def _stats_map(self) -> dict:
         s = self.stats
@@ -980,12 +994,36 @@ class ExecutorSession:
     def close(self) -> None:
         """Release every tensor of the session, in every tier."""
         unpin(self._paged)
-        self._paged, self._off = {}, set()
+        self._paged = {}
+        self._off.clear()
         self._handles.clear()
         self._graphs.clear()
         close_pins(self._pins)
         self.kept.close()
         self.ctx.forget(self)
+
+
+def _named(batch: Batch) -> set[int] | None:
+    """The storage handles ``batch`` names (its ops' tensors, its query's), or None when
+    its query reads every storage (a checkpoint): what must be on the device to run it."""
+    query = batch.query
+    if (
+        isinstance(query, list)
+        and query
+        and query[0] not in ("fetch", "call", "stats", "sync", "rng")
+    ):
+        return None
+    handles: set[int] = set()
+    pending: list[Any] = [batch.ops, query]
+    while pending:
+        value = pending.pop()
+        if type(value) is TensorRef:
+            handles.add(value.handle)
+        elif isinstance(value, list | tuple):
+            pending.extend(value)
+        elif isinstance(value, dict):
+            pending.extend(value.values())
+    return handles
 
 
 _RECORDS = {
