@@ -299,11 +299,14 @@ def hog_rates(ranks: list[str], seconds: float, size: int = 512) -> list[float]:
 # test workers) takes the CPU from it first, so it is measured alone.
 @pytest.mark.timing
 def test_an_interruptible_tenant_alone_on_a_cpu_runs_at_full_speed() -> None:
-    # In turn, twice, each tenant's best: this test runs first in its tier, and processes
+    # In turn, twice, each round's ratio: this test runs first in its tier, and processes
     # the tier before it left behind may still be exiting; any of them preempts a nice-19
-    # worker (a clean CI run measured 459 against 580 so, and 0.97-1.03 of it alone).
-    rates: dict[str, list[float]] = {"lower": [], "bystander": []}
+    # worker (a clean CI run measured 459 against 580 so, and 0.97-1.03 of it alone). The
+    # ratio is taken within a round: this machine's speed drifts between rounds (the
+    # bystander alone measured 549 and then 687 ops/s in one run).
+    ratios = []
     for _ in range(2):
-        for rank, found in rates.items():
-            found += hog_rates([rank], seconds=1.5)
-    assert max(rates["lower"]) >= 0.8 * max(rates["bystander"])
+        (lower,) = hog_rates(["lower"], seconds=1.5)
+        (bystander,) = hog_rates(["bystander"], seconds=1.5)
+        ratios.append(lower / bystander)
+    assert max(ratios) >= 0.8, ratios

@@ -933,7 +933,10 @@ class ExecutorSession:
     @property
     def bytes_on_device(self) -> int:
         """What the session's storages hold on the device: all but the evicted ones."""
-        return self._handles.bytes_in_use - self._handles.capacity(self._off)
+        # Read from the event loop while a batch may run, which may free an evicted handle.
+        entries = [self._handles.get(handle) for handle in list(self._off)]
+        off = sum(entry.capacity for entry in entries if entry is not None)
+        return self._handles.bytes_in_use - off
 
     def bring_back(self, handles: set[int] | None = None) -> None:
         """Put an evicted session's storages back on its device (nothing if they are):
