@@ -911,7 +911,7 @@ class ExecutorSession:
         if tier is Tier.DISK and self.ctx.blobs is None:
             raise ValueError("this executor has no blob store (--blob-dir) to evict to disk")
         demoted = 0
-        if tier is not self.tier and (self.tier, tier) == (Tier.RAM, Tier.DISK):
+        if (self.tier, tier) == (Tier.RAM, Tier.DISK):
             # Written from where they are: host memory (a CPU's "host memory" is its device).
             self._paged.update(self._handles.page_out(self.ctx.blobs, self._off))
             demoted = self._handles.capacity(self._off)

@@ -39,7 +39,7 @@ from ..blobs.store import BlobStore, PinnedBlob, close_pins, pin_held
 from ..host.eviction import Tier, enough
 from ..host.graph_compiler import GraphRunner
 from ..host.graphs import GraphError, GraphProgram, NodeFailed, define
-from ..host.handles import write_pieces
+from ..host.handles import unpin, write_pieces
 from ..host.kept import KeptPieces
 from ..host.restoring import PieceTargets
 from ..host.scheduler import DEFAULT_RANK
@@ -362,13 +362,12 @@ class ReplaySession:
         if self.tier is Tier.RAM and self._replayer.device == "cpu":
             self.tier = Tier.DEVICE  # its "host memory" is the device: written from there
         copies = {h: a for h, a in self._away.items() if a.copy is not None}
-        written = {}
+        written: dict[int, list[PinnedBlob]] = {}
         try:
             for handle, away in copies.items():
                 written[handle] = write_pieces(away.copy, self._store)
         except BaseException:
-            for pins in written.values():
-                _Away(0, pins=pins).close()
+            unpin(written)
             raise
         for handle, pins in written.items():
             self._away[handle] = _Away(copies[handle].nbytes, pins=pins)
@@ -406,14 +405,12 @@ class ReplaySession:
         Raises:
             ReplayError: (evicted) a piece on disk was damaged or lost.
         """
-        with self._moving:
+        with self._moving:  # the tier is set after: ``_forget_freed`` or ``bring_back``
             away = self._away.pop(handle)
             try:
                 return away.copy if away.copy is not None else self._read(handle, away)
             finally:
                 away.close()
-                if not self._away:
-                    self.tier = Tier.DEVICE
 
     def _read(self, handle: int, away: _Away) -> torch.Tensor:
         data = torch.empty(away.nbytes, dtype=torch.uint8)
