@@ -35,6 +35,7 @@ from cumulus_p2p.testing.mesh import (
     fast_config,
     open_mesh,
     open_rogue_peer,
+    open_stuck_dht_peer,
     wait_for,
 )
 
@@ -83,6 +84,20 @@ async def test_an_announcement_built_per_seal_repeats_each_envelopes_nonce_and_e
         env = msg.envelope
         assert env.body == b"offer %d %r" % (env.nonce, env.expires_at)
         assert (env.nonce, env.expires_at) in built
+
+
+async def test_offers_are_gossiped_each_heartbeat_while_a_stuck_dht_peer_holds_the_sheet():
+    async with open_mesh(2, config=fast_config(announce_interval=0.3, offer_ttl=2.0)) as mesh:
+        release = trio.Event()
+        async with open_stuck_dht_peer(mesh.nodes[0], release):
+            try:
+                await mesh.nodes[0].announce("gpu0", OFFER, b"rtx4090 x1")
+                # Storing the sheet waits on the stuck peer (py-libp2p: 10 s per query).
+                await wait_for(
+                    lambda: len(mesh.received(1)) >= 4, timeout=5.0, what="three re-announcements"
+                )
+            finally:
+                release.set()
 
 
 @pytest.mark.timing  # gossip history rolls over in 3 heartbeats

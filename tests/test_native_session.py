@@ -895,6 +895,35 @@ def test_a_second_session_uploads_what_its_host_holds_by_digest(tmp_path):
 
 
 @in_native_process
+def test_a_session_moved_to_another_host_leaves_its_large_uploads_public_there(tmp_path):
+    from cumulus_p2p.blobs.names import digest
+    from cumulus_p2p.blobs.store import BlobStore
+    from cumulus_p2p.channel.transport import SocketFrameChannel
+    from cumulus_p2p.native.session import NativeSession
+    from cumulus_p2p.testing.executor import executor_process
+
+    weights = torch.randn(5 * 1024 * 1024)  # 20 MiB: a 16 MiB piece and a 4 MiB one
+    raw = weights.numpy().tobytes()
+    pieces = {digest(memoryview(raw[: 16 << 20])), digest(memoryview(raw[16 << 20 :]))}
+    blobs = tmp_path / "second"
+    with (
+        executor_process() as (first, killed),
+        executor_process(extra=["--blob-dir", str(blobs)]) as (second, _),
+    ):
+        channel = SocketFrameChannel.connect(*_split(first))
+        reconnect = lambda _: SocketFrameChannel.connect(*_split(second))  # noqa: E731
+        with NativeSession(channel, reconnect=reconnect) as session:
+            on_device = weights.to("cumulus")
+            assert torch.equal(on_device.cpu(), weights)
+            killed.kill()
+            killed.wait()
+            # The uploads reach the second host in the batches the move sends again.
+            assert torch.equal((on_device * 2).cpu(), weights * 2)
+            assert session.failovers == 1
+    assert BlobStore(blobs, cap=2**30).public() == pieces
+
+
+@in_native_process
 def test_a_private_session_names_no_upload_and_its_host_keeps_none(tmp_path):
     from cumulus_p2p.blobs.names import is_digest
     from cumulus_p2p.native.session import NativeSession

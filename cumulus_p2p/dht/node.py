@@ -197,8 +197,9 @@ class MeshNode:
         self._announced: dict[str, tuple[str, AnnouncedBody]] = {}
         self._current: dict[str, Envelope] = {}
         self._dirty = trio.Event()
+        self._store_due = trio.Event()
         # The offer sheet in the DHT: how many times it was stored, when last, and
-        # whether an offer was announced or withdrawn since (see _announce_once).
+        # whether an offer was announced or withdrawn since (see _store_sheet).
         self._stores = 0
         self._stored_at = -float("inf")
         self._sheet_changed = False
@@ -424,12 +425,37 @@ class MeshNode:
             forwarder = ID(msg.from_id) if msg.from_id else None
             await self._send.send(MeshMessage(topic, envelope, GOSSIP_SOURCE, forwarder))
 
-    async def _announce_once(self, *, reseal: bool) -> None:
-        if reseal:
-            for name, (kind, body) in list(self._announced.items()):
-                envelope = self._seal_announced(kind, body)
-                self._current[name] = envelope
-                await self.publish(envelope)
+    async def _gossip_loop(self) -> None:
+        """Re-seal and gossip every announced offer each heartbeat; ask for the offer
+        sheet to be stored then, and on each change."""
+        interval = self.config.announce_interval
+        next_reseal = trio.current_time() + interval
+        while True:
+            with trio.move_on_at(next_reseal):
+                await self._dirty.wait()
+            self._dirty = trio.Event()
+            if trio.current_time() >= next_reseal:
+                next_reseal = trio.current_time() + interval
+                for name, (kind, body) in list(self._announced.items()):
+                    envelope = self._seal_announced(kind, body)
+                    self._current[name] = envelope
+                    await self.publish(envelope)
+            self._store_due.set()
+
+    async def _store_loop(self) -> None:
+        """Store the offer sheet when it is due, in a task of its own: a DHT lookup waits
+        on a slow peer for as long as py-libp2p's query timeouts allow (10 s each, not
+        bounded as a whole), and the offers' gossip must not wait with it."""
+        while True:
+            await self._store_due.wait()
+            self._store_due = trio.Event()
+            with trio.move_on_after(self.config.offer_ttl) as deadline:
+                await self._store_sheet()
+            if deadline.cancelled_caught:
+                logger.warning("storing the offer sheet outlasted offer_ttl: given up")
+                self._sheet_changed = True
+
+    async def _store_sheet(self) -> None:
         if not self._current and self._stores == 0:
             return  # nothing ever announced: no sheet, no provider record
         # Storing the sheet costs a DHT lookup and a put to the closest peers: 40 % of
@@ -457,18 +483,6 @@ class MeshNode:
             return
         self._stores += 1
         self._stored_at = now
-
-    async def _announce_loop(self) -> None:
-        interval = self.config.announce_interval
-        next_reseal = trio.current_time() + interval
-        while True:
-            with trio.move_on_at(next_reseal):
-                await self._dirty.wait()
-            self._dirty = trio.Event()
-            reseal = trio.current_time() >= next_reseal
-            if reseal:
-                next_reseal = trio.current_time() + interval
-            await self._announce_once(reseal=reseal)
 
     async def _maintenance_loop(self) -> None:
         while True:
@@ -533,7 +547,8 @@ class MeshNode:
             # starts reading once open_mesh_node has yielded.
             task_status.started()
             await self._initial_sync()
-            nursery.start_soon(self._announce_loop)
+            nursery.start_soon(self._gossip_loop)
+            nursery.start_soon(self._store_loop)
 
 
 @asynccontextmanager

@@ -40,12 +40,15 @@ class ReplayLog:
             return None
         return f"its batches outgrew the {self.limit_bytes} bytes kept to replay it on another host"
 
-    def keep(self, names: Sequence[str], batch: bytes, counted: int = 0) -> None:
-        """Add a batch sent as the executor's ``counted``-th BATCH request (and the op
-        names it introduced); past the limit, drop all."""
+    def keep(
+        self, names: Sequence[str], batch: bytes, counted: int = 0, kind: int = wire.BATCH
+    ) -> None:
+        """Add a batch sent as the executor's ``counted``-th batch request (and the op
+        names it introduced), to be sent again as a request of ``kind`` (BATCH, or NAMED
+        with its uploads inline); past the limit, drop all."""
         if self._frames is None:
             return
-        frame = wire.request(wire.BATCH, names, batch, reply=False)
+        frame = wire.request(kind, names, batch, reply=False)
         self.nbytes += sum(len(part) for part in frame)
         if self.nbytes > self.limit_bytes:
             self._frames = None

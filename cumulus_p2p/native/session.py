@@ -257,10 +257,14 @@ class NativeSession:
             grows = self._ext.take_growth()
             names = self._ext.op_names(self._names_sent)
             self._names_sent += len(names)
-            inline = wire.request(wire.BATCH, names, batch, reply=wait, grows=grows)
-            request = self._named(names, batch, wait, grows) or inline  # before the log: it asks
+            named_request = self._named(names, batch, wait, grows)  # before the log: it asks
+            # Inline, a batch whose uploads could be named is still sent as NAMED: a host
+            # that meets it on a resume or a move then keeps those uploads too.
+            kind = wire.BATCH if named_request is None else wire.NAMED
+            inline = wire.request(kind, names, batch, reply=wait, grows=grows)
+            request = named_request or inline
             if self._log is not None:
-                self._log.keep(names, batch, counted=self._counted)
+                self._log.keep(names, batch, counted=self._counted, kind=kind)
             self.flushes += 1
             self.ops_sent += records
             frame = self._exchange(request, wait, inline=inline)

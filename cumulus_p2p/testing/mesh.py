@@ -8,6 +8,8 @@ market topic spans all of them, and drains each node's accepted messages into a
 
 ``open_rogue_peer`` starts a bare libp2p host with gossipsub and *no* validator, to
 inject forged, replayed, expired or oversized payloads the way an attacker would.
+``open_stuck_dht_peer`` starts one that takes DHT requests and answers none, as a peer
+frozen mid-exchange would.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from dataclasses import dataclass, field
 
 import multiaddr
 import trio
+from libp2p.custom_types import TProtocol
+from libp2p.kad_dht.kad_dht import PROTOCOL_ID as DHT_PROTOCOL
+from libp2p.network.stream.exceptions import StreamError
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.tools.anyio_service import background_trio_service
 
@@ -37,6 +42,7 @@ __all__ = [
     "fast_config",
     "open_mesh",
     "open_rogue_peer",
+    "open_stuck_dht_peer",
     "wait_for",
 ]
 
@@ -275,3 +281,26 @@ async def open_rogue_peer(
             what="every target in the rogue peer's gossip mesh",
         )
         yield RoguePeer(pubsub, host.get_id())
+
+
+@asynccontextmanager
+async def open_stuck_dht_peer(node: MeshNode, release: trio.Event) -> AsyncIterator[None]:
+    """Start a bare host in ``node``'s DHT routing table that takes each DHT request and
+    answers none until ``release`` is set, as a peer frozen mid-exchange would; then it
+    resets them (and every later one) at once."""
+    host = new_mesh_host(NodeIdentity.generate().key_pair)
+
+    async def hold(stream) -> None:
+        await release.wait()
+        try:
+            await stream.reset()
+        except StreamError:
+            pass  # an escaping error would break the connection's later streams
+
+    host.set_stream_handler(TProtocol(DHT_PROTOCOL), hold)
+    async with host.run(listen_addrs=[multiaddr.Multiaddr(str(LOOPBACK))]):
+        address = f"{host.get_addrs()[0]}/p2p/{host.get_id()}"
+        await connect(node.host, parse_peer_addr(address))
+        if not await node.dht.add_peer(host.get_id()):
+            raise RuntimeError("the stuck peer did not enter the routing table")
+        yield
