@@ -37,6 +37,18 @@ def pytest_unconfigure(config):
         del os.environ[REFERENCE_RUNS]
 
 
+def pytest_collection_modifyitems(config, items):
+    """A test marked ``timing`` is marked ``slow`` too: ``scripts/test --fast`` runs its
+    tests in parallel workers only, whose load would break a wall-clock bound."""
+    loose = [
+        i.nodeid
+        for i in items
+        if i.get_closest_marker("timing") and not i.get_closest_marker("slow")
+    ]
+    if loose:
+        raise pytest.UsageError("timing tests must be marked slow too: " + ", ".join(loose))
+
+
 @pytest.fixture(scope="session")
 def executor_address():
     """A real ``cumulus-executor`` process on loopback, shared by the test session."""

@@ -13,6 +13,9 @@ import sys
 import pytest
 import torch
 
+# A fresh interpreter importing torch per test: scripts/test --fast skips it.
+pytestmark = pytest.mark.slow
+
 WITH_LOCAL_GPU = "import torch; torch.cuda.is_available = lambda: True; "
 
 

@@ -16,6 +16,9 @@ from cumulus_p2p.blobs.names import BLOB_MIN, digest, is_digest
 from cumulus_p2p.channel.transport import CountingFrameChannel, SocketFrameChannel
 from cumulus_p2p.testing.executor import executor_process
 
+# Starts executor processes, some to kill: scripts/test --fast skips it.
+pytestmark = pytest.mark.slow
+
 MiB = 2**20
 
 

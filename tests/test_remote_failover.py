@@ -44,6 +44,9 @@ from cumulus_p2p.wire.protocol import (
     encode_frame,
 )
 
+# Starts executor processes and kills them: scripts/test --fast skips it.
+pytestmark = pytest.mark.slow
+
 # --- helpers -------------------------------------------------------------------------------
 
 CONSUMER = NodeIdentity.generate()

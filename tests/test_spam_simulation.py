@@ -11,6 +11,9 @@ from cumulus_p2p.market.book import BookLimits
 from cumulus_p2p.node.consumer import PROPOSE_TIMEOUT_S
 from cumulus_p2p.testing.scripts import load_script
 
+# Runs floods of hundreds of identities through the market: scripts/test --fast skips it.
+pytestmark = pytest.mark.slow
+
 spam = load_script("simulations/spam.py", "simulations_spam")
 
 #: A short world with enough consumers in it: two minutes, a dozen matches.
