@@ -70,6 +70,7 @@ def bid(
     duration=60,
     priority=PriorityClass.ON_DEMAND,
     max_overcommit_pct=200,
+    gpus=1,
 ):
     return Bid(
         consumer,
@@ -85,6 +86,7 @@ def bid(
         expires,
         nonce,
         max_overcommit_pct,
+        gpus,
     )
 
 
@@ -278,6 +280,34 @@ def test_partial_fill_leaves_the_rest_of_the_offer_resting():
     assert book.get(Side.OFFER, "h0", "o").remaining == 3
     assert [f.shares for f in book.match_bid(bid(shares=5), now=0.0)] == [3]
     assert book.get(Side.OFFER, "h0", "o") is None
+
+
+def test_a_bid_for_several_gpus_takes_its_shares_from_that_many_offers():
+    book = OrderBook()
+    for host, price in (("h0", 5), ("h1", 4), ("h2", 6)):
+        book.insert(offer(host, price=price, shares=4), now=0.0)
+    book.insert(offer("h3", price=1, shares=1), now=0.0)  # too few shares for one rank
+    fills = book.match_bid(bid(shares=2, gpus=2), now=0.0)
+    assert [(f.host, f.shares) for f in fills] == [("h1", 2), ("h0", 2)]
+    assert book.get(Side.OFFER, "h3", "o").remaining == 1
+
+
+def test_a_bid_for_more_gpus_than_the_book_can_seat_fills_nothing_and_takes_nothing():
+    book = OrderBook()
+    book.insert(offer("h0", shares=4), now=0.0)
+    book.insert(offer("h1", shares=4), now=0.0)
+    assert book.match_bid(bid(shares=1, gpus=3), now=0.0) == []
+    assert [book.get(Side.OFFER, h, "o").remaining for h in ("h0", "h1")] == [4, 4]
+
+
+def test_a_resting_bid_for_several_gpus_clears_whole_once_enough_offers_rest():
+    book = OrderBook()
+    book.insert(bid(shares=2, gpus=2), now=0.0)
+    book.insert(offer("h0", shares=4), now=0.0)
+    assert book.match(now=0.0) == []
+    book.insert(offer("h1", shares=4), now=0.0)
+    assert sorted(f.host for f in book.match(now=0.0)) == ["h0", "h1"]
+    assert book.get(Side.BID, "c0", "b") is None
 
 
 def test_cheaper_offer_fills_first_then_older_at_equal_price():

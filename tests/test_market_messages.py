@@ -58,7 +58,8 @@ STANDBY = LeaseProposal(
     LeaseKind.STANDBY, 64,
 )  # fmt: skip
 RECEIPT = Receipt("L1", H, 0, NOW, NOW + 60, 60, 123, NOW + 600, 5)
-ALL = [OFFER, BID, CANCEL, PROPOSAL, STANDBY, RECEIPT]
+GANG_BID = dataclasses.replace(BID, bid_id="b4", gpus=4)
+ALL = [OFFER, BID, GANG_BID, CANCEL, PROPOSAL, STANDBY, RECEIPT]
 
 
 @pytest.mark.parametrize("message", ALL, ids=lambda m: type(m).__name__)
@@ -102,6 +103,9 @@ def test_every_message_round_trips_through_a_signed_envelope(message):
         (OFFER, {"overcommit_pct": 1.5}),
         (BID, {"max_overcommit_pct": 0}),
         (BID, {"max_overcommit_pct": 300}),
+        (BID, {"gpus": 0}),
+        (BID, {"gpus": 65}),
+        (BID, {"gpus": True}),
         (BID, {"priority": 7}),
         (BID, {"gpu_models": ("",)}),
         (BID, {"shares": True}),

@@ -8,7 +8,7 @@ import pytest
 
 from cumulus_p2p.market import matcher
 from cumulus_p2p.market.lease import RefusalReason
-from cumulus_p2p.simulation import attacks, churn, pooling, priority
+from cumulus_p2p.simulation import attacks, churn, gangs, pooling, priority
 from cumulus_p2p.simulation.cli import SCENARIOS, main
 from cumulus_p2p.simulation.world import WORKLOADS
 
@@ -30,6 +30,30 @@ def test_each_quick_scenario_writes_its_json_plot_and_report(scenario, tmp_path)
 
 def test_a_quick_scenario_repeats_exactly_from_its_seed():
     assert churn.run(5, quick=True) == churn.run(5, quick=True)
+
+
+def _gang_run(gpus: int, churn_per_hour: float) -> dict:
+    return churn.simulate(1, churn_per_hour, 300.0, hosts=32, horizon_h=36.0, quick=True, gpus=gpus)
+
+
+def test_jobs_of_four_gpus_all_finish_and_lose_nothing_without_churn():
+    row = _gang_run(4, 0.0)
+    assert row["jobs"] > 0 and row["completion_rate"] == 1.0
+    assert row["failovers"] == 0 and row["lost_gpu_hours"] == 0.0
+
+
+def test_a_job_of_eight_gpus_fails_over_far_more_often_than_one_of_one_under_churn():
+    one, eight = _gang_run(1, 0.1), _gang_run(8, 0.1)
+    # Any of its eight hosts lost sends every rank back to the checkpoint.
+    assert eight["failovers"] / eight["jobs"] > 3 * one["failovers"] / one["jobs"]
+    assert eight["lost_gpu_hours"] / eight["useful_gpu_hours"] > (
+        one["lost_gpu_hours"] / one["useful_gpu_hours"]
+    )
+
+
+def test_an_all_reduce_costs_nothing_alone_and_more_with_each_rank_and_each_ms():
+    assert gangs.allreduce_s(1, 100.0) == 0.0
+    assert 0 < gangs.allreduce_s(2, 1.0) < gangs.allreduce_s(8, 1.0) < gangs.allreduce_s(8, 80.0)
 
 
 def _pooled_mix(seed: int = 1) -> dict:

@@ -381,7 +381,7 @@ class OrderBook:
         else:
             key = _bid_key(order)
             self._bid_keys.add(key)
-            self._bids[(author, order_id)] = _Live(order, key, order.shares)
+            self._bids[(author, order_id)] = _Live(order, key, order.shares * order.gpus)
             count_key = (Side.BID, author)
         self._live_counts[count_key] = self._live_counts.get(count_key, 0) + 1
 
@@ -481,12 +481,14 @@ class OrderBook:
             now: The current Unix time; expired orders are dropped first.
 
         Returns:
-            The fills, best offer first; their shares sum to at most ``bid.shares``.
+            The fills, best offer first; their shares sum to at most ``bid.shares``. A bid
+            for several GPUs fills whole or not at all: ``bid.shares`` from each of
+            ``bid.gpus`` offers.
         """
         self.expire(now)
         if bid.expires_at <= now:
             return []
-        return self._fill(bid, bid.shares)
+        return self._fill(bid, bid.shares * bid.gpus)
 
     def match(self, *, now: float) -> list[Fill]:
         """Clear resting bids against resting offers, best bid first.
@@ -512,13 +514,7 @@ class OrderBook:
         return fills
 
     def _fill(self, bid: Bid, wanted: int) -> list[Fill]:
-        taken: list[tuple[Offer, int]] = []
-        for resting in self.candidates(bid):
-            shares = min(wanted, resting.remaining)
-            taken.append((resting.order, shares))
-            wanted -= shares
-            if wanted == 0:
-                break
+        taken = self._gang(bid) if bid.gpus > 1 else self._spread(bid, wanted)
         fills = []
         for offer, shares in taken:
             live = self._offers[(offer.host, offer.offer_id)]
@@ -538,6 +534,29 @@ class OrderBook:
                 )
             )
         return fills
+
+    def _spread(self, bid: Bid, wanted: int) -> list[tuple[Offer, int]]:
+        """Up to ``wanted`` shares, from the best offers on."""
+        taken: list[tuple[Offer, int]] = []
+        for resting in self.candidates(bid):
+            shares = min(wanted, resting.remaining)
+            taken.append((resting.order, shares))
+            wanted -= shares
+            if wanted == 0:
+                break
+        return taken
+
+    def _gang(self, bid: Bid) -> list[tuple[Offer, int]]:
+        """``bid.shares`` from each of the ``bid.gpus`` best offers that have them, or
+        nothing: a job of N GPUs cannot start on fewer. (The book knows no distances:
+        the consumer's own choice among hosts is ``market.gang``.)"""
+        taken: list[tuple[Offer, int]] = []
+        for resting in self.candidates(bid):
+            if resting.remaining >= bid.shares:
+                taken.append((resting.order, bid.shares))
+                if len(taken) == bid.gpus:
+                    return taken
+        return []
 
     # -- inspection ---------------------------------------------------------------------
 

@@ -43,6 +43,7 @@ __all__ = [
     "Lease",
     "LeaseKind",
     "LeaseProposal",
+    "MAX_GPUS",
     "MAX_OVERCOMMIT_PCT",
     "MarketMessage",
     "Offer",
@@ -68,6 +69,8 @@ MAX_PRICE = 2**48
 #: The most an offer may overcommit its VRAM, in percent: its shares' memory may add up
 #: to twice the device's.
 MAX_OVERCOMMIT_PCT = 200
+#: The most devices one bid may ask for (a job of that many GPUs, ``market.gang``).
+MAX_GPUS = 64
 _COUNTERSIGN_DOMAIN = "cumulus/countersign/v1"
 
 
@@ -276,6 +279,8 @@ class Bid:
         nonce: The consumer's increasing nonce.
         max_overcommit_pct: The most overcommitted offer acceptable (``Offer.
             overcommit_pct``): 100 for a tenant whose memory must stay on the device.
+        gpus: Devices the job needs at once, each leased with ``shares`` of its own
+            offer (``market.gang`` chooses them); 1 to ``MAX_GPUS``.
     """
 
     KIND: ClassVar[str] = "market/bid"
@@ -294,6 +299,7 @@ class Bid:
     expires_at: float
     nonce: int
     max_overcommit_pct: int = MAX_OVERCOMMIT_PCT
+    gpus: int = 1
 
     def __post_init__(self) -> None:
         _check_text(self, "consumer", _MAX_PEER_ID)
@@ -319,6 +325,7 @@ class Bid:
         _check_float(self, "expires_at")
         _check_int(self, "nonce", 0)
         _check_int(self, "max_overcommit_pct", 100, MAX_OVERCOMMIT_PCT)
+        _check_int(self, "gpus", 1, MAX_GPUS)
         _check_window(self)
 
     @property

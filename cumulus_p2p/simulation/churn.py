@@ -15,10 +15,16 @@ also run under the policy the node had before: a host that failed once is exclud
 the rest of the job (``EXCLUDE_FOR_THE_JOB``); on a pool of a few hosts with churn, long
 jobs run out of hosts under it.
 
+*Jobs of N GPUs* (``gangs.py``) run data parallel on N hosts the market's gang planner
+chooses; any one host lost sends every rank back to the last checkpoint. At 10%/h they
+run with N of 1, 2, 4 and 8, the fleet's load the same (a job of N arrives N times less
+often).
+
 Read: the share of jobs that finish within the run, the GPU-hours computed and then
 lost, and, at 10%/h, how the checkpoint interval trades lost work against the time
 spent writing checkpoints; on small pools, how many jobs each policy finishes and how
-long they were held waiting for a usable host.
+long they were held waiting for a usable host; for jobs of N GPUs, the share of their
+GPU-hours lost as N grows.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import random
 import simpy
 
 from ..market.hostchoice import EXCLUDE_FOR_THE_JOB, BackoffPolicy
+from . import gangs
 from .market import Market, SimHost
 from .population import add_hosts, job_trace, launch, mean_hold_s, with_fields
 from .world import Workload
@@ -51,6 +58,9 @@ SMALL_POOL_CHURN = (0.1, 0.3)
 #: Seeds per small-pool row: a pool of three hosts runs only a handful of jobs per run.
 SMALL_POOL_RUNS = 20
 POLICIES = {"backoff": BackoffPolicy(), "exclude for the job": EXCLUDE_FOR_THE_JOB}
+#: Ranks of the data-parallel jobs run at ``GANG_CHURN``.
+GANG_SIZES = (1, 2, 4, 8)
+GANG_CHURN = 0.1
 
 
 def run(seed: int, *, quick: bool) -> dict:
@@ -82,6 +92,26 @@ def run(seed: int, *, quick: bool) -> dict:
         for churn in SMALL_POOL_CHURN
         for name, policy in POLICIES.items()
     ]
+    gang_rows = [
+        {
+            "gpus": gpus,
+            "churn_per_hour": GANG_CHURN,
+            **simulate(
+                seed,
+                GANG_CHURN,
+                DEFAULT_INTERVAL_S,
+                hosts=hosts,
+                horizon_h=horizon_h,
+                quick=quick,
+                gpus=gpus,
+            ),
+        }
+        for gpus in GANG_SIZES
+    ]
+    for row in gang_rows:
+        spent = row["useful_gpu_hours"] + row["lost_gpu_hours"]
+        row["lost_share"] = round(row["lost_gpu_hours"] / spent, 4) if spent else None
+        row["failovers_per_job"] = round(row["failovers"] / row["jobs"], 3) if row["jobs"] else None
     return {
         "scenario": "churn",
         "seed": seed,
@@ -93,6 +123,7 @@ def run(seed: int, *, quick: bool) -> dict:
         "rows": rows,
         "interval_sweep_at_10_percent": sweep,
         "small_pools": small,
+        "gangs": gang_rows,
     }
 
 
@@ -105,9 +136,12 @@ def simulate(
     horizon_h: float,
     quick: bool,
     policy: BackoffPolicy | None = None,
+    gpus: int | None = None,
 ) -> dict:
     """One run; ``interval_s`` None means no failover: a lost job restarts. ``policy``:
-    how the jobs' ``HostChoice`` sets failed hosts aside (the node's default if None)."""
+    how the jobs' ``HostChoice`` sets failed hosts aside (the node's default if None).
+    ``gpus``: every job runs data parallel on that many hosts (``gangs.py``), arriving
+    that many times less often; None: single-device jobs (``jobs.py``)."""
     rng = random.Random(seed)
     env = simpy.Environment()
     market = Market(env, rng, mesh_nodes=hosts * 4)
@@ -116,7 +150,7 @@ def simulate(
     # Jobs arrive over the first third, at 0.6 of what the fleet could run whole, so
     # that without churn every one of them finishes within the run.
     workloads = LONG_TRAINING[quick]
-    rate = 0.6 * hosts / mean_hold_s(workloads)
+    rate = 0.6 * hosts / mean_hold_s(workloads) / (gpus or 1)
     trace = job_trace(random.Random(seed + 1), workloads, rate_per_s=rate, horizon_s=horizon_s / 3)
     trace = with_fields(
         trace,
@@ -124,12 +158,16 @@ def simulate(
         state_mb=STATE_MB,
         burst_s=BURST_S,
         host_policy=policy or BackoffPolicy(),
+        gpus=gpus or 1,
     )
     if churn_per_hour > 0:
         churn_rng = random.Random(seed + 2)
         for host in fleet:
             env.process(come_and_go(env, market, host, churn_per_hour, churn_rng))
-    launch(env, market, trace, rng)
+    if gpus is None:
+        launch(env, market, trace, rng)
+    else:
+        gangs.launch(env, market, trace, rng)
     env.run(until=horizon_s)
     for granted in list(market.active.values()):
         market.settle(granted)
@@ -140,7 +178,7 @@ def simulate(
         "completion_rate": round(len(done) / len(trace), 4) if trace else None,
         "lost_gpu_hours": round(sum(j.lost_device_s for j in trace) / 3600, 3),
         "checkpoint_hours": round(sum(j.checkpoint_s for j in trace) / 3600, 3),
-        "useful_gpu_hours": round(sum(j.compute_s for j in done) / 3600, 3),
+        "useful_gpu_hours": round(sum(j.compute_s * j.gpus for j in done) / 3600, 3),
         "failovers": sum(j.failovers for j in trace),
         "restarts": sum(j.restarts for j in trace),
         "gave_up": sum(j.gave_up_s is not None for j in trace),

@@ -59,6 +59,7 @@ class Job:
     patience_s: float = 1800.0  # after a failure: how long to wait for a usable host
     state_mb: float = 1000.0
     burst_s: float = BURST_S
+    gpus: int = 1  # ranks, each on a device of its own (``gangs.run``); compute_s is each one's
     # Outcomes.
     leased_s: float | None = None
     done_s: float | None = None

@@ -261,14 +261,15 @@ class Market:
             next(self._nonces),
         )
 
-    def rank(self, region: str, bid: Bid) -> list[RankedOffer]:
-        """The offers meeting ``bid``, best first, as a consumer in ``region`` ranks them."""
+    def rank(self, region: str, bid: Bid, *, limit: int = 8) -> list[RankedOffer]:
+        """The best ``limit`` offers meeting ``bid``, best first, as a consumer in
+        ``region`` ranks them."""
         return rank_offers(
             self.book,
             bid,
             reliability=self.reliability,
             latency_ms=self._latency[region],
-            limit=8,
+            limit=limit,
             policy=self.policy,
         )
 

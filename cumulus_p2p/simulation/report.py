@@ -286,6 +286,32 @@ def _churn(result: dict):
                 for r in result.get("small_pools", [])
             ],
         )
+        + "\n\n## Jobs of N GPUs, data parallel, under churn\n\n"
+        + _table(
+            [
+                "GPUs",
+                "churn / h",
+                "jobs",
+                "completed",
+                "failovers per job",
+                "lost GPU-h",
+                "lost share",
+                "useful GPU-h",
+            ],
+            [
+                (
+                    r["gpus"],
+                    r["churn_per_hour"],
+                    r["jobs"],
+                    r["completion_rate"],
+                    r["failovers_per_job"],
+                    r["lost_gpu_hours"],
+                    r["lost_share"],
+                    r["useful_gpu_hours"],
+                )
+                for r in result.get("gangs", [])
+            ],
+        )
         + "\n"
     )
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
