@@ -185,6 +185,18 @@ def test_a_forged_standby_proposal_is_malformed_on_the_wire():
         decode_message(LeaseProposal.KIND, msgpack.packb(values, use_bin_type=True))
 
 
+def test_a_bid_for_one_gpu_is_the_array_nodes_read_before_bids_named_gpus():
+    older = len(dataclasses.fields(Bid)) - 1
+    assert len(msgpack.unpackb(encode_message(BID))) == older
+    assert len(msgpack.unpackb(encode_message(GANG_BID))) == older + 1
+
+
+def test_a_bid_naming_one_gpu_outright_is_not_the_canonical_encoding():
+    body = msgpack.packb([*msgpack.unpackb(encode_message(BID)), 1])
+    with pytest.raises(MalformedMessageError, match="canonical"):
+        decode_message(Bid.KIND, body)
+
+
 def test_equal_requirements_encode_equally():
     shuffled = dataclasses.replace(BID, gpu_models=["A100", "RTX 4090", "A100"])
     assert encode_message(shuffled) == encode_message(BID)

@@ -285,6 +285,9 @@ class Bid:
 
     KIND: ClassVar[str] = "market/bid"
     AUTHOR_FIELD: ClassVar[str] = "consumer"
+    #: Fields added after nodes were deployed: left off the wire while at their default,
+    #: so a bid for one GPU is the bytes it was before (older nodes read it).
+    WIRE_TAIL: ClassVar[tuple[str, ...]] = ("gpus",)
 
     consumer: str
     bid_id: str
@@ -527,8 +530,15 @@ def _wire_value(value: object) -> object:
 
 
 def encode_message(message: MarketMessage) -> bytes:
-    """Return the canonical msgpack body of ``message``."""
-    return _packb([_wire_value(getattr(message, f.name)) for f in fields(message)])
+    """Return the canonical msgpack body of ``message``: its fields in order, less the
+    trailing ones of ``WIRE_TAIL`` still at their defaults."""
+    declared = fields(message)
+    tail = getattr(message, "WIRE_TAIL", ())
+    while declared and declared[-1].name in tail:
+        if getattr(message, declared[-1].name) != declared[-1].default:
+            break
+        declared = declared[:-1]
+    return _packb([_wire_value(getattr(message, f.name)) for f in declared])
 
 
 def decode_message(kind: str, body: bytes) -> MarketMessage:
@@ -545,10 +555,11 @@ def decode_message(kind: str, body: bytes) -> MarketMessage:
         values = msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=True)
     except (ValueError, msgpack.UnpackException) as exc:
         raise MalformedMessageError(f"{cls.__name__} body is not msgpack: {exc}") from exc
-    if type(values) is not list or len(values) != len(fields(cls)):
-        raise MalformedMessageError(
-            f"{cls.__name__} body must be an array of {len(fields(cls))} fields"
-        )
+    most = len(fields(cls))
+    least = most - len(getattr(cls, "WIRE_TAIL", ()))
+    if type(values) is not list or not least <= len(values) <= most:
+        counts = f"{least} to {most}" if least < most else str(most)
+        raise MalformedMessageError(f"{cls.__name__} body must be an array of {counts} fields")
     try:
         message = cls(*values)
     except InvalidMessageError as exc:
