@@ -34,7 +34,7 @@ import random
 import simpy
 
 from ..market.hostchoice import EXCLUDE_FOR_THE_JOB, BackoffPolicy
-from . import gangs
+from . import gangs, jobs
 from .market import Market, SimHost
 from .population import add_hosts, job_trace, launch, mean_hold_s, with_fields
 from .world import Workload
@@ -164,10 +164,7 @@ def simulate(
         churn_rng = random.Random(seed + 2)
         for host in fleet:
             env.process(come_and_go(env, market, host, churn_per_hour, churn_rng))
-    if gpus is None:
-        launch(env, market, trace, rng)
-    else:
-        gangs.launch(env, market, trace, rng)
+    launch(env, market, trace, rng, run=jobs.run if gpus is None else gangs.run)
     env.run(until=horizon_s)
     for granted in list(market.active.values()):
         market.settle(granted)

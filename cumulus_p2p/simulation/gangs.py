@@ -12,7 +12,7 @@ all-reduce: every rank goes back to the last checkpoint (DDP has one consistent 
 the lost hosts' leases end, and replacements for them alone are leased (the surviving
 leases are kept) before the job goes on. Without failover the job starts over from
 nothing on the same terms. So the chance that a step is lost grows with the number of
-hosts: what ``churn.gang_rows`` measures.
+hosts: what the churn scenario's ``gangs`` rows measure.
 
 All-reduce costs are ASSUMED, not measured here (``benchmarks/`` has no collective
 bench yet): a ring all-reduce of ``GRADIENT_MB`` over links of ``LINK_MB_S`` between the
@@ -162,14 +162,3 @@ def _burst(granted: Granted, ticket, on_demand: bool, wall: float, shares: int):
     except DeviceGone:
         return False
     return True
-
-
-def launch(env: simpy.Environment, market: Market, trace: list[Job], rng: random.Random):
-    """Start each job of ``trace`` at its arrival time."""
-
-    def arrivals():
-        for job in trace:
-            yield env.timeout(max(0.0, job.arrived_s - env.now))
-            env.process(run(env, market, job, rng))
-
-    env.process(arrivals())

@@ -81,14 +81,20 @@ def job_trace(
 
 
 def launch(
-    env: simpy.Environment, market: Market, trace: Sequence[jobs.Job], rng: random.Random
+    env: simpy.Environment,
+    market: Market,
+    trace: Sequence[jobs.Job],
+    rng: random.Random,
+    *,
+    run=jobs.run,
 ) -> None:
-    """Start each job of ``trace`` at its arrival time."""
+    """Start each job of ``trace`` at its arrival time, as ``run`` (``jobs.run``, or
+    ``gangs.run`` for jobs of several GPUs) drives it."""
 
     def arrivals():
         for job in trace:
             yield env.timeout(max(0.0, job.arrived_s - env.now))
-            env.process(jobs.run(env, market, job, rng))
+            env.process(run(env, market, job, rng))
 
     env.process(arrivals())
 
