@@ -225,7 +225,45 @@ def _replacements() -> list[tuple[Any, str, Any]]:
     out.append((DeviceContext, "__init__", _device_context_init(context_init)))
     load = _load(torch.serialization.load)
     out += [(torch, "load", load), (torch.serialization, "load", load)]
+    if torch.distributed.is_available():
+        import torch.distributed.distributed_c10d as c10d
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        init = _init_process_group(c10d.init_process_group)
+        out += [(c10d, "init_process_group", init), (torch.distributed, "init_process_group", init)]
+        out.append((DDP, "__init__", _ddp_init(vars(DDP)["__init__"])))
     return out
+
+
+def _init_process_group(original: Callable) -> Callable:
+    """``init_process_group`` with NCCL meaning the ``cumulus`` backend, whose collectives
+    run among the job's hosts (``remote/distributed.py``)."""
+
+    @functools.wraps(original)
+    def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if "backend" in kwargs:
+            backend = kwargs.pop("backend")
+        if isinstance(backend, str) and backend.lower() == "nccl":
+            backend = NAME
+        return original(backend, *args, **kwargs)
+
+    return init_process_group
+
+
+def _ddp_init(original: Callable) -> Callable:
+    """``DistributedDataParallel`` given ``device_ids=[LOCAL_RANK]``: a rank's session is
+    its one device, on which the module and its inputs already are, so DDP is told no
+    device (as for any device it does not move inputs to)."""
+
+    @functools.wraps(original)
+    def __init__(self, module, device_ids=None, output_device=None, *args, **kwargs):  # noqa: N807
+        for device in device_ids or ():
+            _check_index(device)
+        if output_device is not None:
+            _check_index(output_device)
+        return original(self, module, None, None, *args, **kwargs)
+
+    return __init__
 
 
 # --- 1. device arguments ---------------------------------------------------------------------
@@ -260,12 +298,22 @@ def _cuda_index(device: Any) -> int | None | bool:
         index = device
     else:
         return False
-    if index not in (None, 0):
+    if index not in (None, 0, _local_rank()):
         raise ValueError(
             f"CUDA device {index} does not exist: a cumulus session exposes one device, "
-            "which CUDA compatibility mode presents as cuda:0"
+            "which CUDA compatibility mode presents as cuda:0 (and as cuda:LOCAL_RANK in "
+            "one rank of a job launched with torchrun)"
         )
     return index
+
+
+def _local_rank() -> int:
+    """This process's rank on its machine when a launcher (torchrun) started it: its
+    session is that rank's GPU, so a script's ``cuda:LOCAL_RANK`` means it."""
+    try:
+        return int(os.environ.get("LOCAL_RANK", "0"))
+    except ValueError:
+        return 0
 
 
 def _redirect(device: Any) -> Any:

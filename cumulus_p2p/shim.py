@@ -142,7 +142,16 @@ def _executor_address(environ: Mapping[str, str]) -> str:
             f"`cumulus-node --consume ... -- python script.py`, or set {ENV_EXECUTOR}=host:port "
             "of a running `cumulus-executor`."
         )
-    return address
+    # One address per rank of a job (``host:port,host:port``): each rank's process
+    # attaches to its own, by the LOCAL_RANK its launcher gave it.
+    addresses = address.split(",")
+    rank = environ.get("LOCAL_RANK", "0")
+    if not rank.isdigit() or int(rank) >= len(addresses):
+        raise SessionClosedError(
+            f"{ENV_EXECUTOR} names {len(addresses)} executors and this is rank {rank!r}: "
+            "name one executor per rank, in rank order"
+        )
+    return addresses[int(rank)]
 
 
 def _connect_leased(environ: Mapping[str, str]) -> RemoteSession:

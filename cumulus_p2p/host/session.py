@@ -55,6 +55,7 @@ from ..wire.protocol import (
     split_blobs,
     storage_extent,
 )
+from .collectives import CollectiveGroups, Membership
 from .eviction import Tier
 from .graph_compiler import GraphRunner
 from .graphs import GraphError, GraphProgram, NodeFailed, define
@@ -230,6 +231,7 @@ class ExecutorSession:
         self._graphs: dict[int, tuple[bytes, GraphProgram]] = {}  # graph id -> (key, program)
         self._last_answer: tuple[int, list, Any, Any] | None = None  # seq, query, error, result
         self.last_seq = 0
+        self._groups = CollectiveGroups()  # the job's groups, when it spans hosts
 
     @property
     def quota_bytes(self) -> int:
@@ -301,6 +303,40 @@ class ExecutorSession:
         if not (isinstance(args, list) and len(args) == 1 and type(args[0]) is int):
             raise OpFailed(ErrorKind.PROTOCOL_ERROR, "@seed takes one integer")
         self.ctx.generator().manual_seed(args[0] & (2**64 - 1))
+
+    # --- collectives among a job's hosts (``collectives.py``) ----------------------------
+
+    def _serve_group_store(self, args: Any, blobs: list[memoryview]) -> None:
+        if not (isinstance(args, list) and len(args) == 2 and type(args[0]) is str):
+            raise OpFailed(ErrorKind.PROTOCOL_ERROR, "@pg_store takes [host, world]")
+        if type(args[1]) is not int:
+            raise OpFailed(ErrorKind.PROTOCOL_ERROR, "@pg_store takes [host, world]")
+        self._dyn_result = self._groups.serve_store(args[0], args[1])
+
+    def _join_group(self, args: Any, blobs: list[memoryview]) -> None:
+        self._groups.join(Membership.parse(args))
+
+    def _all_reduce(self, args: Any, blobs: list[memoryview]) -> None:
+        name, ref, op = _collective_args(args, "@pg_allreduce", str)
+        self._groups.all_reduce(name, self._handles.view(ref), op)
+
+    def _broadcast(self, args: Any, blobs: list[memoryview]) -> None:
+        name, ref, root = _collective_args(args, "@pg_broadcast", int)
+        self._groups.broadcast(name, self._handles.view(ref), root)
+
+    def _all_gather(self, args: Any, blobs: list[memoryview]) -> None:
+        if not (
+            isinstance(args, list)
+            and len(args) == 3
+            and type(args[0]) is str
+            and type(args[1]) is TensorRef
+            and isinstance(args[2], list)
+            and all(type(ref) is TensorRef for ref in args[2])
+        ):
+            message = "@pg_allgather takes [group, tensor, [outputs]]"
+            raise OpFailed(ErrorKind.PROTOCOL_ERROR, message)
+        outputs = [self._handles.view(ref) for ref in args[2]]
+        self._groups.all_gather(args[0], outputs, self._handles.view(args[1]))
 
     # --- compiled graphs ----------------------------------------------------------------
 
@@ -1003,6 +1039,7 @@ class ExecutorSession:
         self._graphs.clear()
         close_pins(self._pins)
         self.kept.close()
+        self._groups.close()
         self.ctx.forget(self)
 
 
@@ -1035,7 +1072,25 @@ _RECORDS = {
     "@rng": ExecutorSession._set_rng,
     "@graph": ExecutorSession._define_graph,
     "@blob": ExecutorSession._blob,
+    "@pg_store": ExecutorSession._serve_group_store,
+    "@pg_join": ExecutorSession._join_group,
+    "@pg_allreduce": ExecutorSession._all_reduce,
+    "@pg_broadcast": ExecutorSession._broadcast,
+    "@pg_allgather": ExecutorSession._all_gather,
 }
+
+
+def _collective_args(args: Any, record: str, last: type) -> tuple[str, TensorRef, Any]:
+    """``[group name, tensor, op or root]``, checked."""
+    if not (
+        isinstance(args, list)
+        and len(args) == 3
+        and type(args[0]) is str
+        and type(args[1]) is TensorRef
+        and type(args[2]) is last
+    ):
+        raise OpFailed(ErrorKind.PROTOCOL_ERROR, f"{record} takes [group, tensor, {last.__name__}]")
+    return args[0], args[1], args[2]
 
 
 def _flat_tensors(result: Any) -> list[torch.Tensor]:

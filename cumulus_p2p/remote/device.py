@@ -199,6 +199,9 @@ def register() -> None:
     # other set-up, it does not stall the first op of the first session.
     if torch.distributed.is_available():
         importlib.import_module("torch.distributed.tensor")
+        from . import distributed  # init_process_group("cumulus"): collectives among hosts
+
+        distributed.register()
 
 
 if not torch.cuda.is_available():

@@ -1,0 +1,194 @@
+"""Collectives among the executors of one job: a real c10d group between hosts.
+
+Theory of operation
+-------------------
+A job of N GPUs is N sessions, one per rank, each on its own host. When the job's
+processes call ``torch.distributed.init_process_group("cumulus")``, each rank's session
+tells its executor to join a gloo group with the other ranks' executors
+(``cumulus_p2p.remote.distributed`` arranges it). From then on an all-reduce is one small
+record on the consumer's link; the tensor's bytes go between the hosts, never through the
+consumer.
+
+The group meets through a ``TCPStore`` that rank 0's executor serves. Its keys live
+under a prefix the consumer draws at random and tells only the job's ranks, so a host
+that is not in the job cannot take a rank's place by guessing keys. That prefix crosses
+the hosts' links in the clear, as do gloo's own bytes: these links are authenticated by
+nothing stronger than that prefix and are not encrypted (see the module of the same
+name on the consumer's side, and the issue this slice belongs to).
+
+A collective runs in the session's op stream, in order with its other ops, so a later op
+sees its result. It blocks the executor's op thread until every rank arrives, or until
+the group's timeout: then the op fails with the timeout's error, reported at the next
+sync point as any failed op is, and the session lives on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..wire.protocol import DTYPE_CODE
+from .handles import ErrorKind, OpFailed
+
+#: The reductions a record may name, by the name ``torch.distributed.ReduceOp`` gives.
+REDUCE_OPS = {
+    "SUM": dist.ReduceOp.SUM,
+    "PRODUCT": dist.ReduceOp.PRODUCT,
+    "MIN": dist.ReduceOp.MIN,
+    "MAX": dist.ReduceOp.MAX,
+    "AVG": dist.ReduceOp.AVG,
+}
+#: Ranks in one group at most: a job of more GPUs than the market sells is malformed.
+MAX_WORLD = 64
+MAX_TIMEOUT_S = 3600.0
+
+
+@dataclass
+class Membership:
+    """How one rank joins its job's group (the fields of a ``@pg_join`` record)."""
+
+    name: str
+    store_host: str
+    store_port: int
+    prefix: str
+    rank: int
+    world: int
+    host: str  # this executor's address, as the other ranks' executors reach it
+    timeout_s: float
+
+    @classmethod
+    def parse(cls, args: object) -> Membership:
+        """Check a ``@pg_join`` record's arguments; raise ``OpFailed`` when malformed."""
+        types = (str, str, int, str, int, int, str, (int, float))
+        if not (
+            isinstance(args, list)
+            and len(args) == len(types)
+            and all(
+                isinstance(a, t) and type(a) is not bool for a, t in zip(args, types, strict=True)
+            )
+        ):
+            raise OpFailed(
+                ErrorKind.PROTOCOL_ERROR,
+                "@pg_join takes [name, store host, store port, prefix, rank, world, host, "
+                "timeout seconds]",
+            )
+        member = cls(*args)  # type: ignore[arg-type]
+        if not 1 <= member.world <= MAX_WORLD or not 0 <= member.rank < member.world:
+            raise OpFailed(ErrorKind.VALUE, f"rank {member.rank} of {member.world} is not a rank")
+        if not 0 < member.store_port < 65536 or not 0 < member.timeout_s <= MAX_TIMEOUT_S:
+            raise OpFailed(ErrorKind.VALUE, "the store's port or the timeout is out of range")
+        if len(member.prefix) < 16:
+            raise OpFailed(ErrorKind.VALUE, "a group's prefix is a secret of 16 characters or more")
+        return member
+
+
+@dataclass
+class CollectiveGroups:
+    """The groups one session has joined, and the store it serves as a job's rank 0."""
+
+    _groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
+    _served: dict[int, dist.TCPStore] = field(default_factory=dict)
+
+    def serve_store(self, host: str, world: int) -> int:
+        """Serve a store for a group of ``world`` ranks; return its port."""
+        if not 1 <= world <= MAX_WORLD:
+            raise OpFailed(ErrorKind.VALUE, f"a group of {world} ranks is not a group")
+        store = dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False)
+        self._served[store.port] = store
+        return store.port
+
+    def join(self, member: Membership) -> None:
+        """Join ``member.name``'s group; blocks until every rank has joined."""
+        if member.name in self._groups:
+            raise OpFailed(ErrorKind.VALUE, f"this session is already in group {member.name!r}")
+        timeout = timedelta(seconds=member.timeout_s)
+        store = self._served.get(member.store_port) if member.rank == 0 else None
+        if store is None:
+            store = dist.TCPStore(
+                member.store_host, member.store_port, member.world, is_master=False, timeout=timeout
+            )
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=member.host)]
+        prefixed = dist.PrefixStore(f"{member.prefix}/{member.name}", store)
+        try:
+            group = dist.ProcessGroupGloo(prefixed, member.rank, member.world, options)
+        except RuntimeError as exc:
+            message = f"could not join group {member.name!r}: {exc}"
+            raise OpFailed(ErrorKind.RUNTIME, message) from None
+        self._groups[member.name] = group
+
+    def all_reduce(self, name: str, tensor: torch.Tensor, op: str) -> None:
+        """Reduce ``tensor`` in place across the group (blocking)."""
+        if op not in REDUCE_OPS:
+            raise OpFailed(ErrorKind.VALUE, f"unknown reduction {op!r}")
+        options = dist.AllreduceOptions()
+        options.reduceOp = REDUCE_OPS[op]
+        self._run(name, tensor, lambda group, t: group.allreduce([t], options))
+
+    def broadcast(self, name: str, tensor: torch.Tensor, root: int) -> None:
+        """Overwrite ``tensor`` with ``root``'s across the group (blocking)."""
+        options = dist.BroadcastOptions()
+        options.rootRank = root
+        self._run(name, tensor, lambda group, t: group.broadcast([t], options))
+
+    def all_gather(self, name: str, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        """Fill ``outputs`` (one per rank, in rank order) with every rank's ``tensor``."""
+        group = self._group(name)
+        if len(outputs) != group.size():
+            message = f"an all-gather in {name!r} needs {group.size()} outputs"
+            raise OpFailed(ErrorKind.VALUE, message)
+        self._agree(name, group, tensor)
+        dense = [out.contiguous() for out in outputs]
+        self._wait(name, group.allgather([dense], [tensor.contiguous()]))
+        for out, gathered in zip(outputs, dense, strict=True):
+            if gathered is not out:
+                out.copy_(gathered)
+
+    def _run(self, name: str, tensor: torch.Tensor, start) -> None:
+        group = self._group(name)
+        self._agree(name, group, tensor)
+        # gloo reduces dense contiguous buffers: a strided view goes through a copy.
+        dense = tensor if tensor.is_contiguous() else tensor.contiguous()
+        self._wait(name, start(group, dense))
+        if dense is not tensor:
+            tensor.copy_(dense)
+
+    def _agree(self, name: str, group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+        """Check that every rank brings a tensor of the same size and dtype, or fail on all.
+
+        gloo does not check: a rank sending more bytes than another expects aborts the
+        receiving process, and with it every other tenant of that executor. The check
+        costs one small exchange per collective; every rank sees the same table, so all
+        of them fail together and the group stays in step.
+        """
+        mine = torch.tensor([tensor.numel(), DTYPE_CODE.get(tensor.dtype, -1)], dtype=torch.int64)
+        table = [torch.empty_like(mine) for _ in range(group.size())]
+        self._wait(name, group.allgather([table], [mine]))
+        if any(not torch.equal(row, table[0]) for row in table):
+            seen = ", ".join(f"rank {i}: {row[0].item()} elements" for i, row in enumerate(table))
+            raise OpFailed(
+                ErrorKind.VALUE,
+                f"the ranks of group {name!r} brought different tensors to one collective ({seen})",
+            )
+
+    def _group(self, name: str) -> dist.ProcessGroup:
+        group = self._groups.get(name)
+        if group is None:
+            raise OpFailed(ErrorKind.VALUE, f"this session is in no group {name!r}")
+        return group
+
+    @staticmethod
+    def _wait(name: str, work: dist.Work) -> None:
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise OpFailed(ErrorKind.RUNTIME, f"collective in group {name!r}: {exc}") from None
+
+    def close(self) -> None:
+        """Leave every group and stop serving stores."""
+        self._groups.clear()
+        self._served.clear()

@@ -1,0 +1,182 @@
+"""torch.distributed across hosts: a job's collectives run among its executors.
+
+The slow specs run a standard torchrun DDP script (``tests/scripts/ddp_train.py``)
+through the shim against two real executor processes, each rank's link metered by a
+forwarder (``testing/tap.py``). The others drive the executor's side
+(``host/collectives.py``) with real gloo groups on loopback, one thread a rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from cumulus_p2p._errors import RemoteExecutionError
+from cumulus_p2p.host.collectives import CollectiveGroups, Membership
+from cumulus_p2p.host.handles import OpFailed
+from cumulus_p2p.testing.executor import executor_process
+from cumulus_p2p.testing.tap import tap
+
+SCRIPT = Path(__file__).parent / "scripts" / "ddp_train.py"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+PREFIX = "0123456789abcdef0123456789abcdef"
+
+
+def torchrun(*args: str, env: dict[str, str] | None = None) -> list[dict]:
+    """Run ``ddp_train.py`` on two ranks; return each rank's JSON line."""
+    environ = {**os.environ, **(env or {})}
+    done = subprocess.run(
+        [*TORCHRUN, *args], capture_output=True, text=True, timeout=300, env=environ
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def two_executors():
+    with executor_process() as (first, _), executor_process() as (second, _):
+        yield first, second
+
+
+def run_on_executors(executors, out: Path, steps: int) -> tuple[list[dict], list[int]]:
+    """The script through the shim, rank i on executor i; also each rank's link bytes."""
+    with tap(executors[0]) as first, tap(executors[1]) as second:
+        env = {"CUMULUS_EXECUTOR": f"{first.address},{second.address}"}
+        ranks = torchrun("-m", "cumulus_p2p.shim", str(SCRIPT), str(out), str(steps), env=env)
+        return ranks, [first.bytes, second.bytes]
+
+
+@pytest.mark.slow
+def test_a_torchrun_ddp_script_ends_with_the_parameters_of_local_gloo_ddp(two_executors, tmp_path):
+    torchrun(str(SCRIPT), str(tmp_path / "local.pt"), "3")
+    run_on_executors(two_executors, tmp_path / "remote.pt", 3)
+    local, remote = torch.load(tmp_path / "local.pt"), torch.load(tmp_path / "remote.pt")
+    assert local.keys() == remote.keys()
+    for name, value in local.items():
+        assert torch.allclose(remote[name], value, rtol=0, atol=1e-6), name
+
+
+@pytest.mark.slow
+def test_gradients_are_reduced_between_hosts_not_over_the_consumers_link(two_executors, tmp_path):
+    # The script uploads its model and downloads it at the end, whatever the steps: what a
+    # step adds to a rank's link is what the collectives would cross it if they did.
+    _, short = run_on_executors(two_executors, tmp_path / "short.pt", 2)
+    _, long = run_on_executors(two_executors, tmp_path / "long.pt", 6)
+    params = torch.load(tmp_path / "long.pt").values()
+    param_bytes = sum(v.numel() * v.element_size() for v in params)
+    for before, after in zip(short, long, strict=True):
+        per_step = (after - before) / 4
+        assert per_step < 0.01 * param_bytes, (per_step, param_bytes)
+
+
+def form_group(world: int, *, timeout_s: float = 10.0) -> list[CollectiveGroups]:
+    """``world`` sessions' groups, joined as one job named ``job``."""
+    groups = [CollectiveGroups() for _ in range(world)]
+    port = groups[0].serve_store("127.0.0.1", world)
+    each_rank(groups, lambda rank, group: group.join(member(port, rank, world, timeout_s)))
+    return groups
+
+
+def member(port: int, rank: int, world: int, timeout_s: float, prefix: str = PREFIX) -> Membership:
+    return Membership("job", "127.0.0.1", port, prefix, rank, world, "127.0.0.1", timeout_s)
+
+
+def each_rank(groups, work) -> list:
+    """Run ``work(rank, group)`` on every rank at once; return results (or the OpFailed)."""
+    results: list = [None] * len(groups)
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = work(rank, groups[rank])
+        except OpFailed as exc:
+            results[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(len(groups))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    return results
+
+
+def test_an_all_reduce_sums_every_ranks_tensor_in_place():
+    groups = form_group(2)
+    tensors = [torch.full((5,), 1.0), torch.full((5,), 2.0)]
+    each_rank(groups, lambda rank, group: group.all_reduce("job", tensors[rank], "SUM"))
+    assert all(torch.equal(t, torch.full((5,), 3.0)) for t in tensors)
+
+
+def test_a_strided_view_is_reduced_in_place_through_a_copy():
+    groups = form_group(2)
+    bases = [torch.zeros(4, 4) + rank + 1 for rank in range(2)]
+    each_rank(groups, lambda rank, group: group.all_reduce("job", bases[rank].t()[1], "MAX"))
+    assert torch.equal(bases[0][:, 1], torch.full((4,), 2.0))
+    assert torch.equal(bases[0][:, 0], torch.full((4,), 1.0))  # the rest is untouched
+
+
+def test_a_broadcast_copies_the_roots_tensor_to_every_rank():
+    groups = form_group(2)
+    tensors = [torch.arange(3.0), torch.zeros(3)]
+    each_rank(groups, lambda rank, group: group.broadcast("job", tensors[rank], 0))
+    assert torch.equal(tensors[1], torch.arange(3.0))
+
+
+def test_ranks_bringing_tensors_of_different_sizes_all_get_a_clear_error():
+    groups = form_group(2)
+    tensors = [torch.ones(10), torch.ones(12)]
+    results = each_rank(groups, lambda rank, group: group.all_reduce("job", tensors[rank], "SUM"))
+    assert all(isinstance(r, OpFailed) and "different tensors" in str(r) for r in results)
+    # Nobody was aborted, and the group is still in step for the next collective.
+    again = [torch.ones(2), torch.ones(2)]
+    each_rank(groups, lambda rank, group: group.all_reduce("job", again[rank], "SUM"))
+    assert torch.equal(again[0], torch.full((2,), 2.0))
+
+
+def test_a_collective_whose_other_ranks_never_come_fails_after_the_groups_timeout():
+    groups = form_group(2, timeout_s=1.0)
+    started = time.monotonic()
+    with pytest.raises(OpFailed, match="collective in group 'job'"):
+        groups[0].all_reduce("job", torch.ones(3), "SUM")
+    assert time.monotonic() - started < 10
+
+
+def test_a_host_without_the_jobs_prefix_cannot_join_its_group():
+    groups = [CollectiveGroups(), CollectiveGroups(), CollectiveGroups()]
+    port = groups[0].serve_store("127.0.0.1", 2)
+    outsider = member(port, 1, 2, 2.0, prefix="f" * 32)
+    joins = [member(port, 0, 2, 2.0), member(port, 1, 2, 2.0), outsider]
+    results = each_rank(groups, lambda rank, group: group.join(joins[rank]))
+    assert results[:2] == [None, None]
+    assert isinstance(results[2], OpFailed) and "could not join" in str(results[2])
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["job"],
+        ["job", "127.0.0.1", 1, PREFIX, 0, 2, "127.0.0.1", True],
+        ["job", "127.0.0.1", 1, PREFIX, 2, 2, "127.0.0.1", 5.0],
+        ["job", "127.0.0.1", 1, "short", 0, 2, "127.0.0.1", 5.0],
+        ["job", "127.0.0.1", 70000, PREFIX, 0, 2, "127.0.0.1", 5.0],
+    ],
+    ids=["too-few-fields", "timeout-not-a-number", "rank-outside-world", "short-prefix", "port"],
+)
+def test_a_malformed_join_is_refused_with_what_is_wrong(args):
+    with pytest.raises(OpFailed):
+        Membership.parse(args)
+
+
+def test_a_collective_in_a_group_the_session_never_joined_fails_and_the_session_lives_on(cumulus):
+    tensor = torch.ones(4, device="cumulus")
+    cumulus.submit(["@pg_allreduce", ["job", tensor._wire(), "SUM"], {}, None])
+    with pytest.raises(RemoteExecutionError, match="in no group 'job'"):
+        cumulus.synchronize()
+    assert (tensor * 2).sum().item() == 8.0
