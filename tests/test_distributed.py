@@ -20,7 +20,12 @@ import pytest
 import torch
 
 from cumulus_p2p._errors import RemoteExecutionError
-from cumulus_p2p.host.collectives import CollectiveGroups, Membership
+from cumulus_p2p.host.collectives import (
+    CollectiveGroups,
+    Membership,
+    collective_runs,
+    is_collective,
+)
 from cumulus_p2p.host.handles import OpFailed
 from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.testing.tap import tap
@@ -75,6 +80,26 @@ def test_gradients_are_reduced_between_hosts_not_over_the_consumers_link(two_exe
     for before, after in zip(short, long, strict=True):
         per_step = (after - before) / 4
         assert per_step < 0.01 * param_bytes, (per_step, param_bytes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [[], ["--worker-per-session"]], ids=["shared", "workers"])
+def test_two_ranks_on_one_executor_do_not_wait_on_each_others_device_turn(workers, tmp_path):
+    # A collective waits for the other rank: in a device turn, it would keep that rank's
+    # own turn from coming, until the group's timeout.
+    with executor_process(extra=workers) as (address, _):
+        env = {"CUMULUS_EXECUTOR": f"{address},{address}"}
+        ranks = torchrun(
+            "-m", "cumulus_p2p.shim", str(SCRIPT), str(tmp_path / "p.pt"), "2", env=env
+        )
+    assert sorted(rank["rank"] for rank in ranks) == [0, 1]
+
+
+def test_collectives_are_cut_out_of_a_batch_in_order():
+    ops = [["aten.add.Tensor"], ["@pg_allreduce"], ["@pg_allreduce"], ["aten.mul.Tensor"], ["x"]]
+    runs = collective_runs(ops)
+    assert runs == [[ops[0]], [ops[1]], [ops[2]], [ops[3], ops[4]]]
+    assert [is_collective(run[0]) for run in runs] == [False, True, True, False]
 
 
 def form_group(world: int, *, timeout_s: float = 10.0) -> list[CollectiveGroups]:

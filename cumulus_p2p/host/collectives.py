@@ -46,6 +46,26 @@ MAX_WORLD = 64
 MAX_TIMEOUT_S = 3600.0
 
 
+#: Records that wait for the job's other ranks (a store is served at once).
+WAITING_RECORDS = frozenset({"@pg_join", "@pg_allreduce", "@pg_broadcast", "@pg_allgather"})
+
+
+def is_collective(record: object) -> bool:
+    """Whether an op record waits for other ranks (and so must not hold a device turn)."""
+    return isinstance(record, list) and bool(record) and record[0] in WAITING_RECORDS
+
+
+def collective_runs(ops: list) -> list[list]:
+    """``ops`` cut into runs of other ops, each collective a run of its own, in order."""
+    runs: list[list] = []
+    for record in ops:
+        if is_collective(record) or not runs or is_collective(runs[-1][0]):
+            runs.append([record])
+        else:
+            runs[-1].append(record)
+    return runs
+
+
 @dataclass
 class Membership:
     """How one rank joins its job's group (the fields of a ``@pg_join`` record)."""

@@ -44,6 +44,7 @@ from ..native.executor import STORAGELESS, ReplayError, ReplaySession, new_repla
 from ..wire import native as native_wire
 from ..wire.manifest import parse_storage_entries
 from ..wire.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
+from .collectives import collective_runs, is_collective
 from .eviction import Candidate, Tier, destination, plan
 from .graph_compiler import GraphRunner
 from .handles import OpFailed
@@ -509,7 +510,9 @@ class Executor:
         if session.tier is not Tier.DEVICE and not self._over_device_bytes(session):
             # It fits beside the others: back ahead of its turn, while they compute.
             await trio.to_thread.run_sync(session.bring_back)
-        if not getattr(self.scheduler, "preemptive", False):
+        if any(is_collective(record) for record in batch.ops):
+            reply = await self._run_collectives(session, batch, turn)
+        elif not getattr(self.scheduler, "preemptive", False):
             reply = await self._on_device(session.run_batch, batch, **turn)
         else:
             start: int | None = 0
@@ -622,6 +625,21 @@ class Executor:
         if moved and self.ctx.device.type == "cuda":
             torch.cuda.empty_cache()  # hand the memory back for other processes
         return moved
+
+    async def _run_collectives(self, session: ExecutorSession, batch: Batch, turn: dict) -> Reply:
+        """Run a batch holding collectives: each outside any device turn, the ops between
+        them in turns. A collective waits for the job's other ranks, and those may be
+        sessions of this executor: holding the device while waiting would keep their
+        turns, and so themselves, from ever coming."""
+        blobs = batch.blobs
+        for ops in collective_runs(batch.ops):
+            piece = Batch(batch.seq, ops, [], None, blobs)
+            if is_collective(ops[0]):
+                await trio.to_thread.run_sync(session.run_batch, piece)
+            else:
+                await self._on_device(session.run_batch, piece, **turn)
+        last = Batch(batch.seq, [], batch.frees, batch.query, blobs)
+        return await self._on_device(session.run_batch, last, **turn)
 
     def _run_ops(
         self, session: ExecutorSession, batch: Batch, start: int
