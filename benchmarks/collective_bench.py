@@ -16,14 +16,21 @@ figure is measured in the same run against its baseline:
 Prints JSON and writes ``benchmarks/results/collective.json`` (not with ``--quick``)::
 
     python benchmarks/collective_bench.py [--quick] [--megabytes N]
+    sudo .venv/bin/python benchmarks/collective_bench.py --shaped [--quick]
 
-Not measured yet: shaped links (network namespaces and ``tc``) and DiLoCo, so
-``diloco_utilization`` is null.
+``--shaped`` runs on real links (``netns.shaped_mesh``, root): the two executors in host
+namespaces joined at 1 Gbit/s, the ranks in the consumer's namespace behind 100 Mbit/s.
+It measures the DDP arm only, and adds ``ddp_step_via_consumer_floor_s``: the least a step
+would take if its all-reduce crossed the consumer's link (each rank's gradients up and the
+sum back down, at the link's rate). It writes ``collective_shaped.json``.
+
+Not measured yet: DiLoCo, so ``diloco_utilization`` is null.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -62,9 +69,9 @@ def rank_main(backend: str, megabytes: int, rounds: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def torchrun(*args: str, env: dict[str, str] | None = None) -> str:
+def torchrun(*args: str, env: dict[str, str] | None = None, prefix: tuple = ()) -> str:
     done = subprocess.run(
-        [*TORCHRUN, *args],
+        [*prefix, *TORCHRUN, *args],
         capture_output=True,
         text=True,
         timeout=600,
@@ -82,15 +89,17 @@ def all_reduce_gb_s(backend: str, megabytes: int, rounds: int, work: Path, env=N
     return json.loads(out.read_text())["gb_s"]
 
 
-def ddp_figures(executors: tuple[str, str], steps: int, work: Path) -> dict:
-    from cumulus_p2p.testing.tap import tap
-
-    local_step_s = _step_s(torchrun(str(SCRIPT), str(work / "local.pt"), str(steps)))
+def ddp_figures(executors, steps: int, work: Path, run=torchrun, meter=None) -> dict:
+    """DDP's figures; ``meter(executors)`` is a context yielding the addresses to attach to
+    and a function reading the bytes on a rank's link so far (default: loopback taps)."""
+    local_step_s = _step_s(run(str(SCRIPT), str(work / "local.pt"), str(steps)))
     link_bytes = {}
-    for run_steps in (1, steps):
-        with tap(executors[0]) as first, tap(executors[1]) as second:
-            env = {"CUMULUS_EXECUTOR": f"{first.address},{second.address}"}
-            out = torchrun(
+    # The first run's upload of the model may leave it in the host's blob store, which
+    # spares the next runs that upload: measured runs all come after one.
+    for run_steps in (1, 1, steps):
+        with (meter or _taps)(executors) as (addresses, read):
+            env = {"CUMULUS_EXECUTOR": ",".join(addresses)}
+            out = run(
                 "-m",
                 "cumulus_p2p.shim",
                 str(SCRIPT),
@@ -98,9 +107,10 @@ def ddp_figures(executors: tuple[str, str], steps: int, work: Path) -> dict:
                 str(run_steps),
                 env=env,
             )
-            link_bytes[run_steps] = max(first.bytes, second.bytes)
+            link_bytes[run_steps] = read()
     local, remote = torch.load(work / "local.pt"), torch.load(work / "remote.pt")
     param_bytes = sum(v.numel() * v.element_size() for v in local.values())
+    (work / "params.json").write_text(json.dumps({"bytes": param_bytes}))
     return {
         "ddp_step_s": _step_s(out),
         "ddp_local_gloo_step_s": local_step_s,
@@ -110,15 +120,67 @@ def ddp_figures(executors: tuple[str, str], steps: int, work: Path) -> dict:
     }
 
 
+@contextlib.contextmanager
+def _taps(executors):
+    """Each rank's link on loopback, metered by a forwarder: the mean of the two."""
+    from cumulus_p2p.testing.tap import tap
+
+    with tap(executors[0]) as first, tap(executors[1]) as second:
+        yield [first.address, second.address], lambda: (first.bytes + second.bytes) / 2
+
+
+def _interface(consumer):
+    """The consumer namespace's link, read from the kernel: half of it is a rank's."""
+
+    def read() -> float:
+        cat = consumer.command(
+            "cat", *(f"/sys/class/net/eth0/statistics/{n}_bytes" for n in ("rx", "tx"))
+        )
+        return (
+            sum(int(n) for n in subprocess.run(cat, capture_output=True, text=True).stdout.split())
+            / 2
+        )
+
+    @contextlib.contextmanager
+    def meter(executors):
+        start = read()
+        yield list(executors), lambda: read() - start
+
+    return meter
+
+
 def _step_s(stdout: str) -> float:
     ranks = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     return max(rank["step_s"] for rank in ranks)
+
+
+def shaped(quick: bool, work: Path) -> dict:
+    """The DDP arm on shaped links: hosts at 1 Gbit/s, the consumer at 100 Mbit/s."""
+    import functools
+
+    from cumulus_p2p.testing.executor import executor_in
+    from cumulus_p2p.testing.netns import shaped_mesh
+
+    steps = 3 if quick else 8
+    with shaped_mesh(hosts=2, consumer_mbit=100, host_mbit=1000) as mesh:
+        with contextlib.ExitStack() as stack:
+            executors = tuple(
+                stack.enter_context(executor_in(host, work / host.name))[0] for host in mesh.hosts
+            )
+            run = functools.partial(torchrun, prefix=tuple(mesh.consumer.command()))
+            result = ddp_figures(executors, steps, work, run, _interface(mesh.consumer))
+        param_bytes = json.loads((work / "params.json").read_text())["bytes"]
+        result["ddp_step_via_consumer_floor_s"] = 2 * param_bytes * 8 / (mesh.consumer_mbit * 1e6)
+        result |= {"ddp_steps": steps, "consumer_mbit": mesh.consumer_mbit}
+        result["host_mbit"] = mesh.host_mbit
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller and fewer (< 1 minute)")
     parser.add_argument("--megabytes", type=int, default=None, help="all-reduced tensor size")
+    parser.add_argument("--shaped", action="store_true", help="on shaped links (root)")
     parser.add_argument("--rank-of", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_of:
@@ -132,6 +194,13 @@ def main() -> None:
     steps = 3 if args.quick else 8
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"collective-bench-{os.getpid()}"
     work.mkdir(parents=True, exist_ok=True)
+    if args.shaped:
+        result = shaped(args.quick, work)
+        print(json.dumps(result, indent=2))
+        if not args.quick:
+            out = ROOT / "benchmarks" / "results" / "collective_shaped.json"
+            out.write_text(json.dumps(result, indent=2))
+        return
     result = {"megabytes": megabytes, "rounds": rounds, "ddp_steps": steps, "quick": args.quick}
     result["gloo_gb_s"] = all_reduce_gb_s("gloo", megabytes, rounds, work)
     with executor_process() as (first, _), executor_process() as (second, _):

@@ -49,8 +49,11 @@ call in that thread. ``tensor.is_cuda`` stays ``False`` and ``tensor.device`` re
 ``cumulus:0`` (torch itself branches on both, so faking them would send cumulus tensors
 down CUDA-only paths). ``torch.cuda.get_rng_state`` and ``set_rng_state`` read and set the
 executor's generator. ``torch.Generator(device="cuda")``, CUDA graphs,
-``torch.cuda.FloatTensor``-style types, multi-GPU (``DataParallel``, ``cuda:1``) and the
-rest of ``torch.cuda`` are not emulated.
+``torch.cuda.FloatTensor``-style types, multi-GPU in one process (``DataParallel``,
+``cuda:1``) and the rest of ``torch.cuda`` are not emulated. A job of several processes is:
+in one rank of a torchrun job, ``cuda:LOCAL_RANK`` is that rank's session,
+``init_process_group("nccl")`` makes a ``cumulus`` group (``remote/distributed.py``), and
+``DistributedDataParallel(device_ids=[LOCAL_RANK])`` runs on the session's device.
 """
 
 from __future__ import annotations

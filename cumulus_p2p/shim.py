@@ -31,7 +31,9 @@ Environment:
     CUMULUS_CONTROL, CUMULUS_CONTROL_TOKEN: set by ``cumulus-node --consume``: the node's
         control channel, which hands over the leased session and finds a new host on
         failover (see ``cumulus_p2p.node.control``).
-    CUMULUS_EXECUTOR: otherwise, ``host:port`` of an executor reachable over plain TCP.
+    CUMULUS_EXECUTOR: otherwise, ``host:port`` of an executor reachable over plain TCP;
+        for a job of several ranks (``torchrun -m cumulus_p2p.shim train.py``), one per
+        rank, comma separated, each rank taking the one at its ``LOCAL_RANK``.
 """
 
 from __future__ import annotations
