@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -130,6 +131,14 @@ def each_rank(groups, work) -> list:
     for thread in threads:
         thread.join(timeout=60)
     return results
+
+
+def test_a_groups_store_listens_on_the_hosts_address_alone():
+    groups = CollectiveGroups()
+    port = groups.serve_store("127.0.0.1", 2)
+    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.2", port), timeout=5)
 
 
 def test_an_all_reduce_sums_every_ranks_tensor_in_place():

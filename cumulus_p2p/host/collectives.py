@@ -24,6 +24,7 @@ sync point as any failed op is, and the session lives on.
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -110,22 +111,36 @@ class CollectiveGroups:
     """The groups one session has joined, and the store it serves as a job's rank 0."""
 
     _groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
-    _served: dict[int, dist.TCPStore] = field(default_factory=dict)
+    _served: dict[int, tuple[dist.TCPStore, socket.socket]] = field(default_factory=dict)
 
     def serve_store(self, host: str, world: int) -> int:
-        """Serve a store for a group of ``world`` ranks; return its port."""
+        """Serve a store for a group of ``world`` ranks on ``host``; return its port.
+
+        The store listens on ``host`` alone: left to itself, a ``TCPStore`` listens on
+        every interface of the machine.
+        """
         if not 1 <= world <= MAX_WORLD:
             raise OpFailed(ErrorKind.VALUE, f"a group of {world} ranks is not a group")
-        store = dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False)
-        self._served[store.port] = store
-        return store.port
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            listener = socket.create_server((host, 0), family=family)
+        except OSError as exc:
+            raise OpFailed(ErrorKind.VALUE, f"cannot serve a store on {host}: {exc}") from None
+        port = listener.getsockname()[1]
+        store = dist.TCPStore(
+            host, port, world, is_master=True, wait_for_workers=False,
+            master_listen_fd=listener.fileno(),
+        )  # fmt: skip
+        self._served[port] = (store, listener)
+        return port
 
     def join(self, member: Membership) -> None:
         """Join ``member.name``'s group; blocks until every rank has joined."""
         if member.name in self._groups:
             raise OpFailed(ErrorKind.VALUE, f"this session is already in group {member.name!r}")
         timeout = timedelta(seconds=member.timeout_s)
-        store = self._served.get(member.store_port) if member.rank == 0 else None
+        served = self._served.get(member.store_port) if member.rank == 0 else None
+        store = served[0] if served is not None else None
         if store is None:
             store = dist.TCPStore(
                 member.store_host, member.store_port, member.world, is_master=False, timeout=timeout
@@ -211,4 +226,6 @@ class CollectiveGroups:
     def close(self) -> None:
         """Leave every group and stop serving stores."""
         self._groups.clear()
+        for _store, listener in self._served.values():
+            listener.close()
         self._served.clear()
