@@ -96,6 +96,39 @@ def test_two_ranks_on_one_executor_do_not_wait_on_each_others_device_turn(worker
     assert sorted(rank["rank"] for rank in ranks) == [0, 1]
 
 
+#: A rank that joins a group of two whose other rank never comes, then waits out its timeout.
+LONELY_RANK = """
+import sys, torch, cumulus_p2p.remote as remote
+with remote.attach(sys.argv[1]) as session:
+    port = session.call(["@pg_store", ["127.0.0.1", 2], {}, None])
+    join = ["job", "127.0.0.1", port, "0123456789abcdef", 0, 2, "127.0.0.1", 6.0]
+    print("joining", flush=True)
+    session.submit(["@pg_join", join, {}, None])
+    try:
+        session.synchronize()
+    except Exception as exc:
+        print(type(exc).__name__, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_waiting_for_its_group_does_not_hold_up_another_tenant(executor_address, cumulus):
+    lonely = subprocess.Popen(
+        [sys.executable, "-c", LONELY_RANK, executor_address], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert lonely.stdout.readline().strip() == "joining"
+        time.sleep(0.5)  # its join has reached the executor and waits there
+        started = time.monotonic()
+        x = torch.arange(4.0, device="cumulus")
+        assert (x * 2).sum().item() == 12.0
+        assert time.monotonic() - started < 3.0  # not the 6 s the lonely rank waits
+        assert lonely.stdout.readline().strip() == "RemoteRuntimeError"  # its timeout
+    finally:
+        lonely.kill()
+        lonely.wait()
+
+
 def test_collectives_are_cut_out_of_a_batch_in_order():
     ops = [["aten.add.Tensor"], ["@pg_allreduce"], ["@pg_allreduce"], ["aten.mul.Tensor"], ["x"]]
     runs = collective_runs(ops)
