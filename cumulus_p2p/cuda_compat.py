@@ -247,6 +247,11 @@ def _init_process_group(original: Callable) -> Callable:
         if "backend" in kwargs:
             backend = kwargs.pop("backend")
         if isinstance(backend, str) and backend.lower() == "nccl":
+            if NAME not in torch.distributed.Backend.backend_list:
+                raise RuntimeError(
+                    "NCCL means the cumulus backend under CUDA compatibility mode, and this "
+                    "device has none: run the job on the Python device (without --native)"
+                )
             backend = NAME
         return original(backend, *args, **kwargs)
 

@@ -94,3 +94,15 @@ def test_a_machine_that_cannot_build_the_device_is_told_what_to_install(tmp_path
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == shim.EXIT_CANNOT_START
     assert "no C++ compiler ('no-such-compiler' is not on PATH): install g++" in done.stderr
+
+
+def test_a_ddp_script_on_the_native_device_is_told_to_run_on_the_python_device(tmp_path):
+    script = SCRIPT.parent / "ddp_train.py"
+    with executor_process(env=ONE_THREAD) as (address, _):
+        env = {**os.environ, shim.ENV_EXECUTOR: address, "LOCAL_RANK": "0"}
+        command = [sys.executable, "-m", "cumulus_p2p.shim", "--native", str(script)]
+        done = subprocess.run(
+            [*command, str(tmp_path / "out.pt")], env=env, capture_output=True, text=True
+        )
+    assert done.returncode == 1
+    assert "without --native" in done.stderr
