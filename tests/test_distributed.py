@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from cumulus_p2p._errors import RemoteExecutionError
+from cumulus_p2p.diloco import DiLoCo
 from cumulus_p2p.host.collectives import (
     CollectiveGroups,
     Membership,
@@ -134,6 +135,31 @@ def test_collectives_are_cut_out_of_a_batch_in_order():
     runs = collective_runs(ops)
     assert runs == [[ops[0]], [ops[1]], [ops[2]], [ops[3], ops[4]]]
     assert [is_collective(run[0]) for run in runs] == [False, True, True, False]
+
+
+@pytest.mark.slow
+def test_diloco_across_two_executors_ends_with_the_parameters_of_local_gloo_diloco(
+    two_executors, tmp_path
+):
+    script, args = str(SCRIPT.parent / "diloco_train.py"), ["6", "3", "512", "sgd"]
+    local = torchrun(script, str(tmp_path / "local.pt"), *args)
+    env = {"CUMULUS_EXECUTOR": ",".join(two_executors)}
+    remote = torchrun("-m", "cumulus_p2p.shim", script, str(tmp_path / "remote.pt"), *args, env=env)
+    assert [r["syncs"] for r in remote] == [2, 2]
+    by_rank = {r["rank"]: r["losses"] for r in local}
+    for ran in remote:
+        assert ran["losses"] == pytest.approx(by_rank[ran["rank"]], rel=1e-6)
+    local_params, remote_params = (
+        torch.load(tmp_path / "local.pt"),
+        torch.load(tmp_path / "remote.pt"),
+    )
+    for name, value in local_params.items():
+        assert torch.allclose(remote_params[name], value, rtol=0, atol=1e-6), name
+
+
+def test_diloco_refuses_a_sync_interval_below_one_step():
+    with pytest.raises(ValueError, match="at least 1"):
+        DiLoCo(torch.nn.Linear(2, 2), None, sync_every=0)  # type: ignore[arg-type]
 
 
 def form_group(world: int, *, timeout_s: float = 10.0) -> list[CollectiveGroups]:
