@@ -1,4 +1,4 @@
-"""Collectives between a job's hosts (issue 33): all-reduce speed, and DDP through them.
+"""Collectives between a job's hosts (issue 33): all-reduce speed, DDP and DiLoCo.
 
 Two real CPU executor processes on loopback, each serving one rank's session; every
 figure is measured in the same run against its baseline:
@@ -11,7 +11,10 @@ figure is measured in the same run against its baseline:
   torchrun DDP script of the tests (``tests/scripts/ddp_train.py``) through the shim, its
   median step time (``ddp_local_gloo_step_s``: the same script on gloo in two local
   processes), its largest parameter difference against that local run, and the bytes a
-  training step adds to a rank's link against the bytes it all-reduces.
+  training step adds to a rank's link against the bytes it all-reduces;
+- ``diloco_utilization``: ``tests/scripts/diloco_train.py`` (AdamW inside, H = 100; 10
+  in ``--quick``) through the shim: the share of wall time its steps spend training
+  rather than synchronizing (``cumulus_p2p.diloco``).
 
 Prints JSON and writes ``benchmarks/results/collective.json`` (not with ``--quick``)::
 
@@ -20,11 +23,10 @@ Prints JSON and writes ``benchmarks/results/collective.json`` (not with ``--quic
 
 ``--shaped`` runs on real links (``netns.shaped_mesh``, root): the two executors in host
 namespaces joined at 1 Gbit/s, the ranks in the consumer's namespace behind 100 Mbit/s.
-It measures the DDP arm only, and adds ``ddp_step_via_consumer_floor_s``: the least a step
-would take if its all-reduce crossed the consumer's link (each rank's gradients up and the
-sum back down, at the link's rate). It writes ``collective_shaped.json``.
-
-Not measured yet: DiLoCo, so ``diloco_utilization`` is null.
+It measures the DDP and DiLoCo arms, and adds ``ddp_step_via_consumer_floor_s``: the
+least a step would take if its all-reduce crossed the consumer's link (each rank's
+gradients up and the sum back down, at the link's rate). It writes
+``collective_shaped.json``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -149,6 +152,25 @@ def _interface(consumer):
     return meter
 
 
+DILOCO = ROOT / "tests" / "scripts" / "diloco_train.py"
+
+
+def diloco_utilization(executors, quick: bool, run=torchrun) -> dict:
+    """DiLoCo through the shim: the share of wall time spent in inner steps, the steps
+    that synchronize counted at a plain step's median (the rest is synchronizing)."""
+    steps, every = (20, 10) if quick else (200, 100)
+    env = {"CUMULUS_EXECUTOR": ",".join(executors)}
+    out = run(
+        "-m", "cumulus_p2p.shim", str(DILOCO), os.devnull, str(steps), str(every), "4096", env=env
+    )
+    shares = []
+    for rank in (json.loads(line) for line in out.splitlines() if line.startswith("{")):
+        times = rank["step_s"]
+        plain = [t for i, t in enumerate(times) if (i + 1) % every]
+        shares.append(statistics.median(plain) * len(times) / sum(times))
+    return {"diloco_utilization": min(shares), "diloco_sync_every": every, "diloco_steps": steps}
+
+
 def _step_s(stdout: str) -> float:
     ranks = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     return max(rank["step_s"] for rank in ranks)
@@ -169,6 +191,7 @@ def shaped(quick: bool, work: Path) -> dict:
             )
             run = functools.partial(torchrun, prefix=tuple(mesh.consumer.command()))
             result = ddp_figures(executors, steps, work, run, _interface(mesh.consumer))
+            result |= diloco_utilization(executors, quick, run)
         param_bytes = json.loads((work / "params.json").read_text())["bytes"]
         result["ddp_step_via_consumer_floor_s"] = 2 * param_bytes * 8 / (mesh.consumer_mbit * 1e6)
         result |= {"ddp_steps": steps, "consumer_mbit": mesh.consumer_mbit}
@@ -207,8 +230,8 @@ def main() -> None:
         env = {"CUMULUS_EXECUTOR": f"{first},{second}"}
         result["allreduce_gb_s"] = all_reduce_gb_s("cumulus", megabytes, rounds, work, env)
         result.update(ddp_figures((first, second), steps, work))
+        result.update(diloco_utilization((first, second), args.quick))
     result["allreduce_vs_gloo"] = result["allreduce_gb_s"] / result["gloo_gb_s"]
-    result["diloco_utilization"] = None  # not built yet
     print(json.dumps(result, indent=2))
     if not args.quick:
         (ROOT / "benchmarks" / "results" / "collective.json").write_text(
