@@ -357,6 +357,33 @@ async def test_provider_ending_the_session_reaches_the_consumer():
         await in_thread(consumer)
 
 
+async def test_a_provider_closing_mid_frame_closes_after_the_frame():
+    """A close (a lease paused) waits for the frame being sent: a ``CLOSE`` record
+    between a frame's records would break the consumer's stream (RemoteProtocolError)."""
+    big = os.urandom(600_000)
+
+    async def pause_mid_frame(channel):
+        await channel.receive_frame()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(channel.send_frame, [big])
+            await trio.sleep(0.2)  # the frame waits for acknowledgements halfway
+            await channel.aclose("lease paused")
+
+    async with provider(pause_mid_frame, max_record=16 * 1024, max_unacked=64 * 1024) as server:
+
+        def consumer():
+            with connect(server) as ch:
+                ch.send_frame([b"go"])
+                time.sleep(0.5)  # reads nothing, so acknowledges nothing, for a while
+                # The frame, then the close; or, when the frame cannot finish within the
+                # close's second, the close's reason on resuming. Never a protocol error.
+                with pytest.raises(SessionClosedError, match="lease paused"):
+                    while True:
+                        assert bytes(ch.recv_frame()) == big
+
+        await in_thread(consumer)
+
+
 # --- the provider's reader: handler cancellation, concurrent tasks, acknowledgements ---
 
 

@@ -346,7 +346,10 @@ class ServerSession:
             self._end(self.successor.ended or reason)
             return
         with trio.move_on_after(1.0):
-            async with self._wire:
+            # After any frame being sent: a CLOSE between a frame's records is a
+            # protocol error to the consumer. A frame that cannot finish in time is cut
+            # off with the connection instead, which the consumer takes for a lost link.
+            async with self._frames, self._wire:
                 record = self.core.seal_close(reason)
                 await self._transmit(record)
         self._end(reason)
