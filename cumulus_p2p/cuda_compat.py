@@ -306,7 +306,9 @@ def _cuda_index(device: Any) -> int | None | bool:
         index = device
     else:
         return False
-    if index not in (None, 0, _local_rank()):
+    # The environment is read only for an index other than 0: this runs on every device
+    # argument of every torch call.
+    if index not in (None, 0) and index != _local_rank():
         raise ValueError(
             f"CUDA device {index} does not exist: a cumulus session exposes one device, "
             "which CUDA compatibility mode presents as cuda:0 (and as cuda:LOCAL_RANK in "

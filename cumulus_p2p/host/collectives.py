@@ -140,8 +140,9 @@ class CollectiveGroups:
             raise OpFailed(ErrorKind.VALUE, f"this session is already in group {member.name!r}")
         timeout = timedelta(seconds=member.timeout_s)
         served = self._served.get(member.store_port) if member.rank == 0 else None
-        store = served[0] if served is not None else None
-        if store is None:
+        if served is not None:
+            store = served[0]
+        else:
             store = dist.TCPStore(
                 member.store_host, member.store_port, member.world, is_master=False, timeout=timeout
             )

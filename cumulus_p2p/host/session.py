@@ -307,9 +307,12 @@ class ExecutorSession:
     # --- collectives among a job's hosts (``collectives.py``) ----------------------------
 
     def _serve_group_store(self, args: Any, blobs: list[memoryview]) -> None:
-        if not (isinstance(args, list) and len(args) == 2 and type(args[0]) is str):
-            raise OpFailed(ErrorKind.PROTOCOL_ERROR, "@pg_store takes [host, world]")
-        if type(args[1]) is not int:
+        if not (
+            isinstance(args, list)
+            and len(args) == 2
+            and type(args[0]) is str
+            and type(args[1]) is int
+        ):
             raise OpFailed(ErrorKind.PROTOCOL_ERROR, "@pg_store takes [host, world]")
         self._dyn_result = self._groups.serve_store(args[0], args[1])
 
