@@ -12,6 +12,10 @@ import tempfile
 # others wait for: four 60-step demo_train runs at once took 24 s and 46 CPU s spinning,
 # 9 s and 17 CPU s passive, with the same losses to the bit (the thread count is unchanged).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Nodes and executors start as forks of a process that imported torch and libp2p once
+# (``cumulus_p2p.testing.forkstart``): fresh interpreters spent over half the suite's CPU
+# importing them. CUMULUS_FORK_START=0 starts fresh interpreters instead.
+os.environ.setdefault("CUMULUS_FORK_START", "1")
 
 import pytest  # noqa: E402
 

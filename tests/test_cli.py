@@ -24,6 +24,7 @@ from cumulus_p2p.node.consumer import script_command
 from cumulus_p2p.node.datadir import DataDir
 from cumulus_p2p.node.hardware import Detection, DeviceFacts, offered_devices, offered_gpu
 from cumulus_p2p.node.provider import OfferedDevice, _executor_for
+from cumulus_p2p.testing import forkstart
 from cumulus_p2p.testing.nodes import (
     LOOPBACK_LISTEN,
     NodeProcess,
@@ -471,9 +472,11 @@ def _has_torch_loaded(node: NodeProcess) -> bool:
 def test_a_boot_node_and_a_consumers_node_run_without_loading_torch(tmp_path):
     # Only a provider runs tensors (and the consumer's script, in its own process):
     # loading torch would cost every other node about 2 s of CPU at each start.
-    boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
+    # Fresh interpreters: a fork of the suite's preloaded server has torch already.
+    fresh = {forkstart.ENV_SWITCH: "0"}
+    boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN, env=fresh)
     consumer = start_consumer(
-        tmp_path / "c", boot.addr, "--min-vram", "100000GiB", command=["train.py"]
+        tmp_path / "c", boot.addr, "--min-vram", "100000GiB", command=["train.py"], env=fresh
     )
     try:
         consumer.wait_for_state(lambda state: state.get("role") == "consumer")

@@ -20,6 +20,7 @@ from ..channel.secure import SecureClientChannel, connect_secure
 from ..channel.transport import TrioFrameChannel
 from ..identity import NodeIdentity
 from ..wire.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
+from . import forkstart
 
 _LISTENING = re.compile(r"listening on ([0-9.]+):(\d+)")
 _KEY = re.compile(r"key=([0-9a-f]{64})")
@@ -43,7 +44,7 @@ def executor_process(
     cmd += ["--port", "0", "--device", device, "--quota", quota, *(extra or [])]
     environ = {**os.environ, **(env or {})}
     log = tempfile.TemporaryFile()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=environ)
+    proc = forkstart.popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=environ)
     proc.log = log
     try:
         line = proc.stdout.readline()

@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import forkstart
+
 LOOPBACK_LISTEN = "/ip4/127.0.0.1/tcp/0"
 #: Seconds between a test node's re-announcements of its offers or bid (the product's
 #: default is 10). A change (shares taken or freed, a node started) is announced at once
@@ -193,7 +195,7 @@ def start_process(
     when it ``listens``, its ``addr`` is the ``ADDR`` of its ``listening on ADDR`` line
     (``NodeProcess.addr`` waits for it)."""
     full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
-    proc = subprocess.Popen(
+    proc = forkstart.popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env
     )
     node = NodeProcess(proc, Path(data_dir), listens=listens)

@@ -1,0 +1,174 @@
+"""Start ``python -m MODULE`` and ``python SCRIPT`` as forks of a server that has already
+imported torch and libp2p, for the test suite.
+
+Why: a test mesh starts its nodes and executors as processes of their own, and each
+fresh interpreter spends 2 to 4 CPU seconds importing torch (about 2), libp2p (about 1)
+and Cumulus before it does anything. Measured over the whole suite, those imports were
+more than half of its CPU time on two cores. A fork of a process that imported them
+once starts in a few hundredths of a second.
+
+What a test gets is still a real process running the real entry point: its own pid,
+sockets, signals and exit status, its output on a pipe. Only the parent differs: it is
+the fork server (Python's ``multiprocessing`` forkserver, with torch preloaded), not
+the test. ``popen`` answers with a ``subprocess.Popen`` when it cannot keep that
+promise: a command that is not this interpreter running a module or a script, or fork
+starts turned off (``CUMULUS_FORK_START`` unset or not ``1`` in the environment the
+command is given: the demo and the benchmarks start fresh interpreters, as a user's
+machine does, and so does a test that checks what a fresh node imports).
+
+Two things a fresh interpreter reads at start-up are read again here: the environment
+(replaced whole in the child) and ``OMP_NUM_THREADS`` (OpenMP read it when the server
+loaded torch, so the child sets torch's thread count from it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import multiprocessing.connection
+import os
+import runpy
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from typing import IO
+
+#: Set to ``1`` (``tests/conftest.py`` does) to start the commands ``popen`` can as forks.
+ENV_SWITCH = "CUMULUS_FORK_START"
+#: What the server imports once, before it forks anything: what a node, an executor or a
+#: worker would import first thing.
+PRELOAD = [
+    "torch",
+    "libp2p",
+    "trio",
+    "cumulus_p2p.cli",
+    "cumulus_p2p.node.provider",
+    "cumulus_p2p.node.consumer",
+    "cumulus_p2p.host.executor_main",
+]
+
+_context = multiprocessing.get_context("forkserver")
+_context.set_forkserver_preload(PRELOAD)
+_started: list[ForkedProcess] = []
+
+
+class ForkedProcess:
+    """The part of ``subprocess.Popen`` the test helpers use, for a forked child."""
+
+    def __init__(self, args: list[str], process, stdout: IO[str] | None) -> None:
+        self.args = args
+        self.stdout = stdout
+        self._process = process
+        self.pid: int = process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return self._process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        # Only a child not yet reaped: its pid cannot have gone to another process.
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def popen(
+    command: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    stdout: int | IO | None = None,
+    stderr: int | IO | None = None,
+    text: bool = False,
+) -> ForkedProcess | subprocess.Popen:
+    """Start ``command`` as ``subprocess.Popen(command, env=..., stdout=..., stderr=...,
+    text=...)`` would, as a fork of the preloaded server where it can (module docstring).
+
+    ``stdout`` may be ``subprocess.PIPE`` or a file; ``stderr`` also ``subprocess.STDOUT``.
+    """
+    command = list(command)
+    environ = dict(os.environ if env is None else env)
+    if environ.get(ENV_SWITCH) != "1" or _entry(command) is None or not text:
+        return subprocess.Popen(command, env=env, stdout=stdout, stderr=stderr, text=text)
+    read_end = None
+    if stdout == subprocess.PIPE:
+        read_end, out_fd = os.pipe()
+    else:
+        out_fd = os.dup(stdout.fileno() if stdout is not None else 1)
+    err_fd = os.dup(out_fd if stderr == subprocess.STDOUT else _fileno(stderr, 2))
+    out, err = (
+        multiprocessing.connection.Connection(out_fd),
+        multiprocessing.connection.Connection(err_fd),
+    )
+    process = _context.Process(target=_run, args=(command, environ, out, err), daemon=False)
+    try:
+        process.start()
+    finally:
+        out.close()
+        err.close()
+    child = ForkedProcess(command, process, open(read_end) if read_end is not None else None)
+    _started.append(child)
+    return child
+
+
+def _fileno(stream: int | IO | None, default: int) -> int:
+    if stream is None:
+        return default
+    return stream if isinstance(stream, int) else stream.fileno()
+
+
+def _entry(command: list[str]) -> tuple[str, str, list[str]] | None:
+    """``("-m", module, args)`` or ``("", script, args)``; None for anything else."""
+    if len(command) < 2 or command[0] != sys.executable:
+        return None
+    if command[1] == "-m" and len(command) >= 3:
+        return "-m", command[2], command[3:]
+    if command[1].endswith(".py"):
+        return "", command[1], command[2:]
+    return None
+
+
+def _run(command: list[str], environ: dict[str, str], out, err) -> None:
+    """In the child: become ``command`` (its streams, environment and arguments) and run it.
+    ``SystemExit`` and exceptions end the process as they would end ``python``."""
+    os.dup2(out.fileno(), 1)
+    os.dup2(err.fileno(), 2)
+    out.close()
+    err.close()
+    os.environ.clear()
+    os.environ.update(environ)
+    threads = environ.get("OMP_NUM_THREADS")
+    if threads:
+        import torch
+
+        torch.set_num_threads(int(threads))
+    kind, target, args = _entry(command)
+    sys.argv = [target, *args]
+    if kind == "-m":
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+        runpy.run_path(target, run_name="__main__")
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    # The server's children are not this process's: one a test left running would outlive
+    # the test session (and multiprocessing would wait for it at exit).
+    for child in _started:
+        child.kill()
+        child._process.join(5)
