@@ -11,6 +11,7 @@ from cumulus_p2p.market.lease import RefusalReason
 from cumulus_p2p.simulation import attacks, churn, gangs, pooling, priority
 from cumulus_p2p.simulation.cli import SCENARIOS, main
 from cumulus_p2p.simulation.world import WORKLOADS
+from cumulus_p2p.testing.once import once
 
 # Runs whole simulated scenarios: scripts/test --fast skips it.
 pytestmark = pytest.mark.slow
@@ -100,8 +101,9 @@ def test_failover_finishes_more_jobs_and_loses_less_work_than_restarting():
 
 @pytest.fixture(scope="module")
 def quick_priority():
-    """The priority scenario's quick run (six simulated markets), read by two specs."""
-    return priority.run(1, quick=True)
+    """The priority scenario's quick run (six simulated markets), read by two specs that
+    may run in two workers: computed once for both."""
+    return once("priority-quick-seed-1", lambda: priority.run(1, quick=True))
 
 
 def test_interruptible_tenants_wait_behind_on_demand_ones_on_the_device(quick_priority):
