@@ -7,6 +7,10 @@ not the durations, say which tests to make cheaper.
 
 Each process appends a JSON line per test to ``$CUMULUS_CPU_LOG`` (default
 ``test-cpu.jsonl``); ``python -m cumulus_p2p.testing.cpu_log FILE`` prints the costliest.
+
+It turns the suite's fork starts off (``testing.forkstart``): a forked node is the fork
+server's child, not the test's, and its CPU would go uncounted. So the figures are those
+of fresh interpreters, imports included: an upper bound on what the suite spends.
 """
 
 from __future__ import annotations
@@ -19,6 +23,11 @@ import time
 from pathlib import Path
 
 import pytest
+
+from .forkstart import ENV_SWITCH
+
+# Loaded with -p, before tests/conftest.py, which only sets the switch where it is unset.
+os.environ[ENV_SWITCH] = "0"
 
 
 def _cpu() -> tuple[float, float]:
