@@ -32,6 +32,7 @@ from cumulus_p2p.host.scheduler import (
 from cumulus_p2p.host.supervisor import SupervisorConfig, WorkerSupervisor, _Worker
 from cumulus_p2p.host.worker import SupervisorTurns
 from cumulus_p2p.host.workerlink import TurnFlag, WorkerLink
+from cumulus_p2p.testing import forkstart
 from cumulus_p2p.testing.executor import one_batch
 from cumulus_p2p.wire.protocol import TensorRef
 
@@ -268,7 +269,7 @@ def hog_rates(ranks: list[str], seconds: float, size: int = 512) -> list[float]:
     on a lease of the named rank (``bystander``: on-demand, ``lower``: interruptible)."""
     import json
 
-    server = subprocess.Popen(
+    server = forkstart.popen(
         [sys.executable, str(BENCH), "--serve", str(len(ranks))],
         stdout=subprocess.PIPE,
         text=True,
@@ -278,7 +279,7 @@ def hog_rates(ranks: list[str], seconds: float, size: int = 512) -> list[float]:
         top, low = server.stdout.readline().split()
         ports = {"bystander": top, "lower": low}
         hogs = [
-            subprocess.Popen(
+            forkstart.popen(
                 [sys.executable, str(BENCH), "--client", "hog", f"127.0.0.1:{ports[r]}"]
                 + [str(seconds), str(size)],
                 stdout=subprocess.PIPE,

@@ -19,6 +19,7 @@ import torch
 print("argv", sys.argv[1:], flush=True)
 print("env", os.environ.get("FORKSTART_PROBE"), os.environ.get("HOME_FOR_TEST"), flush=True)
 print("threads", torch.get_num_threads(), flush=True)
+print("cwd", os.getcwd(), flush=True)
 print("to stderr", file=sys.stderr, flush=True)
 if sys.argv[1:] == ["hang"]:
     time.sleep(60)
@@ -87,3 +88,18 @@ def test_fork_starts_are_off_unless_switched_on(script, monkeypatch):
     child = start(script)
     assert isinstance(child, subprocess.Popen)
     assert child.communicate(timeout=60)[0].startswith("argv []")
+
+
+def test_run_captures_each_stream_apart_in_the_directory_it_is_given(script, tmp_path):
+    where = tmp_path / "elsewhere"
+    where.mkdir()
+    done = forkstart.run([sys.executable, script, "-c", "import os"], cwd=where, timeout=60)
+    assert done.returncode == 0
+    assert done.stdout.startswith("argv ['-c', 'import os']")
+    assert f"cwd {where}" in done.stdout.splitlines()
+    assert done.stderr == "to stderr\n"
+
+
+def test_run_past_its_timeout_kills_the_child_and_says_so(script):
+    with pytest.raises(subprocess.TimeoutExpired):
+        forkstart.run([sys.executable, script, "hang"], timeout=3)

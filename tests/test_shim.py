@@ -14,6 +14,7 @@ import pytest
 
 from cumulus_p2p import cuda_compat, shim
 from cumulus_p2p.remote.client import CURRENT
+from cumulus_p2p.testing import forkstart
 
 # Runs scripts under the shim against real executor processes: scripts/test --fast skips it.
 pytestmark = pytest.mark.slow
@@ -26,13 +27,8 @@ def run_shim(*args: str, executor: str | None, cwd: Path) -> subprocess.Complete
     env = {k: v for k, v in os.environ.items() if k != shim.ENV_EXECUTOR}
     if executor is not None:
         env[shim.ENV_EXECUTOR] = executor
-    return subprocess.run(
-        [sys.executable, "-m", "cumulus_p2p.shim", *args],
-        env=env,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    return forkstart.run(
+        [sys.executable, "-m", "cumulus_p2p.shim", *args], env=env, cwd=cwd, timeout=120
     )
 
 

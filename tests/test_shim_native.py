@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from cumulus_p2p import native, shim
+from cumulus_p2p.testing import forkstart
 from cumulus_p2p.testing.executor import executor_process
 
 _MISSING = native.missing_toolchain()
@@ -31,7 +32,7 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 def _shim(*args: str, executor: str, script: Path = SCRIPT) -> subprocess.Popen:
     env = {**os.environ, shim.ENV_EXECUTOR: executor}
     command = [sys.executable, "-m", "cumulus_p2p.shim", "--native", str(script), *args]
-    return subprocess.Popen(
+    return forkstart.popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
 

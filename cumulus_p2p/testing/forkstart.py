@@ -31,6 +31,8 @@ import runpy
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import IO
 
@@ -56,11 +58,16 @@ _started: list[ForkedProcess] = []
 class ForkedProcess:
     """The part of ``subprocess.Popen`` the test helpers use, for a forked child."""
 
-    def __init__(self, args: list[str], process, stdout: IO[str] | None) -> None:
+    def __init__(
+        self, args: list[str], process, stdout: IO[str] | None, stderr: IO[str] | None
+    ) -> None:
         self.args = args
         self.stdout = stdout
+        self.stderr = stderr
         self._process = process
         self.pid: int = process.pid
+        self._read: dict[str, str] = {}
+        self._readers: list[threading.Thread] = []
 
     @property
     def returncode(self) -> int | None:
@@ -74,6 +81,27 @@ class ForkedProcess:
         if self._process.exitcode is None:
             raise subprocess.TimeoutExpired(self.args, timeout or 0)
         return self._process.exitcode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str | None, str | None]:
+        """Read the piped streams to their ends and wait for the exit, as ``Popen``'s:
+        after a ``TimeoutExpired``, ``kill`` and call it again for what was printed."""
+        if not self._readers:
+            for name in ("stdout", "stderr"):
+                if getattr(self, name) is not None:
+                    reader = threading.Thread(target=self._drain, args=(name,), daemon=True)
+                    reader.start()
+                    self._readers.append(reader)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for reader in self._readers:
+            reader.join(_left(deadline))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        self.wait(_left(deadline))
+        return self._read.get("stdout"), self._read.get("stderr")
+
+    def _drain(self, name: str) -> None:
+        with getattr(self, name) as stream:
+            self._read[name] = stream.read()
 
     def send_signal(self, sig: int) -> None:
         # Only a child not yet reaped: its pid cannot have gone to another process.
@@ -91,44 +119,82 @@ def popen(
     command: Sequence[str],
     *,
     env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
     stdout: int | IO | None = None,
     stderr: int | IO | None = None,
     text: bool = False,
 ) -> ForkedProcess | subprocess.Popen:
-    """Start ``command`` as ``subprocess.Popen(command, env=..., stdout=..., stderr=...,
-    text=...)`` would, as a fork of the preloaded server where it can (module docstring).
+    """Start ``command`` as ``subprocess.Popen(command, env=..., cwd=..., stdout=...,
+    stderr=..., text=...)`` would, as a fork of the preloaded server where it can (module
+    docstring). The child's standard input is ``/dev/null``.
 
-    ``stdout`` may be ``subprocess.PIPE`` or a file; ``stderr`` also ``subprocess.STDOUT``.
+    ``stdout`` and ``stderr`` may be ``subprocess.PIPE`` or a file; ``stderr`` also
+    ``subprocess.STDOUT``.
     """
     command = list(command)
     environ = dict(os.environ if env is None else env)
     if environ.get(ENV_SWITCH) != "1" or _entry(command) is None or not text:
-        return subprocess.Popen(command, env=env, stdout=stdout, stderr=stderr, text=text)
-    read_end = None
-    if stdout == subprocess.PIPE:
-        read_end, out_fd = os.pipe()
+        return subprocess.Popen(command, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text)
+    out_fd, out_read = _child_end(stdout, 1)
+    if stderr == subprocess.STDOUT:
+        err_fd, err_read = os.dup(out_fd), None
     else:
-        out_fd = os.dup(stdout.fileno() if stdout is not None else 1)
-    err_fd = os.dup(out_fd if stderr == subprocess.STDOUT else _fileno(stderr, 2))
+        err_fd, err_read = _child_end(stderr, 2)
     out, err = (
         multiprocessing.connection.Connection(out_fd),
         multiprocessing.connection.Connection(err_fd),
     )
-    process = _context.Process(target=_run, args=(command, environ, out, err), daemon=False)
+    where = None if cwd is None else os.fspath(cwd)
+    process = _context.Process(target=_run, args=(command, environ, where, out, err), daemon=False)
     try:
         process.start()
     finally:
         out.close()
         err.close()
-    child = ForkedProcess(command, process, open(read_end) if read_end is not None else None)
+    streams = [open(end) if end is not None else None for end in (out_read, err_read)]
+    child = ForkedProcess(command, process, *streams)
     _started.append(child)
     return child
 
 
-def _fileno(stream: int | IO | None, default: int) -> int:
+def run(
+    command: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+    timeout: float | None = None,
+    check: bool = False,
+) -> subprocess.CompletedProcess:
+    """``subprocess.run(command, capture_output=True, text=True, ...)``, forked where
+    ``popen`` would fork it."""
+    child = popen(
+        command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        raise
+    done = subprocess.CompletedProcess(list(command), child.wait(), out, err)
+    if check:
+        done.check_returncode()
+    return done
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _child_end(stream: int | IO | None, default: int) -> tuple[int, int | None]:
+    """The descriptor the child writes ``stream`` to, and the end to read it from (a pipe's,
+    for ``subprocess.PIPE``; else None). The parent closes the first once it is passed."""
+    if stream == subprocess.PIPE:
+        read_end, write_end = os.pipe()
+        return write_end, read_end
     if stream is None:
-        return default
-    return stream if isinstance(stream, int) else stream.fileno()
+        return os.dup(default), None
+    return os.dup(stream if isinstance(stream, int) else stream.fileno()), None
 
 
 def _entry(command: list[str]) -> tuple[str, str, list[str]] | None:
@@ -142,7 +208,7 @@ def _entry(command: list[str]) -> tuple[str, str, list[str]] | None:
     return None
 
 
-def _run(command: list[str], environ: dict[str, str], out, err) -> None:
+def _run(command: list[str], environ: dict[str, str], cwd: str | None, out, err) -> None:
     """In the child: become ``command`` (its streams, environment and arguments) and run it.
     ``SystemExit`` and exceptions end the process as they would end ``python``."""
     os.dup2(out.fileno(), 1)
@@ -151,6 +217,8 @@ def _run(command: list[str], environ: dict[str, str], out, err) -> None:
     err.close()
     os.environ.clear()
     os.environ.update(environ)
+    if cwd is not None:
+        os.chdir(cwd)
     threads = environ.get("OMP_NUM_THREADS")
     if threads:
         import torch
@@ -159,6 +227,7 @@ def _run(command: list[str], environ: dict[str, str], out, err) -> None:
     kind, target, args = _entry(command)
     sys.argv = [target, *args]
     if kind == "-m":
+        sys.path.insert(0, os.getcwd())  # as ``python -m`` puts it first
         runpy.run_module(target, run_name="__main__", alter_sys=True)
     else:
         sys.path.insert(0, os.path.dirname(os.path.abspath(target)))

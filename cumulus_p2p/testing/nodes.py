@@ -272,11 +272,11 @@ class LocalRun:
         self._kept = _kept_output(script)
         self._out: str | None = None
         self._err = ""
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | forkstart.ForkedProcess | None = None
         if self._kept is not None and self._kept.exists():
             self._out = self._kept.read_text()
             return
-        self.proc = subprocess.Popen(
+        self.proc = forkstart.popen(
             [sys.executable, *script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
 
