@@ -7,6 +7,7 @@ node that joins a mesh are marked slow.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import time
@@ -36,13 +37,10 @@ from cumulus_p2p.testing.nodes import (
 
 
 def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        node_command(*args),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"},
-    )
+    """``cumulus-node ARGS`` in a bare environment (forked where the suite forks)."""
+    env = {"COLUMNS": "200", "PATH": "/usr/bin:/bin"}
+    env[forkstart.ENV_SWITCH] = os.environ.get(forkstart.ENV_SWITCH, "0")
+    return forkstart.run(node_command(*args), timeout=timeout, env=env)
 
 
 def test_an_unknown_flag_is_a_usage_error_naming_it(tmp_path):
