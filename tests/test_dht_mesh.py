@@ -21,6 +21,7 @@ from libp2p.network.stream.exceptions import StreamEOF, StreamReset
 from libp2p.records.validator import BlankValidator, NamespacedValidator
 from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
 from libp2p.tools.anyio_service import background_trio_service
+from libp2p.utils.varint import encode_uvarint
 
 from cumulus_p2p._errors import PeerUnreachableError
 from cumulus_p2p.dht.gossip import MARKET_TOPIC, GossipConfig
@@ -339,6 +340,21 @@ async def test_oversized_offer_is_dropped_by_every_node() -> None:
 async def test_malformed_payload_is_dropped_by_every_node() -> None:
     async with open_mesh(N) as mesh:
         await _assert_dropped_everywhere(mesh, b"\x96not an envelope", "MALFORMED")
+
+
+@pytest.mark.slow  # a mesh of three
+async def test_a_peers_undecodable_pubsub_rpc_ends_its_stream_not_the_node() -> None:
+    # py-libp2p alone let protobuf's DecodeError out of the host: the node stopped.
+    async with open_mesh(3) as mesh:
+        target, sender, author = mesh.nodes
+        stream = await sender.host.new_stream(target.peer_id, list(sender.pubsub.protocols))
+        junk = b"\xff\xfe not a protobuf RPC \x00\x01"
+        await stream.write(encode_uvarint(len(junk)) + junk)
+        with trio.fail_after(5), pytest.raises((StreamReset, StreamEOF)):
+            await stream.read(1)
+        env = author.seal("market/bid", b"after the junk", ttl=60.0)
+        await author.publish(env)
+        await wait_for(lambda: env.digest in mesh.books[0], timeout=5.0, what="gossip after junk")
 
 
 # --- transport security and NAT traversal -----------------------------------------------

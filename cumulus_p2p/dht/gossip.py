@@ -35,12 +35,16 @@ check.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import logging
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
-from libp2p.abc import IHost
+from google.protobuf.message import DecodeError
+from libp2p.abc import IHost, INetStream
 from libp2p.peer.id import ID
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, PROTOCOL_ID_V12, GossipSub
 from libp2p.pubsub.pb import rpc_pb2
@@ -49,6 +53,8 @@ from libp2p.pubsub.score import PeerScorer, ScoreParams, TopicScoreParams
 
 from ..envelope import Envelope, EnvelopeValidator, Rejected, Rejection
 from .ratelimit import RateLimit, RateLimiter
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "MARKET_TOPIC",
@@ -175,7 +181,30 @@ def new_gossip(host: IHost, config: GossipConfig) -> tuple[Pubsub, GossipSub]:
     )
     router.scorer = ExcusingScorer(router.scorer.params)
     pubsub = Pubsub(host, router, strict_signing=True)
+    for protocol in pubsub.protocols:
+        host.set_stream_handler(protocol, partial(read_pubsub_stream, pubsub))
     return pubsub, router
+
+
+async def read_pubsub_stream(pubsub: Pubsub, stream: INetStream) -> None:
+    """Pubsub's own handler for a peer's stream, except that an RPC that does not decode
+    ends that peer's stream, as a truncated one does, instead of the whole node.
+
+    py-libp2p's read loop lets protobuf's ``DecodeError`` out of the handler, and from
+    there out of the host: one varint-prefixed line of junk from any peer stopped every
+    node it reached. Honest peers sent one too, under load: yamux takes its write lock
+    per frame, so an RPC larger than a frame can interleave with a heartbeat's RPC on the
+    same stream (a clean CI run met it while a 100 kB offer was gossiped).
+    """
+    try:
+        await pubsub.stream_handler(stream)
+    except DecodeError as exc:
+        peer = stream.muxed_conn.peer_id
+        logger.warning("dropping peer %s's pubsub stream: an RPC did not decode (%s)", peer, exc)
+        with contextlib.suppress(Exception):  # a stream already gone cannot be reset
+            await stream.reset()
+        # What py-libp2p does for a stream that fails to parse: the peer is redialed later.
+        pubsub._handle_dead_peer(peer)
 
 
 class GateDecision(enum.Enum):
