@@ -133,7 +133,8 @@ def popen(
     """
     command = list(command)
     environ = dict(os.environ if env is None else env)
-    if environ.get(ENV_SWITCH) != "1" or _entry(command) is None or not text:
+    entry = _entry(command)
+    if environ.get(ENV_SWITCH) != "1" or entry is None or not text:
         return subprocess.Popen(command, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text)
     out_fd, out_read = _child_end(stdout, 1)
     if stderr == subprocess.STDOUT:
@@ -145,7 +146,7 @@ def popen(
         multiprocessing.connection.Connection(err_fd),
     )
     where = None if cwd is None else os.fspath(cwd)
-    process = _context.Process(target=_run, args=(command, environ, where, out, err), daemon=False)
+    process = _context.Process(target=_run, args=(entry, environ, where, out, err), daemon=False)
     try:
         process.start()
     finally:
@@ -208,8 +209,11 @@ def _entry(command: list[str]) -> tuple[str, str, list[str]] | None:
     return None
 
 
-def _run(command: list[str], environ: dict[str, str], cwd: str | None, out, err) -> None:
-    """In the child: become ``command`` (its streams, environment and arguments) and run it.
+def _run(
+    entry: tuple[str, str, list[str]], environ: dict[str, str], cwd: str | None, out, err
+) -> None:
+    """In the child: become the command ``entry`` parsed (its streams, environment and
+    arguments) and run it.
     ``SystemExit`` and exceptions end the process as they would end ``python``."""
     os.dup2(out.fileno(), 1)
     os.dup2(err.fileno(), 2)
@@ -224,7 +228,7 @@ def _run(command: list[str], environ: dict[str, str], cwd: str | None, out, err)
         import torch
 
         torch.set_num_threads(int(threads))
-    kind, target, args = _entry(command)
+    kind, target, args = entry
     sys.argv = [target, *args]
     if kind == "-m":
         sys.path.insert(0, os.getcwd())  # as ``python -m`` puts it first
