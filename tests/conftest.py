@@ -20,7 +20,9 @@ os.environ.setdefault("CUMULUS_FORK_START", "1")
 import pytest  # noqa: E402
 
 import cumulus_p2p.remote as remote  # noqa: E402
+from cumulus_p2p.native import missing_toolchain  # noqa: E402
 from cumulus_p2p.testing.executor import executor_process  # noqa: E402
+from cumulus_p2p.testing.native_process import stop_native_process  # noqa: E402
 from cumulus_p2p.testing.nodes import REFERENCE_RUNS  # noqa: E402
 
 _made_here = pytest.StashKey[str]()
@@ -51,6 +53,21 @@ def pytest_collection_modifyitems(config, items):
     ]
     if loose:
         raise pytest.UsageError("timing tests must be marked slow too: " + ", ".join(loose))
+
+
+def pytest_runtest_setup(item):
+    """A test marked ``native`` is skipped, with what to install, where the native device
+    cannot be built."""
+    if item.get_closest_marker("native") and (missing := missing_toolchain()) is not None:
+        pytest.skip(f"the native device cannot be built here: {missing}")
+
+
+@pytest.fixture(scope="module")
+def native_child():
+    """Stop the module's native device process (``testing.native_process``) after its
+    last test."""
+    yield
+    stop_native_process()
 
 
 @pytest.fixture(scope="session")

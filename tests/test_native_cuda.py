@@ -14,21 +14,14 @@ import sys
 import pytest
 import torch
 
-from cumulus_p2p import native
-from cumulus_p2p.testing.native_process import in_native_process, stop_native_process
+from cumulus_p2p.testing.native_process import in_native_process
 
-_MISSING = native.missing_toolchain()
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(_MISSING is not None, reason=f"cannot build the native device: {_MISSING}"),
+    pytest.mark.native,
+    pytest.mark.usefixtures("native_child"),
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _native_child():
-    yield
-    stop_native_process()
 
 
 def _native_cuda_losses(task: str, autocast: str | None) -> list[float]:

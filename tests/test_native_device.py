@@ -18,18 +18,9 @@ from cumulus_p2p import native
 from cumulus_p2p._errors import MalformedMessageError
 from cumulus_p2p.native import records
 from cumulus_p2p.native.records import Alloc, Free, HostTensor, Op, Readback, TensorRef, Upload
-from cumulus_p2p.testing.native_process import in_native_process, stop_native_process
+from cumulus_p2p.testing.native_process import in_native_process
 
-_MISSING = native.missing_toolchain()
-needs_build = pytest.mark.skipif(
-    _MISSING is not None, reason=f"the native device cannot be built here: {_MISSING}"
-)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _native_child():
-    yield
-    stop_native_process()
+pytestmark = pytest.mark.usefixtures("native_child")
 
 
 def _take() -> list:
@@ -58,7 +49,7 @@ def _ref(t: torch.Tensor) -> TensorRef:
 # ---- geometry -----------------------------------------------------------------------
 
 
-@needs_build
+@pytest.mark.native
 @in_native_process
 def test_factories_give_the_requested_geometry():
     _take()
@@ -79,7 +70,7 @@ def test_factories_give_the_requested_geometry():
     assert [op.op for op in _ops(decoded)] == ["aten::zero_"]
 
 
-@needs_build
+@pytest.mark.native
 @in_native_process
 def test_views_transposes_and_detach_append_nothing():
     x = torch.empty(4, 6, device="cumulus")
@@ -112,7 +103,7 @@ def test_views_transposes_and_detach_append_nothing():
 # ---- ops ----------------------------------------------------------------------------
 
 
-@needs_build
+@pytest.mark.native
 @in_native_process
 def test_add_appends_one_op_whose_output_has_the_meta_shape():
     a = torch.empty(3, 1, device="cumulus")
@@ -127,7 +118,7 @@ def test_add_appends_one_op_whose_output_has_the_meta_shape():
     assert op.outs == (_ref(c),)
 
 
-@needs_build
+@pytest.mark.native
 @in_native_process
 def test_mm_output_is_a_new_storage_with_the_meta_shape():
     a = torch.empty(3, 4, device="cumulus")
@@ -141,7 +132,7 @@ def test_mm_output_is_a_new_storage_with_the_meta_shape():
     assert op.outs[0].handle not in {_ref(a).handle, _ref(b).handle}
 
 
-@needs_build
+@pytest.mark.native
 @in_native_process
 def test_an_in_place_op_records_its_argument_as_its_output():
     x = torch.empty(2, 3, device="cumulus")
@@ -153,7 +144,7 @@ def test_an_in_place_op_records_its_argument_as_its_output():
     assert op.outs == (_ref(x),)
 
 
-@needs_build
+@pytest.mark.native
 @in_native_process
 def test_an_in_place_foreach_op_is_one_record_over_its_lists():
     params = [torch.empty(n, device="cumulus") for n in (3, 4, 5)]
@@ -167,7 +158,7 @@ def test_an_in_place_foreach_op_is_one_record_over_its_lists():
     assert op.outs == ()
 
 
-@needs_build
+@pytest.mark.native
 @in_native_process
 def test_an_out_of_place_foreach_op_is_one_record_shaped_as_each_elements_op():
     lists = [[torch.empty(n, device="cumulus") for n in (3, 4, 5)] for _ in range(2)]
@@ -190,7 +181,7 @@ def test_an_out_of_place_foreach_op_is_one_record_shaped_as_each_elements_op():
         assert _shapes(outs) == _shapes(call(*cpu)), name
 
 
-@needs_build
+@pytest.mark.native
 @in_native_process
 def test_a_foreach_op_on_integers_promotes_each_element_as_its_own_op_would():
     ints = [torch.ones(n, dtype=torch.int64, device="cumulus") for n in (2, 3)]
@@ -200,7 +191,7 @@ def test_a_foreach_op_on_integers_promotes_each_element_as_its_own_op_would():
     assert len(_ops(_take())) == 2
 
 
-@needs_build
+@pytest.mark.native
 @in_native_process
 def test_histogramdd_records_its_edges_and_histogram_shaped_by_the_bins():
     samples = torch.empty(10, 3, device="cumulus")
@@ -215,7 +206,7 @@ def test_histogramdd_records_its_edges_and_histogram_shaped_by_the_bins():
     assert [tuple(e.shape) for e in edges] == [(3,), (4,), (5,)]
 
 
-@needs_build
+@pytest.mark.native
 @in_native_process
 def test_histogramdd_with_a_bin_count_per_dimension_missing_says_so_as_on_a_cpu():
     message = "size of bins must be equal to the innermost dimension"
@@ -229,7 +220,7 @@ def test_histogramdd_with_a_bin_count_per_dimension_missing_says_so_as_on_a_cpu(
     assert _ops(_take()) == []
 
 
-@needs_build
+@pytest.mark.native
 @in_native_process
 def test_host_bytes_travel_in_the_upload_record():
     host = torch.arange(6, dtype=torch.float32).reshape(2, 3)
@@ -241,7 +232,7 @@ def test_host_bytes_travel_in_the_upload_record():
     assert uploads[0].src == HostTensor("float32", (2, 3), host.numpy().tobytes())
 
 
-@needs_build
+@pytest.mark.native
 @in_native_process
 def test_reading_back_records_the_request_and_asks_the_hook():
     ext = native.load()
@@ -265,7 +256,7 @@ def test_reading_back_records_the_request_and_asks_the_hook():
     assert seen == [(2,), ()]
 
 
-@needs_build
+@pytest.mark.native
 @in_native_process
 def test_a_storage_is_freed_when_its_last_tensor_dies():
     x = torch.empty(8, device="cumulus")
@@ -278,7 +269,7 @@ def test_a_storage_is_freed_when_its_last_tensor_dies():
     assert _take() == [Free(handle)]
 
 
-@needs_build
+@pytest.mark.native
 @in_native_process
 def test_memory_allocated_counts_live_storages_as_they_grow_and_die():
     cumulus = torch.cumulus
@@ -296,7 +287,7 @@ def test_memory_allocated_counts_live_storages_as_they_grow_and_die():
     _take()
 
 
-@needs_build
+@pytest.mark.native
 @in_native_process
 def test_a_batchs_growth_is_the_peak_of_its_storages_over_the_last_batchs_end():
     ext = native.load()
@@ -314,7 +305,7 @@ def test_a_batchs_growth_is_the_peak_of_its_storages_over_the_last_batchs_end():
     _take()
 
 
-@needs_build
+@pytest.mark.native
 @in_native_process
 def test_set_to_a_host_storage_is_refused_with_what_to_do():
     x = torch.empty(0, device="cumulus")
@@ -379,7 +370,7 @@ def _meta_outputs(op: Op):
     return out if isinstance(out, (tuple, list)) else (out,)
 
 
-@needs_build
+@pytest.mark.native
 @in_native_process
 def test_a_transformer_training_step_records_ops_with_meta_shapes():
     from cumulus_p2p.testing.models import TinyTransformer
@@ -416,7 +407,7 @@ def test_a_transformer_training_step_records_ops_with_meta_shapes():
 # ---- one owner per process ----------------------------------------------------------
 
 
-@needs_build
+@pytest.mark.native
 @in_native_process
 def test_the_wrapper_device_cannot_be_imported_beside_the_native_one():
     with pytest.raises(ImportError, match="owns the PrivateUse1 device"):
@@ -481,7 +472,7 @@ def test_the_decoder_rejects_malformed_batches(batch):
         records.decode(batch, ["aten::mm"])
 
 
-@needs_build
+@pytest.mark.native
 @in_native_process
 def test_moving_a_module_keeps_its_tied_weights_tied():
     from cumulus_p2p.testing.models import TinyTransformer

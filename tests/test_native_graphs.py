@@ -20,10 +20,7 @@ from cumulus_p2p.wire import native as wire
 from cumulus_p2p.wire.graph_def import pack_definition
 from cumulus_p2p.wire.protocol import GraphValue
 
-_MISSING = native.missing_toolchain()
-pytestmark = pytest.mark.skipif(
-    _MISSING is not None, reason=f"the native executor cannot be built here: {_MISSING}"
-)
+pytestmark = pytest.mark.native
 
 _X, _Y = GraphValue(GraphValue.INPUT, 0, -1), GraphValue(GraphValue.INPUT, 1, -1)
 #: (x * y) + x, its one output the second node's result.

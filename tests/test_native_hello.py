@@ -10,17 +10,12 @@ import contextlib
 
 import pytest
 
-from cumulus_p2p import native
 from cumulus_p2p.channel.transport import SocketFrameChannel
 from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.wire import native as wire
 from cumulus_p2p.wire.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
 
-_MISSING = native.missing_toolchain()
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(_MISSING is not None, reason=f"cannot build the replay loop: {_MISSING}"),
-]
+pytestmark = [pytest.mark.slow, pytest.mark.native]
 
 
 @pytest.fixture(scope="module")

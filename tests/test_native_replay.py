@@ -14,7 +14,6 @@ import struct
 import pytest
 import torch
 
-from cumulus_p2p import native
 from cumulus_p2p.native.errors import ReplayError
 from cumulus_p2p.native.records import (
     CONJ_BIT,
@@ -34,10 +33,7 @@ from cumulus_p2p.native.records import (
     encode,
 )
 
-_MISSING = native.missing_toolchain()
-pytestmark = pytest.mark.skipif(
-    _MISSING is not None, reason=f"the native executor cannot be built here: {_MISSING}"
-)
+pytestmark = pytest.mark.native
 
 
 def _ref(handle: int, sizes=(2, 3), strides=None, offset=0, dtype="float32") -> TensorRef:

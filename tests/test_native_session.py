@@ -22,11 +22,7 @@ from cumulus_p2p.testing.models import train_tiny_transformer as _train
 from cumulus_p2p.testing.native_process import in_native_process, stop_native_process
 from cumulus_p2p.wire import native as wire
 
-_MISSING = native.missing_toolchain()
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(_MISSING is not None, reason=f"cannot build the native device: {_MISSING}"),
-]
+pytestmark = [pytest.mark.slow, pytest.mark.native]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -12,21 +12,10 @@ import contextlib
 import pytest
 import torch
 
-from cumulus_p2p import native
 from cumulus_p2p._errors import SessionClosedError
-from cumulus_p2p.testing.native_process import in_native_process, stop_native_process
+from cumulus_p2p.testing.native_process import in_native_process
 
-_MISSING = native.missing_toolchain()
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(_MISSING is not None, reason=f"cannot build the native device: {_MISSING}"),
-]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _native_child():
-    yield
-    stop_native_process()
+pytestmark = [pytest.mark.slow, pytest.mark.native, pytest.mark.usefixtures("native_child")]
 
 
 def _split(address: str) -> tuple[str, int]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cumulus_p2p import native
 from cumulus_p2p.blobs.names import digest
 from cumulus_p2p.blobs.store import BlobStore
 from cumulus_p2p.host.eviction import Tier
@@ -28,10 +27,7 @@ from cumulus_p2p.native.records import (
 )
 from cumulus_p2p.wire import native as wire
 
-_MISSING = native.missing_toolchain()
-pytestmark = pytest.mark.skipif(
-    _MISSING is not None, reason=f"the native executor cannot be built here: {_MISSING}"
-)
+pytestmark = pytest.mark.native
 
 N = 300_000  # 1.2 MB of float32: a storage of one piece
 DATA = torch.linspace(-1.0, 1.0, N)

@@ -14,15 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from cumulus_p2p import native, shim
+from cumulus_p2p import shim
 from cumulus_p2p.testing import forkstart
 from cumulus_p2p.testing.executor import executor_process
 
-_MISSING = native.missing_toolchain()
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(_MISSING is not None, reason=f"cannot build the native device: {_MISSING}"),
-]
+pytestmark = [pytest.mark.slow, pytest.mark.native]
 
 SCRIPT = Path(__file__).parent / "scripts" / "native_train.py"
 #: Sums split across threads round differently: the executor runs one, as the script.

@@ -109,28 +109,12 @@ class NodeProcess:
 
 
 def start_provider(
-    data_dir: Path,
-    bootstrap: str,
-    *args: str,
-    listen: str = LOOPBACK_LISTEN,
-    receipt_interval: str = "1s",
-    perf_units: str | None = SHARED_MACHINE_PERF,
-    bench_seconds: str = "0.1",
-    announce_interval: str = ANNOUNCE_INTERVAL,
+    data_dir: Path, bootstrap: str, *args: str, **options: str | None
 ) -> NodeProcess:
     """A CPU provider joined through ``bootstrap`` that re-announces its offer every
-    ``announce_interval`` seconds; ``args`` add flags (``--price``...). Wait for its
-    ``providing`` line before leasing from it."""
-    command = provider_command(
-        data_dir,
-        bootstrap,
-        *args,
-        listen=listen,
-        receipt_interval=receipt_interval,
-        perf_units=perf_units,
-        bench_seconds=bench_seconds,
-        announce_interval=announce_interval,
-    )
+    ``announce_interval`` seconds; ``args`` add flags (``--price``...), ``options`` are
+    ``provider_command``'s. Wait for its ``providing`` line before leasing from it."""
+    command = provider_command(data_dir, bootstrap, *args, **options)  # type: ignore[arg-type]
     return start_process(command, data_dir, listens=True)
 
 
