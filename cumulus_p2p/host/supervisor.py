@@ -515,9 +515,17 @@ class WorkerSupervisor:
         to them: evict others until it fits, wait (up to ``ROOM_WAIT_S``) until they
         report their memory moved, then answer ``roomed``."""
         chosen = self._evict_for(nbytes, asking)
-        with trio.move_on_after(ROOM_WAIT_S):
+        with trio.move_on_after(ROOM_WAIT_S) as waited:
             for worker in chosen:
                 await worker.evicted.wait()
+        if waited.cancelled_caught:
+            # A hung worker must not hold the others' batches; its memory stays put.
+            late = [w.pid for w in chosen if not w.evicted.is_set()]
+            log.warning(
+                "workers %s did not move their sessions off the device within %.0f s; "
+                "worker %d's batch runs anyway",
+                late, ROOM_WAIT_S, asking.pid,
+            )  # fmt: skip
         try:
             asking.link.send_nowait(["roomed", number])
         except LinkClosedError:
