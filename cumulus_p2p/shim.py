@@ -48,6 +48,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ._errors import CumulusError, SessionClosedError
@@ -133,7 +134,21 @@ def _leased(environ: Mapping[str, str]) -> bool:
 
 
 def _control_client(environ: Mapping[str, str]) -> control.ControlClient:
-    return control.ControlClient(environ[control.ENV_ADDRESS], environ[control.ENV_TOKEN])
+    return control.ControlClient(_control_address(environ), environ[control.ENV_TOKEN])
+
+
+def _control_address(environ: Mapping[str, str]) -> str:
+    """This rank's control address (``_leased`` says there is one).
+
+    Raises:
+        SessionClosedError: the node leased fewer GPUs than the launcher ran ranks.
+    """
+    try:
+        address = control.address_for_rank(environ)
+    except CumulusError as exc:
+        raise SessionClosedError(str(exc)) from exc
+    assert address is not None
+    return address
 
 
 def _executor_address(environ: Mapping[str, str]) -> str:
@@ -233,13 +248,14 @@ def _compat(command: _Command) -> contextlib.AbstractContextManager:
 def _report_final_counts(environ: Mapping[str, str]) -> None:
     """Give the node the session's last byte counts: the host's final receipt is
     checked against them after this process has gone."""
-    address, token = environ.get(control.ENV_ADDRESS), environ.get(control.ENV_TOKEN)
-    if not (address and token):
+    if not _leased(environ):
         return
     from .node.dial import USAGE
 
     try:
-        control.report_usage(address, token, USAGE.snapshot())
+        control.report_usage(
+            _control_address(environ), environ[control.ENV_TOKEN], USAGE.snapshot()
+        )
     except (OSError, CumulusError) as exc:
         print(
             f"cumulus shim: could not give the node its last byte counts: {exc}",
@@ -334,19 +350,30 @@ def _stop_when_node_is_gone(environ: Mapping[str, str]) -> bool:
         False if the node is already gone (this process outlived it before it could
         watch); True otherwise, also when no node started this process.
     """
-    address, token = environ.get(control.ENV_ADDRESS), environ.get(control.ENV_TOKEN)
-    if not (address and token):
+    if not _leased(environ):
         return True
+    address, token = _control_address(environ), environ[control.ENV_TOKEN]
     node_pid = environ.get(control.ENV_NODE_PID)
     if sys.platform.startswith("linux") and node_pid:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != int(node_pid):
+        # A rank's parent is its launcher (torchrun), whose parent is the node.
+        if int(node_pid) not in (os.getppid(), _parent_of(os.getppid())):
             return False
     from .node.dial import USAGE
 
     watch = threading.Thread(target=_watch_node, args=(address, token, USAGE.snapshot), daemon=True)
     watch.start()
     return True
+
+
+def _parent_of(pid: int) -> int | None:
+    """The parent of process ``pid`` (Linux's /proc), None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name, in parentheses, may hold spaces: the fields after it are split.
+    return int(stat.rpartition(")")[2].split()[1])
 
 
 def _watch_node(address: str, token: str, usage) -> None:

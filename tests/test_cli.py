@@ -44,9 +44,28 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 
 def test_an_unknown_flag_is_a_usage_error_naming_it(tmp_path):
+    result = run("--data-dir", str(tmp_path), "--provide", "--turbo", "2")
+    assert result.returncode == 2
+    assert "unrecognized arguments: --turbo" in result.stderr
+
+
+def test_gpus_for_a_provider_is_a_usage_error(tmp_path):
     result = run("--data-dir", str(tmp_path), "--provide", "--gpus", "2")
     assert result.returncode == 2
-    assert "unrecognized arguments: --gpus" in result.stderr
+    assert "--gpus is how many GPUs --consume leases" in result.stderr
+
+
+def test_gpus_for_a_script_without_torchrun_is_a_usage_error_showing_the_command(tmp_path):
+    result = run("--data-dir", str(tmp_path), "--consume", "--gpus", "2", "--", "python", "t.py")
+    assert result.returncode == 2
+    assert "-- torchrun --nproc-per-node 2 t.py" in result.stderr
+
+
+def test_torchrun_running_a_module_is_a_usage_error(tmp_path):
+    command = ["--", "torchrun", "--nproc-per-node", "2", "-m", "train"]
+    result = run("--data-dir", str(tmp_path), "--consume", "--gpus", "2", *command)
+    assert result.returncode == 2
+    assert "runs torchrun's ranks under the cumulus shim, which takes a script" in result.stderr
 
 
 def test_a_device_that_is_not_a_device_is_a_usage_error(tmp_path):
@@ -246,6 +265,20 @@ def test_python_device_runs_the_script_under_the_shims_python_device():
         "cumulus_p2p.shim",
         "x.py",
     ]
+
+
+def test_each_torchrun_rank_runs_the_script_under_the_shim():
+    command = ("torchrun", "--standalone", "--nproc-per-node", "2", "train.py", "--lr", "1")
+    assert script_command(command, cuda_compat=True, native=False)[1:] == [
+        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "cumulus_p2p.shim", "train.py", "--lr", "1",
+    ]  # fmt: skip
+
+
+def test_gpus_reach_the_consumers_options():
+    argv = ["--consume", "--gpus", "3"]
+    options = _consumer_options(build_parser().parse_args(argv), ["torchrun", "x.py"])
+    assert options.gpus == 3
 
 
 def test_native_and_python_device_together_are_a_usage_error(capsys):

@@ -229,3 +229,23 @@ async def test_a_standby_asked_for_again_reaches_the_node_with_why_and_the_gib_i
         assert old[0] == "error"
         nursery.cancel_scope.cancel()
     assert asked == [("the checkpoint outgrew the standby", 5)]
+
+
+def test_each_rank_of_a_job_takes_its_own_control_address() -> None:
+    environ = {
+        control.ENV_ADDRESS: "127.0.0.1:1000,127.0.0.1:2000",
+        control.ENV_TOKEN: "t",
+        "LOCAL_RANK": "1",
+    }
+    assert control.address_for_rank(environ) == "127.0.0.1:2000"
+    assert control.address_for_rank({**environ, "LOCAL_RANK": "0"}) == "127.0.0.1:1000"
+
+
+def test_a_rank_beyond_the_gpus_leased_is_told_to_match_gpus_and_ranks() -> None:
+    environ = {control.ENV_ADDRESS: "127.0.0.1:1000", control.ENV_TOKEN: "t", "LOCAL_RANK": "1"}
+    with pytest.raises(CumulusError, match="as many GPUs as torchrun --nproc-per-node ranks"):
+        control.address_for_rank(environ)
+
+
+def test_a_process_no_node_started_has_no_control_address() -> None:
+    assert control.address_for_rank({}) is None

@@ -4,6 +4,7 @@ cannot make (a script after ``--``, ``config.json`` defaults, a GPU this machine
 from __future__ import annotations
 
 import argparse
+import os
 
 from .._errors import CumulusError, NodeConfigError
 from ..host.options import (
@@ -334,6 +335,14 @@ def _add_consume_flags(consume) -> None:
         default=parse_price("10"),
         help="most credits per share-hour (default 10)",
     )
+    consume.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        metavar="N",
+        help="lease N GPUs, each from another host, for a script run by torchrun with N "
+        "ranks: -- torchrun --nproc-per-node N train.py (default 1)",
+    )
     _add_lease_wishes(consume)
 
 
@@ -476,12 +485,22 @@ def _check_node_args(parser: argparse.ArgumentParser, args, script: list[str]) -
     if script and not args.consume:
         parser.error("a command after -- is only run with --consume")
     if script:
-        from ..node.consumer import script_command
+        from ..node.consumer import launcher_arguments, script_command
 
         try:
             script_command(tuple(script), cuda_compat=True)
         except CumulusError as exc:
             parser.error(str(exc))
+        if args.gpus != 1 and launcher_arguments(tuple(script)) is None:
+            bare = script[1:] if os.path.basename(script[0]).startswith("python") else script
+            parser.error(
+                f"--gpus {args.gpus} runs one rank per GPU: give the script to torchrun, "
+                f"-- torchrun --nproc-per-node {args.gpus} {' '.join(bare)}"
+            )
+    if args.gpus != 1 and not args.consume:
+        parser.error("--gpus is how many GPUs --consume leases for a job")
+    if not 1 <= args.gpus <= 64:
+        parser.error(f"--gpus must be between 1 and 64, not {args.gpus}")
     if args.shares is not None and not 1 <= args.shares <= 2**16:
         parser.error("--shares must be between 1 and 65536")
     if args.pool < 0:

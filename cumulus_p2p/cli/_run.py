@@ -260,7 +260,7 @@ def _live(console: Console, disabled: bool) -> Live | None:
 
 
 async def _consume(args, data, mesh_config, script: list[str], console: Console) -> int:
-    from ..node.consumer import run_consumer
+    from ..node.job import run_consumer
 
     options = _consumer_options(args, script)
     screen = _ConsumerScreen(console, script)
@@ -327,6 +327,7 @@ def _consumer_options(args, script: list[str]):
         standby_gib=args.standby_gib,
         private=args.private,
         max_storage_price=args.max_storage_price,
+        gpus=args.gpus,
     )
 
 

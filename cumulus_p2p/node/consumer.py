@@ -37,12 +37,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import logging
 import os
 import random
 import secrets
 import sys
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import trio
@@ -58,7 +58,6 @@ from .._errors import (
 from ..dht.host import connect
 from ..market import (
     Bid,
-    BookLimits,
     Cancel,
     Lease,
     LeaseProposal,
@@ -80,8 +79,6 @@ from ..market.settlement import (
     NOTICE_PREEMPTED,
     ReceiptDesk,
     call_close_lease,
-    serve_lease_notices,
-    serve_receipts,
 )
 from ..market.standby import choose_standby, standby_proposal
 from ..reputation import (
@@ -92,10 +89,8 @@ from ..reputation import (
 )
 from ..reputation.evidence import MAX_RECEIPTS
 from . import control, logs
-from .datadir import DataDir
 from .probe import ProbeFacts, judge
-from .runtime import Runtime, open_runtime, peer_of
-from .script import run_script
+from .runtime import Runtime, peer_of
 from .session_proxy import SessionDoors
 
 log = logging.getLogger("cumulus_p2p.node.consumer")
@@ -168,6 +163,8 @@ class ConsumerOptions:
         backoff: How long a failed host is set aside (``market.hostchoice``).
         max_overcommit_pct: The most overcommitted host memory acceptable
             (``Offer.overcommit_pct``); 100 keeps the job's memory on the device.
+        gpus: GPUs the job leases, each from another host, one per rank of the
+            ``torchrun`` the command runs (``node.job``).
     """
 
     command: tuple[str, ...]
@@ -190,6 +187,7 @@ class ConsumerOptions:
     wait_for_host: float = WAIT_FOR_HOST_S
     backoff: BackoffPolicy = BackoffPolicy()
     max_overcommit_pct: int = MAX_OVERCOMMIT_PCT
+    gpus: int = 1
 
 
 class LeaseState(enum.Enum):
@@ -275,6 +273,10 @@ class Consumer:
     no_standby: str = ""
     #: Offers ``(host, offer_id, nonce)`` found full when proposed to (``_FULL_OFFER``).
     full_offers: set[tuple[str, str, int]] = field(default_factory=set)
+    #: The name its bid is announced under: one per rank of a job of several GPUs.
+    bid_name: str = BID_NAME
+    #: The hosts the job's other ranks hold, which this one does not lease from.
+    elsewhere: Callable[[], Collection[str]] = frozenset
 
     def __post_init__(self) -> None:
         self.choice = HostChoice(self.options.backoff, self.options.wait_for_host)
@@ -285,7 +287,7 @@ class Consumer:
     def bid_body(self, nonce: int, expires_at: float) -> bytes:
         o, now = self.options, self.runtime.clock()
         self.bid = Bid(
-            self.runtime.peer_id, BID_NAME, o.min_vram_mib, o.gpu_models, o.min_perf,
+            self.runtime.peer_id, self.bid_name, o.min_vram_mib, o.gpu_models, o.min_perf,
             o.shares, o.max_price, o.priority, o.duration_s, now, expires_at, nonce,
             o.max_overcommit_pct,
         )  # fmt: skip
@@ -295,7 +297,7 @@ class Consumer:
         """Announce the bid while the job waits for a host (the book then shows it as
         demand, and hosts serve the best waiting bid first: ``market/admission.py``)."""
         if not self.bid_resting:
-            await self.runtime.mesh.announce(BID_NAME, Bid.KIND, self.bid_body)
+            await self.runtime.mesh.announce(self.bid_name, Bid.KIND, self.bid_body)
             self.bid_resting = True
 
     async def withdraw_bid(self) -> None:
@@ -304,10 +306,10 @@ class Consumer:
         if not self.bid_resting:
             return
         self.bid_resting = False
-        self.runtime.mesh.withdraw(BID_NAME)
+        self.runtime.mesh.withdraw(self.bid_name)
         now = self.runtime.clock()
         cancel = Cancel(
-            self.runtime.peer_id, Side.BID, BID_NAME, now + 60, self.runtime.mesh.next_nonce()
+            self.runtime.peer_id, Side.BID, self.bid_name, now + 60, self.runtime.mesh.next_nonce()
         )
         await self.runtime.mesh.publish(seal_message(self.runtime.identity, cancel, now=now))
 
@@ -496,7 +498,10 @@ class Consumer:
         )
         ranked = rank_offers(book, self.bid, reliability=scores, limit=RANKED_OFFERS, entry=entry)
         best: dict[str, Offer] = {}
+        taken = self.elsewhere()
         for r in ranked:
+            if r.offer.host in taken:
+                continue
             if (r.offer.host, r.offer.offer_id, r.offer.nonce) not in self.full_offers:
                 best.setdefault(r.offer.host, r.offer)
         self.entries = {host: entry(offer) for host, offer in best.items()}
@@ -723,7 +728,7 @@ class Consumer:
         )  # fmt: skip
         held.state = LeaseState.ENDED
         try:
-            await _close_lease(self, held)
+            await self.close_lease(held)
         except (CumulusError, BaseLibp2pError, trio.TooSlowError, OSError) as exc:
             log.warning("lease %s not settled yet: %s", held.proposal.lease_id, exc)
 
@@ -901,6 +906,28 @@ class Consumer:
         evidence = LeaseFailure(gone.lease, gone.host_key, FailureReason.VANISHED, ended)
         await self.runtime.report(gone.proposal.host, evidence)
 
+    async def settle_leases(self) -> None:
+        """Close each lease whose host is still there, once the script has ended."""
+        # The host sends its last receipt when it sees the session end; closing the lease
+        # waits for exactly that, so both ledgers end up with the same receipts.
+        for held in self.held:
+            if held.state in (LeaseState.FAILED, LeaseState.LEFT):  # the host is gone
+                continue
+            try:
+                await self.close_lease(held)
+            except (CumulusError, BaseLibp2pError, trio.TooSlowError, OSError) as exc:
+                log.warning("lease %s not settled: %s", held.proposal.lease_id, exc)
+
+    async def close_lease(self, held: Held) -> None:
+        """End ``held`` with its host, which answers with its last receipt."""
+        host, peer = self.runtime.mesh.host, peer_of(held.proposal.host)
+        try:
+            await call_close_lease(host, peer, held.proposal.lease_id)
+        except (BaseLibp2pError, OSError):
+            # The connection may be gone (a relay cut its circuit): once more over a new one.
+            await self._reach(peer, afresh=True)
+            await call_close_lease(host, peer, held.proposal.lease_id)
+
     async def report_service(self) -> None:
         """Gossip a service record for each lease that was receipted."""
         for held in self.held:
@@ -985,133 +1012,67 @@ def _held_row(held: Held, desk: ReceiptDesk) -> dict:
     }
 
 
+#: How ``torch.distributed``'s launcher is named on a command line: ``torchrun`` or
+#: ``python -m torch.distributed.run``.
+LAUNCHER_MODULE = "torch.distributed.run"
+
+
 def script_command(
     command: tuple[str, ...], *, cuda_compat: bool, native: bool = False
 ) -> list[str]:
     """The child's command line: the script under the shim, with this interpreter.
 
-    Accepts ``python train.py args``, ``python -m module args`` or ``train.py args``.
+    Accepts ``python train.py args``, ``python -m module args`` or ``train.py args``; and
+    ``torchrun [flags] train.py args``, whose every rank runs the script under the shim.
 
     Raises:
         CumulusError: The command is not a Python script (the shim must run in-process).
     """
+    shim = ["-m", "cumulus_p2p.shim"]
+    if native:
+        shim.append("--native")
+    if not cuda_compat:
+        shim.append("--no-cuda-compat")
+    launched = launcher_arguments(command)
+    if launched is not None:
+        flags, script = launched
+        return [sys.executable, "-m", LAUNCHER_MODULE, *flags, *shim, *script]
     args = list(command)
     if args and os.path.basename(args[0]).startswith("python"):
         args = args[1:]
     if not args or not (args[0].endswith(".py") or args[0] == "-m"):
         raise CumulusError(
-            f"--consume runs a Python script: give `-- python train.py [args]` or "
-            f"`-- python -m package.module [args]`, not {' '.join(command)!r}"
+            f"--consume runs a Python script: give `-- python train.py [args]`, "
+            f"`-- python -m package.module [args]` or `-- torchrun [flags] train.py [args]`, "
+            f"not {' '.join(command)!r}"
         )
-    shim = [sys.executable, "-m", "cumulus_p2p.shim"]
-    if native:
-        shim.append("--native")
-    if not cuda_compat:
-        shim.append("--no-cuda-compat")
-    return [*shim, *args]
+    return [sys.executable, *shim, *args]
 
 
-async def run_consumer(
-    data: DataDir,
-    mesh_config,
-    options: ConsumerOptions,
-    *,
-    on_tick=None,
-    book_limits: BookLimits | None = None,
-) -> Consumer:
-    """Run the script on a leased host; return the consumer when it has finished.
+def launcher_arguments(command: tuple[str, ...]) -> tuple[list[str], list[str]] | None:
+    """For a ``torchrun`` command, its own flags and the script with its arguments; None
+    for any other command.
 
     Raises:
-        NoMatchError: No offer met the bid within ``options.match_timeout``.
+        CumulusError: torchrun runs no ``.py`` script (a module or a binary cannot run
+            under the shim).
     """
-    identity = data.identity()
-    argv = script_command(options.command, cuda_compat=options.cuda_compat, native=options.native)
-    async with open_runtime(identity, data, mesh_config, book_limits=book_limits) as runtime:
-        desk = ReceiptDesk(identity, data.ledger())
-        consumer = Consumer(runtime, options, desk)
-        serve_receipts(
-            runtime.mesh.host, desk, clock=runtime.clock, fresh_counts=consumer.fresh_counts,
-            on_receipt=consumer.note_receipt, on_refused=consumer.note_refused,
-        )  # fmt: skip
-        serve_lease_notices(runtime.mesh.host, consumer.take_notice)
-        async with trio.open_nursery() as nursery:
-            consumer.doors = SessionDoors(
-                runtime.mesh.host, nursery, functools.partial(consumer._reach, afresh=True)
-            )
-            consumer.nursery = nursery
-            nursery.start_soon(_tick, consumer, on_tick)
-            nursery.start_soon(consumer.keep_probing)
-            consumer.status = "matching"
-            await consumer.lease(options.match_timeout)
-            consumer.status = "running"
-            token = control.new_token()
-            address = await nursery.start(
-                functools.partial(
-                    control.serve_control,
-                    token,
-                    consumer.current_ticket,
-                    consumer.failover,
-                    usage=consumer.take_usage,
-                    probe=consumer.check_probe,
-                    path=consumer.take_path,
-                    standby=consumer.standby_ticket,
-                    fetch=consumer.fetch_for_session,
-                )
-            )
-            env = _child_env(data, address, token, options)
-            consumer.exit_code = await run_script(argv, env)
-            consumer.status = "settling"
-            await _settle_leases(consumer)
-            await consumer.withdraw_bid()
-            await consumer.report_service()
-            await consumer.runtime.mesh.drain()
-            consumer.status = "done"
-            data.write_state(consumer.snapshot())
-            nursery.cancel_scope.cancel()
-    return consumer
-
-
-async def _tick(consumer: Consumer, on_tick) -> None:
-    while True:
-        consumer.runtime.data.write_state(consumer.snapshot())
-        if on_tick is not None:
-            on_tick(consumer)
-        await trio.sleep(1.0)
-
-
-def _child_env(data: DataDir, address: str, token: str, options: ConsumerOptions) -> dict:
-    env = dict(os.environ)
-    env[control.ENV_ADDRESS] = address
-    env[control.ENV_TOKEN] = token
-    env[control.ENV_NODE_PID] = str(os.getpid())
-    env["CUMULUS_DATA_DIR"] = str(data.path)
-    env["CUMULUS_CHECKPOINT_INTERVAL"] = str(options.checkpoint_interval)
-    env[control.ENV_CHECKPOINT_TO] = options.checkpoint_to
-    if options.private:
-        env[control.ENV_PRIVATE] = "1"
-    return env
-
-
-async def _settle_leases(consumer: Consumer) -> None:
-    # The host sends its last receipt when it sees the session end; closing the lease
-    # waits for exactly that, so both ledgers end up with the same receipts.
-    for held in consumer.held:
-        if held.state in (LeaseState.FAILED, LeaseState.LEFT):  # the host is gone
-            continue
-        try:
-            await _close_lease(consumer, held)
-        except (CumulusError, BaseLibp2pError, trio.TooSlowError, OSError) as exc:
-            log.warning("lease %s not settled: %s", held.proposal.lease_id, exc)
-
-
-async def _close_lease(consumer: Consumer, held: Held) -> None:
-    host, peer = consumer.runtime.mesh.host, peer_of(held.proposal.host)
-    try:
-        await call_close_lease(host, peer, held.proposal.lease_id)
-    except (BaseLibp2pError, OSError):
-        # The connection may be gone (a relay cut its circuit): once more over a new one.
-        await consumer._reach(peer, afresh=True)
-        await call_close_lease(host, peer, held.proposal.lease_id)
+    args = list(command)
+    if args and os.path.basename(args[0]).startswith("python"):
+        args = args[1:]
+    if args[:2] == ["-m", LAUNCHER_MODULE]:
+        args = args[2:]
+    elif args and os.path.basename(args[0]) == "torchrun":
+        args = args[1:]
+    else:
+        return None
+    script = next((i for i, arg in enumerate(args) if arg.endswith(".py")), None)
+    if script is None or "-m" in args[:script] or "--module" in args[:script]:
+        raise CumulusError(
+            "--consume runs torchrun's ranks under the cumulus shim, which takes a script: "
+            f"give `-- torchrun --nproc-per-node N train.py [args]`, not {' '.join(command)!r}"
+        )
+    return args[:script], args[script:]
 
 
 def notice_refusal(proposal: LeaseProposal | None, kind: str, sender: str) -> str | None:

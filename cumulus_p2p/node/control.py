@@ -62,6 +62,27 @@ MAX_FRAME = 128 * 1024
 MAX_FETCH = 1024
 
 
+def address_for_rank(environ) -> str | None:
+    """The control address of this process's rank: ``CUMULUS_CONTROL`` holds one per rank
+    of a job of several GPUs (``host:port,host:port``), picked by the ``LOCAL_RANK``
+    torchrun gave the process; None when no node started it.
+
+    Raises:
+        CumulusError: the rank has no address (the launcher ran more ranks than GPUs).
+    """
+    addresses = environ.get(ENV_ADDRESS)
+    if not (addresses and environ.get(ENV_TOKEN)):
+        return None
+    every = addresses.split(",")
+    rank = environ.get("LOCAL_RANK", "0")
+    if not rank.isdigit() or int(rank) >= len(every):
+        raise CumulusError(
+            f"this is rank {rank!r} of a job the node leased {len(every)} GPU(s) for: "
+            "give cumulus-node --gpus as many GPUs as torchrun --nproc-per-node ranks"
+        )
+    return every[int(rank)]
+
+
 @dataclass(frozen=True, slots=True)
 class SessionTicket:
     """Everything the shim needs to open a session with a provider."""
@@ -375,8 +396,8 @@ class ControlClient:
     @classmethod
     def from_environment(cls) -> ControlClient | None:
         """The client for the node that started this process, if one did."""
-        address, token = os.environ.get(ENV_ADDRESS), os.environ.get(ENV_TOKEN)
-        return cls(address, token) if address and token else None
+        address = address_for_rank(os.environ)
+        return None if address is None else cls(address, os.environ[ENV_TOKEN])
 
     def session(self) -> SessionTicket:
         """The lease to use now."""

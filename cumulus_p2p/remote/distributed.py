@@ -146,7 +146,8 @@ def _wire(tensor: torch.Tensor):
 def _host_of(session: RemoteSession) -> str:
     """The executor's address as the other hosts reach it: the one this process reached."""
     address = getattr(session._channel, "peer_address", None)
-    host, sep, port = (address or "").rpartition(":")
+    # A leased session's channel names its host as ``provider_key@host:port``.
+    host, sep, port = (address or "").rpartition("@")[2].rpartition(":")
     if not (sep and host and port.isdigit()):
         raise RuntimeError(
             f"the cumulus backend needs each rank's host address, and this session's channel "

@@ -47,6 +47,7 @@ PRELOAD = [
     "cumulus_p2p.cli",
     "cumulus_p2p.node.provider",
     "cumulus_p2p.node.consumer",
+    "cumulus_p2p.node.job",
     "cumulus_p2p.host.executor_main",
 ]
 

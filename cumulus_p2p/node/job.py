@@ -1,0 +1,217 @@
+"""``cumulus-node --consume``: lease the job's GPUs, run its script, settle.
+
+A job of one GPU is one ``Consumer``: its bid, its choice of hosts, its leases and its
+failover. A job of N (``--gpus N -- torchrun --nproc-per-node N train.py``) is N of them,
+one per rank, sharing the node's mesh, book and ledger (``Job``):
+
+- each rank bids under its own name and leases from a host none of the others holds, so
+  the N ranks run on N hosts, and ``cuda:LOCAL_RANK`` in a rank is its own leased GPU;
+- each rank has its own control channel: ``CUMULUS_CONTROL`` lists them in rank order,
+  and the shim in a rank's process picks its own by ``LOCAL_RANK``
+  (``control.address_for_rank``);
+- the ranks' collectives run among their hosts (``remote.distributed``), not through
+  this node;
+- receipts and lease notices reach the rank whose lease they name; a host refused for
+  overcharging is refused by every rank.
+
+The job's status (``state.json``, the screen) shows every rank's leases in one table.
+A rank whose host vanishes fails over as a job of one does; its collective group is not
+rebuilt yet, so a job of several GPUs does not survive a lost host.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import trio
+
+from ..market import BookLimits
+from ..market.settlement import ReceiptDesk, serve_lease_notices, serve_receipts
+from . import control
+from .consumer import Consumer, ConsumerOptions, Held, script_command
+from .datadir import DataDir
+from .runtime import Runtime, open_runtime
+from .script import run_script
+from .session_proxy import SessionDoors
+
+
+@dataclass
+class Job:
+    """A consumer's job: one ``Consumer`` per rank (one for a job of one GPU)."""
+
+    ranks: list[Consumer]
+    #: The script's exit status, once it has ended.
+    exit_code: int | None = None
+
+    @classmethod
+    def of(cls, runtime: Runtime, options: ConsumerOptions, desk: ReceiptDesk) -> Job:
+        """``options.gpus`` consumers; each leases from hosts the others do not hold."""
+        job = cls([])
+        for rank in range(options.gpus):
+            job.ranks.append(
+                Consumer(
+                    runtime, options, desk, bid_name=f"bid{rank}", elsewhere=job._held_by(rank)
+                )
+            )
+        return job
+
+    def _held_by(self, rank: int) -> Callable[[], set[str]]:
+        def others() -> set[str]:
+            return {
+                held.proposal.host
+                for other in self.ranks[:rank] + self.ranks[rank + 1 :]
+                for held in other.held
+            }
+
+        return others
+
+    @property
+    def runtime(self) -> Runtime:
+        return self.ranks[0].runtime
+
+    @property
+    def desk(self) -> ReceiptDesk:
+        return self.ranks[0].desk
+
+    @property
+    def held(self) -> list[Held]:
+        """Every rank's leases, rank by rank."""
+        return [held for consumer in self.ranks for held in consumer.held]
+
+    @property
+    def status(self) -> str:
+        """The first rank's status that is not plain running (a failover, a wait)."""
+        statuses = [consumer.status for consumer in self.ranks]
+        return next((s for s in statuses if s != "running"), statuses[0])
+
+    @status.setter
+    def status(self, value: str) -> None:
+        for consumer in self.ranks:
+            consumer.status = value
+
+    def cost(self) -> int:
+        """Micro-credits receipted so far, over every rank's leases."""
+        return sum(consumer.cost() for consumer in self.ranks)
+
+    def snapshot(self) -> dict:
+        """The first rank's snapshot, with the whole job's leases, failovers, ops and
+        cost."""
+        return self.ranks[0].snapshot() | {
+            "status": self.status,
+            "gpus": len(self.ranks),
+            "leases": [row for consumer in self.ranks for row in consumer.snapshot()["leases"]],
+            "failovers": sum(consumer.failovers for consumer in self.ranks),
+            "ops": sum(consumer.ops for consumer in self.ranks),
+            "cost": self.cost(),
+        }
+
+    # --- what hosts send, to the rank it concerns -----------------------------------
+
+    def _rank_of(self, lease_id: str) -> Consumer:
+        for consumer in self.ranks:
+            if any(held.proposal.lease_id == lease_id for held in consumer.held):
+                return consumer
+        return self.ranks[0]  # a lease of no rank's: the first one refuses it
+
+    def note_receipt(self, countersigned) -> None:
+        self._rank_of(countersigned.receipt.lease_id).note_receipt(countersigned)
+
+    def note_refused(self, host: str, why: str) -> None:
+        for consumer in self.ranks:
+            consumer.note_refused(host, why)
+
+    async def fresh_counts(self) -> None:
+        # Which rank's lease a receipt request names is not said here: wait for all.
+        async with trio.open_nursery() as nursery:
+            for consumer in self.ranks:
+                nursery.start_soon(consumer.fresh_counts)
+
+    async def take_notice(self, lease_id: str, kind: str, detail: str, sender: str) -> str | None:
+        return await self._rank_of(lease_id).take_notice(lease_id, kind, detail, sender)
+
+
+async def run_consumer(
+    data: DataDir,
+    mesh_config,
+    options: ConsumerOptions,
+    *,
+    on_tick=None,
+    book_limits: BookLimits | None = None,
+) -> Job:
+    """Run the script on leased hosts (one per rank); return the job when it has ended.
+
+    Raises:
+        NoMatchError: A rank found no offer meeting the bid within ``options.match_timeout``.
+    """
+    identity = data.identity()
+    argv = script_command(options.command, cuda_compat=options.cuda_compat, native=options.native)
+    async with open_runtime(identity, data, mesh_config, book_limits=book_limits) as runtime:
+        desk = ReceiptDesk(identity, data.ledger())
+        job = Job.of(runtime, options, desk)
+        serve_receipts(
+            runtime.mesh.host, desk, clock=runtime.clock, fresh_counts=job.fresh_counts,
+            on_receipt=job.note_receipt, on_refused=job.note_refused,
+        )  # fmt: skip
+        serve_lease_notices(runtime.mesh.host, job.take_notice)
+        async with trio.open_nursery() as nursery:
+            for consumer in job.ranks:
+                reach = functools.partial(consumer._reach, afresh=True)
+                consumer.doors = SessionDoors(runtime.mesh.host, nursery, reach)
+                consumer.nursery = nursery
+                nursery.start_soon(consumer.keep_probing)
+            nursery.start_soon(_tick, job, on_tick)
+            job.status = "matching"
+            # One rank after another: each leases from a host the ones before it do not hold.
+            for consumer in job.ranks:
+                await consumer.lease(options.match_timeout)
+            job.status = "running"
+            token = control.new_token()
+            addresses = [await nursery.start(_control, token, c) for c in job.ranks]
+            env = _child_env(data, ",".join(addresses), token, options)
+            job.exit_code = await run_script(argv, env)
+            job.status = "settling"
+            for consumer in job.ranks:
+                consumer.exit_code = job.exit_code
+                await consumer.settle_leases()
+                await consumer.withdraw_bid()
+                await consumer.report_service()
+            await runtime.mesh.drain()
+            job.status = "done"
+            data.write_state(job.snapshot())
+            nursery.cancel_scope.cancel()
+    return job
+
+
+async def _control(
+    token: str, consumer: Consumer, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Serve one rank's control channel; reports its address."""
+    await control.serve_control(
+        token, consumer.current_ticket, consumer.failover, usage=consumer.take_usage,
+        probe=consumer.check_probe, path=consumer.take_path, standby=consumer.standby_ticket,
+        fetch=consumer.fetch_for_session, task_status=task_status,
+    )  # fmt: skip
+
+
+async def _tick(job: Job, on_tick) -> None:
+    while True:
+        job.runtime.data.write_state(job.snapshot())
+        if on_tick is not None:
+            on_tick(job)
+        await trio.sleep(1.0)
+
+
+def _child_env(data: DataDir, addresses: str, token: str, options: ConsumerOptions) -> dict:
+    env = dict(os.environ)
+    env[control.ENV_ADDRESS] = addresses
+    env[control.ENV_TOKEN] = token
+    env[control.ENV_NODE_PID] = str(os.getpid())
+    env["CUMULUS_DATA_DIR"] = str(data.path)
+    env["CUMULUS_CHECKPOINT_INTERVAL"] = str(options.checkpoint_interval)
+    env[control.ENV_CHECKPOINT_TO] = options.checkpoint_to
+    if options.private:
+        env[control.ENV_PRIVATE] = "1"
+    return env
