@@ -275,10 +275,17 @@ def test_each_torchrun_rank_runs_the_script_under_the_shim():
     ]  # fmt: skip
 
 
-def test_gpus_reach_the_consumers_options():
+def test_gpus_reach_the_consumers_options_on_the_python_device():
     argv = ["--consume", "--gpus", "3"]
     options = _consumer_options(build_parser().parse_args(argv), ["torchrun", "x.py"])
-    assert options.gpus == 3
+    assert options.gpus == 3 and not options.native
+
+
+def test_gpus_on_the_native_device_is_a_usage_error(tmp_path):
+    command = ["--", "torchrun", "--nproc-per-node", "2", "t.py"]
+    result = run("--data-dir", str(tmp_path), "--consume", "--gpus", "2", "--native", *command)
+    assert result.returncode == 2
+    assert "--native has no collectives yet" in result.stderr
 
 
 def test_native_and_python_device_together_are_a_usage_error(capsys):

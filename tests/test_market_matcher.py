@@ -14,6 +14,7 @@ from cumulus_p2p.market.matcher import (
     Standing,
     effective_price,
     entry_of,
+    near_first,
     proposal_batch,
     rank_offers,
     standing,
@@ -225,3 +226,22 @@ def test_a_bid_under_every_ask_is_told_the_bids_ahead_and_the_price_that_runs_it
 def test_a_bid_no_offer_can_serve_has_no_price_to_run_now():
     book = book_of(offer("h1", 30, model="A100"))
     assert standing(book, bid(10, models=("H100",))) == Standing(0, None)
+
+
+def test_hosts_near_the_jobs_region_come_first_within_their_entry_tier():
+    hosts = ["record-far", "cheap-far", "dear-near", "suspect-near"]
+    entries = {
+        "record-far": Entry.RECORD,
+        "cheap-far": Entry.NEWCOMER,
+        "dear-near": Entry.NEWCOMER,
+        "suspect-near": Entry.SUSPECT,
+    }
+    regions = {"record-far": "us", "cheap-far": "us", "dear-near": "eu", "suspect-near": "eu"}
+    assert near_first(hosts, entries, regions, "eu") == [
+        "record-far", "dear-near", "cheap-far", "suspect-near",
+    ]  # fmt: skip
+
+
+def test_no_region_to_be_near_keeps_the_ranking():
+    hosts = ["b", "a", "c"]
+    assert near_first(hosts, {}, {"a": "eu"}, "") == hosts

@@ -1,6 +1,6 @@
 """``cumulus-node --consume --gpus N``: a job of N GPUs, one leased host per rank (issue 33).
 
-Real nodes on loopback: a bootstrap node, two CPU providers and a consumer running an
+Real nodes on loopback: a bootstrap node, CPU providers and a consumer running an
 unchanged torchrun DDP script (``tests/scripts/ddp_train.py``, written for NCCL and
 ``cuda:LOCAL_RANK``) with two ranks. Each rank's process attaches to its own lease, and
 the gradients are all-reduced between the two hosts.
@@ -8,6 +8,7 @@ the gradients are all-reduced between the two hosts.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cumulus_p2p.cli._exits import EXIT_NO_MATCH
 from cumulus_p2p.market.ledger import Ledger
 from cumulus_p2p.testing import loopback, nodes
 
@@ -34,29 +36,83 @@ def test_a_torchrun_ddp_script_on_two_leased_hosts_ends_with_local_gloo_ddps_par
     done = subprocess.run(local, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     boot = loopback.start_boot(tmp_path)
+    # The second rank passes the cheaper host in another region for one near the first's.
+    regions = {"near": ("0.3", "eu-west"), "far": ("0.4", "us-east"), "dear": ("0.5", "eu-west")}
     providers = [
-        nodes.start_provider(tmp_path / f"p{i}", boot.addr, "--price", price)
-        for i, price in enumerate(("0.3", "0.5"))
+        nodes.start_provider(tmp_path / name, boot.addr, "--price", price, "--region", region)
+        for name, (price, region) in regions.items()
     ]
     consumer = None
     try:
         for node in providers:
             node.wait_for("providing")
-        flags = ["--gpus", "2", "--python-device", "--checkpoint-to", "consumer"]
+        flags = ["--gpus", "2", "--checkpoint-to", "consumer"]
         command = [*TORCHRUN, str(SCRIPT), str(tmp_path / "leased.pt"), *ARGS]
         consumer = nodes.start_consumer(tmp_path / "consumer", boot.addr, *flags, command=command)
         assert consumer.proc.wait(timeout=300) == 0, consumer.output()
-        hosts = {p.wait_for_state(lambda s: "peer_id" in s)["peer_id"] for p in providers}
+        ids = [p.wait_for_state(lambda s: "peer_id" in s)["peer_id"] for p in providers]
+        hosts = {ids[0], ids[2]}
     finally:
         nodes.stop_all([n for n in (consumer, *providers, boot) if n is not None])
     leased, expected = torch.load(tmp_path / "leased.pt"), torch.load(tmp_path / "local.pt")
     assert leased.keys() == expected.keys()
     for name, value in expected.items():
         assert torch.allclose(leased[name], value, rtol=0, atol=1e-6), name
-    # One lease per rank, each from another host, both receipted in the ledger.
+    # One lease per rank, each from another host in one region, both receipted.
     state = consumer.state()
     assert state["gpus"] == 2
     assert {lease["host"] for lease in state["leases"]} == hosts
-    assert len(state["leases"]) == 2
+    assert sorted(lease["rank"] for lease in state["leases"]) == [0, 1]
+    # The leases table the node prints at its end says which rank each lease serves.
+    assert re.search(r"┃ rank\s*┃ lease", consumer.output()), consumer.output()
     with Ledger.open(tmp_path / "consumer") as ledger:
         assert {entry.host for entry in ledger.entries()} == hosts
+
+
+def test_a_job_of_more_gpus_than_hosts_says_each_rank_needs_its_own_host(tmp_path):
+    boot = loopback.start_boot(tmp_path)
+    provider = nodes.start_provider(tmp_path / "p", boot.addr)
+    consumer = None
+    try:
+        provider.wait_for("providing")
+        flags = ["--gpus", "2", "--match-timeout", "5s"]
+        command = [*TORCHRUN, str(SCRIPT), str(tmp_path / "leased.pt"), *ARGS]
+        consumer = nodes.start_consumer(tmp_path / "consumer", boot.addr, *flags, command=command)
+        assert consumer.proc.wait(timeout=120) == EXIT_NO_MATCH, consumer.output()
+        # The first rank's lease was given back: the host's shares are all free again,
+        # not at the end of the lease's term (an hour).
+        provider.wait_for_state(lambda s: s["shares_free"] == s["shares_total"], timeout=10)
+    finally:
+        nodes.stop_all([n for n in (consumer, provider, boot) if n is not None])
+    assert "already serves another rank of this job" in consumer.output()
+    assert "running" not in consumer.output()  # the script never started
+    assert "lower --gpus" in consumer.output()
+
+
+def test_a_job_of_two_gpus_that_loses_a_host_ends_at_once_saying_why(tmp_path):
+    boot = loopback.start_boot(tmp_path)
+    providers = [nodes.start_provider(tmp_path / f"p{i}", boot.addr) for i in range(2)]
+    consumer = None
+    try:
+        for node in providers:
+            node.wait_for("providing")
+        peer_ids = [p.wait_for_state(lambda s: "peer_id" in s)["peer_id"] for p in providers]
+        flags = ["--gpus", "2", "--checkpoint-to", "consumer"]
+        # Far more steps than the spec waits for: the job is mid-training when a host dies.
+        command = [*TORCHRUN, str(SCRIPT), str(tmp_path / "leased.pt"), "100000", "256"]
+        consumer = nodes.start_consumer(tmp_path / "consumer", boot.addr, *flags, command=command)
+        running = consumer.wait_for_state(
+            lambda s: s.get("ops", 0) > 100 and all(row["path"] for row in s["leases"]),
+            timeout=120,
+        )
+        second = next(row["host"] for row in running["leases"] if row["rank"] == 1)
+        killed = providers[peer_ids.index(second)]
+        killed.proc.kill()
+        killed.proc.wait()
+        # Not at the group's timeout (ten minutes or more): the rank is told at once.
+        assert consumer.proc.wait(timeout=120) != 0
+    finally:
+        nodes.stop_all([n for n in (consumer, *providers, boot) if n is not None])
+    assert "cannot move to another host yet" in consumer.output()
+    state = consumer.state()
+    assert {row["rank"]: row["state"] for row in state["leases"]} == {0: "held", 1: "failed"}

@@ -499,6 +499,11 @@ def _check_node_args(parser: argparse.ArgumentParser, args, script: list[str]) -
             )
     if args.gpus != 1 and not args.consume:
         parser.error("--gpus is how many GPUs --consume leases for a job")
+    if args.gpus != 1 and args.native:
+        parser.error(
+            "--native has no collectives yet: a job of several GPUs runs on the Python "
+            "device (leave out --native)"
+        )
     if not 1 <= args.gpus <= 64:
         parser.error(f"--gpus must be between 1 and 64, not {args.gpus}")
     if args.shares is not None and not 1 <= args.shares <= 2**16:

@@ -320,7 +320,8 @@ def _consumer_options(args, script: list[str]):
         match_timeout=args.match_timeout,
         wait_for_host=args.wait_for_host,
         cuda_compat=not args.no_cuda_compat,
-        native=_native_device(args.native),
+        # The native device has no collectives: a job of several GPUs runs on the other.
+        native=args.gpus == 1 and _native_device(args.native),
         checkpoint_interval=args.checkpoint_interval,
         backoff=BackoffPolicy(base_s=args.host_backoff),
         checkpoint_to=args.checkpoint_to,
@@ -341,13 +342,18 @@ class _ConsumerScreen:
         self.status.start()
 
     def tick(self, consumer) -> None:
-        if consumer.status == "matching":
-            offers = sum(1 for _ in consumer.runtime.book.offers())
-            self.status.update(f"waiting for a match: {offers} offer(s) on the book")
-        elif consumer.held and not self.announced:
+        if self.announced:
+            return
+        if consumer.status == "running" and consumer.held:
             self.announced = True
             self.status.stop()
-            self._announce(consumer.held[-1])
+            for held in consumer.held:  # one lease per rank of a job of several GPUs
+                self._announce(held)
+        elif consumer.status == "matching":
+            offers = sum(1 for _ in consumer.runtime.book.offers())
+            self.status.update(f"waiting for a match: {offers} offer(s) on the book")
+        else:  # held for want of a usable host, with the reason and the deadline
+            self.status.update(consumer.status)
 
     def _announce(self, held) -> None:
         self.console.print(

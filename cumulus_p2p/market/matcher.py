@@ -65,6 +65,7 @@ __all__ = [
     "Standing",
     "effective_price",
     "entry_of",
+    "near_first",
     "proposal_batch",
     "rank_offers",
     "standing",
@@ -229,6 +230,19 @@ def proposal_batch(
         if newcomer is not None:
             batch = [*batch[: at_once - 1], newcomer]
     return batch
+
+
+def near_first(
+    hosts: Sequence[str], entries: Mapping[str, Entry], regions: Mapping[str, str], region: str
+) -> list[str]:
+    """``hosts`` (best first, by entry tier) with those in ``region`` ahead of the others
+    of their tier, each group in its order: the ranks of a job of several GPUs exchange
+    gradients, so its hosts had better be close to one another, and an offer's region is
+    the hint of where a host is. Trust comes first: a nearby newcomer does not pass a
+    host with a record. An empty ``region`` changes nothing."""
+    if not region:
+        return list(hosts)
+    return sorted(hosts, key=lambda h: (entries.get(h, Entry.NEWCOMER), regions.get(h) != region))
 
 
 @dataclass(frozen=True, slots=True)

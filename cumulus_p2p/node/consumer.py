@@ -69,7 +69,7 @@ from ..market import (
 from ..market.hostchoice import BackoffPolicy, GiveUp, HostChoice, Wait
 from ..market.lease import RefusalReason
 from ..market.liveness import CHALLENGE_SIZE, Liveness
-from ..market.matcher import Entry, entry_of, proposal_batch, standing
+from ..market.matcher import Entry, entry_of, near_first, proposal_batch, standing
 from ..market.messages import MAX_OVERCOMMIT_PCT, encode_message, seal_message
 from ..market.negotiation import call_propose_lease
 from ..market.pricing import proposed_price
@@ -277,6 +277,11 @@ class Consumer:
     bid_name: str = BID_NAME
     #: The hosts the job's other ranks hold, which this one does not lease from.
     elsewhere: Callable[[], Collection[str]] = frozenset
+    #: The region whose hosts this rank prefers (its job's first host's), or "".
+    near: Callable[[], str] = str
+    #: Whether the session may move to another host when its host is lost: not a rank of
+    #: a job of several GPUs, whose collective group would not follow it.
+    movable: bool = True
 
     def __post_init__(self) -> None:
         self.choice = HostChoice(self.options.backoff, self.options.wait_for_host)
@@ -505,7 +510,8 @@ class Consumer:
             if (r.offer.host, r.offer.offer_id, r.offer.nonce) not in self.full_offers:
                 best.setdefault(r.offer.host, r.offer)
         self.entries = {host: entry(offer) for host, offer in best.items()}
-        return best
+        regions = {host: offer.region for host, offer in best.items()}
+        return {h: best[h] for h in near_first(list(best), self.entries, regions, self.near())}
 
     def has_record(self, host: str) -> bool:
         """Whether ``host`` has a record: credible evidence of paid leases, or a lease
@@ -614,6 +620,13 @@ class Consumer:
             )
         if self._candidates(self.runtime.clock()):
             return f"{gave_up}. Give the job longer (--wait-for-host), or more hosts."
+        hosts = {offer.host for offer in offers}
+        if hosts and hosts <= set(self.elsewhere()):
+            return (
+                f"every host offering ({len(hosts)}) already serves another rank of this "
+                f"job, and a job of {o.gpus} GPUs leases each from another host. Wait for "
+                "more providers, or lower --gpus."
+            )
         if not offers:
             return (
                 f"no offers reached this node within {patience:.0f}s. Check --bootstrap, "
@@ -857,12 +870,21 @@ class Consumer:
         log.warning("failing over: %s", reason)
         sessions = self.sessions
         live = [h for h in sessions if h.state is LeaseState.HELD]
-        if live and sessions[-1].state not in (LeaseState.LEFT, LeaseState.PREEMPTED):
+        lost = not live or sessions[-1].state in (LeaseState.LEFT, LeaseState.PREEMPTED)
+        if not lost:
             if HANGUP_PAUSED in reason and self._resumable(live[-1]):
                 self.status = "running"
                 return await self._ticket(live[-1])
-            if not await self._lease_lost(live[-1]):
+            lost = await self._lease_lost(live[-1])
+            if not lost:
                 self.status = "renewing the lease"
+        if lost and not self.movable:
+            self.status = f"host lost: {reason}"
+            raise CumulusError(
+                f"this rank's host is gone ({reason}), and a rank of a job of several GPUs "
+                "cannot move to another host yet (its collective group would not follow): "
+                "the job ends. Run it again; the script's own checkpoints resume it."
+            )
         held = await self.lease()
         self.status = "running"
         return await self._ticket(held)

@@ -6,6 +6,8 @@ one per rank, sharing the node's mesh, book and ledger (``Job``):
 
 - each rank bids under its own name and leases from a host none of the others holds, so
   the N ranks run on N hosts, and ``cuda:LOCAL_RANK`` in a rank is its own leased GPU;
+- the ranks after the first prefer hosts in the first one's region (``matcher.near_first``:
+  an offer's region is the hint of where its host is; trust still comes first);
 - each rank has its own control channel: ``CUMULUS_CONTROL`` lists them in rank order,
   and the shim in a rank's process picks its own by ``LOCAL_RANK``
   (``control.address_for_rank``);
@@ -15,8 +17,10 @@ one per rank, sharing the node's mesh, book and ledger (``Job``):
   overcharging is refused by every rank.
 
 The job's status (``state.json``, the screen) shows every rank's leases in one table.
-A rank whose host vanishes fails over as a job of one does; its collective group is not
-rebuilt yet, so a job of several GPUs does not survive a lost host.
+A job of one GPU survives its host (the session moves, ``Consumer.failover``). A job of
+several does not yet: a rank's collective group would not follow it to another host, so
+a rank whose host is lost is told so at once and ends, and torchrun ends the others, in
+seconds rather than at the group's timeout.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 
 import trio
 
+from .._errors import NoMatchError
 from ..market import BookLimits
 from ..market.settlement import ReceiptDesk, serve_lease_notices, serve_receipts
 from . import control
@@ -53,10 +58,22 @@ class Job:
         for rank in range(options.gpus):
             job.ranks.append(
                 Consumer(
-                    runtime, options, desk, bid_name=f"bid{rank}", elsewhere=job._held_by(rank)
+                    runtime,
+                    options,
+                    desk,
+                    bid_name=f"bid{rank}",
+                    elsewhere=job._held_by(rank),
+                    near=job._first_region,
+                    movable=options.gpus == 1,
                 )
             )
         return job
+
+    def _first_region(self) -> str:
+        """The region of the first rank's host, which the other ranks prefer; "" before it
+        has one (the first rank leases before the others)."""
+        first = self.ranks[0].sessions
+        return first[-1].offer.region if first else ""
 
     def _held_by(self, rank: int) -> Callable[[], set[str]]:
         def others() -> set[str]:
@@ -97,12 +114,15 @@ class Job:
         return sum(consumer.cost() for consumer in self.ranks)
 
     def snapshot(self) -> dict:
-        """The first rank's snapshot, with the whole job's leases, failovers, ops and
-        cost."""
+        """The first rank's snapshot, with the whole job's leases (each with its rank, in
+        a job of several GPUs), failovers, ops and cost."""
+        leases = [consumer.snapshot()["leases"] for consumer in self.ranks]
+        if len(self.ranks) > 1:
+            leases = [[{**row, "rank": rank} for row in rows] for rank, rows in enumerate(leases)]
         return self.ranks[0].snapshot() | {
             "status": self.status,
             "gpus": len(self.ranks),
-            "leases": [row for consumer in self.ranks for row in consumer.snapshot()["leases"]],
+            "leases": [row for rows in leases for row in rows],
             "failovers": sum(consumer.failovers for consumer in self.ranks),
             "ops": sum(consumer.ops for consumer in self.ranks),
             "cost": self.cost(),
@@ -165,8 +185,14 @@ async def run_consumer(
             nursery.start_soon(_tick, job, on_tick)
             job.status = "matching"
             # One rank after another: each leases from a host the ones before it do not hold.
-            for consumer in job.ranks:
-                await consumer.lease(options.match_timeout)
+            try:
+                for consumer in job.ranks:
+                    await consumer.lease(options.match_timeout)
+            except NoMatchError:
+                # The ranks that found a host give it back: the job will not run.
+                for consumer in job.ranks:
+                    await consumer.settle_leases()
+                raise
             job.status = "running"
             token = control.new_token()
             addresses = [await nursery.start(_control, token, c) for c in job.ranks]

@@ -512,12 +512,24 @@ class Provider:
         """The consumer is done: answer once the lease's session ended and is settled."""
         found = self._lease(lease_id)
         if found is None:
-            return "no session ran under this lease here"
+            return self._release_unused(lease_id, requester)
         if found.proposal.consumer != requester:
             return "only the lease's consumer may close it"
         with trio.move_on_after(20):
             await found.settled.wait()
         return None if found.settled.is_set() and not found.unsettled else "not settled yet"
+
+    def _release_unused(self, lease_id: str, requester: str) -> str | None:
+        """A lease granted and closed before any session ran under it (a grant that lost
+        to a better one, a job that found no host for another rank): its shares or GiB
+        go back now, not at the end of its term."""
+        reservation = self.book.get(lease_id)
+        if reservation is None:
+            return "no such lease here"
+        if reservation.proposal.consumer != requester:
+            return "only the lease's consumer may close it"
+        self.book.release(lease_id)
+        return None
 
     # --- receipts -------------------------------------------------------------------
 

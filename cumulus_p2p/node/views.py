@@ -96,11 +96,15 @@ def leases_table(rows: Iterable[dict], role: str) -> Table:
     table = Table(title="leases")
     other = "consumer" if role == "provider" else "host"
     money = "earned" if role == "provider" else "cost"
+    rows = list(rows)
+    # A job of several GPUs: which rank each lease serves.
+    ranked = any("rank" in row for row in rows)
     columns = ("lease", other, "price/share-h", "receipts", "share-s", "bytes", money, "state")
-    for column in (*columns, "session"):
+    for column in (*(["rank"] if ranked else []), *columns, "session"):
         table.add_column(column)
     for row in rows:
         table.add_row(
+            *([str(row.get("rank", ""))] if ranked else []),
             row["lease_id"][:12],
             short(row.get(other, "")),
             credits(row["price"]),
