@@ -161,14 +161,13 @@ def _executor_address(environ: Mapping[str, str]) -> str:
         )
     # One address per rank of a job (``host:port,host:port``): each rank's process
     # attaches to its own, by the LOCAL_RANK its launcher gave it.
-    addresses = address.split(",")
-    rank = environ.get("LOCAL_RANK", "0")
-    if not rank.isdigit() or int(rank) >= len(addresses):
+    own = control.this_ranks(address, environ)
+    if own is None:
         raise SessionClosedError(
-            f"{ENV_EXECUTOR} names {len(addresses)} executors and this is rank {rank!r}: "
-            "name one executor per rank, in rank order"
+            f"{ENV_EXECUTOR} names {len(address.split(','))} executors and this is rank "
+            f"{environ.get('LOCAL_RANK')!r}: name one executor per rank, in rank order"
         )
-    return addresses[int(rank)]
+    return own
 
 
 def _connect_leased(environ: Mapping[str, str]) -> RemoteSession:

@@ -249,3 +249,12 @@ def test_a_rank_beyond_the_gpus_leased_is_told_to_match_gpus_and_ranks() -> None
 
 def test_a_process_no_node_started_has_no_control_address() -> None:
     assert control.address_for_rank({}) is None
+
+
+def test_a_rank_beyond_the_executors_named_is_told_to_name_one_per_rank() -> None:
+    from cumulus_p2p import shim
+
+    environ = {shim.ENV_EXECUTOR: "127.0.0.1:1000", "LOCAL_RANK": "1"}
+    with pytest.raises(SessionClosedError, match="name one executor per rank"):
+        shim._executor_address(environ)
+    assert shim._executor_address({**environ, "LOCAL_RANK": "0"}) == "127.0.0.1:1000"

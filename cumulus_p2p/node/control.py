@@ -73,14 +73,22 @@ def address_for_rank(environ) -> str | None:
     addresses = environ.get(ENV_ADDRESS)
     if not (addresses and environ.get(ENV_TOKEN)):
         return None
-    every = addresses.split(",")
-    rank = environ.get("LOCAL_RANK", "0")
-    if not rank.isdigit() or int(rank) >= len(every):
+    address = this_ranks(addresses, environ)
+    if address is None:
         raise CumulusError(
-            f"this is rank {rank!r} of a job the node leased {len(every)} GPU(s) for: "
-            "give cumulus-node --gpus as many GPUs as torchrun --nproc-per-node ranks"
+            f"this is rank {environ.get('LOCAL_RANK')!r} of a job the node leased "
+            f"{len(addresses.split(','))} GPU(s) for: give cumulus-node --gpus as many GPUs "
+            "as torchrun --nproc-per-node ranks"
         )
-    return every[int(rank)]
+    return address
+
+
+def this_ranks(listed: str, environ) -> str | None:
+    """The entry of ``listed`` (``a,b,...``, one per rank in rank order) for this
+    process's ``LOCAL_RANK`` (0 without a launcher); None when the list has none for it."""
+    entries = listed.split(",")
+    rank = environ.get("LOCAL_RANK", "0")
+    return entries[int(rank)] if rank.isdigit() and int(rank) < len(entries) else None
 
 
 @dataclass(frozen=True, slots=True)
