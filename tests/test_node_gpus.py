@@ -26,6 +26,8 @@ SCRIPT = Path(__file__).parent / "scripts" / "ddp_train.py"
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 #: Steps and hidden width: a small model, so that the spec waits on nodes, not on compute.
 ARGS = ["3", "256"]
+#: A job that outlasts leases of a few seconds.
+LONG = ["150", "256"]
 
 
 def test_a_torchrun_ddp_script_on_two_leased_hosts_ends_with_local_gloo_ddps_parameters(
@@ -116,3 +118,29 @@ def test_a_job_of_two_gpus_that_loses_a_host_ends_at_once_saying_why(tmp_path):
     assert "cannot move to another host yet" in consumer.output()
     state = consumer.state()
     assert {row["rank"]: row["state"] for row in state["leases"]} == {0: "held", 1: "failed"}
+
+
+def test_a_job_of_two_gpus_outlasting_its_leases_renews_each_where_it_runs(tmp_path):
+    boot = loopback.start_boot(tmp_path)
+    providers = [nodes.start_provider(tmp_path / f"p{i}", boot.addr) for i in range(2)]
+    consumer = None
+    local = [sys.executable, *TORCHRUN, str(SCRIPT), str(tmp_path / "local.pt"), *LONG]
+    done = subprocess.run(local, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    try:
+        for node in providers:
+            node.wait_for("providing")
+        flags = ["--gpus", "2", "--duration", "3s", "--checkpoint-interval", "1s"]
+        command = [*TORCHRUN, str(SCRIPT), str(tmp_path / "leased.pt"), *LONG]
+        consumer = nodes.start_consumer(tmp_path / "consumer", boot.addr, *flags, command=command)
+        assert consumer.proc.wait(timeout=300) == 0, consumer.output()
+    finally:
+        nodes.stop_all([n for n in (consumer, *providers, boot) if n is not None])
+    leased, expected = torch.load(tmp_path / "leased.pt"), torch.load(tmp_path / "local.pt")
+    for name, value in expected.items():
+        assert torch.allclose(leased[name], value, rtol=0, atol=1e-6), name
+    # Each rank renewed its lease at least once, each time with the host its group is on.
+    leases = consumer.state()["leases"]
+    for rank in (0, 1):
+        hosts = [row["host"] for row in leases if row["rank"] == rank]
+        assert len(hosts) >= 2 and len(set(hosts)) == 1, leases

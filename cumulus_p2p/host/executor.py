@@ -511,7 +511,10 @@ class Executor:
             # It fits beside the others: back ahead of its turn, while they compute.
             await trio.to_thread.run_sync(session.bring_back)
         if any(is_collective(record) for record in batch.ops):
-            reply = await self._run_collectives(session, batch, turn)
+            # Begun, it runs whole, even past the lease's term: its collectives met the
+            # other ranks', so a batch cut there could be neither answered nor run again.
+            with trio.CancelScope(shield=True):
+                reply = await self._run_collectives(session, batch, turn)
         elif not getattr(self.scheduler, "preemptive", False):
             reply = await self._on_device(session.run_batch, batch, **turn)
         else:

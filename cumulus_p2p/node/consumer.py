@@ -282,6 +282,8 @@ class Consumer:
     #: Whether the session may move to another host when its host is lost: not a rank of
     #: a job of several GPUs, whose collective group would not follow it.
     movable: bool = True
+    #: While an unmovable session renews its lease: the one host it may lease from.
+    pinned: str = ""
 
     def __post_init__(self) -> None:
         self.choice = HostChoice(self.options.backoff, self.options.wait_for_host)
@@ -505,7 +507,7 @@ class Consumer:
         best: dict[str, Offer] = {}
         taken = self.elsewhere()
         for r in ranked:
-            if r.offer.host in taken:
+            if r.offer.host in taken or self.pinned not in ("", r.offer.host):
                 continue
             if (r.offer.host, r.offer.offer_id, r.offer.nonce) not in self.full_offers:
                 best.setdefault(r.offer.host, r.offer)
@@ -885,7 +887,12 @@ class Consumer:
                 "cannot move to another host yet (its collective group would not follow): "
                 "the job ends. Run it again; the script's own checkpoints resume it."
             )
-        held = await self.lease()
+        # Renewed at its term, an unmovable session stays where its group is.
+        self.pinned = "" if self.movable else sessions[-1].proposal.host
+        try:
+            held = await self.lease()
+        finally:
+            self.pinned = ""
         self.status = "running"
         return await self._ticket(held)
 

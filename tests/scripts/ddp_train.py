@@ -53,5 +53,8 @@ for _ in range(steps):
 if rank == 0:
     torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, out)
 step_s = statistics.median(seconds[1:] or seconds)  # the first step sets up
-print(json.dumps({"rank": rank, "losses": losses, "step_s": step_s}), flush=True)
+# One write of the whole line: the ranks share one pipe, and an unbuffered print's two
+# writes (text, then newline) could interleave with another rank's.
+sys.stdout.write(json.dumps({"rank": rank, "losses": losses, "step_s": step_s}) + "\n")
+sys.stdout.flush()
 dist.destroy_process_group()

@@ -59,5 +59,8 @@ for _ in range(steps):
 if rank == 0:
     torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, out)
 report = {"rank": rank, "losses": losses, "step_s": seconds, "syncs": diloco.syncs}
-print(json.dumps(report), flush=True)
+# One write of the whole line: the ranks share one pipe, and an unbuffered print's two
+# writes (text, then newline) could interleave with another rank's.
+sys.stdout.write(json.dumps(report) + "\n")
+sys.stdout.flush()
 dist.destroy_process_group()
