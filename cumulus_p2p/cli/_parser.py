@@ -4,7 +4,6 @@ cannot make (a script after ``--``, ``config.json`` defaults, a GPU this machine
 from __future__ import annotations
 
 import argparse
-import os
 
 from .._errors import CumulusError, NodeConfigError
 from ..host.options import (
@@ -485,17 +484,16 @@ def _check_node_args(parser: argparse.ArgumentParser, args, script: list[str]) -
     if script and not args.consume:
         parser.error("a command after -- is only run with --consume")
     if script:
-        from ..node.consumer import launcher_arguments, script_command
+        from ..node.consumer import launcher_arguments, script_command, without_interpreter
 
         try:
             script_command(tuple(script), cuda_compat=True)
         except CumulusError as exc:
             parser.error(str(exc))
         if args.gpus != 1 and launcher_arguments(tuple(script)) is None:
-            bare = script[1:] if os.path.basename(script[0]).startswith("python") else script
             parser.error(
                 f"--gpus {args.gpus} runs one rank per GPU: give the script to torchrun, "
-                f"-- torchrun --nproc-per-node {args.gpus} {' '.join(bare)}"
+                f"-- torchrun --nproc-per-node {args.gpus} {' '.join(without_interpreter(script))}"
             )
     if args.gpus != 1 and not args.consume:
         parser.error("--gpus is how many GPUs --consume leases for a job")

@@ -992,12 +992,16 @@ class Consumer:
             "max_price": self.bid.max_price,
         }
 
+    def lease_rows(self) -> list[dict]:
+        """Each lease as status shows it, oldest first."""
+        return [_held_row(h, self.desk) for h in self.held]
+
     def snapshot(self) -> dict:
         return self.runtime.snapshot() | {
             "role": "consumer",
             "status": self.status,
             "command": list(self.options.command),
-            "leases": [_held_row(h, self.desk) for h in self.held],
+            "leases": self.lease_rows(),
             "failovers": self.failovers,
             "waiting_for": self.waiting_for,
             "standing": self._standing(),
@@ -1066,9 +1070,7 @@ def script_command(
     if launched is not None:
         flags, script = launched
         return [sys.executable, "-m", LAUNCHER_MODULE, *flags, *shim, *script]
-    args = list(command)
-    if args and os.path.basename(args[0]).startswith("python"):
-        args = args[1:]
+    args = without_interpreter(command)
     if not args or not (args[0].endswith(".py") or args[0] == "-m"):
         raise CumulusError(
             f"--consume runs a Python script: give `-- python train.py [args]`, "
@@ -1086,9 +1088,7 @@ def launcher_arguments(command: tuple[str, ...]) -> tuple[list[str], list[str]] 
         CumulusError: torchrun runs no ``.py`` script (a module or a binary cannot run
             under the shim).
     """
-    args = list(command)
-    if args and os.path.basename(args[0]).startswith("python"):
-        args = args[1:]
+    args = without_interpreter(command)
     if args[:2] == ["-m", LAUNCHER_MODULE]:
         args = args[2:]
     elif args and os.path.basename(args[0]) == "torchrun":
@@ -1102,6 +1102,12 @@ def launcher_arguments(command: tuple[str, ...]) -> tuple[list[str], list[str]] 
             f"give `-- torchrun --nproc-per-node N train.py [args]`, not {' '.join(command)!r}"
         )
     return args[:script], args[script:]
+
+
+def without_interpreter(command: tuple[str, ...] | list[str]) -> list[str]:
+    """``command`` without a leading ``python`` (any ``python3.11``, any path to one)."""
+    args = list(command)
+    return args[1:] if args and os.path.basename(args[0]).startswith("python") else args
 
 
 def notice_refusal(proposal: LeaseProposal | None, kind: str, sender: str) -> str | None:

@@ -116,16 +116,17 @@ class Job:
     def snapshot(self) -> dict:
         """The first rank's snapshot, with the whole job's leases (each with its rank, in
         a job of several GPUs), failovers, ops and cost."""
-        leases = [consumer.snapshot()["leases"] for consumer in self.ranks]
-        if len(self.ranks) > 1:
+        first, others = self.ranks[0].snapshot(), self.ranks[1:]
+        leases = [first["leases"], *(consumer.lease_rows() for consumer in others)]
+        if others:
             leases = [[{**row, "rank": rank} for row in rows] for rank, rows in enumerate(leases)]
-        return self.ranks[0].snapshot() | {
+        return first | {
             "status": self.status,
             "gpus": len(self.ranks),
             "leases": [row for rows in leases for row in rows],
-            "failovers": sum(consumer.failovers for consumer in self.ranks),
-            "ops": sum(consumer.ops for consumer in self.ranks),
-            "cost": self.cost(),
+            "failovers": first["failovers"] + sum(consumer.failovers for consumer in others),
+            "ops": first["ops"] + sum(consumer.ops for consumer in others),
+            "cost": first["cost"] + sum(consumer.cost() for consumer in others),
         }
 
     # --- what hosts send, to the rank it concerns -----------------------------------
