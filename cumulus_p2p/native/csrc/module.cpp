@@ -1,6 +1,8 @@
 // What Python sees of the native device: the batch, the op name table and the
 // readback hook. Everything here runs once per flush or per session, never per op.
-#include <torch/extension.h>
+// pybind11 with torch's type casters, not <torch/extension.h>, whose C++ frontend (nn,
+// optim, data) nothing here uses and which tripled the compile time.
+#include <torch/csrc/utils/pybind.h>
 
 #include "record.h"
 

@@ -12,7 +12,9 @@
 // against the budget the caller gives (the session's free quota), as graphs.py does.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <optional>
 #include <string>

@@ -44,10 +44,16 @@
 // do not run, and Python gets a `ReplayError` naming the record's index, its kind
 // ("malformed", "unknown_handle", "unknown_op", "out_of_memory", "op_failed",
 // "poisoned_handle") and why.
-#include <torch/extension.h>
+//
+// The headers are the ones used, not <torch/extension.h>: that one brings torch's whole
+// C++ frontend (nn, optim, data) and tripled this file's compile time.
+#include <torch/csrc/utils/pybind.h>
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <functional>
