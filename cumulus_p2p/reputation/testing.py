@@ -86,6 +86,22 @@ class Minter:
         )
         return Lease.countersign(host, seal_message(consumer, proposal, now=float(start)))
 
+    def _receipt(self, lease: Lease, seq: int, t0: float, t1: float) -> Receipt:
+        """Receipt ``seq`` of ``lease`` for ``t0`` to ``t1``: the lease's whole
+        share-seconds, no bytes moved, to be countersigned within ten minutes of ``t1``."""
+        proposal = lease.proposal
+        return Receipt(
+            proposal.lease_id,
+            proposal.host,
+            seq,
+            t0,
+            t1,
+            math.floor((t1 - t0) * proposal.shares),
+            0,
+            t1 + 600.0,
+            self.nonce(),
+        )
+
     def service(
         self,
         consumer: NodeIdentity,
@@ -102,18 +118,7 @@ class Minter:
         for seq in range(receipts):
             t0 = proposal.start_at + served_s * seq / receipts
             t1 = proposal.start_at + served_s * (seq + 1) / receipts
-            receipt = Receipt(
-                proposal.lease_id,
-                proposal.host,
-                seq,
-                t0,
-                t1,
-                math.floor((t1 - t0) * proposal.shares),
-                0,
-                t1 + 600.0,
-                self.nonce(),
-            )
-            envelope = seal_message(host, receipt, now=t1)
+            envelope = seal_message(host, self._receipt(lease, seq, t0, t1), now=t1)
             signed.append(CountersignedReceipt.countersign(consumer, envelope))
         return ServiceRecord(lease, host.public_key, tuple(signed))
 
@@ -135,17 +140,7 @@ class Minter:
         tenth of the lease, receipt ``seq``) uncountersigned."""
         proposal = lease.proposal
         end = proposal.start_at + proposal.duration_s / 10
-        receipt = Receipt(
-            proposal.lease_id,
-            proposal.host,
-            seq,
-            proposal.start_at,
-            end,
-            math.floor((end - proposal.start_at) * proposal.shares),
-            0,
-            end + 600.0,
-            self.nonce(),
-        )
+        receipt = self._receipt(lease, seq, proposal.start_at, end)
         return NonPayment(lease, host.public_key, seal_message(host, receipt, now=end))
 
     def served(
