@@ -203,6 +203,21 @@ def train(
     return losses, params
 
 
+def tiny_transformer_job(
+    device: str,
+) -> tuple[TinyTransformer, torch.Tensor, torch.Tensor, torch.optim.Adam]:
+    """The seeded tiny transformer that ``train_tiny_transformer`` and
+    ``tests/scripts/native_train.py`` train, its one batch of tokens ``x`` with their next
+    tokens ``y``, and its Adam: made on the CPU, then moved to ``device``."""
+    torch.manual_seed(0)
+    model = TinyTransformer(vocab=16, dim=8, heads=2, layers=2, ctx=4, dropout=0.0)
+    x = torch.randint(0, 16, (2, 4))
+    y = torch.roll(x, -1, dims=1)
+    model, x, y = model.to(device), x.to(device), y.to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True)
+    return model, x, y, opt
+
+
 def train_tiny_transformer(
     device: str, steps: int, *, kill_after: int = -1, kill=None, compiled: bool = False
 ) -> tuple[list[float], list[torch.Tensor]]:
@@ -210,12 +225,7 @@ def train_tiny_transformer(
     on the CPU: the losses and the weights after. Before step ``kill_after``, ``kill()``
     (a host, to move the session). With ``compiled``, the forward pass runs through
     ``torch.compile(model)``."""
-    torch.manual_seed(0)
-    model = TinyTransformer(vocab=16, dim=8, heads=2, layers=2, ctx=4, dropout=0.0)
-    x = torch.randint(0, 16, (2, 4))
-    y = torch.roll(x, -1, dims=1)
-    model, x, y = model.to(device), x.to(device), y.to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True)
+    model, x, y, opt = tiny_transformer_job(device)
     forward = torch.compile(model) if compiled else model
     losses = []
     for step in range(steps):

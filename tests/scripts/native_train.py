@@ -19,18 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from cumulus_p2p.testing.models import TinyTransformer
+from cumulus_p2p.testing.models import tiny_transformer_job
 
 device = sys.argv[1]
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 4
 gate = Path(sys.argv[3]) if len(sys.argv) > 3 else None
 torch.set_num_threads(1)
-torch.manual_seed(0)
-model = TinyTransformer(vocab=16, dim=8, heads=2, layers=2, ctx=4, dropout=0.0)
-x = torch.randint(0, 16, (2, 4))
-y = torch.roll(x, -1, dims=1)
-model, x, y = model.to(device), x.to(device), y.to(device)
-opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True)
+model, x, y, opt = tiny_transformer_job(device)
 losses = []
 with sdpa_kernel(SDPBackend.MATH):
     for step in range(steps):
