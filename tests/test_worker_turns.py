@@ -6,6 +6,7 @@ workers that are link ends in this process (what a worker process would send, se
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -337,12 +338,20 @@ async def test_an_on_demand_holder_of_the_exclusive_turn_is_not_evicted_in_its_t
     assert await nothing_arrives(to_holder)
 
 
-async def test_a_session_coming_back_gets_its_room_once_the_others_evicted(tmp_path):
-    sup, (coming, idle), (to_coming, to_idle) = supervisor_with(
+@contextlib.asynccontextmanager
+async def bounded_pair(tmp_path: Path):
+    """A supervisor of two on-demand workers (as ``supervisor_with``) on a device bounded
+    at 1000 bytes, with a nursery for the tasks that answer room requests."""
+    sup, workers, far_ends = supervisor_with(
         ON_DEMAND, ON_DEMAND, device_bytes=1000, blob_dir=tmp_path
     )
     async with trio.open_nursery() as nursery:
         sup._nursery = nursery
+        yield sup, workers, far_ends
+
+
+async def test_a_session_coming_back_gets_its_room_once_the_others_evicted(tmp_path):
+    async with bounded_pair(tmp_path) as (sup, (coming, idle), (to_coming, to_idle)):
         sup._on_message(idle, ["stats", 5, 600, None, None, "device"])
         sup._on_message(coming, ["stats", 5, 600, None, None, "disk"])
         sup._on_message(coming, ["room", 1, 600])
@@ -357,11 +366,7 @@ async def test_a_session_coming_back_gets_its_room_once_the_others_evicted(tmp_p
 
 
 async def test_a_session_that_fits_gets_its_room_at_once(tmp_path):
-    sup, (coming, other), (to_coming, to_other) = supervisor_with(
-        ON_DEMAND, ON_DEMAND, device_bytes=1000, blob_dir=tmp_path
-    )
-    async with trio.open_nursery() as nursery:
-        sup._nursery = nursery
+    async with bounded_pair(tmp_path) as (sup, (coming, other), (to_coming, to_other)):
         sup._on_message(other, ["stats", 5, 300, None, None, "device"])
         sup._on_message(coming, ["room", 1, 600])
         with trio.fail_after(5):
@@ -370,11 +375,7 @@ async def test_a_session_that_fits_gets_its_room_at_once(tmp_path):
 
 
 async def test_a_room_request_counts_as_the_askers_size_until_its_next_report(tmp_path):
-    sup, (grown, other), (to_grown, to_other) = supervisor_with(
-        ON_DEMAND, ON_DEMAND, device_bytes=1000, blob_dir=tmp_path
-    )
-    async with trio.open_nursery() as nursery:
-        sup._nursery = nursery
+    async with bounded_pair(tmp_path) as (sup, (grown, other), (to_grown, to_other)):
         sup._on_message(other, ["stats", 5, 300, None, None, "device"])
         # It has not reported yet: its question says what it holds now.
         sup._on_message(grown, ["room", 1, 800])
