@@ -61,12 +61,19 @@ def enforcer_with_a_lease() -> tuple[PaymentEnforcer, StandInRuntime, ActiveLeas
     return enforcer, runtime, active, ended
 
 
-async def test_a_receipt_unsettled_past_the_grace_pauses_the_lease_and_hangs_up():
+def enforcer_owed_a_receipt() -> tuple[PaymentEnforcer, StandInRuntime, ActiveLease, list]:
+    """``enforcer_with_a_lease`` whose host issued a receipt a second into the lease,
+    left unsettled."""
     enforcer, runtime, active, ended = enforcer_with_a_lease()
-    channel = StandInChannel()
-    active.channels.add(channel)
     runtime.now = NOW + 1
     enforcer.issue(active)
+    return enforcer, runtime, active, ended
+
+
+async def test_a_receipt_unsettled_past_the_grace_pauses_the_lease_and_hangs_up():
+    enforcer, runtime, active, ended = enforcer_owed_a_receipt()
+    channel = StandInChannel()
+    active.channels.add(channel)
     runtime.now += GRACE
     await enforcer.enforce(active)
     assert active.state is LeaseState.RUNNING and channel.closed_with is None
@@ -78,9 +85,7 @@ async def test_a_receipt_unsettled_past_the_grace_pauses_the_lease_and_hangs_up(
 
 
 async def test_a_paused_lease_runs_again_once_its_receipts_are_settled():
-    enforcer, runtime, active, _ = enforcer_with_a_lease()
-    runtime.now = NOW + 1
-    enforcer.issue(active)
+    enforcer, runtime, active, _ = enforcer_owed_a_receipt()
     runtime.now += GRACE + 1
     await enforcer.enforce(active)
     assert active.state is LeaseState.PAUSED
@@ -90,9 +95,7 @@ async def test_a_paused_lease_runs_again_once_its_receipts_are_settled():
 
 
 async def test_past_two_graces_the_lease_ends_unpaid_and_the_consumer_is_reported():
-    enforcer, runtime, active, ended = enforcer_with_a_lease()
-    runtime.now = NOW + 1
-    enforcer.issue(active)
+    enforcer, runtime, active, ended = enforcer_owed_a_receipt()
     runtime.now += GRACE + 1
     await enforcer.enforce(active)
     runtime.now += GRACE
@@ -106,9 +109,7 @@ async def test_past_two_graces_the_lease_ends_unpaid_and_the_consumer_is_reporte
 
 
 async def test_an_enforcer_held_up_past_two_graces_pauses_first_and_ends_a_grace_later():
-    enforcer, runtime, active, ended = enforcer_with_a_lease()
-    runtime.now = NOW + 1
-    enforcer.issue(active)
+    enforcer, runtime, active, ended = enforcer_owed_a_receipt()
     runtime.now += 3 * GRACE  # the metering loop waited on a settlement that hung
     await enforcer.enforce(active)
     assert active.state is LeaseState.PAUSED and runtime.reports == []
@@ -121,9 +122,7 @@ async def test_an_enforcer_held_up_past_two_graces_pauses_first_and_ends_a_grace
 
 
 async def test_a_settling_lease_whose_enforcer_was_held_up_ends_a_grace_after_it_looked():
-    enforcer, runtime, active, ended = enforcer_with_a_lease()
-    runtime.now = NOW + 1
-    enforcer.issue(active)
+    enforcer, runtime, active, ended = enforcer_owed_a_receipt()
     active.session_over = True
     runtime.now += 3 * GRACE  # the metering loop waited on a settlement that hung
     await enforcer.enforce(active)
@@ -134,9 +133,7 @@ async def test_a_settling_lease_whose_enforcer_was_held_up_ends_a_grace_after_it
 
 
 async def test_a_lease_late_again_after_paying_gets_a_fresh_grace():
-    enforcer, runtime, active, ended = enforcer_with_a_lease()
-    runtime.now = NOW + 1
-    enforcer.issue(active)
+    enforcer, runtime, active, ended = enforcer_owed_a_receipt()
     runtime.now += GRACE + 1
     await enforcer.enforce(active)
     active.unsettled.clear()  # paid: the lease runs again
