@@ -290,12 +290,19 @@ async def test_session_idle_past_grace_period_is_cleaned_up():
             await in_thread(ch.recv_frame)
 
 
-async def test_a_consumer_that_lost_the_close_learns_why_when_it_resumes():
-    async def close_with_a_reason(channel):
-        await channel.receive_frame()
-        await channel.aclose("leaving: the host is shutting down")
+def closing_after_one_frame(reason: str):
+    """A session handler that reads one frame, then ends the session with ``reason``."""
 
-    async with provider(close_with_a_reason, grace_period=60) as server:
+    async def handler(channel):
+        await channel.receive_frame()
+        await channel.aclose(reason)
+
+    return handler
+
+
+async def test_a_consumer_that_lost_the_close_learns_why_when_it_resumes():
+    handler = closing_after_one_frame("leaving: the host is shutting down")
+    async with provider(handler, grace_period=60) as server:
 
         def consumer():
             ch = connect(server)
@@ -308,11 +315,7 @@ async def test_a_consumer_that_lost_the_close_learns_why_when_it_resumes():
 
 
 async def test_why_a_session_ended_is_told_only_to_a_resume_that_proves_it_is_its_own():
-    async def close_at_once(channel):
-        await channel.receive_frame()
-        await channel.aclose("a private reason")
-
-    async with provider(close_at_once, grace_period=60) as server:
+    async with provider(closing_after_one_frame("a private reason"), grace_period=60) as server:
 
         def consumer():
             ch = connect(server)
