@@ -30,6 +30,13 @@ def ref(handle: int, sizes=(4,), strides=(1,), offset=0, dtype=torch.float32) ->
     return TensorRef(handle, dtype, offset, tuple(sizes), tuple(strides))
 
 
+def holding_one() -> HandleTable:
+    """A table holding handle 1: four float32 zeros (16 bytes)."""
+    handles = table()
+    handles.add(1, torch.zeros(4))
+    return handles
+
+
 @contextmanager
 def fails(kind: str, match: str) -> Iterator[None]:
     with pytest.raises(OpFailed, match=match) as info:
@@ -47,8 +54,7 @@ def test_registering_counts_the_whole_storage():
 
 
 def test_a_handle_in_use_cannot_be_registered_again():
-    handles = table()
-    handles.add(1, torch.zeros(4))
+    handles = holding_one()
     with fails(ErrorKind.INVALID_HANDLE, "handle 1 is already in use"):
         handles.add(1, torch.zeros(4))
     assert handles.bytes_in_use == 16
@@ -69,8 +75,7 @@ def test_a_view_is_built_once_and_then_reused():
 
 
 def test_a_view_shares_its_storage():
-    handles = table()
-    handles.add(1, torch.zeros(4))
+    handles = holding_one()
     handles.view(ref(1, sizes=(2,), offset=2)).fill_(7.0)
     assert handles.get(1).anchor.tolist() == [0.0, 0.0, 7.0, 7.0]
 
@@ -83,15 +88,13 @@ def test_a_view_under_another_dtype_reads_the_same_bytes():
 
 
 def test_a_view_past_the_end_of_its_storage_is_an_index_error():
-    handles = table()
-    handles.add(1, torch.zeros(4))
+    handles = holding_one()
     with fails(ErrorKind.INDEX, "view of 20 bytes is out of bounds for a storage of 16 bytes"):
         handles.view(ref(1, sizes=(5,)))
 
 
 def test_a_negative_offset_is_an_index_error():
-    handles = table()
-    handles.add(1, torch.zeros(4))
+    handles = holding_one()
     with fails(ErrorKind.INDEX, "negative size, stride or offset"):
         handles.view(ref(1, offset=-1))
 
@@ -110,8 +113,7 @@ def test_the_views_kept_per_storage_are_bounded():
 
 
 def test_release_frees_the_capacity_and_keeps_the_peak():
-    handles = table()
-    handles.add(1, torch.zeros(4))
+    handles = holding_one()
     handles.add(2, torch.zeros(2))
     handles.release(1)
     assert 1 not in handles
@@ -120,16 +122,14 @@ def test_release_frees_the_capacity_and_keeps_the_peak():
 
 
 def test_release_of_an_unknown_handle_changes_nothing():
-    handles = table()
-    handles.add(1, torch.zeros(4))
+    handles = holding_one()
     for handle in (2, "1", None):
         handles.release(handle)
     assert (handles.bytes_in_use, len(handles)) == (16, 1)
 
 
 def test_a_handle_registered_again_after_release_has_no_old_views():
-    handles = table()
-    handles.add(1, torch.zeros(4))
+    handles = holding_one()
     handles.view(ref(1))
     handles.release(1)
     handles.add(1, torch.zeros(2))
@@ -138,8 +138,7 @@ def test_a_handle_registered_again_after_release_has_no_old_views():
 
 
 def test_clear_releases_every_handle():
-    handles = table()
-    handles.add(1, torch.zeros(4))
+    handles = holding_one()
     handles.poison(2, "its op failed")
     handles.clear()
     assert (len(handles), handles.bytes_in_use, handles.stats.storages) == (0, 0, 0)
@@ -179,8 +178,7 @@ def test_release_clears_the_poison():
 
 
 def test_a_live_handle_is_never_poisoned():
-    handles = table()
-    handles.add(1, torch.zeros(4))
+    handles = holding_one()
     handles.poison(1, "a later op failed")
     assert handles.poisoned(1) is None
     assert handles.view(ref(1)).tolist() == [0.0] * 4
@@ -197,8 +195,7 @@ def test_moving_the_storages_keeps_their_bytes_and_forgets_the_views():
 
 
 def test_forgetting_the_views_rebuilds_them_on_the_same_storage():
-    handles = table()
-    handles.add(1, torch.zeros(4))
+    handles = holding_one()
     before = handles.view(ref(1))
     handles.forget_views()
     after = handles.view(ref(1))
