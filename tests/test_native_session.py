@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from cumulus_p2p import native
 from cumulus_p2p._errors import SessionClosedError
+from cumulus_p2p.testing.models import assert_trains_as_on_the_cpu
 from cumulus_p2p.testing.models import train_tiny_transformer as _train
 from cumulus_p2p.testing.native_process import in_native_process, stop_native_process
 from cumulus_p2p.wire import native as wire
@@ -81,11 +82,8 @@ def test_a_tiny_transformer_trains_bit_identically_to_local_cpu():
         # One flush per sync point: the executor's choice of attention kernel (one
         # layout), each step's loss.item(), then each parameter's read.
         assert session.flushes == 1 + 4 + len(remote_params)
-    local_losses, local_params = _train("cpu", steps=4)
-    assert remote_losses == local_losses
-    assert local_losses[-1] < local_losses[0]
-    for remote, local in zip(remote_params, local_params, strict=True):
-        assert torch.equal(remote, local)
+    assert_trains_as_on_the_cpu(remote_losses, remote_params)
+    assert remote_losses[-1] < remote_losses[0]
 
 
 @in_native_process
@@ -476,10 +474,7 @@ def test_a_lost_executor_is_replaced_from_the_last_checkpoint_with_the_same_loss
         with NativeSession(channel, **options) as session:
             moved, moved_params = _train("cumulus", steps=6, kill_after=4, kill=killed.kill)
             assert session.failovers == 1 and session.checkpoints >= 4
-    local, local_params = _train("cpu", steps=6)
-    assert moved == local
-    for remote, here in zip(moved_params, local_params, strict=True):
-        assert torch.equal(remote, here)
+    assert_trains_as_on_the_cpu(moved, moved_params)
 
 
 @in_native_process
@@ -815,10 +810,7 @@ def test_a_cut_connection_resumes_the_session_parked_on_its_host_without_a_resto
             )
             counts = (session.resumes, session.failovers)
             assert counts == (1, 0), counts
-    local, local_params = _train("cpu", steps=4)
-    assert moved == local
-    for remote, here in zip(params, local_params, strict=True):
-        assert torch.equal(remote, here)
+    assert_trains_as_on_the_cpu(moved, params)
 
 
 @in_native_process

@@ -52,6 +52,23 @@ def _hosts(tmp_path, *, standby_flags: tuple[str, ...] = ()):
         yield SocketFrameChannel.connect(*_split(first)), link, reconnect, hosts
 
 
+@contextlib.contextmanager
+def _standby_session(tmp_path):
+    """A ``NativeSession`` on the first of ``_hosts``, with its standby link and its
+    ``reconnect``: (session, standby link, hosts)."""
+    from cumulus_p2p.native.session import NativeSession
+
+    with _hosts(tmp_path) as (channel, standby, reconnect, hosts):
+        with NativeSession(channel, reconnect=reconnect, standby=standby) as session:
+            yield session, standby, hosts
+
+
+def _kill(process) -> None:
+    """Kill a host's process and wait until it is gone."""
+    process.kill()
+    process.wait()
+
+
 def _weights() -> tuple[torch.Tensor, torch.Tensor]:
     """A frozen tensor of three pieces (40 MiB) and a small trained one, on the CPU."""
     torch.manual_seed(0)
@@ -61,29 +78,27 @@ def _weights() -> tuple[torch.Tensor, torch.Tensor]:
 @in_native_process
 def test_a_moved_session_is_restored_from_the_standby_not_the_consumers_link(tmp_path):
     from cumulus_p2p.native.checkpoint import StandbyCheckpoint
-    from cumulus_p2p.native.session import NativeSession
 
     frozen_cpu, trained_cpu = _weights()
-    with _hosts(tmp_path) as (channel, standby, reconnect, hosts):
-        with NativeSession(channel, reconnect=reconnect, standby=standby) as session:
-            frozen, trained = frozen_cpu.to("cumulus"), trained_cpu.to("cumulus")
-            trained.add_(frozen[:64])
-            assert isinstance(session.checkpoint(), StandbyCheckpoint)
-            trained.mul_(2)  # after the checkpoint: replayed from the log
-            hosts["killed"].kill()
-            hosts["killed"].wait()
-            expected = (trained_cpu + frozen_cpu[:64]) * 2
-            assert torch.equal(trained.cpu(), expected)
-            assert torch.equal(frozen.cpu(), frozen_cpu)
-            assert session.failovers == 1
-            assert session.checkpoint_bytes == 0  # no piece came to the consumer
-            assert session.restored_bytes >= frozen_cpu.nbytes  # the new host pulled them
-            assert standby.replications[0].fetched_bytes >= frozen_cpu.nbytes
+    with _standby_session(tmp_path) as (session, standby, hosts):
+        frozen, trained = frozen_cpu.to("cumulus"), trained_cpu.to("cumulus")
+        trained.add_(frozen[:64])
+        assert isinstance(session.checkpoint(), StandbyCheckpoint)
+        trained.mul_(2)  # after the checkpoint: replayed from the log
+        _kill(hosts["killed"])
+        expected = (trained_cpu + frozen_cpu[:64]) * 2
+        assert torch.equal(trained.cpu(), expected)
+        assert torch.equal(frozen.cpu(), frozen_cpu)
+        assert session.failovers == 1
+        assert session.checkpoint_bytes == 0  # no piece came to the consumer
+        assert session.restored_bytes >= frozen_cpu.nbytes  # the new host pulled them
+        assert standby.replications[0].fetched_bytes >= frozen_cpu.nbytes
 
 
 @in_native_process
 def test_training_moved_through_the_standby_keeps_a_local_runs_losses(tmp_path):
     from cumulus_p2p.native.session import NativeSession
+    from cumulus_p2p.testing.models import assert_trains_as_on_the_cpu
     from cumulus_p2p.testing.models import train_tiny_transformer as _train
 
     with _hosts(tmp_path) as (channel, standby, reconnect, hosts):
@@ -94,27 +109,22 @@ def test_training_moved_through_the_standby_keeps_a_local_runs_losses(tmp_path):
             assert session.failovers == 1 and session.checkpoints >= 3
             assert session.checkpoint_bytes == 0
             assert standby.replications
-    local, local_params = _train("cpu", steps=6)
-    assert moved == local
-    for remote, here in zip(moved_params, local_params, strict=True):
-        assert torch.equal(remote, here)
+    assert_trains_as_on_the_cpu(moved, moved_params)
 
 
 @in_native_process
 def test_a_second_checkpoint_copies_only_the_pieces_that_changed(tmp_path):
     from cumulus_p2p.blobs.names import PIECE
-    from cumulus_p2p.native.session import NativeSession
 
     frozen_cpu, trained_cpu = _weights()
-    with _hosts(tmp_path) as (channel, standby, reconnect, _):
-        with NativeSession(channel, reconnect=reconnect, standby=standby) as session:
-            frozen, trained = frozen_cpu.to("cumulus"), trained_cpu.to("cumulus")
-            session.checkpoint()
-            trained.add_(1)
-            session.checkpoint()
-            first, second = standby.replications
-            assert first.fetched_bytes == frozen.nbytes + trained.nbytes
-            assert second.fetched_bytes == trained.nbytes < PIECE
+    with _standby_session(tmp_path) as (session, standby, _):
+        frozen, trained = frozen_cpu.to("cumulus"), trained_cpu.to("cumulus")
+        session.checkpoint()
+        trained.add_(1)
+        session.checkpoint()
+        first, second = standby.replications
+        assert first.fetched_bytes == frozen.nbytes + trained.nbytes
+        assert second.fetched_bytes == trained.nbytes < PIECE
 
 
 @in_native_process
@@ -122,24 +132,20 @@ def test_a_lost_standby_sends_the_checkpoints_to_the_consumer_and_the_session_st
     tmp_path,
 ):
     from cumulus_p2p.native.checkpoint import Checkpoint
-    from cumulus_p2p.native.session import NativeSession
 
     frozen_cpu, trained_cpu = _weights()
-    with _hosts(tmp_path) as (channel, standby, reconnect, hosts):
-        with NativeSession(channel, reconnect=reconnect, standby=standby) as session:
-            frozen, trained = frozen_cpu.to("cumulus"), trained_cpu.to("cumulus")
-            session.checkpoint()
-            hosts["standby_process"].kill()
-            hosts["standby_process"].wait()
-            trained.add_(1)
-            session.checkpoint()  # the copy fails: this one comes to the consumer
-            taken = session.checkpoint()  # the standby is let go: straight to the consumer
-            assert isinstance(taken, Checkpoint)
-            assert session.checkpoint_bytes >= frozen_cpu.nbytes
-            hosts["killed"].kill()
-            hosts["killed"].wait()
-            assert torch.equal(trained.cpu(), trained_cpu + 1)
-            assert torch.equal(frozen.cpu(), frozen_cpu)
+    with _standby_session(tmp_path) as (session, _, hosts):
+        frozen, trained = frozen_cpu.to("cumulus"), trained_cpu.to("cumulus")
+        session.checkpoint()
+        _kill(hosts["standby_process"])
+        trained.add_(1)
+        session.checkpoint()  # the copy fails: this one comes to the consumer
+        taken = session.checkpoint()  # the standby is let go: straight to the consumer
+        assert isinstance(taken, Checkpoint)
+        assert session.checkpoint_bytes >= frozen_cpu.nbytes
+        _kill(hosts["killed"])
+        assert torch.equal(trained.cpu(), trained_cpu + 1)
+        assert torch.equal(frozen.cpu(), frozen_cpu)
 
 
 @in_native_process
@@ -167,8 +173,7 @@ def test_a_lost_standby_is_replaced_and_the_new_one_restores_the_moved_session(t
         with NativeSession(channel, **options) as session:
             frozen, trained = frozen_cpu.to("cumulus"), trained_cpu.to("cumulus")
             session.checkpoint()
-            hosts["standby_process"].kill()
-            hosts["standby_process"].wait()
+            _kill(hosts["standby_process"])
             trained.add_(1)
             session.checkpoint()  # the copy fails: this one comes to the consumer
             trained.add_(1)
@@ -176,8 +181,7 @@ def test_a_lost_standby_is_replaced_and_the_new_one_restores_the_moved_session(t
             assert isinstance(taken, StandbyCheckpoint)
             assert taken.held.sources[0].address == spare_address
             assert len(asked) == 1 and "lost the standby" in asked[0]
-            hosts["killed"].kill()
-            hosts["killed"].wait()
+            _kill(hosts["killed"])
             assert torch.equal(trained.cpu(), trained_cpu + 2)
             assert torch.equal(frozen.cpu(), frozen_cpu)
             assert session.restored_bytes >= frozen_cpu.nbytes
@@ -185,16 +189,12 @@ def test_a_lost_standby_is_replaced_and_the_new_one_restores_the_moved_session(t
 
 @in_native_process
 def test_a_restore_the_standby_cannot_serve_says_the_session_cannot_move(tmp_path):
-    from cumulus_p2p.native.session import NativeSession
 
     frozen_cpu, trained_cpu = _weights()
-    with _hosts(tmp_path) as (channel, standby, reconnect, hosts):
-        with NativeSession(channel, reconnect=reconnect, standby=standby) as session:
-            trained = trained_cpu.to("cumulus")
-            session.checkpoint()
-            hosts["standby_process"].kill()
-            hosts["standby_process"].wait()
-            hosts["killed"].kill()
-            hosts["killed"].wait()
-            with pytest.raises(SessionClosedError, match="could not restore .* from its standby"):
-                trained.cpu()
+    with _standby_session(tmp_path) as (session, _, hosts):
+        trained = trained_cpu.to("cumulus")
+        session.checkpoint()
+        _kill(hosts["standby_process"])
+        _kill(hosts["killed"])
+        with pytest.raises(SessionClosedError, match="could not restore .* from its standby"):
+            trained.cpu()

@@ -237,3 +237,12 @@ def train_tiny_transformer(
         opt.step()
         losses.append(loss.item())
     return losses, [p.detach().cpu() for p in model.parameters()]
+
+
+def assert_trains_as_on_the_cpu(losses: list[float], params: list[torch.Tensor]) -> None:
+    """Assert that a ``train_tiny_transformer`` run elsewhere, its ``losses`` and the
+    weights after (``params``), is a CPU run of as many steps, bit for bit."""
+    local_losses, local_params = train_tiny_transformer("cpu", steps=len(losses))
+    assert losses == local_losses
+    for remote, here in zip(params, local_params, strict=True):
+        assert torch.equal(remote, here)
