@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cumulus_p2p.host.scheduler import lease_rank  # noqa: E402 - after the path fix
+from cumulus_p2p.testing.benchargs import last_json_line, spawn_role  # noqa: E402
 
 FOREGROUND = lease_rank(True, 900)  # on-demand at a high price
 BACKGROUND = lease_rank(False, 100)  # interruptible at a low price
@@ -104,14 +105,11 @@ def client(role: str, address: str, seconds: float) -> None:
 
 
 def spawn(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True, cwd=ROOT
-    )
+    return spawn_role(__file__, *args, cwd=ROOT)
 
 
 def times(proc: subprocess.Popen) -> list[float]:
-    out, _ = proc.communicate(timeout=300)
-    return json.loads(out.strip().splitlines()[-1])
+    return last_json_line(proc, timeout=300)
 
 
 def measure(

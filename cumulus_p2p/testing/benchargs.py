@@ -1,12 +1,18 @@
 """What the benchmarks share: command-line options for those that drive an executor
-process, and the median time of a step."""
+process, the median time of a step, and running a benchmark's own roles as child
+processes."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 
 def executor_bench_args(description: str | None) -> argparse.Namespace:
@@ -27,3 +33,17 @@ def median_seconds(step: Callable[[], object], steps: int, *, warmup: int = 3) -
         step()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
+
+
+def spawn_role(script: str, *args: str, cwd: Path) -> subprocess.Popen:
+    """``script`` started again in a child process with ``args`` (one of its server or
+    client roles), its output piped as text."""
+    return subprocess.Popen(
+        [sys.executable, script, *args], stdout=subprocess.PIPE, text=True, cwd=cwd
+    )
+
+
+def last_json_line(proc: subprocess.Popen, *, timeout: float) -> Any:
+    """The JSON on the last line ``proc`` prints, once it exits (within ``timeout`` s)."""
+    out, _ = proc.communicate(timeout=timeout)
+    return json.loads(out.strip().splitlines()[-1])
