@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cumulus_p2p.host.scheduler import lease_rank  # noqa: E402 - after the path fix
-from cumulus_p2p.testing.benchargs import last_json_line, spawn_role  # noqa: E402
+from cumulus_p2p.testing.benchargs import last_json_line, serve_ranks, spawn_role  # noqa: E402
 
 BYSTANDER = lease_rank(True, 900)  # on-demand at a high price
 LOWER = lease_rank(False, 100)  # interruptible at a low price
@@ -64,7 +64,6 @@ def serve(pool: int, sharing: str | None, device: str) -> None:
     """The executor: port 1 serves the bystander's rank, port 2 the lower rank."""
     import trio
 
-    from cumulus_p2p.channel.transport import TrioFrameChannel
     from cumulus_p2p.host.executor import ExecutorConfig
     from cumulus_p2p.host.supervisor import SupervisorConfig, WorkerSupervisor
 
@@ -76,19 +75,11 @@ def serve(pool: int, sharing: str | None, device: str) -> None:
     supervisor = WorkerSupervisor(config)
 
     async def main() -> None:
-        ports = []
         async with trio.open_nursery() as nursery:
             await nursery.start(supervisor.run)
             while supervisor.ready_workers < pool:  # tenants find their workers warm
                 await trio.sleep(0.1)
-            for rank in (BYSTANDER, LOWER):
-                listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-                ports.append(listeners[0].socket.getsockname()[1])
-
-                async def handler(stream, rank=rank) -> None:
-                    await supervisor.run_session(TrioFrameChannel(stream), rank=rank)
-
-                nursery.start_soon(trio.serve_listeners, handler, listeners)
+            ports = await serve_ranks(nursery, supervisor, (BYSTANDER, LOWER))
             print(*ports, flush=True)
 
     trio.run(main)

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cumulus_p2p.host.scheduler import lease_rank  # noqa: E402 - after the path fix
-from cumulus_p2p.testing.benchargs import last_json_line, spawn_role  # noqa: E402
+from cumulus_p2p.testing.benchargs import last_json_line, serve_ranks, spawn_role  # noqa: E402
 
 FOREGROUND = lease_rank(True, 900)  # on-demand at a high price
 BACKGROUND = lease_rank(False, 100)  # interruptible at a low price
@@ -51,7 +51,6 @@ def serve(ranked: bool, isolation: str = "shared", pool: int = 4) -> None:
     """The executor: port 1 serves the foreground rank, port 2 the background rank."""
     import trio
 
-    from cumulus_p2p.channel.transport import TrioFrameChannel
     from cumulus_p2p.host.executor import ExecutorConfig
     from cumulus_p2p.host.executor_main import build_executor
     from cumulus_p2p.host.supervisor import WorkerSupervisor
@@ -61,20 +60,12 @@ def serve(ranked: bool, isolation: str = "shared", pool: int = 4) -> None:
     ranks = (FOREGROUND, BACKGROUND) if ranked else (FOREGROUND, FOREGROUND)
 
     async def main() -> None:
-        ports = []
         async with trio.open_nursery() as nursery:
             if isinstance(executor, WorkerSupervisor):
                 await nursery.start(executor.run)
                 while executor.ready_workers < pool:  # tenants find their workers warm
                     await trio.sleep(0.1)
-            for rank in ranks:
-                listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-                ports.append(listeners[0].socket.getsockname()[1])
-
-                async def handler(stream, rank=rank) -> None:
-                    await executor.run_session(TrioFrameChannel(stream), rank=rank)
-
-                nursery.start_soon(trio.serve_listeners, handler, listeners)
+            ports = await serve_ranks(nursery, executor, ranks)
             print(*ports, flush=True)
 
     trio.run(main)

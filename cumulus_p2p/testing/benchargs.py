@@ -47,3 +47,22 @@ def last_json_line(proc: subprocess.Popen, *, timeout: float) -> Any:
     """The JSON on the last line ``proc`` prints, once it exits (within ``timeout`` s)."""
     out, _ = proc.communicate(timeout=timeout)
     return json.loads(out.strip().splitlines()[-1])
+
+
+async def serve_ranks(nursery, executor, ranks) -> list[int]:
+    """Serve ``executor``'s sessions in ``nursery`` on a loopback port per rank in
+    ``ranks`` (a session arriving on a port runs at its rank); the ports, in order."""
+    import trio
+
+    from ..channel.transport import TrioFrameChannel
+
+    ports = []
+    for rank in ranks:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        ports.append(listeners[0].socket.getsockname()[1])
+
+        async def handler(stream, rank=rank) -> None:
+            await executor.run_session(TrioFrameChannel(stream), rank=rank)
+
+        nursery.start_soon(trio.serve_listeners, handler, listeners)
+    return ports
