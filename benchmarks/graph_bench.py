@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from cumulus_p2p.host.graph_compiler import GraphRunner
 from cumulus_p2p.host.graphs import build_program
 from cumulus_p2p.host.options import GraphCompiler
 from cumulus_p2p.remote.capture import capture
+from cumulus_p2p.testing.benchargs import median_seconds
 from cumulus_p2p.testing.models import TinyTransformer
 from cumulus_p2p.wire.graph_def import encode_graph
 from cumulus_p2p.wire.protocol import decode_ext, encode_value
@@ -59,13 +59,7 @@ def _inputs(values) -> list[torch.Tensor]:
 
 
 def _median_us(fn, runs: int) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    return median_seconds(fn, runs, warmup=1) * 1e6
 
 
 def _compare(name: str, gm: torch.fx.GraphModule, runs: int) -> dict:
