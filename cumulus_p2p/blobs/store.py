@@ -119,17 +119,15 @@ class BlobStore:
     def pin(self, value: str) -> PinnedBlob | None:
         """The blob named ``value``, pinned and marked used now; None if not held."""
         path = self.root / value
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
+        fd = _open_locked(path, fcntl.LOCK_SH)
+        if fd is None:  # not held, or being evicted right now
             return None
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             if os.stat(path).st_ino != os.fstat(fd).st_ino:
                 raise FileNotFoundError(path)  # evicted and written again meanwhile
             _touch(fd)
             return PinnedBlob(value, fd, os.fstat(fd).st_size)
-        except (BlockingIOError, FileNotFoundError):  # being evicted right now
+        except FileNotFoundError:
             os.close(fd)
             return None
         except BaseException:
@@ -261,16 +259,8 @@ class BlobStore:
     @staticmethod
     def _lock_victim(path: Path) -> tuple[int, Path] | None:
         """An exclusive lock on a blob nobody pins, or None (pinned, or gone already)."""
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        return fd, path
+        fd = _open_locked(path, fcntl.LOCK_EX)
+        return None if fd is None else (fd, path)
 
     # --- the directory ------------------------------------------------------------------
 
@@ -323,6 +313,24 @@ def close_pins(pins: dict[str, PinnedBlob]) -> None:
     for pinned in pins.values():
         pinned.close()
     pins.clear()
+
+
+def _open_locked(path: Path, kind: int) -> int | None:
+    """``path`` opened for reading and flocked (``kind``: ``fcntl.LOCK_SH`` or
+    ``LOCK_EX``) without waiting; None if it is gone or another holds a lock in the way."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _touch(file: int | Path) -> None:
