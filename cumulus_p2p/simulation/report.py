@@ -34,6 +34,12 @@ def _table(header: Iterable[str], rows: Iterable[Iterable]) -> str:
     return "\n".join(lines)
 
 
+def _columns(rows: Iterable[dict], columns: Iterable[tuple[str, str]]) -> str:
+    """A table of ``rows`` with a column per ``(header, key)`` pair, ``row[key]`` in it."""
+    columns = list(columns)
+    return _table([h for h, _ in columns], [[r[k] for _, k in columns] for r in rows])
+
+
 def _heading(result: dict, title: str) -> str:
     size = "quick" if result["quick"] else "full"
     source = f"{result['scenario']}{'_quick' if result['quick'] else ''}.json"
@@ -59,55 +65,31 @@ def _pooling(result: dict):
             for m in mixes
         ],
     )
-    money = _table(
-        [
-            "mix",
-            "policy",
-            "queue wait mean s",
-            "p95 s",
-            "slowdown",
-            "cost / compute-h",
-            "host earnings / GPU-h",
-        ],
-        [
-            (
-                r["mix"],
-                r["policy"],
-                r["queue_wait_mean_s"],
-                r["queue_wait_p95_s"],
-                r["slowdown_mean"],
-                r["cost_per_compute_hour"],
-                r["host_earnings_per_gpu_hour"],
-            )
-            for r in mod
-        ],
+    money = _columns(
+        mod,
+        (
+            ("mix", "mix"),
+            ("policy", "policy"),
+            ("queue wait mean s", "queue_wait_mean_s"),
+            ("p95 s", "queue_wait_p95_s"),
+            ("slowdown", "slowdown_mean"),
+            ("cost / compute-h", "cost_per_compute_hour"),
+            ("host earnings / GPU-h", "host_earnings_per_gpu_hour"),
+        ),
     )
     paged = {r["mix"] for r in rows if r["overcommit"] > 1}
-    overcommit = _table(
-        [
-            "mix",
-            "load",
-            "overcommit",
-            "utilization",
-            "slowdown",
-            "paging share",
-            "page-ins",
-            "jobs done",
-        ],
-        [
-            (
-                r["mix"],
-                r["load"],
-                r["overcommit"],
-                r["utilization"],
-                r["slowdown_mean"],
-                r["paging_share"],
-                r["page_ins"],
-                r["jobs_done"],
-            )
-            for r in rows
-            if r["mix"] in paged and r["policy"] != "whole-GPU"
-        ],
+    overcommit = _columns(
+        [r for r in rows if r["mix"] in paged and r["policy"] != "whole-GPU"],
+        (
+            ("mix", "mix"),
+            ("load", "load"),
+            ("overcommit", "overcommit"),
+            ("utilization", "utilization"),
+            ("slowdown", "slowdown_mean"),
+            ("paging share", "paging_share"),
+            ("page-ins", "page_ins"),
+            ("jobs done", "jobs_done"),
+        ),
     )
     text = (
         _heading(result, "Fractional pooling against whole-GPU allocation")
@@ -163,30 +145,18 @@ def _priority(result: dict):
         f"{result['mix_utilization']} (at least 0.85); host earnings over whole-GPU rental "
         f"{result['host_earnings_over_whole_gpu']} (at least 1; whole GPUs leased "
         f"{result['whole_gpu_leased_share']} of the jobs).\n\n"
-        + _table(
-            [
-                "strategy",
-                "class",
-                "bid / median",
-                "jobs",
-                "leased",
-                "wait mean s",
-                "slowdown",
-                "paid / median",
-            ],
-            [
-                (
-                    r["strategy"],
-                    r["class"],
-                    r["bid_multiple"],
-                    r["jobs"],
-                    r["leased_share"],
-                    r["wait_mean_s"],
-                    r["slowdown_mean"],
-                    r["paid_vs_median"],
-                )
-                for r in rows
-            ],
+        + _columns(
+            rows,
+            (
+                ("strategy", "strategy"),
+                ("class", "class"),
+                ("bid / median", "bid_multiple"),
+                ("jobs", "jobs"),
+                ("leased", "leased_share"),
+                ("wait mean s", "wait_mean_s"),
+                ("slowdown", "slowdown_mean"),
+                ("paid / median", "paid_vs_median"),
+            ),
         )
         + "\n"
     )
@@ -217,32 +187,19 @@ def _churn(result: dict):
         _heading(result, "Churn with and without failover")
         + f"\n{result['hosts']} hosts, {result['horizon_h']} h, checkpoints of "
         f"{result['state_mb']:g} MB every {result['checkpoint_interval_s']:g} s with failover.\n\n"
-        + _table(
-            [
-                "churn / h",
-                "failover",
-                "jobs",
-                "completed",
-                "lost GPU-h",
-                "checkpoint h",
-                "failovers",
-                "restarts",
-                "cost",
-            ],
-            [
-                (
-                    r["churn_per_hour"],
-                    r["failover"],
-                    r["jobs"],
-                    r["completion_rate"],
-                    r["lost_gpu_hours"],
-                    r["checkpoint_hours"],
-                    r["failovers"],
-                    r["restarts"],
-                    r["cost"],
-                )
-                for r in rows
-            ],
+        + _columns(
+            rows,
+            (
+                ("churn / h", "churn_per_hour"),
+                ("failover", "failover"),
+                ("jobs", "jobs"),
+                ("completed", "completion_rate"),
+                ("lost GPU-h", "lost_gpu_hours"),
+                ("checkpoint h", "checkpoint_hours"),
+                ("failovers", "failovers"),
+                ("restarts", "restarts"),
+                ("cost", "cost"),
+            ),
         )
         + "\n\n## Checkpoint interval at 10% churn per hour\n\n"
         + _table(
@@ -259,58 +216,33 @@ def _churn(result: dict):
             ],
         )
         + "\n\n## Small pools: set aside with a backoff, or excluded for the job\n\n"
-        + _table(
-            [
-                "hosts",
-                "churn / h",
-                "policy",
-                "jobs",
-                "completed",
-                "gave up",
-                "failovers",
-                "held h",
-                "held h per job failed over",
-            ],
-            [
-                (
-                    r["hosts"],
-                    r["churn_per_hour"],
-                    r["policy"],
-                    r["jobs"],
-                    r["completion_rate"],
-                    r["gave_up"],
-                    r["failovers"],
-                    r["held_hours"],
-                    r["held_hours_per_job_failed_over"],
-                )
-                for r in result.get("small_pools", [])
-            ],
+        + _columns(
+            result.get("small_pools", []),
+            (
+                ("hosts", "hosts"),
+                ("churn / h", "churn_per_hour"),
+                ("policy", "policy"),
+                ("jobs", "jobs"),
+                ("completed", "completion_rate"),
+                ("gave up", "gave_up"),
+                ("failovers", "failovers"),
+                ("held h", "held_hours"),
+                ("held h per job failed over", "held_hours_per_job_failed_over"),
+            ),
         )
         + "\n\n## Jobs of N GPUs, data parallel, under churn\n\n"
-        + _table(
-            [
-                "GPUs",
-                "churn / h",
-                "jobs",
-                "completed",
-                "failovers per job",
-                "lost GPU-h",
-                "lost share",
-                "useful GPU-h",
-            ],
-            [
-                (
-                    r["gpus"],
-                    r["churn_per_hour"],
-                    r["jobs"],
-                    r["completion_rate"],
-                    r["failovers_per_job"],
-                    r["lost_gpu_hours"],
-                    r["lost_share"],
-                    r["useful_gpu_hours"],
-                )
-                for r in result.get("gangs", [])
-            ],
+        + _columns(
+            result.get("gangs", []),
+            (
+                ("GPUs", "gpus"),
+                ("churn / h", "churn_per_hour"),
+                ("jobs", "jobs"),
+                ("completed", "completion_rate"),
+                ("failovers per job", "failovers_per_job"),
+                ("lost GPU-h", "lost_gpu_hours"),
+                ("lost share", "lost_share"),
+                ("useful GPU-h", "useful_gpu_hours"),
+            ),
         )
         + "\n"
     )
@@ -341,30 +273,18 @@ def _scale(result: dict):
     text = (
         _heading(result, "Market load per node against network size")
         + f"\nAssumed rates: {result['assumed']}.\n\n"
-        + _table(
-            [
-                "nodes",
-                "orders held",
-                "intake µs / msg",
-                "rank ms (p50)",
-                "book MB",
-                "msgs / s",
-                "CPU share of a core",
-                "gossip kB / s",
-            ],
-            [
-                (
-                    r["nodes"],
-                    r["orders_in_book"],
-                    r["intake_us_per_message"],
-                    r["rank_ms_p50"],
-                    r["book_memory_mb"],
-                    r["messages_per_s"],
-                    r["cpu_share_of_one_core"],
-                    r["gossip_kb_per_s"],
-                )
-                for r in rows
-            ],
+        + _columns(
+            rows,
+            (
+                ("nodes", "nodes"),
+                ("orders held", "orders_in_book"),
+                ("intake µs / msg", "intake_us_per_message"),
+                ("rank ms (p50)", "rank_ms_p50"),
+                ("book MB", "book_memory_mb"),
+                ("msgs / s", "messages_per_s"),
+                ("CPU share of a core", "cpu_share_of_one_core"),
+                ("gossip kB / s", "gossip_kb_per_s"),
+            ),
         )
         + "\n"
     )
@@ -390,28 +310,17 @@ def _attacks(result: dict):
         + f"\nPopulation: {result['size']}. Ranks among all hosts, 1 best; earnings from an "
         "hour of demand for as many shares as the honest hosts have, matched by the node's "
         "scores, against the same history without attack.\n\n"
-        + _table(
-            [
-                "attack",
-                "reports accepted",
-                "worst honest rank",
-                "best attacker rank",
-                "victim rank",
-                "honest earnings lost",
-                "attackers' share of earnings",
-            ],
-            [
-                (
-                    r["attack"],
-                    r["reports_accepted"],
-                    r["worst_honest_rank"],
-                    r["best_bad_host_rank"],
-                    r["victim_rank"],
-                    r["honest_earnings_lost"],
-                    r["bad_host_earnings_share"],
-                )
-                for r in rows
-            ],
+        + _columns(
+            rows,
+            (
+                ("attack", "attack"),
+                ("reports accepted", "reports_accepted"),
+                ("worst honest rank", "worst_honest_rank"),
+                ("best attacker rank", "best_bad_host_rank"),
+                ("victim rank", "victim_rank"),
+                ("honest earnings lost", "honest_earnings_lost"),
+                ("attackers' share of earnings", "bad_host_earnings_share"),
+            ),
         )
         + "\n"
     )
