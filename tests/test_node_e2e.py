@@ -59,6 +59,22 @@ def local_run(epochs: str = "2") -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def native_local_losses(script: Path, *args: str) -> list[float]:
+    """The losses of the native script ``script`` run here on the CPU (``args`` after
+    the device)."""
+    out = subprocess.run(
+        [sys.executable, str(script), "cpu", *args], capture_output=True, text=True, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])["losses"]
+
+
+def finished_consumer(data_dir: Path, boot, *args: str, command: list[str]):
+    """A consumer node under ``data_dir`` that ran ``command`` to a clean exit."""
+    consumer = nodes.start_consumer(data_dir, boot.addr, *args, command=command)
+    assert consumer.proc.wait(timeout=240) == 0, consumer.output()
+    return consumer
+
+
 def receipt_ids(data_dir: Path) -> set[str]:
     with Ledger.open(data_dir) as ledger:
         return {e.receipt_id for e in ledger.entries()}
@@ -76,15 +92,14 @@ def last_json(node) -> dict:
 def test_a_cuda_style_script_runs_unchanged_on_the_cheaper_provider_with_matching_books(mesh):
     root, boot, providers = mesh
     # On the Python device; the native device's run is the native test below.
-    consumer = nodes.start_consumer(
+    consumer = finished_consumer(
         root / "consumer",
-        boot.addr,
+        boot,
         "--python-device",
         "--max-price",
         "1.0",
         command=[str(SCRIPT), "2"],
     )
-    assert consumer.proc.wait(timeout=240) == 0, consumer.output()
     result = last_json(consumer)
     expected = local_run()
     assert result["device"] == "cumulus:0"
@@ -95,16 +110,16 @@ def test_a_cuda_style_script_runs_unchanged_on_the_cheaper_provider_with_matchin
     assert receipt_ids(root / "consumer") == cheap
     assert bytes_moved(root / "consumer") == bytes_moved(root / "p0.3") > 0
     # The consumer countersigned those bytes against its own count of the same frames.
-    (lease,) = json.loads((root / "consumer" / "state.json").read_text())["leases"]
+    (lease,) = consumer.state()["leases"]
     assert lease["bytes_counted"] == lease["bytes"] == bytes_moved(root / "consumer")
     assert "total cost" in consumer.output()
 
 
 def test_a_job_outlasting_its_lease_renews_it_and_finishes_with_the_same_losses(mesh):
     root, boot, _ = mesh
-    consumer = nodes.start_consumer(
+    consumer = finished_consumer(
         root / "renewing",
-        boot.addr,
+        boot,
         "--python-device",  # the native device's: the native test below
         "--max-price",
         "1.0",
@@ -114,27 +129,19 @@ def test_a_job_outlasting_its_lease_renews_it_and_finishes_with_the_same_losses(
         "1s",
         command=[str(SCRIPT), "3", "0.4"],
     )
-    assert consumer.proc.wait(timeout=240) == 0, consumer.output()
     assert last_json(consumer)["losses"] == local_run("3")["losses"]
-    state = json.loads((root / "renewing" / "state.json").read_text())
+    state = consumer.state()
     states = [lease["state"] for lease in state["leases"]]
     assert len(states) >= 2 and set(states[:-1]) == {"ended"}, states
     assert all(row["failures"] == 0 for row in state["scores"])
 
 
 def test_a_job_survives_its_provider_being_killed_and_finishes_on_the_other(tmp_path):
-    boot = loopback.start_boot(tmp_path)
-    providers = [
-        nodes.start_provider(tmp_path / f"p{i}", boot.addr, "--price", price)
-        for i, price in enumerate(("0.3", "0.7"))
-    ]
     # The job holds after step 10 until the test lets it go and at once kills its
     # provider: killed mid-training, and never after the job finished.
     gate = tmp_path / "gate"
     script = [str(SCRIPTS / "gated_train.py"), "20", "10", str(gate)]
-    try:
-        for node in providers:
-            node.wait_for("providing")
+    with loopback.cheap_and_dear_providers(tmp_path) as (boot, providers):
         consumer = nodes.start_consumer(
             tmp_path / "consumer",
             boot.addr,
@@ -150,14 +157,12 @@ def test_a_job_survives_its_provider_being_killed_and_finishes_on_the_other(tmp_
         with nodes.LocalRun(nodes.demo_reference(20)) as local:
             assert consumer.proc.wait(timeout=180) == 0, consumer.output()
             expected = local.final_loss()
-    finally:
-        nodes.stop_all([*providers, boot])
     assert last_json(consumer)["final_loss"] == expected
     # No host lends disk for a standby: the checkpoints were on the consumer's disk.
     assert "no standby" in consumer.output()
     assert "checkpoints go to this machine's disk" in consumer.output()
     assert "its state came from the hosts" not in consumer.output()
-    state = json.loads((tmp_path / "consumer" / "state.json").read_text())
+    state = consumer.state()
     assert [lease["state"] for lease in state["leases"]] == ["failed", "held"]
     assert {lease["role"] for lease in state["leases"]} == {"session"}
     assert state["failovers"] == 1
@@ -172,10 +177,7 @@ def run_one_epoch_through_libp2p(tmp_path: Path, boot, provider) -> None:
     check that it went through the consumer node's libp2p door with matching books."""
     try:
         provider.wait_for("providing")
-        consumer = nodes.start_consumer(
-            tmp_path / "consumer", boot.addr, command=[str(SCRIPT), "1"]
-        )
-        assert consumer.proc.wait(timeout=240) == 0, consumer.output()
+        consumer = finished_consumer(tmp_path / "consumer", boot, command=[str(SCRIPT), "1"])
     finally:
         for node in (provider, boot):
             node.stop()
@@ -221,8 +223,7 @@ def third_party_lines(output: str) -> list[str]:
 
 def test_consoles_show_no_third_party_log_lines_and_the_node_log_keeps_them(mesh):
     root, boot, providers = mesh
-    consumer = nodes.start_consumer(root / "quiet", boot.addr, command=[str(SCRIPT), "1"])
-    assert consumer.proc.wait(timeout=240) == 0, consumer.output()
+    consumer = finished_consumer(root / "quiet", boot, command=[str(SCRIPT), "1"])
     for node in (consumer, boot, *providers.values()):
         assert third_party_lines(node.output()) == [], node.data_dir
         assert (node.data_dir / "node.log").stat().st_size > 0
@@ -235,23 +236,19 @@ def test_consoles_show_no_third_party_log_lines_and_the_node_log_keeps_them(mesh
 def test_a_native_script_trains_on_a_leased_host_with_matching_books(mesh):
     root, boot, providers = mesh
     script = SCRIPTS / "native_train.py"
-    consumer = nodes.start_consumer(
+    consumer = finished_consumer(
         root / "native",
-        boot.addr,
+        boot,
         "--max-price",
         "1.0",
         "--native",
         command=[str(script), "cumulus"],
     )
-    assert consumer.proc.wait(timeout=240) == 0, consumer.output()
-    local = subprocess.run(
-        [sys.executable, str(script), "cpu"], capture_output=True, text=True, check=True
-    )
     result = last_json(consumer)
     assert result["device"] == "cumulus:0"
-    assert result["losses"] == json.loads(local.stdout.strip().splitlines()[-1])["losses"]
+    assert result["losses"] == native_local_losses(script)
     # The provider's receipts count the native session's bytes as the consumer counted them.
-    (lease,) = json.loads((root / "native" / "state.json").read_text())["leases"]
+    (lease,) = consumer.state()["leases"]
     assert lease["bytes_counted"] == lease["bytes"] == bytes_moved(root / "native") > 0
 
 
@@ -270,28 +267,18 @@ def test_a_native_job_outlasting_its_lease_resumes_where_it_was_parked(mesh, tmp
     time.sleep(5)  # the lease's 4 s run out while the job holds: its host parks it
     gate.touch()
     assert consumer.proc.wait(timeout=180) == 0, consumer.output()
-    local = subprocess.run(
-        [sys.executable, str(script), "cpu", "4"], capture_output=True, text=True, check=True
-    )
-    assert last_json(consumer)["losses"] == json.loads(local.stdout.splitlines()[-1])["losses"]
+    assert last_json(consumer)["losses"] == native_local_losses(script, "4")
     assert "session resumed on its host" in consumer.output()
-    state = json.loads((root / "native-renewing" / "state.json").read_text())
+    state = consumer.state()
     states = [lease["state"] for lease in state["leases"]]
     assert len(states) >= 2 and set(states[:-1]) == {"ended"}, states
 
 
 def test_a_native_job_is_replayed_on_another_host_when_its_provider_is_killed(tmp_path):
-    boot = loopback.start_boot(tmp_path)
-    providers = [
-        nodes.start_provider(tmp_path / f"p{i}", boot.addr, "--price", price)
-        for i, price in enumerate(("0.3", "0.7"))
-    ]
     # The job holds after its first step; its provider is killed while it holds, so the
     # next step finds the host gone.
     gate, script = tmp_path / "gate", SCRIPTS / "native_train.py"
-    try:
-        for node in providers:
-            node.wait_for("providing")
+    with loopback.cheap_and_dear_providers(tmp_path) as (boot, providers):
         consumer = nodes.start_consumer(
             tmp_path / "consumer",
             boot.addr,
@@ -303,12 +290,7 @@ def test_a_native_job_is_replayed_on_another_host_when_its_provider_is_killed(tm
         providers[0].proc.kill()
         gate.touch()
         assert consumer.proc.wait(timeout=180) == 0, consumer.output()
-    finally:
-        nodes.stop_all([*providers, boot])
-    local = subprocess.run(
-        [sys.executable, str(script), "cpu", "4"], capture_output=True, text=True, check=True
-    )
-    assert last_json(consumer)["losses"] == json.loads(local.stdout.splitlines()[-1])["losses"]
-    state = json.loads((tmp_path / "consumer" / "state.json").read_text())
+    assert last_json(consumer)["losses"] == native_local_losses(script, "4")
+    state = consumer.state()
     assert [lease["state"] for lease in state["leases"]] == ["failed", "held"]
     assert state["failovers"] == 1

@@ -29,15 +29,12 @@ from cumulus_p2p.channel.transport import SocketFrameChannel
 from cumulus_p2p.host.executor import Executor, ExecutorConfig
 from cumulus_p2p.identity import KEY_FILE_NAME, NodeIdentity
 from cumulus_p2p.testing.executor import executor_process, secure_executor_channel
+from cumulus_p2p.testing.loopback import cheap_and_dear_providers
 from cumulus_p2p.testing.models import train
 from cumulus_p2p.testing.nodes import (
-    LOOPBACK_LISTEN,
     LocalRun,
     demo_reference,
     start_consumer,
-    start_node,
-    start_provider,
-    stop_all,
 )
 from cumulus_p2p.testing.tenant import Tenant
 from cumulus_p2p.wire.protocol import PROTOCOL_VERSION, encode_frame
@@ -381,17 +378,10 @@ def test_a_malformed_lost_message_is_a_protocol_error():
 
 
 def test_a_job_whose_worker_is_killed_finishes_elsewhere_and_the_shares_come_back(tmp_path):
-    boot = start_node(tmp_path / "boot", "--listen", LOOPBACK_LISTEN)
-    providers = [
-        start_provider(tmp_path / f"p{i}", boot.addr, "--price", price, "--worker-per-session")
-        for i, price in enumerate(("0.3", "0.7"))
-    ]
     # The job holds after step 10 until the worker is killed, so it cannot finish first.
     gate = tmp_path / "gate"
     script = [str(SCRIPTS / "gated_train.py"), "20", "10", str(gate)]
-    try:
-        for node in providers:
-            node.wait_for("providing")
+    with cheap_and_dear_providers(tmp_path, "--worker-per-session") as (boot, providers):
         consumer = start_consumer(
             tmp_path / "consumer", boot.addr, "--checkpoint-interval", "1s", command=script
         )
@@ -418,7 +408,5 @@ def test_a_job_whose_worker_is_killed_finishes_elsewhere_and_the_shares_come_bac
             assert after["shares_free"] == after["shares_total"]
             assert after["leases"][0]["state"] == "ended"
             expected = local.final_loss()
-    finally:
-        stop_all([*providers, boot])
     assert last_json(consumer)["final_loss"] == expected
     assert "worker process running it was killed by SIGKILL" in consumer.output()

@@ -47,3 +47,23 @@ def liar_and_honest_provider(
         yield boot, liar, honest
     finally:
         stop_all((liar, honest, boot))
+
+
+@contextmanager
+def cheap_and_dear_providers(
+    root: Path, *args: str
+) -> Iterator[tuple[NodeProcess, list[NodeProcess]]]:
+    """A bootstrap node and providers at 0.3 and 0.7 under ``root/p0`` and ``root/p1``
+    (``args`` add their flags), yielded as ``(boot, [cheap, dear])`` once both provide:
+    a job leases the cheap one and has the dear one to move to. All stopped at the end."""
+    boot = start_boot(root)
+    providers = [
+        start_provider(root / f"p{i}", boot.addr, "--price", price, *args)
+        for i, price in enumerate(("0.3", "0.7"))
+    ]
+    try:
+        for node in providers:
+            node.wait_for("providing")
+        yield boot, providers
+    finally:
+        stop_all([*providers, boot])
