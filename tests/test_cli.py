@@ -43,53 +43,48 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return forkstart.run(node_command(*args), timeout=timeout, env=env)
 
 
-def test_an_unknown_flag_is_a_usage_error_naming_it(tmp_path):
-    result = run("--data-dir", str(tmp_path), "--provide", "--turbo", "2")
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--provide", "--turbo", "2"], "unrecognized arguments: --turbo"),
+        (["--provide", "--gpus", "2"], "--gpus is how many GPUs --consume leases"),
+        (
+            ["--consume", "--gpus", "2", "--", "python", "t.py"],
+            "-- torchrun --nproc-per-node 2 t.py",
+        ),
+        (
+            ["--consume", "--gpus", "2", "--", "torchrun", "--nproc-per-node", "2", "-m", "train"],
+            "runs torchrun's ranks under the cumulus shim, which takes a script",
+        ),
+        (
+            ["--provide", "--device", "gpu1"],
+            "'gpu1': use auto, cpu, cuda, cuda:N or a list such as cuda:0,cuda:1",
+        ),
+        (
+            ["--provide", "--graph-compiler", "tvm"],
+            "invalid choice: 'tvm' (choose from 'loop', 'inductor')",
+        ),
+    ],
+    ids=[
+        "an unknown flag, named",
+        "--gpus for a provider",
+        "--gpus for a script without torchrun, showing the command",
+        "torchrun running a module",
+        "a device that is not a device",
+        "an unknown graph compiler, listing the choices",
+    ],
+)
+def test_a_bad_command_line_is_a_usage_error_saying_what_is_wrong(tmp_path, args, says):
+    result = run("--data-dir", str(tmp_path), *args)
     assert result.returncode == 2
-    assert "unrecognized arguments: --turbo" in result.stderr
+    assert says in result.stderr
 
 
-def test_gpus_for_a_provider_is_a_usage_error(tmp_path):
-    result = run("--data-dir", str(tmp_path), "--provide", "--gpus", "2")
+@pytest.mark.parametrize("flag", ["--blob-cap", "--ram-tier"])
+def test_a_size_that_is_not_a_size_is_a_usage_error_naming_the_flag(tmp_path, flag):
+    result = run("--data-dir", str(tmp_path), "--provide", flag, "lots")
     assert result.returncode == 2
-    assert "--gpus is how many GPUs --consume leases" in result.stderr
-
-
-def test_gpus_for_a_script_without_torchrun_is_a_usage_error_showing_the_command(tmp_path):
-    result = run("--data-dir", str(tmp_path), "--consume", "--gpus", "2", "--", "python", "t.py")
-    assert result.returncode == 2
-    assert "-- torchrun --nproc-per-node 2 t.py" in result.stderr
-
-
-def test_torchrun_running_a_module_is_a_usage_error(tmp_path):
-    command = ["--", "torchrun", "--nproc-per-node", "2", "-m", "train"]
-    result = run("--data-dir", str(tmp_path), "--consume", "--gpus", "2", *command)
-    assert result.returncode == 2
-    assert "runs torchrun's ranks under the cumulus shim, which takes a script" in result.stderr
-
-
-def test_a_device_that_is_not_a_device_is_a_usage_error(tmp_path):
-    result = run("--data-dir", str(tmp_path), "--provide", "--device", "gpu1")
-    assert result.returncode == 2
-    assert "'gpu1': use auto, cpu, cuda, cuda:N or a list such as cuda:0,cuda:1" in result.stderr
-
-
-def test_an_unknown_graph_compiler_is_a_usage_error_listing_the_choices(tmp_path):
-    result = run("--data-dir", str(tmp_path), "--provide", "--graph-compiler", "tvm")
-    assert result.returncode == 2
-    assert "invalid choice: 'tvm' (choose from 'loop', 'inductor')" in result.stderr
-
-
-def test_a_blob_cap_that_is_not_a_size_is_a_usage_error(tmp_path):
-    result = run("--data-dir", str(tmp_path), "--provide", "--blob-cap", "lots")
-    assert result.returncode == 2
-    assert "--blob-cap" in result.stderr and "'lots'" in result.stderr
-
-
-def test_a_ram_tier_that_is_not_a_size_is_a_usage_error(tmp_path):
-    result = run("--data-dir", str(tmp_path), "--provide", "--ram-tier", "lots")
-    assert result.returncode == 2
-    assert "--ram-tier" in result.stderr and "'lots'" in result.stderr
+    assert flag in result.stderr and "'lots'" in result.stderr
 
 
 @pytest.mark.parametrize(
