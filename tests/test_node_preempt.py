@@ -54,13 +54,9 @@ def test_an_on_demand_job_preempts_an_interruptible_one_which_resumes_without_lo
         assert on_demand.proc.wait(timeout=180) == 0, on_demand.output()
         assert interruptible.proc.wait(timeout=240) == 0, interruptible.output()
     finally:
-        for node in (host, boot):
-            node.stop()
-    assert nodes.final_json(on_demand.lines)["final_loss"] == nodes.local_final_loss(
-        nodes.demo_reference(20)
-    )
-    expected = nodes.local_final_loss(nodes.demo_reference(60))
-    assert nodes.final_json(interruptible.lines)["final_loss"] == expected
+        nodes.stop_all((host, boot))
+    nodes.assert_local_final_loss(on_demand, nodes.demo_reference(20))
+    nodes.assert_local_final_loss(interruptible, nodes.demo_reference(60))
     state = json.loads((tmp_path / "interruptible" / "state.json").read_text())
     states = [lease["state"] for lease in state["leases"]]
     assert states[0] == "preempted", f"{states}: {interruptible.output()}"

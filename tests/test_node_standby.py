@@ -66,10 +66,6 @@ def consume_with_standby(tmp_path, boot, command, *flags: str):
     )
 
 
-def assert_the_local_final_loss(consumer, command) -> None:
-    assert nodes.final_json(consumer.lines)["final_loss"] == nodes.local_final_loss(command)
-
-
 def roles_once_both_are_leased(consumer) -> dict[str, str]:
     leases = consumer.wait_for_state(lambda s: len(s.get("leases", ())) == 2)["leases"]
     return {row["role"]: row["host"] for row in leases}
@@ -109,7 +105,7 @@ def test_a_lost_standby_is_replaced_and_the_new_one_restores_the_session_when_it
     assert standby["price"] == 10_000  # per GiB-hour: a lease of disk, not shares
     assert "a new standby takes the checkpoints" in consumer.output()
     assert "its state came from the hosts that keep its checkpoint" in consumer.output()
-    assert_the_local_final_loss(consumer, nodes.demo_reference(60))
+    nodes.assert_local_final_loss(consumer, nodes.demo_reference(60))
     assert checkpoint_bytes(tmp_path / "consumer") == 0
 
 

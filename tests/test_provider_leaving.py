@@ -65,9 +65,7 @@ def test_a_provider_stopped_with_sigterm_hands_the_job_over_without_blame(tmp_pa
     assert "is leaving" in consumer.output()
     # At once: well inside the 10 s a silent host gets to resume the channel.
     assert moved_after < 10, moved_after
-    assert nodes.final_json(consumer.lines)["final_loss"] == nodes.local_final_loss(
-        nodes.demo_reference(30)
-    )
+    nodes.assert_local_final_loss(consumer, nodes.demo_reference(30))
     state = json.loads((tmp_path / "consumer" / "state.json").read_text())
     assert [lease["state"] for lease in state["leases"]] == ["left", "held"]
     assert all(row["failures"] == 0 for row in state["scores"])

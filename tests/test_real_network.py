@@ -20,9 +20,8 @@ import pytest
 
 from cumulus_p2p.testing.netns import Host, NamespacesUnavailable, two_hosts
 from cumulus_p2p.testing.nodes import (
+    assert_local_final_loss,
     demo_reference,
-    final_json,
-    local_final_loss,
     node_command,
     start_process,
 )
@@ -115,4 +114,4 @@ def test_a_consumer_on_another_machine_reaches_the_provider_directly(tmp_path):
     assert lease["path"].startswith(f"direct to {a.address}:"), lease
     assert state["ops"] > 0  # what the job's session sent, for its status
     assert "going through libp2p" not in consumer.output()
-    assert final_json(consumer.lines)["final_loss"] == local_final_loss(demo_reference(20))
+    assert_local_final_loss(consumer, demo_reference(20))

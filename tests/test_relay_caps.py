@@ -43,11 +43,8 @@ def test_a_relayed_job_longer_than_the_circuit_cap_finishes_without_blame(tmp_pa
         )
         assert consumer.proc.wait(timeout=240) == 0, consumer.output()
     finally:
-        for node in (provider, boot):
-            node.stop()
-    assert nodes.final_json(consumer.lines)["final_loss"] == nodes.local_final_loss(
-        nodes.demo_reference(300)
-    )
+        nodes.stop_all((provider, boot))
+    nodes.assert_local_final_loss(consumer, nodes.demo_reference(300))
     state = json.loads((tmp_path / "consumer" / "state.json").read_text())
     assert [lease["state"] for lease in state["leases"]] == ["held"]
     assert all(row["failures"] == 0 for row in state["scores"])

@@ -224,6 +224,13 @@ def local_final_loss(script: list[str]) -> float:
         return run.final_loss()
 
 
+def assert_local_final_loss(node: NodeProcess, script: list[str]) -> None:
+    """Assert that the job ``node`` ran through the mesh ended with the final loss of
+    ``python *script`` run here (``local_final_loss``)."""
+    got, expected = final_json(node.lines)["final_loss"], local_final_loss(script)
+    assert got == expected, f"final loss {got} through the mesh, {expected} run here"
+
+
 #: A directory in which ``LocalRun`` keeps each script's output, keyed by its arguments,
 #: for the rest of a test session (``tests/conftest.py`` sets it). The scripts are seeded
 #: and run on the CPU, so a second run of the same arguments prints the same bytes: a
