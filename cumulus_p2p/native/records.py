@@ -266,22 +266,28 @@ def _op_name(r: _Reader, names: Sequence[str]) -> str:
     return names[index]
 
 
+def _values(r: _Reader) -> tuple[Any, ...]:
+    """A count (u16), then that many values: an op's or a graph call's arguments or
+    outputs."""
+    return tuple(_value(r) for _ in range(r.take("<H")))
+
+
 def _op(r: _Reader, names: Sequence[str]) -> Op:
     op = _op_name(r, names)
-    args = tuple(_value(r) for _ in range(r.take("<H")))
-    return Op(op, args, tuple(_value(r) for _ in range(r.take("<H"))))
+    args = _values(r)
+    return Op(op, args, _values(r))
 
 
 def _dyn(r: _Reader, names: Sequence[str]) -> Dyn:
     op = _op_name(r, names)
-    args = tuple(_value(r) for _ in range(r.take("<H")))
+    args = _values(r)
     return Dyn(op, args, tuple(r.take("<Q") for _ in range(r.take("<H"))))
 
 
 def _run(r: _Reader) -> Run:
     graph = r.take("<I")
-    args = tuple(_value(r) for _ in range(r.take("<H")))
-    return Run(graph, args, tuple(_value(r) for _ in range(r.take("<H"))))
+    args = _values(r)
+    return Run(graph, args, _values(r))
 
 
 def _expect(r: _Reader, kind: type) -> Any:
