@@ -245,3 +245,22 @@ def test_hosts_near_the_jobs_region_come_first_within_their_entry_tier():
 def test_no_region_to_be_near_keeps_the_ranking():
     hosts = ["b", "a", "c"]
     assert near_first(hosts, {}, {"a": "eu"}, "") == hosts
+
+
+def test_the_rig_the_first_rank_holds_comes_before_cheaper_hosts_of_its_tier():
+    hosts = ["cheap", "near", "rig"]
+    regions = {"cheap": "us", "near": "eu", "rig": "us"}
+    assert near_first(hosts, {}, regions, "eu", rig="rig") == ["rig", "near", "cheap"]
+
+
+def test_before_any_rank_holds_a_host_a_rig_with_devices_for_every_rank_comes_first():
+    hosts = ["cheap", "small-rig", "big-rig"]
+    devices = {"small-rig": 2, "big-rig": 4}
+    ordered = near_first(hosts, {}, {}, "", devices=devices, wanted=3)
+    assert ordered == ["big-rig", "cheap", "small-rig"]
+
+
+def test_a_rig_does_not_pass_a_host_with_a_record():
+    entries = {"record": Entry.RECORD, "rig": Entry.NEWCOMER}
+    ordered = near_first(["rig", "record"], entries, {}, "", devices={"rig": 2}, wanted=2)
+    assert ordered == ["record", "rig"]

@@ -71,6 +71,40 @@ def test_a_torchrun_ddp_script_on_two_leased_hosts_ends_with_local_gloo_ddps_par
         assert {entry.host for entry in ledger.entries()} == hosts
 
 
+def test_a_job_of_two_gpus_leases_both_on_one_rig_before_a_cheaper_single_host(tmp_path):
+    local = [sys.executable, *TORCHRUN, str(SCRIPT), str(tmp_path / "local.pt"), *ARGS]
+    done = subprocess.run(local, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    boot = loopback.start_boot(tmp_path)
+    rig = nodes.start_rig(tmp_path / "rig", boot.addr, devices=2, shares=1)
+    single = nodes.start_provider(tmp_path / "single", boot.addr, "--price", "0.3")
+    consumer = None
+    try:
+        for node in (rig, single):
+            node.wait_for("providing")
+        command = [*TORCHRUN, str(SCRIPT), str(tmp_path / "leased.pt"), *ARGS]
+        consumer = nodes.start_consumer(
+            tmp_path / "consumer",
+            boot.addr,
+            "--gpus",
+            "2",
+            "--checkpoint-to",
+            "consumer",
+            command=command,
+        )
+        assert consumer.proc.wait(timeout=300) == 0, consumer.output()
+        rig_id = rig.wait_for_state(lambda s: "peer_id" in s)["peer_id"]
+    finally:
+        nodes.stop_all([n for n in (consumer, rig, single, boot) if n is not None])
+    leased, expected = torch.load(tmp_path / "leased.pt"), torch.load(tmp_path / "local.pt")
+    for name, value in expected.items():
+        assert torch.allclose(leased[name], value, rtol=0, atol=1e-6), name
+    # Both ranks on the rig, a device each: their gradients never left the machine.
+    leases = consumer.state()["leases"]
+    assert [lease["host"] for lease in leases] == [rig_id, rig_id]
+    assert len({lease["offer"] for lease in leases}) == 2
+
+
 def test_a_job_of_more_gpus_than_hosts_says_each_rank_needs_its_own_host(tmp_path):
     boot = loopback.start_boot(tmp_path)
     provider = nodes.start_provider(tmp_path / "p", boot.addr)

@@ -233,16 +233,33 @@ def proposal_batch(
 
 
 def near_first(
-    hosts: Sequence[str], entries: Mapping[str, Entry], regions: Mapping[str, str], region: str
+    hosts: Sequence[str],
+    entries: Mapping[str, Entry],
+    regions: Mapping[str, str],
+    region: str,
+    *,
+    rig: str = "",
+    devices: Mapping[str, int] | None = None,
+    wanted: int = 1,
 ) -> list[str]:
-    """``hosts`` (best first, by entry tier) with those in ``region`` ahead of the others
-    of their tier, each group in its order: the ranks of a job of several GPUs exchange
-    gradients, so its hosts had better be close to one another, and an offer's region is
-    the hint of where a host is. Trust comes first: a nearby newcomer does not pass a
-    host with a record. An empty ``region`` changes nothing."""
-    if not region:
-        return list(hosts)
-    return sorted(hosts, key=lambda h: (entries.get(h, Entry.NEWCOMER), regions.get(h) != region))
+    """``hosts`` (best first, by entry tier) with the closest ahead of the others of their
+    tier, each group in its order. The ranks of a job of several GPUs exchange gradients,
+    so they had better be close: on one rig closest of all, else in one region (an
+    offer's region is the hint of where a host is). So within a tier come first ``rig``
+    (the host the job's first rank holds), then hosts offering ``devices`` enough for
+    ``wanted`` ranks, then hosts in ``region``. Trust comes first: a nearby newcomer does
+    not pass a host with a record. Empty hints change nothing."""
+    offered = devices or {}
+
+    def closeness(host: str) -> tuple:
+        return (
+            entries.get(host, Entry.NEWCOMER),
+            host != rig,
+            offered.get(host, 1) < wanted,
+            bool(region) and regions.get(host) != region,
+        )
+
+    return sorted(hosts, key=closeness)
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,7 @@ import os
 import random
 import secrets
 import sys
+from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
@@ -275,10 +276,12 @@ class Consumer:
     full_offers: set[tuple[str, str, int]] = field(default_factory=set)
     #: The name its bid is announced under: one per rank of a job of several GPUs.
     bid_name: str = BID_NAME
-    #: The hosts the job's other ranks hold, which this one does not lease from.
-    elsewhere: Callable[[], Collection[str]] = frozenset
-    #: The region whose hosts this rank prefers (its job's first host's), or "".
-    near: Callable[[], str] = str
+    #: The devices the job's other ranks hold, as ``(host, offer_id)``: this one leases
+    #: another device (on one rig, or on another host).
+    elsewhere: Callable[[], Collection[tuple[str, str]]] = frozenset
+    #: The offer its job's first rank holds, whose rig and region this rank prefers;
+    #: None for the first rank (or a job of one GPU).
+    near: Callable[[], Offer | None] = lambda: None
     #: Whether the session may move to another host when its host is lost: not a rank of
     #: a job of several GPUs, whose collective group would not follow it.
     movable: bool = True
@@ -505,15 +508,28 @@ class Consumer:
         )
         ranked = rank_offers(book, self.bid, reliability=scores, limit=RANKED_OFFERS, entry=entry)
         best: dict[str, Offer] = {}
+        devices: Counter[str] = Counter()  # the devices each host could lease this job
         taken = self.elsewhere()
         for r in ranked:
-            if r.offer.host in taken or self.pinned not in ("", r.offer.host):
+            o = r.offer
+            if (o.host, o.offer_id) in taken or self.pinned not in ("", o.host):
                 continue
-            if (r.offer.host, r.offer.offer_id, r.offer.nonce) not in self.full_offers:
-                best.setdefault(r.offer.host, r.offer)
+            if (o.host, o.offer_id, o.nonce) not in self.full_offers:
+                best.setdefault(o.host, o)
+                devices[o.host] += 1
         self.entries = {host: entry(offer) for host, offer in best.items()}
         regions = {host: offer.region for host, offer in best.items()}
-        return {h: best[h] for h in near_first(list(best), self.entries, regions, self.near())}
+        first = self.near()
+        order = near_first(
+            list(best),
+            self.entries,
+            regions,
+            first.region if first else "",
+            rig=first.host if first else "",
+            devices=devices,
+            wanted=self.options.gpus,
+        )
+        return {h: best[h] for h in order}
 
     def has_record(self, host: str) -> bool:
         """Whether ``host`` has a record: credible evidence of paid leases, or a lease
@@ -622,12 +638,12 @@ class Consumer:
             )
         if self._candidates(self.runtime.clock()):
             return f"{gave_up}. Give the job longer (--wait-for-host), or more hosts."
-        hosts = {offer.host for offer in offers}
-        if hosts and hosts <= set(self.elsewhere()):
+        devices = {(offer.host, offer.offer_id) for offer in offers}
+        if devices and devices <= set(self.elsewhere()):
             return (
-                f"every host offering ({len(hosts)}) already serves another rank of this "
-                f"job, and a job of {o.gpus} GPUs leases each from another host. Wait for "
-                "more providers, or lower --gpus."
+                f"every device offered ({len(devices)}) already serves another rank of this "
+                f"job, and a job of {o.gpus} GPUs leases a device per rank. Wait for more "
+                "providers, or lower --gpus."
             )
         if not offers:
             return (
@@ -1031,6 +1047,7 @@ def _held_row(held: Held, desk: ReceiptDesk) -> dict:
     return {
         "lease_id": held.proposal.lease_id,
         "host": held.proposal.host,
+        "offer": held.proposal.offer_id,
         "endpoints": list(held.endpoints),
         "path": held.path,
         "price": held.proposal.price,

@@ -4,10 +4,11 @@ A job of one GPU is one ``Consumer``: its bid, its choice of hosts, its leases a
 failover. A job of N (``--gpus N -- torchrun --nproc-per-node N train.py``) is N of them,
 one per rank, sharing the node's mesh, book and ledger (``Job``):
 
-- each rank bids under its own name and leases from a host none of the others holds, so
-  the N ranks run on N hosts, and ``cuda:LOCAL_RANK`` in a rank is its own leased GPU;
-- the ranks after the first prefer hosts in the first one's region (``matcher.near_first``:
-  an offer's region is the hint of where its host is; trust still comes first);
+- each rank bids under its own name and leases a device none of the others holds, so
+  ``cuda:LOCAL_RANK`` in a rank is its own leased GPU;
+- the job keeps its ranks close (``matcher.near_first``; trust still comes first): the
+  first rank prefers a rig offering a device for every rank, the others the first one's
+  rig, then its region (an offer's region is the hint of where its host is);
 - each rank has its own control channel: ``CUMULUS_CONTROL`` lists them in rank order,
   and the shim in a rank's process picks its own by ``LOCAL_RANK``
   (``control.address_for_rank``);
@@ -34,6 +35,7 @@ import trio
 
 from .._errors import NoMatchError
 from ..market import BookLimits
+from ..market.messages import Offer
 from ..market.settlement import ReceiptDesk, serve_lease_notices, serve_receipts
 from . import control
 from .consumer import Consumer, ConsumerOptions, Held, script_command
@@ -53,7 +55,7 @@ class Job:
 
     @classmethod
     def of(cls, runtime: Runtime, options: ConsumerOptions, desk: ReceiptDesk) -> Job:
-        """``options.gpus`` consumers; each leases from hosts the others do not hold."""
+        """``options.gpus`` consumers; each leases a device the others do not hold."""
         job = cls([])
         for rank in range(options.gpus):
             job.ranks.append(
@@ -63,22 +65,22 @@ class Job:
                     desk,
                     bid_name=f"bid{rank}",
                     elsewhere=job._held_by(rank),
-                    near=job._first_region,
+                    near=job._first_offer,
                     movable=options.gpus == 1,
                 )
             )
         return job
 
-    def _first_region(self) -> str:
-        """The region of the first rank's host, which the other ranks prefer; "" before it
-        has one (the first rank leases before the others)."""
+    def _first_offer(self) -> Offer | None:
+        """The offer the first rank holds, whose rig and region the other ranks prefer;
+        None before it holds one (the first rank leases before the others)."""
         first = self.ranks[0].sessions
-        return first[-1].offer.region if first else ""
+        return first[-1].offer if first else None
 
-    def _held_by(self, rank: int) -> Callable[[], set[str]]:
-        def others() -> set[str]:
+    def _held_by(self, rank: int) -> Callable[[], set[tuple[str, str]]]:
+        def others() -> set[tuple[str, str]]:
             return {
-                held.proposal.host
+                (held.proposal.host, held.proposal.offer_id)
                 for other in self.ranks[:rank] + self.ranks[rank + 1 :]
                 for held in other.held
             }

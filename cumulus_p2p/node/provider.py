@@ -273,7 +273,9 @@ class Provider:
         self.payments = PaymentEnforcer(
             runtime, grace=options.unpaid_grace, on_final=self._on_final
         )
-        self._presented: dict[bytes, LeaseProposal] = {}
+        # By consumer and lease token: a job of several GPUs on one rig opens its ranks'
+        # sessions here at once, each under its own lease.
+        self._presented: dict[tuple[bytes, bytes | None], LeaseProposal] = {}
         #: Hosts admitted to read kept pieces, and the device whose session keeps them.
         self._readers: dict[bytes, Served] = {}
         #: Its public blobs, announced to and fetched from other hosts (once serving).
@@ -427,7 +429,7 @@ class Provider:
             return f"the lease is {active.state.value}: {self.payments.arrears(active)}"
         if self.book.get(proposal.lease_id) is None:
             return "the lease has ended or was never granted by this host"
-        self._presented[consumer_key] = proposal
+        self._presented[consumer_key, token] = proposal
         return None
 
     async def serve_session(self, channel) -> None:
@@ -436,7 +438,7 @@ class Provider:
         if keeper is not None:
             await keeper.executor.run_session(channel, only_blobs=True)
             return
-        proposal = self._presented.pop(channel.peer_public_key)
+        proposal = self._presented.pop((channel.peer_public_key, channel.lease_token))
         served = self.served[proposal.offer_id]
         active = self.active.get(proposal.lease_id)
         if active is None:

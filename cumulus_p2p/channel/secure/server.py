@@ -233,7 +233,7 @@ class SecureServer:
             return False
         message, keys = shake.accept(os.urandom(hs.SESSION_ID_SIZE))
         await writer.send(message)
-        session = ServerSession.new(self, keys, self.handler)
+        session = ServerSession.new(self, keys, self.handler, lease)
         self._sessions[keys.session_id] = session
         self._started += 1
         self._nursery.start_soon(session.run, Connection(reader, writer))

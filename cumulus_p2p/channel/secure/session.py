@@ -105,13 +105,16 @@ class SecureServerChannel:
     """The ``AsyncFrameChannel`` a handler gets: one per logical session.
 
     It survives connection drops: frames sent while disconnected are delivered after the
-    consumer resumes. ``peer_public_key`` is the consumer's authenticated ed25519 key.
+    consumer resumes. ``peer_public_key`` is the consumer's authenticated ed25519 key;
+    ``lease_token`` the token its handshake presented (None in a process the session was
+    handed over to): one consumer may open sessions under several leases at once.
     """
 
     def __init__(self, session: ServerSession) -> None:
         self._session = session
         self.max_frame = session.max_frame
         self.peer_public_key: bytes = session.peer_public_key
+        self.lease_token: bytes | None = session.lease_token
         self.session_id: bytes = session.session_id
 
     async def send_frame(self, parts: Sequence[Buffer]) -> None:
@@ -192,12 +195,14 @@ class ServerSession:
         resume_secret: bytes,
         core: SessionCore,
         handler: Handler,
+        lease_token: bytes | None = None,
     ) -> None:
         self.owner = owner
         self.handler = handler
         self.max_frame = core.max_frame
         self.session_id = session_id
         self.peer_public_key = peer_public_key
+        self.lease_token = lease_token
         self.resume_secret = resume_secret
         self.core = core
         #: Where the session went, once handed over (then this is its placeholder).
@@ -219,8 +224,15 @@ class ServerSession:
         self._inbox_bytes = 0
 
     @classmethod
-    def new(cls, owner: SessionOwner, keys: hs.SessionKeys, handler: Handler) -> ServerSession:
-        """A session a handshake here just opened, with its owner's settings."""
+    def new(
+        cls,
+        owner: SessionOwner,
+        keys: hs.SessionKeys,
+        handler: Handler,
+        lease_token: bytes | None = None,
+    ) -> ServerSession:
+        """A session a handshake here just opened, under ``lease_token``, with its owner's
+        settings."""
         core = SessionCore(keys.send_key, keys.recv_key, **owner.settings.core_limits)
         return cls(
             owner,
@@ -229,6 +241,7 @@ class ServerSession:
             resume_secret=keys.resume_secret,
             core=core,
             handler=handler,
+            lease_token=lease_token,
         )
 
     @classmethod
