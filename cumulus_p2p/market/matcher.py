@@ -248,7 +248,9 @@ def near_first(
     offer's region is the hint of where a host is). So within a tier come first ``rig``
     (the host the job's first rank holds), then hosts offering ``devices`` enough for
     ``wanted`` ranks, then hosts in ``region``. Trust comes first: a nearby newcomer does
-    not pass a host with a record. Empty hints change nothing."""
+    not pass a host with a record. Without hints (a job of one GPU) the ranking stands."""
+    if not (region or rig or wanted > 1):
+        return list(hosts)
     offered = devices or {}
 
     def closeness(host: str) -> tuple:
