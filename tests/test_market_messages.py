@@ -191,6 +191,21 @@ def test_a_bid_for_one_gpu_is_the_array_nodes_read_before_bids_named_gpus():
     assert len(msgpack.unpackb(encode_message(GANG_BID))) == older + 1
 
 
+def test_a_receipt_without_collectives_is_the_array_nodes_read_before_peer_bytes():
+    receipt = Receipt(H, H, 0, NOW, NOW + 60, 60, 1000, NOW + 600, 1)
+    older = len(dataclasses.fields(Receipt)) - 1
+    assert len(msgpack.unpackb(encode_message(receipt))) == older
+    between = dataclasses.replace(receipt, peer_bytes=4096)
+    assert len(msgpack.unpackb(encode_message(between))) == older + 1
+    assert decode_message(Receipt.KIND, encode_message(between)) == between
+
+
+def test_a_receipt_claiming_negative_bytes_between_hosts_is_malformed():
+    body = msgpack.unpackb(encode_message(Receipt(H, H, 0, NOW, NOW + 60, 60, 0, NOW + 600, 1)))
+    with pytest.raises(MalformedMessageError, match="peer_bytes"):
+        decode_message(Receipt.KIND, msgpack.packb([*body, -1]))
+
+
 def test_a_bid_naming_one_gpu_outright_is_not_the_canonical_encoding():
     body = msgpack.packb([*msgpack.unpackb(encode_message(BID)), 1])
     with pytest.raises(MalformedMessageError, match="canonical"):

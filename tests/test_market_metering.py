@@ -36,6 +36,18 @@ def test_receipts_cover_the_lease_in_intervals_and_countersign():
     assert [r.bytes_moved for r in receipts] == [1000, 0, 0]
 
 
+def test_a_receipt_carries_the_bytes_its_interval_s_collectives_moved_between_hosts():
+    meter = Meter(HOST, LEASE, interval=60.0)
+    meter.record_peer_bytes(4096)
+    meter.record_peer_bytes(1024)
+    _, first = check_receipt(meter.issue(NOW + 60, nonce=1).to_bytes(), LEASE, now=NOW + 60)
+    raw = meter.issue(NOW + 120, nonce=2).to_bytes()
+    _, second = check_receipt(raw, LEASE, now=NOW + 120, previous=first)
+    assert (first.peer_bytes, second.peer_bytes) == (5120, 0)
+    with pytest.raises(ValueError, match="negative"):
+        meter.record_peer_bytes(-1)
+
+
 def test_a_standby_lease_is_metered_in_gib_seconds_and_both_sides_agree():
     standby = lease_proposal(
         CONSUMER, HOST, lease_id="S1", start_at=NOW, duration_s=150, storage_gib=10, price=36

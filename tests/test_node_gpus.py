@@ -68,7 +68,16 @@ def test_a_torchrun_ddp_script_on_two_leased_hosts_ends_with_local_gloo_ddps_par
     # The leases table the node prints at its end says which rank each lease serves.
     assert re.search(r"┃ rank\s*┃ lease", consumer.output()), consumer.output()
     with Ledger.open(tmp_path / "consumer") as ledger:
-        assert {entry.host for entry in ledger.entries()} == hosts
+        entries = list(ledger.entries())
+    assert {entry.host for entry in entries} == hosts
+    # Each host's receipts count the bytes its collectives carried to the other: DDP's
+    # broadcast of the parameters at its start, then an all-reduce of the gradients a
+    # step, and a few bytes of DDP's own checks at its start (136: the parameters' shapes
+    # gathered).
+    parameter_bytes = sum(value.nbytes for value in expected.values())
+    between = {host: sum(e.peer_bytes for e in entries if e.host == host) for host in hosts}
+    for carried in between.values():
+        assert 0 <= carried - (int(ARGS[0]) + 1) * parameter_bytes < 1024, between
 
 
 def test_a_job_of_two_gpus_leases_both_on_one_rig_before_a_cheaper_single_host(tmp_path):
@@ -103,6 +112,10 @@ def test_a_job_of_two_gpus_leases_both_on_one_rig_before_a_cheaper_single_host(t
     leases = consumer.state()["leases"]
     assert [lease["host"] for lease in leases] == [rig_id, rig_id]
     assert len({lease["offer"] for lease in leases}) == 2
+    # The rig's workers report what their collectives carried, as a single host does.
+    parameter_bytes = sum(value.nbytes for value in expected.values())
+    for lease in leases:
+        assert lease["peer_bytes"] >= (int(ARGS[0]) + 1) * parameter_bytes, leases
 
 
 def test_a_job_of_more_gpus_than_hosts_says_each_rank_needs_its_own_host(tmp_path):

@@ -201,6 +201,10 @@ async def test_a_dead_holders_turn_passes_on():
         ["room", 1, "lots"],
         ["traffic", 1, -5],
         ["traffic", "1", 5],
+        ["traffic", 1, 5, -1],  # collectives' bytes between hosts
+        ["traffic", 1, 5, "lots"],
+        ["traffic", 1, 5, 6, 7],
+        ["ended", 1, "done", 0],
         ["ended", 1],
         ["ended", 1, None],
         ["token", 7],
@@ -495,6 +499,17 @@ async def test_the_bytes_a_worker_reports_are_metered_and_shown():
     sup._on_message(worker, ["ended", 1, "consumer closed the session"])
     assert handed.done.is_set()
     assert handed.ended == "consumer closed the session"
+
+
+async def test_the_bytes_a_workers_collectives_carried_between_hosts_are_metered_apart():
+    sup, (worker,), _ = supervisor_with(ON_DEMAND)
+    handed = handed_to(worker, sup)
+    worker.handed[1] = handed
+    frames, peers = [], []
+    handed._on_bytes, handed._on_peer_bytes = frames.append, peers.append
+    sup._on_message(worker, ["traffic", 1, 300, 4096])
+    sup._on_message(worker, ["traffic", 1, 200, 0])
+    assert (frames, peers) == ([300, 200], [4096])
 
 
 async def test_a_resume_for_a_session_whose_worker_died_is_answered_with_how_it_died():

@@ -113,6 +113,8 @@ class Handover:
     secure: dict | None = None
     #: Called with the frame bytes the successor reports it carried (metering).
     on_bytes: Callable[[int], None] | None = None
+    #: Called with the bytes the successor reports its collectives carried between hosts.
+    on_peer_bytes: Callable[[int], None] | None = None
 
 
 class ReadySpinner:
@@ -360,12 +362,15 @@ class CountingChannel:
     The provider meters a lease's traffic with it: ``on_bytes`` gets each frame's
     length (prefix included) in either direction, as the op stream sees it; the secure
     channel's record overhead is not counted. ``peer_public_key`` passes through, so
-    the executor still knows who may resume the session.
+    the executor still knows who may resume the session. ``on_peer_bytes`` gets the
+    bytes the session's collectives carried between the job's hosts, as the executor
+    reports them (``count_peer_bytes``).
     """
 
-    def __init__(self, inner: AsyncFrameChannel, on_bytes) -> None:
+    def __init__(self, inner: AsyncFrameChannel, on_bytes, on_peer_bytes=None) -> None:
         self._inner = inner
         self._on_bytes = on_bytes
+        self._on_peer_bytes = on_peer_bytes
         self.max_frame = inner.max_frame
         self.peer_public_key = getattr(inner, "peer_public_key", None)
 
@@ -381,8 +386,15 @@ class CountingChannel:
     async def aclose(self) -> None:
         await self._inner.aclose()
 
+    def count_peer_bytes(self, n: int) -> None:
+        """The executor's report of ``n`` bytes the session's collectives carried
+        between hosts (``on_peer_bytes`` gets them)."""
+        if self._on_peer_bytes is not None:
+            self._on_peer_bytes(n)
+
     def hand_over(self, successor: object = None) -> Handover:
         """The inner channel's ``Handover``, still metered: the successor reports bytes."""
         handover = self._inner.hand_over(successor)  # type: ignore[attr-defined]
         handover.on_bytes = self._on_bytes
+        handover.on_peer_bytes = self._on_peer_bytes
         return handover

@@ -134,6 +134,7 @@ def entry_json(entry: LedgerEntry) -> dict:
         "host": entry.host,
         "share_seconds": entry.share_seconds,
         "bytes_moved": entry.bytes_moved,
+        "peer_bytes": entry.peer_bytes,
         "interval_start": entry.interval_start,
         "interval_end": entry.interval_end,
     }

@@ -112,6 +112,11 @@ class CollectiveGroups:
 
     _groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
     _served: dict[int, tuple[dist.TCPStore, socket.socket]] = field(default_factory=dict)
+    #: The bytes of the tensors its collectives carried between hosts, as the records
+    #: name them: an all-reduce's or a broadcast's tensor, an all-gather's outputs. The
+    #: consumer can count the same from its own records; gloo's wire carries about twice
+    #: an all-reduce's (ring: 2(n-1)/n of the tensor out, as much in).
+    peer_bytes: int = 0
 
     def serve_store(self, host: str, world: int) -> int:
         """Serve a store for a group of ``world`` ranks on ``host``; return its port.
@@ -180,6 +185,7 @@ class CollectiveGroups:
         self._agree(name, group, tensor)
         dense = [out.contiguous() for out in outputs]
         self._wait(name, group.allgather([dense], [tensor.contiguous()]))
+        self.peer_bytes += sum(out.nbytes for out in dense)
         for out, gathered in zip(outputs, dense, strict=True):
             if gathered is not out:
                 out.copy_(gathered)
@@ -190,6 +196,7 @@ class CollectiveGroups:
         # gloo reduces dense contiguous buffers: a strided view goes through a copy.
         dense = tensor if tensor.is_contiguous() else tensor.contiguous()
         self._wait(name, start(group, dense))
+        self.peer_bytes += dense.nbytes
         if dense is not tensor:
             tensor.copy_(dense)
 

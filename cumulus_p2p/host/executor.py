@@ -394,6 +394,7 @@ class Executor:
                 # A sync point's short tail: a thread hop would cost more than the ops.
                 inline = batch.light
                 reply = await self._run_batch(session, batch, inline=inline, rank=rank)
+                _meter_peer_bytes(channel, session)
             elif header[0] == "pull":
                 if len(header) != 2:
                     raise RemoteProtocolError("pull takes one map of sources and digests")
@@ -1026,3 +1027,12 @@ def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return "cpu"
+
+
+def _meter_peer_bytes(channel: AsyncFrameChannel, session: ExecutorSession) -> None:
+    """Tell a metering channel (the provider's ``CountingChannel``, a worker's) the bytes
+    the batch's collectives carried between hosts, for the lease's receipts."""
+    peer = session.take_peer_bytes()
+    count = getattr(channel, "count_peer_bytes", None)
+    if peer and count is not None:
+        count(peer)

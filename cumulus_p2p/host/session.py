@@ -232,6 +232,7 @@ class ExecutorSession:
         self._last_answer: tuple[int, list, Any, Any] | None = None  # seq, query, error, result
         self.last_seq = 0
         self._groups = CollectiveGroups()  # the job's groups, when it spans hosts
+        self._peer_bytes_taken = 0
 
     @property
     def quota_bytes(self) -> int:
@@ -305,6 +306,13 @@ class ExecutorSession:
         self.ctx.generator().manual_seed(args[0] & (2**64 - 1))
 
     # --- collectives among a job's hosts (``collectives.py``) ----------------------------
+
+    def take_peer_bytes(self) -> int:
+        """The bytes its collectives carried between hosts since the last call (the
+        lease's receipts carry them)."""
+        taken = self._groups.peer_bytes - self._peer_bytes_taken
+        self._peer_bytes_taken = self._groups.peer_bytes
+        return taken
 
     def _serve_group_store(self, args: Any, blobs: list[memoryview]) -> None:
         if not (

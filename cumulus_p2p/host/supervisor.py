@@ -217,10 +217,12 @@ class _Handed:
         self.ended: str | None = None
         self.done = trio.Event()
         self._on_bytes = None
+        self._on_peer_bytes = None
 
     async def start(self, handover: Handover, first: bytearray, options: dict) -> None:
         """Send the worker the session: its connection, and everything read from it."""
         self._on_bytes = handover.on_bytes
+        self._on_peer_bytes = handover.on_peer_bytes
         self.worker.handed[self.number] = self
         buffered = handover.buffered
         if handover.secure is None:
@@ -252,11 +254,14 @@ class _Handed:
         except LinkClosedError:
             pass  # it died: its consumer learns why when it resumes
 
-    def carried(self, nbytes: int) -> None:
-        """The worker carried ``nbytes`` more of the session's frames."""
+    def carried(self, nbytes: int, peer_bytes: int = 0) -> None:
+        """The worker carried ``nbytes`` more of the session's frames, and its collectives
+        ``peer_bytes`` between the job's hosts."""
         self.view.bytes_carried += nbytes
         if self._on_bytes is not None:
             self._on_bytes(nbytes)
+        if peer_bytes and self._on_peer_bytes is not None:
+            self._on_peer_bytes(peer_bytes)
 
     def finish(self, reason: str) -> None:
         if self.ended is None:
@@ -590,14 +595,14 @@ class WorkerSupervisor:
             worker.tokens.add(args[0])
             self._tokens[args[0]] = worker
             return
-        if len(args) != 2 or type(args[0]) is not int:
+        if len(args) not in (2, 3) or type(args[0]) is not int:
             raise LinkClosedError(f"it sent a malformed {kind!r} message")
-        number, value = args
+        number, value, *peer = args
         handed = worker.handed.get(number)
-        if kind == "traffic" and type(value) is int and value >= 0:
+        if kind == "traffic" and all(type(v) is int and v >= 0 for v in (value, *peer)):
             if handed is not None:
-                handed.carried(value)
-        elif kind == "ended" and isinstance(value, str):
+                handed.carried(value, *peer)
+        elif kind == "ended" and isinstance(value, str) and not peer:
             if handed is not None:
                 handed.finish(value[:MAX_REASON])
         else:

@@ -25,8 +25,9 @@ Messages on the link (``workerlink.py``), worker to supervisor:
   turn in the last minute; ``tier``: where its evicted storages are, ``eviction.Tier``'s
   value, and ``bytes_on_device`` what stays on the device).
 - ``["token", token]``: a session it welcomed (resumes naming it are routed here).
-- ``["traffic", n, bytes]``: frame bytes session ``n`` carried since the last report,
-  every ``STATS_EVERY_S`` and at its end (the provider meters the lease with them).
+- ``["traffic", n, bytes, peer_bytes]``: frame bytes session ``n`` carried since the
+  last report, and bytes its collectives carried between the job's hosts, every
+  ``STATS_EVERY_S`` and at its end (the provider meters the lease with them).
 - ``["ended", n, reason]``: session ``n`` ended here.
 
 Supervisor to worker:
@@ -249,6 +250,7 @@ class _Carried:
         self.max_frame = inner.max_frame
         self.peer_public_key = getattr(inner, "peer_public_key", None)
         self.unreported = 0
+        self.unreported_peer = 0
         self._welcomed = False
 
     async def send_frame(self, parts) -> None:
@@ -268,11 +270,16 @@ class _Carried:
     async def aclose(self) -> None:
         await self._inner.aclose()
 
+    def count_peer_bytes(self, n: int) -> None:
+        """The executor's report of bytes the session's collectives carried."""
+        self.unreported_peer += n
+
     def report(self) -> None:
         """Tell the supervisor the bytes carried since the last report."""
-        if self.unreported:
-            self._link.send_nowait(["traffic", self.number, self.unreported])
-            self.unreported = 0
+        if self.unreported or self.unreported_peer:
+            message = ["traffic", self.number, self.unreported, self.unreported_peer]
+            self._link.send_nowait(message)
+            self.unreported = self.unreported_peer = 0
 
 
 class Worker:

@@ -75,6 +75,8 @@ class LedgerEntry:
     interval_start: float
     interval_end: float
     countersigned: CountersignedReceipt
+    #: Bytes the lease's collectives carried between its job's hosts (the receipt's).
+    peer_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +134,7 @@ def _entry(countersigned: CountersignedReceipt) -> LedgerEntry:
         receipt.interval_start,
         receipt.interval_end,
         countersigned,
+        receipt.peer_bytes,
     )
 
 

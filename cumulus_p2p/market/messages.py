@@ -476,10 +476,15 @@ class Receipt:
         bytes_moved: Bytes carried for the lease in the interval.
         expires_at: The envelope's expiry (a receipt must be countersigned by then).
         nonce: The host's increasing nonce.
+        peer_bytes: Bytes the lease's collectives carried between its job's hosts in the
+            interval (the tensors the records name; ``host.collectives``).
     """
 
     KIND: ClassVar[str] = "market/receipt"
     AUTHOR_FIELD: ClassVar[str] = "host"
+    #: Fields added after nodes were deployed: left off the wire while at their default,
+    #: so a receipt without collectives is the bytes it was before (older nodes read it).
+    WIRE_TAIL: ClassVar[tuple[str, ...]] = ("peer_bytes",)
 
     lease_id: str
     host: str
@@ -490,6 +495,7 @@ class Receipt:
     bytes_moved: int
     expires_at: float
     nonce: int
+    peer_bytes: int = 0
 
     def __post_init__(self) -> None:
         _check_text(self, "lease_id", _MAX_ID)
@@ -503,6 +509,7 @@ class Receipt:
         _check_int(self, "bytes_moved", 0)
         _check_float(self, "expires_at")
         _check_int(self, "nonce", 0)
+        _check_int(self, "peer_bytes", 0)
 
     @property
     def receipt_id(self) -> str:

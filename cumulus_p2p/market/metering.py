@@ -81,6 +81,7 @@ class Meter:
         self._seq = 0
         self._metered_until = lease.start_at
         self._bytes = 0
+        self._peer_bytes = 0
 
     @property
     def finished(self) -> bool:
@@ -92,6 +93,13 @@ class Meter:
         if n < 0:
             raise ValueError("bytes moved cannot be negative")
         self._bytes += n
+
+    def record_peer_bytes(self, n: int) -> None:
+        """Count ``n`` bytes the lease's collectives carried between the job's hosts
+        since the last receipt."""
+        if n < 0:
+            raise ValueError("bytes carried cannot be negative")
+        self._peer_bytes += n
 
     def due(self, now: float) -> bool:
         """Whether a receipt should be issued now (an interval passed, or the lease ended)."""
@@ -121,11 +129,12 @@ class Meter:
             self._bytes,
             now + self._ttl,
             nonce,
+            peer_bytes=self._peer_bytes,
         )
         envelope = seal_message(self._host, receipt, now=now)
         self._seq += 1
         self._metered_until = end
-        self._bytes = 0
+        self._bytes = self._peer_bytes = 0
         return envelope
 
 

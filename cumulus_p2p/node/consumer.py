@@ -1056,6 +1056,7 @@ def _held_row(held: Held, desk: ReceiptDesk) -> dict:
         "share_seconds": share_seconds,
         "cost": held.proposal.owed(share_seconds),
         "bytes": sum(e.bytes_moved for e in entries),
+        "peer_bytes": sum(e.peer_bytes for e in entries),
         "bytes_counted": desk.counted_bytes(held.proposal.lease_id),
         "state": held.state.value,
         "role": held.role.value,

@@ -92,6 +92,8 @@ class ActiveLease:
     overdue_at: float | None = None
     #: Bytes its sessions moved so far (receipts carry them interval by interval).
     bytes_moved: int = 0
+    #: Bytes its sessions' collectives carried between the job's hosts so far.
+    peer_bytes: int = 0
     #: The last two ``(time, op count, bytes moved)`` samples of its session, for the
     #: op rate and the byte rate (a transfer under way shows as the latter).
     op_samples: tuple[tuple[float, int, int], ...] = ()
@@ -111,6 +113,11 @@ class ActiveLease:
         """Meter ``n`` bytes moved for the lease."""
         self.bytes_moved += n
         self.meter.record_bytes(n)
+
+    def count_peer_bytes(self, n: int) -> None:
+        """Meter ``n`` bytes its session's collectives carried between hosts."""
+        self.peer_bytes += n
+        self.meter.record_peer_bytes(n)
 
     def record_ops(self, now: float, ops: int) -> None:
         """Sample the session's op count and bytes moved (the serving path does, on a

@@ -448,7 +448,7 @@ class Provider:
             self.active[proposal.lease_id] = active
         active.channels.add(channel)
         try:
-            metered = CountingChannel(channel, active.count_bytes)
+            metered = CountingChannel(channel, active.count_bytes, active.count_peer_bytes)
             # The session is served for the lease's term, no longer: then the executor
             # parks it, and the consumer leases again and resumes it.
             left = proposal.end_at - self.runtime.clock()
@@ -719,6 +719,7 @@ def _lease_row(active: ActiveLease) -> dict:
         "share_seconds": active.share_seconds,
         "earned": active.earned,
         "bytes": active.bytes_moved,
+        "peer_bytes": active.peer_bytes,
         "state": active.state.value,
     }
 

@@ -256,7 +256,8 @@ def scores_table(rows: Iterable[dict]) -> Table:
 def ledger_table(entries: Iterable[LedgerEntry]) -> Table:
     """Every countersigned receipt in the ledger, oldest first."""
     table = Table(title="ledger (countersigned receipts)")
-    for column in ("receipt", "lease", "host", "from", "to", "share-s", "bytes"):
+    columns = ("receipt", "lease", "host", "from", "to", "share-s", "bytes", "host to host")
+    for column in columns:
         table.add_column(column)
     for e in entries:
         table.add_row(
@@ -267,6 +268,7 @@ def ledger_table(entries: Iterable[LedgerEntry]) -> Table:
             _clock(e.interval_end),
             str(e.share_seconds),
             _bytes(e.bytes_moved),
+            _bytes(e.peer_bytes),
         )
     return table
 
