@@ -112,11 +112,17 @@ class CollectiveGroups:
 
     _groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
     _served: dict[int, tuple[dist.TCPStore, socket.socket]] = field(default_factory=dict)
-    #: The bytes of the tensors its collectives carried between hosts, as the records
-    #: name them: an all-reduce's or a broadcast's tensor, an all-gather's outputs. The
-    #: consumer can count the same from its own records; gloo's wire carries about twice
-    #: an all-reduce's (ring: 2(n-1)/n of the tensor out, as much in).
+    #: The bytes of the tensors its collectives carried between hosts since
+    #: ``take_peer_bytes`` last took them, as the records name them: an all-reduce's or a
+    #: broadcast's tensor, an all-gather's outputs. The consumer can count the same from
+    #: its own records; gloo's wire carries about twice an all-reduce's (ring: 2(n-1)/n
+    #: of the tensor out, as much in).
     peer_bytes: int = 0
+
+    def take_peer_bytes(self) -> int:
+        """``peer_bytes``, which starts over from 0."""
+        taken, self.peer_bytes = self.peer_bytes, 0
+        return taken
 
     def serve_store(self, host: str, world: int) -> int:
         """Serve a store for a group of ``world`` ranks on ``host``; return its port.

@@ -232,7 +232,6 @@ class ExecutorSession:
         self._last_answer: tuple[int, list, Any, Any] | None = None  # seq, query, error, result
         self.last_seq = 0
         self._groups = CollectiveGroups()  # the job's groups, when it spans hosts
-        self._peer_bytes_taken = 0
 
     @property
     def quota_bytes(self) -> int:
@@ -310,9 +309,7 @@ class ExecutorSession:
     def take_peer_bytes(self) -> int:
         """The bytes its collectives carried between hosts since the last call (the
         lease's receipts carry them)."""
-        taken = self._groups.peer_bytes - self._peer_bytes_taken
-        self._peer_bytes_taken = self._groups.peer_bytes
-        return taken
+        return self._groups.take_peer_bytes()
 
     def _serve_group_store(self, args: Any, blobs: list[memoryview]) -> None:
         if not (
