@@ -833,6 +833,10 @@ class RemoteSession:
     def _restore(self, channel: FrameChannel, info: dict) -> None:
         """Rebuild the latest checkpoint in the fresh session on ``channel``: from the
         hosts that keep it when the standby holds it, else uploaded from the store."""
+        # A copy the standby finished since the last batch counts: the host may have died
+        # before any batch could take it, and the copy before it may have been on a
+        # standby since lost.
+        self._take_hosted()
         if self._log.after_seq == 0:
             self._restored_from = "a replay from the session's start (no checkpoint yet)"
             return
