@@ -9,6 +9,8 @@ what its node says: ``test_consumer_no_match.py``.)
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from cumulus_p2p.testing import loopback, nodes
@@ -16,8 +18,7 @@ from cumulus_p2p.testing import loopback, nodes
 # Starts real cumulus-node processes: scripts/test --fast skips it.
 pytestmark = pytest.mark.slow
 
-# Paced, so the two leases overlap however fast the machine is, on little CPU.
-PACED = ["-m", "cumulus_p2p.testing.paced_train", "--steps", "20", "--seconds", "12"]
+SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def running(state: dict) -> list[dict]:
@@ -32,13 +33,16 @@ def test_an_overcommitted_host_runs_two_tenants_on_one_shares_memory(tmp_path):
     )  # fmt: skip
     try:
         host.wait_for("2 shares (2x the memory, paged out when idle)")
+        # Each job holds at step 5 until the test saw both leases run at once.
+        gate = tmp_path / "gate"
+        held = [str(SCRIPTS / "gated_train.py"), "20", "5", str(gate)]
         tenants = [
-            nodes.start_consumer(tmp_path / name, boot.addr, command=PACED)
+            nodes.start_consumer(tmp_path / name, boot.addr, command=held)
             for name in ("first", "second")
         ]
-        # Both hold a lease at once: the host's two shares.
         state = host.wait_for_state(lambda s: len(running(s)) == 2, timeout=120)
         assert (state["shares_total"], state["overcommit"]) == (2, 2.0)
+        gate.touch()
         for tenant in tenants:
             assert tenant.proc.wait(timeout=180) == 0, tenant.output()
     finally:

@@ -12,6 +12,7 @@ preempts it: ``test_market_lease.py``.)
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +22,7 @@ from cumulus_p2p.testing import loopback, nodes
 # Starts real cumulus-node processes: scripts/test --fast skips it.
 pytestmark = pytest.mark.slow
 
-PACED = ["-m", "cumulus_p2p.testing.paced_train", "--steps", "60", "--seconds", "20"]
+SCRIPTS = Path(__file__).parent / "scripts"
 QUICK = ["-m", "cumulus_p2p.demo_train", "--steps", "20", "--log-every", "10"]
 
 
@@ -35,6 +36,8 @@ def test_an_on_demand_job_preempts_an_interruptible_one_which_resumes_without_lo
     tmp_path, device
 ):
     on_device = ["--native"] if device == "native" else ["--python-device"]
+    gate = tmp_path / "gate"
+    held = [str(SCRIPTS / "gated_train.py"), "60", "5", str(gate)]
     boot = loopback.start_boot(tmp_path)
     host = nodes.start_provider(
         tmp_path / "host", boot.addr, "--price", "0.5", "--shares", "1",
@@ -45,12 +48,16 @@ def test_an_on_demand_job_preempts_an_interruptible_one_which_resumes_without_lo
         interruptible = nodes.start_consumer(
             tmp_path / "interruptible", boot.addr, *on_device, "--priority", "interruptible",
             "--max-price", "0.5", "--checkpoint-to", "consumer", "--checkpoint-interval", "1s",
-            "--wait-for-host", "180s", command=PACED, env={"CUMULUS_RESUME_TIMEOUT": "1"},
+            "--wait-for-host", "180s", command=held, env={"CUMULUS_RESUME_TIMEOUT": "1"},
         )  # fmt: skip
-        interruptible.wait_for("step    5", timeout=120)
+        interruptible.wait_for("holding at step 5", timeout=120)
         on_demand = nodes.start_consumer(
             tmp_path / "on-demand", boot.addr, "--max-price", "1", command=QUICK
         )
+        # The host's one share went to the on-demand job: the interruptible one was
+        # preempted by then, whenever it goes on.
+        on_demand.wait_for("leased", timeout=120)
+        gate.touch()
         assert on_demand.proc.wait(timeout=180) == 0, on_demand.output()
         assert interruptible.proc.wait(timeout=240) == 0, interruptible.output()
     finally:
