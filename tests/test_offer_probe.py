@@ -10,6 +10,7 @@ rank the liar down.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -24,6 +25,7 @@ SCRIPT = ["-m", "cumulus_p2p.demo_train", "--steps", "10", "--log-every", "5"]
 
 def test_a_host_claiming_a_gpu_it_lacks_is_dropped_after_the_probe_and_reported(tmp_path):
     with loopback.liar_and_honest_provider(tmp_path, "device") as (boot, _, _):
+        started = time.monotonic()
         consumer = nodes.start_consumer(
             tmp_path / "consumer",
             boot.addr,
@@ -34,6 +36,7 @@ def test_a_host_claiming_a_gpu_it_lacks_is_dropped_after_the_probe_and_reported(
             command=SCRIPT,
         )
         consumer.wait_for("misrepresents its device", timeout=120)
+        probed_within = time.monotonic() - started
         # The job now moves to the honest host: the local run fits in that wait.
         with nodes.LocalRun(nodes.demo_reference(10)) as local:
             assert consumer.proc.wait(timeout=240) == 0, consumer.output()
@@ -44,10 +47,14 @@ def test_a_host_claiming_a_gpu_it_lacks_is_dropped_after_the_probe_and_reported(
     leases = state["leases"]
     assert [lease["state"] for lease in leases] == ["misrepresented", "held"]
     liar_id = leases[0]["host"]
-    # Paid for the probe's seconds only, in both ledgers.
+    # Paid for the probe's seconds only, in both ledgers: at most the time until the
+    # consumer dropped the liar (a second or two more, while the lease's end reached the
+    # host), not the job's time on the honest host. How long a probe takes is the
+    # machine's load; the bound is what was seen.
     with Ledger.open(tmp_path / "liar") as books:
         charged = books.totals(leases[0]["lease_id"])
-    assert 0 < charged.share_seconds <= 15 and charged.receipts == leases[0]["receipts"]
+    assert 0 < charged.share_seconds <= probed_within + 3
+    assert charged.receipts == leases[0]["receipts"]
     score = next(row for row in state["scores"] if row["host"] == liar_id)
     assert score["failures"] > 0.9  # measured about a thousandth of the claim
     ranked = [row["host"] for row in state["scores"]]
