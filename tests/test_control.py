@@ -124,10 +124,10 @@ async def test_a_transfer_under_way_reaches_the_node_with_the_counts():
         ]
         nursery.cancel_scope.cancel()
     moving = control.Transfer("checkpoint", 5, 10, 2.5)
-    assert node.counts == [control.Usage({"L1": 1}, ops=2, transfer=moving)]
+    assert node.counts == [control.Usage({"L1": 1}, ops=2, transfer=moving, final=True)]
 
 
-async def test_the_shims_final_counts_and_path_reach_the_node():
+async def test_the_shims_final_counts_reach_the_node_marked_final_and_its_path_too():
     node = Node()
     async with trio.open_nursery() as nursery:
         address = await serve(node, nursery)
@@ -138,7 +138,7 @@ async def test_the_shims_final_counts_and_path_reach_the_node():
             ask, address, ["path", "t" * 32, "L1", "direct to 10.0.0.1:7000"]
         ) == ["ok", None]
         nursery.cancel_scope.cancel()
-    assert node.counts == [control.Usage({"L1": 4096}, ops=12)]
+    assert node.counts == [control.Usage({"L1": 4096}, ops=12, final=True)]
     assert node.paths == [("L1", "direct to 10.0.0.1:7000")]
 
 

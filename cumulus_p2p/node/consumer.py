@@ -261,6 +261,8 @@ class Consumer:
     transfer: control.Transfer | None = None
     #: Set when the script's shim next reports its byte counts.
     counts_reported: trio.Event = field(default_factory=trio.Event)
+    #: The shim gave its session's final counts: no newer ones will come.
+    counts_final: bool = False
     #: Where proposals still unanswered when a match is decided finish (and their
     #: grants, if any, are closed); without one, a match waits for all its proposals.
     nursery: trio.Nursery | None = None
@@ -691,14 +693,15 @@ class Consumer:
             self.desk.count_bytes(lease_id, total)
         self.ops = max(self.ops, usage.ops)
         self.transfer = usage.transfer
+        self.counts_final = self.counts_final or usage.final
         self.counts_reported.set()
         self.counts_reported = trio.Event()
 
     async def fresh_counts(self) -> None:
         """Wait (briefly) for counts newer than a receipt request that just came: the
-        host's count includes frames from after the shim's last report. After the
-        script, its last counts are final."""
-        if self.exit_code is None:
+        host's count includes frames from after the shim's last report. Once the shim
+        sent its final counts (its session closed), or the script ended, none come."""
+        if self.exit_code is None and not self.counts_final:
             with trio.move_on_after(4 * control.USAGE_EVERY_S):
                 await self.counts_reported.wait()
 

@@ -38,7 +38,7 @@ import os
 import secrets
 import select
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgpack
 import trio
@@ -173,6 +173,9 @@ class Usage:
     ops: int = 0
     #: The transfer under way, once it has run long enough to report its progress.
     transfer: Transfer | None = None
+    #: The session's last counts: the shim sent them as its script ended. Said by the
+    #: message that carries them, not on the wire.
+    final: bool = False
 
     def to_wire(self) -> dict:
         wire: dict = {"bytes": self.bytes_by_lease, "ops": self.ops}
@@ -310,7 +313,7 @@ async def _answer(
         if request[0] == "failover" and len(request) == 3 and isinstance(request[2], str):
             return ["ok", (await failover(request[2])).to_wire()]
         if request[0] == "usage" and len(request) == 3:
-            usage(Usage.from_wire(request[2]))
+            usage(replace(Usage.from_wire(request[2]), final=True))
             return ["ok", None]
         if (
             request[0] == "path"
