@@ -5,8 +5,10 @@ not wait for the compiler. Without a compiler it prints what to install and exit
 unless ``--strict``: the native device is optional until it becomes the default, and
 nothing else in the project needs it.
 
-The build runs in a child process: building imports the library, which registers
-kernels for PrivateUse1, and this process may not own that key.
+Each library builds in a child process of its own, the two at once: building imports
+the library, and the device's registers kernels for PrivateUse1, which this process may
+not own; together they keep both cores of a small machine busy (the device's two
+translation units and the replay loop's one).
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import tempfile
+import time
 
 from ._build import build_directory, is_fresh, missing_toolchain
 
-_CHILD = "from cumulus_p2p.native import _build; print(f'{_build.timed_build()[1]:.1f}')"
+_CHILD = "import sys; from cumulus_p2p.native import _build; getattr(_build, sys.argv[1])()"
 
 
 def main() -> int:
@@ -35,13 +39,23 @@ def main() -> int:
     if is_fresh():
         print(f"cumulus native device: up to date ({build_directory()})")
         return 0
-    done = subprocess.run(
-        [sys.executable, "-c", _CHILD], capture_output=True, text=True, check=False
-    )
-    if done.returncode != 0:
-        print(f"cumulus native device: the build failed\n{done.stderr}", file=sys.stderr)
+    started = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as replay_log, tempfile.TemporaryFile("w+") as device_log:
+        # Logs in files, not pipes: a compiler's errors can fill a pipe nobody reads yet.
+        children = [
+            (subprocess.Popen([sys.executable, "-c", _CHILD, name], stdout=log, stderr=log), log)
+            for name, log in (("build_replay", replay_log), ("build", device_log))
+        ]
+        failed = []
+        for child, log in children:
+            if child.wait() != 0:
+                log.seek(0)
+                failed.append(log.read())
+    if failed:
+        print("cumulus native device: the build failed", *failed, sep="\n", file=sys.stderr)
         return 1
-    print(f"cumulus native device: built in {done.stdout.strip()} s ({build_directory()})")
+    took = time.perf_counter() - started
+    print(f"cumulus native device: built in {took:.1f} s ({build_directory()})")
     return 0
 
 

@@ -1,7 +1,8 @@
 """Building the native device's C++ extension with torch's ``cpp_extension`` and g++.
 
-The build is cached: ninja recompiles only the sources (or headers) that changed, so a
-second build, or a process that only loads the library, costs well under a second. The
+The build is cached: ninja recompiles only the translation units whose sources (or
+headers) changed, so a second build, or a process that only loads the library, costs
+well under a second. The
 build directory is ``build/native/torch-<version>`` in a source checkout (git ignores
 ``build/``), else a per-user cache; a torch upgrade gets a fresh directory because the
 library is only valid against the headers it was compiled with.
@@ -14,28 +15,18 @@ import os
 import shutil
 import sys
 import sysconfig
-import time
 from pathlib import Path
 from types import ModuleType
 
 #: The extension's module name; the built library is ``<build dir>/cumulus_native.so``.
 NAME = "cumulus_native"
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (
-    "record.cpp",
-    "device.cpp",
-    "kernels.cpp",
-    "shapes.cpp",
-    "autocast.cpp",
-    "attention.cpp",
-    "dropout.cpp",
-    "graphs.cpp",
-    "module.cpp",
-)
+#: The device's sources, compiled as two unity builds (see device_core.cpp).
+SOURCES = ("device_core.cpp", "device_ops.cpp")
 #: The executor's replay loop: a library of its own, because the device library registers
 #: PrivateUse1 kernels at load and an executor process must not own that key.
 REPLAY_NAME = "cumulus_replay"
-REPLAY_SOURCES = ("replay.cpp", "program.cpp")
+REPLAY_SOURCES = ("replay_unity.cpp",)
 #: -O2 because the fallback runs once per op; NDEBUG drops torch's debug-only asserts.
 CFLAGS = ("-O2", "-DNDEBUG")
 
@@ -130,12 +121,3 @@ def _compiled(
         build_directory=str(directory),
         verbose=verbose,
     )
-
-
-def timed_build(verbose: bool = False) -> tuple[ModuleType, float]:
-    """``build`` and ``build_replay``, and how long they took in seconds (a no-op
-    rebuild included)."""
-    started = time.perf_counter()
-    build_replay(verbose=verbose)
-    module = build(verbose=verbose)
-    return module, time.perf_counter() - started

@@ -15,8 +15,6 @@
 namespace cumulus {
 namespace {
 
-constexpr c10::DeviceType kType = c10::DeviceType::PrivateUse1;
-
 // A storage's "pointer" is its handle on the executor. Nothing on the client may
 // dereference it; handles start at 1 so that a storage never looks unallocated.
 std::atomic<uint64_t> next_handle{1};

@@ -24,7 +24,7 @@ at::Tensor cpu_dropout(const at::Tensor& input, double p) {
   return input.mul(noise);
 }
 
-at::Tensor dropout(const at::Tensor& input, double p, bool train) {
+at::Tensor autograd_dropout(const at::Tensor& input, double p, bool train) {
   TORCH_CHECK(p >= 0 && p <= 1, "dropout probability has to be between 0 and 1, but got ", p);
   if (executor_device() != Executor::Cpu) return at::native::dropout(input, p, train);
   if (p == 0 || !train || input.sym_numel() == 0) return input;
@@ -35,5 +35,5 @@ at::Tensor dropout(const at::Tensor& input, double p, bool train) {
 }  // namespace cumulus
 
 TORCH_LIBRARY_IMPL(aten, AutogradPrivateUse1, m) {
-  m.impl("dropout", cumulus::dropout);
+  m.impl("dropout", cumulus::autograd_dropout);
 }

@@ -37,8 +37,6 @@
 namespace cumulus {
 namespace {
 
-constexpr c10::DeviceType kType = c10::DeviceType::PrivateUse1;
-
 void record_alloc(const at::TensorBase& t) {
   append_alloc(handle_of(t.storage()), t.storage().nbytes());
 }

@@ -92,6 +92,9 @@
 
 namespace cumulus {
 
+// The device type torch gives an out-of-tree backend: the cumulus device's.
+constexpr c10::DeviceType kType = c10::DeviceType::PrivateUse1;
+
 // The most bytes of tensor data one UPLOAD or READBACK record carries.
 constexpr int64_t kPieceBytes = 16 << 20;
 
