@@ -142,6 +142,13 @@ async def test_the_shims_final_counts_reach_the_node_marked_final_and_its_path_t
     assert node.paths == [("L1", "direct to 10.0.0.1:7000")]
 
 
+def test_a_usage_report_carries_the_bytes_between_hosts_only_when_there_are_some():
+    quiet = control.Usage({"L1": 10}, ops=3)
+    collective = control.Usage({"L1": 10}, ops=3, peer_bytes_by_lease={"L1": 8_388_608})
+    assert "peer" not in quiet.to_wire()
+    assert control.Usage.from_wire(collective.to_wire()) == collective
+
+
 @pytest.mark.parametrize(
     "request_",
     [
@@ -157,6 +164,8 @@ async def test_the_shims_final_counts_reach_the_node_marked_final_and_its_path_t
             "t" * 32,
             {"bytes": {}, "ops": 0, "transfer": {"what": "x", "done": -1, "total": 9, "s": 1}},
         ],
+        ["usage", "t" * 32, {"bytes": {}, "ops": 0, "peer": {"L1": -8}}],
+        ["usage", "t" * 32, {"bytes": {}, "ops": 0, "peer": [["L1", 8]]}],
         ["path", "t" * 32, "L1", 5],
         ["probe", "t" * 32, "fast"],
         ["usage", "x" * 32, {"bytes": {"L1": 1}, "ops": 0}],
@@ -170,6 +179,8 @@ async def test_the_shims_final_counts_reach_the_node_marked_final_and_its_path_t
         "not-a-map",
         "transfer-missing-fields",
         "transfer-negative",
+        "negative-peer-bytes",
+        "peer-bytes-not-a-map",
         "path-not-text",
         "probe-not-facts",
         "bad-token",

@@ -113,6 +113,7 @@ with remote.attach(sys.argv[1]) as session:
 
 
 @pytest.mark.slow
+@pytest.mark.timing  # a bound of 3 s against the lonely rank's 6: alone, not under load
 def test_a_rank_waiting_for_its_group_does_not_hold_up_another_tenant(executor_address, cumulus):
     lonely = subprocess.Popen(
         [sys.executable, "-c", LONELY_RANK, executor_address], stdout=subprocess.PIPE, text=True

@@ -74,8 +74,10 @@ def test_a_replayed_receipt_that_was_never_countersigned_is_refused(desk):
     assert len(desk.ledger) == 0
 
 
-def inflated(share_seconds=120, bytes_moved=0, end=NOW + 60):
-    receipt = Receipt("L1", HOST_ID, 0, NOW, end, share_seconds, bytes_moved, NOW + 600, 7)
+def inflated(share_seconds=120, bytes_moved=0, end=NOW + 60, peer_bytes=0):
+    receipt = Receipt(
+        "L1", HOST_ID, 0, NOW, end, share_seconds, bytes_moved, NOW + 600, 7, peer_bytes
+    )
     return seal_message(HOST, receipt, now=end)
 
 
@@ -131,6 +133,29 @@ def test_bytes_within_the_tolerance_of_the_consumers_count_are_countersigned(tmp
         desk.count_bytes("L1", 100_000)
         desk.countersign(inflated(bytes_moved=101_000).to_bytes(), sender=HOST_ID, now=NOW + 60)
         assert len(ledger) == 1 and not list(ledger.disputes())
+
+
+def test_bytes_between_hosts_beyond_the_consumers_count_of_its_collectives_are_refused(tmp_path):
+    with Ledger.open(tmp_path) as ledger:
+        desk = ReceiptDesk(CONSUMER, ledger, bytes_tolerance=(1000, 0.01))
+        desk.open_account(LEASE, counts_bytes=True)
+        desk.count_bytes("L1", 100_000)
+        desk.count_peer_bytes("L1", 8_000_000)
+        receipt = inflated(bytes_moved=100_000, peer_bytes=8_080_001)
+        with pytest.raises(ReceiptRejectedError, match="bytes between hosts .* counted 8000000"):
+            desk.countersign(receipt.to_bytes(), sender=HOST_ID, now=NOW + 60)
+        assert [d.receipt_id for d in ledger.disputes()] == ["L1/0"]
+
+
+def test_bytes_between_hosts_within_the_consumers_count_are_countersigned(tmp_path):
+    with Ledger.open(tmp_path) as ledger:
+        desk = ReceiptDesk(CONSUMER, ledger, bytes_tolerance=(1000, 0.01))
+        desk.open_account(LEASE, counts_bytes=True)
+        desk.count_bytes("L1", 100_000)
+        desk.count_peer_bytes("L1", 8_000_000)
+        receipt = inflated(bytes_moved=100_000, peer_bytes=8_080_000)
+        desk.countersign(receipt.to_bytes(), sender=HOST_ID, now=NOW + 60)
+        assert ledger.get("L1/0").peer_bytes == 8_080_000 and not list(ledger.disputes())
 
 
 @pytest.mark.parametrize("raw", [b"", b"\x00" * 10, b"\x93\x01\x02\x03"])

@@ -68,7 +68,7 @@ def test_a_torchrun_ddp_script_on_two_leased_hosts_ends_with_local_gloo_ddps_par
     # The leases table the node prints at its end says which rank each lease serves.
     assert re.search(r"┃ rank\s*┃ lease", consumer.output()), consumer.output()
     with Ledger.open(tmp_path / "consumer") as ledger:
-        entries = list(ledger.entries())
+        entries, disputes = list(ledger.entries()), list(ledger.disputes())
     assert {entry.host for entry in entries} == hosts
     # Each host's receipts count the bytes its collectives carried to the other: DDP's
     # broadcast of the parameters at its start, then an all-reduce of the gradients a
@@ -78,6 +78,9 @@ def test_a_torchrun_ddp_script_on_two_leased_hosts_ends_with_local_gloo_ddps_par
     between = {host: sum(e.peer_bytes for e in entries if e.host == host) for host in hosts}
     for carried in between.values():
         assert 0 <= carried - (int(ARGS[0]) + 1) * parameter_bytes < 1024, between
+    # The consumer counted them too, from the collectives its ranks asked for: it
+    # countersigned every receipt.
+    assert disputes == []
 
 
 def test_a_job_of_two_gpus_leases_both_on_one_rig_before_a_cheaper_single_host(tmp_path):

@@ -334,11 +334,16 @@ class ThreadedFrameChannel:
 
 class CountingFrameChannel:
     """A blocking ``FrameChannel`` that counts its frames' bytes as ``CountingChannel``
-    does on the provider, so the consumer can check the bytes its host receipts."""
+    does on the provider, so the consumer can check the bytes its host receipts; and,
+    told of them (``count_peer_bytes``), the bytes the session's collectives have its
+    host carry to the job's other hosts, which its receipts name as well."""
 
-    def __init__(self, inner: FrameChannel, on_bytes, *, peer_address: str | None = None) -> None:
+    def __init__(
+        self, inner: FrameChannel, on_bytes, *, peer_address: str | None = None, on_peer_bytes=None
+    ) -> None:
         self._inner = inner
         self._on_bytes = on_bytes
+        self._on_peer_bytes = on_peer_bytes
         self.max_frame = inner.max_frame
         #: Where another host reaches this channel's host (``blobservice.Source``).
         self.peer_address = peer_address
@@ -351,6 +356,11 @@ class CountingFrameChannel:
         frame = self._inner.recv_frame()
         self._on_bytes(_LENGTH.size + len(frame))
         return frame
+
+    def count_peer_bytes(self, n: int) -> None:
+        """The session's collectives asked its host to carry ``n`` bytes between hosts."""
+        if self._on_peer_bytes is not None:
+            self._on_peer_bytes(n)
 
     def close(self) -> None:
         self._inner.close()

@@ -93,6 +93,8 @@ class _Account:
     counts_bytes: bool = False
     counted_bytes: int = 0
     receipted_bytes: int = 0
+    counted_peer_bytes: int = 0
+    receipted_peer_bytes: int = 0
 
 
 @dataclass
@@ -106,7 +108,9 @@ class ReceiptDesk:
         clock_tolerance: Seconds a receipt may run past the consumer's clock.
         bytes_tolerance: ``(slack, fraction)``: receipted bytes may exceed the
             consumer's own count by ``max(slack, fraction * count)``; frames in flight
-            when the host issued the receipt are on its count and not yet on ours.
+            when the host issued the receipt are on its count and not yet on ours. The
+            same goes for the bytes carried between hosts (``peer_bytes``), which the
+            consumer counts from the collectives its script asked for.
     """
 
     identity: NodeIdentity
@@ -126,6 +130,13 @@ class ReceiptDesk:
         account = self._accounts.get(lease_id)
         if account is not None:
             account.counted_bytes = max(account.counted_bytes, total)
+
+    def count_peer_bytes(self, lease_id: str, total: int) -> None:
+        """The consumer's own count of the bytes its collectives under ``lease_id`` had
+        the hosts carry between themselves so far."""
+        account = self._accounts.get(lease_id)
+        if account is not None:
+            account.counted_peer_bytes = max(account.counted_peer_bytes, total)
 
     def counted_bytes(self, lease_id: str) -> int:
         """The consumer's own count for ``lease_id`` (0 if unknown)."""
@@ -159,6 +170,7 @@ class ReceiptDesk:
         self.ledger.append(countersigned)
         account.previous = receipt
         account.receipted_bytes += receipt.bytes_moved
+        account.receipted_peer_bytes += receipt.peer_bytes
         return countersigned
 
     def _check_usage(self, account: _Account, receipt: Receipt, now: float) -> None:
@@ -170,13 +182,18 @@ class ReceiptDesk:
             )
         if not account.counts_bytes:
             return
+        self._check_count(
+            "bytes", account.receipted_bytes + receipt.bytes_moved, account.counted_bytes
+        )
+        claimed = account.receipted_peer_bytes + receipt.peer_bytes
+        self._check_count("bytes between hosts", claimed, account.counted_peer_bytes)
+
+    def _check_count(self, what: str, claimed: int, counted: int) -> None:
         slack, fraction = self.bytes_tolerance
-        claimed = account.receipted_bytes + receipt.bytes_moved
-        allowed = account.counted_bytes + max(slack, int(fraction * account.counted_bytes))
-        if claimed > allowed:
+        if claimed > counted + max(slack, int(fraction * counted)):
             raise ReceiptRejectedError(
-                f"{claimed} bytes receipted under this lease, but this consumer counted "
-                f"{account.counted_bytes} (tolerance {slack} bytes or {fraction:.0%})"
+                f"{claimed} {what} receipted under this lease, but this consumer counted "
+                f"{counted} (tolerance {slack} bytes or {fraction:.0%})"
             )
 
     def _countersigned_before(self, envelope: Envelope) -> CountersignedReceipt | None:

@@ -691,6 +691,8 @@ class Consumer:
         its session has sent, and the transfer under way."""
         for lease_id, total in usage.bytes_by_lease.items():
             self.desk.count_bytes(lease_id, total)
+        for lease_id, total in usage.peer_bytes_by_lease.items():
+            self.desk.count_peer_bytes(lease_id, total)
         self.ops = max(self.ops, usage.ops)
         self.transfer = usage.transfer
         self.counts_final = self.counts_final or usage.final

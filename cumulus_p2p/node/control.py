@@ -38,7 +38,7 @@ import os
 import secrets
 import select
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import msgpack
 import trio
@@ -166,13 +166,17 @@ PathSink = Callable[[str, str], None]
 
 @dataclass(frozen=True)
 class Usage:
-    """What the script's session has done: bytes its channels carried per lease (what
-    the node checks receipts against) and ops it sent, over every host (for status)."""
+    """What the script's session has done: bytes its channels carried per lease, and
+    bytes its collectives had the hosts carry between themselves per lease (what the
+    node checks receipts against); and ops it sent, over every host (for status)."""
 
     bytes_by_lease: dict[str, int]
     ops: int = 0
     #: The transfer under way, once it has run long enough to report its progress.
     transfer: Transfer | None = None
+    #: Leases whose collectives moved bytes between hosts, and how many (on the wire
+    #: only when there are some).
+    peer_bytes_by_lease: dict[str, int] = field(default_factory=dict)
     #: The session's last counts: the shim sent them as its script ended. Said by the
     #: message that carries them, not on the wire.
     final: bool = False
@@ -181,25 +185,37 @@ class Usage:
         wire: dict = {"bytes": self.bytes_by_lease, "ops": self.ops}
         if self.transfer is not None:
             wire["transfer"] = self.transfer.to_wire()
+        if self.peer_bytes_by_lease:
+            wire["peer"] = self.peer_bytes_by_lease
         return wire
 
     @classmethod
     def from_wire(cls, value: object) -> Usage:
         """Raises RemoteProtocolError: not a usage report of non-negative counts."""
         fields = {"bytes", "ops"}
-        if not (isinstance(value, dict) and fields <= set(value) <= fields | {"transfer"}):
+        if not (isinstance(value, dict) and fields <= set(value) <= fields | _OPTIONAL):
             raise RemoteProtocolError(
-                'a usage report is {"bytes": {lease: n}, "ops": n[, "transfer": {...}]}'
+                'a usage report is {"bytes": {lease: n}, "ops": n'
+                '[, "transfer": {...}][, "peer": {lease: n}]}'
             )
-        counts, ops = value["bytes"], value["ops"]
-        if not isinstance(counts, dict) or not all(
-            isinstance(k, str) and _count(v) for k, v in counts.items()
-        ):
+        counts, ops, peer = value["bytes"], value["ops"], value.get("peer", {})
+        if not (_counts_by_lease(counts) and _counts_by_lease(peer)):
             raise RemoteProtocolError("a usage report maps lease ids to byte counts")
         if not _count(ops):
             raise RemoteProtocolError("a usage report's op count is a non-negative integer")
         transfer = value.get("transfer")
-        return cls(counts, ops, None if transfer is None else Transfer.from_wire(transfer))
+        moving = None if transfer is None else Transfer.from_wire(transfer)
+        return cls(counts, ops, moving, peer)
+
+
+#: What a usage report may carry besides its byte and op counts.
+_OPTIONAL = {"transfer", "peer"}
+
+
+def _counts_by_lease(value: object) -> bool:
+    return isinstance(value, dict) and all(
+        isinstance(k, str) and _count(v) for k, v in value.items()
+    )
 
 
 @dataclass(frozen=True, slots=True)

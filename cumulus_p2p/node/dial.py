@@ -167,6 +167,7 @@ class LeaseUsage:
 
     def __init__(self) -> None:
         self._bytes: dict[str, int] = {}
+        self._peer_bytes: dict[str, int] = {}
         self.session: Counted | None = None
 
     def count(
@@ -175,24 +176,33 @@ class LeaseUsage:
         """The channel ``opened``, counted under the lease ``ticket`` names; other hosts
         reach its host at ``peer_address`` (None: they cannot)."""
         lease_id = ticket.lease_id
+        # Keys made here, not in the callbacks: ``snapshot`` copies the dicts from
+        # another thread, which a dict growing meanwhile would break.
         self._bytes.setdefault(lease_id, 0)
+        self._peer_bytes.setdefault(lease_id, 0)
 
         def add(n: int) -> None:
             self._bytes[lease_id] += n
 
-        return CountingFrameChannel(opened.channel, add, peer_address=peer_address)
+        def add_peer(n: int) -> None:
+            self._peer_bytes[lease_id] += n
+
+        return CountingFrameChannel(
+            opened.channel, add, peer_address=peer_address, on_peer_bytes=add_peer
+        )
 
     def snapshot(self) -> Usage:
         """The counts now (safe from another thread)."""
         session = self.session
+        peer = {lease: n for lease, n in list(self._peer_bytes.items()) if n}
         if session is None:
-            return Usage(dict(self._bytes))
+            return Usage(dict(self._bytes), peer_bytes_by_lease=peer)
         moving = session.transfer
         transfer = None
         if moving is not None:
             seconds = max(0.0, time.monotonic() - moving.started)
             transfer = Transfer(moving.what, moving.done, moving.total, seconds)
-        return Usage(dict(self._bytes), session.ops_sent, transfer)
+        return Usage(dict(self._bytes), session.ops_sent, transfer, peer)
 
 
 #: This process's counts (one process, one script, one node).

@@ -527,6 +527,13 @@ class RemoteSession:
         _, blobs = self.flush(["fetch", ref])
         return blobs[0]
 
+    def count_peer_bytes(self, n: int) -> None:
+        """The records just submitted have the host carry ``n`` bytes to the job's other
+        hosts (collectives): counted under the lease of the channel they go on."""
+        count = getattr(self._channel, "count_peer_bytes", None)
+        if count is not None:
+            count(n)
+
     def synchronize(self) -> None:
         """Wait until every queued op has run; raise the first error among them."""
         self.flush(["sync"])

@@ -78,8 +78,6 @@ class CumulusProcessGroup(dist.ProcessGroup):
         self._session = session or current_session()
         self._rank, self._size = rank, size
         self._name = "default"
-        #: Bytes the executors reduced or broadcast for this rank (its tensors' sizes).
-        self.collective_bytes = 0
         host = _host_of(self._session)
         if rank == 0:
             port = self._session.call(["@pg_store", [host, size], {}, None])
@@ -116,7 +114,8 @@ class CumulusProcessGroup(dist.ProcessGroup):
     ) -> dist.Work:
         for gathered, tensor in zip(outputs, tensors, strict=True):
             wires = [_wire(out) for out in gathered]
-            self._record("@pg_allgather", [self._name, _wire(tensor), wires], tensor)
+            moved = sum(_nbytes(out) for out in gathered)
+            self._record("@pg_allgather", [self._name, _wire(tensor), wires], moved)
         return _done(outputs)
 
     def barrier(self, opts: dist.BarrierOptions | None = None) -> dist.Work:
@@ -127,11 +126,18 @@ class CumulusProcessGroup(dist.ProcessGroup):
         return _done([token])
 
     def _submit(self, record: str, tensor: torch.Tensor, last: object) -> None:
-        self._record(record, [self._name, _wire(tensor), last], tensor)
+        self._record(record, [self._name, _wire(tensor), last], _nbytes(tensor))
 
-    def _record(self, record: str, args: list, tensor: torch.Tensor) -> None:
-        self.collective_bytes += tensor.numel() * tensor.element_size()
+    def _record(self, record: str, args: list, moved: int) -> None:
+        """Submit ``record``, which has the host carry ``moved`` bytes between hosts: the
+        count the host's receipts are checked against, as the host counts them
+        (``host/collectives.py``)."""
         self._session.submit([record, args, {}, None])
+        self._session.count_peer_bytes(moved)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _wire(tensor: torch.Tensor):
