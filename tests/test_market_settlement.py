@@ -116,46 +116,41 @@ def test_a_receipt_running_past_the_consumers_clock_is_refused_and_disputed(desk
     assert [d.receipt_id for d in desk.ledger.disputes()] == ["L1/0"]
 
 
-def test_bytes_beyond_the_consumers_own_count_are_refused_and_disputed(tmp_path):
-    with Ledger.open(tmp_path) as ledger:
-        desk = ReceiptDesk(CONSUMER, ledger, bytes_tolerance=(1000, 0.01))
-        desk.open_account(LEASE, counts_bytes=True)
-        desk.count_bytes("L1", 100_000)
-        with pytest.raises(ReceiptRejectedError, match="counted 100000"):
-            desk.countersign(inflated(bytes_moved=101_001).to_bytes(), sender=HOST_ID, now=NOW + 60)
-        assert [d.receipt_id for d in ledger.disputes()] == ["L1/0"]
-
-
-def test_bytes_within_the_tolerance_of_the_consumers_count_are_countersigned(tmp_path):
-    with Ledger.open(tmp_path) as ledger:
-        desk = ReceiptDesk(CONSUMER, ledger, bytes_tolerance=(1000, 0.01))
-        desk.open_account(LEASE, counts_bytes=True)
-        desk.count_bytes("L1", 100_000)
-        desk.countersign(inflated(bytes_moved=101_000).to_bytes(), sender=HOST_ID, now=NOW + 60)
-        assert len(ledger) == 1 and not list(ledger.disputes())
-
-
-def test_bytes_between_hosts_beyond_the_consumers_count_of_its_collectives_are_refused(tmp_path):
+@pytest.fixture
+def counting(tmp_path):
+    """A desk that has counted 100,000 bytes on its link and 8,000,000 between hosts
+    under ``L1``, with a tolerance of 1,000 bytes or 1%."""
     with Ledger.open(tmp_path) as ledger:
         desk = ReceiptDesk(CONSUMER, ledger, bytes_tolerance=(1000, 0.01))
         desk.open_account(LEASE, counts_bytes=True)
         desk.count_bytes("L1", 100_000)
         desk.count_peer_bytes("L1", 8_000_000)
-        receipt = inflated(bytes_moved=100_000, peer_bytes=8_080_001)
-        with pytest.raises(ReceiptRejectedError, match="bytes between hosts .* counted 8000000"):
-            desk.countersign(receipt.to_bytes(), sender=HOST_ID, now=NOW + 60)
-        assert [d.receipt_id for d in ledger.disputes()] == ["L1/0"]
+        yield desk
 
 
-def test_bytes_between_hosts_within_the_consumers_count_are_countersigned(tmp_path):
-    with Ledger.open(tmp_path) as ledger:
-        desk = ReceiptDesk(CONSUMER, ledger, bytes_tolerance=(1000, 0.01))
-        desk.open_account(LEASE, counts_bytes=True)
-        desk.count_bytes("L1", 100_000)
-        desk.count_peer_bytes("L1", 8_000_000)
-        receipt = inflated(bytes_moved=100_000, peer_bytes=8_080_000)
-        desk.countersign(receipt.to_bytes(), sender=HOST_ID, now=NOW + 60)
-        assert ledger.get("L1/0").peer_bytes == 8_080_000 and not list(ledger.disputes())
+def test_bytes_beyond_the_consumers_own_count_are_refused_and_disputed(counting):
+    with pytest.raises(ReceiptRejectedError, match="counted 100000"):
+        counting.countersign(inflated(bytes_moved=101_001).to_bytes(), sender=HOST_ID, now=NOW + 60)
+    assert [d.receipt_id for d in counting.ledger.disputes()] == ["L1/0"]
+
+
+def test_bytes_within_the_tolerance_of_the_consumers_count_are_countersigned(counting):
+    counting.countersign(inflated(bytes_moved=101_000).to_bytes(), sender=HOST_ID, now=NOW + 60)
+    assert len(counting.ledger) == 1 and not list(counting.ledger.disputes())
+
+
+def test_bytes_between_hosts_beyond_the_consumers_count_of_its_collectives_are_refused(counting):
+    receipt = inflated(bytes_moved=100_000, peer_bytes=8_080_001)
+    with pytest.raises(ReceiptRejectedError, match="bytes between hosts .* counted 8000000"):
+        counting.countersign(receipt.to_bytes(), sender=HOST_ID, now=NOW + 60)
+    assert [d.receipt_id for d in counting.ledger.disputes()] == ["L1/0"]
+
+
+def test_bytes_between_hosts_within_the_consumers_count_are_countersigned(counting):
+    receipt = inflated(bytes_moved=100_000, peer_bytes=8_080_000)
+    counting.countersign(receipt.to_bytes(), sender=HOST_ID, now=NOW + 60)
+    assert counting.ledger.get("L1/0").peer_bytes == 8_080_000
+    assert not list(counting.ledger.disputes())
 
 
 @pytest.mark.parametrize("raw", [b"", b"\x00" * 10, b"\x93\x01\x02\x03"])
