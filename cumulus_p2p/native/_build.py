@@ -2,10 +2,10 @@
 
 The build is cached: ninja recompiles only the translation units whose sources (or
 headers) changed, so a second build, or a process that only loads the library, costs
-well under a second. The
-build directory is ``build/native/torch-<version>`` in a source checkout (git ignores
-``build/``), else a per-user cache; a torch upgrade gets a fresh directory because the
-library is only valid against the headers it was compiled with.
+well under a second. The build directory is ``build/native/torch-<version>`` in a
+source checkout (git ignores ``build/``), else a per-user cache; a torch upgrade gets a
+fresh directory because the library is only valid against the headers it was compiled
+with.
 """
 
 from __future__ import annotations

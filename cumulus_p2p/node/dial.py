@@ -176,8 +176,6 @@ class LeaseUsage:
         """The channel ``opened``, counted under the lease ``ticket`` names; other hosts
         reach its host at ``peer_address`` (None: they cannot)."""
         lease_id = ticket.lease_id
-        # Keys made here, not in the callbacks: ``snapshot`` copies the dicts from
-        # another thread, which a dict growing meanwhile would break.
         self._bytes.setdefault(lease_id, 0)
         self._peer_bytes.setdefault(lease_id, 0)
 
@@ -194,6 +192,8 @@ class LeaseUsage:
     def snapshot(self) -> Usage:
         """The counts now (safe from another thread)."""
         session = self.session
+        # Copied in one step first (``list`` holds the GIL throughout): the script's
+        # thread adds a lease at each failover, which would break a loop over the dict.
         peer = {lease: n for lease, n in list(self._peer_bytes.items()) if n}
         if session is None:
             return Usage(dict(self._bytes), peer_bytes_by_lease=peer)
