@@ -76,8 +76,12 @@ def finished_consumer(data_dir: Path, boot, *args: str, command: list[str]):
 
 
 def receipt_ids(data_dir: Path) -> set[str]:
+    return set(bytes_by_receipt(data_dir))
+
+
+def bytes_by_receipt(data_dir: Path) -> dict[str, int]:
     with Ledger.open(data_dir) as ledger:
-        return {e.receipt_id for e in ledger.entries()}
+        return {e.receipt_id: e.bytes_moved for e in ledger.entries()}
 
 
 def bytes_moved(data_dir: Path) -> int:
@@ -105,10 +109,12 @@ def test_a_cuda_style_script_runs_unchanged_on_the_cheaper_provider_with_matchin
     assert result["device"] == "cumulus:0"
     assert result["losses"] == expected["losses"]
     assert result["eval_loss"] == expected["eval_loss"]
-    cheap, dear = receipt_ids(root / "p0.3"), receipt_ids(root / "p0.7")
-    assert cheap and not dear
-    assert receipt_ids(root / "consumer") == cheap
-    assert bytes_moved(root / "consumer") == bytes_moved(root / "p0.3") > 0
+    # The providers serve the module's other jobs too: only this job's receipts are compared.
+    mine = bytes_by_receipt(root / "consumer")
+    cheap, dear = bytes_by_receipt(root / "p0.3"), bytes_by_receipt(root / "p0.7")
+    assert mine and mine.items() <= cheap.items()
+    assert not mine.keys() & dear.keys()
+    assert sum(mine.values()) > 0
     # The consumer countersigned those bytes against its own count of the same frames.
     (lease,) = consumer.state()["leases"]
     assert lease["bytes_counted"] == lease["bytes"] == bytes_moved(root / "consumer")
