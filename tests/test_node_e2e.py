@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -49,23 +47,13 @@ def mesh(tmp_path_factory):
 
 
 def local_run(epochs: str = "2") -> dict:
-    out = subprocess.run(
-        [sys.executable, str(SCRIPT), epochs],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return nodes.local_result(str(SCRIPT), epochs)
 
 
 def native_local_losses(script: Path, *args: str) -> list[float]:
     """The losses of the native script ``script`` run here on the CPU (``args`` after
     the device)."""
-    out = subprocess.run(
-        [sys.executable, str(script), "cpu", *args], capture_output=True, text=True, check=True
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])["losses"]
+    return nodes.local_result(str(script), "cpu", *args)["losses"]
 
 
 def finished_consumer(data_dir: Path, boot, *args: str, command: list[str]):

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -180,9 +178,7 @@ def test_a_native_job_moves_through_its_standby_and_the_consumer_keeps_no_checkp
         gate.touch()
         assert consumer.proc.wait(timeout=180) == 0, consumer.output()
     assert "its state came from the hosts that keep its checkpoint" in consumer.output()
-    local = subprocess.run(
-        [sys.executable, str(script), "cpu", "4"], capture_output=True, text=True, check=True
-    )
-    assert last_result(consumer)["losses"] == json.loads(local.stdout.splitlines()[-1])["losses"]
+    local = nodes.local_result(str(script), "cpu", "4")
+    assert last_result(consumer)["losses"] == local["losses"]
     kept = tmp_path / "consumer" / "native-checkpoints"
     assert not kept.exists() or not any(f.is_file() for f in kept.rglob("*"))

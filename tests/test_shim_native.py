@@ -17,6 +17,7 @@ import pytest
 from cumulus_p2p import shim
 from cumulus_p2p.testing import forkstart
 from cumulus_p2p.testing.executor import executor_process
+from cumulus_p2p.testing.nodes import local_result
 
 pytestmark = [pytest.mark.slow, pytest.mark.native]
 
@@ -38,26 +39,22 @@ def _losses(stdout: str) -> dict:
 
 
 def test_a_script_trains_on_the_native_device_with_a_local_runs_losses():
-    local = subprocess.run(
-        [sys.executable, str(SCRIPT), "cpu"], capture_output=True, text=True, check=True
-    )
+    local = local_result(str(SCRIPT), "cpu")
     with executor_process(env=ONE_THREAD) as (address, _):
         out, err = _shim("cumulus", executor=address).communicate(timeout=120)
     ran = _losses(out)
     assert ran["device"] == "cumulus:0", err
-    assert ran["losses"] == _losses(local.stdout)["losses"]
+    assert ran["losses"] == local["losses"]
 
 
 def test_a_cuda_style_script_runs_unchanged_on_the_native_device():
     script = SCRIPT.parent / "cuda_style_train.py"
-    local = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, check=True
-    )
+    local = local_result(str(script))
     with executor_process(env=ONE_THREAD) as (address, _):
         out, err = _shim(executor=address, script=script).communicate(timeout=120)
     ran = _losses(out)
     assert ran["device"] == "cumulus:0", err
-    assert ran["losses"] == _losses(local.stdout)["losses"]
+    assert ran["losses"] == local["losses"]
     assert ran["name"].startswith("cumulus (")
     assert ran["allocated"] >= ran["params"] > 0  # weights, Adam's moments, the batch
     assert ran["peak"] >= ran["allocated"]

@@ -310,6 +310,12 @@ class LocalRun:
         self.close()
 
 
+def local_result(*script: str, timeout: float = 120.0) -> dict:
+    """The last JSON line of ``python *script`` run here (``LocalRun``), waiting for it."""
+    with LocalRun(list(script)) as run:
+        return run.result(timeout)
+
+
 def start_liar(data_dir: Path, bootstrap: str, lie: str, *, price: str = "0.1") -> NodeProcess:
     """A provider that lies about ``lie`` (``cumulus_p2p.testing.liar``), cheapest on the
     mesh by default; wait for its ``providing`` line before leasing from it."""
