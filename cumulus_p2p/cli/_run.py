@@ -6,6 +6,7 @@ consumer's node import nothing that imports it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import sys
@@ -29,22 +30,43 @@ from ._flags import data_dir
 
 def run_node(args, script: list[str], console: Console) -> int:
     """Start the node the flags describe and run it until it ends (or Ctrl-C)."""
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
-    data = data_dir(args)
-    data.identity()  # a corrupt key file stops us here, before anything starts
-    mesh_config = _mesh_config(args)
-    with data.locked(), plain_errors():
-        logs.configure(data.path, verbose=args.verbose)
-        if args.provide:
-            role = functools.partial(_provide, args, data, mesh_config, console)
-        elif args.consume:
-            role = functools.partial(_consume, args, data, mesh_config, script, console)
-        else:
-            role = functools.partial(_route, data, mesh_config, console, _book_limits(args))
-        return trio.run(_beside_explorer, args, data, console, role)
+    options = _consumer_options(args, script) if args.consume else None
+    # Forked first: while this process runs one thread, and before it configures anything
+    # the script would inherit (logging, the data directory's lock).
+    with _prestarted(options) as prestarted:
+        logging.basicConfig(
+            level=logging.INFO if args.verbose else logging.WARNING,
+            format="%(levelname)s %(name)s: %(message)s",
+        )
+        data = data_dir(args)
+        data.identity()  # a corrupt key file stops us here, before anything starts
+        mesh_config = _mesh_config(args)
+        with data.locked(), plain_errors():
+            logs.configure(data.path, verbose=args.verbose)
+            if args.provide:
+                role = functools.partial(_provide, args, data, mesh_config, console)
+            elif options is not None:
+                role = functools.partial(
+                    _consume, args, data, mesh_config, options, prestarted, console
+                )
+            else:
+                role = functools.partial(_route, data, mesh_config, console, _book_limits(args))
+            return trio.run(_beside_explorer, args, data, console, role)
+
+
+def _prestarted(options) -> contextlib.AbstractContextManager:
+    """The script's interpreter, forked now to import torch while the node matches
+    (``node.prestart``); None for a node that runs no script under the shim here."""
+    if options is None:
+        return contextlib.nullcontext()
+    from ..node.consumer import script_command
+    from ..node.prestart import SHIM_IMPORTS, prestarted
+
+    argv = script_command(options.command, cuda_compat=options.cuda_compat, native=options.native)
+    if argv[1:3] != ["-m", "cumulus_p2p.shim"]:  # torchrun: its ranks start afresh anyway
+        return contextlib.nullcontext()
+    device = "cumulus_p2p.native" if options.native else "cumulus_p2p.remote"
+    return prestarted(argv, (*SHIM_IMPORTS, device))
 
 
 async def _beside_explorer(args, data: DataDir, console: Console, role) -> int:
@@ -259,14 +281,18 @@ def _live(console: Console, disabled: bool) -> Live | None:
     return Live(console=console, refresh_per_second=2, transient=False)
 
 
-async def _consume(args, data, mesh_config, script: list[str], console: Console) -> int:
+async def _consume(args, data, mesh_config, options, prestarted, console: Console) -> int:
     from ..node.job import run_consumer
 
-    options = _consumer_options(args, script)
-    screen = _ConsumerScreen(console, script)
+    screen = _ConsumerScreen(console, list(options.command))
     try:
         consumer = await run_consumer(
-            data, mesh_config, options, on_tick=screen.tick, book_limits=_book_limits(args)
+            data,
+            mesh_config,
+            options,
+            on_tick=screen.tick,
+            book_limits=_book_limits(args),
+            prestarted=prestarted,
         )
     finally:
         screen.status.stop()

@@ -40,6 +40,7 @@ from ..market.settlement import ReceiptDesk, serve_lease_notices, serve_receipts
 from . import control
 from .consumer import Consumer, ConsumerOptions, Held, script_command
 from .datadir import DataDir
+from .prestart import PrestartedScript
 from .runtime import Runtime, open_runtime
 from .script import run_script
 from .session_proxy import SessionDoors
@@ -163,8 +164,10 @@ async def run_consumer(
     *,
     on_tick=None,
     book_limits: BookLimits | None = None,
+    prestarted: PrestartedScript | None = None,
 ) -> Job:
     """Run the script on leased hosts (one per rank); return the job when it has ended.
+    ``prestarted``: the script's interpreter, forked at start-up (``node.prestart``).
 
     Raises:
         NoMatchError: A rank found no offer meeting the bid within ``options.match_timeout``.
@@ -200,7 +203,7 @@ async def run_consumer(
             token = control.new_token()
             addresses = [await nursery.start(_control, token, c) for c in job.ranks]
             env = _child_env(data, ",".join(addresses), token, options)
-            job.exit_code = await run_script(argv, env)
+            job.exit_code = await run_script(argv, env, prestarted=prestarted)
             job.status = "settling"
             for consumer in job.ranks:
                 consumer.exit_code = job.exit_code

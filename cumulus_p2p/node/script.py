@@ -23,19 +23,32 @@ import subprocess
 
 import trio
 
+from .prestart import PrestartedScript
+
 log = logging.getLogger("cumulus_p2p.node.script")
 
 #: Seconds a script has to end after SIGTERM before it is killed.
 STOP_GRACE_S = 10.0
 
 
-async def run_script(argv: list[str], env: dict[str, str], *, grace: float = STOP_GRACE_S) -> int:
-    """Run the script to its end, stopping it when this process is told to stop.
+async def run_script(
+    argv: list[str],
+    env: dict[str, str],
+    *,
+    grace: float = STOP_GRACE_S,
+    prestarted: PrestartedScript | None = None,
+) -> int:
+    """Run the script to its end, stopping it when this process is told to stop; in
+    ``prestarted`` (which runs ``argv``) where the node forked one at start-up.
 
     Returns:
         The script's exit status (``128 + n`` when signal ``n`` ended it, as a shell says).
     """
-    process = subprocess.Popen(argv, env=env)
+    process: subprocess.Popen | PrestartedScript
+    if prestarted is not None:
+        process = prestarted.start(env)
+    else:
+        process = subprocess.Popen(argv, env=env)
     try:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
@@ -49,7 +62,9 @@ async def run_script(argv: list[str], env: dict[str, str], *, grace: float = STO
     return 128 - code if code < 0 else code
 
 
-async def _stop_on_signals(signals, process: subprocess.Popen, grace: float) -> None:
+async def _stop_on_signals(
+    signals, process: subprocess.Popen | PrestartedScript, grace: float
+) -> None:
     async for signum in signals:
         name = signal.Signals(signum).name
         log.warning("got %s; stopping the script (up to %g s)", name, grace)

@@ -39,9 +39,11 @@ from typing import IO
 #: Set to ``1`` (``tests/conftest.py`` does) to start the commands ``popen`` can as forks.
 ENV_SWITCH = "CUMULUS_FORK_START"
 #: What the server imports once, before it forks anything: what a node, an executor or a
-#: worker would import first thing.
+#: worker would import first thing, and what a consumer node's script imports while it
+#: waits for its lease (``node.prestart``: that child is forked from the node).
 PRELOAD = [
     "torch",
+    "torch._dynamo",
     "libp2p",
     "trio",
     "cumulus_p2p.cli",
@@ -215,7 +217,8 @@ def _run(
 ) -> None:
     """In the child: become the command ``entry`` parsed (its streams, environment and
     arguments) and run it.
-    ``SystemExit`` and exceptions end the process as they would end ``python``."""
+    ``SystemExit`` and exceptions end the process as they would end ``python``, after its
+    ``atexit`` handlers."""
     os.dup2(out.fileno(), 1)
     os.dup2(err.fileno(), 2)
     out.close()
@@ -231,12 +234,16 @@ def _run(
         torch.set_num_threads(int(threads))
     kind, target, args = entry
     sys.argv = [target, *args]
-    if kind == "-m":
-        sys.path.insert(0, os.getcwd())  # as ``python -m`` puts it first
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
-        runpy.run_path(target, run_name="__main__")
+    try:
+        if kind == "-m":
+            sys.path.insert(0, os.getcwd())  # as ``python -m`` puts it first
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+            runpy.run_path(target, run_name="__main__")
+    finally:
+        # The interpreter runs them at exit; a forked child ends with ``os._exit``.
+        atexit._run_exitfuncs()
 
 
 @atexit.register
