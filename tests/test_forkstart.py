@@ -103,3 +103,25 @@ def test_run_captures_each_stream_apart_in_the_directory_it_is_given(script, tmp
 def test_run_past_its_timeout_kills_the_child_and_says_so(script):
     with pytest.raises(subprocess.TimeoutExpired):
         forkstart.run([sys.executable, script, "hang"], timeout=3)
+
+
+def test_a_forked_child_reads_what_is_written_to_its_piped_standard_input(tmp_path, monkeypatch):
+    monkeypatch.setenv(forkstart.ENV_SWITCH, "1")
+    echo = tmp_path / "echo.py"
+    echo.write_text("import sys\nprint('got', sys.stdin.readline().strip(), flush=True)\n")
+    child = forkstart.popen(
+        [sys.executable, str(echo)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert isinstance(child, forkstart.ForkedProcess)
+    child.stdin.write("a line\n")
+    child.stdin.flush()
+    assert child.stdout.readline() == "got a line\n"
+    assert child.wait(30) == 0
+
+
+def test_a_forked_script_runs_its_exit_handlers_as_the_interpreter_does(tmp_path, monkeypatch):
+    monkeypatch.setenv(forkstart.ENV_SWITCH, "1")
+    script = tmp_path / "handlers.py"
+    script.write_text("import atexit, sys\natexit.register(print, 'handled')\nsys.exit(2)\n")
+    done = forkstart.run([sys.executable, str(script)], timeout=30)
+    assert (done.returncode, done.stdout) == (2, "handled\n")

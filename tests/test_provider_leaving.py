@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from cumulus_p2p.market.ledger import Ledger
-from cumulus_p2p.testing import freeloader, nodes
+from cumulus_p2p.testing import forkstart, freeloader, nodes
 
 # Starts real cumulus-node processes: scripts/test --fast skips it.
 pytestmark = pytest.mark.slow
@@ -85,7 +85,7 @@ def start_freeloading(tmp_path, *provider_flags: str):
         tmp_path / "provider", boot.addr, "--settle-grace", "60s", *provider_flags
     )
     provider.wait_for("providing")
-    freeloading = subprocess.Popen(
+    freeloading = forkstart.popen(
         freeloader.command(boot.addr, tmp_path / "freeloader", again_after=60),
         stdout=subprocess.PIPE,
         text=True,

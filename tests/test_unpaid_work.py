@@ -9,11 +9,9 @@ and computes through the real session channel but never countersigns a receipt.
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
-from cumulus_p2p.testing import freeloader, nodes
+from cumulus_p2p.testing import forkstart, freeloader, nodes
 
 # Starts real cumulus-node processes: scripts/test --fast skips it.
 pytestmark = pytest.mark.slow
@@ -26,11 +24,8 @@ def mesh(tmp_path):
 
 
 def run_freeloader(tmp_path, boot) -> list[str]:
-    done = subprocess.run(
-        freeloader.command(boot.addr, tmp_path / "freeloader", again_after=5),
-        capture_output=True,
-        text=True,
-        timeout=180,
+    done = forkstart.run(
+        freeloader.command(boot.addr, tmp_path / "freeloader", again_after=5), timeout=180
     )
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout.splitlines()

@@ -62,9 +62,15 @@ class ForkedProcess:
     """The part of ``subprocess.Popen`` the test helpers use, for a forked child."""
 
     def __init__(
-        self, args: list[str], process, stdout: IO[str] | None, stderr: IO[str] | None
+        self,
+        args: list[str],
+        process,
+        stdout: IO[str] | None,
+        stderr: IO[str] | None,
+        stdin: IO[str] | None = None,
     ) -> None:
         self.args = args
+        self.stdin = stdin
         self.stdout = stdout
         self.stderr = stderr
         self._process = process
@@ -125,20 +131,27 @@ def popen(
     cwd: str | os.PathLike | None = None,
     stdout: int | IO | None = None,
     stderr: int | IO | None = None,
+    stdin: int | None = None,
     text: bool = False,
 ) -> ForkedProcess | subprocess.Popen:
     """Start ``command`` as ``subprocess.Popen(command, env=..., cwd=..., stdout=...,
-    stderr=..., text=...)`` would, as a fork of the preloaded server where it can (module
-    docstring). The child's standard input is ``/dev/null``.
+    stderr=..., stdin=..., text=...)`` would, as a fork of the preloaded server where it
+    can (module docstring).
 
     ``stdout`` and ``stderr`` may be ``subprocess.PIPE`` or a file; ``stderr`` also
-    ``subprocess.STDOUT``.
+    ``subprocess.STDOUT``. ``stdin`` may be ``subprocess.PIPE``; by default the child's
+    standard input is ``/dev/null``.
     """
     command = list(command)
     environ = dict(os.environ if env is None else env)
     entry = _entry(command)
     if environ.get(ENV_SWITCH) != "1" or entry is None or not text:
-        return subprocess.Popen(command, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text)
+        return subprocess.Popen(
+            command, env=env, cwd=cwd, stdout=stdout, stderr=stderr, stdin=stdin, text=text
+        )
+    if stdin not in (None, subprocess.PIPE):
+        raise ValueError("forkstart.popen: stdin may only be subprocess.PIPE or None")
+    in_read, in_write = os.pipe() if stdin == subprocess.PIPE else (None, None)
     out_fd, out_read = _child_end(stdout, 1)
     if stderr == subprocess.STDOUT:
         err_fd, err_read = os.dup(out_fd), None
@@ -148,15 +161,20 @@ def popen(
         multiprocessing.connection.Connection(out_fd),
         multiprocessing.connection.Connection(err_fd),
     )
+    inp = None if in_read is None else multiprocessing.connection.Connection(in_read)
     where = None if cwd is None else os.fspath(cwd)
-    process = _context.Process(target=_run, args=(entry, environ, where, out, err), daemon=False)
+    process = _context.Process(
+        target=_run, args=(entry, environ, where, out, err, inp), daemon=False
+    )
     try:
         process.start()
     finally:
-        out.close()
-        err.close()
+        for end in (out, err, inp):
+            if end is not None:
+                end.close()
     streams = [open(end) if end is not None else None for end in (out_read, err_read)]
-    child = ForkedProcess(command, process, *streams)
+    writer = None if in_write is None else open(in_write, "w")
+    child = ForkedProcess(command, process, *streams, stdin=writer)
     _started.append(child)
     return child
 
@@ -213,7 +231,7 @@ def _entry(command: list[str]) -> tuple[str, str, list[str]] | None:
 
 
 def _run(
-    entry: tuple[str, str, list[str]], environ: dict[str, str], cwd: str | None, out, err
+    entry: tuple[str, str, list[str]], environ: dict[str, str], cwd: str | None, out, err, inp
 ) -> None:
     """In the child: become the command ``entry`` parsed (its streams, environment and
     arguments) and run it.
@@ -223,6 +241,10 @@ def _run(
     os.dup2(err.fileno(), 2)
     out.close()
     err.close()
+    if inp is not None:  # multiprocessing gave the child /dev/null: a pipe replaces it
+        os.dup2(inp.fileno(), 0)
+        inp.close()
+        sys.stdin = open(0, closefd=False)
     os.environ.clear()
     os.environ.update(environ)
     if cwd is not None:

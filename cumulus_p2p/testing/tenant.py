@@ -16,6 +16,7 @@ import sys
 
 import cumulus_p2p.remote as remote
 from cumulus_p2p._errors import CumulusError
+from cumulus_p2p.testing import forkstart
 from cumulus_p2p.testing.models import TASKS, train
 
 
@@ -55,7 +56,7 @@ class Tenant:
         if pause_after is not None:
             cmd += ["--pause-after", str(pause_after)]
         self.pause_after = pause_after
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = forkstart.popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def read(self) -> dict:
         line = self.proc.stdout.readline()
