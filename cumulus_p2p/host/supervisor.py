@@ -58,10 +58,12 @@ else.
   one or a tenant's poisoned context then runs a device check (``health.py``) in a fresh
   process; sessions wait for its verdict, and while the device is unhealthy no worker
   starts and ``health`` says why, so the provider withdraws its offer.
-- **Secrets.** A worker is exec'd fresh (nothing of this process's memory), inherits only
-  its link, and gets only its own sessions' connections and keys. Where the kernel allows
-  unprivileged user namespaces it runs in a mount namespace where the node's data
-  directory is an empty, unmountable tmpfs.
+- **Secrets.** A worker holds nothing of this process's memory: it is forked from the
+  zygote (``zygote.py``: exec'd fresh, it imported torch once and only forks), or exec'd
+  fresh where no zygote runs. It inherits only its link, and gets only its own sessions'
+  connections and keys. Where the kernel allows unprivileged user namespaces it runs (the
+  zygote with it) in a mount namespace where the node's data directory is an empty,
+  unmountable tmpfs.
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ from .scheduler import (
 from .session import SessionStats
 from .worker import EXIT_POISONED, ROOM_WAIT_S, WorkerSpec
 from .workerlink import LinkClosedError, TurnFlag, WorkerLink
+from .zygote import ForkedWorker, Zygote
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +113,8 @@ log = logging.getLogger(__name__)
 DEFAULT_POOL = 1
 #: How long a worker may take from exec to ``ready`` (importing torch, a CUDA context).
 START_TIMEOUT_S = 120.0
+#: What a worker process runs (``python -m``).
+WORKER_MODULE = "cumulus_p2p.host.worker"
 #: How long a resume for a dying worker's session waits to learn how the worker ended.
 EXIT_WAIT_S = 5.0
 #: Turns one worker may wait for at once (a session and a resume taking it over need 2).
@@ -149,7 +154,7 @@ class SupervisorConfig:
 class _Worker:
     """One worker process as the supervisor tracks it."""
 
-    process: subprocess.Popen
+    process: subprocess.Popen | ForkedWorker
     link: WorkerLink
     rank: tuple = DEFAULT_RANK
     ready: trio.Event = field(default_factory=trio.Event)
@@ -329,6 +334,7 @@ class WorkerSupervisor:
         self._nursery: trio.Nursery | None = None
         self._ids = itertools.count(1)
         self._blob_fd = _open_blob_dir(self.config.executor.blob_dir)
+        self._zygote: Zygote | None = None
         executor = self.config.executor
         self._spec = WorkerSpec(
             device=str(self.device),
@@ -375,11 +381,12 @@ class WorkerSupervisor:
                     worker.link.close()  # each worker exits when its link closes
 
     async def _keep_pool(self) -> None:
+        await self._start_zygote()
         while True:
             unassigned = sum(1 for w in self._workers.values() if not w.assigned)
             if self.health.healthy and unassigned < max(self.config.pool, self._takers):
                 try:
-                    self._start_worker()
+                    await self._start_worker()
                 except OSError as exc:
                     why = f"a worker could not be started ({exc}); retrying in {RECHECK_S:.0f} s"
                     self._set_health(DeviceHealth(False, why))
@@ -387,20 +394,38 @@ class WorkerSupervisor:
             else:
                 await self._pool_wanted.wait()
 
-    def _start_worker(self) -> None:
+    async def _start_zygote(self) -> None:
+        """Start the process workers are forked from (``zygote.py``); where it cannot
+        start, workers are exec'd afresh, as they were before it."""
+        try:
+            self._zygote = await Zygote.start(
+                self._sandbox_prefix(), _worker_environment(), START_TIMEOUT_S
+            )
+        except OSError as exc:
+            log.warning("workers start as fresh processes: %s", exc)
+            return
+        self._nursery.start_soon(self._zygote.serve)
+
+    async def _start_worker(self) -> None:
         link, theirs = WorkerLink.pair()
         flag, flag_fd = (None, None)
         passed = [theirs.fileno()] if self._blob_fd is None else [theirs.fileno(), self._blob_fd]
+        zygote = self._zygote if self._zygote is not None and self._zygote.alive else None
         try:
             if self.sharing is Sharing.EXCLUSIVE:
                 flag, flag_fd = TurnFlag.create()
                 passed.append(flag_fd)
-            process = subprocess.Popen(
-                self._worker_command(theirs.fileno(), flag_fd),
-                pass_fds=passed,
-                stdin=subprocess.DEVNULL,
-                env=_worker_environment(),
-            )
+            if zygote is not None:
+                args = self._worker_args(theirs.fileno(), flag_fd, zygote.process.pid)
+                process: subprocess.Popen | ForkedWorker = await zygote.fork(args, passed)
+            else:
+                args = self._worker_args(theirs.fileno(), flag_fd, os.getpid())
+                process = subprocess.Popen(
+                    [*self._sandbox_prefix(), sys.executable, "-m", WORKER_MODULE, *args],
+                    pass_fds=passed,
+                    stdin=subprocess.DEVNULL,
+                    env=_worker_environment(),
+                )
         finally:
             theirs.close()
             if flag_fd is not None:
@@ -409,26 +434,23 @@ class WorkerSupervisor:
         self._workers[worker.pid] = worker
         self._nursery.start_soon(self._run_worker, worker)
 
-    def _worker_command(self, fd: int, flag_fd: int | None = None) -> list[str]:
-        cmd = [
-            sys.executable,
-            "-m",
-            "cumulus_p2p.host.worker",
-            "--link-fd",
-            str(fd),
-            "--spec",
-            self._spec.to_json(),
-            "--parent",
-            str(os.getpid()),
-        ]
+    def _worker_args(self, fd: int, flag_fd: int | None, parent: int) -> list[str]:
+        """``cumulus_p2p.host.worker``'s arguments; ``parent``: the pid it must be a
+        child of (this process, or the zygote it is forked from)."""
+        args = ["--link-fd", str(fd), "--spec", self._spec.to_json(), "--parent", str(parent)]
         if flag_fd is not None:
-            cmd += ["--turn-fd", str(flag_fd)]
+            args += ["--turn-fd", str(flag_fd)]
+        return args
+
+    def _sandbox_prefix(self) -> list[str]:
+        """What a worker's (or the zygote's) command runs under: the mount namespace
+        hiding ``config.hidden``, where there is one."""
         if not self.sandboxed:
-            return cmd
+            return []
         hidden = [str(p) for p in self.config.hidden]
         ids = [str(os.getuid()), str(os.getgid())]
         prefix = ["unshare", "--user", "--map-root-user", "--mount", "--", "sh", "-c"]
-        return [*prefix, _SANDBOX_SCRIPT, "sh", *ids, *hidden, "--", *cmd]
+        return [*prefix, _SANDBOX_SCRIPT, "sh", *ids, *hidden, "--"]
 
     async def _run_worker(self, worker: _Worker) -> None:
         try:
@@ -685,8 +707,10 @@ class WorkerSupervisor:
         code = worker.process.returncode
         if not worker.ready.is_set() and self.sandboxed:
             # The namespace may be what failed (a driver that wants the real mounts, a
-            # hidden path that is gone): serving without it beats serving nothing.
+            # hidden path that is gone): serving without it beats serving nothing. The
+            # zygote runs in it too: later workers are exec'd (its own end with it).
             self.sandboxed = False
+            self._zygote = None
             log.warning(
                 "a worker failed to start in its user namespace (it %s); starting workers "
                 "without hiding %s from them",
@@ -999,13 +1023,20 @@ async def _bridge(stream: trio.abc.Stream, sock: socket.socket) -> None:
         await trio.aclose_forcefully(stream)
 
 
-async def _reap(process: subprocess.Popen) -> None:
+async def _reap(process: subprocess.Popen | ForkedWorker) -> None:
     """Wait for a worker whose link closed to exit; kill it if it lingers."""
     with trio.move_on_after(5):
-        await trio.to_thread.run_sync(process.wait, abandon_on_cancel=True)
+        await _exited(process)
     if process.poll() is None:
         process.kill()
-        await trio.to_thread.run_sync(process.wait)
+        await _exited(process)
+
+
+async def _exited(process: subprocess.Popen | ForkedWorker) -> None:
+    if isinstance(process, ForkedWorker):
+        await process.exited.wait()  # its zygote reaps it and says so
+    else:
+        await trio.to_thread.run_sync(process.wait, abandon_on_cancel=True)
 
 
 async def _namespaces_work() -> bool:
