@@ -705,12 +705,20 @@ class WorkerSupervisor:
         if self.queue.holder is not None and self.queue.holder[0] == worker.pid:
             self._pass_turn()
         code = worker.process.returncode
-        if not worker.ready.is_set() and self.sandboxed:
-            # The namespace may be what failed (a driver that wants the real mounts, a
-            # hidden path that is gone): serving without it beats serving nothing. The
-            # zygote runs in it too: later workers are exec'd (its own end with it).
-            self.sandboxed = False
+        if not worker.ready.is_set() and isinstance(worker.process, ForkedWorker):
+            # The fork may be what failed (say, a driver that cannot start in a forked
+            # process, or the zygote's namespace): later workers are exec'd, as before the
+            # zygote, and the checks below apply to them. The zygote's workers serve on.
             self._zygote = None
+            log.warning(
+                "a worker forked from the zygote failed to start (it %s); workers are "
+                "exec'd afresh from now on",
+                worker.describe_exit(),
+            )
+        elif not worker.ready.is_set() and self.sandboxed:
+            # The namespace may be what failed (a driver that wants the real mounts, a
+            # hidden path that is gone): serving without it beats serving nothing.
+            self.sandboxed = False
             log.warning(
                 "a worker failed to start in its user namespace (it %s); starting workers "
                 "without hiding %s from them",

@@ -104,11 +104,14 @@ class Zygote:
         finally:
             theirs.close()
         zygote = cls(process, trio.socket.from_stdlib_socket(ours))
+        why = f"the worker zygote was not ready within {timeout:.0f} s"
         with trio.move_on_after(timeout):
-            if json.loads(await zygote._sock.recv(MAX_MESSAGE) or b"null") == ["ready"]:
+            reply = await zygote._sock.recv(MAX_MESSAGE)
+            if reply and json.loads(reply) == ["ready"]:
                 return zygote
+            why = "the worker zygote exited before it was ready"
         await zygote.aclose()
-        raise OSError(f"the worker zygote was not ready within {timeout:.0f} s")
+        raise OSError(f"{why} (status {process.returncode})")
 
     async def serve(self) -> None:
         """Read the zygote's reports until it is gone (then every worker it forked is)."""
