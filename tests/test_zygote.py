@@ -12,6 +12,7 @@ import pytest
 
 import cumulus_p2p.remote as remote
 from cumulus_p2p._errors import SessionClosedError
+from cumulus_p2p.host.zygote import Zygote
 from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.testing.models import train
 
@@ -74,3 +75,8 @@ def test_once_its_zygote_is_killed_an_executor_execs_its_workers_and_serves_on()
                 assert time.monotonic() < deadline, "the executor served no session since"
         assert parent == proc.pid
         assert "cumulus_p2p.host.worker" in command
+
+
+async def test_a_zygote_that_exits_before_it_is_ready_is_an_error_that_says_so():
+    with pytest.raises(OSError, match="exited before it was ready \\(status 3\\)"):
+        await Zygote.start(["sh", "-c", "exit 3", "--"], dict(os.environ), timeout=30)
