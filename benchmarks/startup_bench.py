@@ -2,7 +2,7 @@
 
 Prints JSON and writes ``benchmarks/results/startup.json``::
 
-    python benchmarks/startup_bench.py [--runs 5]
+    python benchmarks/startup_bench.py [--runs 5] [--quick]
 
 Each figure is the median of ``--runs`` fresh processes, so nothing is cached in memory
 but the operating system's file cache:
@@ -17,6 +17,9 @@ but the operating system's file cache:
   ``listening`` line.
 - ``executor_first_op_s``: from starting it to the answer of a first op from a client
   process that was already running (attach, one add, ``.item()``).
+- ``worker_session_first_op_s``: on a running ``cumulus-executor --worker-per-session
+  --pool 0`` (no worker kept waiting), from a new session's attach to its first op's
+  answer: what starting that session's worker process costs it.
 """
 
 from __future__ import annotations
@@ -71,6 +74,30 @@ def executor_start() -> tuple[float, float]:
     return ready, first_op
 
 
+def worker_session_first_ops(runs: int) -> list[float]:
+    """Seconds from attach to a first op's answer for ``runs`` sessions in turn, each in
+    a worker started for it; after one session that warms the executor."""
+    import torch
+
+    from cumulus_p2p import remote
+
+    command = [sys.executable, "-m", "cumulus_p2p.host.executor_main", "--device", "cpu"]
+    command += ["--worker-per-session", "--pool", "0"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        address = proc.stdout.readline().split("listening on ")[1].split()[0]
+        seconds = []
+        for _ in range(runs + 1):
+            started = time.perf_counter()
+            with remote.attach(address):
+                (torch.ones(4, device="cumulus") + 1).sum().item()
+            seconds.append(time.perf_counter() - started)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    return seconds[1:]
+
+
 def node_ready() -> float:
     """Seconds from starting a boot node to its ``listening on`` line."""
     with tempfile.TemporaryDirectory() as data_dir:
@@ -103,7 +130,10 @@ def node_ready() -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="two runs of each figure")
     args = parser.parse_args()
+    if args.quick:
+        args.runs = 2
     results: dict[str, float] = {}
     for module in (*MODULES, "libp2p", "torch"):
         key = f"import_{module.rsplit('.', 1)[-1]}_s"
@@ -112,6 +142,8 @@ def main() -> None:
     starts = [executor_start() for _ in range(args.runs)]
     results["executor_ready_s"] = round(statistics.median(s[0] for s in starts), 3)
     results["executor_first_op_s"] = round(statistics.median(s[1] for s in starts), 3)
+    firsts = worker_session_first_ops(args.runs)
+    results["worker_session_first_op_s"] = round(statistics.median(firsts), 3)
     results["node_ready_s"] = round(statistics.median(node_ready() for _ in range(args.runs)), 3)
     print(json.dumps(results, indent=1))
     out = ROOT / "benchmarks" / "results" / "startup.json"
