@@ -50,6 +50,9 @@ def test_a_started_script_runs_as_python_m_with_the_environment_given_at_start(t
     seen = json.loads(lines(done)[0])
     assert seen == {"probe": "given", "argv": ["exit"], "name": "__main__", "path0": str(tmp_path)}
     assert json.loads(lines(done)[-2]) == {"status": 3}
+    # Imported before it ran, it would have run twice, and runpy would have warned.
+    assert sum(line.startswith('{"probe"') for line in lines(done)) == 1
+    assert "RuntimeWarning" not in done.stderr
 
 
 def test_a_script_ends_as_the_interpreter_ends_it(tmp_path):

@@ -39,8 +39,8 @@ from typing import IO
 #: Set to ``1`` (``tests/conftest.py`` does) to start the commands ``popen`` can as forks.
 ENV_SWITCH = "CUMULUS_FORK_START"
 #: What the server imports once, before it forks anything: what a node, an executor or a
-#: worker would import first thing, and what a consumer node's script imports while it
-#: waits for its lease (``node.prestart``: that child is forked from the node).
+#: worker would import first thing. And torch._dynamo: a consumer node's script is forked
+#: from the node (``node.prestart``), and imports it at its optimizer's first step.
 PRELOAD = [
     "torch",
     "torch._dynamo",

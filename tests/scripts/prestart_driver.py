@@ -26,7 +26,8 @@ from cumulus_p2p.node.prestart import PrestartedScript
 def main() -> None:
     scenario, module, *args = sys.argv[1:]
     atexit.register(print, "the driver's own exit handler ran")
-    script = PrestartedScript.fork([sys.executable, "-m", module, *args], ("json",))
+    # The module itself among the imports: it must still run once, as ``__main__`` only.
+    script = PrestartedScript.fork([sys.executable, "-m", module, *args], ("json", module))
     assert script is not None, "the driver runs one thread: the fork must happen"
     if scenario == "vanish":
         print(json.dumps({"child": script.pid}), flush=True)
