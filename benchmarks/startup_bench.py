@@ -20,6 +20,10 @@ but the operating system's file cache:
 - ``worker_session_first_op_s``: on a running ``cumulus-executor --worker-per-session
   --pool 0`` (no worker kept waiting), from a new session's attach to its first op's
   answer: what starting that session's worker process costs it.
+- ``job_first_line_s``: on a loopback mesh (a boot node and a CPU provider), from
+  starting ``cumulus-node --consume -- python first.py`` to the script's first line
+  (which it prints before anything else): matching, leasing, the script's interpreter and
+  its session.
 """
 
 from __future__ import annotations
@@ -98,6 +102,30 @@ def worker_session_first_ops(runs: int) -> list[float]:
     return seconds[1:]
 
 
+FIRST_LINE = "import time\nprint('first line', time.time(), flush=True)\n"
+
+
+def job_first_lines(runs: int) -> list[float]:
+    """Seconds from starting a consumer node to its script's first line, ``runs`` jobs."""
+    from cumulus_p2p.testing import nodes  # fresh processes: this one sets no fork start
+
+    with tempfile.TemporaryDirectory() as root:
+        script = Path(root) / "first.py"
+        script.write_text(FIRST_LINE)
+        with nodes.boot_and_provider(Path(root)) as (boot, _):
+            seconds = []
+            for run in range(runs):
+                started = time.time()
+                consumer = nodes.start_consumer(
+                    Path(root) / f"c{run}", boot.addr, command=[str(script)]
+                )
+                if consumer.proc.wait(timeout=300) != 0:
+                    raise RuntimeError(consumer.output())
+                line = next(x for x in consumer.lines if x.startswith("first line"))
+                seconds.append(float(line.split()[-1]) - started)
+    return seconds
+
+
 def node_ready() -> float:
     """Seconds from starting a boot node to its ``listening on`` line."""
     with tempfile.TemporaryDirectory() as data_dir:
@@ -145,6 +173,7 @@ def main() -> None:
     firsts = worker_session_first_ops(args.runs)
     results["worker_session_first_op_s"] = round(statistics.median(firsts), 3)
     results["node_ready_s"] = round(statistics.median(node_ready() for _ in range(args.runs)), 3)
+    results["job_first_line_s"] = round(statistics.median(job_first_lines(args.runs)), 3)
     print(json.dumps(results, indent=1))
     out = ROOT / "benchmarks" / "results" / "startup.json"
     out.write_text(json.dumps(results, indent=1) + "\n")
