@@ -117,6 +117,9 @@ async def test_a_session_shows_how_long_it_waited_for_the_device():
         assert decode_frame(await client.receive_frame())[0][0] == "welcome"
         assert executor.session_stats(None).wait_p99_ms is None  # no turn asked for yet
         await client.send_frame(encode_frame(["batch", 1, [], [], ["sync"], []]))
+        # Held 200 ms from when the session asked for its turn, not from when it was sent.
+        while not executor.scheduler.queue.waiting:
+            await trio.sleep(0.001)
         await trio.sleep(0.2)
         executor.scheduler.release()
         await client.receive_frame()
