@@ -85,9 +85,9 @@ def serve(pool: int, sharing: str | None, device: str) -> None:
     trio.run(main)
 
 
-def client(role: str, address: str, seconds: float, hog_size: int) -> None:
-    """Run one tenant's loop for ``WARMUP_S + seconds``; print the durations (ms) of the
-    ops finished after the warm-up, as JSON."""
+def client(role: str, address: str, seconds: float, hog_size: int, warmup: float) -> None:
+    """Run one tenant's loop for ``warmup + seconds``; print the durations (ms) of the ops
+    finished after the warm-up, as JSON."""
     import torch
 
     import cumulus_p2p.remote as remote
@@ -100,7 +100,7 @@ def client(role: str, address: str, seconds: float, hog_size: int) -> None:
         (a @ b)[0, 0].item()
         times = []
         start = time.perf_counter()
-        counted = start + WARMUP_S
+        counted = start + warmup
         deadline = counted + seconds
         while (now := time.perf_counter()) < deadline:
             t0 = now
@@ -151,13 +151,14 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--client", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--warmup", type=float, default=WARMUP_S, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         serve(args.serve, args.sharing, args.device)
         return
     if args.client:
         role, address, seconds, size = args.client
-        client(role, address, float(seconds), int(size))
+        client(role, address, float(seconds), int(size), args.warmup)
         return
     seconds, rounds = (6.0, 1) if args.quick else (12.0, 2)
     cuda = args.device == "cuda"

@@ -282,11 +282,14 @@ def contention_executor() -> Iterator[dict[str, str]]:
 
 
 def hog_rate(address: str, seconds: float, size: int = 512) -> float:
-    """Ops per second of a hog running alone on the executor session at ``address``."""
+    """Ops per second of a hog running alone on the executor session at ``address``, its
+    first second left out: the session's arrival starts its worker's replacement in the
+    pool, a fork of the executor's zygote, which slowed the hog's first 0.3 s (measured)."""
     import json
 
     hog = forkstart.popen(
-        [sys.executable, str(BENCH), "--client", "hog", address, str(seconds), str(size)],
+        [sys.executable, str(BENCH), "--client", "hog", address, str(seconds), str(size)]
+        + ["--warmup", "1"],
         stdout=subprocess.PIPE,
         text=True,
         cwd=ROOT,
