@@ -26,25 +26,30 @@ SCRIPT = ["-m", "cumulus_p2p.demo_train", "--steps", "300", "--log-every", "50"]
 
 @pytest.mark.timing  # circuits capped at 4 s of wall clock; the workers' load skews them
 def test_a_relayed_job_longer_than_the_circuit_cap_finishes_without_blame(tmp_path):
-    boot = loopback.start_boot(tmp_path, "--circuit-duration", "4s")
-    provider = loopback.start_hidden_provider(tmp_path / "hidden", boot)
-    try:
-        provider.wait_for("providing")
-        # The consumer cannot be dialed either: every byte between the two goes through
-        # circuits on the relay (else the provider would dial the consumer directly).
-        consumer = nodes.start_consumer(
-            tmp_path / "consumer",
-            boot.addr,
-            "--listen",
-            "none",
-            "--relay",
-            boot.addr,
-            command=SCRIPT,
-        )
-        assert consumer.proc.wait(timeout=240) == 0, consumer.output()
-    finally:
-        nodes.stop_all((provider, boot))
-    nodes.assert_local_final_loss(consumer, nodes.demo_reference(300))
+    # The local run the job must match runs while the relay and the provider start, and
+    # ends before the job starts: the job's circuits, capped in wall-clock time, never
+    # share the cores with it.
+    with nodes.LocalRun(nodes.demo_reference(300)) as local:
+        boot = loopback.start_boot(tmp_path, "--circuit-duration", "4s")
+        provider = loopback.start_hidden_provider(tmp_path / "hidden", boot)
+        try:
+            provider.wait_for("providing")
+            expected = local.final_loss()
+            # The consumer cannot be dialed either: every byte between the two goes through
+            # circuits on the relay (else the provider would dial the consumer directly).
+            consumer = nodes.start_consumer(
+                tmp_path / "consumer",
+                boot.addr,
+                "--listen",
+                "none",
+                "--relay",
+                boot.addr,
+                command=SCRIPT,
+            )
+            assert consumer.proc.wait(timeout=240) == 0, consumer.output()
+        finally:
+            nodes.stop_all((provider, boot))
+    assert nodes.final_json(consumer.lines)["final_loss"] == expected
     state = json.loads((tmp_path / "consumer" / "state.json").read_text())
     assert [lease["state"] for lease in state["leases"]] == ["held"]
     assert all(row["failures"] == 0 for row in state["scores"])
