@@ -125,10 +125,12 @@ class Zygote:
                     self._workers.pop(pid)._ended(status[0])
         finally:
             self.alive = False
+            self._started_send.close()  # a ``fork`` waiting for its pid hears it is gone
             for worker in self._workers.values():  # they die with it (PR_SET_PDEATHSIG)
                 worker._ended(-signal.SIGKILL)
             self._workers.clear()
-            self._sock.close()
+            with trio.CancelScope(shield=True):
+                await self.aclose()
 
     async def fork(self, args: Sequence[str], fds: Sequence[int]) -> ForkedWorker:
         """A worker running ``python -m cumulus_p2p.host.worker *args``, with ``fds``.
@@ -142,7 +144,10 @@ class Zygote:
                 raise OSError("the worker zygote is gone")
             ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
             await self._sock.sendmsg([message], ancillary)
-            pid = await self._started.receive()
+            try:
+                pid = await self._started.receive()
+            except trio.EndOfChannel:
+                raise OSError("the worker zygote is gone") from None
         return self._workers[pid]
 
     async def aclose(self) -> None:
