@@ -55,8 +55,7 @@ class PrestartedScript:
     ``poll``, ``wait``, ``send_signal``, ``kill`` and ``returncode``.
     """
 
-    def __init__(self, argv: list[str], pid: int, pipe: int) -> None:
-        self.argv = argv
+    def __init__(self, pid: int, pipe: int) -> None:
         self.pid = pid
         self.returncode: int | None = None
         self._pipe: int | None = pipe
@@ -94,7 +93,7 @@ class PrestartedScript:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.close(read_end)
-        return cls(argv, pid, write_end)
+        return cls(pid, write_end)
 
     def start(self, env: Mapping[str, str]) -> PrestartedScript:
         """Run the command with environment ``env`` (the whole of it, as ``Popen``'s)."""
