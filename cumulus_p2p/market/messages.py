@@ -22,7 +22,7 @@ import enum
 import math
 from dataclasses import dataclass, fields
 from functools import lru_cache
-from typing import Any, ClassVar, TypeAlias
+from typing import Any, ClassVar, Self, TypeAlias, TypeVar
 
 import msgpack
 
@@ -518,6 +518,7 @@ class Receipt:
 
 
 MarketMessage: TypeAlias = Offer | Bid | Cancel | LeaseProposal | Receipt
+_M = TypeVar("_M", bound=MarketMessage)
 _BY_KIND: dict[str, type[Any]] = {
     cls.KIND: cls for cls in (Offer, Bid, Cancel, LeaseProposal, Receipt)
 }
@@ -640,6 +641,10 @@ def _countersign_bytes(envelope: Envelope) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class _Countersigned:
+    """A message one party signed (``envelope``), countersigned by the other: a lease
+    (the consumer's proposal, the host's countersignature) or a settled receipt (the
+    host's receipt, the consumer's countersignature)."""
+
     envelope: Envelope
     countersignature: bytes
 
@@ -647,6 +652,12 @@ class _Countersigned:
         if type(self.envelope) is not Envelope:
             raise _bad(type(self), "envelope", "must be an Envelope")
         _check_bytes(self, "countersignature", 64)
+
+    @classmethod
+    def countersign(cls, signer: NodeIdentity, envelope: Envelope) -> Self:
+        """Return ``envelope`` countersigned by ``signer`` (the host for a lease, the
+        consumer for a receipt)."""
+        return cls(envelope, signer.sign(_countersign_bytes(envelope)))
 
     def to_bytes(self) -> bytes:
         """Canonical wire form: ``[envelope bytes, countersignature]``."""
@@ -656,8 +667,24 @@ class _Countersigned:
         """Whether ``public_key`` countersigned exactly this envelope."""
         return verify(public_key, _countersign_bytes(self.envelope), self.countersignature)
 
+    def _opened(self, kind: type[_M], wrong_kind: str) -> _M:
+        """The envelope's message, which must be a ``kind``.
+
+        Raises:
+            MalformedMessageError: It is not (``wrong_kind`` says so).
+        """
+        message = open_message(self.envelope)
+        if type(message) is not kind:
+            raise MalformedMessageError(wrong_kind)
+        return message
+
     @classmethod
-    def _from_bytes(cls, raw: bytes, max_size: int) -> Any:
+    def from_bytes(cls, raw: bytes, max_size: int = 16 * 1024) -> Self:
+        """Decode from peer bytes (signatures are checked by ``verify``).
+
+        Raises:
+            MalformedMessageError: Not a canonical encoding.
+        """
         if len(raw) > max_size:
             raise MalformedMessageError(f"{cls.__name__} of {len(raw)} bytes is too large")
         try:
@@ -682,11 +709,6 @@ class Lease(_Countersigned):
     Build it with ``Lease.countersign(host_identity, proposal_envelope)``.
     """
 
-    @classmethod
-    def countersign(cls, host: NodeIdentity, proposal: Envelope) -> Lease:
-        """Return the lease ``host`` grants by countersigning ``proposal``."""
-        return cls(proposal, host.sign(_countersign_bytes(proposal)))
-
     @property
     def proposal(self) -> LeaseProposal:
         """The decoded proposal.
@@ -694,10 +716,7 @@ class Lease(_Countersigned):
         Raises:
             MalformedMessageError: The envelope does not hold a lease proposal.
         """
-        message = open_message(self.envelope)
-        if type(message) is not LeaseProposal:
-            raise MalformedMessageError("a lease must wrap a lease proposal")
-        return message
+        return self._opened(LeaseProposal, "a lease must wrap a lease proposal")
 
     def verify(self, host_public_key: bytes) -> LeaseProposal:
         """Check both signatures and return the proposal.
@@ -716,24 +735,13 @@ class Lease(_Countersigned):
             raise InvalidCountersignatureError("the host's countersignature does not verify")
         return proposal
 
-    @classmethod
-    def from_bytes(cls, raw: bytes, max_size: int = 16 * 1024) -> Lease:
-        """Decode a lease from peer bytes (signatures are checked by ``verify``).
-
-        Raises:
-            MalformedMessageError: Not a canonical lease encoding.
-        """
-        return cls._from_bytes(raw, max_size)
-
 
 @dataclass(frozen=True, slots=True)
 class CountersignedReceipt(_Countersigned):
-    """A host-signed receipt, countersigned by the consumer: both agree on the usage."""
+    """A host-signed receipt, countersigned by the consumer: both agree on the usage.
 
-    @classmethod
-    def countersign(cls, consumer: NodeIdentity, receipt: Envelope) -> CountersignedReceipt:
-        """Return ``receipt`` countersigned by ``consumer``."""
-        return cls(receipt, consumer.sign(_countersign_bytes(receipt)))
+    Build it with ``CountersignedReceipt.countersign(consumer_identity, receipt_envelope)``.
+    """
 
     @property
     def receipt(self) -> Receipt:
@@ -742,10 +750,7 @@ class CountersignedReceipt(_Countersigned):
         Raises:
             MalformedMessageError: The envelope does not hold a receipt.
         """
-        message = open_message(self.envelope)
-        if type(message) is not Receipt:
-            raise MalformedMessageError("a countersigned receipt must wrap a receipt")
-        return message
+        return self._opened(Receipt, "a countersigned receipt must wrap a receipt")
 
     def verify(self, consumer_public_key: bytes) -> Receipt:
         """Check the host's signature and the consumer's countersignature.
@@ -760,12 +765,3 @@ class CountersignedReceipt(_Countersigned):
         if not self.countersignature_valid(consumer_public_key):
             raise InvalidCountersignatureError("the consumer's countersignature does not verify")
         return receipt
-
-    @classmethod
-    def from_bytes(cls, raw: bytes, max_size: int = 16 * 1024) -> CountersignedReceipt:
-        """Decode a countersigned receipt from peer bytes.
-
-        Raises:
-            MalformedMessageError: Not a canonical encoding.
-        """
-        return cls._from_bytes(raw, max_size)
