@@ -63,7 +63,6 @@ from __future__ import annotations
 import math
 import random
 import statistics
-import time
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, fields
@@ -77,7 +76,7 @@ from cumulus_p2p.market.messages import PriorityClass
 from cumulus_p2p.node.consumer import ConsumerOptions
 from cumulus_p2p.remote.failover import CheckpointPolicy
 from cumulus_p2p.simulation.churn import LONG_TRAINING, come_and_go
-from cumulus_p2p.simulation.cli import save_run, scenario_parser
+from cumulus_p2p.simulation.cli import run_and_save, scenario_parser
 from cumulus_p2p.simulation.gpu import DeviceGone
 from cumulus_p2p.simulation.jobs import Job, find_lease, set_aside
 from cumulus_p2p.simulation.market import Granted, Market, SimHost
@@ -697,11 +696,7 @@ def report(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     args = scenario_parser(__doc__).parse_args(argv)
-    started = time.perf_counter()
-    result = run(args.seed, quick=args.quick)
-    result["runtime_s"] = round(time.perf_counter() - started, 1)
-    save_run(result, "bandwidth", args, report)
-    return result
+    return run_and_save("bandwidth", args, lambda: run(args.seed, quick=args.quick), report)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,6 @@ from __future__ import annotations
 import itertools
 import random
 import statistics
-import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 
@@ -102,7 +101,7 @@ from cumulus_p2p.node.consumer import (
     PROPOSE_TIMEOUT_S,
     RANKED_OFFERS,
 )
-from cumulus_p2p.simulation.cli import save_run, scenario_parser
+from cumulus_p2p.simulation.cli import run_and_save, scenario_parser
 
 #: Simulated time zero, as Unix time (signatures and books want real timestamps).
 EPOCH = 1_700_000_000.0
@@ -685,11 +684,9 @@ def main(argv: list[str] | None = None) -> dict:
         help="flood sizes, comma-separated (default %(default)s)",
     )
     args = parser.parse_args(argv)
-    started = time.perf_counter()
-    result = run(args.seed, quick=args.quick, identities=args.identities)
-    result["runtime_s"] = round(time.perf_counter() - started, 1)
-    save_run(result, "spam", args, report)
-    return result
+    return run_and_save(
+        "spam", args, lambda: run(args.seed, quick=args.quick, identities=args.identities), report
+    )
 
 
 if __name__ == "__main__":

@@ -35,17 +35,27 @@ def scenario_parser(doc: str) -> argparse.ArgumentParser:
     return parser
 
 
-def save_run(
-    result: dict, name: str, args: argparse.Namespace, markdown: Callable[[dict], str]
-) -> None:
-    """Write a standalone script's ``result`` as ``<name>[_quick].json`` and ``.md`` under
-    ``--out``, and print the JSON."""
+def timed(run: Callable[[], dict]) -> dict:
+    """``run()``'s result, with the seconds it took as ``runtime_s``."""
+    started = time.perf_counter()
+    result = run()
+    result["runtime_s"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+def run_and_save(
+    name: str, args: argparse.Namespace, run: Callable[[], dict], markdown: Callable[[dict], str]
+) -> dict:
+    """Run a standalone script's scenario (``run()``, ``timed``), write its result as
+    ``<name>[_quick].json`` and ``.md`` under ``--out``, print the JSON; returns the result."""
+    result = timed(run)
     name += "_quick" if args.quick else ""
     args.out.mkdir(parents=True, exist_ok=True)
     text = json.dumps(result, indent=2) + "\n"
     (args.out / f"{name}.json").write_text(text)
     (args.out / f"{name}.md").write_text(markdown(result))
     sys.stdout.write(text)
+    return result
 
 
 def main(scenario: str, argv: list[str] | None = None) -> dict:
@@ -53,10 +63,8 @@ def main(scenario: str, argv: list[str] | None = None) -> dict:
     module = SCENARIOS[scenario]
     args = scenario_parser(module.__doc__).parse_args(argv)
     console = Console()
-    started = time.perf_counter()
     with console.status(f"simulating {scenario} (seed {args.seed})..."):
-        result = module.run(args.seed, quick=args.quick)
-    result["runtime_s"] = round(time.perf_counter() - started, 1)
+        result = timed(lambda: module.run(args.seed, quick=args.quick))
     paths = report.write(result, args.out)
     console.print(Markdown(paths[-1].read_text().split("\n![")[0]))
     console.print(f"wrote {', '.join(str(p) for p in paths)} in {result['runtime_s']} s")
