@@ -14,7 +14,7 @@ Parts (sans-IO cores first, then the shells):
   tampered, replayed and reordered records fail authentication.
 - ``resume``: frames over records, acknowledgements, the retransmit buffer.
 - ``settings``: ``SessionSettings``, the provider's tuning (limits, timeouts), in one
-  frozen dataclass passed down to every session.
+  frozen dataclass passed down to every session; ``ClientSettings``, the consumer's.
 - ``client``: the blocking consumer shell; resumes dropped connections by itself.
 - ``server``: the trio provider shell: handshakes, resumes, and the sessions' nursery.
 - ``session``: one logical session on the provider (``ServerSession``) and the channel its
@@ -32,9 +32,11 @@ from .server import SecureServerChannel as SecureServerChannel
 from .server import ServerStatistics as ServerStatistics
 from .server import open_secure_server as open_secure_server
 from .server import serve_secure as serve_secure
+from .settings import ClientSettings as ClientSettings
 from .settings import SessionSettings as SessionSettings
 
 __all__ = [
+    "ClientSettings",
     "SecureClientChannel",
     "SecureServer",
     "SecureServerChannel",

@@ -26,13 +26,14 @@ arrives whole in one ``recv_into``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 from ..._errors import (
     HandshakeError,
@@ -40,17 +41,12 @@ from ..._errors import (
     SessionClosedError,
     SessionRefusedError,
 )
-from ..transport import DEFAULT_MAX_FRAME, Buffer, ReadySpinner, nbytes, sendmsg_all
+from ..transport import Buffer, ReadySpinner, nbytes, sendmsg_all
 from . import handshake as hs
 from ._io import make_room
-from .record import (
-    DEFAULT_MAX_RECORD,
-    DEFAULT_REKEY_BYTES,
-    HEADER_SIZE,
-    RECORD_LIMIT,
-    TAG_SIZE,
-)
-from .resume import DEFAULT_MAX_UNACKED, Closed, Record, SessionCore
+from .record import HEADER_SIZE, RECORD_LIMIT, TAG_SIZE
+from .resume import Closed, Record, SessionCore
+from .settings import DEFAULT_CLIENT_SETTINGS, ClientSettings
 
 log = logging.getLogger("cumulus_p2p.channel.secure")
 
@@ -196,31 +192,20 @@ class SecureClientChannel:
         reader: _Reader,
         keys: hs.SessionKeys,
         *,
-        max_frame: int,
-        max_record: int,
-        rekey_bytes: int,
-        max_unacked: int,
-        resume_timeout: float,
+        settings: ClientSettings,
         on_close: Callable[[], None] | None = None,
     ) -> None:
-        self.max_frame = max_frame
+        self.max_frame = settings.max_frame
         self.peer_public_key = keys.peer_public_key
         self.session_id = keys.session_id
         self._dial = dial
         self._link = link
         self._reader = reader
         self._resume_secret = keys.resume_secret
-        self._max_record = max_record
-        self._resume_timeout = resume_timeout
+        self._max_record = settings.max_record
+        self._resume_timeout = settings.resume_timeout
         self._on_close = on_close
-        self._core = SessionCore(
-            keys.send_key,
-            keys.recv_key,
-            max_frame=max_frame,
-            max_record=max_record,
-            rekey_bytes=rekey_bytes,
-            max_unacked=max_unacked,
-        )
+        self._core = SessionCore(keys.send_key, keys.recv_key, **settings.core_limits)
         self._send_lock = threading.RLock()
         self._recv_lock = threading.Lock()
         self._core_lock = threading.Lock()
@@ -485,12 +470,8 @@ def connect_secure(
     identity,
     expected_peer_public_key: bytes,
     lease: bytes | None = None,
-    timeout: float = 10.0,
-    resume_timeout: float = 30.0,
-    max_frame: int = DEFAULT_MAX_FRAME,
-    max_record: int = DEFAULT_MAX_RECORD,
-    rekey_bytes: int = DEFAULT_REKEY_BYTES,
-    max_unacked: int = DEFAULT_MAX_UNACKED,
+    settings: ClientSettings = DEFAULT_CLIENT_SETTINGS,
+    **tuning: Any,
 ) -> SecureClientChannel:
     """Open a secure session to a provider over direct TCP (blocking).
 
@@ -502,14 +483,10 @@ def connect_secure(
             offer or lease. Any other key is treated as an impostor.
         lease: An opaque lease token for the provider's ``authorize`` (for example the
             countersigned lease's bytes), or ``None``.
-        timeout: Seconds for connecting and for each handshake.
-        resume_timeout: How long a dropped connection is retried before the session is
-            declared lost (keep it at or below the provider's grace period).
-        max_frame: Largest frame accepted from the provider.
-        max_record: Largest record plaintext this side sends (the provider accepts any
-            size up to ``RECORD_LIMIT``, so it need not match the provider's).
-        rekey_bytes: Ciphertext per key before the implicit rekey (must match).
-        max_unacked: Retransmit buffer bound.
+        settings: Timeouts and the session's limits (``ClientSettings`` says what each
+            one is for).
+        tuning: Fields of ``ClientSettings`` (``timeout=5``, ``max_record=...``) that
+            replace those of ``settings``, for a caller that changes only one or two.
 
     Returns:
         The channel, a ``FrameChannel``.
@@ -519,11 +496,12 @@ def connect_secure(
         PeerAuthenticationError: the peer is not the expected provider.
         HandshakeError: the handshake failed (malformed, truncated or timed out).
         OSError: the provider could not be reached.
+        TypeError: ``tuning`` names something that is not a field of ``ClientSettings``.
     """
+    settings = dataclasses.replace(settings, **tuning)
 
     def dial() -> SocketLink:
-        link = SocketLink.dial(host, port, timeout)
-        return link
+        return SocketLink.dial(host, port, settings.timeout)
 
     return open_channel(
         dial,
@@ -531,11 +509,7 @@ def connect_secure(
         identity=identity,
         expected_peer_public_key=expected_peer_public_key,
         lease=lease,
-        max_frame=max_frame,
-        max_record=max_record,
-        rekey_bytes=rekey_bytes,
-        max_unacked=max_unacked,
-        resume_timeout=resume_timeout,
+        settings=settings,
     )
 
 
@@ -546,11 +520,7 @@ def open_channel(
     identity,
     expected_peer_public_key: bytes,
     lease: bytes | None,
-    max_frame: int,
-    max_record: int,
-    rekey_bytes: int,
-    max_unacked: int,
-    resume_timeout: float,
+    settings: ClientSettings,
     guard: Callable[[Callable[[], _Handshaken]], _Handshaken] | None = None,
     on_close: Callable[[], None] | None = None,
 ) -> SecureClientChannel:
@@ -567,7 +537,7 @@ def open_channel(
             identity=identity,
             expected_peer_public_key=expected_peer_public_key,
             lease=lease,
-            max_record=max_record,
+            max_record=settings.max_record,
         )
 
     try:
@@ -577,15 +547,4 @@ def open_channel(
         link.close()
         raise
     _set_timeout(link, None)
-    return SecureClientChannel(
-        dial,
-        link,
-        reader,
-        keys,
-        max_frame=max_frame,
-        max_record=max_record,
-        rekey_bytes=rekey_bytes,
-        max_unacked=max_unacked,
-        resume_timeout=resume_timeout,
-        on_close=on_close,
-    )
+    return SecureClientChannel(dial, link, reader, keys, settings=settings, on_close=on_close)

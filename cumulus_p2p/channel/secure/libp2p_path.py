@@ -19,8 +19,10 @@ loop and joins the thread.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import multiaddr
 import trio
@@ -31,12 +33,10 @@ from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.stream_muxer.exceptions import MuxedStreamEOF
 
 from ...dht.host import connect, listen_addrs_with_id, new_mesh_host, parse_peer_addr
-from ..transport import DEFAULT_MAX_FRAME, Buffer
+from ..transport import Buffer
 from .client import Link, SecureClientChannel, open_channel
-from .record import DEFAULT_MAX_RECORD, DEFAULT_REKEY_BYTES
-from .resume import DEFAULT_MAX_UNACKED
 from .server import Authorize, Handler, SecureServer, open_secure_server
-from .settings import DEFAULT_SETTINGS, SessionSettings
+from .settings import DEFAULT_CLIENT_SETTINGS, DEFAULT_SETTINGS, ClientSettings, SessionSettings
 
 SESSION_PROTOCOL = TProtocol("/cumulus/session/1.0.0")
 _LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -236,12 +236,8 @@ def connect_secure_libp2p(
     identity,
     expected_peer_public_key: bytes,
     lease: bytes | None = None,
-    timeout: float = 10.0,
-    resume_timeout: float = 30.0,
-    max_frame: int = DEFAULT_MAX_FRAME,
-    max_record: int = DEFAULT_MAX_RECORD,
-    rekey_bytes: int = DEFAULT_REKEY_BYTES,
-    max_unacked: int = DEFAULT_MAX_UNACKED,
+    settings: ClientSettings = DEFAULT_CLIENT_SETTINGS,
+    **tuning: Any,
 ) -> SecureClientChannel:
     """Open a secure session to a provider over a libp2p stream (blocking).
 
@@ -251,20 +247,20 @@ def connect_secure_libp2p(
         identity: This consumer's ``NodeIdentity``.
         expected_peer_public_key: The provider's ed25519 public key.
         lease: Opaque lease token for the provider's ``authorize``, or ``None``.
-        timeout: Seconds for dialing and for each handshake.
-        resume_timeout: How long a broken stream is retried before the session is lost.
-        max_frame, max_record, rekey_bytes, max_unacked: As for ``connect_secure``.
+        settings, tuning: As for ``connect_secure``; ``timeout`` bounds dialing a stream
+            and each handshake, ``resume_timeout`` how long a broken stream is retried.
 
     Returns:
         A ``FrameChannel``; ``close()`` also stops the helper thread.
 
     Raises:
-        SessionRefusedError, PeerAuthenticationError, HandshakeError: as for
+        SessionRefusedError, PeerAuthenticationError, HandshakeError, TypeError: as for
             ``connect_secure``.
         OSError: the provider could not be reached.
         MeshError: ``peer_addr`` is not a valid peer multiaddr.
     """
-    bridge = _Bridge(identity, peer_addr, timeout)
+    settings = dataclasses.replace(settings, **tuning)
+    bridge = _Bridge(identity, peer_addr, settings.timeout)
     try:
         return open_channel(
             bridge.dial,
@@ -272,12 +268,8 @@ def connect_secure_libp2p(
             identity=identity,
             expected_peer_public_key=expected_peer_public_key,
             lease=lease,
-            max_frame=max_frame,
-            max_record=max_record,
-            rekey_bytes=rekey_bytes,
-            max_unacked=max_unacked,
-            resume_timeout=resume_timeout,
-            guard=lambda shake: _with_timeout(bridge, timeout, shake),
+            settings=settings,
+            guard=lambda shake: _with_timeout(bridge, settings.timeout, shake),
             on_close=bridge.close,
         )
     except BaseException:
