@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cumulus_p2p.testing import loopback, nodes
+from cumulus_p2p.testing import nodes
 
 # Starts real cumulus-node processes: scripts/test --fast skips it.
 pytestmark = pytest.mark.slow
@@ -26,12 +26,7 @@ def running(state: dict) -> list[dict]:
 
 
 def test_an_overcommitted_host_runs_two_tenants_on_one_shares_memory(tmp_path):
-    boot = loopback.start_boot(tmp_path)
-    host = nodes.start_provider(
-        tmp_path / "host", boot.addr, "--shares", "1", "--overcommit", "2",
-        "--receipt-interval", "1s",
-    )  # fmt: skip
-    try:
+    with nodes.boot_and_provider(tmp_path, "--shares", "1", "--overcommit", "2") as (boot, host):
         host.wait_for("2 shares (2x the memory, paged out when idle)")
         # Each job holds at step 5 until the test saw both leases run at once.
         gate = tmp_path / "gate"
@@ -45,8 +40,5 @@ def test_an_overcommitted_host_runs_two_tenants_on_one_shares_memory(tmp_path):
         gate.touch()
         for tenant in tenants:
             assert tenant.proc.wait(timeout=180) == 0, tenant.output()
-    finally:
-        for node in (host, boot):
-            node.stop()
     local = nodes.local_final_loss(nodes.demo_reference(20))
     assert [nodes.final_json(t.lines)["final_loss"] for t in tenants] == [local, local]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from cumulus_p2p.market.ledger import Ledger
-from cumulus_p2p.testing import loopback, nodes
+from cumulus_p2p.testing import nodes
 
 # Starts real cumulus-node processes: scripts/test --fast skips it.
 pytestmark = pytest.mark.slow
@@ -38,13 +38,7 @@ def test_an_on_demand_job_preempts_an_interruptible_one_which_resumes_without_lo
     on_device = ["--native"] if device == "native" else ["--python-device"]
     gate = tmp_path / "gate"
     held = [str(SCRIPTS / "gated_train.py"), "60", "5", str(gate)]
-    boot = loopback.start_boot(tmp_path)
-    host = nodes.start_provider(
-        tmp_path / "host", boot.addr, "--price", "0.5", "--shares", "1",
-        "--receipt-interval", "1s",
-    )  # fmt: skip
-    try:
-        host.wait_for("providing")
+    with nodes.boot_and_provider(tmp_path, "--price", "0.5", "--shares", "1") as (boot, _):
         interruptible = nodes.start_consumer(
             tmp_path / "interruptible", boot.addr, *on_device, "--priority", "interruptible",
             "--max-price", "0.5", "--checkpoint-to", "consumer", "--checkpoint-interval", "1s",
@@ -60,8 +54,6 @@ def test_an_on_demand_job_preempts_an_interruptible_one_which_resumes_without_lo
         gate.touch()
         assert on_demand.proc.wait(timeout=180) == 0, on_demand.output()
         assert interruptible.proc.wait(timeout=240) == 0, interruptible.output()
-    finally:
-        nodes.stop_all((host, boot))
     nodes.assert_local_final_loss(on_demand, nodes.demo_reference(20))
     nodes.assert_local_final_loss(interruptible, nodes.demo_reference(60))
     state = json.loads((tmp_path / "interruptible" / "state.json").read_text())
@@ -72,4 +64,4 @@ def test_an_on_demand_job_preempts_an_interruptible_one_which_resumes_without_lo
     if device == "native":  # its host kept the session parked: nothing was restored
         assert "session resumed on its host" in interruptible.output()
     both = receipts(tmp_path / "interruptible") | receipts(tmp_path / "on-demand")
-    assert both == receipts(tmp_path / "host")
+    assert both == receipts(tmp_path / "provider")
