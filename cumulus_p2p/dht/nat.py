@@ -85,25 +85,17 @@ def circuit_addr(relay_addr: multiaddr.Multiaddr, relay_id: ID, target: ID) -> m
     return multiaddr.Multiaddr(f"{base}/p2p-circuit/p2p/{target.to_base58()}")
 
 
+@dataclass(frozen=True, eq=False)
 class NatTraversal:
     """The running NAT services of one host. Get one from ``open_nat_traversal``."""
 
-    def __init__(
-        self,
-        host: IHost,
-        relay: CircuitV2Protocol,
-        transport: CircuitV2Transport,
-        autonat: AutoNATService,
-        *,
-        is_relay: bool,
-        is_client: bool,
-    ) -> None:
-        self._host = host
-        self.relay = relay
-        self.transport = transport
-        self.autonat = autonat
-        self.is_relay = is_relay
-        self.is_client = is_client
+    relay: CircuitV2Protocol
+    transport: CircuitV2Transport
+    autonat: AutoNATService
+    #: Whether this host serves as a relay (it can be dialed and ``serve_relay`` is on).
+    is_relay: bool
+    #: Whether this host keeps reservations on relays (it cannot be dialed).
+    is_client: bool
 
     def reachability(self) -> str:
         """Return AutoNAT's verdict: ``"public"``, ``"private"`` or ``"unknown"``."""
@@ -184,4 +176,4 @@ async def open_nat_traversal(
             await stack.enter_async_context(background_trio_service(transport.discovery))
         if config.hole_punch:
             await stack.enter_async_context(background_trio_service(DCUtRProtocol(host)))
-        yield NatTraversal(host, relay, transport, autonat, is_relay=is_relay, is_client=is_client)
+        yield NatTraversal(relay, transport, autonat, is_relay=is_relay, is_client=is_client)
