@@ -48,18 +48,10 @@ void put_list(Writer& w, c10::ArrayRef<c10::IValue> items) {
 }
 
 void put_scalar(Writer& w, const c10::IValue& v) {
-  if (v.isInt()) {
-    w.put<uint8_t>(static_cast<uint8_t>(Tag::Int));
-    w.put<int64_t>(v.toInt());
-  } else if (v.isSymInt()) {
+  if (put_plain_scalar(w, v)) return;
+  if (v.isSymInt()) {
     w.put<uint8_t>(static_cast<uint8_t>(Tag::Int));
     w.put<int64_t>(v.toSymInt().expect_int());
-  } else if (v.isDouble()) {
-    w.put<uint8_t>(static_cast<uint8_t>(Tag::Double));
-    w.put<double>(v.toDouble());
-  } else if (v.isBool()) {
-    w.put<uint8_t>(static_cast<uint8_t>(Tag::Bool));
-    w.put<uint8_t>(v.toBool());
   } else if (v.isComplexDouble()) {
     const auto z = v.toComplexDouble();
     w.put<uint8_t>(static_cast<uint8_t>(Tag::Complex));

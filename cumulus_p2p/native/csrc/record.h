@@ -176,6 +176,25 @@ class Writer {
   size_t len_at_ = 0;
 };
 
+// Appends an int, a double or a bool as its tagged value and returns true; returns false,
+// appending nothing, for any other value. Op arguments (record.cpp) and the results a DYN
+// record answers with (replay.cpp) write these three alike.
+inline bool put_plain_scalar(Writer& w, const c10::IValue& v) {
+  if (v.isInt()) {
+    w.put<uint8_t>(static_cast<uint8_t>(Tag::Int));
+    w.put<int64_t>(v.toInt());
+  } else if (v.isDouble()) {
+    w.put<uint8_t>(static_cast<uint8_t>(Tag::Double));
+    w.put<double>(v.toDouble());
+  } else if (v.isBool()) {
+    w.put<uint8_t>(static_cast<uint8_t>(Tag::Bool));
+    w.put<uint8_t>(v.toBool());
+  } else {
+    return false;
+  }
+  return true;
+}
+
 // The handle a device storage's data pointer encodes.
 uint64_t handle_of(const c10::Storage& storage);
 

@@ -966,16 +966,8 @@ class Replayer {
         bytes += bound.back().second.nbytes();
       } else if (v.isTensor() && v.toTensor().defined()) {  // an out= argument, resized here
         describe(answer, v.toTensor());
-      } else if (v.isInt()) {
-        answer.put<uint8_t>(static_cast<uint8_t>(Tag::Int));
-        answer.put<int64_t>(v.toInt());
-      } else if (v.isDouble()) {
-        answer.put<uint8_t>(static_cast<uint8_t>(Tag::Double));
-        answer.put<double>(v.toDouble());
-      } else if (v.isBool()) {
-        answer.put<uint8_t>(static_cast<uint8_t>(Tag::Bool));
-        answer.put<uint8_t>(v.toBool());
-      } else {
+      } else if (!put_plain_scalar(answer, v)) {
+        // Tensors and those three scalars are the results the client reads (kernels.cpp).
         answer.put<uint8_t>(static_cast<uint8_t>(Tag::None));
       }
     }
