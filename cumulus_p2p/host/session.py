@@ -300,7 +300,7 @@ class ExecutorSession:
         self._register_outputs(result, outs, inputs)
 
     def _seed(self, args: Any, blobs: list[memoryview]) -> None:
-        if not (isinstance(args, list) and len(args) == 1 and type(args[0]) is int):
+        if not _args_are(args, int):
             raise OpFailed(ErrorKind.PROTOCOL_ERROR, "@seed takes one integer")
         self.ctx.generator().manual_seed(args[0] & (2**64 - 1))
 
@@ -312,12 +312,7 @@ class ExecutorSession:
         return self._groups.take_peer_bytes()
 
     def _serve_group_store(self, args: Any, blobs: list[memoryview]) -> None:
-        if not (
-            isinstance(args, list)
-            and len(args) == 2
-            and type(args[0]) is str
-            and type(args[1]) is int
-        ):
+        if not _args_are(args, str, int):
             raise OpFailed(ErrorKind.PROTOCOL_ERROR, "@pg_store takes [host, world]")
         self._dyn_result = self._groups.serve_store(args[0], args[1])
 
@@ -334,12 +329,7 @@ class ExecutorSession:
 
     def _all_gather(self, args: Any, blobs: list[memoryview]) -> None:
         if not (
-            isinstance(args, list)
-            and len(args) == 3
-            and type(args[0]) is str
-            and type(args[1]) is TensorRef
-            and isinstance(args[2], list)
-            and all(type(ref) is TensorRef for ref in args[2])
+            _args_are(args, str, TensorRef, list) and all(type(ref) is TensorRef for ref in args[2])
         ):
             message = "@pg_allgather takes [group, tensor, [outputs]]"
             raise OpFailed(ErrorKind.PROTOCOL_ERROR, message)
@@ -531,7 +521,7 @@ class ExecutorSession:
 
     def _set_rng(self, args: Any, blobs: list[memoryview]) -> None:
         """``@rng [data]``: the session generator's state, as ``checkpoint`` reported it."""
-        if not (isinstance(args, list) and len(args) == 1 and type(args[0]) is CpuTensorRef):
+        if not _args_are(args, CpuTensorRef):
             raise OpFailed(ErrorKind.PROTOCOL_ERROR, "@rng takes one inline tensor")
         ref = args[0]
         if ref.dtype != torch.uint8 or len(ref.sizes) != 1:
@@ -1088,15 +1078,19 @@ _RECORDS = {
 }
 
 
+def _args_are(args: Any, *types: type) -> bool:
+    """Whether a record's ``args`` are a list of one value of each of ``types``, in order:
+    of exactly that type (``type(a) is t``), so True is not an int."""
+    return (
+        isinstance(args, list)
+        and len(args) == len(types)
+        and all(type(arg) is kind for arg, kind in zip(args, types, strict=True))
+    )
+
+
 def _collective_args(args: Any, record: str, last: type) -> tuple[str, TensorRef, Any]:
     """``[group name, tensor, op or root]``, checked."""
-    if not (
-        isinstance(args, list)
-        and len(args) == 3
-        and type(args[0]) is str
-        and type(args[1]) is TensorRef
-        and type(args[2]) is last
-    ):
+    if not _args_are(args, str, TensorRef, last):
         raise OpFailed(ErrorKind.PROTOCOL_ERROR, f"{record} takes [group, tensor, {last.__name__}]")
     return args[0], args[1], args[2]
 
