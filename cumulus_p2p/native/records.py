@@ -423,21 +423,25 @@ def _put_value(out: bytearray, value: Any) -> None:
         raise TypeError(f"cannot encode a {type(value).__name__}")
 
 
+def _put_values(out: bytearray, values: tuple) -> None:
+    """A count (u16), then that many values: what ``_values`` reads."""
+    out += struct.pack("<H", len(values))
+    for value in values:
+        _put_value(out, value)
+
+
 def _op_head(out: bytearray, name: str, args: tuple, names: list[str]) -> None:
     if name not in names:
         names.append(name)
-    out += struct.pack("<IH", names.index(name), len(args))
-    for value in args:
-        _put_value(out, value)
+    out += struct.pack("<I", names.index(name))
+    _put_values(out, args)
 
 
 def _body(record: Record, names: list[str]) -> tuple[int, bytes]:
     out = bytearray()
     if isinstance(record, Op):
         _op_head(out, record.op, record.args, names)
-        out += struct.pack("<H", len(record.outs))
-        for value in record.outs:
-            _put_value(out, value)
+        _put_values(out, record.outs)
         return 1, bytes(out)
     if isinstance(record, Dyn):
         _op_head(out, record.name, record.args, names)
@@ -465,12 +469,9 @@ def _body(record: Record, names: list[str]) -> tuple[int, bytes]:
     if isinstance(record, Graph):
         return 11, struct.pack("<II", record.graph, len(record.definition)) + record.definition
     if isinstance(record, Run):
-        out += struct.pack("<IH", record.graph, len(record.args))
-        for value in record.args:
-            _put_value(out, value)
-        out += struct.pack("<H", len(record.outs))
-        for value in record.outs:
-            _put_value(out, value)
+        out += struct.pack("<I", record.graph)
+        _put_values(out, record.args)
+        _put_values(out, record.outs)
         return 12, bytes(out)
     raise TypeError(f"not a record: {record!r}")
 
