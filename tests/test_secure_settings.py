@@ -1,4 +1,4 @@
-"""SessionSettings: the provider's tuning of the secure channel, checked once."""
+"""SessionSettings and ClientSettings: each side's tuning of the secure channel, checked once."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import dataclasses
 import pytest
 
 from cumulus_p2p.channel.secure import SessionSettings
+from cumulus_p2p.channel.secure.client import connect_secure
+from cumulus_p2p.channel.secure.libp2p_path import connect_secure_libp2p
 from cumulus_p2p.channel.secure.record import RECORD_LIMIT
 
 
@@ -56,3 +58,11 @@ def test_the_core_takes_the_limits_and_not_the_timeouts():
         "rekey_bytes": SessionSettings().rekey_bytes,
         "max_unacked": SessionSettings().max_unacked,
     }
+
+
+@pytest.mark.parametrize("connect", [connect_secure, connect_secure_libp2p])
+def test_a_misspelled_consumer_tuning_keyword_is_refused_before_anything_is_dialed(connect):
+    address = ("127.0.0.1", 9) if connect is connect_secure else ("/ip4/127.0.0.1/tcp/9",)
+    with pytest.raises(TypeError, match="max_recrod"):
+        connect(*address, identity=None, expected_peer_public_key=b"", max_recrod=1)
+
