@@ -65,4 +65,3 @@ def test_a_misspelled_consumer_tuning_keyword_is_refused_before_anything_is_dial
     address = ("127.0.0.1", 9) if connect is connect_secure else ("/ip4/127.0.0.1/tcp/9",)
     with pytest.raises(TypeError, match="max_recrod"):
         connect(*address, identity=None, expected_peer_public_key=b"", max_recrod=1)
-
