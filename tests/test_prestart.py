@@ -128,7 +128,8 @@ def test_a_consumer_nodes_script_imports_torch_while_it_matches_and_never_runs_u
     finally:
         consumer.stop()
         boot.stop()
-    assert wait_gone(child, timeout=10)
+    # Gone at once when the node drops it; on a loaded machine it may still be importing.
+    assert wait_gone(child, timeout=30)
     assert not (tmp_path / "ran").exists()
 
 
