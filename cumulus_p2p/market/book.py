@@ -235,6 +235,9 @@ class OrderBook:
         self._version_counts: dict[str, int] = {}
         self._vouched: set[str] = set()
         self.evicted = 0
+        #: Bumped whenever the live orders change (added, replaced, removed or filled):
+        #: whatever a reader computed from them holds until it moves, so it may be kept.
+        self.changes = 0
         self._classes: dict[tuple[str, int], _ClassIndex] = {}
         self._offers: dict[tuple[str, str], _Live[Offer]] = {}
         self._bids: dict[tuple[str, str], _Live[Bid]] = {}
@@ -366,6 +369,7 @@ class OrderBook:
         return self._live_counts.get((side, author), 0)
 
     def _add_live(self, order: Offer | Bid, author: str, order_id: str) -> None:
+        self.changes += 1
         if isinstance(order, Offer):
             key = _offer_key(order)
             resource_class = (order.gpu_model, order.vram_mib)
@@ -401,6 +405,7 @@ class OrderBook:
             if bid is None:
                 return False
             self._bid_keys.remove(bid.key)
+        self.changes += 1
         left = self._live_counts[(side, author)] - 1
         if left:
             self._live_counts[(side, author)] = left
@@ -508,6 +513,7 @@ class OrderBook:
             if not made:
                 continue
             fills.extend(made)
+            self.changes += 1
             live.remaining -= sum(f.shares for f in made)
             if live.remaining == 0:
                 self._remove_live(Side.BID, key[2], key[3])
@@ -518,6 +524,7 @@ class OrderBook:
         fills = []
         for offer, shares in taken:
             live = self._offers[(offer.host, offer.offer_id)]
+            self.changes += 1
             live.take_for(bid, shares)
             if live.remaining == 0 and live.contend_remaining == 0:
                 self._remove_live(Side.OFFER, offer.host, offer.offer_id)

@@ -123,6 +123,9 @@ class Market:
         #: Leases a host preempted for on-demand ones: their jobs stop at the next burst.
         self.preempted: set[str] = set()
         self._latency = {region: {} for region in REGIONS}
+        # Rankings computed since the book last changed (``rank``), and at which change.
+        self._ranked: dict[tuple, list[RankedOffer]] = {}
+        self._ranked_at = -1
         self._nonces = itertools.count(1)
         self._lease_ids = itertools.count(1)
 
@@ -163,6 +166,7 @@ class Market:
         self.hosts[host.peer] = host
         for other, table in self._latency.items():
             table[host.peer] = rtt_ms(other, region)
+        self._ranked.clear()  # the latencies rankings were computed from changed
         self.publish(host, host.shares_sold, contend_shares)
         self.env.process(self._refresh(host))
         return host
@@ -263,15 +267,46 @@ class Market:
 
     def rank(self, region: str, bid: Bid, *, limit: int = 8) -> list[RankedOffer]:
         """The best ``limit`` offers meeting ``bid``, best first, as a consumer in
-        ``region`` ranks them."""
-        return rank_offers(
-            self.book,
-            bid,
-            reliability=self.reliability,
-            latency_ms=self._latency[region],
-            limit=limit,
-            policy=self.policy,
+        ``region`` ranks them.
+
+        Consumers with nothing to lease bid again every ``RETRY_S``, most of the time
+        against a book that has not changed since someone last ranked the same terms. A
+        ranking depends only on the book's live orders, the region's latencies, the
+        reliability scores and the bid's terms (not its id, nonce or times), so it is
+        computed once per book change (``OrderBook.changes``) and reused: the same
+        ``rank_offers`` on the same inputs, the same result.
+        """
+        if self._ranked_at != self.book.changes:
+            self._ranked.clear()
+            self._ranked_at = self.book.changes
+        # The bid's author matters only if it has offers of its own (they are skipped).
+        author = bid.consumer if self.book.live_orders_of(bid.consumer) else None
+        key = (
+            region,
+            limit,
+            author,
+            tuple(self.reliability.items()),
+            bid.min_vram_mib,
+            bid.gpu_models,
+            bid.min_perf_units,
+            bid.shares,
+            bid.max_price,
+            bid.priority,
+            bid.duration_s,
+            bid.max_overcommit_pct,
+            bid.gpus,
         )
+        ranked = self._ranked.get(key)
+        if ranked is None:
+            ranked = self._ranked[key] = rank_offers(
+                self.book,
+                bid,
+                reliability=self.reliability,
+                latency_ms=self._latency[region],
+                limit=limit,
+                policy=self.policy,
+            )
+        return list(ranked)
 
     def lease(
         self,
