@@ -308,9 +308,12 @@ def rank_offers(
     if entry is not None:
         return _rank_by_entry(book, bid, reliability, latency_ms, limit, policy, entry)
     best = policy.best_multiplier
-    # Max-heap (negated) of the current top `limit`, so the worst is at the front.
-    top: list[tuple[float, tuple, RankedOffer]] = []
-    for resting in book.candidates(bid):
+    # Max-heap (negated) of the current top `limit`, so the worst is at the front. Ties
+    # break on the canonical key (paid, created_at, host, offer_id), the order in which
+    # candidates() yields the offers: so an offer's place in the walk stands for its key,
+    # and (-price, -place) orders the heap as (price, key) reversed would.
+    top: list[tuple[float, int, RankedOffer]] = []
+    for place, resting in enumerate(book.candidates(bid)):
         offer = resting.order
         paid = paid_on(offer, bid)  # never falls along candidates(): the early end holds
         if len(top) == limit and paid * best > -top[0][0]:
@@ -318,14 +321,13 @@ def rank_offers(
         if resting.remaining < bid.shares:
             continue  # a lease takes its shares from one offer: this one cannot serve it
         ranked = _ranked(offer, resting.remaining, paid, reliability, latency_ms, policy)
-        key = (paid, offer.created_at, offer.host, offer.offer_id)
-        item = (-ranked.effective_price, tuple(_Reversed(k) for k in key), ranked)
+        item = (-ranked.effective_price, -place, ranked)
         if len(top) < limit:
             heapq.heappush(top, item)
         elif item > top[0]:
             heapq.heapreplace(top, item)
-    ordered = sorted(top, key=lambda e: (-e[0], tuple(r.value for r in e[1])))
-    return [ranked for _, _, ranked in ordered]
+    # Places differ, so the sort never compares the offers themselves.
+    return [ranked for _, _, ranked in sorted(top, reverse=True)]
 
 
 def _rank_by_entry(
@@ -402,16 +404,3 @@ def standing(book: OrderBook, bid: Bid) -> Standing:
         if r.remaining >= bid.shares
     )
     return Standing(ahead, min(prices, default=None))
-
-
-@dataclass(frozen=True, slots=True)
-class _Reversed:
-    """Inverts comparison, so a max-heap on (price, key) keeps ties canonical."""
-
-    value: object
-
-    def __lt__(self, other: _Reversed) -> bool:
-        return other.value < self.value  # type: ignore[operator]
-
-    def __gt__(self, other: _Reversed) -> bool:
-        return other.value > self.value  # type: ignore[operator]
