@@ -26,7 +26,7 @@ import simpy
 
 from ..host.scheduler import lease_rank
 from ..market.hostchoice import BackoffPolicy, GiveUp, HostChoice, Wait
-from ..market.messages import PriorityClass
+from ..market.messages import Bid, PriorityClass
 from .gpu import DeviceGone
 from .market import Market
 from .world import CHECKPOINT_S_PER_MB, FAILOVER_S, Workload
@@ -141,12 +141,20 @@ def find_lease(env, market: Market, job: Job, choice: HostChoice, identity, rng:
     returns the ``Granted``, or None once the job gave up (``job.gave_up_s`` set). Counts
     the job's first lease (``leased_s``) and the time it was held waiting (``held_s``)."""
     consumer = identity.peer_id.to_base58()
+
+    # Each round bids anew, but only a round that proposes reads its bid: ranking reads
+    # the terms, the same every round. Most rounds find nothing and wait, so a round
+    # draws its bid's ids and builds the bid (a Bid checks every field) only to propose.
+    def bid(ids: tuple[str, int]) -> Bid:
+        return market.bid(
+            consumer, shares=job.shares, max_price=job.max_price, priority=job.priority, ids=ids
+        )
+
+    asked = bid(("terms", 0))
     held_since: float | None = None
     while True:
-        bid = market.bid(
-            consumer, shares=job.shares, max_price=job.max_price, priority=job.priority
-        )
-        ranked = market.rank(job.region, bid)
+        ids = market.bid_ids()
+        ranked = market.rank(job.region, asked)
         now = market.now()
         offers = {}
         for candidate in ranked:
@@ -161,7 +169,7 @@ def find_lease(env, market: Market, job: Job, choice: HostChoice, identity, rng:
             granted = yield from market.lease(
                 identity,
                 job.region,
-                bid,
+                bid(ids),
                 [offers[h] for h in decision.hosts],
                 pay_as_bid=job.pay_as_bid,
                 unreachable=lambda host: choice.failed(host, now=market.now()),

@@ -248,11 +248,14 @@ class Market:
         shares: int,
         max_price: int,
         priority: PriorityClass = PriorityClass.ON_DEMAND,
+        ids: tuple[str, int] | None = None,
     ) -> Bid:
+        """A bid of ``consumer``'s made now, under new ids (``bid_ids``) or ``ids``."""
         now = self.now()
+        bid_id, nonce = self.bid_ids() if ids is None else ids
         return Bid(
             consumer,
-            f"b{next(self._nonces)}",
+            bid_id,
             0,
             (),
             0,
@@ -262,8 +265,12 @@ class Market:
             LEASE_S,
             now,
             now + 600.0,
-            next(self._nonces),
+            nonce,
         )
+
+    def bid_ids(self) -> tuple[str, int]:
+        """A new bid's id and nonce, drawn from the run's nonces."""
+        return f"b{next(self._nonces)}", next(self._nonces)
 
     def rank(self, region: str, bid: Bid, *, limit: int = 8) -> list[RankedOffer]:
         """The best ``limit`` offers meeting ``bid``, best first, as a consumer in
