@@ -1,5 +1,7 @@
 """Specs for cumulus_p2p.market.book: the order book, checked against a brute-force model."""
 
+import functools
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -217,6 +219,19 @@ def test_any_message_order_gives_the_same_book_and_the_same_matches(all_messages
     assert first.snapshot() == second.snapshot()
     assert first.match(now=5.0) == second.match(now=5.0)
     assert first.snapshot() == second.snapshot()
+
+
+@settings(max_examples=100, deadline=None)
+@given(messages)
+def test_the_change_count_moves_whenever_the_live_orders_change(all_messages):
+    # What a reader keeps until the count moves (a simulation's rankings) is never stale.
+    book = OrderBook()
+    steps = [functools.partial(book.insert, m, now=0.0) for m in all_messages]
+    steps += [functools.partial(book.match, now=0.0), functools.partial(book.expire, 25.0)]
+    for step in steps:
+        before, count = book.snapshot(), book.changes
+        step()
+        assert book.snapshot() == before or book.changes > count
 
 
 @settings(max_examples=150, deadline=None)
