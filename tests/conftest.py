@@ -45,8 +45,7 @@ def pytest_unconfigure(config):
 
 def pytest_collection_modifyitems(config, items):
     """A test marked ``timing`` is marked ``slow`` too: ``scripts/test --fast`` runs its
-    tests in parallel workers only, whose load would break a wall-clock bound. Nor is it
-    marked ``background``: those run at the lowest priority."""
+    tests in parallel workers only, whose load would break a wall-clock bound."""
     loose = [
         i.nodeid
         for i in items
@@ -54,16 +53,6 @@ def pytest_collection_modifyitems(config, items):
     ]
     if loose:
         raise pytest.UsageError("timing tests must be marked slow too: " + ", ".join(loose))
-    both = [
-        i.nodeid
-        for i in items
-        if i.get_closest_marker("timing") and i.get_closest_marker("background")
-    ]
-    if both:
-        raise pytest.UsageError(
-            "a test on a clock cannot run at the lowest priority (timing and background): "
-            + ", ".join(both)
-        )
 
 
 def pytest_runtest_setup(item):

@@ -17,8 +17,7 @@ from cumulus_p2p.testing.nodes import REFERENCE_RUNS
 from cumulus_p2p.testing.once import once
 
 # Runs whole simulated scenarios: scripts/test --fast skips it.
-# Whole scenarios, pure CPU on no clock: beside the timing tests (scripts/test).
-pytestmark = [pytest.mark.slow, pytest.mark.background]
+pytestmark = pytest.mark.slow
 
 MIX = WORKLOADS
 

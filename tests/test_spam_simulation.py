@@ -12,8 +12,7 @@ from cumulus_p2p.node.consumer import PROPOSE_TIMEOUT_S
 from cumulus_p2p.testing.scripts import load_script
 
 # Runs floods of hundreds of identities through the market: scripts/test --fast skips it.
-# Whole scenarios, pure CPU on no clock: beside the timing tests (scripts/test).
-pytestmark = [pytest.mark.slow, pytest.mark.background]
+pytestmark = pytest.mark.slow
 
 spam = load_script("simulations/spam.py", "simulations_spam")
 
