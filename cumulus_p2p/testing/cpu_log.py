@@ -1,21 +1,23 @@
 """A pytest plugin that says where the suite's CPU goes: per test, its wall time and the
-CPU seconds of the test process and of the child processes it waited for (nodes,
-executors, scripts). On two cores the suite is bound by CPU, not by waits, so these,
-not the durations, say which tests to make cheaper.
+CPU seconds of the test process, of the child processes it waited for, and of those the
+test's fork server (``testing.forkstart``) started for it and reaped: nodes, executors,
+scripts. On two cores the suite is bound by CPU, not by waits, so these, not the
+durations, say which tests to make cheaper.
 
     .venv/bin/python -m pytest -p cumulus_p2p.testing.cpu_log -n 4 ...
 
 Each process appends a JSON line per test to ``$CUMULUS_CPU_LOG`` (default
 ``test-cpu.jsonl``); ``python -m cumulus_p2p.testing.cpu_log FILE`` prints the costliest.
 
-It turns the suite's fork starts off (``testing.forkstart``): a forked node is the fork
-server's child, not the test's, and its CPU would go uncounted. So the figures are those
-of fresh interpreters, imports included: an upper bound on what the suite spends.
+A forked node is the fork server's child, not the test's: its CPU is read from the
+server's own count of its reaped children (``/proc/PID/stat``). A forked process still
+running when its test ends is counted in the test that runs when it is reaped.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing.forkserver
 import os
 import resource
 import sys
@@ -24,28 +26,37 @@ from pathlib import Path
 
 import pytest
 
-from .forkstart import ENV_SWITCH
 
-# Loaded with -p, before tests/conftest.py, which only sets the switch where it is unset.
-os.environ[ENV_SWITCH] = "0"
-
-
-def _cpu() -> tuple[float, float]:
+def _cpu() -> tuple[float, float, float]:
     own = resource.getrusage(resource.RUSAGE_SELF)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime, _forked_cpu()
+
+
+def _forked_cpu() -> float:
+    """CPU seconds of the fork server's reaped children (0 before it has started)."""
+    pid = multiprocessing.forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text() if pid else ""
+    except OSError:  # the server is gone: it is started again for the next fork
+        return 0.0
+    # Fields after the command's closing parenthesis; cutime and cstime are the 16th and
+    # 17th of the whole line.
+    fields = stat.rpartition(")")[2].split()
+    return sum(int(tick) for tick in fields[13:15]) / os.sysconf("SC_CLK_TCK") if fields else 0.0
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    started, (own, children) = time.perf_counter(), _cpu()
+    started, (own, children, forked) = time.perf_counter(), _cpu()
     yield
-    wall, (own_after, children_after) = time.perf_counter() - started, _cpu()
+    wall, (own_after, children_after, forked_after) = time.perf_counter() - started, _cpu()
     line = {
         "test": item.nodeid,
         "wall_s": round(wall, 2),
         "cpu_s": round(own_after - own, 2),
         "children_cpu_s": round(children_after - children, 2),
+        "forked_cpu_s": round(max(0.0, forked_after - forked), 2),
     }
     with open(os.environ.get("CUMULUS_CPU_LOG", "test-cpu.jsonl"), "a") as out:
         out.write(json.dumps(line) + "\n")
@@ -54,7 +65,7 @@ def pytest_runtest_protocol(item, nextitem):
 def main() -> None:
     rows = [json.loads(line) for line in Path(sys.argv[1]).read_text().splitlines()]
     for row in rows:
-        row["total"] = row["cpu_s"] + row["children_cpu_s"]
+        row["total"] = row["cpu_s"] + row["children_cpu_s"] + row.get("forked_cpu_s", 0)
     rows.sort(key=lambda row: -row["total"])
     total = sum(row["total"] for row in rows)
     print(
