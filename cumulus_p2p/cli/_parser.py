@@ -124,6 +124,12 @@ def _add_node_flags(node) -> None:
     node.add_argument("-v", "--verbose", action="store_true", help="log more")
 
 
+def _add_repeatable(group, flag: str, metavar: str, help: str) -> None:
+    """A flag that may be given several times: each use adds its value to a list, which
+    is empty when the flag is not given."""
+    group.add_argument(flag, action="append", default=[], metavar=metavar, help=help)
+
+
 def _add_book_flags(node) -> None:
     node.add_argument(
         "--max-offers-per-author",
@@ -144,12 +150,11 @@ def _add_book_flags(node) -> None:
 
 
 def _add_relay_flags(node) -> None:
-    node.add_argument(
+    _add_repeatable(
+        node,
         "--relay",
-        action="append",
-        default=[],
-        metavar="ADDR",
-        help="a node to keep a relay reservation on, so peers reach this one through it "
+        "ADDR",
+        "a node to keep a relay reservation on, so peers reach this one through it "
         "when it cannot be dialed (behind NAT); repeatable",
     )
     add_duration(
@@ -168,12 +173,8 @@ def _add_relay_flags(node) -> None:
 
 
 def _add_discovery_flags(node) -> None:
-    node.add_argument(
-        "--bootstrap",
-        action="append",
-        default=[],
-        metavar="ADDR",
-        help="a known node's /ip4/.../tcp/.../p2p/<id> address; repeatable",
+    _add_repeatable(
+        node, "--bootstrap", "ADDR", "a known node's /ip4/.../tcp/.../p2p/<id> address; repeatable"
     )
     node.add_argument(
         "--mdns",
@@ -311,13 +312,7 @@ def _add_lease_terms(provide) -> None:
 
 
 def _add_consume_flags(consume) -> None:
-    consume.add_argument(
-        "--gpu",
-        action="append",
-        default=[],
-        metavar="MODEL",
-        help="acceptable device model; repeatable (default any)",
-    )
+    _add_repeatable(consume, "--gpu", "MODEL", "acceptable device model; repeatable (default any)")
     consume.add_argument(
         "--min-vram",
         type=size,
