@@ -130,6 +130,13 @@ def _add_repeatable(group, flag: str, metavar: str, help: str) -> None:
     group.add_argument(flag, action="append", default=[], metavar=metavar, help=help)
 
 
+def _add_price(group, flag: str, default: str, help: str, *, per_gib_hour: bool = False) -> None:
+    """A ``PRICE`` flag in credits per share-hour (per GiB-hour of a standby's storage with
+    ``per_gib_hour``), as micro-credits; ``default`` is written as a user would type it."""
+    parse = parse_storage_price if per_gib_hour else parse_price
+    group.add_argument(flag, type=parse, default=parse(default), metavar="PRICE", help=help)
+
+
 def _add_book_flags(node) -> None:
     node.add_argument(
         "--max-offers-per-author",
@@ -191,18 +198,12 @@ def _add_discovery_flags(node) -> None:
 
 
 def _add_provide_flags(provide) -> None:
-    provide.add_argument(
-        "--price",
-        type=parse_price,
-        default=parse_price("1.0"),
-        help="asking price in credits per share-hour (default 1.0)",
-    )
-    provide.add_argument(
+    _add_price(provide, "--price", "1.0", "asking price in credits per share-hour (default 1.0)")
+    _add_price(
+        provide,
         "--contend-price",
-        type=parse_price,
-        default=parse_price("0"),
-        metavar="PRICE",
-        help="credits per share-hour a contending lease pays: it runs below on-demand "
+        "0",
+        "credits per share-hour a contending lease pays: it runs below on-demand "
         "tenants, in their idle gaps (default 0: none sold)",
     )
     provide.add_argument(
@@ -220,13 +221,13 @@ def _add_provide_flags(provide) -> None:
         help="sell X times each device's memory in shares, 1.0 to 2.0 (default 1.0): idle "
         "tenants' memory is paged out to RAM or disk to make room, and the offer says so",
     )
-    provide.add_argument(
+    _add_price(
+        provide,
         "--storage-price",
-        type=parse_storage_price,
-        default=parse_storage_price("0"),
-        metavar="PRICE",
-        help="asking price in credits per GiB-hour for keeping a standby's checkpoints, "
+        "0",
+        "asking price in credits per GiB-hour for keeping a standby's checkpoints, "
         "the disk another host's consumer leases beside its session (default 0)",
+        per_gib_hour=True,
     )
     provide.add_argument(
         "--storage-gib",
@@ -323,12 +324,7 @@ def _add_consume_flags(consume) -> None:
     consume.add_argument(
         "--min-perf", type=int, default=0, help="least performance units (GFLOP/s; default 0)"
     )
-    consume.add_argument(
-        "--max-price",
-        type=parse_price,
-        default=parse_price("10"),
-        help="most credits per share-hour (default 10)",
-    )
+    _add_price(consume, "--max-price", "10", "most credits per share-hour (default 10)")
     consume.add_argument(
         "--gpus",
         type=int,
@@ -402,12 +398,12 @@ def _add_lease_wishes(consume) -> None:
         metavar="GIB",
         help="GiB of disk leased on the standby for the checkpoints (default 4)",
     )
-    consume.add_argument(
+    _add_price(
+        consume,
         "--max-storage-price",
-        type=parse_storage_price,
-        default=parse_storage_price("1"),
-        metavar="PRICE",
-        help="most credits per GiB-hour for the standby's disk (default 1)",
+        "1",
+        "most credits per GiB-hour for the standby's disk (default 1)",
+        per_gib_hour=True,
     )
     consume.add_argument(
         "--private",
