@@ -29,11 +29,12 @@ from cumulus_p2p.host.collectives import (
     is_collective,
 )
 from cumulus_p2p.host.handles import OpFailed
+from cumulus_p2p.testing import nodes
 from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.testing.tap import tap
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_train.py"
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+TORCHRUN = [sys.executable, *nodes.TORCHRUN_LOCAL]
 PREFIX = "0123456789abcdef0123456789abcdef"
 
 
@@ -63,9 +64,9 @@ def run_on_executors(executors, out: Path, steps: int) -> tuple[list[dict], list
 
 @pytest.mark.slow
 def test_a_torchrun_ddp_script_ends_with_the_parameters_of_local_gloo_ddp(two_executors, tmp_path):
-    torchrun(str(SCRIPT), str(tmp_path / "local.pt"), "3")
+    saved, _ = nodes.local_ddp_run(SCRIPT, "3", scratch=tmp_path)
     run_on_executors(two_executors, tmp_path / "remote.pt", 3)
-    local, remote = torch.load(tmp_path / "local.pt"), torch.load(tmp_path / "remote.pt")
+    local, remote = torch.load(saved), torch.load(tmp_path / "remote.pt")
     assert local.keys() == remote.keys()
     for name, value in local.items():
         assert torch.allclose(remote[name], value, rtol=0, atol=1e-6), name
@@ -143,7 +144,7 @@ def test_diloco_across_two_executors_ends_with_the_parameters_of_local_gloo_dilo
     two_executors, tmp_path
 ):
     script, args = str(SCRIPT.parent / "diloco_train.py"), ["6", "3", "512", "sgd"]
-    local = torchrun(script, str(tmp_path / "local.pt"), *args)
+    saved, local = nodes.local_ddp_run(Path(script), *args, scratch=tmp_path)
     env = {"CUMULUS_EXECUTOR": ",".join(two_executors)}
     remote = torchrun("-m", "cumulus_p2p.shim", script, str(tmp_path / "remote.pt"), *args, env=env)
     assert [r["syncs"] for r in remote] == [2, 2]
@@ -151,7 +152,7 @@ def test_diloco_across_two_executors_ends_with_the_parameters_of_local_gloo_dilo
     for ran in remote:
         assert ran["losses"] == pytest.approx(by_rank[ran["rank"]], rel=1e-6)
     local_params, remote_params = (
-        torch.load(tmp_path / "local.pt"),
+        torch.load(saved),
         torch.load(tmp_path / "remote.pt"),
     )
     for name, value in local_params.items():

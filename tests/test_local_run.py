@@ -53,3 +53,27 @@ def test_without_the_directory_every_run_runs(monkeypatch):
     again = nodes.LocalRun(FRESH)
     assert again.proc is not None
     assert again.final_loss() != first
+
+
+#: Saves its ``out`` argument and prints a different number on every run, as a rank would.
+RANK = """
+import json, os, sys, time
+if os.environ["RANK"] == "0":
+    open(sys.argv[1], "w").write(str(time.time_ns()))
+print(json.dumps({"rank": int(os.environ["RANK"]), "at": time.time_ns()}))
+"""
+
+
+@pytest.mark.slow  # torchrun starts three interpreters
+def test_a_second_local_ddp_run_of_the_same_arguments_reads_the_first_ones_files(
+    kept, tmp_path_factory
+):
+    script = tmp_path_factory.mktemp("script") / "rank.py"
+    script.write_text(RANK)
+    saved, ranks = nodes.local_ddp_run(script, "x", scratch=tmp_path_factory.mktemp("a"))
+    assert sorted(rank["rank"] for rank in ranks) == [0, 1]
+    again_saved, again = nodes.local_ddp_run(script, "x", scratch=tmp_path_factory.mktemp("b"))
+    assert (again_saved, again) == (saved, ranks)
+    assert saved.read_text() == again_saved.read_text()
+    _, other = nodes.local_ddp_run(script, "y", scratch=tmp_path_factory.mktemp("c"))
+    assert other != ranks

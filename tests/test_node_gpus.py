@@ -9,8 +9,6 @@ the gradients are all-reduced between the two hosts.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,8 @@ from cumulus_p2p.testing import loopback, nodes
 pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_train.py"
-TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+#: The local reference runs' torchrun (``nodes.local_ddp_run``), in the consumer's command.
+TORCHRUN = nodes.TORCHRUN_LOCAL
 #: Steps and hidden width: a small model, so that the spec waits on nodes, not on compute.
 ARGS = ["3", "256"]
 #: A job that outlasts leases of a few seconds.
@@ -34,9 +33,7 @@ def test_a_torchrun_ddp_script_on_two_leased_hosts_ends_with_local_gloo_ddps_par
     tmp_path,
 ):
     # The local run first, alone: two torchrun jobs at once once saw a local rank abort.
-    local = [sys.executable, *TORCHRUN, str(SCRIPT), str(tmp_path / "local.pt"), *ARGS]
-    done = subprocess.run(local, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
+    local, _ = nodes.local_ddp_run(SCRIPT, *ARGS, scratch=tmp_path)
     boot = loopback.start_boot(tmp_path)
     # The second rank passes the cheaper host in another region for one near the first's.
     regions = {"near": ("0.3", "eu-west"), "far": ("0.4", "us-east"), "dear": ("0.5", "eu-west")}
@@ -56,7 +53,7 @@ def test_a_torchrun_ddp_script_on_two_leased_hosts_ends_with_local_gloo_ddps_par
         hosts = {ids[0], ids[2]}
     finally:
         nodes.stop_all([n for n in (consumer, *providers, boot) if n is not None])
-    leased, expected = torch.load(tmp_path / "leased.pt"), torch.load(tmp_path / "local.pt")
+    leased, expected = torch.load(tmp_path / "leased.pt"), torch.load(local)
     assert leased.keys() == expected.keys()
     for name, value in expected.items():
         assert torch.allclose(leased[name], value, rtol=0, atol=1e-6), name
@@ -84,9 +81,7 @@ def test_a_torchrun_ddp_script_on_two_leased_hosts_ends_with_local_gloo_ddps_par
 
 
 def test_a_job_of_two_gpus_leases_both_on_one_rig_before_a_cheaper_single_host(tmp_path):
-    local = [sys.executable, *TORCHRUN, str(SCRIPT), str(tmp_path / "local.pt"), *ARGS]
-    done = subprocess.run(local, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
+    local, _ = nodes.local_ddp_run(SCRIPT, *ARGS, scratch=tmp_path)
     boot = loopback.start_boot(tmp_path)
     rig = nodes.start_rig(tmp_path / "rig", boot.addr, devices=2, shares=1)
     single = nodes.start_provider(tmp_path / "single", boot.addr, "--price", "0.3")
@@ -108,7 +103,7 @@ def test_a_job_of_two_gpus_leases_both_on_one_rig_before_a_cheaper_single_host(t
         rig_id = rig.wait_for_state(lambda s: "peer_id" in s)["peer_id"]
     finally:
         nodes.stop_all([n for n in (consumer, rig, single, boot) if n is not None])
-    leased, expected = torch.load(tmp_path / "leased.pt"), torch.load(tmp_path / "local.pt")
+    leased, expected = torch.load(tmp_path / "leased.pt"), torch.load(local)
     for name, value in expected.items():
         assert torch.allclose(leased[name], value, rtol=0, atol=1e-6), name
     # Both ranks on the rig, a device each: their gradients never left the machine.
@@ -174,9 +169,7 @@ def test_a_job_of_two_gpus_outlasting_its_leases_renews_each_where_it_runs(tmp_p
     boot = loopback.start_boot(tmp_path)
     providers = [nodes.start_provider(tmp_path / f"p{i}", boot.addr) for i in range(2)]
     consumer = None
-    local = [sys.executable, *TORCHRUN, str(SCRIPT), str(tmp_path / "local.pt"), *LONG]
-    done = subprocess.run(local, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
+    local, _ = nodes.local_ddp_run(SCRIPT, *LONG, scratch=tmp_path)
     try:
         for node in providers:
             node.wait_for("providing")
@@ -186,7 +179,7 @@ def test_a_job_of_two_gpus_outlasting_its_leases_renews_each_where_it_runs(tmp_p
         assert consumer.proc.wait(timeout=300) == 0, consumer.output()
     finally:
         nodes.stop_all([n for n in (consumer, *providers, boot) if n is not None])
-    leased, expected = torch.load(tmp_path / "leased.pt"), torch.load(tmp_path / "local.pt")
+    leased, expected = torch.load(tmp_path / "leased.pt"), torch.load(local)
     for name, value in expected.items():
         assert torch.allclose(leased[name], value, rtol=0, atol=1e-6), name
     # Each rank renewed its lease at least once, each time with the host its group is on.

@@ -316,6 +316,45 @@ def local_result(*script: str, timeout: float = 120.0) -> dict:
         return run.result(timeout)
 
 
+#: ``torchrun`` on two ranks of this machine's CPU, as ``local_ddp_run`` starts it.
+TORCHRUN_LOCAL = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+def local_ddp_run(script: Path, *args: str, scratch: Path) -> tuple[Path, list[dict]]:
+    """``torchrun`` (``TORCHRUN_LOCAL``) of ``script OUT *args`` on this machine's CPU, with
+    gloo: what a job of two leased GPUs must end with. Returns OUT, the parameters the script
+    saved there, and each rank's JSON line.
+
+    A run is three fresh interpreters, about 12 CPU seconds: where ``CUMULUS_REFERENCE_RUNS``
+    names a directory, the first test to ask for these arguments computes them there, and
+    the others read its files. Elsewhere it runs in ``scratch``.
+    """
+    kept = _kept_output(["torchrun", str(script), *args])
+    if kept is not None and kept.exists():
+        return kept.with_suffix(".pt"), _json_lines(kept.read_text())
+    base = kept if kept is not None else scratch / "local-ddp.out"
+    # Written aside and renamed, parameters first: a test in another worker that sees the
+    # output sees the parameters too.
+    partial = base.with_suffix(f".{os.getpid()}.partial.pt")
+    done = subprocess.run(
+        [sys.executable, *TORCHRUN_LOCAL, str(script), str(partial), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the local torchrun failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    os.replace(partial, base.with_suffix(".pt"))
+    aside = base.with_suffix(f".{os.getpid()}.partial")
+    aside.write_text(done.stdout)
+    os.replace(aside, base)
+    return base.with_suffix(".pt"), _json_lines(done.stdout)
+
+
+def _json_lines(out: str) -> list[dict]:
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
 def start_liar(data_dir: Path, bootstrap: str, lie: str, *, price: str = "0.1") -> NodeProcess:
     """A provider that lies about ``lie`` (``cumulus_p2p.testing.liar``), cheapest on the
     mesh by default; wait for its ``providing`` line before leasing from it."""
