@@ -27,6 +27,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
+from fractions import Fraction
 
 import torch
 import torch.distributed as dist
@@ -48,7 +49,16 @@ MAX_TIMEOUT_S = 3600.0
 
 
 #: Records that wait for the job's other ranks (a store is served at once).
-WAITING_RECORDS = frozenset({"@pg_join", "@pg_allreduce", "@pg_broadcast", "@pg_allgather"})
+WAITING_RECORDS = frozenset(
+    {
+        "@pg_join",
+        "@pg_allreduce",
+        "@pg_broadcast",
+        "@pg_allgather",
+        "@pg_allgather_base",
+        "@pg_reduce_scatter",
+    }
+)
 
 
 def is_collective(record: object) -> bool:
@@ -114,7 +124,8 @@ class CollectiveGroups:
     _served: dict[int, tuple[dist.TCPStore, socket.socket]] = field(default_factory=dict)
     #: The bytes of the tensors its collectives carried between hosts since
     #: ``take_peer_bytes`` last took them, as the records name them: an all-reduce's or a
-    #: broadcast's tensor, an all-gather's outputs. The consumer can count the same from
+    #: broadcast's tensor, an all-gather's outputs, a reduce-scatter's input. The consumer
+    #: can count the same from
     #: its own records; gloo's wire carries about twice an all-reduce's (ring: 2(n-1)/n
     #: of the tensor out, as much in).
     peer_bytes: int = 0
@@ -196,6 +207,30 @@ class CollectiveGroups:
             if gathered is not out:
                 out.copy_(gathered)
 
+    def all_gather_base(self, name: str, output: torch.Tensor, tensor: torch.Tensor) -> None:
+        """Fill ``output``, of ``world`` times ``tensor``'s elements, with every rank's
+        ``tensor`` one after another in rank order (``all_gather_single``)."""
+        group = self._group(name)
+        self._agree(name, group, tensor, output, Fraction(group.size()))
+        self._into(name, output, lambda out: group._allgather_base(out, tensor.contiguous()))
+        self.peer_bytes += output.nbytes
+
+    def reduce_scatter(
+        self, name: str, output: torch.Tensor, tensor: torch.Tensor, op: str
+    ) -> None:
+        """Reduce ``tensor`` across the group into ``output``: rank r's is the r-th of the
+        reduced tensor's ``world`` equal parts (``reduce_scatter_single``)."""
+        if op not in REDUCE_OPS:
+            raise OpFailed(ErrorKind.VALUE, f"unknown reduction {op!r}")
+        options = dist.ReduceScatterOptions()
+        options.reduceOp = REDUCE_OPS[op]
+        group = self._group(name)
+        self._agree(name, group, tensor, output, Fraction(1, group.size()))
+        self._into(
+            name, output, lambda out: group._reduce_scatter_base(out, tensor.contiguous(), options)
+        )
+        self.peer_bytes += tensor.nbytes
+
     def _run(self, name: str, tensor: torch.Tensor, start) -> None:
         group = self._group(name)
         self._agree(name, group, tensor)
@@ -206,23 +241,57 @@ class CollectiveGroups:
         if dense is not tensor:
             tensor.copy_(dense)
 
-    def _agree(self, name: str, group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
-        """Check that every rank brings a tensor of the same size and dtype, or fail on all.
+    def _into(self, name: str, output: torch.Tensor, start) -> None:
+        """``start(buffer)`` writes a collective's result to ``buffer``: ``output`` itself,
+        or a dense copy of a strided one (gloo writes contiguous buffers only)."""
+        dense = output.contiguous()
+        self._wait(name, start(dense))
+        if dense is not output:
+            output.copy_(dense)
+
+    def _agree(
+        self,
+        name: str,
+        group: dist.ProcessGroup,
+        tensor: torch.Tensor,
+        output: torch.Tensor | None = None,
+        out_per_in: Fraction = Fraction(1),
+    ) -> None:
+        """Check that every rank brings a tensor of the same size and dtype (and, to a
+        collective that writes elsewhere, an ``output`` of ``out_per_in`` times its
+        elements and of its dtype), or fail on all.
 
         gloo does not check: a rank sending more bytes than another expects aborts the
         receiving process, and with it every other tenant of that executor. The check
         costs one small exchange per collective; every rank sees the same table, so all
         of them fail together and the group stays in step.
         """
-        mine = torch.tensor([tensor.numel(), DTYPE_CODE.get(tensor.dtype, -1)], dtype=torch.int64)
+        received = tensor if output is None else output
+        mine = torch.tensor(
+            [tensor.numel(), _dtype_code(tensor), received.numel(), _dtype_code(received)],
+            dtype=torch.int64,
+        )
         table = [torch.empty_like(mine) for _ in range(group.size())]
         self._wait(name, group.allgather([table], [mine]))
-        if any(not torch.equal(row, table[0]) for row in table):
-            seen = ", ".join(f"rank {i}: {row[0].item()} elements" for i, row in enumerate(table))
+        rows = [row.tolist() for row in table]
+        if any(row != rows[0] for row in rows):
+            into = "" if output is None else " into {}"
+            seen = ", ".join(
+                f"rank {i}: {row[0]} elements{into.format(row[2])}" for i, row in enumerate(rows)
+            )
             raise OpFailed(
                 ErrorKind.VALUE,
                 f"the ranks of group {name!r} brought different tensors to one collective ({seen})",
             )
+        sent, sent_dtype, got, got_dtype = rows[0]
+        needed = sent * out_per_in
+        if needed.denominator != 1:
+            message = f"{sent} elements do not split into {group.size()} equal parts"
+        elif got != needed or got_dtype != sent_dtype:
+            message = f"it writes {needed} elements of the input's dtype, not {got}"
+        else:
+            return
+        raise OpFailed(ErrorKind.VALUE, f"a collective in group {name!r}: {message}")
 
     def _group(self, name: str) -> dist.ProcessGroup:
         group = self._groups.get(name)
@@ -243,3 +312,7 @@ class CollectiveGroups:
         for _store, listener in self._served.values():
             listener.close()
         self._served.clear()
+
+
+def _dtype_code(tensor: torch.Tensor) -> int:
+    return DTYPE_CODE.get(tensor.dtype, -1)

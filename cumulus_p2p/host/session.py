@@ -336,6 +336,22 @@ class ExecutorSession:
         outputs = [self._handles.view(ref) for ref in args[2]]
         self._groups.all_gather(args[0], outputs, self._handles.view(args[1]))
 
+    def _all_gather_base(self, args: Any, blobs: list[memoryview]) -> None:
+        if not _args_are(args, str, TensorRef, TensorRef):
+            message = "@pg_allgather_base takes [group, output, tensor]"
+            raise OpFailed(ErrorKind.PROTOCOL_ERROR, message)
+        name, output, tensor = args
+        self._groups.all_gather_base(name, self._handles.view(output), self._handles.view(tensor))
+
+    def _reduce_scatter(self, args: Any, blobs: list[memoryview]) -> None:
+        if not _args_are(args, str, TensorRef, TensorRef, str):
+            message = "@pg_reduce_scatter takes [group, output, tensor, op]"
+            raise OpFailed(ErrorKind.PROTOCOL_ERROR, message)
+        name, output, tensor, op = args
+        self._groups.reduce_scatter(
+            name, self._handles.view(output), self._handles.view(tensor), op
+        )
+
     # --- compiled graphs ----------------------------------------------------------------
 
     def _define_graph(self, args: Any, blobs: list[memoryview]) -> None:
@@ -1075,6 +1091,8 @@ _RECORDS = {
     "@pg_allreduce": ExecutorSession._all_reduce,
     "@pg_broadcast": ExecutorSession._broadcast,
     "@pg_allgather": ExecutorSession._all_gather,
+    "@pg_allgather_base": ExecutorSession._all_gather_base,
+    "@pg_reduce_scatter": ExecutorSession._reduce_scatter,
 }
 
 

@@ -21,9 +21,19 @@ consumer's eyes: later ops on the tensor run after it on the executor, in order.
 failure (a rank gone, the group's timeout) surfaces at the next sync point as the
 failed op's error.
 
+The collectives: all-reduce, broadcast, all-gather (into a list or one tensor),
+reduce-scatter (from one tensor) and barrier; what DDP, DiLoCo and FSDP2's collectives
+call.
+
 Not yet: the hosts' links are not encrypted, and the prefix is the only thing that
-keeps a host outside the job out of its group; collectives beyond all-reduce, broadcast
-and barrier; a group that survives one of its hosts failing over.
+keeps a host outside the job out of its group; scatter, gather, all-to-all and
+point-to-point; a group that survives one of its hosts failing over. FSDP2 runs its
+collectives here, and still fails on the device itself: it frees a layer's gathered
+parameters by resizing their storage to nothing (``untyped_storage().resize_(0)``),
+which torch refuses on a cumulus tensor's storage (a wrapper subclass's, with no data of
+its own); ``torch.cumulus`` has no streams; and the device sends FSDP2's own ops
+(``torch.ops.fsdp``) and the functional collectives (``_c10d_functional``) to the
+executor instead of running their kernels here.
 """
 
 from __future__ import annotations
@@ -78,6 +88,7 @@ class CumulusProcessGroup(dist.ProcessGroup):
         self._session = session or current_session()
         self._rank, self._size = rank, size
         self._name = "default"
+        self._group_name = ""  # c10d's, set after creation (``setGroupName``)
         host = _host_of(self._session)
         if rank == 0:
             port = self._session.call(["@pg_store", [host, size], {}, None])
@@ -91,6 +102,15 @@ class CumulusProcessGroup(dist.ProcessGroup):
 
     def getBackendName(self) -> str:  # noqa: N802 - c10d's name
         return NAME
+
+    # c10d names each group after creating it. A ProcessGroup keeps its name in its
+    # backends, and this one has none: without these, ``group_name`` (which DeviceMesh,
+    # and so FSDP2, reads) raises "ProcessGroup name not set".
+    def setGroupName(self, name: str) -> None:  # noqa: N802 - c10d's name
+        self._group_name = name
+
+    def getGroupName(self) -> str:  # noqa: N802 - c10d's name
+        return self._group_name
 
     def getSize(self) -> int:  # noqa: N802 - c10d's name
         return self._size
@@ -117,6 +137,44 @@ class CumulusProcessGroup(dist.ProcessGroup):
             moved = sum(_nbytes(out) for out in gathered)
             self._record("@pg_allgather", [self._name, _wire(tensor), wires], moved)
         return _done(outputs)
+
+    def all_gather_single(
+        self,
+        output: torch.Tensor,
+        tensor: torch.Tensor,
+        opts: dist.AllgatherOptions | None = None,
+    ) -> dist.Work:
+        """Fill ``output`` with every rank's ``tensor``, in rank order (FSDP2 gathers a
+        layer's parameters with it)."""
+        wires = [self._name, _wire(output), _wire(tensor)]
+        self._record("@pg_allgather_base", wires, _nbytes(output))
+        return _done([output])
+
+    def reduce_scatter_single(
+        self, output: torch.Tensor, tensor: torch.Tensor, opts: dist.ReduceScatterOptions
+    ) -> dist.Work:
+        """Reduce ``tensor`` across the ranks; leave this rank its part of the result in
+        ``output`` (FSDP2 reduces a layer's gradients with it)."""
+        wires = [self._name, _wire(output), _wire(tensor), _reduce_name(opts.reduceOp)]
+        self._record("@pg_reduce_scatter", wires, _nbytes(tensor))
+        return _done([output])
+
+    def all_gather_single_coalesced(
+        self,
+        outputs: list[torch.Tensor],
+        tensors: list[torch.Tensor],
+        opts: dist.AllgatherOptions | None = None,
+    ) -> dist.Work:
+        """``all_gather_single`` of each pair (DTensor's ``full_tensor`` gathers with it)."""
+        for output, tensor in zip(outputs, tensors, strict=True):
+            self.all_gather_single(output, tensor, opts)
+        return _done(outputs)
+
+    # torch before 2.13 (``all_gather_into_tensor``, ``reduce_scatter_tensor``, functional
+    # collectives) calls them by their older names.
+    _allgather_base = all_gather_single
+    _reduce_scatter_base = reduce_scatter_single
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def barrier(self, opts: dist.BarrierOptions | None = None) -> dist.Work:
         """Every rank's executor has run its ops up to here: an all-reduce of one element."""
