@@ -29,7 +29,7 @@ from cumulus_p2p.host.collectives import (
     is_collective,
 )
 from cumulus_p2p.host.handles import OpFailed
-from cumulus_p2p.testing import nodes
+from cumulus_p2p.testing import forkexec, forkstart, nodes
 from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.testing.tap import tap
 
@@ -39,11 +39,10 @@ PREFIX = "0123456789abcdef0123456789abcdef"
 
 
 def torchrun(*args: str, env: dict[str, str] | None = None) -> list[dict]:
-    """Run ``ddp_train.py`` on two ranks; return each rank's JSON line."""
-    environ = {**os.environ, **(env or {})}
-    done = subprocess.run(
-        [*TORCHRUN, *args], capture_output=True, text=True, timeout=300, env=environ
-    )
+    """Run a script on two ranks, forks of a preloaded server (``forkexec``); return each
+    rank's JSON line."""
+    environ = {**os.environ, **forkexec.python_exec(), **(env or {})}
+    done = forkstart.run([*TORCHRUN, *args], timeout=300, env=environ)
     assert done.returncode == 0, done.stderr[-4000:]
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 

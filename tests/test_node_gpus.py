@@ -29,6 +29,12 @@ ARGS = ["3", "256"]
 LONG = ["150", "256"]
 
 
+def start_consumer(tmp_path, boot, *flags: str, command: list[str]) -> nodes.NodeProcess:
+    """The job's consumer node. Its ranks start as fresh interpreters, not ``forkexec``
+    forks: the shim checks that its parent or grandparent is the node."""
+    return nodes.start_consumer(tmp_path / "consumer", boot.addr, *flags, command=command)
+
+
 def test_a_torchrun_ddp_script_on_two_leased_hosts_ends_with_local_gloo_ddps_parameters(
     tmp_path,
 ):
@@ -47,7 +53,7 @@ def test_a_torchrun_ddp_script_on_two_leased_hosts_ends_with_local_gloo_ddps_par
             node.wait_for("providing")
         flags = ["--gpus", "2", "--checkpoint-to", "consumer"]
         command = [*TORCHRUN, str(SCRIPT), str(tmp_path / "leased.pt"), *ARGS]
-        consumer = nodes.start_consumer(tmp_path / "consumer", boot.addr, *flags, command=command)
+        consumer = start_consumer(tmp_path, boot, *flags, command=command)
         assert consumer.proc.wait(timeout=300) == 0, consumer.output()
         ids = [p.wait_for_state(lambda s: "peer_id" in s)["peer_id"] for p in providers]
         hosts = {ids[0], ids[2]}
@@ -90,9 +96,9 @@ def test_a_job_of_two_gpus_leases_both_on_one_rig_before_a_cheaper_single_host(t
         for node in (rig, single):
             node.wait_for("providing")
         command = [*TORCHRUN, str(SCRIPT), str(tmp_path / "leased.pt"), *ARGS]
-        consumer = nodes.start_consumer(
-            tmp_path / "consumer",
-            boot.addr,
+        consumer = start_consumer(
+            tmp_path,
+            boot,
             "--gpus",
             "2",
             "--checkpoint-to",
@@ -124,7 +130,7 @@ def test_a_job_of_more_gpus_than_hosts_says_each_rank_needs_its_own_host(tmp_pat
         provider.wait_for("providing")
         flags = ["--gpus", "2", "--match-timeout", "5s"]
         command = [*TORCHRUN, str(SCRIPT), str(tmp_path / "leased.pt"), *ARGS]
-        consumer = nodes.start_consumer(tmp_path / "consumer", boot.addr, *flags, command=command)
+        consumer = start_consumer(tmp_path, boot, *flags, command=command)
         assert consumer.proc.wait(timeout=120) == EXIT_NO_MATCH, consumer.output()
         # The first rank's lease was given back: the host's shares are all free again,
         # not at the end of the lease's term (an hour).
@@ -147,7 +153,7 @@ def test_a_job_of_two_gpus_that_loses_a_host_ends_at_once_saying_why(tmp_path):
         flags = ["--gpus", "2", "--checkpoint-to", "consumer"]
         # Far more steps than the spec waits for: the job is mid-training when a host dies.
         command = [*TORCHRUN, str(SCRIPT), str(tmp_path / "leased.pt"), "100000", "256"]
-        consumer = nodes.start_consumer(tmp_path / "consumer", boot.addr, *flags, command=command)
+        consumer = start_consumer(tmp_path, boot, *flags, command=command)
         running = consumer.wait_for_state(
             lambda s: s.get("ops", 0) > 100 and all(row["path"] for row in s["leases"]),
             timeout=120,
@@ -175,7 +181,7 @@ def test_a_job_of_two_gpus_outlasting_its_leases_renews_each_where_it_runs(tmp_p
             node.wait_for("providing")
         flags = ["--gpus", "2", "--duration", "3s", "--checkpoint-interval", "1s"]
         command = [*TORCHRUN, str(SCRIPT), str(tmp_path / "leased.pt"), *LONG]
-        consumer = nodes.start_consumer(tmp_path / "consumer", boot.addr, *flags, command=command)
+        consumer = start_consumer(tmp_path, boot, *flags, command=command)
         assert consumer.proc.wait(timeout=300) == 0, consumer.output()
     finally:
         nodes.stop_all([n for n in (consumer, *providers, boot) if n is not None])

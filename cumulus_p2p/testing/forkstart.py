@@ -245,6 +245,12 @@ def _run(
         os.dup2(inp.fileno(), 0)
         inp.close()
         sys.stdin = open(0, closefd=False)
+    run_entry(entry, environ, cwd)
+
+
+def run_entry(entry: tuple[str, str, list[str]], environ: dict[str, str], cwd: str | None) -> None:
+    """In a forked child whose streams are in place: take ``environ`` and ``cwd``, and run
+    ``entry`` (as ``_entry`` parses it) as ``__main__``, then the ``atexit`` handlers."""
     os.environ.clear()
     os.environ.update(environ)
     if cwd is not None:

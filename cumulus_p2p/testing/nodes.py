@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import forkstart
+from . import forkexec, forkstart
 
 LOOPBACK_LISTEN = "/ip4/127.0.0.1/tcp/0"
 #: Seconds between a test node's re-announcements of its offers or bid (the product's
@@ -325,9 +325,11 @@ def local_ddp_run(script: Path, *args: str, scratch: Path) -> tuple[Path, list[d
     gloo: what a job of two leased GPUs must end with. Returns OUT, the parameters the script
     saved there, and each rank's JSON line.
 
-    A run is three fresh interpreters, about 12 CPU seconds: where ``CUMULUS_REFERENCE_RUNS``
-    names a directory, the first test to ask for these arguments computes them there, and
-    the others read its files. Elsewhere it runs in ``scratch``.
+    A run is three processes (about 12 CPU seconds as fresh interpreters; they start as
+    forks where the suite's fork starts are on: ``forkexec``). Where
+    ``CUMULUS_REFERENCE_RUNS`` names a directory, the first test to ask for these
+    arguments computes them there, and the others read its files. Elsewhere it runs in
+    ``scratch``.
     """
     kept = _kept_output(["torchrun", str(script), *args])
     if kept is not None and kept.exists():
@@ -336,10 +338,9 @@ def local_ddp_run(script: Path, *args: str, scratch: Path) -> tuple[Path, list[d
     # Written aside and renamed, parameters first: a test in another worker that sees the
     # output sees the parameters too.
     partial = base.with_suffix(f".{os.getpid()}.partial.pt")
-    done = subprocess.run(
+    done = forkstart.run(
         [sys.executable, *TORCHRUN_LOCAL, str(script), str(partial), *args],
-        capture_output=True,
-        text=True,
+        env={**os.environ, **forkexec.python_exec()},
         timeout=300,
     )
     if done.returncode != 0:
