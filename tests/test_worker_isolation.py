@@ -12,7 +12,6 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -28,6 +27,7 @@ from cumulus_p2p.channel.secure import connect_secure
 from cumulus_p2p.channel.transport import SocketFrameChannel
 from cumulus_p2p.host.executor import Executor, ExecutorConfig
 from cumulus_p2p.identity import KEY_FILE_NAME, NodeIdentity
+from cumulus_p2p.testing import forkstart
 from cumulus_p2p.testing.executor import executor_process, secure_executor_channel
 from cumulus_p2p.testing.loopback import cheap_and_dear_providers
 from cumulus_p2p.testing.models import train
@@ -249,11 +249,11 @@ def test_a_worker_holds_its_consumers_connection_but_not_the_node_key(tmp_path):
 
 def test_bad_isolation_flags_are_refused_with_a_clear_error():
     cmd = [sys.executable, "-m", "cumulus_p2p.host.executor_main", "--pool", "-1"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    out = forkstart.run(cmd, timeout=60)
     assert out.returncode == 2
     assert "--pool must not be negative" in out.stderr
     both = [*cmd[:3], "--worker-per-session", "--shared-process"]
-    out = subprocess.run(both, capture_output=True, text=True, timeout=60)
+    out = forkstart.run(both, timeout=60)
     assert out.returncode == 2
     assert "not allowed with argument" in out.stderr
 
