@@ -105,6 +105,9 @@ def test_a_client_killed_outright_takes_its_fork_with_it(python, probe):
     child.kill()
     child.wait()
     assert _gone_within(fork, 10)
+    # Killed with the server's words unread, it reset their connection: the server serves on.
+    after = start(python, probe, "0")
+    assert after.communicate("\n", timeout=60)[0].startswith("argv") and after.returncode == 0
 
 
 def test_a_command_it_cannot_fork_runs_in_a_fresh_interpreter(python):

@@ -92,26 +92,60 @@ def serve(path: str) -> None:
         while True:
             for key, _ in selector.select(timeout=0.05):
                 if key.fileobj is listener:
-                    connection, _ = listener.accept()
-                    pid = _fork(connection, listener, selector)
-                    connection.sendall(f"pid {pid}\n".encode())
-                    clients[pid] = connection
-                    selector.register(connection, selectors.EVENT_READ, pid)
-                elif not key.fileobj.recv(64):  # type: ignore[union-attr]
+                    _accept(listener, clients, selector)
+                elif not _still_open(key.fileobj):  # type: ignore[arg-type]
                     # The client is gone (SIGKILL): so goes its fork.
                     selector.unregister(key.fileobj)
                     _kill(key.data)
             _reap(clients, selector)
 
 
-def _fork(connection: socket.socket, listener: socket.socket, selector) -> int:
-    """Read a request with its three streams and fork the child it asks for."""
+def _accept(listener: socket.socket, clients: dict[int, socket.socket], selector) -> None:
+    """Fork the child the next client asks for and tell the client its pid. A client gone
+    or garbled before its request is whole gets no fork; the server serves on."""
+    connection, _ = listener.accept()
+    try:
+        request, fds = _request(connection)
+    except (OSError, ValueError):
+        connection.close()
+        return
+    pid = _fork(request, fds, [listener, connection, *clients.values()], selector)
+    clients[pid] = connection
+    selector.register(connection, selectors.EVENT_READ, pid)
+    try:
+        connection.sendall(f"pid {pid}\n".encode())
+    except OSError:
+        pass  # its client is gone: the next select sees the end and kills the fork
+
+
+def _request(connection: socket.socket) -> tuple[dict, list[int]]:
+    """A client's request (its entry, environment and directory) and its three streams."""
     header, fds, _, _ = socket.recv_fds(connection, 4, 3)
-    size = struct.unpack(">I", header)[0]
-    payload = b""
+    if len(header) != 4 or len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError("a request without its header or its three streams")
+    size, payload = struct.unpack(">I", header)[0], b""
     while len(payload) < size:
-        payload += connection.recv(size - len(payload))
-    request = json.loads(payload)
+        chunk = connection.recv(size - len(payload))
+        if not chunk:
+            raise ValueError("a request cut short")
+        payload += chunk
+    return json.loads(payload), fds
+
+
+def _still_open(connection: socket.socket) -> bool:
+    """Whether the client at the other end is still there (it never writes again)."""
+    try:
+        return bool(connection.recv(64))
+    except OSError:  # a reset: it died with our reply unread
+        return False
+
+
+def _fork(request: dict, fds: list[int], others: list[socket.socket], selector) -> int:
+    """Fork the child ``request`` asks for, on the client's streams ``fds``. The child
+    closes its copies of the server's sockets (``others``): a script run by a fresh
+    ``python`` holds none of them."""
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
@@ -122,7 +156,8 @@ def _fork(connection: socket.socket, listener: socket.socket, selector) -> int:
     code = 1
     try:
         selector.close()
-        listener.close()
+        for other in others:
+            other.close()
         for stream, fd in enumerate(fds):
             os.dup2(fd, stream)
             os.close(fd)
