@@ -68,40 +68,35 @@ def test_a_module_runs_as_python_dash_m_runs_it(python, tmp_path):
     assert out.startswith("argv ['0']") and child.returncode == 0
 
 
-def test_it_forks_the_server_instead_of_starting_an_interpreter(python, probe):
-    child = start(python, probe, "hang")
-    try:
-        child.stdin.write("\n")
-        child.stdin.flush()
-        assert child.stdout.readline().startswith("argv")
-        child.stdout.readline()
-        fork = int(child.stdout.readline().split()[1])
-        assert fork != child.pid  # the fork runs the script; the client waits for it
-        assert _alive(fork)
-    finally:
-        child.kill()
-        child.wait()
-
-
-def test_a_signal_sent_to_the_client_ends_the_fork_and_the_client_as_it(python, probe):
+@pytest.fixture
+def hanging(python, probe):
+    """A client whose script sleeps, and the pid of the fork that runs it (the script
+    prints it); killed at the end."""
     child = start(python, probe, "hang")
     child.stdin.write("\n")
     child.stdin.flush()
-    for _ in range(2):
+    for _ in range(2):  # its arguments, then the line it read
         child.stdout.readline()
-    fork = int(child.stdout.readline().split()[1])
+    yield child, int(child.stdout.readline().split()[1])
+    child.kill()
+    child.wait()
+
+
+def test_it_forks_the_server_instead_of_starting_an_interpreter(hanging):
+    child, fork = hanging
+    assert fork != child.pid  # the fork runs the script; the client waits for it
+    assert _alive(fork)
+
+
+def test_a_signal_sent_to_the_client_ends_the_fork_and_the_client_as_it(hanging):
+    child, fork = hanging
     child.send_signal(signal.SIGTERM)
     assert child.wait(timeout=30) == -signal.SIGTERM
     assert _gone_within(fork, 10)
 
 
-def test_a_client_killed_outright_takes_its_fork_with_it(python, probe):
-    child = start(python, probe, "hang")
-    child.stdin.write("\n")
-    child.stdin.flush()
-    for _ in range(2):
-        child.stdout.readline()
-    fork = int(child.stdout.readline().split()[1])
+def test_a_client_killed_outright_takes_its_fork_with_it(hanging, python, probe):
+    child, fork = hanging
     child.kill()
     child.wait()
     assert _gone_within(fork, 10)
