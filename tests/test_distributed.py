@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.fsdp  # noqa: F401 - defines FSDP2's own ops (torch.ops.fsdp)
 
 from cumulus_p2p._errors import RemoteExecutionError
 from cumulus_p2p.diloco import DiLoCo
@@ -159,14 +160,6 @@ def test_diloco_across_two_executors_ends_with_the_parameters_of_local_gloo_dilo
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="the cumulus device cannot hold FSDP2 yet: torch refuses to resize a cumulus "
-    "tensor's storage (FSDP2 frees gathered parameters with untyped_storage().resize_(0)), "
-    "torch.cumulus has no streams, and the device sends torch.ops.fsdp and "
-    "_c10d_functional ops to the executor instead of running their kernels "
-    "(remote/distributed.py's docstring)",
-)
 def test_an_fsdp2_script_ends_with_the_parameters_of_local_gloo_fsdp2(two_executors, tmp_path):
     script = SCRIPT.parent / "fsdp_train.py"
     saved, local = nodes.local_ddp_run(script, "3", scratch=tmp_path)
@@ -181,6 +174,22 @@ def test_an_fsdp2_script_ends_with_the_parameters_of_local_gloo_fsdp2(two_execut
     assert local_params.keys() == remote_params.keys()
     for name, value in local_params.items():
         assert torch.allclose(remote_params[name], value, rtol=0, atol=1e-6), name
+
+
+def test_a_functional_collectives_wait_tensor_returns_its_input(cumulus):
+    tensor = torch.ones(4, device="cumulus")
+    assert torch.ops._c10d_functional.wait_tensor(tensor) is tensor
+
+
+def test_an_fsdp2_op_gives_on_cumulus_what_it_gives_on_the_cpu(cumulus):
+    # chunk_cat lays out the gradients FSDP2 reduce-scatters: each one's rows in chunks,
+    # padded (3 rows make 2 chunks of 2).
+    grads = [torch.arange(6.0).reshape(3, 2), torch.arange(4.0)]
+    expected = torch.empty(2, 6)
+    torch.ops.fsdp.chunk_cat(grads, 0, 2, out=expected)
+    out = torch.empty(2, 6, device="cumulus")
+    torch.ops.fsdp.chunk_cat([g.to("cumulus") for g in grads], 0, 2, out=out)
+    assert torch.equal(out.cpu(), expected)
 
 
 def test_diloco_refuses_a_sync_interval_below_one_step():

@@ -9,11 +9,12 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.fsdp._fully_shard import _fsdp_param
 from torch.utils.checkpoint import checkpoint
 
 import cumulus_p2p.remote as remote
 from cumulus_p2p._errors import RemoteExecutionError, SessionClosedError
-from cumulus_p2p.remote import RemoteOutOfMemoryError, RemoteTensor
+from cumulus_p2p.remote import RemoteOutOfMemoryError, RemoteTensor, fsdp
 
 
 def test_device_module_reports_an_attached_session(cumulus):
@@ -194,6 +195,87 @@ def test_freed_tensors_release_executor_memory(cumulus):
     del big
     assert cumulus.stats()["bytes_in_use"] == before
     assert torch.cumulus.memory_allocated() == before
+
+
+def test_fsdp2_freeing_a_tensors_storage_frees_it_on_the_executor_under_the_same_handle(cumulus):
+    fsdp.adapt()
+    gathered = torch.zeros(256, 1024, device="cumulus")
+    before = cumulus.stats()["bytes_in_use"]
+    _fsdp_param.free_storage(gathered)
+    assert cumulus.stats()["bytes_in_use"] == before - gathered.numel() * 4
+    assert torch.cumulus.memory_allocated() == before - gathered.numel() * 4
+    _fsdp_param.alloc_storage(gathered)
+    assert cumulus.stats()["bytes_in_use"] == before
+    gathered.fill_(3.0)  # the same tensor object writes to the memory allocated again
+    assert gathered.sum().item() == 3.0 * gathered.numel()
+
+
+def test_fsdp2_storage_functions_leave_other_devices_tensors_to_torch(cumulus):
+    fsdp.adapt()
+    local = torch.zeros(4)
+    _fsdp_param.free_storage(local)
+    assert local.untyped_storage().size() == 0
+    _fsdp_param.alloc_storage(local)
+    assert local.untyped_storage().size() == 16
+
+
+def test_a_malformed_resize_record_is_refused_and_the_session_lives_on(cumulus):
+    tensor = torch.ones(4, device="cumulus")
+    cumulus.submit(["@resize_storage", [tensor._wire(), "16"], {}, None])
+    with pytest.raises(RemoteExecutionError, match=r"takes \[tensor, nbytes\]"):
+        cumulus.synchronize()
+    assert (tensor * 2).sum().item() == 8.0
+
+
+def test_ops_on_another_stream_ordered_by_waits_and_events_see_each_others_results(cumulus):
+    x = torch.ones(4, device="cumulus")
+    side = torch.cumulus.Stream(priority=-1)
+    side.wait_stream(torch.cumulus.current_stream())
+    with torch.cumulus.stream(side):
+        y = x * 2
+        done = torch.cumulus.Event()
+        done.record()
+    torch.cumulus.current_stream().wait_event(done)
+    assert (y + x).tolist() == [3.0, 3.0, 3.0, 3.0]
+
+
+def test_an_events_synchronize_waits_for_the_ops_before_its_record(cumulus):
+    F.embedding(torch.tensor([9], device="cumulus"), torch.ones(2, 2, device="cumulus"))
+    event = torch.cumulus.Event()
+    event.record()
+    with pytest.raises(RemoteExecutionError, match="index out of range"):
+        event.synchronize()
+
+
+def test_timing_events_measure_the_ops_between_their_records(cumulus):
+    start, end = torch.cumulus.Event(enable_timing=True), torch.cumulus.Event(enable_timing=True)
+    start.record()
+    torch.ones(64, 64, device="cumulus") @ torch.ones(64, 64, device="cumulus")
+    end.record()
+    assert start.elapsed_time(end) >= 0.0
+
+
+def test_an_op_outside_aten_runs_here_with_its_kernel_for_the_device(cumulus, spec_ops):
+    doubled = torch.ops.cumulus_spec.twice(torch.arange(3.0, device="cumulus"))
+    assert doubled.tolist() == [0.0, 2.0, 4.0]
+
+
+def test_an_op_outside_aten_without_a_kernel_for_the_device_is_refused_by_name(cumulus, spec_ops):
+    with pytest.raises(NotImplementedError, match="cumulus_spec::cpu_only has no kernel"):
+        torch.ops.cumulus_spec.cpu_only(torch.ones(2, device="cumulus"))
+
+
+@pytest.fixture(scope="module")
+def spec_ops():
+    """Ops of a library of the tests' own: ``twice`` with a CompositeExplicitAutograd
+    kernel (as the functional collectives have), ``cpu_only`` with a CPU one alone."""
+    library = torch.library.Library("cumulus_spec", "DEF")
+    library.define("twice(Tensor x) -> Tensor")
+    library.impl("twice", lambda x: x * 2, "CompositeExplicitAutograd")
+    library.define("cpu_only(Tensor x) -> Tensor")
+    library.impl("cpu_only", lambda x: x * 2, "CPU")
+    yield
+    library._destroy()
 
 
 def test_an_ops_result_is_freed_when_its_last_reference_goes_without_the_gc(cumulus):

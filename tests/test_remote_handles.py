@@ -203,6 +203,57 @@ def test_forgetting_the_views_rebuilds_them_on_the_same_storage():
     assert after.untyped_storage().data_ptr() == before.untyped_storage().data_ptr()
 
 
+def test_a_storage_resized_to_nothing_gives_its_memory_back_and_keeps_its_handle():
+    handles = holding_one()
+    handles.resize(1, 0)
+    assert 1 in handles and handles.get(1).capacity == 0
+    assert handles.bytes_in_use == 0 and handles.stats.storages == 1
+    with fails(ErrorKind.INDEX, "out of bounds for a storage of 0 bytes"):
+        handles.view(ref(1))
+
+
+def test_a_storage_resized_back_takes_its_memory_again_under_the_same_handle():
+    handles = holding_one()
+    handles.resize(1, 0)
+    handles.resize(1, 16)
+    handles.view(ref(1)).copy_(torch.arange(4.0))
+    assert handles.view(ref(1)).tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert handles.bytes_in_use == 16 and handles.stats.peak_bytes == 16
+
+
+def test_a_resized_storage_keeps_the_bytes_both_sizes_hold():
+    handles = table()
+    handles.add(1, torch.arange(4.0))
+    handles.resize(1, 24)
+    assert handles.view(ref(1)).tolist() == [0.0, 1.0, 2.0, 3.0]
+    handles.resize(1, 8)
+    assert handles.view(ref(1, sizes=(2,))).tolist() == [0.0, 1.0]
+
+
+def test_a_storage_growing_past_the_quota_is_refused_and_keeps_its_size():
+    handles = table(quota_bytes=32)
+    handles.add(1, torch.arange(4.0))
+    with fails(ErrorKind.OUT_OF_MEMORY, "quota exceeded: 48 bytes needed"):
+        handles.resize(1, 48)
+    assert handles.get(1).capacity == 16 and handles.bytes_in_use == 16
+    assert handles.view(ref(1)).tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize(
+    ("handle", "nbytes", "kind", "match"),
+    [
+        (2, 16, ErrorKind.INVALID_HANDLE, "no tensor with handle 2"),
+        (1, -1, ErrorKind.VALUE, "cannot resize a storage to -1 bytes"),
+    ],
+    ids=["unknown-handle", "negative-size"],
+)
+def test_a_resize_the_table_cannot_do_is_refused(handle, nbytes, kind, match):
+    handles = holding_one()
+    with fails(kind, match):
+        handles.resize(handle, nbytes)
+    assert handles.bytes_in_use == 16
+
+
 def restored(handles: HandleTable, handle: int, start: int, piece: bytes) -> None:
     anchor = handles.restore_target(handle, torch.uint8, 4, start)
     raw_bytes(anchor, start, len(piece)).copy_(

@@ -161,6 +161,41 @@ class HandleTable:
             self.stats.bytes_in_use -= entry.capacity
             self.stats.storages -= 1
 
+    def resize(self, handle: int, nbytes: int) -> None:
+        """Give ``handle`` a storage of ``nbytes`` bytes, as ``UntypedStorage.resize_`` does
+        on a GPU: the first bytes, as many as both sizes hold, are kept, the rest are
+        uninitialised, and 0 lets go of the memory (FSDP2 frees a layer's gathered
+        parameters that way between uses, and gives them memory again before the next).
+
+        The handle and its views' references stay valid; each view is checked against the
+        new size when next named.
+
+        Raises:
+            OpFailed: INVALID_HANDLE for a handle the session does not hold, VALUE for a
+                negative size, OUT_OF_MEMORY when the growth does not fit the quota.
+        """
+        entry = self._entries.get(handle)
+        if entry is None:
+            raise OpFailed(ErrorKind.INVALID_HANDLE, f"no tensor with handle {handle} here")
+        if nbytes < 0:
+            raise OpFailed(ErrorKind.VALUE, f"cannot resize a storage to {nbytes} bytes")
+        growth = nbytes - entry.capacity
+        if growth > 0:
+            self.check_quota(growth)
+        old = entry.anchor
+        # A new storage rather than the old one resized: an uploaded storage may sit on
+        # memory torch cannot resize (a blob's), and the old bytes are copied either way.
+        storage = torch.UntypedStorage(nbytes, device=old.device)
+        entry.anchor = anchor_over(storage, old.dtype, old.device)
+        kept = min(nbytes, entry.capacity)
+        if kept:
+            raw_bytes(entry.anchor, 0, kept).copy_(raw_bytes(old, 0, kept))
+        entry.capacity = nbytes
+        entry.views.clear()
+        stats = self.stats
+        stats.bytes_in_use += growth
+        stats.peak_bytes = max(stats.peak_bytes, stats.bytes_in_use)
+
     def clear(self) -> None:
         """Release every handle."""
         self._entries.clear()

@@ -185,6 +185,9 @@ class SessionStats:
     #: is), and what stays on the device: also filled in by ``Executor.session_stats``.
     tier: str = "device"
     bytes_on_device: int = 0
+    #: Bytes of the host's store it holds pinned: a standby's latest checkpoint, there
+    #: once they are (``hold``).
+    held_bytes: int = 0
 
 
 class ExecutorSession:
@@ -351,6 +354,13 @@ class ExecutorSession:
         self._groups.reduce_scatter(
             name, self._handles.view(output), self._handles.view(tensor), op
         )
+
+    def _resize_storage(self, args: Any, blobs: list[memoryview]) -> None:
+        # The tensor names the storage (so that a batch resizing a paged-out storage
+        # brings it back first), not a view of it: it may outgrow the new size.
+        if not _args_are(args, TensorRef, int):
+            raise OpFailed(ErrorKind.PROTOCOL_ERROR, "@resize_storage takes [tensor, nbytes]")
+        self._handles.resize(args[0].handle, args[1])
 
     # --- compiled graphs ----------------------------------------------------------------
 
@@ -592,6 +602,7 @@ class ExecutorSession:
                 needed_bytes=held,
             )
         self.kept.hold(pins)
+        self.stats.held_bytes = held
         return len(pins)
 
     def _blob(self, args: Any, blobs: list[memoryview]) -> None:
@@ -1093,6 +1104,7 @@ _RECORDS = {
     "@pg_allgather": ExecutorSession._all_gather,
     "@pg_allgather_base": ExecutorSession._all_gather_base,
     "@pg_reduce_scatter": ExecutorSession._reduce_scatter,
+    "@resize_storage": ExecutorSession._resize_storage,
 }
 
 

@@ -10,13 +10,17 @@ tensors reach ``RemoteTensor.__torch_dispatch__``; ops that *create* tensors fro
 (``torch.empty(..., device="cumulus")`` and everything built on it: ``zeros``, ``randn``,
 ``arange``, ``tensor(...)``) have no tensor to dispatch on; their PrivateUse1 kernels sit
 beside ``RemoteTensor`` in ``tensor.py``. ``torch.compile`` of code on cumulus tensors
-captures it into graphs the executor runs (``compiled.py``).
+captures it into graphs the executor runs (``compiled.py``). ``torch.cumulus`` has streams
+and events, as ``torch.cuda`` does; a session runs its ops in one order, so they keep it
+and wait only when asked to synchronize (``Stream``, ``Event``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import time
 
 import torch
 import torch.utils.data._utils.pin_memory as _dataloader_pinning
@@ -28,8 +32,105 @@ from .client import CURRENT, current_session
 NAME = "cumulus"
 
 
+class Stream:
+    """A stream of the ``cumulus`` device, as ``torch.cuda.Stream`` (FSDP2 makes several).
+
+    A session runs its ops in the order they were issued, whichever stream was current,
+    so every stream is that one order: what a wait between streams or on an event would
+    enforce on a GPU holds already, and those waits are no-ops. Synchronizing waits for
+    every op queued, this stream's among them.
+    """
+
+    def __init__(self, device=None, priority: int = 0, **kwargs) -> None:
+        if device is not None:
+            CumulusModule.set_device(torch.device(device).index)
+
+    def synchronize(self) -> None:
+        """Wait for every queued op; raises the first executor error among them."""
+        current_session().synchronize()
+
+    def query(self) -> bool:
+        """Whether the ops queued are done: it waits for them, so always True."""
+        self.synchronize()
+        return True
+
+    def wait_stream(self, stream: Stream) -> None:
+        """Order this stream after ``stream``'s work queued so far: it is already."""
+
+    def wait_event(self, event: Event) -> None:
+        """Order this stream after ``event``'s ops: it is already."""
+
+    def record_event(self, event: Event | None = None) -> Event:
+        """Record ``event`` (a new one by default) here and return it."""
+        event = event if event is not None else Event()
+        event.record(self)
+        return event
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+class Event:
+    """An event of the ``cumulus`` device, as ``torch.cuda.Event``.
+
+    Recording one marks a point in the session's one op order (``Stream``). Its
+    ``synchronize`` waits for every op queued so far, those before the record among them.
+    A timing event (``enable_timing=True``) waits for them when recorded, then reads the
+    clock, so that ``elapsed_time`` measures the ops between two records.
+    """
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, **kwargs) -> None:
+        self._timing = enable_timing
+        self._time: float | None = None
+
+    def record(self, stream: Stream | None = None) -> None:
+        """Mark the point in the op order; a timing event waits and reads the clock."""
+        if self._timing:
+            current_session().synchronize()
+            self._time = time.perf_counter()
+
+    def synchronize(self) -> None:
+        """Wait for the ops before the record (and every other op queued)."""
+        current_session().synchronize()
+
+    def query(self) -> bool:
+        """Whether the ops before the record are done: it waits for them, so always True."""
+        self.synchronize()
+        return True
+
+    def wait(self, stream: Stream | None = None) -> None:
+        """Order ``stream`` after this event: it is already."""
+
+    def elapsed_time(self, end_event: Event) -> float:
+        """Milliseconds between this timing event's record and ``end_event``'s."""
+        if self._time is None or end_event._time is None:
+            raise RuntimeError("both events must be timing events, recorded, for elapsed_time")
+        return (end_event._time - self._time) * 1000.0
+
+
+_DEFAULT_STREAM = Stream()
+
+
 class CumulusModule:
     """``torch.cumulus``: what ``torch.cuda`` answers, for the remote device."""
+
+    Stream = Stream
+    Event = Event
+
+    @staticmethod
+    def current_stream(device=None) -> Stream:
+        """The stream ops go to: there is one order (``Stream``), so always the same one."""
+        return _DEFAULT_STREAM
+
+    default_stream = current_stream
+
+    @staticmethod
+    def stream(stream: Stream | None = None) -> contextlib.AbstractContextManager:
+        """``with torch.cumulus.stream(s):`` issues ops in the one order, as outside it."""
+        return contextlib.nullcontext() if stream is None else stream
 
     _pending_seed: int | None = None
 

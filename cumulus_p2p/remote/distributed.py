@@ -27,13 +27,13 @@ call.
 
 Not yet: the hosts' links are not encrypted, and the prefix is the only thing that
 keeps a host outside the job out of its group; scatter, gather, all-to-all and
-point-to-point; a group that survives one of its hosts failing over. FSDP2 runs its
-collectives here, and still fails on the device itself: it frees a layer's gathered
-parameters by resizing their storage to nothing (``untyped_storage().resize_(0)``),
-which torch refuses on a cumulus tensor's storage (a wrapper subclass's, with no data of
-its own); ``torch.cumulus`` has no streams; and the device sends FSDP2's own ops
-(``torch.ops.fsdp``) and the functional collectives (``_c10d_functional``) to the
-executor instead of running their kernels here.
+point-to-point; a group that survives one of its hosts failing over.
+
+FSDP2 (``fully_shard``) runs on these groups. Besides the collectives it needs of the
+device: freeing and re-allocating gathered parameters' storage (``fsdp.py``, set up when
+a group is created), streams and events (``torch.cumulus.Stream``: ``device.py``), and
+its own ops and the functional collectives run with their kernels here
+(``tensor.py``'s ``_kernel_here_plan``).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
+from . import fsdp
 from .client import RemoteSession, current_session
 from .tensor import RemoteTensor
 
@@ -85,6 +86,7 @@ class CumulusProcessGroup(dist.ProcessGroup):
         session: RemoteSession | None = None,
     ) -> None:
         super().__init__(rank, size)
+        fsdp.adapt()  # FSDP2 shards over a group: its storage resizes must reach the hosts
         self._session = session or current_session()
         self._rank, self._size = rank, size
         self._name = "default"

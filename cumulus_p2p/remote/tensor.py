@@ -17,6 +17,10 @@ output wrappers, which is what keeps the per-op client cost low. Plans come in t
 - *async*: outputs needing memory get fresh handles; the op is queued, not awaited.
 - *sync*: the output depends on data (``nonzero``, ``item``, boolean masks) or has no
   meta kernel; the op is sent at once and the executor describes the outputs.
+
+An op from outside aten (FSDP2's ``torch.ops.fsdp``, the functional collectives) is never
+sent: the executor runs aten ops only, so its kernel for this device runs here and the
+aten ops it calls come back as above (``_kernel_here_plan``).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from .transfer import STREAM_CHUNK, pieces
 DEVICE = torch.device("privateuseone", 0)
 _META = torch.device("meta")
 _META_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.Meta)
+_PRIVATEUSE1_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1)
 _SCALARS = (int, float, bool, str, type(None), complex)
 _MAX_PLANS = 50_000
 
@@ -62,6 +67,21 @@ class RemoteStorage:
         session = self.session
         if session is not None and not session.closed:
             session.free(self.handle, self.nbytes)
+
+    def resize(self, tensor: RemoteTensor, nbytes: int) -> None:
+        """Make this storage hold ``nbytes`` bytes on the executor, queued like an op: the
+        bytes both sizes hold are kept, and 0 frees the remote memory while the handle,
+        and every view of it, lives on (``HandleTable.resize``).
+
+        ``tensor`` is one of its views: the record names the storage through it.
+        """
+        session = self.session
+        if nbytes > self.nbytes:
+            session.allocated(nbytes - self.nbytes)
+        else:
+            session.bytes_allocated -= self.nbytes - nbytes
+        self.nbytes = nbytes
+        session.submit(["@resize_storage", [tensor._wire(), nbytes], {}, None])
 
 
 class RemoteTensor(torch.Tensor):
@@ -271,12 +291,39 @@ _META_SIZED_INTS = {
 
 
 def _make_plan(func, args, kwargs) -> Callable:
+    if func.namespace != "aten":
+        return _kernel_here_plan(func)
     plan = _plan_outputs(func, args, kwargs)
     # The tensor lists it writes (``_foreach_add_``'s self), by position and name.
     written = [
         (i, a.name) for i, a in written_arguments(func) if isinstance(a.type, torch.ListType)
     ]
     return _bumping_versions(plan, written) if written else plan
+
+
+def _kernel_here_plan(func) -> Callable:
+    """Run an op from outside aten with its kernel for this device, here.
+
+    The executor runs aten ops only (``wire/ops.py``). Libraries' own ops (FSDP2's
+    ``torch.ops.fsdp``, the functional collectives of ``_c10d_functional``) come with a
+    kernel for PrivateUse1, theirs or a CompositeExplicitAutograd one, written in aten ops
+    and collectives: run here, each of those comes back to ``__torch_dispatch__`` as an
+    aten op, or reaches the ``cumulus`` process group. ``wait_tensor`` waits on the
+    group's work, complete as soon as queued (``distributed.py``): the session runs its
+    ops in order.
+    """
+    name = func.name()
+    if not torch._C._dispatch_has_computed_kernel_for_dispatch_key(name, "PrivateUse1"):
+        raise NotImplementedError(
+            f"{name} has no kernel for the cumulus device: the executor runs aten ops, and "
+            "an op of another library runs here only through its kernel for PrivateUse1 "
+            "(or a CompositeExplicitAutograd one)"
+        )
+
+    def run(args, kwargs):
+        return func.redispatch(_PRIVATEUSE1_KEYS, *args, **kwargs)
+
+    return run
 
 
 def _bumping_versions(plan: Callable, written: list[tuple[int, str]]) -> Callable:
