@@ -104,9 +104,10 @@ def test_a_lost_standby_is_replaced_and_the_new_one_restores_the_session_when_it
             r["host"] for r in replaced["leases"] if r["role"] == "standby" and r["state"] == "held"
         )
         # The new standby copies the checkpoint, a few MiB: well under a second alone, but
-        # over 2 s once on a clean clone's loaded workers. Nothing the test can read says
-        # the copy is done (the script's failover statistics stay in its process).
-        time.sleep(6)
+        # over 2 s once on a clean clone's loaded workers. Its status says when it holds it.
+        by_id[new_standby].wait_for_state(
+            lambda s: any(row.get("held", 0) > 0 for row in s.get("leases", [])), timeout=60
+        )
         by_id[roles["session"]].proc.kill()
         for step in holds:
             (gates / str(step)).touch()

@@ -451,6 +451,12 @@ def test_a_standby_keeps_no_more_than_its_lease_lends_and_the_checkpoint_before_
     with pytest.raises(StandbyFullError, match="lease a larger standby"):
         standby.hold(names)  # 3 MiB: more than the lease lends
     assert standby.kept.piece(names[0]) == pieces[0] and standby.kept.piece(names[2]) is None
+    assert standby.stats.held_bytes == 2 * MiB  # what the provider's status shows
+
+
+def test_a_standby_holds_no_bytes_until_it_holds_a_checkpoint(tmp_path):
+    ctx = DeviceContext(torch.device("cpu"), blobs=BlobStore(tmp_path / "blobs", MiB))
+    assert ExecutorSession(ctx, quota_bytes=1, hold_bytes=MiB).stats.held_bytes == 0
 
 
 class OutgrownStandby:

@@ -196,6 +196,9 @@ async def test_a_dead_holders_turn_passes_on():
         ["stats", 1, 0, 1.0, float("nan"), "device"],
         ["stats", 1, 0, "1 ms", None, "device"],
         ["stats", 1, 0, None, None, "the moon"],
+        ["stats", 1, 0, None, None, "device", 0, -1],  # held bytes
+        ["stats", 1, 0, None, None, "device", 0, "1 GiB"],
+        ["stats", 1, 0, None, None, "device", 0, 0, 0],
         ["room", 1],
         ["room", -1, 4096],
         ["room", 1, "lots"],
@@ -280,6 +283,13 @@ def test_a_workers_stats_are_what_status_shows_for_its_consumers_session():
     assert (stats.ops, stats.bytes_in_use, stats.tier) == (120, 4096, "disk")
     assert (stats.wait_p50_ms, stats.wait_p99_ms) == (0.5, 12.0)
     assert sup.session_stats(b"x" * 32) is None
+
+
+def test_a_standby_workers_held_bytes_reach_status():
+    sup, (worker,), _ = supervisor_with(ON_DEMAND)
+    sup.sessions[1] = SessionView(worker.pid, owner=b"k" * 32)
+    sup._on_message(worker, ["stats", 3, 0, None, None, "device", 0, 5 * 2**20])
+    assert sup.session_stats(b"k" * 32).held_bytes == 5 * 2**20
 
 
 # --- memory across workers: past the device's bound, the supervisor asks for evictions ----

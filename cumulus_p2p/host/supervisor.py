@@ -942,9 +942,10 @@ class _Unavailable(Exception):
 
 def _stats(message: list) -> SessionStats:
     """A worker's ``["stats", ops, bytes_in_use, wait_p50_ms, wait_p99_ms, tier,
-    bytes_on_device]``, checked: a worker runs tenant code. Without its last field, all
-    its bytes are on the device or none is, as ``tier`` says."""
-    if len(message) not in (6, 7) or not all(type(v) is int and v >= 0 for v in message[1:3]):
+    bytes_on_device, held_bytes]``, checked: a worker runs tenant code. Without
+    ``bytes_on_device``, all its bytes are on the device or none is, as ``tier`` says;
+    without ``held_bytes``, it holds none."""
+    if len(message) not in (6, 7, 8) or not all(type(v) is int and v >= 0 for v in message[1:3]):
         raise LinkClosedError("it sent malformed stats")
     waits = message[3:5]
     if not all(v is None or (type(v) is float and 0 <= v < math.inf) for v in waits):
@@ -952,10 +953,13 @@ def _stats(message: list) -> SessionStats:
     if message[5] not in _TIERS:
         raise LinkClosedError("it named no tier its memory could be in")
     on_device = message[2] if message[5] == Tier.DEVICE.value else 0
-    if len(message) == 7:
+    if len(message) >= 7:
         on_device = message[6]
         if type(on_device) is not int or not 0 <= on_device <= message[2]:
             raise LinkClosedError("it sent malformed stats: more on the device than it holds")
+    held = message[7] if len(message) == 8 else 0
+    if type(held) is not int or held < 0:
+        raise LinkClosedError("it sent malformed stats: its held bytes are no count")
     return SessionStats(
         ops=message[1],
         bytes_in_use=message[2],
@@ -963,6 +967,7 @@ def _stats(message: list) -> SessionStats:
         wait_p99_ms=waits[1],
         tier=message[5],
         bytes_on_device=on_device,
+        held_bytes=held,
     )
 
 

@@ -19,11 +19,12 @@ Messages on the link (``workerlink.py``), worker to supervisor:
   (``SupervisorTurns``), granted across all workers by the supervisor's ``DeviceQueue``
   in the rank of each worker's lease. Only on an exclusively shared device: by default
   workers run at once (``scheduler.Sharing``) and never ask.
-- ``["stats", ops, bytes_in_use, wait_p50_ms, wait_p99_ms, tier, bytes_on_device]``: its
-  session at work, every ``STATS_EVERY_S`` while it serves one and at once after an
-  ``evict`` (the provider's status shows it; the waits are nil while it took no device
-  turn in the last minute; ``tier``: where its evicted storages are, ``eviction.Tier``'s
-  value, and ``bytes_on_device`` what stays on the device).
+- ``["stats", ops, bytes_in_use, wait_p50_ms, wait_p99_ms, tier, bytes_on_device,
+  held_bytes]``: its session at work, every ``STATS_EVERY_S`` while it serves one and at
+  once after an ``evict`` (the provider's status shows it; the waits are nil while it
+  took no device turn in the last minute; ``tier``: where its evicted storages are,
+  ``eviction.Tier``'s value, ``bytes_on_device`` what stays on the device, and
+  ``held_bytes`` what it keeps pinned in the host's store: a standby's checkpoint).
 - ``["token", token]``: a session it welcomed (resumes naming it are routed here).
 - ``["traffic", n, bytes, peer_bytes]``: frame bytes session ``n`` carried since the
   last report, and bytes its collectives carried between the job's hosts, every
@@ -430,7 +431,7 @@ class Worker:
         stats = self.executor.session_stats(owner)
         if stats is not None:
             waits = [stats.wait_p50_ms, stats.wait_p99_ms]
-            where = [stats.tier, stats.bytes_on_device]
+            where = [stats.tier, stats.bytes_on_device, stats.held_bytes]
             await self.link.send(["stats", stats.ops, stats.bytes_in_use, *waits, *where])
 
     async def _ask_room(self, nbytes: int) -> None:

@@ -662,6 +662,7 @@ class Provider:
                 "memory": stats.bytes_in_use,
                 "tier": stats.tier,
                 "on_device": stats.bytes_on_device,
+                "held": stats.held_bytes,
                 "quota": served.share_bytes * active.proposal.shares,
             }
             if stats.wait_p99_ms is not None:  # it took device turns in the last minute
