@@ -15,10 +15,12 @@ leave every other tensor to torch's own. Nothing else of torch changes.
 shards over a process group, and importing FSDP2 costs about 80 ms that a session
 without one need not pay.
 
-Checked with torch 2.13 (FSDP2 defines both functions in ``_fsdp_param``, and
-``_fsdp_param_group`` imports ``alloc_storage``). Every module of
-``torch.distributed.fsdp._fully_shard`` that holds either name gets the replacement, so a
-torch that moved them (to ``_fsdp_common``, say) is served as well.
+Checked with torch 2.13, where FSDP2 defines both functions in ``_fsdp_param`` and
+``_fsdp_param_group`` imports ``alloc_storage`` by name. Not yet run on torch 2.11 (the
+GPU hosts'); it uses nothing newer than FSDP2's package and these two names, and every
+module of ``torch.distributed.fsdp._fully_shard`` that holds either name gets the
+replacement, wherever a version defines them (``_fsdp_common``, say). A torch whose FSDP2
+frees storage some other way leaves cumulus tensors to torch's own refusal.
 """
 
 from __future__ import annotations
