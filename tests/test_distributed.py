@@ -8,8 +8,6 @@ forwarder (``testing/tap.py``). The others drive the executor's side
 
 from __future__ import annotations
 
-import json
-import os
 import socket
 import subprocess
 import sys
@@ -30,22 +28,19 @@ from cumulus_p2p.host.collectives import (
     is_collective,
 )
 from cumulus_p2p.host.handles import OpFailed
-from cumulus_p2p.testing import forkexec, forkstart, nodes
+from cumulus_p2p.testing import nodes
 from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.testing.tap import tap
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_train.py"
-TORCHRUN = [sys.executable, *nodes.TORCHRUN_LOCAL]
 PREFIX = "0123456789abcdef0123456789abcdef"
 
 
 def torchrun(*args: str, env: dict[str, str] | None = None) -> list[dict]:
-    """Run a script on two ranks, forks of a preloaded server (``forkexec``); return each
-    rank's JSON line."""
-    environ = {**os.environ, **forkexec.python_exec(), **(env or {})}
-    done = forkstart.run([*TORCHRUN, *args], timeout=300, env=environ)
+    """Run a script on two ranks (``nodes.torchrun``); return each rank's JSON line."""
+    done = nodes.torchrun(*args, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return nodes.json_lines(done.stdout)
 
 
 @pytest.fixture(scope="module")

@@ -209,6 +209,11 @@ def final_json(lines: list[str]) -> dict:
     return json.loads(next(x for x in reversed(lines) if x.startswith("{")))
 
 
+def json_lines(out: str) -> list[dict]:
+    """Every JSON line of ``out`` (a torchrun job's: one per rank)."""
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
 def demo_reference(steps: int) -> list[str]:
     """The arguments of a local ``demo_train`` run of ``steps`` steps. A job of that many
     demo steps through the mesh must end with its loss, however often either logs: one
@@ -288,12 +293,8 @@ class LocalRun:
         return final_json(self._out.splitlines())
 
     def _keep(self, out: str) -> None:
-        if self._kept is None:
-            return
-        # Written aside and renamed, so that a test in another worker reads all or none.
-        partial = self._kept.with_suffix(f".{os.getpid()}.partial")
-        partial.write_text(out)
-        os.replace(partial, self._kept)
+        if self._kept is not None:
+            _write_whole(self._kept, out)
 
     def final_loss(self, timeout: float = 120.0) -> float:
         return self.result(timeout)["final_loss"]
@@ -316,44 +317,48 @@ def local_result(*script: str, timeout: float = 120.0) -> dict:
         return run.result(timeout)
 
 
-#: ``torchrun`` on two ranks of this machine's CPU, as ``local_ddp_run`` starts it.
+#: ``torchrun`` on two ranks of this machine's CPU (``torchrun``).
 TORCHRUN_LOCAL = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
-def local_ddp_run(script: Path, *args: str, scratch: Path) -> tuple[Path, list[dict]]:
-    """``torchrun`` (``TORCHRUN_LOCAL``) of ``script OUT *args`` on this machine's CPU, with
-    gloo: what a job of two leased GPUs must end with. Returns OUT, the parameters the script
-    saved there, and each rank's JSON line.
+def torchrun(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``torchrun`` (``TORCHRUN_LOCAL``) of ``args`` on this machine, its output captured;
+    ``env`` adds to the environment. Its ranks start as forks where the suite's fork starts
+    are on (``forkexec``): as fresh interpreters they cost 3 to 5 CPU seconds each."""
+    environ = {**os.environ, **forkexec.python_exec(), **(env or {})}
+    return forkstart.run([sys.executable, *TORCHRUN_LOCAL, *args], env=environ, timeout=300)
 
-    A run is three processes (about 12 CPU seconds as fresh interpreters; they start as
-    forks where the suite's fork starts are on: ``forkexec``). Where
-    ``CUMULUS_REFERENCE_RUNS`` names a directory, the first test to ask for these
+
+def local_ddp_run(script: Path, *args: str, scratch: Path) -> tuple[Path, list[dict]]:
+    """``torchrun`` of ``script OUT *args`` on this machine's CPU, with gloo: what a job of
+    two leased GPUs must end with. Returns OUT, the parameters the script saved there, and
+    each rank's JSON line.
+
+    Where ``CUMULUS_REFERENCE_RUNS`` names a directory, the first test to ask for these
     arguments computes them there, and the others read its files. Elsewhere it runs in
     ``scratch``.
     """
     kept = _kept_output(["torchrun", str(script), *args])
     if kept is not None and kept.exists():
-        return kept.with_suffix(".pt"), _json_lines(kept.read_text())
+        return kept.with_suffix(".pt"), json_lines(kept.read_text())
     base = kept if kept is not None else scratch / "local-ddp.out"
-    # Written aside and renamed, parameters first: a test in another worker that sees the
-    # output sees the parameters too.
+    # The parameters are in place before the output: a test in another worker that sees
+    # the output sees the parameters too.
     partial = base.with_suffix(f".{os.getpid()}.partial.pt")
-    done = forkstart.run(
-        [sys.executable, *TORCHRUN_LOCAL, str(script), str(partial), *args],
-        env={**os.environ, **forkexec.python_exec()},
-        timeout=300,
-    )
+    done = torchrun(str(script), str(partial), *args)
     if done.returncode != 0:
         raise RuntimeError(f"the local torchrun failed ({done.returncode}):\n{done.stderr[-4000:]}")
     os.replace(partial, base.with_suffix(".pt"))
-    aside = base.with_suffix(f".{os.getpid()}.partial")
-    aside.write_text(done.stdout)
-    os.replace(aside, base)
-    return base.with_suffix(".pt"), _json_lines(done.stdout)
+    _write_whole(base, done.stdout)
+    return base.with_suffix(".pt"), json_lines(done.stdout)
 
 
-def _json_lines(out: str) -> list[dict]:
-    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+def _write_whole(path: Path, text: str) -> None:
+    """Write ``text`` aside and rename it to ``path``, so that a test in another worker
+    reads all of it or none."""
+    partial = path.with_suffix(f".{os.getpid()}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)
 
 
 def start_liar(data_dir: Path, bootstrap: str, lie: str, *, price: str = "0.1") -> NodeProcess:
