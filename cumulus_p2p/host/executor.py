@@ -133,7 +133,40 @@ class _Attached:
     released: trio.Event
 
 
-class Executor:
+class PlainTcpServing:
+    """Accepting plain TCP sessions, which ``Executor`` and ``WorkerSupervisor`` (its
+    drop-in) do alike: each names the task that must run beside its listeners
+    (``_upkeep``) and the largest frame its sessions take (``_max_frame``)."""
+
+    run_session: Callable[[AsyncFrameChannel], Awaitable[None]]
+    _upkeep: Callable[..., Awaitable[None]]
+
+    def _max_frame(self) -> int:
+        raise NotImplementedError
+
+    async def serve_tcp(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Run the upkeep and accept plain TCP sessions forever; reports the bound port
+        through ``task_status``."""
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        bound = listeners[0].socket.getsockname()[1]
+        max_frame = self._max_frame()
+
+        async def handler(stream: trio.SocketStream) -> None:
+            await self.run_session(TrioFrameChannel(stream, max_frame=max_frame))
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self._upkeep)
+            await nursery.start(trio.serve_listeners, handler, listeners)
+            task_status.started(bound)
+
+
+class Executor(PlainTcpServing):
     """Serves sessions on one device. Share one instance across listeners and channels.
 
     Parked sessions expire lazily whenever a session starts or ends; run
@@ -885,45 +918,11 @@ class Executor:
             await trio.sleep(tick)
             self._expire_parked()
 
-    async def serve_tcp(
-        self,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        *,
-        task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        """Accept plain TCP sessions forever; reports the bound port through ``task_status``."""
-        await serve_plain_tcp(
-            self.run_session,
-            self.expire_parked_forever,
-            max_frame=self.config.max_frame,
-            host=host,
-            port=port,
-            task_status=task_status,
-        )
+    #: What ``serve_tcp`` runs beside its listeners.
+    _upkeep = expire_parked_forever
 
-
-async def serve_plain_tcp(
-    run_session,
-    upkeep,
-    *,
-    max_frame: int,
-    host: str,
-    port: int,
-    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Start ``upkeep`` (a ``nursery.start``-able task), then hand each plain TCP
-    connection to ``run_session`` forever; reports the bound port through ``task_status``."""
-    listeners = await trio.open_tcp_listeners(port, host=host)
-    bound = listeners[0].socket.getsockname()[1]
-
-    async def handler(stream: trio.SocketStream) -> None:
-        await run_session(TrioFrameChannel(stream, max_frame=max_frame))
-
-    async with trio.open_nursery() as nursery:
-        await nursery.start(upkeep)
-        await nursery.start(trio.serve_listeners, handler, listeners)
-        task_status.started(bound)
+    def _max_frame(self) -> int:
+        return self.config.max_frame
 
 
 class _ContextLost(Exception):

@@ -89,7 +89,7 @@ from ..blobs import service as blobservice
 from ..channel.transport import AsyncFrameChannel, Handover, HandoverError, frame_header
 from ..wire.protocol import decode_frame
 from .eviction import Candidate, Tier, plan
-from .executor import ExecutorConfig, pick_device, send_last, serve_plain_tcp
+from .executor import ExecutorConfig, PlainTcpServing, pick_device, send_last
 from .health import CHECK_TIMEOUT_S, DeviceHealth
 from .scheduler import (
     DEFAULT_QUANTUM_S,
@@ -307,7 +307,7 @@ class _Handed:
         return True
 
 
-class WorkerSupervisor:
+class WorkerSupervisor(PlainTcpServing):
     """Serves sessions, each in a worker process of its own; a drop-in for ``Executor``.
 
     Run ``run`` in a nursery first (``nursery.start(supervisor.run)``): it owns the
@@ -379,6 +379,9 @@ class WorkerSupervisor:
             finally:
                 for worker in list(self._workers.values()):
                     worker.link.close()  # each worker exits when its link closes
+
+    #: What ``serve_tcp`` runs beside its listeners: the pool.
+    _upkeep = run
 
     async def _keep_pool(self) -> None:
         await self._start_zygote()
@@ -871,22 +874,8 @@ class WorkerSupervisor:
         if self.sharing is Sharing.CONCURRENT:
             _weigh_threads(worker.pid, cpu_nice(worker.rank), idle=cpu_idle(worker.rank))
 
-    async def serve_tcp(
-        self,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        *,
-        task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        """Run the pool and accept plain TCP sessions forever; reports the bound port."""
-        await serve_plain_tcp(
-            self.run_session,
-            self.run,
-            max_frame=self.config.executor.max_frame,
-            host=host,
-            port=port,
-            task_status=task_status,
-        )
+    def _max_frame(self) -> int:
+        return self.config.executor.max_frame
 
 
 def _open_blob_dir(path: str | None) -> int | None:
