@@ -25,6 +25,7 @@ from cumulus_p2p.native.records import (
     Upload,
     encode,
 )
+from cumulus_p2p.testing.executor import MemoryTenant, cpu_executor
 from cumulus_p2p.wire import native as wire
 
 pytestmark = pytest.mark.native
@@ -266,27 +267,15 @@ def test_parked_in_host_memory_then_on_disk_it_runs_on_with_the_same_results(tmp
 # --- the executor: native tenants past the device's room, evicted to fit ---------------
 
 
-class Tenant:
+class Tenant(MemoryTenant):
     """A native session of the in-process executor, over a memory stream."""
 
     def __init__(self, executor, nursery, rank) -> None:
-        import trio.testing
-
-        from cumulus_p2p.channel.transport import TrioFrameChannel
-
-        client, server = trio.testing.memory_stream_pair()
-        self.channel = TrioFrameChannel(client)
+        super().__init__(executor, nursery, rank=rank)
         self.client = Client()
-        nursery.start_soon(lambda: executor.run_session(TrioFrameChannel(server), rank=rank))
 
     async def hello(self, opening: str = "hello", options: dict | None = None) -> dict:
-        from cumulus_p2p.wire.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
-
-        options = {"native": wire.VERSION} | (options or {})
-        await self.channel.send_frame(encode_frame([opening, PROTOCOL_VERSION, options]))
-        header = decode_frame(await self.channel.receive_frame())[0]
-        assert header[0] == "welcome", header
-        return header[2]
+        return await super().hello(opening, {"native": wire.VERSION} | (options or {}))
 
     async def batch(self, *records, grows: int = 0) -> list[bytes]:
         await self.channel.send_frame([self.client.request(*records, grows=grows)])
@@ -301,11 +290,8 @@ class Tenant:
 async def test_native_tenants_past_the_device_evict_the_least_recently_used_exactly(tmp_path):
     import trio
 
-    from cumulus_p2p.host.executor import Executor, ExecutorConfig
-
     # Room on the device for two tenants' storages, not three.
-    config = ExecutorConfig(device="cpu", blob_dir=str(tmp_path), device_bytes=2 * N * 4 + 4096)
-    executor = Executor(config)
+    executor = cpu_executor(tmp_path, device_bytes=2 * N * 4 + 4096)
     async with trio.open_nursery() as nursery:
         tenants = [Tenant(executor, nursery, rank=(0, -100)) for _ in range(3)]
         for tenant in tenants:
@@ -332,10 +318,7 @@ async def test_native_tenants_past_the_device_evict_the_least_recently_used_exac
 async def test_a_native_batch_that_says_it_grows_past_the_device_evicts_another_first(tmp_path):
     import trio
 
-    from cumulus_p2p.host.executor import Executor, ExecutorConfig
-
-    config = ExecutorConfig(device="cpu", blob_dir=str(tmp_path), device_bytes=2 * N * 4 + 4096)
-    executor = Executor(config)
+    executor = cpu_executor(tmp_path, device_bytes=2 * N * 4 + 4096)
     async with trio.open_nursery() as nursery:
         idle, growing = (Tenant(executor, nursery, rank=(0, -100)) for _ in range(2))
         for tenant in (idle, growing):
@@ -359,10 +342,7 @@ def test_only_a_batch_says_how_far_it_grows():
 async def test_a_dropped_native_tenant_is_parked_on_disk_and_resumes_exactly(tmp_path):
     import trio
 
-    from cumulus_p2p.host.executor import Executor, ExecutorConfig
-
-    config = ExecutorConfig(device="cpu", blob_dir=str(tmp_path), device_bytes=4 * N * 4)
-    executor = Executor(config)
+    executor = cpu_executor(tmp_path, device_bytes=4 * N * 4)
     async with trio.open_nursery() as nursery:
         tenant = Tenant(executor, nursery, rank=(1, 0))
         token = (await tenant.hello())["token"]

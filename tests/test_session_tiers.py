@@ -14,6 +14,7 @@ from cumulus_p2p._errors import BlobMismatchError
 from cumulus_p2p.blobs.store import BlobStore
 from cumulus_p2p.host.eviction import Tier
 from cumulus_p2p.host.session import DeviceContext, ExecutorSession, parse_batch
+from cumulus_p2p.testing.executor import MemoryTenant, cpu_executor
 from cumulus_p2p.wire.protocol import (
     decode_frame,
     encode_frame,
@@ -181,10 +182,8 @@ def test_a_batch_brings_back_only_the_storages_it_names_and_lets_go_of_those_it_
 def test_off_a_gpu_a_parked_session_goes_to_disk_only_past_the_host_caches_budget(
     tmp_path, cache_bytes, blob_store, tier
 ):
-    from cumulus_p2p.host.executor import Executor, ExecutorConfig
-
-    store = str(tmp_path / "blobs") if blob_store else None
-    executor = Executor(ExecutorConfig(device="cpu", blob_dir=store, cache_bytes=cache_bytes))
+    store = tmp_path / "blobs" if blob_store else None
+    executor = cpu_executor(store, cache_bytes=cache_bytes)
     session, _ = a_session(tmp_path, ctx=executor.ctx)
     executor.ctx.device = torch.device("cuda", 0)  # a GPU host's, as far as the choice goes
     assert executor._park_tier(session) is tier
@@ -193,28 +192,12 @@ def test_off_a_gpu_a_parked_session_goes_to_disk_only_past_the_host_caches_budge
 # --- the executor: quotas adding up to more than the device, sessions evicted to fit -----
 
 
-class Tenant:
-    """A session of the in-process executor, driven frame by frame over a memory stream."""
+class Tenant(MemoryTenant):
+    """A session of the in-process executor, its batches numbered."""
 
     def __init__(self, executor, nursery, rank) -> None:
-        import trio.testing
-
-        from cumulus_p2p.channel.transport import TrioFrameChannel
-
-        client, server = trio.testing.memory_stream_pair()
-        self.channel = TrioFrameChannel(client)
-        nursery.start_soon(lambda: executor.run_session(TrioFrameChannel(server), rank=rank))
+        super().__init__(executor, nursery, rank=rank)
         self.seq = 0
-
-    async def hello(self, opening: str = "hello", options: dict | None = None) -> dict:
-        """Open the session (or resume one: ``opening="resume"`` with its token); returns
-        the welcome's information."""
-        from cumulus_p2p.wire.protocol import PROTOCOL_VERSION
-
-        await self.channel.send_frame(encode_frame([opening, PROTOCOL_VERSION, options or {}]))
-        header = decode_frame(await self.channel.receive_frame())[0]
-        assert header[0] == "welcome", header
-        return header[2]
 
     async def batch(self, ops: list, query: list, frees: tuple = (), grows: int = 0) -> tuple:
         """Send a batch (saying it creates ``grows`` bytes of storages) and read its reply."""
@@ -239,11 +222,8 @@ async def test_quotas_past_the_device_evict_the_least_recently_used_and_results_
 ):
     import trio
 
-    from cumulus_p2p.host.executor import Executor, ExecutorConfig
-
     # Room on the device for two tenants' storages, not three.
-    config = ExecutorConfig(device="cpu", blob_dir=str(tmp_path), device_bytes=2 * N * 4 + 4096)
-    executor = Executor(config)
+    executor = cpu_executor(tmp_path, device_bytes=2 * N * 4 + 4096)
     async with trio.open_nursery() as nursery:
         tenants = [Tenant(executor, nursery, rank=(0, -100)) for _ in range(3)]
         for tenant in tenants:
@@ -275,10 +255,7 @@ async def test_a_batch_that_says_it_grows_past_the_device_evicts_another_before_
 ):
     import trio
 
-    from cumulus_p2p.host.executor import Executor, ExecutorConfig
-
-    config = ExecutorConfig(device="cpu", blob_dir=str(tmp_path), device_bytes=2 * N * 4 + 4096)
-    executor = Executor(config)
+    executor = cpu_executor(tmp_path, device_bytes=2 * N * 4 + 4096)
     async with trio.open_nursery() as nursery:
         idle, growing = (Tenant(executor, nursery, rank=(0, -100)) for _ in range(2))
         await idle.open_with_ones()
@@ -294,10 +271,7 @@ async def test_a_batch_that_says_it_grows_past_the_device_evicts_another_before_
 async def test_making_room_moves_only_the_storages_the_room_needs(tmp_path):
     import trio
 
-    from cumulus_p2p.host.executor import Executor, ExecutorConfig
-
-    config = ExecutorConfig(device="cpu", blob_dir=str(tmp_path), device_bytes=3 * N * 4 + 4096)
-    executor = Executor(config)
+    executor = cpu_executor(tmp_path, device_bytes=3 * N * 4 + 4096)
     async with trio.open_nursery() as nursery:
         older, newer = (Tenant(executor, nursery, rank=(0, -100)) for _ in range(2))
         await older.open_with_ones()
@@ -315,10 +289,7 @@ async def test_making_room_moves_only_the_storages_the_room_needs(tmp_path):
 async def test_an_evicted_session_that_fits_comes_back_ahead_of_its_turn(tmp_path):
     import trio
 
-    from cumulus_p2p.host.executor import Executor, ExecutorConfig
-
-    config = ExecutorConfig(device="cpu", blob_dir=str(tmp_path), device_bytes=4 * N * 4)
-    executor = Executor(config)
+    executor = cpu_executor(tmp_path, device_bytes=4 * N * 4)
     async with trio.open_nursery() as nursery:
         tenant = Tenant(executor, nursery, rank=(0, -100))
         await tenant.open_with_ones()
@@ -345,10 +316,7 @@ async def test_two_evictions_asked_at_once_move_the_session_once_and_fail_nothin
     second finds the session gone from the device, and says it moved nothing."""
     import trio
 
-    from cumulus_p2p.host.executor import Executor, ExecutorConfig
-
-    config = ExecutorConfig(device="cpu", blob_dir=str(tmp_path), device_bytes=4 * N * 4)
-    executor = Executor(config)
+    executor = cpu_executor(tmp_path, device_bytes=4 * N * 4)
     async with trio.open_nursery() as nursery:
         tenant = Tenant(executor, nursery, rank=(0, -100))
         await tenant.open_with_ones()
@@ -373,10 +341,7 @@ async def test_a_dropped_tenants_memory_is_parked_on_disk_and_its_resume_is_exac
     a device with bounded room its storages leave it, and come back exactly."""
     import trio
 
-    from cumulus_p2p.host.executor import Executor, ExecutorConfig
-
-    config = ExecutorConfig(device="cpu", blob_dir=str(tmp_path), device_bytes=4 * N * 4)
-    executor = Executor(config)
+    executor = cpu_executor(tmp_path, device_bytes=4 * N * 4)
     async with trio.open_nursery() as nursery:
         tenant = Tenant(executor, nursery, rank=(1, 0))
         token = (await tenant.hello())["token"]
@@ -400,10 +365,7 @@ async def test_an_older_parked_session_moves_to_disk_for_a_newer_one_and_both_re
     to disk instead of being dropped, and each tenant resumes where it was."""
     import trio
 
-    from cumulus_p2p.host.executor import Executor, ExecutorConfig
-
-    config = ExecutorConfig(device="cpu", blob_dir=str(tmp_path), cache_bytes=N * 4 + 4096)
-    executor = Executor(config)
+    executor = cpu_executor(tmp_path, cache_bytes=N * 4 + 4096)
     async with trio.open_nursery() as nursery:
         tokens, expected = [], []
         for parked in (1, 2):
@@ -432,14 +394,10 @@ async def test_a_sigkilled_consumers_session_leaves_no_tier_holding_anything(tmp
 
     import trio
 
-    from cumulus_p2p.host.executor import Executor, ExecutorConfig
     from cumulus_p2p.testing.tenant import Tenant as TenantProcess
 
     store = tmp_path / "blobs"
-    config = ExecutorConfig(
-        device="cpu", blob_dir=str(store), device_bytes=200_000, cache_grace=0.5
-    )
-    executor = Executor(config)
+    executor = cpu_executor(store, device_bytes=200_000, cache_grace=0.5)
     async with trio.open_nursery() as nursery:
         port = await nursery.start(executor.serve_tcp)
         address = f"127.0.0.1:{port}"

@@ -1,5 +1,5 @@
-"""Start a real executor process on loopback for tests and benchmarks; or run one batch
-through an in-process ``Executor``'s session."""
+"""Start a real executor process on loopback for tests and benchmarks; or drive sessions
+of an in-process ``Executor`` over memory streams."""
 
 from __future__ import annotations
 
@@ -128,17 +128,41 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def cpu_executor(blob_dir: str | Path | None, **config):
+    """An in-process ``Executor`` on the CPU that evicts to a blob store in ``blob_dir``;
+    ``config`` sets the rest of its ``ExecutorConfig`` (``device_bytes``, ``cache_bytes``)."""
+    from ..host.executor import Executor, ExecutorConfig  # torch: only where one is made
+
+    store = None if blob_dir is None else str(blob_dir)
+    return Executor(ExecutorConfig(device="cpu", blob_dir=store, **config))
+
+
+class MemoryTenant:
+    """A session of an in-process executor, driven frame by frame over a memory stream;
+    ``terms`` are ``run_session``'s (``rank``, ``until``)."""
+
+    def __init__(self, executor, nursery: trio.Nursery, **terms) -> None:
+        client, server = trio.testing.memory_stream_pair()
+        self.channel = TrioFrameChannel(client)
+        nursery.start_soon(lambda: executor.run_session(TrioFrameChannel(server), **terms))
+
+    async def hello(self, opening: str = "hello", options: dict | None = None) -> dict:
+        """Open the session (or resume one: ``opening="resume"`` with its token); returns
+        the welcome's information."""
+        await self.channel.send_frame(encode_frame([opening, PROTOCOL_VERSION, options or {}]))
+        header = decode_frame(await self.channel.receive_frame())[0]
+        assert header[0] == "welcome", header
+        return header[2]
+
+
 async def one_batch(executor, batch: list, *, rank: tuple) -> bytes:
     """The reply frame (header and blobs) to ``batch`` (sequence number 1, no failure
     expected) in a session of its own on ``executor``, at ``rank``."""
-    client_stream, server_stream = trio.testing.memory_stream_pair()
-    client = TrioFrameChannel(client_stream)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(lambda: executor.run_session(TrioFrameChannel(server_stream), rank=rank))
-        await client.send_frame(encode_frame(["hello", PROTOCOL_VERSION, {}]))
-        assert decode_frame(await client.receive_frame())[0][0] == "welcome"
-        await client.send_frame(encode_frame(batch))
-        reply = bytes(await client.receive_frame())
+        tenant = MemoryTenant(executor, nursery, rank=rank)
+        await tenant.hello()
+        await tenant.channel.send_frame(encode_frame(batch))
+        reply = bytes(await tenant.channel.receive_frame())
         assert decode_frame(bytearray(reply))[0][:3] == ["reply", 1, None]
-        await client.send_frame(encode_frame(["bye"]))
+        await tenant.channel.send_frame(encode_frame(["bye"]))
     return reply
