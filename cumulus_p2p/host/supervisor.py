@@ -335,18 +335,11 @@ class WorkerSupervisor(PlainTcpServing):
         self._ids = itertools.count(1)
         self._blob_fd = _open_blob_dir(self.config.executor.blob_dir)
         self._zygote: Zygote | None = None
-        executor = self.config.executor
-        self._spec = WorkerSpec(
+        self._spec = WorkerSpec.of(
+            self.config.executor,
             device=str(self.device),
-            quota_bytes=executor.quota_bytes,
-            max_frame=executor.max_frame,
-            cache_grace=executor.cache_grace,
-            cache_bytes=executor.cache_bytes,
-            graph_compiler=executor.graph_compiler.value,
             blob_dir=None if self._blob_fd is None else f"/proc/self/fd/{self._blob_fd}",
-            blob_cap=executor.blob_cap,
-            sharing=self.sharing.value,
-            memory_bounded=executor.device_bytes is not None,
+            sharing=self.sharing,
         )
 
     @property

@@ -102,6 +102,12 @@ FRAME_PREFIX = 4
 _WELCOME_START = b"\x93\xa7welcome"  # msgpack: a 3-element array whose first element is "welcome"
 
 
+#: The fields of the host's ``ExecutorConfig`` that a worker's executor takes as they are
+#: (``WorkerSpec`` carries the others as text, or leaves them to the supervisor: the
+#: device memory bounds).
+_AS_CONFIGURED = ("quota_bytes", "max_frame", "cache_grace", "cache_bytes", "blob_cap")
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """What a worker is started with: the executor's configuration, as argv-safe JSON."""
@@ -130,16 +136,26 @@ class WorkerSpec:
     def from_json(cls, text: str) -> WorkerSpec:
         return cls(**json.loads(text))
 
+    @classmethod
+    def of(
+        cls, config: ExecutorConfig, *, device: str, blob_dir: str | None, sharing: Sharing
+    ) -> WorkerSpec:
+        """The spec for workers of a host whose executors are configured by ``config``."""
+        return cls(
+            device=device,
+            graph_compiler=config.graph_compiler.value,
+            blob_dir=blob_dir,
+            sharing=sharing.value,
+            memory_bounded=config.device_bytes is not None,
+            **{name: getattr(config, name) for name in _AS_CONFIGURED},
+        )
+
     def executor_config(self) -> ExecutorConfig:
         return ExecutorConfig(
             device=self.device,
-            quota_bytes=self.quota_bytes,
-            max_frame=self.max_frame,
-            cache_grace=self.cache_grace,
-            cache_bytes=self.cache_bytes,
             graph_compiler=GraphCompiler(self.graph_compiler),
             blob_dir=self.blob_dir,
-            blob_cap=self.blob_cap,
+            **{name: getattr(self, name) for name in _AS_CONFIGURED},
         )
 
 
