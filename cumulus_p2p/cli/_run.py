@@ -178,27 +178,38 @@ def _provider_options(args, devices):
     return ProviderOptions(
         devices=devices,
         shares=args.shares or 4,
-        price=args.price,
         min_lease_s=args.min_lease,
-        region=args.region,
-        session_host=args.session_host,
-        session_port=args.session_port,
-        advertise_host=args.advertise_host,
-        receipt_interval=args.receipt_interval,
-        settle_grace=args.settle_grace,
-        min_consumer_score=args.min_consumer_score,
-        leave_timeout=args.leave_timeout,
-        workers=args.workers,
-        pool=args.pool,
         graph_compiler=GraphCompiler(args.graph_compiler),
-        blob_cap=args.blob_cap,
-        ram_tier=args.ram_tier,
-        storage_price=args.storage_price,
-        storage_gib=args.storage_gib,
-        contend_price=args.contend_price,
         contend_shares=_contend_shares(args),
-        overcommit=args.overcommit,
+        **_as_given(args, _PROVIDER_AS_GIVEN),
     )
+
+
+#: ``ProviderOptions`` fields that take their flag's value as it was given.
+_PROVIDER_AS_GIVEN = (
+    "price",
+    "region",
+    "session_host",
+    "session_port",
+    "advertise_host",
+    "receipt_interval",
+    "settle_grace",
+    "min_consumer_score",
+    "leave_timeout",
+    "workers",
+    "pool",
+    "blob_cap",
+    "ram_tier",
+    "storage_price",
+    "storage_gib",
+    "contend_price",
+    "overcommit",
+)
+
+
+def _as_given(args, names: tuple[str, ...]) -> dict:
+    """The flags whose destinations are ``names``, by name, as they were given."""
+    return {name: getattr(args, name) for name in names}
 
 
 def _contend_shares(args) -> int:
@@ -336,26 +347,32 @@ def _consumer_options(args, script: list[str]):
         command=tuple(script),
         gpu_models=tuple(args.gpu),
         min_vram_mib=args.min_vram // 2**20,
-        min_perf=args.min_perf,
-        max_price=args.max_price,
         priority=PriorityClass[args.priority.upper().replace("-", "_")],
-        pay_bid=args.pay_bid,
         max_overcommit_pct=round(100 * args.max_overcommit),
         shares=args.shares or 1,
         duration_s=args.duration,
-        match_timeout=args.match_timeout,
-        wait_for_host=args.wait_for_host,
         cuda_compat=not args.no_cuda_compat,
         # The native device has no collectives: a job of several GPUs runs on the other.
         native=args.gpus == 1 and _native_device(args.native),
-        checkpoint_interval=args.checkpoint_interval,
         backoff=BackoffPolicy(base_s=args.host_backoff),
-        checkpoint_to=args.checkpoint_to,
-        standby_gib=args.standby_gib,
-        private=args.private,
-        max_storage_price=args.max_storage_price,
-        gpus=args.gpus,
+        **_as_given(args, _CONSUMER_AS_GIVEN),
     )
+
+
+#: ``ConsumerOptions`` fields that take their flag's value as it was given.
+_CONSUMER_AS_GIVEN = (
+    "min_perf",
+    "max_price",
+    "pay_bid",
+    "match_timeout",
+    "wait_for_host",
+    "checkpoint_interval",
+    "checkpoint_to",
+    "standby_gib",
+    "private",
+    "max_storage_price",
+    "gpus",
+)
 
 
 class _ConsumerScreen:
