@@ -16,9 +16,7 @@ Usage: ``python benchmarks/market_bench.py [--quick] [--orders N] [--seed S]``.
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import random
 import statistics
 import time
@@ -26,6 +24,7 @@ from pathlib import Path
 
 from cumulus_p2p.identity import NodeIdentity
 from cumulus_p2p.market import Bid, MarketIntake, Offer, OrderBook, PriorityClass, seal_message
+from cumulus_p2p.testing.benchargs import per_second, quick_parser, save_result
 
 NOW = 1_700_000_000.0
 MODELS = [
@@ -65,22 +64,8 @@ def make_orders(n: int, rng: random.Random) -> list[Offer | Bid]:
                 )
             )
         else:
-            orders.append(
-                Bid(
-                    f"consumer{i}",
-                    "b",
-                    vram,
-                    (model,),
-                    0,
-                    rng.randint(1, 4),
-                    rng.randint(100, 499),
-                    PriorityClass.ON_DEMAND,
-                    3600,
-                    created,
-                    NOW + 3600,
-                    i,
-                )
-            )
+            shares, price = rng.randint(1, 4), rng.randint(100, 499)
+            orders.append(bid(f"consumer{i}", vram, (model,), shares, price, created, i))
     return orders
 
 
@@ -90,23 +75,39 @@ def incoming_bids(n: int, rng: random.Random) -> list[Bid]:
     for i in range(n):
         model, vram, _ = rng.choice(MODELS)
         models = (model,) if i % 2 else ()
-        bids.append(
-            Bid(
-                f"buyer{i}",
-                "b",
-                vram if models else 24576,
-                models,
-                0,
-                rng.randint(1, 16),
-                rng.randint(600, 5000),
-                PriorityClass.ON_DEMAND,
-                3600,
-                NOW,
-                NOW + 600,
-                i,
-            )
-        )
+        shares, price = rng.randint(1, 16), rng.randint(600, 5000)
+        floor = vram if models else 24576
+        bids.append(bid(f"buyer{i}", floor, models, shares, price, NOW, i, ttl=600))
     return bids
+
+
+def bid(
+    buyer: str,
+    min_vram: int,
+    models: tuple,
+    shares: int,
+    max_price: int,
+    created: float,
+    nonce: int,
+    *,
+    ttl: float = 3600,
+) -> Bid:
+    """An on-demand bid for an hour, made at ``created`` and open for ``ttl`` seconds
+    from ``NOW``."""
+    return Bid(
+        buyer,
+        "b",
+        min_vram,
+        models,
+        0,
+        shares,
+        max_price,
+        PriorityClass.ON_DEMAND,
+        3600,
+        created,
+        NOW + ttl,
+        nonce,
+    )
 
 
 def percentile(samples: list[float], q: float) -> float:
@@ -137,15 +138,11 @@ def bench_intake(n: int) -> float:
         )
         raws.append(seal_message(host, offer, now=NOW).to_bytes())
     intake = MarketIntake(OrderBook())
-    start = time.perf_counter()
-    for raw in raws:
-        intake.receive(raw, now=NOW)
-    return n / (time.perf_counter() - start)
+    return per_second(lambda raw: intake.receive(raw, now=NOW), raws)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer samples (< 60 s)")
+    parser = quick_parser(__doc__.splitlines()[0], "fewer samples (< 60 s)")
     parser.add_argument("--orders", type=int, default=100_000, help="resting orders")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
@@ -178,9 +175,7 @@ def main() -> None:
         "intake_per_s": round(bench_intake(intake_samples)),
         "quick": args.quick,
     }
-    print(json.dumps(result))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    save_result(RESULTS, result)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,6 @@ Usage: ``python benchmarks/mesh_bench.py [--quick] [--nodes N] [--publishes K]``
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import statistics
 import time
@@ -26,6 +24,7 @@ import trio
 from cumulus_p2p.dht.node import mesh_validator
 from cumulus_p2p.envelope import seal
 from cumulus_p2p.identity import NodeIdentity
+from cumulus_p2p.testing.benchargs import per_second, quick_parser, save_result
 from cumulus_p2p.testing.mesh import fast_config, open_mesh, wait_for
 
 RESULTS = Path(__file__).parent / "results" / "mesh.json"
@@ -74,15 +73,11 @@ def measure_validations(count: int) -> float:
         for i in range(count)
     ]
     validator = mesh_validator(["market/offer"])
-    start = time.perf_counter()
-    for raw in raws:
-        validator.validate(raw, now=now)
-    return count / (time.perf_counter() - start)
+    return per_second(lambda raw: validator.validate(raw, now=now), raws)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer samples (< 60 s)")
+    parser = quick_parser(__doc__.splitlines()[0], "fewer samples (< 60 s)")
     parser.add_argument("--nodes", type=int, default=20)
     parser.add_argument("--publishes", type=int, default=None)
     args = parser.parse_args()
@@ -97,9 +92,7 @@ def main() -> None:
         "validations_per_s": round(measure_validations(2000 if args.quick else 10000)),
         "quick": args.quick,
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
+    save_result(RESULTS, result)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""What the benchmarks share: command-line options for those that drive an executor
-process, the median time of a step, and running a benchmark's own roles as child
-processes."""
+"""What the benchmarks share: command-line options (``--quick``, and ``--device`` for
+those that drive an executor process), the median time of a step or the rate of a call,
+writing a result, and running a benchmark's own roles as child processes."""
 
 from __future__ import annotations
 
@@ -10,17 +10,38 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 
+def quick_parser(description: str | None, quick: str) -> argparse.ArgumentParser:
+    """A benchmark's parser, with ``--quick`` (``quick`` says what it shortens)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help=quick)
+    return parser
+
+
 def executor_bench_args(description: str | None) -> argparse.Namespace:
     """Parse ``--quick`` (fewer repetitions) and ``--device`` (the executor's device)."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions (< 60 s)")
+    parser = quick_parser(description, "fewer repetitions (< 60 s)")
     parser.add_argument("--device", default="cpu", help="executor device: cpu, cuda or auto")
     return parser.parse_args()
+
+
+def per_second(call: Callable[[Any], object], items: Sequence) -> float:
+    """Calls of ``call`` per second, one on each of ``items``."""
+    start = time.perf_counter()
+    for item in items:
+        call(item)
+    return len(items) / (time.perf_counter() - start)
+
+
+def save_result(path: Path, result: dict) -> None:
+    """Print ``result`` as one JSON line and keep it, indented, at ``path``."""
+    print(json.dumps(result))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
 
 
 def median_seconds(step: Callable[[], object], steps: int, *, warmup: int = 3) -> float:
