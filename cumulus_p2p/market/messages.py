@@ -19,7 +19,6 @@ computes the same book. Times are Unix seconds (floats); durations whole seconds
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, fields
 from functools import lru_cache
 from typing import Any, ClassVar, Self, TypeAlias, TypeVar
@@ -34,6 +33,7 @@ from .._errors import (
 )
 from ..envelope import Envelope, seal
 from ..identity import NodeIdentity, peer_id_from_public_key, verify
+from .checks import bad, check_float, check_int
 
 __all__ = [
     "KINDS",
@@ -61,7 +61,6 @@ _MAX_ID = 64
 _MAX_PEER_ID = 128
 _MAX_TEXT = 64
 _MAX_MODELS = 16
-_MAX_U64 = 2**64 - 1
 #: Most GiB an offer lends or a standby lease holds: 1 PiB.
 _MAX_GIB = 2**20
 #: The most micro-credits per share-hour a bid may offer.
@@ -109,31 +108,10 @@ class Side(enum.IntEnum):
     BID = 1
 
 
-def _bad(cls: type, name: str, why: str) -> InvalidMessageError:
-    return InvalidMessageError(f"{cls.__name__}.{name} {why}")
-
-
-def _check_int(msg: object, name: str, lo: int, hi: int = _MAX_U64) -> None:
-    value = getattr(msg, name)
-    if type(value) is not int or not lo <= value <= hi:
-        raise _bad(type(msg), name, f"must be an int in {lo}..{hi}, got {value!r}")
-
-
-def _check_float(msg: object, name: str) -> None:
-    value = getattr(msg, name)
-    # Accept ints from local callers for convenience; store the float so the encoding is
-    # canonical. Decoded peer input is held to the float type by the re-encode check.
-    if type(value) is int:
-        value = float(value)
-        object.__setattr__(msg, name, value)
-    if type(value) is not float or not math.isfinite(value) or value < 0:
-        raise _bad(type(msg), name, f"must be a finite, non-negative float, got {value!r}")
-
-
 def _check_text(msg: object, name: str, max_len: int, *, allow_empty: bool = False) -> None:
     value = getattr(msg, name)
     if type(value) is not str or len(value) > max_len or (not value and not allow_empty):
-        raise _bad(
+        raise bad(
             type(msg),
             name,
             f"must be a {'' if allow_empty else 'non-empty '}string "
@@ -144,7 +122,7 @@ def _check_text(msg: object, name: str, max_len: int, *, allow_empty: bool = Fal
 def _check_bytes(msg: object, name: str, size: int | None = None) -> None:
     value = getattr(msg, name)
     if type(value) is not bytes or (size is not None and len(value) != size):
-        raise _bad(type(msg), name, f"must be {size or 'some'} bytes")
+        raise bad(type(msg), name, f"must be {size or 'some'} bytes")
 
 
 def _check_enum(msg: object, name: str, enum_type: type[enum.IntEnum]) -> None:
@@ -154,12 +132,12 @@ def _check_enum(msg: object, name: str, enum_type: type[enum.IntEnum]) -> None:
     if type(value) is int and value in enum_type._value2member_map_:
         object.__setattr__(msg, name, enum_type(value))
         return
-    raise _bad(type(msg), name, f"must be a {enum_type.__name__}, got {value!r}")
+    raise bad(type(msg), name, f"must be a {enum_type.__name__}, got {value!r}")
 
 
 def _check_window(msg: Any) -> None:
     if msg.created_at > msg.expires_at:
-        raise _bad(type(msg), "expires_at", "must not be before created_at")
+        raise bad(type(msg), "expires_at", "must not be before created_at")
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,23 +203,23 @@ class Offer:
         _check_text(self, "host", _MAX_PEER_ID)
         _check_text(self, "offer_id", _MAX_ID)
         _check_text(self, "gpu_model", _MAX_TEXT)
-        _check_int(self, "vram_mib", 1, 2**32)
-        _check_int(self, "perf_units", 0, 2**32)
-        _check_int(self, "contend_shares", 0, 2**16)
+        check_int(self, "vram_mib", 1, 2**32)
+        check_int(self, "perf_units", 0, 2**32)
+        check_int(self, "contend_shares", 0, 2**16)
         # An offer whose on-demand shares are all leased still sells its contending ones.
-        _check_int(self, "shares_free", 0 if self.contend_shares else 1, 2**16)
-        _check_int(self, "price", 0, 2**48)
-        _check_int(self, "min_lease_s", 0, 2**32)
+        check_int(self, "shares_free", 0 if self.contend_shares else 1, 2**16)
+        check_int(self, "price", 0, 2**48)
+        check_int(self, "min_lease_s", 0, 2**32)
         _check_text(self, "region", _MAX_TEXT, allow_empty=True)
-        _check_float(self, "created_at")
-        _check_float(self, "expires_at")
-        _check_int(self, "nonce", 0)
-        _check_int(self, "storage_price", 0, 2**48)
-        _check_int(self, "storage_gib", 0, _MAX_GIB)
-        _check_int(self, "contend_price", 0, self.price)
+        check_float(self, "created_at")
+        check_float(self, "expires_at")
+        check_int(self, "nonce", 0)
+        check_int(self, "storage_price", 0, 2**48)
+        check_int(self, "storage_gib", 0, _MAX_GIB)
+        check_int(self, "contend_price", 0, self.price)
         if self.contend_shares and not self.contend_price:
-            raise _bad(type(self), "contend_shares", "needs a contend_price")
-        _check_int(self, "overcommit_pct", 100, MAX_OVERCOMMIT_PCT)
+            raise bad(type(self), "contend_shares", "needs a contend_price")
+        check_int(self, "overcommit_pct", 100, MAX_OVERCOMMIT_PCT)
         _check_window(self)
 
     @property
@@ -307,7 +285,7 @@ class Bid:
     def __post_init__(self) -> None:
         _check_text(self, "consumer", _MAX_PEER_ID)
         _check_text(self, "bid_id", _MAX_ID)
-        _check_int(self, "min_vram_mib", 0, 2**32)
+        check_int(self, "min_vram_mib", 0, 2**32)
         models = self.gpu_models
         if type(models) is list:
             models = tuple(models)
@@ -316,19 +294,19 @@ class Bid:
             or len(models) > _MAX_MODELS
             or any(type(m) is not str or not 0 < len(m) <= _MAX_TEXT for m in models)
         ):
-            raise _bad(Bid, "gpu_models", f"must be up to {_MAX_MODELS} non-empty names")
+            raise bad(Bid, "gpu_models", f"must be up to {_MAX_MODELS} non-empty names")
         # Sorted and unique, so equal requirements have equal encodings.
         object.__setattr__(self, "gpu_models", tuple(sorted(set(models))))
-        _check_int(self, "min_perf_units", 0, 2**32)
-        _check_int(self, "shares", 1, 2**16)
-        _check_int(self, "max_price", 0, MAX_PRICE)
+        check_int(self, "min_perf_units", 0, 2**32)
+        check_int(self, "shares", 1, 2**16)
+        check_int(self, "max_price", 0, MAX_PRICE)
         _check_enum(self, "priority", PriorityClass)
-        _check_int(self, "duration_s", 1, 2**32)
-        _check_float(self, "created_at")
-        _check_float(self, "expires_at")
-        _check_int(self, "nonce", 0)
-        _check_int(self, "max_overcommit_pct", 100, MAX_OVERCOMMIT_PCT)
-        _check_int(self, "gpus", 1, MAX_GPUS)
+        check_int(self, "duration_s", 1, 2**32)
+        check_float(self, "created_at")
+        check_float(self, "expires_at")
+        check_int(self, "nonce", 0)
+        check_int(self, "max_overcommit_pct", 100, MAX_OVERCOMMIT_PCT)
+        check_int(self, "gpus", 1, MAX_GPUS)
         _check_window(self)
 
     @property
@@ -369,8 +347,8 @@ class Cancel:
         _check_text(self, "author", _MAX_PEER_ID)
         _check_enum(self, "side", Side)
         _check_text(self, "order_id", _MAX_ID)
-        _check_float(self, "expires_at")
-        _check_int(self, "nonce", 0)
+        check_float(self, "expires_at")
+        check_int(self, "nonce", 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,26 +403,26 @@ class LeaseProposal:
         _check_text(self, "consumer", _MAX_PEER_ID)
         _check_text(self, "host", _MAX_PEER_ID)
         _check_text(self, "offer_id", _MAX_ID)
-        _check_int(self, "offer_nonce", 0)
+        check_int(self, "offer_nonce", 0)
         _check_enum(self, "kind", LeaseKind)
-        _check_int(self, "shares", 0, 2**16)
-        _check_int(self, "storage_gib", 0, _MAX_GIB)
+        check_int(self, "shares", 0, 2**16)
+        check_int(self, "storage_gib", 0, _MAX_GIB)
         if self.kind is LeaseKind.STANDBY:
             if self.shares != 0:
-                raise _bad(LeaseProposal, "shares", "must be 0 for a standby lease")
+                raise bad(LeaseProposal, "shares", "must be 0 for a standby lease")
             if self.storage_gib < 1:
-                raise _bad(LeaseProposal, "storage_gib", "must be at least 1 for a standby lease")
+                raise bad(LeaseProposal, "storage_gib", "must be at least 1 for a standby lease")
         else:
             if self.shares < 1:
-                raise _bad(LeaseProposal, "shares", "must be at least 1 for a compute lease")
+                raise bad(LeaseProposal, "shares", "must be at least 1 for a compute lease")
             if self.storage_gib != 0:
-                raise _bad(LeaseProposal, "storage_gib", "must be 0 for a compute lease")
-        _check_int(self, "price", 0, 2**48)
-        _check_float(self, "start_at")
-        _check_int(self, "duration_s", 1, 2**32)
+                raise bad(LeaseProposal, "storage_gib", "must be 0 for a compute lease")
+        check_int(self, "price", 0, 2**48)
+        check_float(self, "start_at")
+        check_int(self, "duration_s", 1, 2**32)
         _check_enum(self, "priority", PriorityClass)
-        _check_float(self, "expires_at")
-        _check_int(self, "nonce", 0)
+        check_float(self, "expires_at")
+        check_int(self, "nonce", 0)
 
     @property
     def end_at(self) -> float:
@@ -500,16 +478,16 @@ class Receipt:
     def __post_init__(self) -> None:
         _check_text(self, "lease_id", _MAX_ID)
         _check_text(self, "host", _MAX_PEER_ID)
-        _check_int(self, "seq", 0, 2**32)
-        _check_float(self, "interval_start")
-        _check_float(self, "interval_end")
+        check_int(self, "seq", 0, 2**32)
+        check_float(self, "interval_start")
+        check_float(self, "interval_end")
         if self.interval_end < self.interval_start:
-            raise _bad(Receipt, "interval_end", "must not be before interval_start")
-        _check_int(self, "share_seconds", 0)
-        _check_int(self, "bytes_moved", 0)
-        _check_float(self, "expires_at")
-        _check_int(self, "nonce", 0)
-        _check_int(self, "peer_bytes", 0)
+            raise bad(Receipt, "interval_end", "must not be before interval_start")
+        check_int(self, "share_seconds", 0)
+        check_int(self, "bytes_moved", 0)
+        check_float(self, "expires_at")
+        check_int(self, "nonce", 0)
+        check_int(self, "peer_bytes", 0)
 
     @property
     def receipt_id(self) -> str:
@@ -650,7 +628,7 @@ class _Countersigned:
 
     def __post_init__(self) -> None:
         if type(self.envelope) is not Envelope:
-            raise _bad(type(self), "envelope", "must be an Envelope")
+            raise bad(type(self), "envelope", "must be an Envelope")
         _check_bytes(self, "countersignature", 64)
 
     @classmethod

@@ -53,6 +53,7 @@ from .._errors import (
 )
 from ..envelope import Envelope, seal
 from ..identity import PUBLIC_KEY_SIZE, NodeIdentity
+from ..market.checks import bad, check_float, check_int
 from ..market.messages import (
     CountersignedReceipt,
     Lease,
@@ -91,7 +92,6 @@ _MAX_PEER_ID = 128
 _MAX_HEARTBEATS = 1_000_000
 _MAX_PART = 16 * 1024
 _MAX_U32 = 2**32
-_MAX_U64 = 2**64 - 1
 
 
 class EvidenceKind(enum.IntEnum):
@@ -148,34 +148,15 @@ class Finding:
     ratio: float = 1.0
 
 
-def _bad(cls: type, name: str, why: str) -> InvalidMessageError:
-    return InvalidMessageError(f"{cls.__name__}.{name} {why}")
-
-
 def _check_type(msg: object, name: str, expected: type) -> None:
     if type(getattr(msg, name)) is not expected:
-        raise _bad(type(msg), name, f"must be a {expected.__name__}")
-
-
-def _check_time(msg: object, name: str) -> None:
-    value = getattr(msg, name)
-    if type(value) is int:  # local convenience; peer input is held to float by re-encoding
-        value = float(value)
-        object.__setattr__(msg, name, value)
-    if type(value) is not float or not math.isfinite(value) or value < 0:
-        raise _bad(type(msg), name, f"must be a finite, non-negative float, got {value!r}")
-
-
-def _check_int(msg: object, name: str, lo: int, hi: int) -> None:
-    value = getattr(msg, name)
-    if type(value) is not int or not lo <= value <= hi:
-        raise _bad(type(msg), name, f"must be an int in {lo}..{hi}, got {value!r}")
+        raise bad(type(msg), name, f"must be a {expected.__name__}")
 
 
 def _check_host_key(msg: Any) -> None:
     key = msg.host_key
     if type(key) is not bytes or len(key) != PUBLIC_KEY_SIZE:
-        raise _bad(type(msg), "host_key", f"must be {PUBLIC_KEY_SIZE} raw key bytes")
+        raise bad(type(msg), "host_key", f"must be {PUBLIC_KEY_SIZE} raw key bytes")
 
 
 def _evidence_id(kind: EvidenceKind, *parts: bytes) -> bytes:
@@ -249,7 +230,7 @@ class ServiceRecord:
             or not 0 < len(receipts) <= MAX_RECEIPTS
             or any(type(r) is not CountersignedReceipt for r in receipts)
         ):
-            raise _bad(ServiceRecord, "receipts", f"must be 1..{MAX_RECEIPTS} receipts")
+            raise bad(ServiceRecord, "receipts", f"must be 1..{MAX_RECEIPTS} receipts")
 
     def check(self, reporter: str) -> Finding:
         """Verify every signature and that the receipts fit the lease.
@@ -328,7 +309,7 @@ class LeaseFailure:
         if type(self.reason) is int and self.reason in FailureReason._value2member_map_:
             object.__setattr__(self, "reason", FailureReason(self.reason))
         _check_type(self, "reason", FailureReason)
-        _check_time(self, "ended_at")
+        check_float(self, "ended_at")
 
     def check(self, reporter: str) -> Finding:
         """Verify the lease and that the reporter is its consumer.
@@ -375,13 +356,13 @@ class HeartbeatObservation:
 
     def __post_init__(self) -> None:
         if type(self.host) is not str or not 0 < len(self.host) <= _MAX_PEER_ID:
-            raise _bad(HeartbeatObservation, "host", "must be a peer ID")
-        _check_time(self, "window_start")
-        _check_time(self, "window_end")
+            raise bad(HeartbeatObservation, "host", "must be a peer ID")
+        check_float(self, "window_start")
+        check_float(self, "window_end")
         if self.window_end < self.window_start:
-            raise _bad(HeartbeatObservation, "window_end", "must not be before window_start")
-        _check_int(self, "expected", 1, _MAX_HEARTBEATS)
-        _check_int(self, "answered", 0, self.expected)
+            raise bad(HeartbeatObservation, "window_end", "must not be before window_start")
+        check_int(self, "expected", 1, _MAX_HEARTBEATS)
+        check_int(self, "answered", 0, self.expected)
 
     def check(self, reporter: str) -> Finding:
         """Nothing to verify beyond shape: the reporter's credibility is all it has.
@@ -435,8 +416,8 @@ class PerformanceObservation:
         _check_type(self, "lease", Lease)
         _check_host_key(self)
         _check_type(self, "offer", Envelope)
-        _check_int(self, "measured_perf_units", 0, _MAX_U32)
-        _check_time(self, "measured_at")
+        check_int(self, "measured_perf_units", 0, _MAX_U32)
+        check_float(self, "measured_at")
 
     def check(self, reporter: str) -> Finding:
         """Verify the lease, the offer's signature and that the lease names that offer.
@@ -676,12 +657,12 @@ class Report:
         for name in ("reporter", "host"):
             value = getattr(self, name)
             if type(value) is not str or not 0 < len(value) <= _MAX_PEER_ID:
-                raise _bad(Report, name, "must be a peer ID")
+                raise bad(Report, name, "must be a peer ID")
         if type(self.evidence) not in _BY_KIND.values():
-            raise _bad(Report, "evidence", "must be an evidence record")
-        _check_time(self, "created_at")
-        _check_time(self, "expires_at")
-        _check_int(self, "nonce", 0, _MAX_U64)
+            raise bad(Report, "evidence", "must be an evidence record")
+        check_float(self, "created_at")
+        check_float(self, "expires_at")
+        check_int(self, "nonce", 0)
 
     def check(self) -> Finding:
         """Check the evidence (signatures included) and that it is about ``host``.
