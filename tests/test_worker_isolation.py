@@ -28,7 +28,7 @@ from cumulus_p2p.channel.transport import SocketFrameChannel
 from cumulus_p2p.host.executor import Executor, ExecutorConfig
 from cumulus_p2p.identity import KEY_FILE_NAME, NodeIdentity
 from cumulus_p2p.testing import forkstart
-from cumulus_p2p.testing.executor import executor_process, secure_executor_channel
+from cumulus_p2p.testing.executor import executor_process, secure_executor_channel, wait_for_log
 from cumulus_p2p.testing.loopback import cheap_and_dear_providers
 from cumulus_p2p.testing.models import train
 from cumulus_p2p.testing.nodes import (
@@ -206,16 +206,15 @@ def test_new_sessions_succeed_after_a_worker_was_killed(isolated, reference):
 
 
 @pytest.mark.timing  # a lease reaches its first op within 1 s
-def test_a_warm_pool_serves_a_lease_with_a_worker_started_before_it(isolated):
-    address, _ = isolated
-    # Let the pool's worker finish starting (exec and torch's import take seconds here):
-    # run alone in the timing tier, no earlier test has warmed it.
-    time.sleep(5.0)
-    asked = time.time()
-    with remote.attach(address) as session:
-        started = _process_start_time(session.info["worker_pid"])
-        assert torch.ones(2, device="cumulus").sum().item() == 2
-        first_op_s = time.time() - asked
+def test_a_warm_pool_serves_a_lease_with_a_worker_started_before_it():
+    with executor_process(extra=[*WORKERS, "--verbose"]) as (address, proc):
+        # The pool's worker has started (exec and torch's import take seconds here).
+        wait_for_log(proc, "ready: 1 in the pool")
+        asked = time.time()
+        with remote.attach(address) as session:
+            started = _process_start_time(session.info["worker_pid"])
+            assert torch.ones(2, device="cumulus").sum().item() == 2
+            first_op_s = time.time() - asked
     assert started < asked
     assert first_op_s < 1.0
 

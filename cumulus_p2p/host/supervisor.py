@@ -466,6 +466,7 @@ class WorkerSupervisor(PlainTcpServing):
                 raise LinkClosedError(f"it said {message[0]!r} before ready")
             worker.ready.set()
             self._idle.append(worker)
+            log.info("worker %d ready: %d in the pool", worker.pid, len(self._idle))
             _wake(self, "_pool_ready")
             while True:
                 self._on_message(worker, await _receive(worker.link))

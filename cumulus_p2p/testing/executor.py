@@ -59,6 +59,25 @@ def executor_process(
         log.close()
 
 
+def wait_for_log(proc: subprocess.Popen, text: str, timeout: float = 60.0) -> None:
+    """Wait until the log of an executor ``executor_process`` started holds ``text`` (an
+    INFO line needs ``--verbose``).
+
+    Raises:
+        TimeoutError: it did not within ``timeout`` seconds; the message ends with the log.
+    """
+    deadline = time.monotonic() + timeout
+    while text not in _whole_log(proc):
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise TimeoutError(f"no {text!r} in the executor's log:\n{log_tail(proc)}")
+        time.sleep(0.05)
+
+
+def _whole_log(proc: subprocess.Popen) -> str:
+    proc.log.seek(0)
+    return proc.log.read().decode(errors="replace")
+
+
 def log_tail(proc: subprocess.Popen, nbytes: int = 4000) -> str:
     """The end of the log of an executor ``executor_process`` started."""
     end = proc.log.seek(0, os.SEEK_END)
