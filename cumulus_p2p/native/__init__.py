@@ -58,6 +58,7 @@ import importlib.abc
 import sys
 from types import ModuleType
 
+from ..devicemodule import SessionDeviceModule
 from ._build import build_directory as build_directory
 from ._build import is_fresh as is_fresh
 from ._build import missing_toolchain as missing_toolchain
@@ -67,28 +68,20 @@ _WRAPPER = "cumulus_p2p.remote"
 _LOADED: ModuleType | None = None
 
 
-class _DeviceModule:
+class _DeviceModule(SessionDeviceModule):
     """``torch.cumulus`` for the native device: what torch asks a backend module."""
+
+    @staticmethod
+    def _open_session():
+        return _session()
 
     @staticmethod
     def is_available() -> bool:
         return True
 
     @staticmethod
-    def is_initialized() -> bool:
-        return True
-
-    @staticmethod
     def device_count() -> int:
         return 1
-
-    @staticmethod
-    def current_device() -> int:
-        return 0
-
-    @staticmethod
-    def _is_in_bad_fork() -> bool:
-        return False
 
     class device:  # noqa: N801 - torch asks for torch.<device>.device(index)
         """``with torch.cumulus.device(0):``: there is one device, so nothing changes."""
@@ -111,12 +104,6 @@ class _DeviceModule:
 
     manual_seed = manual_seed_all
 
-    @staticmethod
-    def get_amp_supported_dtype() -> list:
-        import torch
-
-        return [torch.float16, torch.bfloat16]
-
     # What CUDA compatibility mode asks beside (``cumulus_p2p.cuda_compat``).
 
     @staticmethod
@@ -124,20 +111,6 @@ class _DeviceModule:
         from .session import current
 
         return current() is not None
-
-    @staticmethod
-    def session_info() -> dict:
-        """What the executor said of itself when the session opened."""
-        return _session().info
-
-    @staticmethod
-    def get_device_name(device=None) -> str:
-        return f"cumulus ({_session().info.get('device_name', '?')})"
-
-    @staticmethod
-    def synchronize(device=None) -> None:
-        """Wait for every op sent so far; raises the executor's first failure."""
-        _session().synchronize()
 
     @staticmethod
     def memory_allocated(device=None) -> int:

@@ -26,6 +26,7 @@ import torch
 import torch.utils.data._utils.pin_memory as _dataloader_pinning
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
+from ..devicemodule import SessionDeviceModule
 from . import compile_routing
 from .client import CURRENT, current_session
 
@@ -114,9 +115,10 @@ class Event:
 _DEFAULT_STREAM = Stream()
 
 
-class CumulusModule:
+class CumulusModule(SessionDeviceModule):
     """``torch.cumulus``: what ``torch.cuda`` answers, for the remote device."""
 
+    _open_session = staticmethod(current_session)
     Stream = Stream
     Event = Event
 
@@ -142,36 +144,14 @@ class CumulusModule:
     #: What ``cuda_compat`` asks before using the session: the same question.
     is_attached = is_available
 
-    @staticmethod
-    def session_info() -> dict:
-        """What the executor said of itself when the session opened."""
-        return current_session().info
-
-    @staticmethod
-    def is_initialized() -> bool:
-        return True
-
     @classmethod
     def device_count(cls) -> int:
         return 1 if cls.is_available() else 0
 
     @staticmethod
-    def current_device() -> int:
-        return 0
-
-    @staticmethod
     def set_device(device) -> None:
         if torch.device(NAME, device).index not in (0, None):
             raise ValueError("a cumulus session exposes one device, cumulus:0")
-
-    @staticmethod
-    def get_device_name(device=None) -> str:
-        return f"cumulus ({current_session().info.get('device_name', '?')})"
-
-    @staticmethod
-    def synchronize(device=None) -> None:
-        """Wait for every queued op; raises the first executor error among them."""
-        current_session().synchronize()
 
     @staticmethod
     def memory_allocated(device=None) -> int:
@@ -231,16 +211,8 @@ class CumulusModule:
         current_session().set_rng_state(new_state)
 
     @staticmethod
-    def _is_in_bad_fork() -> bool:
-        return False
-
-    @staticmethod
     def is_bf16_supported() -> bool:
         return True
-
-    @staticmethod
-    def get_amp_supported_dtype() -> list[torch.dtype]:
-        return [torch.float16, torch.bfloat16]
 
 
 def _pins_for_cumulus(device) -> bool:
