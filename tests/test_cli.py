@@ -194,6 +194,13 @@ def test_a_size_flag_reaches_the_providers_executor(tmp_path, flag, setting):
     assert getattr(executor.config, setting) == 3 * 1024**3
 
 
+def test_no_peer_links_reaches_the_providers_executor(tmp_path):
+    device = OfferedDevice(DeviceFacts("cpu", 0, "cpu", 4096, None, ""), perf_units=100)
+    for flags, links in (([], True), (["--no-peer-links"], False)):
+        options = _provider_options(build_parser().parse_args(["--provide", *flags]), (device,))
+        assert _executor_for(device, options, DataDir(tmp_path)).config.peer_links is links
+
+
 def test_a_gpu_this_machine_lacks_is_a_usage_error(tmp_path):
     result = run("--data-dir", str(tmp_path), "--provide", "--device", "cuda:1")
     assert result.returncode == 2

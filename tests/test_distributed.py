@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed.fsdp  # noqa: F401 - defines FSDP2's own ops (torch.ops.fsdp)
 
+from cumulus_p2p import remote
 from cumulus_p2p._errors import RemoteExecutionError
 from cumulus_p2p.diloco import DiLoCo
 from cumulus_p2p.host.collectives import (
@@ -80,6 +81,78 @@ def test_gradients_are_reduced_between_hosts_not_over_the_consumers_link(two_exe
         assert per_step < 0.01 * param_bytes, (per_step, param_bytes)
 
 
+def ends_as_local(script: Path, args: list[str], executors, tmp_path) -> list[dict]:
+    """Run ``script OUT *args`` through the shim, rank i on ``executors[i]``, and check
+    that each rank's losses and the parameters it saved are local gloo's (the same
+    script on this machine's CPU); return each rank's JSON line."""
+    saved, local = nodes.local_ddp_run(script, *args, scratch=tmp_path)
+    env = {"CUMULUS_EXECUTOR": ",".join(executors)}
+    shim = ["-m", "cumulus_p2p.shim", str(script), str(tmp_path / "remote.pt"), *args]
+    remote = torchrun(*shim, env=env)
+    by_rank = {r["rank"]: r["losses"] for r in local}
+    for ran in remote:
+        assert ran["losses"] == pytest.approx(by_rank[ran["rank"]], rel=1e-6)
+    local_params, remote_params = torch.load(saved), torch.load(tmp_path / "remote.pt")
+    assert local_params.keys() == remote_params.keys()
+    for name, value in local_params.items():
+        assert torch.allclose(remote_params[name], value, rtol=0, atol=1e-6), name
+    return remote
+
+
+@pytest.fixture(scope="module")
+def one_host_cut_off():
+    """Two executors, the second of which takes no connections from other hosts."""
+    with (
+        executor_process() as (first, _),
+        executor_process(extra=["--no-peer-links"]) as (second, _),
+    ):
+        yield first, second
+
+
+@pytest.mark.slow
+def test_a_ddp_job_whose_host_takes_no_peer_links_runs_its_collectives_through_the_consumer(
+    one_host_cut_off, tmp_path
+):
+    saved, _ = nodes.local_ddp_run(SCRIPT, "3", scratch=tmp_path)
+    with tap(one_host_cut_off[0]) as first, tap(one_host_cut_off[1]) as second:
+        env = {"CUMULUS_EXECUTOR": f"{first.address},{second.address}"}
+        args = ["-m", "cumulus_p2p.shim", str(SCRIPT), str(tmp_path / "remote.pt"), "3"]
+        done = nodes.torchrun(*args, env=env)
+        assert done.returncode == 0, done.stderr[-4000:]
+        links = [first.bytes, second.bytes]
+    local, remote = torch.load(saved), torch.load(tmp_path / "remote.pt")
+    for name, value in local.items():
+        assert torch.allclose(remote[name], value, rtol=0, atol=1e-6), name
+    # Rank 0 said once where the collectives go, and why.
+    assert done.stderr.count("the hosts of ranks [1] take no connections") == 1
+    # Each step's gradients crossed both ranks' links, back to the consumer and out again.
+    param_bytes = sum(v.numel() * v.element_size() for v in local.values())
+    assert all(carried > 2 * 3 * param_bytes for carried in links), (links, param_bytes)
+
+
+@pytest.mark.slow
+def test_an_fsdp2_job_whose_host_takes_no_peer_links_ends_as_local_gloo_fsdp2(
+    one_host_cut_off, tmp_path
+):
+    ends_as_local(SCRIPT.parent / "fsdp_train.py", ["3"], one_host_cut_off, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_worker_tells_its_session_that_its_host_takes_no_peer_links():
+    with executor_process(extra=["--worker-per-session", "--no-peer-links"]) as (address, _):
+        with remote.attach(address) as session:
+            assert session.info["peer_links"] is False
+
+
+def test_a_host_without_peer_links_refuses_to_serve_a_store_or_join_a_group():
+    groups = CollectiveGroups(peer_links=False)
+    with pytest.raises(OpFailed, match="no connections from other hosts"):
+        groups.serve_store("127.0.0.1", 2)
+    member = Membership("job", "127.0.0.1", 1, PREFIX, 0, 2, "127.0.0.1", 5.0)
+    with pytest.raises(OpFailed, match="no connections from other hosts"):
+        groups.join(member)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", [[], ["--worker-per-session"]], ids=["shared", "workers"])
 def test_two_ranks_on_one_executor_do_not_wait_on_each_others_device_turn(workers, tmp_path):
@@ -138,37 +211,14 @@ def test_collectives_are_cut_out_of_a_batch_in_order():
 def test_diloco_across_two_executors_ends_with_the_parameters_of_local_gloo_diloco(
     two_executors, tmp_path
 ):
-    script, args = str(SCRIPT.parent / "diloco_train.py"), ["6", "3", "512", "sgd"]
-    saved, local = nodes.local_ddp_run(Path(script), *args, scratch=tmp_path)
-    env = {"CUMULUS_EXECUTOR": ",".join(two_executors)}
-    remote = torchrun("-m", "cumulus_p2p.shim", script, str(tmp_path / "remote.pt"), *args, env=env)
+    script, args = SCRIPT.parent / "diloco_train.py", ["6", "3", "512", "sgd"]
+    remote = ends_as_local(script, args, two_executors, tmp_path)
     assert [r["syncs"] for r in remote] == [2, 2]
-    by_rank = {r["rank"]: r["losses"] for r in local}
-    for ran in remote:
-        assert ran["losses"] == pytest.approx(by_rank[ran["rank"]], rel=1e-6)
-    local_params, remote_params = (
-        torch.load(saved),
-        torch.load(tmp_path / "remote.pt"),
-    )
-    for name, value in local_params.items():
-        assert torch.allclose(remote_params[name], value, rtol=0, atol=1e-6), name
 
 
 @pytest.mark.slow
 def test_an_fsdp2_script_ends_with_the_parameters_of_local_gloo_fsdp2(two_executors, tmp_path):
-    script = SCRIPT.parent / "fsdp_train.py"
-    saved, local = nodes.local_ddp_run(script, "3", scratch=tmp_path)
-    env = {"CUMULUS_EXECUTOR": ",".join(two_executors)}
-    remote = torchrun(
-        "-m", "cumulus_p2p.shim", str(script), str(tmp_path / "remote.pt"), "3", env=env
-    )
-    by_rank = {r["rank"]: r["losses"] for r in local}
-    for ran in remote:
-        assert ran["losses"] == pytest.approx(by_rank[ran["rank"]], rel=1e-6)
-    local_params, remote_params = torch.load(saved), torch.load(tmp_path / "remote.pt")
-    assert local_params.keys() == remote_params.keys()
-    for name, value in local_params.items():
-        assert torch.allclose(remote_params[name], value, rtol=0, atol=1e-6), name
+    ends_as_local(SCRIPT.parent / "fsdp_train.py", ["3"], two_executors, tmp_path)
 
 
 def test_a_functional_collectives_wait_tensor_returns_its_input(cumulus):

@@ -86,6 +86,36 @@ def test_a_torchrun_ddp_script_on_two_leased_hosts_ends_with_local_gloo_ddps_par
     assert disputes == []
 
 
+def test_a_job_of_two_gpus_with_a_host_taking_no_peer_links_reduces_through_the_consumer(
+    tmp_path,
+):
+    local, _ = nodes.local_ddp_run(SCRIPT, *ARGS, scratch=tmp_path)
+    boot = loopback.start_boot(tmp_path)
+    providers = [
+        nodes.start_provider(tmp_path / "open", boot.addr, "--price", "0.3"),
+        nodes.start_provider(tmp_path / "shut", boot.addr, "--price", "0.4", "--no-peer-links"),
+    ]
+    consumer = None
+    try:
+        for node in providers:
+            node.wait_for("providing")
+        flags = ["--gpus", "2", "--checkpoint-to", "consumer"]
+        command = [*TORCHRUN, str(SCRIPT), str(tmp_path / "leased.pt"), *ARGS]
+        consumer = start_consumer(tmp_path, boot, *flags, command=command)
+        assert consumer.proc.wait(timeout=300) == 0, consumer.output()
+    finally:
+        nodes.stop_all([n for n in (consumer, *providers, boot) if n is not None])
+    leased, expected = torch.load(tmp_path / "leased.pt"), torch.load(local)
+    for name, value in expected.items():
+        assert torch.allclose(leased[name], value, rtol=0, atol=1e-6), name
+    assert "take no connections from other hosts" in consumer.output()
+    # Nothing went between the hosts: no receipt counts bytes to the other host.
+    with Ledger.open(tmp_path / "consumer") as ledger:
+        entries = list(ledger.entries())
+    assert len({entry.host for entry in entries}) == 2
+    assert all(entry.peer_bytes == 0 for entry in entries), entries
+
+
 def test_a_job_of_two_gpus_leases_both_on_one_rig_before_a_cheaper_single_host(tmp_path):
     local, _ = nodes.local_ddp_run(SCRIPT, *ARGS, scratch=tmp_path)
     boot = loopback.start_boot(tmp_path)

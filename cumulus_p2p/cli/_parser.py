@@ -10,6 +10,7 @@ from ..host.options import (
     add_blob_cap_flag,
     add_graph_compiler_flag,
     add_isolation_flags,
+    add_peer_links_flag,
     add_ram_tier_flag,
 )
 from ..node import control, hardware
@@ -248,6 +249,7 @@ def _add_provide_flags(provide) -> None:
     _add_lease_terms(provide)
     add_isolation_flags(provide, where="the node's process")
     add_graph_compiler_flag(provide)
+    add_peer_links_flag(provide)
     add_blob_cap_flag(provide)  # the store itself is <data dir>/blobs
     add_ram_tier_flag(provide)
     provide.add_argument(

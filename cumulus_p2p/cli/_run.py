@@ -204,6 +204,7 @@ _PROVIDER_AS_GIVEN = (
     "storage_gib",
     "contend_price",
     "overcommit",
+    "peer_links",
 )
 
 

@@ -16,6 +16,10 @@ the hosts' links in the clear, as do gloo's own bytes: these links are authentic
 nothing stronger than that prefix and are not encrypted (see the module of the same
 name on the consumer's side, and the issue this slice belongs to).
 
+A host that other hosts cannot reach (behind NAT or a firewall: ``--no-peer-links``)
+says so in its sessions' welcome and refuses to serve a store or join a group; the job's
+ranks then run their collectives through the consumer (``remote/distributed.py``).
+
 A collective runs in the session's op stream, in order with its other ops, so a later op
 sees its result. It blocks the executor's op thread until every rank arrives, or until
 the group's timeout: then the op fails with the timeout's error, reported at the next
@@ -118,8 +122,12 @@ class Membership:
 
 @dataclass
 class CollectiveGroups:
-    """The groups one session has joined, and the store it serves as a job's rank 0."""
+    """The groups one session has joined, and the store it serves as a job's rank 0.
+    ``peer_links`` False (``--no-peer-links``): the host cannot be reached by other
+    hosts, and refuses to serve a store or join a group (its welcome says so, and the
+    job's collectives go through the consumer instead)."""
 
+    peer_links: bool = True
     _groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
     _served: dict[int, tuple[dist.TCPStore, socket.socket]] = field(default_factory=dict)
     #: The bytes of the tensors its collectives carried between hosts since
@@ -141,6 +149,7 @@ class CollectiveGroups:
         The store listens on ``host`` alone: left to itself, a ``TCPStore`` listens on
         every interface of the machine.
         """
+        self._check_links()
         if not 1 <= world <= MAX_WORLD:
             raise OpFailed(ErrorKind.VALUE, f"a group of {world} ranks is not a group")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -158,6 +167,7 @@ class CollectiveGroups:
 
     def join(self, member: Membership) -> None:
         """Join ``member.name``'s group; blocks until every rank has joined."""
+        self._check_links()
         if member.name in self._groups:
             raise OpFailed(ErrorKind.VALUE, f"this session is already in group {member.name!r}")
         timeout = timedelta(seconds=member.timeout_s)
@@ -292,6 +302,14 @@ class CollectiveGroups:
         else:
             return
         raise OpFailed(ErrorKind.VALUE, f"a collective in group {name!r}: {message}")
+
+    def _check_links(self) -> None:
+        if not self.peer_links:
+            raise OpFailed(
+                ErrorKind.RUNTIME,
+                "this host takes no connections from other hosts (--no-peer-links): "
+                "run the job's collectives through its consumer",
+            )
 
     def _group(self, name: str) -> dist.ProcessGroup:
         group = self._groups.get(name)

@@ -117,6 +117,9 @@ class ExecutorConfig:
     blob_cap: int = DEFAULT_BLOB_CAP
     device_bytes: int | None = None
     ram_bytes: int | None = DEFAULT_RAM_BYTES
+    #: Whether other hosts can reach this one, so that a job's collectives can run
+    #: between its hosts (``collectives.py``); its sessions' welcome says so.
+    peer_links: bool = True
 
 
 #: A session of either device: both page off the device and back (``eviction.py``).
@@ -332,7 +335,11 @@ class Executor(PlainTcpServing):
             quota = min(options.get("quota", limit), limit)
             private = options.get("private", False)
             session = ExecutorSession(
-                self.ctx, quota_bytes=quota, private=private, hold_bytes=hold_bytes
+                self.ctx,
+                quota_bytes=quota,
+                private=private,
+                hold_bytes=hold_bytes,
+                peer_links=self.config.peer_links,
             )
             token = secrets.token_hex(16)
             info = self._info(session_id, session, token)
@@ -364,6 +371,7 @@ class Executor(PlainTcpServing):
             "quota": session.quota_bytes,
             "blob_store": self.ctx.blobs is not None,
             "private": session.private,
+            "peer_links": self.config.peer_links,
         } | self._welcome_extra
 
     async def _take(self, token: str, owner: object) -> AnySession | None:

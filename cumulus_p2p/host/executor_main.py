@@ -28,6 +28,7 @@ from .options import (
     add_blob_flags,
     add_graph_compiler_flag,
     add_isolation_flags,
+    add_peer_links_flag,
     add_ram_tier_flag,
     parse_size,
 )
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_ram_tier_flag(parser)
     add_graph_compiler_flag(parser)
+    add_peer_links_flag(parser)
     add_blob_flags(parser)
     parser.add_argument(
         "--secure",
@@ -177,6 +179,11 @@ def _describe(executor: Executor | WorkerSupervisor) -> str:
     return f"device={device} quota={quota_gib:.2f}GiB {cache}{blobs}{mode}"
 
 
+#: ``ExecutorConfig`` fields that take their flag's value as it was given (the others are
+#: named differently or converted).
+_CONFIG_AS_GIVEN = ("device", "cache_grace", "cache_bytes", "blob_dir", "blob_cap", "peer_links")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -191,15 +198,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--pool must not be negative")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     config = ExecutorConfig(
-        device=args.device,
         quota_bytes=args.quota,
-        cache_grace=args.cache_grace,
-        cache_bytes=args.cache_bytes,
         graph_compiler=GraphCompiler(args.graph_compiler),
-        blob_dir=args.blob_dir,
-        blob_cap=args.blob_cap,
         device_bytes=args.device_memory,
         ram_bytes=args.ram_tier,
+        **{name: getattr(args, name) for name in _CONFIG_AS_GIVEN},
     )
     workers = torch.cuda.is_available() if args.workers is None else args.workers
     hidden = [args.data_dir] if args.secure else []

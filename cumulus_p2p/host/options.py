@@ -56,6 +56,18 @@ def add_isolation_flags(parser, *, where: str) -> None:
     )
 
 
+def add_peer_links_flag(parser) -> None:
+    """``--no-peer-links`` on ``parser``: the host takes no connections from other hosts."""
+    parser.add_argument(
+        "--no-peer-links",
+        dest="peer_links",
+        action="store_false",
+        help="this host cannot take connections from other hosts (a firewall or NAT keeps "
+        "them out): a job of several GPUs that leases it runs its collectives through its "
+        "consumer instead of between its hosts",
+    )
+
+
 def add_graph_compiler_flag(parser) -> None:
     """``--graph-compiler`` on ``parser``: how an executor runs compiled graphs."""
     parser.add_argument(

@@ -200,6 +200,7 @@ class ExecutorSession:
         quota_bytes: int,
         private: bool = False,
         hold_bytes: int | None = None,
+        peer_links: bool = True,
     ) -> None:
         self.ctx = ctx
         self.device = ctx.device
@@ -234,7 +235,7 @@ class ExecutorSession:
         self._graphs: dict[int, tuple[bytes, GraphProgram]] = {}  # graph id -> (key, program)
         self._last_answer: tuple[int, list, Any, Any] | None = None  # seq, query, error, result
         self.last_seq = 0
-        self._groups = CollectiveGroups()  # the job's groups, when it spans hosts
+        self._groups = CollectiveGroups(peer_links)  # the job's groups, when it spans hosts
 
     @property
     def quota_bytes(self) -> int:

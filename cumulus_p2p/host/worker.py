@@ -105,7 +105,14 @@ _WELCOME_START = b"\x93\xa7welcome"  # msgpack: a 3-element array whose first el
 #: The fields of the host's ``ExecutorConfig`` that a worker's executor takes as they are
 #: (``WorkerSpec`` carries the others as text, or leaves them to the supervisor: the
 #: device memory bounds).
-_AS_CONFIGURED = ("quota_bytes", "max_frame", "cache_grace", "cache_bytes", "blob_cap")
+_AS_CONFIGURED = (
+    "quota_bytes",
+    "max_frame",
+    "cache_grace",
+    "cache_bytes",
+    "blob_cap",
+    "peer_links",
+)
 
 
 @dataclass(frozen=True)
@@ -128,6 +135,7 @@ class WorkerSpec:
     #: Whether the host bounds the memory its workers' sessions hold on the device
     #: together (``--device-memory``): only then does a worker ask the supervisor for room.
     memory_bounded: bool = False
+    peer_links: bool = True
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

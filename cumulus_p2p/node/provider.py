@@ -166,6 +166,8 @@ class ProviderOptions:
             grants 1/``shares`` of the device's memory, and ``overcommit * shares`` of
             them are sold. The executor pages idle tenants' memory out to make room
             (``host/eviction.py``); the offer says so (``Offer.overcommit_pct``).
+        peer_links: Whether other hosts can connect to this one (``--no-peer-links``:
+            not); a job of several GPUs runs its collectives through its consumer if not.
     """
 
     devices: tuple[OfferedDevice, ...]
@@ -191,6 +193,7 @@ class ProviderOptions:
     contend_price: int = 0
     contend_shares: int = 0
     overcommit: float = 1.0
+    peer_links: bool = True
 
     @property
     def sold_shares(self) -> int:
@@ -812,6 +815,7 @@ def _executor_for(
         # paged out to make room.
         device_bytes=device.facts.memory_mib * 2**20,
         ram_bytes=options.ram_tier,
+        peer_links=options.peer_links,
     )
     return build_executor(
         config, workers=options.uses_workers, pool=options.pool, hidden=[data.path]

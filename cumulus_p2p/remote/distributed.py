@@ -25,9 +25,18 @@ The collectives: all-reduce, broadcast, all-gather (into a list or one tensor),
 reduce-scatter (from one tensor) and barrier; what DDP, DiLoCo and FSDP2's collectives
 call.
 
+Where a rank's host cannot be reached by the others (its welcome says it takes no peer
+links, ``--no-peer-links``, or the session reached it through a relay, with no address
+the others could dial), no group is formed between the hosts. The ranks' own processes
+then form a gloo group among themselves on the consumer's machine, and each collective
+reads the tensor back, runs on the CPU copy and writes the result to the host again
+(``_ThroughConsumer``): slower (each tensor crosses the consumer's link twice a
+collective), but the job runs. Every rank decides alike, from the addresses all ranks
+put in the launcher's store, before any host is asked to join; rank 0 says so once.
+
 Not yet: the hosts' links are not encrypted, and the prefix is the only thing that
-keeps a host outside the job out of its group; scatter, gather, all-to-all and
-point-to-point; a group that survives one of its hosts failing over.
+keeps a host outside the job out of its group; relays between hosts; scatter, gather,
+all-to-all and point-to-point; a group that survives one of its hosts failing over.
 
 FSDP2 (``fully_shard``) runs on these groups. Besides the collectives it needs of the
 device: freeing and re-allocating gathered parameters' storage (``fsdp.py``, set up when
@@ -39,6 +48,7 @@ its own ops and the functional collectives run with their kernels here
 from __future__ import annotations
 
 import secrets
+import sys
 from datetime import timedelta
 
 import torch
@@ -48,11 +58,13 @@ from torch.futures import Future
 
 from . import fsdp
 from .client import RemoteSession, current_session
-from .tensor import RemoteTensor
+from .tensor import RemoteTensor, download, upload_into
 
 NAME = "cumulus"
 _STORE_KEY = "cumulus/hosts-store"
 _PREFIX_KEY = "cumulus/prefix"
+#: Each rank's host address as the other hosts reach it, or "" where none can.
+_HOST_KEY = "cumulus/host"
 
 
 def register() -> None:
@@ -91,7 +103,23 @@ class CumulusProcessGroup(dist.ProcessGroup):
         self._rank, self._size = rank, size
         self._name = "default"
         self._group_name = ""  # c10d's, set after creation (``setGroupName``)
-        host = _host_of(self._session)
+        host = _reachable_host(self._session)
+        store.set(f"{_HOST_KEY}/{rank}", host or "")
+        hosts = [store.get(f"{_HOST_KEY}/{r}").decode() for r in range(size)]
+        cut_off = [r for r, reachable in enumerate(hosts) if not reachable]
+        #: Set when the collectives go through the consumer (see the module's docstring).
+        self._through: _ThroughConsumer | None = None
+        if cut_off:
+            self._through = _ThroughConsumer(store, rank, size, timeout)
+            if rank == 0:
+                print(
+                    f"cumulus: the hosts of ranks {cut_off} take no connections from other "
+                    "hosts: this job's collectives go through this machine (each tensor "
+                    "crosses its link twice a collective)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return
         if rank == 0:
             port = self._session.call(["@pg_store", [host, size], {}, None])
             store.set(_STORE_KEY, f"{host}:{port}")
@@ -101,6 +129,11 @@ class CumulusProcessGroup(dist.ProcessGroup):
         join = [self._name, store_host, int(store_port), prefix, rank, size, host]
         self._session.submit(["@pg_join", [*join, timeout.total_seconds()], {}, None])
         self._session.synchronize()  # a rank that cannot join says so here, not later
+
+    @property
+    def through_consumer(self) -> bool:
+        """Whether this group's collectives go through the consumer, not between hosts."""
+        return self._through is not None
 
     def getBackendName(self) -> str:  # noqa: N802 - c10d's name
         return NAME
@@ -120,12 +153,18 @@ class CumulusProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions) -> dist.Work:
         op = _reduce_name(opts.reduceOp)
         for tensor in tensors:
-            self._submit("@pg_allreduce", tensor, op)
+            if self._through is not None:
+                self._through.all_reduce(_remote(tensor), op)
+            else:
+                self._submit("@pg_allreduce", tensor, op)
         return _done(tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> dist.Work:
         for tensor in tensors:
-            self._submit("@pg_broadcast", tensor, int(opts.rootRank))
+            if self._through is not None:
+                self._through.broadcast(_remote(tensor), int(opts.rootRank))
+            else:
+                self._submit("@pg_broadcast", tensor, int(opts.rootRank))
         return _done(tensors)
 
     def allgather(
@@ -135,6 +174,9 @@ class CumulusProcessGroup(dist.ProcessGroup):
         opts: dist.AllgatherOptions | None = None,
     ) -> dist.Work:
         for gathered, tensor in zip(outputs, tensors, strict=True):
+            if self._through is not None:
+                self._through.all_gather([_remote(out) for out in gathered], _remote(tensor))
+                continue
             wires = [_wire(out) for out in gathered]
             moved = sum(_nbytes(out) for out in gathered)
             self._record("@pg_allgather", [self._name, _wire(tensor), wires], moved)
@@ -148,6 +190,9 @@ class CumulusProcessGroup(dist.ProcessGroup):
     ) -> dist.Work:
         """Fill ``output`` with every rank's ``tensor``, in rank order (FSDP2 gathers a
         layer's parameters with it)."""
+        if self._through is not None:
+            self._through.all_gather_single(_remote(output), _remote(tensor))
+            return _done([output])
         wires = [self._name, _wire(output), _wire(tensor)]
         self._record("@pg_allgather_base", wires, _nbytes(output))
         return _done([output])
@@ -157,7 +202,11 @@ class CumulusProcessGroup(dist.ProcessGroup):
     ) -> dist.Work:
         """Reduce ``tensor`` across the ranks; leave this rank its part of the result in
         ``output`` (FSDP2 reduces a layer's gradients with it)."""
-        wires = [self._name, _wire(output), _wire(tensor), _reduce_name(opts.reduceOp)]
+        op = _reduce_name(opts.reduceOp)
+        if self._through is not None:
+            self._through.reduce_scatter_single(_remote(output), _remote(tensor), op)
+            return _done([output])
+        wires = [self._name, _wire(output), _wire(tensor), op]
         self._record("@pg_reduce_scatter", wires, _nbytes(tensor))
         return _done([output])
 
@@ -181,6 +230,10 @@ class CumulusProcessGroup(dist.ProcessGroup):
     def barrier(self, opts: dist.BarrierOptions | None = None) -> dist.Work:
         """Every rank's executor has run its ops up to here: an all-reduce of one element."""
         token = torch.zeros(1, device=NAME)
+        if self._through is not None:
+            self._session.synchronize()
+            self._through.barrier()
+            return _done([token])
         self._submit("@pg_allreduce", token, "SUM")
         self._session.synchronize()
         return _done([token])
@@ -200,26 +253,89 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _wire(tensor: torch.Tensor):
+def _remote(tensor: torch.Tensor) -> RemoteTensor:
     if not isinstance(tensor, RemoteTensor):
         raise ValueError(
             f"the cumulus backend moves tensors on device 'cumulus', not {tensor.device}: "
             "move the tensor there first (or use a gloo group for CPU tensors)"
         )
-    return tensor._wire()
+    return tensor
 
 
-def _host_of(session: RemoteSession) -> str:
-    """The executor's address as the other hosts reach it: the one this process reached."""
+def _wire(tensor: torch.Tensor):
+    return _remote(tensor)._wire()
+
+
+def _reachable_host(session: RemoteSession) -> str | None:
+    """The executor's address as the other hosts reach it: the one this process reached;
+    None where they cannot (it takes no peer links, or the session came through a relay
+    and names no address)."""
+    if session.info.get("peer_links") is False:
+        return None
     address = getattr(session._channel, "peer_address", None)
     # A leased session's channel names its host as ``provider_key@host:port``.
     host, sep, port = (address or "").rpartition("@")[2].rpartition(":")
     if not (sep and host and port.isdigit()):
-        raise RuntimeError(
-            f"the cumulus backend needs each rank's host address, and this session's channel "
-            f"names none ({address!r}): attach with a 'host:port' address"
-        )
+        return None
     return host.strip("[]")
+
+
+class _ThroughConsumer:
+    """A job's collectives run by its ranks' own processes: each reads its tensor back,
+    the ranks run the collective on the CPU copies over a gloo group among themselves
+    (met through the launcher's store), and each writes its result to its host again.
+
+    It reads and writes with the session's own transfers (``download``, ``upload_into``),
+    not ``.cpu()`` and ``copy_``: a collective may be called from inside another op's
+    kernel (FSDP2's and DTensor's functional collectives), where those would dispatch
+    differently.
+    """
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_default_device()]
+        prefixed = dist.PrefixStore("cumulus/through-consumer", store)
+        self._group = dist.ProcessGroupGloo(prefixed, rank, size, options)
+
+    def all_reduce(self, tensor: RemoteTensor, op: str) -> None:
+        local = download(tensor)
+        options = dist.AllreduceOptions()
+        options.reduceOp = getattr(dist.ReduceOp, op)
+        self._group.allreduce([local], options).wait()
+        upload_into(tensor, local)
+
+    def broadcast(self, tensor: RemoteTensor, root: int) -> None:
+        local = download(tensor)
+        options = dist.BroadcastOptions()
+        options.rootRank = root
+        self._group.broadcast([local], options).wait()
+        upload_into(tensor, local)
+
+    def all_gather(self, outputs: list[RemoteTensor], tensor: RemoteTensor) -> None:
+        gathered = [_cpu_like(out) for out in outputs]
+        self._group.allgather([gathered], [download(tensor)]).wait()
+        for out, local in zip(outputs, gathered, strict=True):
+            upload_into(out, local)
+
+    def all_gather_single(self, output: RemoteTensor, tensor: RemoteTensor) -> None:
+        gathered = _cpu_like(output)
+        self._group._allgather_base(gathered, download(tensor)).wait()
+        upload_into(output, gathered)
+
+    def reduce_scatter_single(self, output: RemoteTensor, tensor: RemoteTensor, op: str) -> None:
+        part = _cpu_like(output)
+        options = dist.ReduceScatterOptions()
+        options.reduceOp = getattr(dist.ReduceOp, op)
+        self._group._reduce_scatter_base(part, download(tensor), options).wait()
+        upload_into(output, part)
+
+    def barrier(self) -> None:
+        self._group.barrier().wait()
+
+
+def _cpu_like(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
 
 
 def _reduce_name(op: dist.ReduceOp) -> str:
