@@ -149,6 +149,12 @@ def test_a_usage_report_carries_the_bytes_between_hosts_only_when_there_are_some
     assert control.Usage.from_wire(collective.to_wire()) == collective
 
 
+def test_a_usage_report_says_the_collectives_go_through_the_consumer_only_when_they_do():
+    through = control.Usage({"L1": 10}, ops=3, through_consumer=True)
+    assert "through" not in control.Usage({"L1": 10}, ops=3).to_wire()
+    assert control.Usage.from_wire(through.to_wire()) == through
+
+
 @pytest.mark.parametrize(
     "request_",
     [
@@ -166,6 +172,7 @@ def test_a_usage_report_carries_the_bytes_between_hosts_only_when_there_are_some
         ],
         ["usage", "t" * 32, {"bytes": {}, "ops": 0, "peer": {"L1": -8}}],
         ["usage", "t" * 32, {"bytes": {}, "ops": 0, "peer": [["L1", 8]]}],
+        ["usage", "t" * 32, {"bytes": {}, "ops": 0, "through": "yes"}],
         ["path", "t" * 32, "L1", 5],
         ["probe", "t" * 32, "fast"],
         ["usage", "x" * 32, {"bytes": {"L1": 1}, "ops": 0}],
@@ -181,6 +188,7 @@ def test_a_usage_report_carries_the_bytes_between_hosts_only_when_there_are_some
         "transfer-negative",
         "negative-peer-bytes",
         "peer-bytes-not-a-map",
+        "through-not-a-bool",
         "path-not-text",
         "probe-not-facts",
         "bad-token",

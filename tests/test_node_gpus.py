@@ -66,6 +66,7 @@ def test_a_torchrun_ddp_script_on_two_leased_hosts_ends_with_local_gloo_ddps_par
     # One lease per rank, each from another host in one region, both receipted.
     state = consumer.state()
     assert state["gpus"] == 2
+    assert state["collectives_through_consumer"] is False
     assert {lease["host"] for lease in state["leases"]} == hosts
     assert sorted(lease["rank"] for lease in state["leases"]) == [0, 1]
     # The leases table the node prints at its end says which rank each lease serves.
@@ -109,6 +110,7 @@ def test_a_job_of_two_gpus_with_a_host_taking_no_peer_links_reduces_through_the_
     for name, value in expected.items():
         assert torch.allclose(leased[name], value, rtol=0, atol=1e-6), name
     assert "take no connections from other hosts" in consumer.output()
+    assert consumer.state()["collectives_through_consumer"] is True
     # Nothing went between the hosts: no receipt counts bytes to the other host.
     with Ledger.open(tmp_path / "consumer") as ledger:
         entries = list(ledger.entries())

@@ -96,6 +96,12 @@ def test_a_consumer_shows_its_transfer_under_way():
     assert "upload: 288 of 393 MiB (73%), 12.1 MB/s, 25 s" in row(shown(state), "transfer")
 
 
+def test_a_consumer_whose_collectives_go_through_it_says_so_and_why():
+    state = {"role": "consumer", "status": "running", "collectives_through_consumer": True}
+    assert "through this machine" in row(shown(state), "collectives")
+    assert "collectives" not in shown({"role": "consumer", "status": "running"})
+
+
 def test_an_unhealthy_device_says_why_on_its_own_row():
     sick = device(1, health="the device check failed: CUDA error")
     text = shown(provider_state([device(0), sick], []))

@@ -336,14 +336,22 @@ class CountingFrameChannel:
     """A blocking ``FrameChannel`` that counts its frames' bytes as ``CountingChannel``
     does on the provider, so the consumer can check the bytes its host receipts; and,
     told of them (``count_peer_bytes``), the bytes the session's collectives have its
-    host carry to the job's other hosts, which its receipts name as well."""
+    host carry to the job's other hosts, which its receipts name as well; and, told so
+    (``collectives_through_consumer``), that they run through the consumer instead."""
 
     def __init__(
-        self, inner: FrameChannel, on_bytes, *, peer_address: str | None = None, on_peer_bytes=None
+        self,
+        inner: FrameChannel,
+        on_bytes,
+        *,
+        peer_address: str | None = None,
+        on_peer_bytes=None,
+        on_through_consumer=None,
     ) -> None:
         self._inner = inner
         self._on_bytes = on_bytes
         self._on_peer_bytes = on_peer_bytes
+        self._on_through_consumer = on_through_consumer
         self.max_frame = inner.max_frame
         #: Where another host reaches this channel's host (``blobservice.Source``).
         self.peer_address = peer_address
@@ -361,6 +369,11 @@ class CountingFrameChannel:
         """The session's collectives asked its host to carry ``n`` bytes between hosts."""
         if self._on_peer_bytes is not None:
             self._on_peer_bytes(n)
+
+    def collectives_through_consumer(self) -> None:
+        """The session's job runs its collectives through the consumer, not its hosts."""
+        if self._on_through_consumer is not None:
+            self._on_through_consumer()
 
     def close(self) -> None:
         self._inner.close()

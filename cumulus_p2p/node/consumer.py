@@ -259,6 +259,8 @@ class Consumer:
     ops: int = 0
     #: The session's long transfer under way (an upload, a checkpoint), if any.
     transfer: control.Transfer | None = None
+    #: The job's collectives go through this machine, not between its hosts.
+    collectives_through_consumer: bool = False
     #: Set when the script's shim next reports its byte counts.
     counts_reported: trio.Event = field(default_factory=trio.Event)
     #: The shim gave its session's final counts: no newer ones will come.
@@ -694,6 +696,7 @@ class Consumer:
         for lease_id, total in usage.peer_bytes_by_lease.items():
             self.desk.count_peer_bytes(lease_id, total)
         self.ops = max(self.ops, usage.ops)
+        self.collectives_through_consumer |= usage.through_consumer
         self.transfer = usage.transfer
         self.counts_final = self.counts_final or usage.final
         self.counts_reported.set()
@@ -1029,6 +1032,7 @@ class Consumer:
             "hosts_set_aside": _set_aside_rows(self.choice, self.runtime.clock()),
             "liveness": dataclasses.asdict(self.liveness.statistics(now=self.runtime.clock())),
             "ops": self.ops,
+            "collectives_through_consumer": self.collectives_through_consumer,
             "transfer": None if self.transfer is None else self.transfer.to_wire(),
             "cost": self.cost(),
         }

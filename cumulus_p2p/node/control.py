@@ -177,6 +177,9 @@ class Usage:
     #: Leases whose collectives moved bytes between hosts, and how many (on the wire
     #: only when there are some).
     peer_bytes_by_lease: dict[str, int] = field(default_factory=dict)
+    #: Whether the job's collectives go through the consumer's machine, not between its
+    #: hosts (a host takes no links from other hosts): on the wire only when they do.
+    through_consumer: bool = False
     #: The session's last counts: the shim sent them as its script ended. Said by the
     #: message that carries them, not on the wire.
     final: bool = False
@@ -187,6 +190,8 @@ class Usage:
             wire["transfer"] = self.transfer.to_wire()
         if self.peer_bytes_by_lease:
             wire["peer"] = self.peer_bytes_by_lease
+        if self.through_consumer:
+            wire["through"] = True
         return wire
 
     @classmethod
@@ -196,20 +201,22 @@ class Usage:
         if not (isinstance(value, dict) and fields <= set(value) <= fields | _OPTIONAL):
             raise RemoteProtocolError(
                 'a usage report is {"bytes": {lease: n}, "ops": n'
-                '[, "transfer": {...}][, "peer": {lease: n}]}'
+                '[, "transfer": {...}][, "peer": {lease: n}][, "through": true]}'
             )
         counts, ops, peer = value["bytes"], value["ops"], value.get("peer", {})
         if not (_counts_by_lease(counts) and _counts_by_lease(peer)):
             raise RemoteProtocolError("a usage report maps lease ids to byte counts")
         if not _count(ops):
             raise RemoteProtocolError("a usage report's op count is a non-negative integer")
+        if value.get("through", False) not in (True, False):
+            raise RemoteProtocolError("a usage report's 'through' is true or false")
         transfer = value.get("transfer")
         moving = None if transfer is None else Transfer.from_wire(transfer)
-        return cls(counts, ops, moving, peer)
+        return cls(counts, ops, moving, peer, through_consumer=value.get("through", False))
 
 
 #: What a usage report may carry besides its byte and op counts.
-_OPTIONAL = {"transfer", "peer"}
+_OPTIONAL = {"transfer", "peer", "through"}
 
 
 def _counts_by_lease(value: object) -> bool:

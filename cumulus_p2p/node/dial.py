@@ -168,6 +168,8 @@ class LeaseUsage:
     def __init__(self) -> None:
         self._bytes: dict[str, int] = {}
         self._peer_bytes: dict[str, int] = {}
+        #: Whether the script's collectives go through this machine (for status).
+        self.through_consumer = False
         self.session: Counted | None = None
 
     def count(
@@ -185,8 +187,15 @@ class LeaseUsage:
         def add_peer(n: int) -> None:
             self._peer_bytes[lease_id] += n
 
+        def through() -> None:
+            self.through_consumer = True
+
         return CountingFrameChannel(
-            opened.channel, add, peer_address=peer_address, on_peer_bytes=add_peer
+            opened.channel,
+            add,
+            peer_address=peer_address,
+            on_peer_bytes=add_peer,
+            on_through_consumer=through,
         )
 
     def snapshot(self) -> Usage:
@@ -195,14 +204,15 @@ class LeaseUsage:
         # Copied in one step first (``list`` holds the GIL throughout): the script's
         # thread adds a lease at each failover, which would break a loop over the dict.
         peer = {lease: n for lease, n in list(self._peer_bytes.items()) if n}
+        through = self.through_consumer
         if session is None:
-            return Usage(dict(self._bytes), peer_bytes_by_lease=peer)
+            return Usage(dict(self._bytes), peer_bytes_by_lease=peer, through_consumer=through)
         moving = session.transfer
         transfer = None
         if moving is not None:
             seconds = max(0.0, time.monotonic() - moving.started)
             transfer = Transfer(moving.what, moving.done, moving.total, seconds)
-        return Usage(dict(self._bytes), session.ops_sent, transfer, peer)
+        return Usage(dict(self._bytes), session.ops_sent, transfer, peer, through_consumer=through)
 
 
 #: This process's counts (one process, one script, one node).

@@ -129,6 +129,9 @@ class Job:
             "leases": [row for rows in leases for row in rows],
             "failovers": first["failovers"] + sum(consumer.failovers for consumer in others),
             "ops": first["ops"] + sum(consumer.ops for consumer in others),
+            "collectives_through_consumer": any(
+                consumer.collectives_through_consumer for consumer in self.ranks
+            ),
             "cost": first["cost"] + sum(consumer.cost() for consumer in others),
         }
 

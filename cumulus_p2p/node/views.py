@@ -78,6 +78,9 @@ def status_table(state: dict) -> Group:
         live = [row for row in state.get("leases", []) if row.get("state") == "held"]
         if live and live[-1].get("path"):
             summary.add_row("session path", live[-1]["path"])
+        if state.get("collectives_through_consumer"):
+            why = "a host takes no connections from other hosts"
+            summary.add_row("collectives", f"[yellow]through this machine[/yellow] ({why})")
         summary.add_row("ops sent", f"{state.get('ops', 0):,}")
         if state.get("transfer"):
             summary.add_row("transfer", _transfer(state["transfer"]))

@@ -534,6 +534,13 @@ class RemoteSession:
         if count is not None:
             count(n)
 
+    def collectives_through_consumer(self) -> None:
+        """Say (to a consumer node, through the channel) that the job's collectives run
+        through this machine rather than between its hosts."""
+        say = getattr(self._channel, "collectives_through_consumer", None)
+        if say is not None:
+            say()
+
     def synchronize(self) -> None:
         """Wait until every queued op has run; raise the first error among them."""
         self.flush(["sync"])

@@ -111,6 +111,7 @@ class CumulusProcessGroup(dist.ProcessGroup):
         self._through: _ThroughConsumer | None = None
         if cut_off:
             self._through = _ThroughConsumer(store, rank, size, timeout)
+            self._session.collectives_through_consumer()
             if rank == 0:
                 print(
                     f"cumulus: the hosts of ranks {cut_off} take no connections from other "
