@@ -87,14 +87,14 @@ def test_a_torchrun_ddp_script_on_two_leased_hosts_ends_with_local_gloo_ddps_par
     assert disputes == []
 
 
-def test_a_job_of_two_gpus_with_a_host_taking_no_peer_links_reduces_through_the_consumer(
-    tmp_path,
-):
+def test_a_job_of_two_gpus_with_a_host_behind_nat_reduces_through_the_consumer(tmp_path):
     local, _ = nodes.local_ddp_run(SCRIPT, *ARGS, scratch=tmp_path)
     boot = loopback.start_boot(tmp_path)
+    # The hidden host is reached through the relay on boot alone: the other host could
+    # not dial it either.
     providers = [
-        nodes.start_provider(tmp_path / "open", boot.addr, "--price", "0.3"),
-        nodes.start_provider(tmp_path / "shut", boot.addr, "--price", "0.4", "--no-peer-links"),
+        nodes.start_provider(tmp_path / "open", boot.addr),
+        loopback.start_hidden_provider(tmp_path / "hidden", boot),
     ]
     consumer = None
     try:
@@ -110,7 +110,9 @@ def test_a_job_of_two_gpus_with_a_host_taking_no_peer_links_reduces_through_the_
     for name, value in expected.items():
         assert torch.allclose(leased[name], value, rtol=0, atol=1e-6), name
     assert "take no connections from other hosts" in consumer.output()
-    assert consumer.state()["collectives_through_consumer"] is True
+    state = consumer.state()
+    assert state["collectives_through_consumer"] is True
+    assert any("libp2p door" in row["path"] for row in state["leases"]), state["leases"]
     # Nothing went between the hosts: no receipt counts bytes to the other host.
     with Ledger.open(tmp_path / "consumer") as ledger:
         entries = list(ledger.entries())
