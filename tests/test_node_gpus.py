@@ -35,6 +35,31 @@ def start_consumer(tmp_path, boot, *flags: str, command: list[str]) -> nodes.Nod
     return nodes.start_consumer(tmp_path / "consumer", boot.addr, *flags, command=command)
 
 
+def run_job(tmp_path, boot, providers, *flags: str, args=ARGS) -> nodes.NodeProcess:
+    """Once ``providers`` provide, run the DDP script (``args``) as a job of two GPUs
+    (``flags`` added) and wait for it to end well; every node is stopped on the way out.
+    The parameters are in ``leased.pt`` (``matches_local``)."""
+    consumer = None
+    try:
+        for node in providers:
+            node.wait_for("providing")
+        command = [*TORCHRUN, str(SCRIPT), str(tmp_path / "leased.pt"), *args]
+        consumer = start_consumer(tmp_path, boot, "--gpus", "2", *flags, command=command)
+        assert consumer.proc.wait(timeout=300) == 0, consumer.output()
+    finally:
+        nodes.stop_all([n for n in (consumer, *providers, boot) if n is not None])
+    return consumer
+
+
+def matches_local(tmp_path, local: Path) -> dict:
+    """Check the job's parameters against the local run's; return the local ones."""
+    leased, expected = torch.load(tmp_path / "leased.pt"), torch.load(local)
+    assert leased.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.allclose(leased[name], value, rtol=0, atol=1e-6), name
+    return expected
+
+
 def test_a_torchrun_ddp_script_on_two_leased_hosts_ends_with_local_gloo_ddps_parameters(
     tmp_path,
 ):
@@ -47,22 +72,10 @@ def test_a_torchrun_ddp_script_on_two_leased_hosts_ends_with_local_gloo_ddps_par
         nodes.start_provider(tmp_path / name, boot.addr, "--price", price, "--region", region)
         for name, (price, region) in regions.items()
     ]
-    consumer = None
-    try:
-        for node in providers:
-            node.wait_for("providing")
-        flags = ["--gpus", "2", "--checkpoint-to", "consumer"]
-        command = [*TORCHRUN, str(SCRIPT), str(tmp_path / "leased.pt"), *ARGS]
-        consumer = start_consumer(tmp_path, boot, *flags, command=command)
-        assert consumer.proc.wait(timeout=300) == 0, consumer.output()
-        ids = [p.wait_for_state(lambda s: "peer_id" in s)["peer_id"] for p in providers]
-        hosts = {ids[0], ids[2]}
-    finally:
-        nodes.stop_all([n for n in (consumer, *providers, boot) if n is not None])
-    leased, expected = torch.load(tmp_path / "leased.pt"), torch.load(local)
-    assert leased.keys() == expected.keys()
-    for name, value in expected.items():
-        assert torch.allclose(leased[name], value, rtol=0, atol=1e-6), name
+    consumer = run_job(tmp_path, boot, providers, "--checkpoint-to", "consumer")
+    expected = matches_local(tmp_path, local)
+    ids = [p.state()["peer_id"] for p in providers]
+    hosts = {ids[0], ids[2]}
     # One lease per rank, each from another host in one region, both receipted.
     state = consumer.state()
     assert state["gpus"] == 2
@@ -96,19 +109,8 @@ def test_a_job_of_two_gpus_with_a_host_behind_nat_reduces_through_the_consumer(t
         nodes.start_provider(tmp_path / "open", boot.addr),
         loopback.start_hidden_provider(tmp_path / "hidden", boot),
     ]
-    consumer = None
-    try:
-        for node in providers:
-            node.wait_for("providing")
-        flags = ["--gpus", "2", "--checkpoint-to", "consumer"]
-        command = [*TORCHRUN, str(SCRIPT), str(tmp_path / "leased.pt"), *ARGS]
-        consumer = start_consumer(tmp_path, boot, *flags, command=command)
-        assert consumer.proc.wait(timeout=300) == 0, consumer.output()
-    finally:
-        nodes.stop_all([n for n in (consumer, *providers, boot) if n is not None])
-    leased, expected = torch.load(tmp_path / "leased.pt"), torch.load(local)
-    for name, value in expected.items():
-        assert torch.allclose(leased[name], value, rtol=0, atol=1e-6), name
+    consumer = run_job(tmp_path, boot, providers, "--checkpoint-to", "consumer")
+    matches_local(tmp_path, local)
     assert "take no connections from other hosts" in consumer.output()
     state = consumer.state()
     assert state["collectives_through_consumer"] is True
@@ -125,27 +127,9 @@ def test_a_job_of_two_gpus_leases_both_on_one_rig_before_a_cheaper_single_host(t
     boot = loopback.start_boot(tmp_path)
     rig = nodes.start_rig(tmp_path / "rig", boot.addr, devices=2, shares=1)
     single = nodes.start_provider(tmp_path / "single", boot.addr, "--price", "0.3")
-    consumer = None
-    try:
-        for node in (rig, single):
-            node.wait_for("providing")
-        command = [*TORCHRUN, str(SCRIPT), str(tmp_path / "leased.pt"), *ARGS]
-        consumer = start_consumer(
-            tmp_path,
-            boot,
-            "--gpus",
-            "2",
-            "--checkpoint-to",
-            "consumer",
-            command=command,
-        )
-        assert consumer.proc.wait(timeout=300) == 0, consumer.output()
-        rig_id = rig.wait_for_state(lambda s: "peer_id" in s)["peer_id"]
-    finally:
-        nodes.stop_all([n for n in (consumer, rig, single, boot) if n is not None])
-    leased, expected = torch.load(tmp_path / "leased.pt"), torch.load(local)
-    for name, value in expected.items():
-        assert torch.allclose(leased[name], value, rtol=0, atol=1e-6), name
+    consumer = run_job(tmp_path, boot, [rig, single], "--checkpoint-to", "consumer")
+    expected = matches_local(tmp_path, local)
+    rig_id = rig.state()["peer_id"]
     # Both ranks on the rig, a device each: their gradients never left the machine.
     leases = consumer.state()["leases"]
     assert [lease["host"] for lease in leases] == [rig_id, rig_id]
@@ -208,20 +192,10 @@ def test_a_job_of_two_gpus_that_loses_a_host_ends_at_once_saying_why(tmp_path):
 def test_a_job_of_two_gpus_outlasting_its_leases_renews_each_where_it_runs(tmp_path):
     boot = loopback.start_boot(tmp_path)
     providers = [nodes.start_provider(tmp_path / f"p{i}", boot.addr) for i in range(2)]
-    consumer = None
     local, _ = nodes.local_ddp_run(SCRIPT, *LONG, scratch=tmp_path)
-    try:
-        for node in providers:
-            node.wait_for("providing")
-        flags = ["--gpus", "2", "--duration", "3s", "--checkpoint-interval", "1s"]
-        command = [*TORCHRUN, str(SCRIPT), str(tmp_path / "leased.pt"), *LONG]
-        consumer = start_consumer(tmp_path, boot, *flags, command=command)
-        assert consumer.proc.wait(timeout=300) == 0, consumer.output()
-    finally:
-        nodes.stop_all([n for n in (consumer, *providers, boot) if n is not None])
-    leased, expected = torch.load(tmp_path / "leased.pt"), torch.load(local)
-    for name, value in expected.items():
-        assert torch.allclose(leased[name], value, rtol=0, atol=1e-6), name
+    flags = ["--duration", "3s", "--checkpoint-interval", "1s"]
+    consumer = run_job(tmp_path, boot, providers, *flags, args=LONG)
+    matches_local(tmp_path, local)
     # Each rank renewed its lease at least once, each time with the host its group is on.
     leases = consumer.state()["leases"]
     for rank in (0, 1):
