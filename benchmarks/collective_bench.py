@@ -7,6 +7,9 @@ figure is measured in the same run against its baseline:
   executors reduce among themselves in a gloo group; the ranks only send the record),
   bytes of the tensor per second of wall time, from the rank's side (its sync included);
 - ``gloo_gb_s``: the same all-reduce between two plain processes with gloo;
+- ``allreduce_via_consumer_gb_s``: the same all-reduce when the second executor takes no
+  peer links (``--no-peer-links``): the ranks read the tensor back, reduce it among
+  themselves and write it again (the price of a host behind NAT);
 - ``ddp_step_s``, ``ddp_param_max_diff`` and ``consumer_bytes_share``: the standard
   torchrun DDP script of the tests (``tests/scripts/ddp_train.py``) through the shim, its
   median step time (``ddp_local_gloo_step_s``: the same script on gloo in two local
@@ -235,6 +238,11 @@ def main() -> None:
         result["allreduce_gb_s"] = all_reduce_gb_s("cumulus", megabytes, rounds, work, env)
         result.update(ddp_figures((first, second), steps, work))
         result.update(diloco_utilization((first, second), args.quick))
+    cut_off = executor_process(extra=["--no-peer-links"])
+    with executor_process() as (first, _), cut_off as (second, _):
+        env = {"CUMULUS_EXECUTOR": f"{first},{second}"}
+        via_consumer = all_reduce_gb_s("cumulus", megabytes, rounds, work, env)
+        result["allreduce_via_consumer_gb_s"] = via_consumer
     result["allreduce_vs_gloo"] = result["allreduce_gb_s"] / result["gloo_gb_s"]
     print(json.dumps(result, indent=2))
     if not args.quick:
