@@ -6,11 +6,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 
 import pytest
 
 from cumulus_p2p.testing import forkexec, forkstart
+from cumulus_p2p.testing.processes import alive, gone_within
 
 pytestmark = pytest.mark.slow  # the server is a fork start: a fork server imports torch
 
@@ -85,21 +85,21 @@ def hanging(python, probe):
 def test_it_forks_the_server_instead_of_starting_an_interpreter(hanging):
     child, fork = hanging
     assert fork != child.pid  # the fork runs the script; the client waits for it
-    assert _alive(fork)
+    assert alive(fork)
 
 
 def test_a_signal_sent_to_the_client_ends_the_fork_and_the_client_as_it(hanging):
     child, fork = hanging
     child.send_signal(signal.SIGTERM)
     assert child.wait(timeout=30) == -signal.SIGTERM
-    assert _gone_within(fork, 10)
+    assert gone_within(fork, 10)
 
 
 def test_a_client_killed_outright_takes_its_fork_with_it(hanging, python, probe):
     child, fork = hanging
     child.kill()
     child.wait()
-    assert _gone_within(fork, 10)
+    assert gone_within(fork, 10)
     # Killed with the server's words unread, it reset their connection: the server serves on.
     after = start(python, probe, "0")
     assert after.communicate("\n", timeout=60)[0].startswith("argv") and after.returncode == 0
@@ -118,20 +118,3 @@ def test_a_command_it_cannot_fork_runs_in_a_fresh_interpreter(python):
 def test_without_fork_starts_torchrun_keeps_its_own_python(monkeypatch):
     monkeypatch.setenv(forkstart.ENV_SWITCH, "0")
     assert forkexec.python_exec() == {}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _gone_within(pid: int, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while _alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True

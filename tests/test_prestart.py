@@ -16,6 +16,7 @@ import pytest
 from cumulus_p2p.node.prestart import PrestartedScript
 from cumulus_p2p.testing import forkstart
 from cumulus_p2p.testing.nodes import LOOPBACK_LISTEN, start_consumer, start_node
+from cumulus_p2p.testing.processes import gone_within
 
 DRIVER = Path(__file__).parent / "scripts" / "prestart_driver.py"
 
@@ -85,7 +86,7 @@ def test_a_script_never_started_is_killed_before_it_ran_anything(tmp_path):
 def test_a_waiting_script_whose_node_vanished_exits_without_running(tmp_path):
     done = drive(tmp_path, "vanish", "ok")
     child = json.loads(lines(done)[0])["child"]
-    assert wait_gone(child, timeout=30)
+    assert gone_within(child, 30)
     assert lines(done) == [json.dumps({"child": child})]
 
 
@@ -130,23 +131,10 @@ def test_a_consumer_nodes_script_imports_torch_while_it_matches_and_never_runs_u
         boot.stop()
     # Its node kills it as it stops; a node too slow to stop is killed, and the child then
     # ends when its imports are done and it finds the pipe closed.
-    assert wait_gone(child, timeout=30)
+    assert gone_within(child, 30)
     assert not (tmp_path / "ran").exists()
 
 
 def children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as listing:
         return [int(p) for p in listing.read().split()]
-
-
-def wait_gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return True
-        except FileNotFoundError:
-            return True
-        time.sleep(0.1)
-    return False

@@ -20,6 +20,7 @@ import pytest
 from cumulus_p2p.market.ledger import Ledger
 from cumulus_p2p.node import control
 from cumulus_p2p.testing import nodes
+from cumulus_p2p.testing.processes import alive, gone_within
 
 # Starts real cumulus-node processes: scripts/test --fast skips it.
 pytestmark = pytest.mark.slow
@@ -36,23 +37,6 @@ def mesh(tmp_path):
 def children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as listing:
         return [int(p) for p in listing.read().split()]
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not alive(pid):
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def receipt_ids(data_dir: Path) -> set[str]:
@@ -99,7 +83,7 @@ def test_a_consumer_node_killed_with_sigkill_takes_its_script_down(mesh):
     consumer, script = start_long_job(tmp_path, boot)
     consumer.proc.kill()
     consumer.proc.wait()
-    assert wait_gone(script, timeout=15), "the script outlived its node"
+    assert gone_within(script, 15), "the script outlived its node"
     # Its last receipt can never be countersigned: the lease ends unpaid after the
     # grace periods (2 s and 2 s more, at one receipt a second), not at its term.
     assert wait_for_leases(provider, "unpaid", timeout=30) == ["unpaid"]

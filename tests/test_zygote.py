@@ -15,6 +15,7 @@ from cumulus_p2p._errors import SessionClosedError
 from cumulus_p2p.host.zygote import Zygote
 from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.testing.models import train
+from cumulus_p2p.testing.processes import gone_within
 
 # Starts executors, their zygotes and workers: scripts/test --fast skips it.
 pytestmark = pytest.mark.slow
@@ -39,18 +40,6 @@ def worker_of_a_session(address: str) -> tuple[int, int, str]:
         return worker, parent_of(worker), command_of(worker)
 
 
-def gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z":
-                return True
-        except FileNotFoundError:
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def test_an_executors_workers_are_forks_of_one_zygote_it_started():
     with executor_process(extra=WORKERS) as (address, proc):
         (first, zygote, _), (second, its_parent, _) = (worker_of_a_session(address) for _ in "ab")
@@ -63,7 +52,7 @@ def test_once_its_zygote_is_killed_an_executor_execs_its_workers_and_serves_on()
     with executor_process(extra=WORKERS) as (address, proc):
         _, zygote, _ = worker_of_a_session(address)
         os.kill(zygote, signal.SIGKILL)
-        assert gone(zygote, timeout=10)
+        assert gone_within(zygote, 10)
         # Its pooled workers went with it: a session arriving before the executor saw
         # their links close may land on one and be closed. Later ones run in exec'd workers.
         deadline = time.monotonic() + 60
