@@ -28,7 +28,9 @@ Prints JSON and writes ``benchmarks/results/collective.json`` (not with ``--quic
 namespaces joined at 1 Gbit/s, the ranks in the consumer's namespace behind 100 Mbit/s.
 It measures the DDP and DiLoCo arms, and adds ``ddp_step_via_consumer_floor_s``: the
 least a step would take if its all-reduce crossed the consumer's link (each rank's
-gradients up and the sum back down, at the link's rate). It writes
+gradients up and the sum back down, at the link's rate), and ``ddp_step_via_consumer_s``
+(with ``ddp_via_consumer_param_max_diff``): the DDP arm again with the second host
+started ``--no-peer-links``, so that its all-reduces do cross it. It writes
 ``collective_shaped.json``.
 """
 
@@ -199,6 +201,16 @@ def shaped(quick: bool, work: Path) -> dict:
             run = functools.partial(torchrun, prefix=tuple(mesh.consumer.command()))
             result = ddp_figures(executors, steps, work, run, _interface(mesh.consumer))
             result |= diloco_utilization(executors, quick, run)
+        # The same job with the second host taking no peer links: through the consumer.
+        with contextlib.ExitStack() as stack:
+            shut = ("--no-peer-links",)
+            executors = (
+                stack.enter_context(executor_in(mesh.hosts[0], work / "open"))[0],
+                stack.enter_context(executor_in(mesh.hosts[1], work / "shut", extra=shut))[0],
+            )
+            via = ddp_figures(executors, steps, work, run, _interface(mesh.consumer))
+        result["ddp_step_via_consumer_s"] = via["ddp_step_s"]
+        result["ddp_via_consumer_param_max_diff"] = via["ddp_param_max_diff"]
         param_bytes = json.loads((work / "params.json").read_text())["bytes"]
         result["ddp_step_via_consumer_floor_s"] = 2 * param_bytes * 8 / (mesh.consumer_mbit * 1e6)
         result |= {"ddp_steps": steps, "consumer_mbit": mesh.consumer_mbit}

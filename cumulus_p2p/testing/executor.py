@@ -104,9 +104,11 @@ def secure_executor_channel(
 
 
 @contextmanager
-def executor_in(host, workdir: Path, device: str = "cpu") -> Iterator[tuple[str, subprocess.Popen]]:
-    """Run ``cumulus-executor`` on ``device`` in ``host``'s namespace (``netns.Host``);
-    yield its address and process.
+def executor_in(
+    host, workdir: Path, device: str = "cpu", extra: tuple[str, ...] = ()
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Run ``cumulus-executor`` on ``device`` in ``host``'s namespace (``netns.Host``),
+    ``extra`` flags added; yield its address and process.
 
     It keeps a blob store in ``workdir``, as a provider does in its data directory, so a
     second session on it can skip what it already holds. Its output goes to a log there,
@@ -116,7 +118,7 @@ def executor_in(host, workdir: Path, device: str = "cpu") -> Iterator[tuple[str,
     log = workdir / "executor.log"
     cmd = [sys.executable, "-m", "cumulus_p2p.host.executor_main", "--host", host.address]
     cmd += ["--port", "0", "--device", device, "--quota", "8GiB"]
-    cmd += ["--blob-dir", str(workdir / "blobs")]
+    cmd += ["--blob-dir", str(workdir / "blobs"), *extra]
     with open(log, "w+") as out:
         proc = subprocess.Popen(host.command(*cmd), stdout=out, stderr=subprocess.STDOUT)
         try:
