@@ -110,31 +110,34 @@ class CumulusProcessGroup(dist.ProcessGroup):
         #: Set when the collectives go through the consumer (see the module's docstring).
         self._through: _ThroughConsumer | None = None
         if cut_off:
-            self._through = _ThroughConsumer(store, rank, size, timeout)
-            self._session.collectives_through_consumer()
-            if rank == 0:
-                print(
-                    f"cumulus: the hosts of ranks {cut_off} take no connections from other "
-                    "hosts: this job's collectives go through this machine (each tensor "
-                    "crosses its link twice a collective)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            return
-        if rank == 0:
-            port = self._session.call(["@pg_store", [host, size], {}, None])
+            self._go_through_consumer(store, timeout, cut_off)
+        else:
+            self._join_hosts(store, host or "", timeout)
+
+    def _join_hosts(self, store: dist.Store, host: str, timeout: timedelta) -> None:
+        """Have this rank's executor join the group among the job's hosts."""
+        if self._rank == 0:
+            port = self._session.call(["@pg_store", [host, self._size], {}, None])
             store.set(_STORE_KEY, f"{host}:{port}")
             store.set(_PREFIX_KEY, secrets.token_hex(16))
         store_host, _, store_port = store.get(_STORE_KEY).decode().rpartition(":")
         prefix = store.get(_PREFIX_KEY).decode()
-        join = [self._name, store_host, int(store_port), prefix, rank, size, host]
+        join = [self._name, store_host, int(store_port), prefix, self._rank, self._size, host]
         self._session.submit(["@pg_join", [*join, timeout.total_seconds()], {}, None])
         self._session.synchronize()  # a rank that cannot join says so here, not later
 
-    @property
-    def through_consumer(self) -> bool:
-        """Whether this group's collectives go through the consumer, not between hosts."""
-        return self._through is not None
+    def _go_through_consumer(self, store: dist.Store, timeout: timedelta, cut_off: list) -> None:
+        """Run the collectives among the ranks' processes; say so (rank 0, and status)."""
+        self._through = _ThroughConsumer(store, self._rank, self._size, timeout)
+        self._session.collectives_through_consumer()
+        if self._rank == 0:
+            print(
+                f"cumulus: the hosts of ranks {cut_off} take no connections from other "
+                "hosts: this job's collectives go through this machine (each tensor "
+                "crosses its link twice a collective)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def getBackendName(self) -> str:  # noqa: N802 - c10d's name
         return NAME
