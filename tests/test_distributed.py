@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from cumulus_p2p.host.collectives import (
     is_collective,
 )
 from cumulus_p2p.host.handles import OpFailed
+from cumulus_p2p.remote.distributed import _ThroughConsumer
 from cumulus_p2p.testing import nodes
 from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.testing.tap import tap
@@ -142,6 +144,29 @@ def test_a_worker_tells_its_session_that_its_host_takes_no_peer_links():
     with executor_process(extra=["--worker-per-session", "--no-peer-links"]) as (address, _):
         with remote.attach(address) as session:
             assert session.info["peer_links"] is False
+
+
+def test_ranks_reducing_through_the_consumer_with_unlike_tensors_each_get_a_clear_error():
+    server = CollectiveGroups()  # only for a store on a free port
+    port = server.serve_store("127.0.0.1", 2)
+    errors: list = [None, None]
+
+    def rank(index: int, sent: torch.Tensor) -> None:
+        store = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=False)
+        through = _ThroughConsumer(store, index, 2, timedelta(seconds=10))
+        try:
+            through.agree(sent, sent)
+        except ValueError as exc:
+            errors[index] = exc
+
+    threads = [
+        threading.Thread(target=rank, args=(i, torch.zeros(n))) for i, n in enumerate((4, 5))
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert all("rank 0: 4 elements, rank 1: 5 elements" in str(e) for e in errors), errors
 
 
 def test_a_host_without_peer_links_refuses_to_serve_a_store_or_join_a_group():

@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
+from ..wire.protocol import DTYPE_CODE
 from . import fsdp
 from .client import RemoteSession, current_session
 from .tensor import RemoteTensor, download, upload_into
@@ -292,7 +293,8 @@ class _ThroughConsumer:
     It reads and writes with the session's own transfers (``download``, ``upload_into``),
     not ``.cpu()`` and ``copy_``: a collective may be called from inside another op's
     kernel (FSDP2's and DTensor's functional collectives), where those would dispatch
-    differently.
+    differently. Each collective first checks that the ranks brought alike tensors
+    (``agree``), as the hosts do.
     """
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
@@ -302,7 +304,25 @@ class _ThroughConsumer:
         prefixed = dist.PrefixStore("cumulus/through-consumer", store)
         self._group = dist.ProcessGroupGloo(prefixed, rank, size, options)
 
+    def agree(self, sent: torch.Tensor, received: torch.Tensor) -> None:
+        """Check that every rank brings a tensor of ``sent``'s size and dtype, to be
+        received into one of ``received``'s, or raise ``ValueError`` on every rank.
+
+        gloo does not check: a rank sending more bytes than another expects aborts the
+        receiving process. The check costs one small exchange among the ranks.
+        """
+        mine = torch.tensor(
+            [sent.numel(), DTYPE_CODE[sent.dtype], received.numel(), DTYPE_CODE[received.dtype]]
+        )
+        table = [torch.empty_like(mine) for _ in range(self._group.size())]
+        self._group.allgather([table], [mine]).wait()
+        rows = [row.tolist() for row in table]
+        if any(row != rows[0] for row in rows):
+            seen = ", ".join(f"rank {i}: {row[0]} elements" for i, row in enumerate(rows))
+            raise ValueError(f"the ranks brought different tensors to one collective ({seen})")
+
     def all_reduce(self, tensor: RemoteTensor, op: str) -> None:
+        self.agree(tensor, tensor)
         local = download(tensor)
         options = dist.AllreduceOptions()
         options.reduceOp = getattr(dist.ReduceOp, op)
@@ -310,6 +330,7 @@ class _ThroughConsumer:
         upload_into(tensor, local)
 
     def broadcast(self, tensor: RemoteTensor, root: int) -> None:
+        self.agree(tensor, tensor)
         local = download(tensor)
         options = dist.BroadcastOptions()
         options.rootRank = root
@@ -317,17 +338,21 @@ class _ThroughConsumer:
         upload_into(tensor, local)
 
     def all_gather(self, outputs: list[RemoteTensor], tensor: RemoteTensor) -> None:
+        for out in outputs:
+            self.agree(tensor, out)
         gathered = [_cpu_like(out) for out in outputs]
         self._group.allgather([gathered], [download(tensor)]).wait()
         for out, local in zip(outputs, gathered, strict=True):
             upload_into(out, local)
 
     def all_gather_single(self, output: RemoteTensor, tensor: RemoteTensor) -> None:
+        self.agree(tensor, output)
         gathered = _cpu_like(output)
         self._group._allgather_base(gathered, download(tensor)).wait()
         upload_into(output, gathered)
 
     def reduce_scatter_single(self, output: RemoteTensor, tensor: RemoteTensor, op: str) -> None:
+        self.agree(tensor, output)
         part = _cpu_like(output)
         options = dist.ReduceScatterOptions()
         options.reduceOp = getattr(dist.ReduceOp, op)
