@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -146,27 +147,39 @@ def test_a_worker_tells_its_session_that_its_host_takes_no_peer_links():
             assert session.info["peer_links"] is False
 
 
-def test_ranks_reducing_through_the_consumer_with_unlike_tensors_each_get_a_clear_error():
+@pytest.mark.parametrize(
+    ("sizes", "out_per_in", "why"),
+    [
+        ([(4, 4), (5, 5)], Fraction(1), "rank 0: 4 elements into 4, rank 1: 5 elements into 5"),
+        ([(5, 2), (5, 2)], Fraction(1, 2), "5 elements do not split into 2 equal parts"),
+        ([(4, 3), (4, 3)], Fraction(2), "writes 8 elements of the input's dtype, not 3"),
+    ],
+    ids=["unlike-ranks", "no-even-split", "wrong-output"],
+)
+def test_ranks_reducing_through_the_consumer_with_unfit_tensors_each_get_a_clear_error(
+    sizes, out_per_in, why
+):
     server = CollectiveGroups()  # only for a store on a free port
     port = server.serve_store("127.0.0.1", 2)
     errors: list = [None, None]
 
-    def rank(index: int, sent: torch.Tensor) -> None:
+    def rank(index: int, sent: torch.Tensor, received: torch.Tensor) -> None:
         store = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=False)
         through = _ThroughConsumer(store, index, 2, timedelta(seconds=10))
         try:
-            through.agree(sent, sent)
+            through.agree(sent, received, out_per_in)
         except ValueError as exc:
             errors[index] = exc
 
     threads = [
-        threading.Thread(target=rank, args=(i, torch.zeros(n))) for i, n in enumerate((4, 5))
+        threading.Thread(target=rank, args=(i, torch.zeros(n), torch.zeros(m)))
+        for i, (n, m) in enumerate(sizes)
     ]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=60)
-    assert all("rank 0: 4 elements, rank 1: 5 elements" in str(e) for e in errors), errors
+    assert all(why in str(e) for e in errors), errors
 
 
 def test_a_host_without_peer_links_refuses_to_serve_a_store_or_join_a_group():

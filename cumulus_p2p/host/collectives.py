@@ -36,7 +36,7 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
-from ..wire.protocol import DTYPE_CODE
+from ..wire import collective_sizes
 from .handles import ErrorKind, OpFailed
 
 #: The reductions a record may name, by the name ``torch.distributed.ReduceOp`` gives.
@@ -269,39 +269,18 @@ class CollectiveGroups:
     ) -> None:
         """Check that every rank brings a tensor of the same size and dtype (and, to a
         collective that writes elsewhere, an ``output`` of ``out_per_in`` times its
-        elements and of its dtype), or fail on all.
+        elements and of its dtype), or fail on all (``wire/collective_sizes.py``).
 
-        gloo does not check: a rank sending more bytes than another expects aborts the
-        receiving process, and with it every other tenant of that executor. The check
-        costs one small exchange per collective; every rank sees the same table, so all
-        of them fail together and the group stays in step.
+        A rank's mismatch would abort the receiving executor, and with it every other
+        tenant of that executor. The check costs one small exchange per collective.
         """
-        received = tensor if output is None else output
-        mine = torch.tensor(
-            [tensor.numel(), _dtype_code(tensor), received.numel(), _dtype_code(received)],
-            dtype=torch.int64,
-        )
+        mine = collective_sizes.row(tensor, tensor if output is None else output)
         table = [torch.empty_like(mine) for _ in range(group.size())]
         self._wait(name, group.allgather([table], [mine]))
-        rows = [row.tolist() for row in table]
-        if any(row != rows[0] for row in rows):
-            into = "" if output is None else " into {}"
-            seen = ", ".join(
-                f"rank {i}: {row[0]} elements{into.format(row[2])}" for i, row in enumerate(rows)
-            )
-            raise OpFailed(
-                ErrorKind.VALUE,
-                f"the ranks of group {name!r} brought different tensors to one collective ({seen})",
-            )
-        sent, sent_dtype, got, got_dtype = rows[0]
-        needed = sent * out_per_in
-        if needed.denominator != 1:
-            message = f"{sent} elements do not split into {group.size()} equal parts"
-        elif got != needed or got_dtype != sent_dtype:
-            message = f"it writes {needed} elements of the input's dtype, not {got}"
-        else:
-            return
-        raise OpFailed(ErrorKind.VALUE, f"a collective in group {name!r}: {message}")
+        rows = [r.tolist() for r in table]
+        why = collective_sizes.disagreement(rows, out_per_in, into=output is not None)
+        if why is not None:
+            raise OpFailed(ErrorKind.VALUE, f"a collective in group {name!r}: {why}")
 
     def _check_links(self) -> None:
         if not self.peer_links:
@@ -330,7 +309,3 @@ class CollectiveGroups:
         for _store, listener in self._served.values():
             listener.close()
         self._served.clear()
-
-
-def _dtype_code(tensor: torch.Tensor) -> int:
-    return DTYPE_CODE.get(tensor.dtype, -1)

@@ -50,13 +50,14 @@ from __future__ import annotations
 import secrets
 import sys
 from datetime import timedelta
+from fractions import Fraction
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
-from ..wire.protocol import DTYPE_CODE
+from ..wire import collective_sizes
 from . import fsdp
 from .client import RemoteSession, current_session
 from .tensor import RemoteTensor, download, upload_into
@@ -304,22 +305,19 @@ class _ThroughConsumer:
         prefixed = dist.PrefixStore("cumulus/through-consumer", store)
         self._group = dist.ProcessGroupGloo(prefixed, rank, size, options)
 
-    def agree(self, sent: torch.Tensor, received: torch.Tensor) -> None:
-        """Check that every rank brings a tensor of ``sent``'s size and dtype, to be
-        received into one of ``received``'s, or raise ``ValueError`` on every rank.
-
-        gloo does not check: a rank sending more bytes than another expects aborts the
-        receiving process. The check costs one small exchange among the ranks.
-        """
-        mine = torch.tensor(
-            [sent.numel(), DTYPE_CODE[sent.dtype], received.numel(), DTYPE_CODE[received.dtype]]
-        )
+    def agree(
+        self, sent: torch.Tensor, received: torch.Tensor, out_per_in: Fraction = Fraction(1)
+    ) -> None:
+        """Check that every rank brings a tensor of ``sent``'s size and dtype, and that
+        ``received`` holds ``out_per_in`` times it (``wire/collective_sizes.py``), or raise
+        ``ValueError`` on every rank: gloo would abort a rank's process instead."""
+        mine = collective_sizes.row(sent, received)
         table = [torch.empty_like(mine) for _ in range(self._group.size())]
         self._group.allgather([table], [mine]).wait()
-        rows = [row.tolist() for row in table]
-        if any(row != rows[0] for row in rows):
-            seen = ", ".join(f"rank {i}: {row[0]} elements" for i, row in enumerate(rows))
-            raise ValueError(f"the ranks brought different tensors to one collective ({seen})")
+        rows = [r.tolist() for r in table]
+        why = collective_sizes.disagreement(rows, out_per_in, into=received is not sent)
+        if why is not None:
+            raise ValueError(f"a collective through the consumer: {why}")
 
     def all_reduce(self, tensor: RemoteTensor, op: str) -> None:
         self.agree(tensor, tensor)
@@ -346,13 +344,13 @@ class _ThroughConsumer:
             upload_into(out, local)
 
     def all_gather_single(self, output: RemoteTensor, tensor: RemoteTensor) -> None:
-        self.agree(tensor, output)
+        self.agree(tensor, output, Fraction(self._group.size()))
         gathered = _cpu_like(output)
         self._group._allgather_base(gathered, download(tensor)).wait()
         upload_into(output, gathered)
 
     def reduce_scatter_single(self, output: RemoteTensor, tensor: RemoteTensor, op: str) -> None:
-        self.agree(tensor, output)
+        self.agree(tensor, output, Fraction(1, self._group.size()))
         part = _cpu_like(output)
         options = dist.ReduceScatterOptions()
         options.reduceOp = getattr(dist.ReduceOp, op)
