@@ -33,7 +33,11 @@ Environment:
         failover (see ``cumulus_p2p.node.control``).
     CUMULUS_EXECUTOR: otherwise, ``host:port`` of an executor reachable over plain TCP;
         for a job of several ranks (``torchrun -m cumulus_p2p.shim train.py``), one per
-        rank, comma separated, each rank taking the one at its ``LOCAL_RANK``.
+        rank, comma separated, each rank taking the one at its ``LOCAL_RANK``. A rank's
+        entry may name executors to fail over to after its own, ``|`` between them
+        (``a:1|c:3,b:2|c:3``): then the session fails over (checkpoints every
+        ``CUMULUS_CHECKPOINT_INTERVAL`` seconds, 30 by default, kept in this process), to
+        the first of them that answers, its own first.
 """
 
 from __future__ import annotations
@@ -88,11 +92,33 @@ def connect(environ: Mapping[str, str]) -> RemoteSession:
 
     if _leased(environ):
         return _connect_leased(environ)
-    address = _executor_address(environ)
+    address, *spares = _executor_address(environ).split("|")
+    failover: dict = {}
+    if "|" in environ[ENV_EXECUTOR]:  # every rank must go back when one host is lost
+        interval = float(environ.get("CUMULUS_CHECKPOINT_INTERVAL", "30"))
+        reconnect = _first_answering([address, *spares])
+        failover = {"reconnect": reconnect, "checkpoint_interval": interval}
     try:
-        return remote.attach(address).session
+        return remote.attach(address, **failover).session
     except (OSError, ValueError, CumulusError) as exc:
         raise SessionClosedError(f"cannot attach to the executor at {address}: {exc}") from exc
+
+
+def _first_answering(addresses: list[str]):
+    """A ``reconnect`` for plain-TCP executors: a channel to the first that answers."""
+    from .channel.transport import SocketFrameChannel
+
+    def reconnect():
+        failures = []
+        for address in addresses:
+            host, _, port = address.rpartition(":")
+            try:
+                return SocketFrameChannel.connect(host.strip("[]"), int(port))
+            except OSError as exc:
+                failures.append(f"{address}: {exc}")
+        raise OSError(f"no executor answers: {'; '.join(failures)}")
+
+    return reconnect
 
 
 def connect_native(environ: Mapping[str, str]) -> NativeSession:
@@ -119,7 +145,7 @@ def connect_native(environ: Mapping[str, str]) -> NativeSession:
             return attach_native_leased(_control_client(environ))
         except (OSError, ValueError, CumulusError) as exc:
             raise SessionClosedError(f"cannot open the leased native session: {exc}") from exc
-    address = _executor_address(environ)
+    address = _executor_address(environ).split("|")[0]  # the native device: no failover
     host, _, port = address.rpartition(":")
     try:
         return NativeSession.connect(host, int(port))

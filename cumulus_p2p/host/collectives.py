@@ -301,7 +301,7 @@ class CollectiveGroups:
         try:
             work.wait()
         except RuntimeError as exc:
-            raise OpFailed(ErrorKind.RUNTIME, f"collective in group {name!r}: {exc}") from None
+            raise OpFailed(ErrorKind.GROUP, f"collective in group {name!r}: {exc}") from None
 
     def close(self) -> None:
         """Leave every group and stop serving stores."""

@@ -60,6 +60,9 @@ class ErrorKind:
     VALUE = "ValueError"
     TYPE = "TypeError"
     RUNTIME = "RuntimeError"
+    #: A collective's group broke (a peer lost, or its timeout): the client's group goes
+    #: back to its last checkpoint together (``remote/regroup.py``), or raises it.
+    GROUP = "CollectiveGroupError"
 
 
 class OpFailed(Exception):  # noqa: N818 - internal carrier, never leaves the executor

@@ -69,6 +69,9 @@ def attach_leased(client: ControlClient):
             replace_standby=_standby,
             fetch_elsewhere=client.fetch,
             private=os.environ.get(ENV_PRIVATE) == "1",
+            # Going back together needs a fresh session on a host that is alive, and the
+            # node's failover counts a host whose session ended as lost: not yet.
+            group_failover=False,
         )
         why = client.probe(measure(attached.session, ticket.claimed_perf).to_wire())
         if why is None:

@@ -100,6 +100,7 @@ def attach(
     checkpoint_to: str | None = None,
     replace_standby: Callable[[str, int], FrameChannel | None] | None = None,
     fetch_elsewhere: Callable[[list[str]], dict] | None = None,
+    group_failover: bool = True,
 ) -> _Attached:
     """Open a session with an executor and make it the ``cumulus`` device.
 
@@ -133,6 +134,8 @@ def attach(
             or None (``RemoteSession``).
         fetch_elsewhere: has the host fetch an upload's missing pieces from other hosts
             first (``RemoteSession``).
+        group_failover: whether a job's collective group may take over failover, so
+            that it outlives a lost host (``RemoteSession``, ``regroup.py``).
 
     Returns:
         A handle whose ``.session`` is the ``RemoteSession``; use it in a ``with`` block
@@ -164,6 +167,7 @@ def attach(
         checkpoint_to=checkpoint_to,
         replace_standby=replace_standby,
         fetch_elsewhere=fetch_elsewhere,
+        group_failover=group_failover,
     )
     CURRENT.session = session
     _run_backward_on_this_thread()

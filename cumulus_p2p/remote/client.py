@@ -23,6 +23,7 @@ every record with its bytes: a failover's new host may hold none of them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import math
@@ -66,6 +67,11 @@ from .failover import (
 from .transfer import PROGRESS_INTERVAL, STREAM_CHUNK, TransferProgress
 
 log = logging.getLogger(__name__)
+
+#: ``rejoin(ask, channel, info)``: re-form a session's group on its fresh host.
+Rejoin = Callable[[Callable[[list, list], Any], FrameChannel, dict], None]
+#: The error kind of a collective whose group broke (``host.handles.ErrorKind.GROUP``).
+GROUP_ERROR = "CollectiveGroupError"
 
 #: Ops queued before a batch leaves without a sync point. Short enough that the executor
 #: starts computing while the client is still dispatching the rest of a training step
@@ -122,6 +128,9 @@ class RemoteSession:
             bytes are sent: has the host fetch them from other hosts that hold them (a
             market host: ``node/blobshare.py``) and returns what it fetched. Never for a
             private session.
+        group_failover: whether a collective group may take over this session's failover
+            (``join_group_recovery``). False where ``reconnect`` cannot give a fresh
+            session on a host that is alive without counting that host as lost.
 
     Raises:
         ValueError: a checkpoint option was given without ``reconnect``, or is invalid.
@@ -143,6 +152,7 @@ class RemoteSession:
         checkpoint_to: CheckpointPlacement | str | None = None,
         replace_standby: Callable[[str, int], FrameChannel | None] | None = None,
         fetch_elsewhere: Callable[[list[str]], dict] | None = None,
+        group_failover: bool = True,
     ) -> None:
         if reconnect is None and (checkpoint_interval, checkpoint_store, standby) != (None,) * 3:
             raise ValueError("checkpoints serve failover: pass reconnect= to use them")
@@ -177,6 +187,7 @@ class RemoteSession:
         #: ``have`` questions asked, and blob bytes the host had (so they were not sent).
         self.blob_questions = 0
         self._elsewhere = FetchElsewhere(None if private else fetch_elsewhere)
+        self._group_failover = group_failover
         self.blob_bytes_skipped = 0
         self._reconnect = reconnect
         self._attempts = failover_attempts
@@ -206,6 +217,11 @@ class RemoteSession:
         self._replay_s: float | None = None
         #: Where the last failover's state came from, for the line that reports it.
         self._restored_from = ""
+        #: Set by a collective group that takes this session's checkpoints and rebuilds
+        #: its group after a cold failover (``join_group_recovery``).
+        self._rejoin: Rejoin | None = None
+        #: A checkpoint taken in group mode, not yet the one failover restores.
+        self._held: Checkpoint | None = None
         self._streaming = 0
         #: Called with a ``TransferProgress`` every few seconds of a long transfer (upload,
         #: read, checkpoint, restore); None prints a status line (``print_progress``).
@@ -414,6 +430,10 @@ class RemoteSession:
             logged = self._settle_named(ops, named, blobs) if named else None
             seq, parts = self._encode(ops, frees, query, blobs, logged, grows)
             frame = self._exchange(parts, seq if query is not None else None)
+            if frame is not None and self._rejoin is not None:
+                broken = _group_broken(frame)
+                if broken is not None:  # a peer's host is lost: the whole group goes back
+                    frame = self._fail_over(SessionClosedError(broken), seq, cold=True)
             del keepalive
             answer = (None, []) if frame is None else self._read_reply(frame, seq)
             if self._log is not None:
@@ -616,7 +636,7 @@ class RemoteSession:
             return self._hosted
 
     def _maybe_checkpoint(self, *, at_sync_point: bool) -> None:
-        if self._streaming:
+        if self._streaming or self._rejoin is not None:  # a group takes them together
             return
         self._take_hosted()
         if self._standby is not None and self._standby.busy:
@@ -733,9 +753,12 @@ class RemoteSession:
             self._fail_over(lost.cause, None)
             return None
         checkpoint = images.checkpoint(seq)
+        self._checkpoint_read_bytes = read_bytes
+        if self._rejoin is not None:
+            self._held = checkpoint  # the group commits it once every rank holds one
+            return checkpoint
         self._store.save(checkpoint)
         self._log.reset(seq)
-        self._checkpoint_read_bytes = read_bytes
         return checkpoint
 
     def _ask(self, query: list) -> tuple[int, tuple[Any, list[memoryview]]]:
@@ -752,10 +775,69 @@ class RemoteSession:
             raise _ChannelLost(lost_here)
         return seq, self._read_reply(frame, seq)
 
+    # --- a collective group's recovery (``regroup.py``) ----------------------------------
+
+    def join_group_recovery(self, rejoin: Rejoin, gave_up: Callable[[], None]) -> None:
+        """Hand this session's checkpoints and cold failovers to its collective group.
+
+        From now on a checkpoint is taken only when the group asks (``checkpoint``), and
+        is held until the group commits it (``commit_checkpoint``); a collective that fails
+        because a peer is lost, or a failover that cannot resume the session from its
+        host's cache, rebuilds the session from the last committed checkpoint and calls
+        ``rejoin(ask, channel, info)`` before replaying the log, to re-form the group on the
+        fresh session (``ask(records, query)`` runs records there, outside the log).
+        ``gave_up()`` is called when failover gives up, before ``FailoverError``.
+
+        Raises:
+            ValueError: failover is off or not the group's (``group_failover``), or
+                checkpoints go to a standby (a standby's copy cuts the log on its own
+                time, not the group's).
+        """
+        if self._log is None or not self._group_failover:
+            raise ValueError("a group can outlive its hosts only with failover (reconnect=)")
+        if self._standby is not None:
+            raise ValueError("a group's checkpoints go to this machine, not to a standby")
+        self._rejoin, self._gave_up = rejoin, gave_up
+
+    def checkpoint_due(self) -> bool:
+        """Whether the checkpoint policy asks for one now (the interval, the log's size)."""
+        log_bytes = 0 if self._log is None else self._log.nbytes
+        return self._policy.due(now=time.monotonic(), log_bytes=log_bytes, at_sync_point=True)
+
+    def commit_checkpoint(self) -> None:
+        """Make the held checkpoint the one failover restores; the log restarts after it."""
+        with self._lock:
+            held, self._held = self._held, None
+            if held is None:
+                raise ValueError("no checkpoint is held: take one first")
+            self._store.save(held)
+            self._log.reset(held.seq)
+
+    def unlogged(self, records: list, query: list) -> Any:
+        """Send what is queued, then run ``records`` and answer ``query`` outside the
+        replay log: a group's join, which a cold failover redoes for itself."""
+        with self._lock:
+            self.flush()
+            return self._ask_on(self._channel, self._seq, records, query)
+
+    def roll_back(self, why: str) -> None:
+        """Rebuild the session from its last committed checkpoint and replay the log
+        (the group re-forms on the way): another rank's host was lost."""
+        with self._lock:
+            self.flush()
+            self._fail_over(SessionClosedError(why), None, cold=True)
+
+    def _ask_on(self, channel: FrameChannel, seq: int, records: list, query: list) -> Any:
+        channel.send_frame(encode_frame(["batch", seq, records, [], query, []]))
+        return self._read_reply(channel.recv_frame(), seq)[0]
+
     # --- failover -----------------------------------------------------------------------
 
-    def _fail_over(self, cause: SessionClosedError, awaiting: int | None) -> bytearray | None:
+    def _fail_over(
+        self, cause: SessionClosedError, awaiting: int | None, *, cold: bool = False
+    ) -> bytearray | None:
         """Move the session to a new channel; return the reply to batch ``awaiting``.
+        ``cold``: rebuild it from the checkpoint, never resume it from a host's cache.
 
         Raises:
             SessionClosedError: ``cause`` itself when failover is off.
@@ -770,7 +852,7 @@ class RemoteSession:
         last: BaseException = cause
         for attempt in range(1, self._attempts + 1):
             try:
-                reply = self._recover(awaiting)
+                reply = self._recover(awaiting, cold=cold)
             except (OSError, CumulusError) as exc:
                 log.warning("cumulus: failover attempt %d failed: %s", attempt, exc)
                 last = exc
@@ -786,23 +868,31 @@ class RemoteSession:
             )
             return reply
         self.closed = True
+        if self._rejoin is not None:
+            self._gave_up()  # the other ranks stop waiting for this one
         raise FailoverError(
             f"lost the executor ({cause}) and {self._attempts} failover attempts failed; "
             f"the last one: {last}"
         ) from last
 
-    def _recover(self, awaiting: int | None) -> bytearray | None:
+    def _recover(self, awaiting: int | None, *, cold: bool = False) -> bytearray | None:
+        if cold:
+            self._leave_host()
+        self._held = None  # a checkpoint the group had not committed: every rank drops it
         started = time.perf_counter()
         channel = self._reconnect()
         self._reconnect_s = time.perf_counter() - started
         try:
-            info = self._resume(channel)
+            info = None if cold else self._resume(channel)
             if info is not None:
                 reply = self._replay(channel, info["last_seq"], awaiting, resumed=True)
                 self._cache_resumes += 1
             else:
                 info = self._handshake(channel, self._options)
                 self._restore(channel, info)
+                if self._rejoin is not None:
+                    ask = functools.partial(self._ask_on, channel, self._log.after_seq)
+                    self._rejoin(ask, channel, info)
                 replaying = time.perf_counter()
                 reply = self._replay(channel, self._log.after_seq, awaiting, resumed=False)
                 self._replay_s = time.perf_counter() - replaying
@@ -815,6 +905,13 @@ class RemoteSession:
         old, self._channel, self.info = self._channel, channel, info
         old.close()
         return reply
+
+    def _leave_host(self) -> None:
+        """End the session on its host before it is rebuilt (on that host, often: one
+        that is alive but whose group broke), so that the host does not hold it twice."""
+        with contextlib.suppress(SessionClosedError, OSError):
+            self._channel.send_frame(encode_frame(["bye"]))
+        self._forget_token()
 
     def _resume(self, channel: FrameChannel) -> dict | None:
         """Ask for the session by its token; its welcome info, or None if refused."""
@@ -1115,6 +1212,16 @@ def current_session() -> RemoteSession:
             "(or run under `cumulus-node --consume`) before using device='cumulus'"
         )
     return session
+
+
+def _group_broken(frame: bytearray) -> str | None:
+    """The message of a reply whose error says the session's collective group broke (a
+    peer lost: ``ErrorKind.GROUP``); None for any other frame."""
+    header, _ = decode_frame(frame)
+    if header[0] != "reply" or len(header) != 5 or not isinstance(header[2], list):
+        return None
+    kind, message, _op = header[2]
+    return str(message) if kind == GROUP_ERROR else None
 
 
 def _batch_header(seq: int, ops: list, frees: list, query, blobs: list, grows: int) -> list:

@@ -34,9 +34,13 @@ reads the tensor back, runs on the CPU copy and writes the result to the host ag
 collective), but the job runs. Every rank decides alike, from the addresses all ranks
 put in the launcher's store, before any host is asked to join; rank 0 says so once.
 
+With failover on, the group outlives a lost host (``regroup.py``): the ranks checkpoint
+together, and when one's host is lost, every rank rebuilds its session from that
+checkpoint, the group re-forms, and each replays its stream since.
+
 Not yet: the hosts' links are not encrypted, and the prefix is the only thing that
 keeps a host outside the job out of its group; relays between hosts; scatter, gather,
-all-to-all and point-to-point; a group that survives one of its hosts failing over.
+all-to-all and point-to-point.
 
 FSDP2 (``fully_shard``) runs on these groups. Besides the collectives it needs of the
 device: freeing and re-allocating gathered parameters' storage (``fsdp.py``, set up when
@@ -47,7 +51,6 @@ its own ops and the functional collectives run with their kernels here
 
 from __future__ import annotations
 
-import secrets
 import sys
 from datetime import timedelta
 from fractions import Fraction
@@ -60,11 +63,10 @@ from torch.futures import Future
 from ..wire import collective_sizes
 from . import fsdp
 from .client import RemoteSession, current_session
+from .regroup import Regroup, reachable_host
 from .tensor import RemoteTensor, download, upload_into
 
 NAME = "cumulus"
-_STORE_KEY = "cumulus/hosts-store"
-_PREFIX_KEY = "cumulus/prefix"
 #: Each rank's host address as the other hosts reach it, or "" where none can.
 _HOST_KEY = "cumulus/host"
 
@@ -105,28 +107,24 @@ class CumulusProcessGroup(dist.ProcessGroup):
         self._rank, self._size = rank, size
         self._name = "default"
         self._group_name = ""  # c10d's, set after creation (``setGroupName``)
-        host = _reachable_host(self._session)
+        host = reachable_host(self._session.info, self._session._channel)
         store.set(f"{_HOST_KEY}/{rank}", host or "")
         hosts = [store.get(f"{_HOST_KEY}/{r}").decode() for r in range(size)]
         cut_off = [r for r, reachable in enumerate(hosts) if not reachable]
         #: Set when the collectives go through the consumer (see the module's docstring).
         self._through: _ThroughConsumer | None = None
+        #: Set when they run among the hosts.
+        self._regroup: Regroup | None = None
         if cut_off:
             self._go_through_consumer(store, timeout, cut_off)
         else:
             self._join_hosts(store, host or "", timeout)
 
     def _join_hosts(self, store: dist.Store, host: str, timeout: timedelta) -> None:
-        """Have this rank's executor join the group among the job's hosts."""
-        if self._rank == 0:
-            port = self._session.call(["@pg_store", [host, self._size], {}, None])
-            store.set(_STORE_KEY, f"{host}:{port}")
-            store.set(_PREFIX_KEY, secrets.token_hex(16))
-        store_host, _, store_port = store.get(_STORE_KEY).decode().rpartition(":")
-        prefix = store.get(_PREFIX_KEY).decode()
-        join = [self._name, store_host, int(store_port), prefix, self._rank, self._size, host]
-        self._session.submit(["@pg_join", [*join, timeout.total_seconds()], {}, None])
-        self._session.synchronize()  # a rank that cannot join says so here, not later
+        """Have this rank's executor join the group among the job's hosts (``regroup.py``,
+        which also has the group outlive a lost host)."""
+        self._regroup = Regroup(store, self._rank, self._size, timeout, self._session)
+        self._regroup.form(host)
 
     def _go_through_consumer(self, store: dist.Store, timeout: timedelta, cut_off: list) -> None:
         """Run the collectives among the ranks' processes; say so (rank 0, and status)."""
@@ -250,7 +248,8 @@ class CumulusProcessGroup(dist.ProcessGroup):
     def _record(self, record: str, args: list, moved: int) -> None:
         """Submit ``record``, which has the host carry ``moved`` bytes between hosts: the
         count the host's receipts are checked against, as the host counts them
-        (``host/collectives.py``)."""
+        (``host/collectives.py``). A checkpoint of the whole group may come first."""
+        self._regroup.before_collective()
         self._session.submit([record, args, {}, None])
         self._session.count_peer_bytes(moved)
 
@@ -270,20 +269,6 @@ def _remote(tensor: torch.Tensor) -> RemoteTensor:
 
 def _wire(tensor: torch.Tensor):
     return _remote(tensor)._wire()
-
-
-def _reachable_host(session: RemoteSession) -> str | None:
-    """The executor's address as the other hosts reach it: the one this process reached;
-    None where they cannot (it takes no peer links, or the session came through a relay
-    and names no address)."""
-    if session.info.get("peer_links") is False:
-        return None
-    address = getattr(session._channel, "peer_address", None)
-    # A leased session's channel names its host as ``provider_key@host:port``.
-    host, sep, port = (address or "").rpartition("@")[2].rpartition(":")
-    if not (sep and host and port.isdigit()):
-        return None
-    return host.strip("[]")
 
 
 class _ThroughConsumer:

@@ -1,0 +1,136 @@
+"""A job of several GPUs outlives one of its hosts (``remote/regroup.py``).
+
+The specs run the standard torchrun DDP script (``tests/scripts/ddp_train.py``) through
+the shim against real executor processes, each rank's entry in ``CUMULUS_EXECUTOR``
+naming a spare to fail over to (``a,b|c``), and SIGKILL a host in the middle of the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from cumulus_p2p.host.executor import _encode_reply
+from cumulus_p2p.host.handles import ErrorKind
+from cumulus_p2p.host.session import Reply
+from cumulus_p2p.remote.client import _group_broken
+from cumulus_p2p.testing import nodes
+from cumulus_p2p.testing.executor import executor_process
+from cumulus_p2p.testing.tap import tap
+
+SCRIPTS = Path(__file__).parent / "scripts"
+#: Steps of the DDP script, and its hidden width: long enough to kill a host mid-way.
+STEPS, HIDDEN = "120", "256"
+#: Bytes on rank 0's link once the model is up and the steps have begun.
+STEPPING = 600_000
+
+
+def run_killing_a_host(script: Path, args: list[str], out: Path, *, spare: bool = True):
+    """Run ``script OUT *args`` on two ranks, rank 0 on one executor and rank 1 on
+    another with a spare behind it (or a closed port, ``spare=False``); SIGKILL rank 1's
+    executor once the steps have begun. Returns torchrun's completed process."""
+    with (
+        executor_process() as (first, _),
+        executor_process() as (second, doomed),
+        executor_process() if spare else contextlib.nullcontext(("127.0.0.1:9", None)) as (
+            behind,
+            _,
+        ),
+        tap(first) as metered,
+    ):
+        env = {
+            "CUMULUS_EXECUTOR": f"{metered.address},{second}|{behind}",
+            "CUMULUS_CHECKPOINT_INTERVAL": "0.5",
+        }
+        shim = ["-m", "cumulus_p2p.shim", str(script), str(out), *args]
+        done: dict = {}
+        job = threading.Thread(target=lambda: done.update(run=nodes.torchrun(*shim, env=env)))
+        job.start()
+        deadline = time.monotonic() + 240
+        while metered.bytes < STEPPING and job.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert job.is_alive(), "the job ended before a host could be killed"
+        time.sleep(0.5)
+        doomed.kill()
+        job.join()
+    return done["run"]
+
+
+@pytest.mark.slow
+def test_a_ddp_job_whose_host_is_killed_ends_as_an_undisturbed_run(tmp_path):
+    saved, local = nodes.local_ddp_run(SCRIPTS / "ddp_train.py", STEPS, HIDDEN, scratch=tmp_path)
+    run = run_killing_a_host(SCRIPTS / "ddp_train.py", [STEPS, HIDDEN], tmp_path / "remote.pt")
+    assert run.returncode == 0, run.stderr[-4000:]
+    by_rank = {r["rank"]: r["losses"] for r in local}
+    for ran in nodes.json_lines(run.stdout):
+        assert ran["losses"] == by_rank[ran["rank"]]  # bit for bit: the same stream again
+    remote = torch.load(tmp_path / "remote.pt")
+    for name, value in torch.load(saved).items():
+        assert torch.equal(remote[name], value), name
+    # Both ranks went back: the one whose host died, and the one whose host lived.
+    assert run.stderr.count("cumulus: session moved to") == 2, run.stderr[-4000:]
+
+
+def ends_as_local_despite_a_killed_host(script: str, args: list[str], tmp_path: Path) -> str:
+    """Run ``script`` killing a host mid-way (``run_killing_a_host``); check that each
+    rank's losses and the saved parameters are those of local gloo; return stderr."""
+    saved, local = nodes.local_ddp_run(SCRIPTS / script, *args, scratch=tmp_path)
+    run = run_killing_a_host(SCRIPTS / script, args, tmp_path / "remote.pt")
+    assert run.returncode == 0, run.stderr[-4000:]
+    by_rank = {r["rank"]: r["losses"] for r in local}
+    for ran in nodes.json_lines(run.stdout):
+        assert ran["losses"] == pytest.approx(by_rank[ran["rank"]], rel=1e-6)
+    remote = torch.load(tmp_path / "remote.pt")
+    for name, value in torch.load(saved).items():
+        assert torch.allclose(remote[name], value, rtol=0, atol=1e-6), name
+    return run.stderr
+
+
+@pytest.mark.slow
+def test_a_diloco_job_whose_host_is_killed_finishes_with_the_replacement_in_its_group(tmp_path):
+    stderr = ends_as_local_despite_a_killed_host(
+        "diloco_train.py", ["120", "10", HIDDEN, "sgd"], tmp_path
+    )
+    assert stderr.count("cumulus: session moved to") == 2, stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_an_fsdp2_job_whose_host_is_killed_ends_as_local_fsdp2(tmp_path):
+    stderr = ends_as_local_despite_a_killed_host("fsdp_train.py", ["60", HIDDEN], tmp_path)
+    assert stderr.count("cumulus: session moved to") == 2, stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_a_job_that_loses_a_host_with_no_spare_left_ends_saying_why(tmp_path):
+    run = run_killing_a_host(
+        SCRIPTS / "ddp_train.py", [STEPS, HIDDEN], tmp_path / "p.pt", spare=False
+    )
+    assert run.returncode != 0
+    assert "failover attempts failed" in run.stderr
+    assert "no executor answers" in run.stderr
+
+
+def frame(reply: Reply) -> bytearray:
+    return bytearray(b"".join(bytes(part) for part in _encode_reply(reply)))
+
+
+def test_a_collective_whose_group_broke_sends_the_group_back():
+    broken = Reply(7, (ErrorKind.GROUP, "collective in group 'default': peer gone", "@pg_x"))
+    assert _group_broken(frame(broken)) == "collective in group 'default': peer gone"
+
+
+@pytest.mark.parametrize("kind", [ErrorKind.VALUE, ErrorKind.RUNTIME, ErrorKind.OUT_OF_MEMORY])
+def test_any_other_error_is_the_scripts_to_see_not_a_reason_to_go_back(kind):
+    # A rank that brought a tensor of the wrong size would bring it again after going back.
+    assert (
+        _group_broken(frame(Reply(7, (kind, "the ranks brought different tensors", "op")))) is None
+    )
+
+
+def test_a_reply_without_an_error_is_not_a_broken_group():
+    assert _group_broken(frame(Reply(7, None, 3))) is None
