@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from cumulus_p2p import remote
+from cumulus_p2p.channel.transport import SocketFrameChannel
 from cumulus_p2p.host.executor import _encode_reply
 from cumulus_p2p.host.handles import ErrorKind
 from cumulus_p2p.host.session import Reply
@@ -134,3 +136,38 @@ def test_any_other_error_is_the_scripts_to_see_not_a_reason_to_go_back(kind):
 
 def test_a_reply_without_an_error_is_not_a_broken_group():
     assert _group_broken(frame(Reply(7, None, 3))) is None
+
+
+@pytest.fixture
+def recoverable(executor_address):
+    """A session with failover to its own executor, handed to a group that meets no one."""
+    host, _, port = executor_address.rpartition(":")
+    reconnect = lambda: SocketFrameChannel.connect(host, int(port))  # noqa: E731
+    with remote.attach(executor_address, reconnect=reconnect) as session:
+        session.join_group_recovery(lambda ask, channel, info: None, lambda: None)
+        yield session
+
+
+def test_a_held_checkpoint_keeps_the_whole_log_until_the_group_commits_it(recoverable):
+    x = torch.arange(4.0, device="cumulus") * 2
+    recoverable.checkpoint()
+    assert recoverable.failover_statistics().log_frames > 0  # failover still starts before
+    recoverable.commit_checkpoint()
+    assert recoverable.failover_statistics().log_frames == 0
+    assert x.sum().item() == 12.0
+
+
+def test_going_back_drops_a_held_checkpoint_and_replays_to_the_same_state(recoverable):
+    x = torch.arange(4.0, device="cumulus") * 2
+    recoverable.checkpoint()
+    recoverable.roll_back("spec")
+    with pytest.raises(ValueError, match="no checkpoint is held"):
+        recoverable.commit_checkpoint()
+    assert (x + 1).tolist() == [1.0, 3.0, 5.0, 7.0]
+    assert recoverable.failovers == 1
+
+
+def test_a_session_whose_failover_is_not_the_groups_refuses_to_join_one(executor_address):
+    with remote.attach(executor_address) as session:  # no failover at all
+        with pytest.raises(ValueError, match="only with failover"):
+            session.join_group_recovery(lambda ask, channel, info: None, lambda: None)

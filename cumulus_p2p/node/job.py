@@ -19,9 +19,11 @@ one per rank, sharing the node's mesh, book and ledger (``Job``):
 
 The job's status (``state.json``, the screen) shows every rank's leases in one table.
 A job of one GPU survives its host (the session moves, ``Consumer.failover``). A job of
-several does not yet: a rank's collective group would not follow it to another host, so
-a rank whose host is lost is told so at once and ends, and torchrun ends the others, in
-seconds rather than at the group's timeout.
+several does not yet: its group would outlive the host only if every rank went back to
+a checkpoint (``remote/regroup.py``, which works with executors named directly), which
+needs a fresh session on each live host, and this node's failover counts a host whose
+session ended as lost. So a rank whose host is lost is told so at once and ends, and
+torchrun ends the others, in seconds rather than at the group's timeout.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Nothing here knows about cumulus. The tests run it untouched: on the CPU with gl
 (``torchrun --standalone --nproc-per-node 2 ddp_train.py out.pt``), and through the shim
 with one executor per rank, where CUDA compatibility mode makes ``cuda:LOCAL_RANK`` the
 rank's session and NCCL the cumulus backend. Rank 0 saves the final parameters to
-``out.pt``; every rank prints one JSON line with its losses and median step time.
+``out.pt``; every rank prints one JSON line with its losses, its median and slowest step
+times and the time all its steps took.
 
 Usage: ``ddp_train.py out.pt [steps] [hidden]``.
 """
@@ -55,6 +56,8 @@ if rank == 0:
 step_s = statistics.median(seconds[1:] or seconds)  # the first step sets up
 # One write of the whole line: the ranks share one pipe, and an unbuffered print's two
 # writes (text, then newline) could interleave with another rank's.
-sys.stdout.write(json.dumps({"rank": rank, "losses": losses, "step_s": step_s}) + "\n")
+line = {"rank": rank, "losses": losses, "step_s": step_s, "train_s": sum(seconds)}
+line["slowest_step_s"] = max(seconds[1:] or seconds)
+sys.stdout.write(json.dumps(line) + "\n")
 sys.stdout.flush()
 dist.destroy_process_group()
