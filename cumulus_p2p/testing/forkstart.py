@@ -248,6 +248,10 @@ def _run(
     run_entry(entry, environ, cwd)
 
 
+#: The globals of the script a fork ran (``run_entry``), never torn down.
+_MAIN_GLOBALS: list[dict] = []
+
+
 def run_entry(entry: tuple[str, str, list[str]], environ: dict[str, str], cwd: str | None) -> None:
     """In a forked child whose streams are in place: take ``environ`` and ``cwd``, and run
     ``entry`` (as ``_entry`` parses it) as ``__main__``, then the ``atexit`` handlers."""
@@ -263,12 +267,17 @@ def run_entry(entry: tuple[str, str, list[str]], environ: dict[str, str], cwd: s
     kind, target, args = entry
     sys.argv = [target, *args]
     try:
+        # The script's globals are kept to the end: the fork ends with ``os._exit``, as a
+        # ``python`` process ends without tearing down its ``__main__``. Dropped here,
+        # their C++ destructors ran in a fork of a process that had started torch's
+        # threads, and one torchrun DDP job in five hung there for good (a rank at the
+        # end of its script, in no Python frame).
         if kind == "-m":
             sys.path.insert(0, os.getcwd())  # as ``python -m`` puts it first
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
+            _MAIN_GLOBALS.append(runpy.run_module(target, run_name="__main__", alter_sys=True))
         else:
             sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
-            runpy.run_path(target, run_name="__main__")
+            _MAIN_GLOBALS.append(runpy.run_path(target, run_name="__main__"))
     finally:
         # The interpreter runs them at exit; a forked child ends with ``os._exit``.
         atexit._run_exitfuncs()
