@@ -7,9 +7,9 @@ frames sent since (``failover.py``). A frame holding a collective, though, can o
 again if every other rank runs its own again too, in a group that has all its members.
 So when a job's host is lost, every rank goes back, not only the one that lost its host:
 
-1. **Checkpoints are taken together.** Before the job's n-th collective, rank 0 asks its
-   session's policy (the interval, the log's size) whether to checkpoint there, and says
-   so in the launcher's store; the other ranks read it. Every rank then takes its
+1. **Checkpoints are taken together.** Before every 8th collective of the job, rank 0
+   asks its session's policy (the interval, the log's size) whether to checkpoint there,
+   and says so in the launcher's store; the other ranks read it. Every rank then takes its
    checkpoint at the same point of its stream, and holds it: it is committed (becomes
    the one a failover restores) only once every rank holds one. A host lost in the
    middle leaves every rank its previous checkpoint, and the log since.
@@ -53,6 +53,9 @@ from .client import RemoteSession
 GENERATION = "cumulus/generation"
 #: Set when a rank's failover gave up: the others stop waiting to meet it.
 GAVE_UP = "cumulus/gave-up"
+#: Collectives between two of rank 0's words on whether to checkpoint: each costs every
+#: rank a round trip to the launcher's store, and a checkpoint waits for the next word.
+DECIDE_EVERY = 8
 #: Seconds between two looks at the store while waiting on the other ranks.
 POLL_S = 0.002
 
@@ -82,6 +85,8 @@ class Regroup:
     collectives: int = 0
     #: Whether the group outlives its hosts: the session fails over (``reconnect=``).
     recovers: bool = False
+    #: The point of the last checkpoint: rank 0's words before it are deleted.
+    swept: int = 0
 
     def form(self, host: str) -> None:
         """Join the first generation's group; with failover, take over the session's
@@ -138,15 +143,27 @@ class Regroup:
         self.meet(ask, reachable_host(info, channel) or "")
 
     def before_collective(self) -> None:
-        """Called before each collective: take the checkpoint here if rank 0 says so."""
+        """Called before each collective: at every ``DECIDE_EVERY``-th, take a checkpoint
+        there if rank 0 says so."""
         if not self.recovers:
             return
         point, self.collectives = self.collectives, self.collectives + 1
+        if point % DECIDE_EVERY:
+            return
         key = f"cumulus/checkpoint-at/{point}"
         if self.rank == 0:
             self.store.set(key, "1" if self.session.checkpoint_due() else "0")
         if self._wait_for(key) == b"1":
             self._checkpoint_together(point)
+            self._sweep(point)
+
+    def _sweep(self, point: int) -> None:
+        """Every rank has passed ``point``: rank 0 deletes the words before it, so that a
+        long job does not fill the launcher's store."""
+        if self.rank == 0:
+            for passed in range(self.swept, point, DECIDE_EVERY):
+                self.store.delete_key(f"cumulus/checkpoint-at/{passed}")
+        self.swept = point
 
     def _checkpoint_together(self, point: int) -> None:
         """Take and hold a checkpoint; commit it once every rank of this generation holds
