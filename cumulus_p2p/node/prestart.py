@@ -111,9 +111,11 @@ class PrestartedScript:
         """The script will not run: the child, which has run nothing of the script's, is
         killed (it may be importing torch) and reaped."""
         if self._pipe is not None:
+            # Killed before its pipe closes: the end of the pipe would have it exit by
+            # itself, which a loaded machine let it do first (status 0, not SIGKILL).
+            self.kill()
             os.close(self._pipe)
             self._pipe = None
-            self.kill()
             self.wait()
 
     def poll(self) -> int | None:
