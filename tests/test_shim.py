@@ -200,3 +200,35 @@ def test_module_form_runs_the_module_as_main(
     assert seen["name"] == "__main__"
     assert seen["argv"] == [str(PROBE), "x"]
     assert seen["device"] == "cumulus:0"
+
+
+def test_an_executor_entry_with_spares_turns_failover_on(executor_address):
+    environ = {shim.ENV_EXECUTOR: f"{executor_address}|127.0.0.1:9"}
+    session = shim.connect(environ)
+    try:
+        assert session._reconnect is not None and session.failover_statistics().checkpoints == 0
+    finally:
+        session.close()
+
+
+def test_an_executor_entry_without_spares_leaves_failover_off(executor_address):
+    session = shim.connect({shim.ENV_EXECUTOR: executor_address})
+    try:
+        assert session._reconnect is None
+    finally:
+        session.close()
+
+
+def test_a_reconnect_dials_its_own_executor_first_then_the_spares(executor_address):
+    reconnect = shim._first_answering(["127.0.0.1:9", executor_address])
+    channel = reconnect()
+    try:
+        assert channel.peer_address.endswith(executor_address)
+    finally:
+        channel.close()
+
+
+def test_a_reconnect_with_no_executor_answering_names_each_that_did_not():
+    reconnect = shim._first_answering(["127.0.0.1:9", "127.0.0.1:7"])
+    with pytest.raises(OSError, match="127.0.0.1:9: .*; 127.0.0.1:7: "):
+        reconnect()
