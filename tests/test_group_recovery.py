@@ -8,6 +8,7 @@ naming a spare to fail over to (``a,b|c``), and SIGKILL a host in the middle of 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from pathlib import Path
@@ -32,17 +33,18 @@ STEPS, HIDDEN = "120", "256"
 STEPPING = 600_000
 
 
-def run_killing_a_host(script: Path, args: list[str], out: Path, *, spare: bool = True):
+def run_killing_a_host(
+    script: Path, args: list[str], out: Path, *, spare: bool = True, extra: list[str] = ()
+):
     """Run ``script OUT *args`` on two ranks, rank 0 on one executor and rank 1 on
     another with a spare behind it (or a closed port, ``spare=False``); SIGKILL rank 1's
-    executor once the steps have begun. Returns torchrun's completed process."""
+    executor once the steps have begun. ``extra``: the executors' own flags. Returns
+    torchrun's completed process."""
+    started = functools.partial(executor_process, extra=list(extra))
     with (
-        executor_process() as (first, _),
-        executor_process() as (second, doomed),
-        executor_process() if spare else contextlib.nullcontext(("127.0.0.1:9", None)) as (
-            behind,
-            _,
-        ),
+        started() as (first, _),
+        started() as (second, doomed),
+        started() if spare else contextlib.nullcontext(("127.0.0.1:9", None)) as (behind, _),
         tap(first) as metered,
     ):
         env = {
@@ -107,6 +109,20 @@ def test_a_diloco_job_whose_host_is_killed_finishes_with_the_replacement_in_its_
 def test_an_fsdp2_job_whose_host_is_killed_ends_as_local_fsdp2(tmp_path):
     stderr = ends_as_local_despite_a_killed_host("fsdp_train.py", ["60", HIDDEN], tmp_path)
     assert stderr.count("cumulus: session moved to") == 2, stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_a_job_reducing_through_the_consumer_outlives_a_host_by_moving_that_rank_alone(tmp_path):
+    # Through the consumer, a host holds no collective: its rank's log replays anywhere.
+    saved, local = nodes.local_ddp_run(SCRIPTS / "ddp_train.py", STEPS, HIDDEN, scratch=tmp_path)
+    run = run_killing_a_host(
+        SCRIPTS / "ddp_train.py", [STEPS, HIDDEN], tmp_path / "r.pt", extra=["--no-peer-links"]
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    by_rank = {r["rank"]: r["losses"] for r in local}
+    for ran in nodes.json_lines(run.stdout):
+        assert ran["losses"] == pytest.approx(by_rank[ran["rank"]], rel=1e-6)
+    assert run.stderr.count("cumulus: session moved to") == 1, run.stderr[-4000:]
 
 
 @pytest.mark.slow
