@@ -30,7 +30,7 @@ from cumulus_p2p.host.collectives import (
     collective_runs,
     is_collective,
 )
-from cumulus_p2p.host.handles import OpFailed
+from cumulus_p2p.host.handles import ErrorKind, OpFailed
 from cumulus_p2p.remote.distributed import _ThroughConsumer
 from cumulus_p2p.testing import nodes
 from cumulus_p2p.testing.executor import executor_process
@@ -429,9 +429,11 @@ def test_ranks_bringing_tensors_of_different_sizes_all_get_a_clear_error():
 def test_a_collective_whose_other_ranks_never_come_fails_after_the_groups_timeout():
     groups = form_group(2, timeout_s=1.0)
     started = time.monotonic()
-    with pytest.raises(OpFailed, match="collective in group 'job'"):
+    with pytest.raises(OpFailed, match="collective in group 'job'") as failed:
         groups[0].all_reduce("job", torch.ones(3), "SUM")
     assert time.monotonic() - started < 10
+    # The script's to see, not a lost peer's: going back would only wait for it again.
+    assert failed.value.kind == ErrorKind.RUNTIME
 
 
 def test_a_host_without_the_jobs_prefix_cannot_join_its_group():

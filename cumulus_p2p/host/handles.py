@@ -60,8 +60,8 @@ class ErrorKind:
     VALUE = "ValueError"
     TYPE = "TypeError"
     RUNTIME = "RuntimeError"
-    #: A collective's group broke (a peer lost, or its timeout): the client's group goes
-    #: back to its last checkpoint together (``remote/regroup.py``), or raises it.
+    #: A collective's group broke (a peer lost): the client's group goes back to its last
+    #: checkpoint together (``remote/regroup.py``), or raises it.
     GROUP = "CollectiveGroupError"
 
 
