@@ -18,10 +18,9 @@ import torch
 
 from cumulus_p2p import remote
 from cumulus_p2p.channel.transport import SocketFrameChannel
-from cumulus_p2p.host.executor import _encode_reply
 from cumulus_p2p.host.handles import ErrorKind
-from cumulus_p2p.host.session import Reply
-from cumulus_p2p.remote.client import _group_broken
+from cumulus_p2p.remote.client import group_broke
+from cumulus_p2p.remote.errors import remote_error
 from cumulus_p2p.testing import nodes
 from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.testing.tap import tap
@@ -135,25 +134,15 @@ def test_a_job_that_loses_a_host_with_no_spare_left_ends_saying_why(tmp_path):
     assert "no executor answers" in run.stderr
 
 
-def frame(reply: Reply) -> bytearray:
-    return bytearray(b"".join(bytes(part) for part in _encode_reply(reply)))
-
-
 def test_a_collective_whose_group_broke_sends_the_group_back():
-    broken = Reply(7, (ErrorKind.GROUP, "collective in group 'default': peer gone", "@pg_x"))
-    assert _group_broken(frame(broken)) == "collective in group 'default': peer gone"
+    broken = remote_error(ErrorKind.GROUP, "collective in group 'default': peer gone", "@pg_x")
+    assert group_broke(broken)
 
 
 @pytest.mark.parametrize("kind", [ErrorKind.VALUE, ErrorKind.RUNTIME, ErrorKind.OUT_OF_MEMORY])
 def test_any_other_error_is_the_scripts_to_see_not_a_reason_to_go_back(kind):
     # A rank that brought a tensor of the wrong size would bring it again after going back.
-    assert (
-        _group_broken(frame(Reply(7, (kind, "the ranks brought different tensors", "op")))) is None
-    )
-
-
-def test_a_reply_without_an_error_is_not_a_broken_group():
-    assert _group_broken(frame(Reply(7, None, 3))) is None
+    assert not group_broke(remote_error(kind, "the ranks brought different tensors", "op"))
 
 
 @pytest.fixture

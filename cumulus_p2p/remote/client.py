@@ -35,7 +35,13 @@ from typing import Any
 
 import torch
 
-from .._errors import CumulusError, FailoverError, RemoteProtocolError, SessionClosedError
+from .._errors import (
+    CumulusError,
+    FailoverError,
+    RemoteExecutionError,
+    RemoteProtocolError,
+    SessionClosedError,
+)
 from ..blobs.elsewhere import FetchElsewhere
 from ..blobs.names import MAX_HAVE, NAMED_WINDOW, PIECE, digest
 from ..blobs.service import Source, grant_of
@@ -430,12 +436,8 @@ class RemoteSession:
             logged = self._settle_named(ops, named, blobs) if named else None
             seq, parts = self._encode(ops, frees, query, blobs, logged, grows)
             frame = self._exchange(parts, seq if query is not None else None)
-            if frame is not None and self._rejoin is not None:
-                broken = _group_broken(frame)
-                if broken is not None:  # a peer's host is lost: the whole group goes back
-                    frame = self._fail_over(SessionClosedError(broken), seq, cold=True)
             del keepalive
-            answer = (None, []) if frame is None else self._read_reply(frame, seq)
+            answer = (None, []) if frame is None else self._read_group_reply(frame, seq)
             if self._log is not None:
                 self._maybe_checkpoint(at_sync_point=query is not None)
             return answer
@@ -486,6 +488,17 @@ class RemoteSession:
             self.closed = True
             raise SessionClosedError(f"the host ended this session: {reason}")
         return SessionClosedError(f"the host lost this session: {reason}")
+
+    def _read_group_reply(self, frame: bytearray, seq: int) -> tuple[Any, list[memoryview]]:
+        """``_read_reply``; in a group that outlives its hosts, a collective that failed
+        because a peer is lost sends the whole group back, and the reply is the replay's."""
+        try:
+            return self._read_reply(frame, seq)
+        except RemoteExecutionError as exc:
+            if self._rejoin is None or not group_broke(exc):
+                raise
+            frame = self._fail_over(SessionClosedError(str(exc)), seq, cold=True)
+        return self._read_reply(frame, seq)
 
     def _read_reply(self, frame: bytearray, seq: int) -> tuple[Any, list[memoryview]]:
         header, area = decode_frame(frame)
@@ -1214,14 +1227,10 @@ def current_session() -> RemoteSession:
     return session
 
 
-def _group_broken(frame: bytearray) -> str | None:
-    """The message of a reply whose error says the session's collective group broke (a
-    peer lost: ``ErrorKind.GROUP``); None for any other frame."""
-    header, _ = decode_frame(frame)
-    if header[0] != "reply" or len(header) != 5 or not isinstance(header[2], list):
-        return None
-    kind, message, _op = header[2]
-    return str(message) if kind == GROUP_ERROR else None
+def group_broke(error: RemoteExecutionError) -> bool:
+    """Whether an op's error says its collective group broke (a peer lost:
+    ``ErrorKind.GROUP``), rather than something the script must see."""
+    return error.remote_type == GROUP_ERROR
 
 
 def _batch_header(seq: int, ops: list, frees: list, query, blobs: list, grows: int) -> list:
