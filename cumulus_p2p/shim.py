@@ -94,26 +94,32 @@ def connect(environ: Mapping[str, str]) -> RemoteSession:
         return _connect_leased(environ)
     address, *spares = _executor_address(environ).split("|")
     failover: dict = {}
-    if "|" in environ[ENV_EXECUTOR]:  # every rank must go back when one host is lost
-        interval = float(environ.get("CUMULUS_CHECKPOINT_INTERVAL", "30"))
-        reconnect = _first_answering([address, *spares])
-        failover = {"reconnect": reconnect, "checkpoint_interval": interval}
     try:
+        if "|" in environ[ENV_EXECUTOR]:  # every rank must go back when one host is lost
+            interval = float(environ.get("CUMULUS_CHECKPOINT_INTERVAL", "30"))
+            reconnect = _first_answering([address, *spares])
+            failover = {"reconnect": reconnect, "checkpoint_interval": interval}
         return remote.attach(address, **failover).session
     except (OSError, ValueError, CumulusError) as exc:
         raise SessionClosedError(f"cannot attach to the executor at {address}: {exc}") from exc
 
 
 def _first_answering(addresses: list[str]):
-    """A ``reconnect`` for plain-TCP executors: a channel to the first that answers."""
+    """A ``reconnect`` for plain-TCP executors: a channel to the first that answers.
+
+    Raises:
+        ValueError: an address is not ``host:port`` (now, not at the first failover).
+    """
     from .channel.transport import SocketFrameChannel
+    from .remote import host_port
+
+    dialled = [host_port(address) for address in addresses]
 
     def reconnect():
         failures = []
-        for address in addresses:
-            host, _, port = address.rpartition(":")
+        for address, (host, port) in zip(addresses, dialled, strict=True):
             try:
-                return SocketFrameChannel.connect(host.strip("[]"), int(port))
+                return SocketFrameChannel.connect(host, port)
             except OSError as exc:
                 failures.append(f"{address}: {exc}")
         raise OSError(f"no executor answers: {'; '.join(failures)}")

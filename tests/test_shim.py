@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cumulus_p2p import cuda_compat, shim
+from cumulus_p2p import cuda_compat, remote, shim
 from cumulus_p2p.remote.client import CURRENT
 from cumulus_p2p.testing import forkstart
 
@@ -208,7 +208,7 @@ def test_an_executor_entry_with_spares_turns_failover_on(executor_address):
     try:
         assert session._reconnect is not None and session.failover_statistics().checkpoints == 0
     finally:
-        session.close()
+        remote.detach()
 
 
 def test_an_executor_entry_without_spares_leaves_failover_off(executor_address):
@@ -216,7 +216,7 @@ def test_an_executor_entry_without_spares_leaves_failover_off(executor_address):
     try:
         assert session._reconnect is None
     finally:
-        session.close()
+        remote.detach()
 
 
 def test_a_reconnect_dials_its_own_executor_first_then_the_spares(executor_address):
@@ -232,3 +232,17 @@ def test_a_reconnect_with_no_executor_answering_names_each_that_did_not():
     reconnect = shim._first_answering(["127.0.0.1:9", "127.0.0.1:7"])
     with pytest.raises(OSError, match="127.0.0.1:9: .*; 127.0.0.1:7: "):
         reconnect()
+
+
+@pytest.mark.parametrize(
+    ("entry", "why"),
+    [("|no-port", "must look like host:port"), ("", "could not convert string to float")],
+)
+def test_a_bad_spare_or_interval_is_refused_at_the_start_saying_what(executor_address, entry, why):
+    environ = {shim.ENV_EXECUTOR: f"{executor_address}{entry or '|127.0.0.1:9'}"}
+    if not entry:
+        environ["CUMULUS_CHECKPOINT_INTERVAL"] = "soon"
+    before = CURRENT.session
+    with pytest.raises(shim.SessionClosedError, match=why):
+        shim.connect(environ)
+    assert CURRENT.session is before  # nothing was attached

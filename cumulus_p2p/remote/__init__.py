@@ -145,10 +145,10 @@ def attach(
     if (address is None) == (channel is None):
         raise ValueError("pass exactly one of address='host:port' or channel=...")
     if channel is None:
-        channel = SocketFrameChannel.connect(*_host_port(address))
+        channel = SocketFrameChannel.connect(*host_port(address))
     link = None
     if isinstance(standby, str):
-        link = StandbyLink(SocketFrameChannel.connect(*_host_port(standby)), address=standby)
+        link = StandbyLink(SocketFrameChannel.connect(*host_port(standby)), address=standby)
     elif standby is not None:
         address = getattr(standby, "peer_address", None)
         if address is None:
@@ -177,7 +177,12 @@ def attach(
     return _Attached(session)
 
 
-def _host_port(address: str) -> tuple[str, int]:
+def host_port(address: str) -> tuple[str, int]:
+    """``(host, port)`` of an executor's ``"host:port"`` (brackets off an IPv6 host).
+
+    Raises:
+        ValueError: it does not look like ``host:port``.
+    """
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"executor address must look like host:port, got {address!r}")
