@@ -33,7 +33,9 @@ Environment:
         failover (see ``cumulus_p2p.node.control``).
     CUMULUS_EXECUTOR: otherwise, ``host:port`` of an executor reachable over plain TCP;
         for a job of several ranks (``torchrun -m cumulus_p2p.shim train.py``), one per
-        rank, comma separated, each rank taking the one at its ``LOCAL_RANK``. A rank's
+        rank, comma separated, each rank taking the one at its ``LOCAL_RANK``. Run
+        without a launcher (no ``LOCAL_RANK``), a process attaches every one of them,
+        as its devices ``cumulus:0`` to ``cumulus:N-1``. A rank's
         entry may name executors to fail over to after its own, ``|`` between them
         (``a:1|c:3,b:2|c:3``): then the session fails over (checkpoints every
         ``CUMULUS_CHECKPOINT_INTERVAL`` seconds, 30 by default, kept in this process), to
@@ -92,6 +94,8 @@ def connect(environ: Mapping[str, str]) -> RemoteSession:
 
     if _leased(environ):
         return _connect_leased(environ)
+    if _devices_of_one_process(environ):
+        return _attach_devices(environ[ENV_EXECUTOR].split(","))
     address, *spares = _executor_address(environ).split("|")
     failover: dict = {}
     try:
@@ -102,6 +106,26 @@ def connect(environ: Mapping[str, str]) -> RemoteSession:
         return remote.attach(address, **failover).session
     except (OSError, ValueError, CumulusError) as exc:
         raise SessionClosedError(f"cannot attach to the executor at {address}: {exc}") from exc
+
+
+def _devices_of_one_process(environ: Mapping[str, str]) -> bool:
+    """Whether ``CUMULUS_EXECUTOR`` names several executors for a process no launcher
+    started: they are its devices, ``cumulus:0`` to ``cumulus:N-1``."""
+    return "LOCAL_RANK" not in environ and "," in environ.get(ENV_EXECUTOR, "")
+
+
+def _attach_devices(addresses: list[str]) -> RemoteSession:
+    from . import remote
+
+    if any("|" in address for address in addresses):
+        raise SessionClosedError(
+            f"{ENV_EXECUTOR} names spares ('|') for several devices of one process: "
+            "failover is for one device per process yet; drop the spares"
+        )
+    try:
+        return remote.attach(addresses).session
+    except (OSError, ValueError, CumulusError) as exc:
+        raise SessionClosedError(f"cannot attach to the executors {addresses}: {exc}") from exc
 
 
 def _first_answering(addresses: list[str]):

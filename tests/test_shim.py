@@ -15,6 +15,7 @@ import pytest
 from cumulus_p2p import cuda_compat, remote, shim
 from cumulus_p2p.remote.client import CURRENT
 from cumulus_p2p.testing import forkstart
+from cumulus_p2p.testing.executor import executor_process
 
 # Runs scripts under the shim against real executor processes: scripts/test --fast skips it.
 pytestmark = pytest.mark.slow
@@ -246,3 +247,36 @@ def test_a_bad_spare_or_interval_is_refused_at_the_start_saying_what(executor_ad
     with pytest.raises(shim.SessionClosedError, match=why):
         shim.connect(environ)
     assert CURRENT.session is before  # nothing was attached
+
+
+def test_several_executors_named_to_a_process_no_launcher_started_are_its_devices(
+    executor_address,
+):
+    with executor_process() as (second, _):
+        session = shim.connect({shim.ENV_EXECUTOR: f"{executor_address},{second}"})
+        try:
+            assert len(CURRENT.sessions) == 2 and CURRENT.sessions[0] is session
+            assert CURRENT.sessions[1].device.index == 1
+        finally:
+            remote.detach()
+
+
+def test_spares_for_the_devices_of_one_process_are_refused_saying_why(executor_address):
+    environ = {shim.ENV_EXECUTOR: f"{executor_address}|127.0.0.1:9,{executor_address}"}
+    with pytest.raises(shim.SessionClosedError, match="failover is for one device per process"):
+        shim.connect(environ)
+    assert CURRENT.session is None
+
+
+def test_a_script_splitting_its_model_across_two_executors_trains_as_it_does_on_a_cpu(
+    executor_address, tmp_path
+):
+    script = SCRIPTS / "pipeline_train.py"
+    local = forkstart.run([sys.executable, str(script), "6"], cwd=tmp_path, timeout=120)
+    assert local.returncode == 0, local.stderr
+    with executor_process() as (second, _):
+        proc = run_shim(str(script), "6", executor=f"{executor_address},{second}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    split, reference = report(proc), report(local)
+    assert split["devices"] == ["cumulus:0", "cumulus:1"]
+    assert split["losses"] == pytest.approx(reference["losses"], abs=1e-6)

@@ -30,7 +30,7 @@ To survive the executor vanishing, say how to reach a replacement::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -75,10 +75,12 @@ register_device = _device.register
 
 
 class _Attached:
-    """Returned by ``attach``: the session, usable as a context manager that detaches."""
+    """Returned by ``attach``: the session (``cumulus:0``'s) and every device's
+    (``sessions``), usable as a context manager that detaches."""
 
-    def __init__(self, session: RemoteSession) -> None:
+    def __init__(self, session: RemoteSession, sessions: list[RemoteSession] | None = None) -> None:
         self.session = session
+        self.sessions = sessions if sessions is not None else [session]
 
     def __enter__(self) -> RemoteSession:
         return self.session
@@ -88,9 +90,9 @@ class _Attached:
 
 
 def attach(
-    address: str | None = None,
+    address: str | Sequence[str] | None = None,
     *,
-    channel: FrameChannel | None = None,
+    channel: FrameChannel | Sequence[FrameChannel] | None = None,
     quota_bytes: int | None = None,
     reconnect: Callable[[], FrameChannel] | None = None,
     checkpoint_interval: float | None = None,
@@ -108,9 +110,16 @@ def attach(
     thread for the device (``torch.autograd.set_multithreading_enabled(False)`` until
     ``detach``): on cumulus that thread overlaps nothing and only costs hand-offs.
 
+    Several addresses (or channels) attach one session each, as the devices ``cumulus:0``
+    to ``cumulus:N-1`` of this process: a model split across them moves its activations
+    from host to host (``moves.py``). Failover is for one device yet: its options are
+    refused with several.
+
     Args:
-        address: ``"host:port"`` of an executor reachable over plain TCP.
-        channel: an already connected ``FrameChannel`` (e.g. the secure channel) instead.
+        address: ``"host:port"`` of an executor reachable over plain TCP, or a list of
+            them, one per device.
+        channel: an already connected ``FrameChannel`` (e.g. the secure channel), or a
+            list of them, instead.
         quota_bytes: ask for a smaller memory quota than the executor's default.
         reconnect: turns failover on: called when the executor is lost, returns a new
             connected ``FrameChannel`` (to the same host, which may resume the session
@@ -144,6 +153,15 @@ def attach(
     """
     if (address is None) == (channel is None):
         raise ValueError("pass exactly one of address='host:port' or channel=...")
+    if not isinstance(address, str | None) or isinstance(channel, list | tuple):
+        failover = (reconnect, checkpoint_interval, checkpoint_store, standby)
+        if failover != (None,) * 4:
+            raise ValueError(
+                "failover is for one device per process yet: attach one address to "
+                "use reconnect, checkpoints or a standby"
+            )
+        targets = list(address if address is not None else channel)  # type: ignore[arg-type]
+        return _attach_devices(targets, quota_bytes=quota_bytes, private=private)
     if channel is None:
         channel = SocketFrameChannel.connect(*host_port(address))
     link = None
@@ -169,12 +187,40 @@ def attach(
         fetch_elsewhere=fetch_elsewhere,
         group_failover=group_failover,
     )
-    CURRENT.session = session
+    _make_devices([session])
+    return _Attached(session)
+
+
+def _attach_devices(targets: list, **options) -> _Attached:
+    """One plain session per address or channel, as ``cumulus:0`` to ``cumulus:N-1``."""
+    if not targets:
+        raise ValueError("attach needs at least one executor address")
+    _device.register()
+    detach()
+    sessions: list[RemoteSession] = []
+    try:
+        for target in targets:
+            if isinstance(target, str):
+                target = SocketFrameChannel.connect(*host_port(target))
+            sessions.append(RemoteSession(target, **options))
+    except BaseException:
+        for session in sessions:
+            session.close()
+        raise
+    _make_devices(sessions)
+    return _Attached(sessions[0], sessions)
+
+
+def _make_devices(sessions: list[RemoteSession]) -> None:
+    """Make ``sessions`` this process's ``cumulus:0`` to ``cumulus:N-1``, seeded alike."""
+    for index, session in enumerate(sessions):
+        session.device = torch.device(_device.NAME, index)
+    CURRENT.sessions, CURRENT.index = sessions, 0
     _run_backward_on_this_thread()
     pending = _device.CumulusModule._pending_seed
     if pending is not None:
-        session.seed(pending)
-    return _Attached(session)
+        for session in sessions:
+            session.seed(pending)
 
 
 def host_port(address: str) -> tuple[str, int]:
@@ -190,10 +236,12 @@ def host_port(address: str) -> tuple[str, int]:
 
 
 def detach() -> None:
-    """Close the attached session, if any; its remote memory is released."""
-    session, CURRENT.session = CURRENT.session, None
-    if session is not None:
+    """Close the attached sessions, if any; their remote memory is released."""
+    sessions, CURRENT.sessions, CURRENT.index = CURRENT.sessions, [], 0
+    CURRENT.pairs = {}
+    for session in sessions:
         session.close()
+    if sessions:
         torch.autograd.set_multithreading_enabled(True)
 
 

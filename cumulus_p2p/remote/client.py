@@ -236,6 +236,9 @@ class RemoteSession:
         self.progress_interval = PROGRESS_INTERVAL
         #: The transfer under way, once it has reported progress (for the node's status).
         self.transfer: TransferProgress | None = None
+        #: The device its tensors are on: ``cumulus:i`` for the i-th attached session
+        #: (``attach`` sets it).
+        self.device = torch.device("privateuseone", 0)
         self.info = self._handshake(channel, self._options)
 
     def _handshake(self, channel: FrameChannel, options: dict) -> dict:
@@ -1209,10 +1212,23 @@ def _check_replayed(frame: bytearray, seq: int) -> None:
 
 
 class _Current:
-    session: RemoteSession | None = None
+    """The sessions this process's ``cumulus`` devices talk to: ``cumulus:i`` is
+    ``sessions[i]``, each on its own host; ``index`` is the current device
+    (``torch.cumulus.set_device``), which ``device="cumulus"`` without an index names."""
+
+    def __init__(self) -> None:
+        self.sessions: list[RemoteSession] = []
+        self.index = 0
+        #: The groups between two devices' hosts, by their indexes (``moves.py``).
+        self.pairs: dict[tuple[int, int], Any] = {}
+
+    @property
+    def session(self) -> RemoteSession | None:
+        """The current device's session; None when nothing is attached."""
+        return self.sessions[self.index] if self.index < len(self.sessions) else None
 
 
-#: The session the ``cumulus`` device currently talks to (one per process).
+#: The sessions the ``cumulus`` devices currently talk to.
 CURRENT = _Current()
 
 
@@ -1224,6 +1240,28 @@ def current_session() -> RemoteSession:
             "no cumulus session is attached: call cumulus_p2p.remote.attach('host:port') "
             "(or run under `cumulus-node --consume`) before using device='cumulus'"
         )
+    return session
+
+
+def device_session(index: int | None) -> RemoteSession:
+    """The session of ``cumulus:index`` (the current device's when ``index`` is None).
+
+    Raises:
+        SessionClosedError: nothing is attached.
+        RuntimeError: this process has no such device (as torch says of a CUDA index).
+    """
+    if index is None or (index == CURRENT.index and CURRENT.sessions):
+        return current_session()
+    count = len(CURRENT.sessions)
+    if not 0 <= index < count:
+        current_session()  # nothing attached: say so, and what to do
+        raise RuntimeError(
+            f"cumulus:{index} does not exist: this process attached {count} cumulus "
+            f"device(s), cumulus:0 to cumulus:{count - 1} (attach one address per device)"
+        )
+    session = CURRENT.sessions[index]
+    if session.closed:
+        raise SessionClosedError(f"the session of cumulus:{index} is closed; attach a new one")
     return session
 
 

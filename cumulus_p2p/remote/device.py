@@ -28,7 +28,7 @@ from torch.utils.backend_registration import _setup_privateuseone_for_python_bac
 
 from ..devicemodule import SessionDeviceModule
 from . import compile_routing
-from .client import CURRENT, current_session
+from .client import CURRENT, RemoteSession, current_session, device_session
 
 NAME = "cumulus"
 
@@ -146,22 +146,53 @@ class CumulusModule(SessionDeviceModule):
 
     @classmethod
     def device_count(cls) -> int:
-        return 1 if cls.is_available() else 0
+        """The sessions attached: one per device (``attach`` with several addresses)."""
+        return len(CURRENT.sessions) if cls.is_available() else 0
+
+    @staticmethod
+    def current_device() -> int:
+        return CURRENT.index
 
     @staticmethod
     def set_device(device) -> None:
-        if torch.device(NAME, device).index not in (0, None):
-            raise ValueError("a cumulus session exposes one device, cumulus:0")
+        """Make ``cumulus:device`` the one ``device="cumulus"`` names.
+
+        Raises:
+            ValueError: no such device is attached.
+        """
+        index = _index(device)
+        if index is None:
+            return
+        if not 0 <= index < max(len(CURRENT.sessions), 1):
+            raise ValueError(
+                f"cumulus:{index} does not exist: this process attached "
+                f"{len(CURRENT.sessions)} cumulus device(s)"
+            )
+        CURRENT.index = index
+
+    @classmethod
+    def synchronize(cls, device=None) -> None:
+        """Wait for every op sent to the device so far; raises its first failure."""
+        device_session(_index(device)).synchronize()
+
+    @classmethod
+    def session_info(cls, device=None) -> dict:
+        """What the device's executor said of itself when its session opened."""
+        return device_session(_index(device)).info
+
+    @classmethod
+    def get_device_name(cls, device=None) -> str:
+        return f"cumulus ({cls.session_info(device).get('device_name', '?')})"
 
     @staticmethod
     def memory_allocated(device=None) -> int:
-        """Bytes held by live cumulus tensors of this session (counted locally)."""
-        session = CURRENT.session
+        """Bytes held by live tensors of the device's session (counted locally)."""
+        session = _attached(device)
         return 0 if session is None else session.bytes_allocated
 
     @staticmethod
     def max_memory_allocated(device=None) -> int:
-        session = CURRENT.session
+        session = _attached(device)
         return 0 if session is None else session.peak_bytes_allocated
 
     @classmethod
@@ -170,49 +201,64 @@ class CumulusModule(SessionDeviceModule):
 
     @staticmethod
     def reset_peak_memory_stats(device=None) -> None:
-        session = CURRENT.session
+        session = _attached(device)
         if session is not None:
             session.peak_bytes_allocated = session.bytes_allocated
 
     @staticmethod
     def empty_cache() -> None:
         """Nothing is cached client-side: send the frees queued so far, so that the
-        executor sees them."""
-        session = CURRENT.session
-        if session is not None and not session.closed:
-            session.flush()
+        executors see them."""
+        for session in CURRENT.sessions:
+            if not session.closed:
+                session.flush()
 
     @staticmethod
     def mem_get_info(device=None) -> tuple[int, int]:
-        """(free, total) bytes of this session's quota on the executor."""
-        session = current_session()
+        """(free, total) bytes of the device's session's quota on its executor."""
+        session = device_session(_index(device))
         quota = int(session.info.get("quota", 0))
         return quota - session.bytes_allocated, quota
 
     @classmethod
     def manual_seed(cls, seed: int) -> None:
-        """Seed the session's generator on the executor (applied at attach if none yet)."""
-        session = CURRENT.session
-        if session is None or session.closed:
+        """Seed every device's generator (applied at attach if none is attached yet)."""
+        sessions = [s for s in CURRENT.sessions if not s.closed]
+        if not sessions:
             cls._pending_seed = int(seed)
-        else:
+        for session in sessions:
             session.seed(int(seed))
 
     manual_seed_all = manual_seed
 
     @staticmethod
     def get_rng_state(device=None) -> torch.Tensor:
-        """The session generator's state on the executor (for ``torch.random.fork_rng``)."""
-        return current_session().rng_state()
+        """The device generator's state on its executor (for ``torch.random.fork_rng``)."""
+        return device_session(_index(device)).rng_state()
 
     @staticmethod
     def set_rng_state(new_state: torch.Tensor, device=None) -> None:
         """Restore a state from ``get_rng_state``."""
-        current_session().set_rng_state(new_state)
+        device_session(_index(device)).set_rng_state(new_state)
 
     @staticmethod
     def is_bf16_supported() -> bool:
         return True
+
+
+def _index(device) -> int | None:
+    """The index ``device`` names (``1``, ``"cumulus:1"``, a ``torch.device``); None for
+    the current device."""
+    if device is None or isinstance(device, int):
+        return device
+    return torch.device(device).index
+
+
+def _attached(device) -> RemoteSession | None:
+    """The device's session; None where nothing is attached."""
+    index = CURRENT.index if _index(device) is None else _index(device)
+    sessions = CURRENT.sessions
+    return sessions[index] if 0 <= index < len(sessions) else None
 
 
 def _pins_for_cumulus(device) -> bool:

@@ -21,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..wire.ops import op_name
-from .client import current_session
+from .client import RemoteSession, device_session
 from .tensor import (
     DEVICE,
     RemoteTensor,
@@ -48,11 +48,17 @@ def _empty_memory_format(
         strides = contiguous_strides(size)
     else:
         strides = torch.empty(size, device="meta", memory_format=fmt).stride()
-    return new_empty(size, strides, dtype)
+    return new_empty(size, strides, dtype, _named(device))
 
 
 def _empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
-    return new_empty(size, stride, dtype or torch.get_default_dtype())
+    return new_empty(size, stride, dtype or torch.get_default_dtype(), _named(device))
+
+
+def _named(device) -> RemoteSession:
+    """The session of the ``cumulus`` device a factory names (``cumulus:1``; the current
+    device for ``cumulus`` alone)."""
+    return device_session(None if device is None else torch.device(device).index)
 
 
 def _copy_from(src, dst, non_blocking=False):
@@ -61,7 +67,9 @@ def _copy_from(src, dst, non_blocking=False):
         upload_into(dst, src)
         return dst
     if type(dst) is RemoteTensor:
-        session = current_session()
+        if type(src) is RemoteTensor and src._rs.session is not dst._rs.session:
+            return dst.copy_(src)  # between two devices: ``tensor.py``'s ``_copy_`` moves it
+        session = dst._rs.session
         session.submit(["aten.copy_.default", *wire_arguments(session, [dst, src], {}), [None]])
         return dst
     dst.copy_(download(src))
@@ -124,7 +132,9 @@ def _asked_on(on_cpu: bool, t: torch.Tensor | None) -> torch.Tensor | None:
 def _sdpa(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ):
-    on_cpu = current_session().info.get("device") == "cpu"
+    # A captured step's query is the tracer's tensor: its session is the current one.
+    session = query._rs.session if type(query) is RemoteTensor else device_session(None)
+    on_cpu = session.info.get("device") == "cpu"
     args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     choice = _sdp_choice(on_cpu, *args)
     if on_cpu and choice == _FLASH:
@@ -168,7 +178,7 @@ def _factory_kernel(func) -> Callable:
 
     def kernel(*args, **kwargs):
         meta = func(*args, **{**kwargs, "device": _META})
-        session = current_session()
+        session = _named(kwargs.get("device"))
         tensor, spec = fresh_tensor(
             session, meta.dtype, tuple(meta.shape), tuple(meta.stride()), meta.storage_offset()
         )

@@ -36,10 +36,11 @@ import torch
 from torch.optim import optimizer as _torch_optimizer
 from torch.utils import _foreach_utils
 
+from .._errors import SessionClosedError
 from ..blobs.names import BLOB_MIN, MAX_HAVE, digest
 from ..wire.ops import op_name, written_arguments
 from ..wire.protocol import EXT_TENSOR, TensorRef, aligned_bytes, pack_tensor_ref, storage_extent
-from .client import RemoteSession, current_session, stream_chunk
+from .client import RemoteSession, current_session, device_session, stream_chunk
 from .transfer import STREAM_CHUNK, pieces
 
 #: Named by PrivateUse1's own name so it exists before ``device.register()``; torch calls
@@ -97,8 +98,9 @@ class RemoteTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, storage, dtype, sizes, strides, offset):  # noqa: D102
         t = torch.Tensor._make_wrapper_subclass(
-            cls, sizes, strides=strides, storage_offset=offset, dtype=dtype, device=DEVICE
-        )
+            cls, sizes, strides=strides, storage_offset=offset, dtype=dtype,
+            device=storage.session.device,
+        )  # fmt: skip
         t._rs = storage
         t._sig = (dtype, sizes, strides, offset)
         t._ext = None
@@ -163,7 +165,7 @@ class RemoteTensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents=None) -> str:
         body = repr(self.detach().cpu())[:-1]
-        extras = [f"device='{DEVICE}'"]
+        extras = [f"device='{self.device}'"]
         if self.grad_fn is not None:
             extras.append(f"grad_fn=<{type(self.grad_fn).__name__}>")
         elif self.requires_grad:
@@ -293,12 +295,29 @@ _META_SIZED_INTS = {
 def _make_plan(func, args, kwargs) -> Callable:
     if func.namespace != "aten":
         return _kernel_here_plan(func)
+    if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+        return _decomposed_plan(func)
     plan = _plan_outputs(func, args, kwargs)
     # The tensor lists it writes (``_foreach_add_``'s self), by position and name.
     written = [
         (i, a.name) for i, a in written_arguments(func) if isinstance(a.type, torch.ListType)
     ]
     return _bumping_versions(plan, written) if written else plan
+
+
+def _decomposed_plan(func) -> Callable:
+    """Run an op that autograd would have decomposed, decomposed.
+
+    Such ops reach dispatch only below autograd (inside another op's handling here, or a
+    library kernel run here). Their schemas may not say what they return: ``contiguous``
+    and ``reshape`` claim to return a view of their argument, and return a copy when no
+    view can do.
+    """
+
+    def run(args, kwargs):
+        return func.decompose(*args, **kwargs)
+
+    return run
 
 
 def _kernel_here_plan(func) -> Callable:
@@ -384,7 +403,7 @@ def _restride_plan(outs, shape) -> Callable:
 
 def _async_plan(name, outs, shape) -> Callable:
     def run(args, kwargs):
-        session = current_session()
+        session = _session_of(args, kwargs)
         wire: list = []
         results = [_build(o, args, kwargs, session, wire) for o in outs]
         session.submit([name, *wire_arguments(session, args, kwargs), wire])
@@ -397,13 +416,36 @@ def _sync_plan(func) -> Callable:
     name = op_name(func)
 
     def run(args, kwargs):
-        session = current_session()
+        session = _session_of(args, kwargs)
         first = session.new_dynamic_block()
         result = session.call([name, *wire_arguments(session, args, kwargs), ["dyn", first]])
         storages = _storages_by_handle(args, kwargs)
         return _from_description(result, session, storages)
 
     return run
+
+
+def _session_of(args, kwargs) -> RemoteSession:
+    """The session an op runs on: its first cumulus tensor's, as a CUDA op runs on its
+    tensors' device; the current device's for an op without one."""
+    for arg in args:
+        if type(arg) is RemoteTensor:
+            return _open(arg._rs.session)
+        if (type(arg) is list or type(arg) is tuple) and arg and type(arg[0]) is RemoteTensor:
+            return _open(arg[0]._rs.session)
+    for arg in kwargs.values():
+        if type(arg) is RemoteTensor:
+            return _open(arg._rs.session)
+    return current_session()
+
+
+def _open(session: RemoteSession) -> RemoteSession:
+    if session.closed:
+        raise SessionClosedError(
+            f"the session of this {session.device} tensor is closed: its memory is gone; "
+            "attach a session and create the tensor again"
+        )
+    return session
 
 
 def _build(out: _Out, args, kwargs, session, wire) -> Any:
@@ -591,6 +633,12 @@ def wire_arguments(session: RemoteSession, args, kwargs) -> tuple[list, dict]:
 def _to_wire(session: RemoteSession, x: Any) -> Any:
     t = type(x)
     if t is RemoteTensor:
+        if x._rs.session is not session:
+            raise RuntimeError(
+                "Expected all tensors to be on the same device, but found at least two "
+                f"devices, {session.device} and {x.device}: move one with "
+                f".to('{session.device}')"
+            )
         return x._wire()
     if t is list or t is tuple:
         return [_to_wire(session, v) for v in x]
@@ -768,8 +816,16 @@ def streams_upload(dst: Any, src: Any) -> bool:
 
 def _to_copy(func, args, kwargs):
     device = kwargs.get("device")
-    if device is None or torch.device(device).type != "cpu":
+    if device is None:
         return NotImplemented
+    device = torch.device(device)
+    if device.type != "cpu":
+        to = device_session(device.index)
+        if to is args[0]._rs.session:
+            return NotImplemented
+        # A dtype or layout is changed on the source's host, before the bytes move.
+        here = {k: v for k, v in kwargs.items() if k != "device"}
+        return _moves().move(func(args[0], **here) if here else args[0], to)
     cpu = download(args[0])
     rest = {k: v for k, v in kwargs.items() if k in ("dtype", "memory_format")}
     return cpu.to(**rest) if rest else cpu
@@ -781,9 +837,18 @@ def _copy_(func, args, kwargs):
         if streams_upload(dst, src):
             upload_into(dst, src)
             return dst
+        if type(src) is RemoteTensor and src._rs.session is not dst._rs.session:
+            return dst.copy_(_moves().move(src, dst._rs.session), *args[2:], **kwargs)
         return NotImplemented
     dst.copy_(download(src), *args[2:], **kwargs)
     return dst
+
+
+def _moves():
+    # ``moves`` builds on this module: imported at first use, as ``distributed`` is.
+    from . import moves
+
+    return moves
 
 
 _SPECIAL: dict = {
@@ -803,9 +868,12 @@ def fresh_tensor(
     return tensor, [handle, list(sizes), list(strides), offset]
 
 
-def new_empty(sizes, strides, dtype: torch.dtype) -> RemoteTensor:
-    """Allocate uninitialised remote memory (the device's ``empty_strided`` kernel)."""
-    session = current_session()
+def new_empty(
+    sizes, strides, dtype: torch.dtype, session: RemoteSession | None = None
+) -> RemoteTensor:
+    """Allocate uninitialised remote memory (the device's ``empty_strided`` kernel), on
+    ``session``'s device (the current one's by default)."""
+    session = session if session is not None else current_session()
     tensor, spec = fresh_tensor(session, dtype, tuple(sizes), tuple(strides), 0)
     args = [list(sizes), list(strides)]
     session.submit(["aten.empty_strided.default", args, {"dtype": dtype, "device": DEVICE}, [spec]])
