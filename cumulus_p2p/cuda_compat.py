@@ -48,9 +48,11 @@ other threads than the enabling one are not redirected, and it costs about 1.5 Â
 call in that thread. ``tensor.is_cuda`` stays ``False`` and ``tensor.device`` reads
 ``cumulus:0`` (torch itself branches on both, so faking them would send cumulus tensors
 down CUDA-only paths). ``torch.cuda.get_rng_state`` and ``set_rng_state`` read and set the
-executor's generator. ``torch.Generator(device="cuda")``, CUDA graphs,
-``torch.cuda.FloatTensor``-style types, multi-GPU in one process (``DataParallel``,
-``cuda:1``) and the rest of ``torch.cuda`` are not emulated. A job of several processes is:
+executor's generator. A process that attached several devices has them as ``cuda:0``
+up (``cuda:1`` is ``cumulus:1``, ``torch.cuda.set_device`` picks the current one), so a
+model split across GPUs runs split across hosts. ``torch.Generator(device="cuda")``,
+CUDA graphs, ``torch.cuda.FloatTensor``-style types, ``DataParallel`` and the rest of
+``torch.cuda`` are not emulated. A job of several processes is:
 in one rank of a torchrun job, ``cuda:LOCAL_RANK`` is that rank's session,
 ``init_process_group("nccl")`` makes a ``cumulus`` group (``remote/distributed.py``), and
 ``DistributedDataParallel(device_ids=[LOCAL_RANK])`` runs on the session's device.
@@ -277,10 +279,15 @@ def _ddp_init(original: Callable) -> Callable:
 # --- 1. device arguments ---------------------------------------------------------------------
 
 
+def _device(index: int | None = 0) -> torch.device:
+    """``cumulus:index``; the current device for None."""
+    return _devices(_current() if index is None else index)
+
+
 @functools.cache
-def _device() -> torch.device:
+def _devices(index: int) -> torch.device:
     # Not at import: "cumulus" is a device type only once a device registered it.
-    return torch.device(NAME, 0)
+    return torch.device(NAME, index)
 
 
 def _require_session() -> None:
@@ -308,13 +315,29 @@ def _cuda_index(device: Any) -> int | None | bool:
         return False
     # The environment is read only for an index other than 0: this runs on every device
     # argument of every torch call.
-    if index not in (None, 0) and index != _local_rank():
+    if index not in (None, 0) and index != _local_rank() and not _one_of_several(index):
+        count = _cumulus().device_count()
         raise ValueError(
-            f"CUDA device {index} does not exist: a cumulus session exposes one device, "
-            "which CUDA compatibility mode presents as cuda:0 (and as cuda:LOCAL_RANK in "
-            "one rank of a job launched with torchrun)"
+            f"CUDA device {index} does not exist: this process has {count} cumulus "
+            f"device(s), which compatibility mode presents as cuda:0 to cuda:{count - 1} "
+            "(attach one executor per GPU the script uses; in one rank of a torchrun job, "
+            "its device is cuda:LOCAL_RANK)"
         )
     return index
+
+
+def _one_of_several(index: int) -> bool:
+    """Whether ``cuda:index`` is one of the devices of a process no launcher started
+    (``attach`` with several addresses: ``cumulus:index``)."""
+    return "LOCAL_RANK" not in os.environ and 0 <= index < _cumulus().device_count()
+
+
+def _cumulus_index(cuda_index: int | None) -> int | None:
+    """The cumulus device a CUDA index means: in one rank of a torchrun job, its one
+    session (``cuda:LOCAL_RANK``); otherwise the same index. None: the current device."""
+    if cuda_index is None:
+        return None
+    return 0 if "LOCAL_RANK" in os.environ else cuda_index
 
 
 def _local_rank() -> int:
@@ -327,11 +350,14 @@ def _local_rank() -> int:
 
 
 def _redirect(device: Any) -> Any:
-    """``device`` with CUDA replaced by ``cumulus:0``; other devices unchanged."""
-    if _cuda_index(device) is False:
+    """``device`` with CUDA replaced by the cumulus device it means (``cuda:1`` by
+    ``cumulus:1``; in a torchrun rank, ``cuda:LOCAL_RANK`` by ``cumulus:0``); other
+    devices unchanged."""
+    index = _cuda_index(device)
+    if index is False:
         return device
     _require_session()
-    return _device()
+    return _device(_cumulus_index(index))
 
 
 def _tensor_to(func, args, kwargs):
@@ -347,9 +373,9 @@ def _tensor_cuda(func, args, kwargs):
     # Tensor.cuda(device=None, non_blocking=False, memory_format=torch.preserve_format)
     names = ("device", "non_blocking", "memory_format")
     given = dict(zip(names, args[1:], strict=False)) | kwargs
-    _check_index(given.pop("device", None))
+    index = _check_index(given.pop("device", None))
     _require_session()
-    return args[0].to(_device(), **given)
+    return args[0].to(_device(index), **given)
 
 
 def _tensor_pin_memory(func, args, kwargs):
@@ -396,12 +422,31 @@ def _cumulus():
     return torch.cumulus
 
 
-def _check_index(device=None) -> None:
-    """Accept ``device`` if it names the one device (as CUDA or as cumulus), else raise."""
-    if device is None or _cuda_index(device) is not False:
-        return
-    if torch.device(device).type != NAME or torch.device(device).index not in (None, 0):
-        raise ValueError(f"{device!r} is not the cumulus session's device, cuda:0")
+def _check_index(device=None) -> int:
+    """The index of the cumulus device ``device`` names (as CUDA or as cumulus; None:
+    the current device), or raise."""
+    if device is None:
+        return _current()
+    cuda = _cuda_index(device)
+    if cuda is not False:
+        index = _cumulus_index(cuda)
+        return _current() if index is None else index
+    index = torch.device(device).index
+    if torch.device(device).type != NAME or (index or 0) >= max(1, _cumulus().device_count()):
+        raise ValueError(f"{device!r} is none of this process's cumulus devices (cuda:0 up)")
+    return _current() if index is None else index
+
+
+def _current() -> int:
+    """The current cumulus device; 0 before a device registered itself."""
+    module = getattr(torch, NAME, None)
+    return 0 if module is None else module.current_device()
+
+
+def _on(index: int) -> dict:
+    """The ``device`` argument of a ``torch.cumulus`` query for device ``index``: none for
+    ``cumulus:0``, which the native device (one device, no such argument) answers too."""
+    return {} if index == 0 else {"device": index}
 
 
 def _is_available() -> bool:
@@ -410,28 +455,31 @@ def _is_available() -> bool:
 
 
 def _device_count() -> int:
-    return 1
+    """The process's cumulus devices; one in a rank of a torchrun job (its session)."""
+    return 1 if "LOCAL_RANK" in os.environ else max(1, _cumulus().device_count())
 
 
 def _current_device() -> int:
-    return 0
+    return _cumulus().current_device()
 
 
 def _set_device(device) -> None:
-    _check_index(device)
+    index = _check_index(device)
+    if index != _cumulus().current_device():
+        _cumulus().set_device(index)
 
 
 def _get_device_name(device=None) -> str:
-    _check_index(device)
+    index = _check_index(device)
     _require_session()
-    return _cumulus().get_device_name()
+    return _cumulus().get_device_name(**_on(index))
 
 
 def _get_device_capability(device=None) -> tuple[int, int]:
     """What the executor reports, else (8, 0): the bf16/TF32 class scripts test for."""
-    _check_index(device)
+    index = _check_index(device)
     _require_session()
-    capability = _cumulus().session_info().get("capability")
+    capability = _cumulus().session_info(**_on(index)).get("capability")
     return tuple(capability) if capability else (8, 0)
 
 
@@ -453,11 +501,11 @@ class DeviceProperties:
 
 
 def _get_device_properties(device=None) -> DeviceProperties:
-    _check_index(device)
-    major, minor = _get_device_capability()
-    info = _cumulus().session_info()
+    index = _check_index(device)
+    major, minor = _get_device_capability(index)
+    info = _cumulus().session_info(**_on(index))
     return DeviceProperties(
-        name=_cumulus().get_device_name(),
+        name=_cumulus().get_device_name(**_on(index)),
         total_memory=int(info.get("quota", 0)),
         major=major,
         minor=minor,
@@ -466,9 +514,9 @@ def _get_device_properties(device=None) -> DeviceProperties:
 
 
 def _synchronize(device=None) -> None:
-    _check_index(device)
+    index = _check_index(device)
     _require_session()
-    _cumulus().synchronize()
+    _cumulus().synchronize(**_on(index))
 
 
 def _manual_seed(seed: int) -> None:
@@ -482,23 +530,19 @@ def _seed() -> None:
 
 
 def _memory_allocated(device=None) -> int:
-    _check_index(device)
-    return _cumulus().memory_allocated()
+    return _cumulus().memory_allocated(**_on(_check_index(device)))
 
 
 def _max_memory_allocated(device=None) -> int:
-    _check_index(device)
-    return _cumulus().max_memory_allocated()
+    return _cumulus().max_memory_allocated(**_on(_check_index(device)))
 
 
 def _memory_reserved(device=None) -> int:
-    _check_index(device)
-    return _cumulus().memory_reserved()
+    return _cumulus().memory_reserved(**_on(_check_index(device)))
 
 
 def _reset_peak_memory_stats(device=None) -> None:
-    _check_index(device)
-    _cumulus().reset_peak_memory_stats()
+    _cumulus().reset_peak_memory_stats(**_on(_check_index(device)))
 
 
 def _empty_cache() -> None:
@@ -506,9 +550,9 @@ def _empty_cache() -> None:
 
 
 def _mem_get_info(device=None) -> tuple[int, int]:
-    _check_index(device)
+    index = _check_index(device)
     _require_session()
-    return _cumulus().mem_get_info()
+    return _cumulus().mem_get_info(**_on(index))
 
 
 def _memory_stats(device=None) -> dict[str, int]:
@@ -543,8 +587,7 @@ def _true(*args, **kwargs) -> bool:
 
 def _get_rng_state(device=None) -> torch.Tensor:
     """The remote generator's state: the executor's, for this session."""
-    _check_index(device)
-    return _cumulus().get_rng_state()
+    return _cumulus().get_rng_state(**_on(_check_index(device)))
 
 
 def _get_rng_state_all() -> list[torch.Tensor]:
@@ -552,8 +595,7 @@ def _get_rng_state_all() -> list[torch.Tensor]:
 
 
 def _set_rng_state(new_state: torch.Tensor, device=None) -> None:
-    _check_index(device)
-    _cumulus().set_rng_state(new_state)
+    _cumulus().set_rng_state(new_state, **_on(_check_index(device)))
 
 
 def _set_rng_state_all(new_states) -> None:

@@ -93,6 +93,9 @@ def connect(environ: Mapping[str, str]) -> RemoteSession:
     from . import remote
 
     if _leased(environ):
+        controls = _controls(environ)
+        if len(controls) > 1:
+            return _connect_leased_devices(controls, environ[control.ENV_TOKEN])
         return _connect_leased(environ)
     if _devices_of_one_process(environ):
         return _attach_devices(environ[ENV_EXECUTOR].split(","))
@@ -226,6 +229,26 @@ def _executor_address(environ: Mapping[str, str]) -> str:
     return own
 
 
+def _controls(environ: Mapping[str, str]) -> list[str]:
+    """The control addresses of this process's leases (``_leased`` says it has some):
+    its rank's in a torchrun job; every one for a process no launcher started, whose
+    devices they are."""
+    if "LOCAL_RANK" in environ:
+        return [_control_address(environ)]
+    return environ[control.ENV_ADDRESS].split(",")
+
+
+def _connect_leased_devices(controls: list[str], token: str) -> RemoteSession:
+    """The sessions the node leased for this process's devices, ``cumulus:0`` up."""
+    from .node.attach import attach_leased_devices
+
+    try:
+        clients = [control.ControlClient(address, token) for address in controls]
+        return attach_leased_devices(clients).session
+    except (OSError, ValueError, CumulusError) as exc:
+        raise SessionClosedError(f"cannot open the leased sessions: {exc}") from exc
+
+
 def _connect_leased(environ: Mapping[str, str]) -> RemoteSession:
     """The session ``cumulus-node --consume`` leased for this process, with failover."""
     from .node.attach import attach_leased
@@ -308,9 +331,8 @@ def _report_final_counts(environ: Mapping[str, str]) -> None:
     from .node.dial import USAGE
 
     try:
-        control.report_usage(
-            _control_address(environ), environ[control.ENV_TOKEN], USAGE.snapshot()
-        )
+        for address in _controls(environ):  # one per device: each lease's rank is told
+            control.report_usage(address, environ[control.ENV_TOKEN], USAGE.snapshot())
     except (OSError, CumulusError) as exc:
         print(
             f"cumulus shim: could not give the node its last byte counts: {exc}",
@@ -407,7 +429,7 @@ def _stop_when_node_is_gone(environ: Mapping[str, str]) -> bool:
     """
     if not _leased(environ):
         return True
-    address, token = _control_address(environ), environ[control.ENV_TOKEN]
+    token = environ[control.ENV_TOKEN]
     node_pid = environ.get(control.ENV_NODE_PID)
     if sys.platform.startswith("linux") and node_pid:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -416,8 +438,12 @@ def _stop_when_node_is_gone(environ: Mapping[str, str]) -> bool:
             return False
     from .node.dial import USAGE
 
-    watch = threading.Thread(target=_watch_node, args=(address, token, USAGE.snapshot), daemon=True)
-    watch.start()
+    # Each lease's rank at the node takes the byte counts from its own channel.
+    for address in _controls(environ):
+        watch = threading.Thread(
+            target=_watch_node, args=(address, token, USAGE.snapshot), daemon=True
+        )
+        watch.start()
     return True
 
 

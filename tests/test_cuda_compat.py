@@ -139,7 +139,7 @@ def test_cpu_and_cumulus_devices_are_left_alone(cumulus, compat):
     ],
 )
 def test_other_cuda_devices_are_refused(cumulus, compat, call):
-    with pytest.raises(ValueError, match="one device"):
+    with pytest.raises(ValueError, match="this process has 1 cumulus device"):
         call()
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cumulus_p2p import remote
+from cumulus_p2p import cuda_compat, remote
 from cumulus_p2p._errors import SessionClosedError
 from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.testing.tap import tap
@@ -181,3 +181,19 @@ def test_one_address_is_still_the_one_device_cumulus_0(two_hosts):
         assert attached.sessions == [attached.session]
         assert torch.cumulus.device_count() == 1
         assert torch.ones(1, device="cumulus").device == torch.device("cumulus:0")
+
+
+def test_under_cuda_compatibility_each_device_is_a_cuda_device_of_its_index(devices):
+    with cuda_compat.cuda_compat():
+        assert torch.cuda.device_count() == 2
+        layer = torch.nn.Linear(4, 4).to("cuda:1")
+        assert layer.weight.device == torch.device("cumulus:1")
+        assert torch.ones(2, device="cuda:0").device == torch.device("cumulus:0")
+        assert torch.ones(2).cuda(1).device == torch.device("cumulus:1")
+        torch.cuda.set_device(1)
+        assert torch.cuda.current_device() == 1
+        assert torch.zeros(2, device="cuda").device == torch.device("cumulus:1")
+        assert torch.cuda.memory_allocated(1) >= layer.weight.nbytes
+        torch.cuda.synchronize(1)
+        with pytest.raises(ValueError, match="CUDA device 2 does not exist"):
+            torch.ones(2, device="cuda:2")

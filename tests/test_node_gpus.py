@@ -9,6 +9,7 @@ the gradients are all-reduced between the two hosts.
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,11 +17,13 @@ import torch
 
 from cumulus_p2p.cli._exits import EXIT_NO_MATCH
 from cumulus_p2p.market.ledger import Ledger
-from cumulus_p2p.testing import loopback, nodes
+from cumulus_p2p.testing import forkstart, loopback, nodes
 
 pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_train.py"
+#: A CUDA script that splits its model across cuda:0 and cuda:1, in one process.
+PIPELINE = Path(__file__).parent / "scripts" / "pipeline_train.py"
 #: The local reference runs' torchrun (``nodes.local_ddp_run``), in the consumer's command.
 TORCHRUN = nodes.TORCHRUN_LOCAL
 #: Steps and hidden width: a small model, so that the spec waits on nodes, not on compute.
@@ -201,3 +204,33 @@ def test_a_job_of_two_gpus_outlasting_its_leases_renews_each_where_it_runs(tmp_p
     for rank in (0, 1):
         hosts = [row["host"] for row in leases if row["rank"] == rank]
         assert len(hosts) >= 2 and len(set(hosts)) == 1, leases
+
+
+def test_one_process_runs_a_model_split_across_two_leased_gpus_with_a_cpu_runs_losses(
+    tmp_path,
+):
+    local = forkstart.run([sys.executable, str(PIPELINE), "4"], cwd=tmp_path, timeout=120)
+    assert local.returncode == 0, local.stderr
+    boot = loopback.start_boot(tmp_path)
+    providers = [nodes.start_provider(tmp_path / f"p{i}", boot.addr) for i in range(2)]
+    consumer = None
+    try:
+        for node in providers:
+            node.wait_for("providing")
+        flags = ["--gpus", "2", "--checkpoint-to", "consumer"]
+        consumer = start_consumer(tmp_path, boot, *flags, command=[str(PIPELINE), "4"])
+        assert consumer.proc.wait(timeout=300) == 0, consumer.output()
+    finally:
+        nodes.stop_all([n for n in (consumer, *providers, boot) if n is not None])
+    split, reference = nodes.final_json(consumer.lines), nodes.final_json(local.stdout.splitlines())
+    assert split["placed"] == ["cumulus:0", "cumulus:1"]  # the script's cuda:0 and cuda:1
+    assert split["losses"] == pytest.approx(reference["losses"], abs=1e-6)
+    hosts = {p.state()["peer_id"] for p in providers}
+    assert {lease["host"] for lease in consumer.state()["leases"]} == hosts
+    # The activations went from one host to the other, and back as gradients: both
+    # hosts' receipts count those bytes, and the consumer, counting the same, signed.
+    with Ledger.open(tmp_path / "consumer") as ledger:
+        entries, disputes = list(ledger.entries()), list(ledger.disputes())
+    moved = {host: sum(e.peer_bytes for e in entries if e.host == host) for host in hosts}
+    assert all(carried >= 4 * 2 * 256 * 128 * 4 for carried in moved.values()), moved
+    assert disputes == []

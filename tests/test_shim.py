@@ -268,7 +268,7 @@ def test_spares_for_the_devices_of_one_process_are_refused_saying_why(executor_a
     assert CURRENT.session is None
 
 
-def test_a_script_splitting_its_model_across_two_executors_trains_as_it_does_on_a_cpu(
+def test_a_cuda_script_splitting_its_model_across_two_gpus_trains_on_two_hosts_as_on_a_cpu(
     executor_address, tmp_path
 ):
     script = SCRIPTS / "pipeline_train.py"
@@ -278,5 +278,5 @@ def test_a_script_splitting_its_model_across_two_executors_trains_as_it_does_on_
         proc = run_shim(str(script), "6", executor=f"{executor_address},{second}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     split, reference = report(proc), report(local)
-    assert split["devices"] == ["cumulus:0", "cumulus:1"]
+    assert split["placed"] == ["cumulus:0", "cumulus:1"]  # its cuda:0 and cuda:1
     assert split["losses"] == pytest.approx(reference["losses"], abs=1e-6)

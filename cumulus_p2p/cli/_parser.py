@@ -332,8 +332,9 @@ def _add_consume_flags(consume) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="lease N GPUs, each from another host, for a script run by torchrun with N "
-        "ranks: -- torchrun --nproc-per-node N train.py (default 1)",
+        help="lease N GPUs, each from another host: one per rank of a torchrun job "
+        "(-- torchrun --nproc-per-node N train.py), or all for one process (-- python "
+        "train.py), whose cuda:0 to cuda:N-1 they are (default 1)",
     )
     _add_lease_wishes(consume)
 
@@ -477,17 +478,12 @@ def _check_node_args(parser: argparse.ArgumentParser, args, script: list[str]) -
     if script and not args.consume:
         parser.error("a command after -- is only run with --consume")
     if script:
-        from ..node.consumer import launcher_arguments, script_command, without_interpreter
+        from ..node.consumer import script_command
 
         try:
             script_command(tuple(script), cuda_compat=True)
         except CumulusError as exc:
             parser.error(str(exc))
-        if args.gpus != 1 and launcher_arguments(tuple(script)) is None:
-            parser.error(
-                f"--gpus {args.gpus} runs one rank per GPU: give the script to torchrun, "
-                f"-- torchrun --nproc-per-node {args.gpus} {' '.join(without_interpreter(script))}"
-            )
     if args.gpus != 1 and not args.consume:
         parser.error("--gpus is how many GPUs --consume leases for a job")
     if args.gpus != 1 and args.native:

@@ -12,6 +12,7 @@ is dropped at once, the node leases another, and the session starts there instea
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -82,3 +83,33 @@ def attach_leased(client: ControlClient):
     raise PeerUnreachableError(
         f"{MAX_PROBED_HOSTS} hosts in a row misrepresented their device; the last: {why}"
     )
+
+
+def attach_leased_devices(clients: list[ControlClient]):
+    """Attach the providers the node leased for one process's devices (``--gpus N --
+    python train.py``), ``clients[i]``'s as ``cumulus:i``; returns ``attach``'s handle.
+
+    Each device is probed as a single one is. Failover is for one device per process
+    yet: a lost host ends the script, saying so.
+
+    Raises:
+        PeerUnreachableError: a host misrepresents its device (the node moves on from it
+            for the next job; this one ends).
+    """
+    identity = DataDir(default_data_dir()).identity()
+    resume = float(os.environ.get("CUMULUS_RESUME_TIMEOUT", "10"))
+    opened = []
+    for client in clients:
+        dial = functools.partial(dial_leased, client, identity=identity, resume_timeout=resume)
+        opened.append(open_first(client, client.session(), dial))
+    attached = remote.attach(
+        channel=[channel for _, channel in opened],
+        private=os.environ.get(ENV_PRIVATE) == "1",
+    )
+    for client, (ticket, _), session in zip(clients, opened, attached.sessions, strict=True):
+        why = client.probe(measure(session, ticket.claimed_perf).to_wire())
+        if why is not None:
+            remote.detach()
+            raise PeerUnreachableError(f"host {ticket.host[:12]} misrepresents its device: {why}")
+    USAGE.session = attached.session
+    return attached

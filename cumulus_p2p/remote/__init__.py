@@ -8,6 +8,7 @@ Parts:
   kernels dispatch cannot reach, and the ``torch.cumulus`` module; ``autocast``: mixed
   precision as on CUDA.
 - ``client``: the consumer's session: batching, sync points, frees, failover.
+- ``moves``: tensors moved between two devices of one process, host to host.
 - ``transfer``: how a tensor of any size is cut into pieces, and transfer progress.
 - ``failover`` and ``checkpoint``: surviving a lost host: the replay log and checkpoint
   policy, checkpoints and where the consumer keeps them (a second host that keeps them off
@@ -22,6 +23,13 @@ Typical use, against an executor started with ``cumulus-executor --port 5555``::
     with remote.attach("127.0.0.1:5555"):
         model = MyModel().to("cumulus")
         ...
+
+A model split across GPUs attaches one executor per device, ``cumulus:0`` up; a tensor
+moved between them goes from host to host (``moves``)::
+
+    with remote.attach(["10.0.0.1:5555", "10.0.0.2:5555"]):
+        first, second = Stage1().to("cumulus:0"), Stage2().to("cumulus:1")
+        loss = second(first(x.to("cumulus:0")).to("cumulus:1")).sum()
 
 To survive the executor vanishing, say how to reach a replacement::
 
@@ -147,8 +155,9 @@ def attach(
             that it outlives a lost host (``RemoteSession``, ``regroup.py``).
 
     Returns:
-        A handle whose ``.session`` is the ``RemoteSession``; use it in a ``with`` block
-        to detach at the end. ``session.failovers``, ``session.last_failover_s`` and
+        A handle whose ``.session`` is the ``RemoteSession`` (``cumulus:0``'s;
+        ``.sessions`` lists every device's); use it in a ``with`` block to detach at the
+        end. ``session.failovers``, ``session.last_failover_s`` and
         ``session.failover_statistics()`` say what failover did.
     """
     if (address is None) == (channel is None):

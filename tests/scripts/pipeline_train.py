@@ -1,8 +1,10 @@
-"""A model split across two devices, as a two-stage pipeline, trained with SGD.
+"""A model split across two GPUs, as a two-stage pipeline, trained with AdamW: written for
+CUDA, as such a script is.
 
-Prints one JSON line: the devices it ran on and each step's loss. Under the shim with
-two executors it runs on ``cumulus:0`` and ``cumulus:1``, its activations moving from
-one host to the other; run plainly, on the CPU alone: the reference.
+Prints one JSON line: where its two stages' weights are, and each step's loss. Under the
+shim with two executors, ``cuda:0`` and ``cuda:1`` are ``cumulus:0`` and ``cumulus:1``,
+and its activations move from one host to the other; run plainly on a machine with
+fewer than two GPUs, it runs on the CPU alone: the reference.
 
     python pipeline_train.py [steps]
 """
@@ -13,9 +15,8 @@ import sys
 import torch
 
 steps = int(sys.argv[1]) if len(sys.argv) > 1 else 10
-cumulus = getattr(torch, "cumulus", None)
-split = cumulus is not None and cumulus.is_available() and cumulus.device_count() >= 2
-first_device, second_device = ("cumulus:0", "cumulus:1") if split else ("cpu", "cpu")
+split = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+first_device, second_device = ("cuda:0", "cuda:1") if split else ("cpu", "cpu")
 
 torch.manual_seed(0)
 first = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU()).to(first_device)
@@ -35,4 +36,5 @@ for _ in range(steps):
     optimizer.step()
     losses.append(loss.item())
 
-print(json.dumps({"devices": [first_device, second_device], "losses": losses}), flush=True)
+placed = [str(first[0].weight.device), str(second[0].weight.device)]
+print(json.dumps({"placed": placed, "losses": losses}), flush=True)
