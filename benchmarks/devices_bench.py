@@ -24,8 +24,9 @@ namespaces joined at 1 Gbit/s, this process in the consumer's behind 100 Mbit/s,
 sizes: a 1 GiB model (two stages of 512 MiB weights, made on their hosts) and a 512 MiB
 tensor moved. Its keys start ``shaped_``: ``shaped_move_s`` against
 ``shaped_move_via_consumer_floor_s`` (the tensor up and down the consumer's link at its
-rate), ``shaped_pipeline_step_s`` and ``shaped_consumer_bytes_share``. It writes
-``devices_shaped.json``.
+rate), ``shaped_pipeline_step_s`` and ``shaped_consumer_bytes_share``, and
+``shaped_pipeline_via_consumer_added_floor_s``: what a step would add at least if its
+moves crossed the consumer's link. It writes ``devices_shaped.json``.
 """
 
 from __future__ import annotations
@@ -163,8 +164,12 @@ def shaped(quick: bool, work: Path) -> dict:
         if done.returncode != 0:
             raise RuntimeError(f"the consumer's side failed: {done.stderr[-3000:]}")
         result = json.loads(done.stdout)
+        rate = mesh.consumer_mbit * 1e6
         move_bits = result["shaped_move_mib"] * 2**20 * 8
-        result["shaped_move_via_consumer_floor_s"] = 2 * move_bits / (mesh.consumer_mbit * 1e6)
+        result["shaped_move_via_consumer_floor_s"] = 2 * move_bits / rate
+        # Each step's activations forward and gradients back, up and down that link.
+        step_bits = 2 * 2 * result["shaped_moved_per_step_bytes"] * 8
+        result["shaped_pipeline_via_consumer_added_floor_s"] = step_bits / rate
         result |= {"consumer_mbit": mesh.consumer_mbit, "host_mbit": mesh.host_mbit}
     return result
 
@@ -192,6 +197,7 @@ def shaped_child(addresses: str, quick: bool) -> dict:
             first, second, data(steps, rows, depth), ("cumulus:0", "cumulus:1"), meter
         )
     moved = 2 * rows * width * 4 * (steps - 1)
+    result["shaped_moved_per_step_bytes"] = rows * width * 4
     result["shaped_pipeline_step_s"] = statistics.median(seconds[1:])
     result["shaped_consumer_bytes_share"] = crossed / moved
     result["shaped_losses"] = losses

@@ -38,15 +38,19 @@ def start_consumer(tmp_path, boot, *flags: str, command: list[str]) -> nodes.Nod
     return nodes.start_consumer(tmp_path / "consumer", boot.addr, *flags, command=command)
 
 
-def run_job(tmp_path, boot, providers, *flags: str, args=ARGS) -> nodes.NodeProcess:
+def run_job(
+    tmp_path, boot, providers, *flags: str, args=ARGS, command: list[str] | None = None
+) -> nodes.NodeProcess:
     """Once ``providers`` provide, run the DDP script (``args``) as a job of two GPUs
-    (``flags`` added) and wait for it to end well; every node is stopped on the way out.
-    The parameters are in ``leased.pt`` (``matches_local``)."""
+    (``flags`` added), or ``python *command``, and wait for it to end well; every node is
+    stopped on the way out. The DDP script's parameters are in ``leased.pt``
+    (``matches_local``)."""
     consumer = None
     try:
         for node in providers:
             node.wait_for("providing")
-        command = [*TORCHRUN, str(SCRIPT), str(tmp_path / "leased.pt"), *args]
+        if command is None:
+            command = [*TORCHRUN, str(SCRIPT), str(tmp_path / "leased.pt"), *args]
         consumer = start_consumer(tmp_path, boot, "--gpus", "2", *flags, command=command)
         assert consumer.proc.wait(timeout=300) == 0, consumer.output()
     finally:
@@ -213,15 +217,8 @@ def test_one_process_runs_a_model_split_across_two_leased_gpus_with_a_cpu_runs_l
     assert local.returncode == 0, local.stderr
     boot = loopback.start_boot(tmp_path)
     providers = [nodes.start_provider(tmp_path / f"p{i}", boot.addr) for i in range(2)]
-    consumer = None
-    try:
-        for node in providers:
-            node.wait_for("providing")
-        flags = ["--gpus", "2", "--checkpoint-to", "consumer"]
-        consumer = start_consumer(tmp_path, boot, *flags, command=[str(PIPELINE), "4"])
-        assert consumer.proc.wait(timeout=300) == 0, consumer.output()
-    finally:
-        nodes.stop_all([n for n in (consumer, *providers, boot) if n is not None])
+    command = [str(PIPELINE), "4"]
+    consumer = run_job(tmp_path, boot, providers, "--checkpoint-to", "consumer", command=command)
     split, reference = nodes.final_json(consumer.lines), nodes.final_json(local.stdout.splitlines())
     assert split["placed"] == ["cumulus:0", "cumulus:1"]  # the script's cuda:0 and cuda:1
     assert split["losses"] == pytest.approx(reference["losses"], abs=1e-6)

@@ -391,3 +391,14 @@ def test_a_generator_state_of_the_wrong_size_fails_at_the_next_sync(cumulus):
     with pytest.raises(ValueError, match="does not fit"):
         torch.cumulus.synchronize()
     assert torch.cumulus.get_rng_state().numel() > 3  # the session carries on
+
+
+def test_below_autograd_contiguous_copies_a_transposed_tensor_in_its_order(cumulus):
+    # An op's handling here, or a library's kernel run here, dispatches below autograd:
+    # ``contiguous`` then reaches the device as itself, whose schema claims a view.
+    source = torch.arange(12.0).reshape(3, 4)
+    transposed = source.to("cumulus").t()
+    with torch._C._AutoDispatchBelowAutograd():
+        dense = transposed.contiguous()
+    assert dense.is_contiguous()
+    assert torch.equal(dense.cpu(), source.t())

@@ -11,7 +11,9 @@ one per rank, sharing the node's mesh, book and ledger (``Job``):
   rig, then its region (an offer's region is the hint of where its host is);
 - each rank has its own control channel: ``CUMULUS_CONTROL`` lists them in rank order,
   and the shim in a rank's process picks its own by ``LOCAL_RANK``
-  (``control.address_for_rank``);
+  (``control.address_for_rank``). A script run without a launcher (``--gpus N --
+  python train.py``) is one process, which takes every lease as one of its devices
+  (``cuda:0`` up) and talks to every rank's channel;
 - the ranks' collectives run among their hosts (``remote.distributed``), not through
   this node;
 - receipts and lease notices reach the rank whose lease they name; a host refused for
