@@ -49,8 +49,8 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         (["--provide", "--turbo", "2"], "unrecognized arguments: --turbo"),
         (["--provide", "--gpus", "2"], "--gpus is how many GPUs --consume leases"),
         (
-            ["--consume", "--gpus", "2", "--", "python", "t.py"],
-            "-- torchrun --nproc-per-node 2 t.py",
+            ["--consume", "--gpus", "2", "--native", "--", "python", "t.py"],
+            "a job of several GPUs runs on the Python device (leave out --native)",
         ),
         (
             ["--consume", "--gpus", "2", "--", "torchrun", "--nproc-per-node", "2", "-m", "train"],
@@ -74,7 +74,7 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     ids=[
         "an unknown flag, named",
         "--gpus for a provider",
-        "--gpus for a script without torchrun, showing the command",
+        "--gpus with --native, saying to leave it out",
         "torchrun running a module",
         "a device that is not a device",
         "an unknown graph compiler, listing the choices",

@@ -178,3 +178,27 @@ def test_a_session_whose_failover_is_not_the_groups_refuses_to_join_one(executor
     with remote.attach(executor_address) as session:  # no failover at all
         with pytest.raises(ValueError, match="only with failover"):
             session.join_group_recovery(lambda ask, channel, info: None, lambda: None)
+
+
+def test_going_back_counts_again_the_peer_bytes_of_what_it_replays(executor_address):
+    # A host counts the bytes its collectives carry to other hosts each time it runs
+    # them, a replayed log's too; the consumer must count as much, or refuse its receipts.
+    host, _, port = executor_address.rpartition(":")
+    counted: list[int] = []
+
+    def connect() -> SocketFrameChannel:
+        channel = SocketFrameChannel.connect(host, int(port))
+        channel.count_peer_bytes = counted.append  # as a leased channel counts them
+        return channel
+
+    with remote.attach(channel=connect(), reconnect=connect) as session:
+        session.join_group_recovery(lambda ask, channel, info: None, lambda: None)
+        x = torch.arange(4.0, device="cumulus")
+        session.checkpoint()
+        session.commit_checkpoint()
+        y = x * 2  # a stand-in for a collective that carried 1000 bytes
+        session.count_peer_bytes(1000)
+        session.synchronize()
+        session.roll_back("spec")
+        assert y.tolist() == [0.0, 2.0, 4.0, 6.0]
+    assert counted == [1000, 1000]

@@ -9,6 +9,7 @@ the gradients are all-reduced between the two hosts.
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -167,33 +168,77 @@ def test_a_job_of_more_gpus_than_hosts_says_each_rank_needs_its_own_host(tmp_pat
     assert "lower --gpus" in consumer.output()
 
 
-def test_a_job_of_two_gpus_that_loses_a_host_ends_at_once_saying_why(tmp_path):
+def ended(node: nodes.NodeProcess, timeout: float) -> int:
+    """``node``'s exit status; a failure showing its output if it runs past ``timeout``."""
+    try:
+        return node.proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running after {timeout} s:\n{node.output()[-8000:]}")
+
+
+def start_mid_job_kill(tmp_path, boot, providers, flags, args) -> tuple[nodes.NodeProcess, str]:
+    """Start the DDP script as a job of two GPUs; once it is training, SIGKILL rank 1's
+    host. Returns the consumer and the killed host's peer id."""
+    for node in providers:
+        node.wait_for("providing")
+    peer_ids = [p.wait_for_state(lambda s: "peer_id" in s)["peer_id"] for p in providers]
+    command = [*TORCHRUN, str(SCRIPT), str(tmp_path / "leased.pt"), *args]
+    consumer = start_consumer(tmp_path, boot, "--gpus", "2", *flags, command=command)
+    running = consumer.wait_for_state(
+        lambda s: s.get("ops", 0) > 300 and all(row["path"] for row in s["leases"]),
+        timeout=120,
+    )
+    second = next(row["host"] for row in running["leases"] if row["rank"] == 1)
+    killed = providers[peer_ids.index(second)]
+    killed.proc.kill()
+    killed.proc.wait()
+    return consumer, second
+
+
+def test_a_job_of_two_gpus_that_loses_a_host_moves_that_rank_and_ends_as_undisturbed(tmp_path):
+    local, _ = nodes.local_ddp_run(SCRIPT, *LONG, scratch=tmp_path)
+    boot = loopback.start_boot(tmp_path)
+    providers = [nodes.start_provider(tmp_path / f"p{i}", boot.addr) for i in range(3)]
+    consumer = None
+    try:
+        flags = ["--checkpoint-to", "consumer", "--checkpoint-interval", "1s"]
+        consumer, killed = start_mid_job_kill(tmp_path, boot, providers, flags, LONG)
+        assert ended(consumer, timeout=300) == 0, consumer.output()
+    finally:
+        nodes.stop_all([n for n in (consumer, *providers, boot) if n is not None])
+    matches_local(tmp_path, local)
+    # Rank 1 lost its host and moved to the spare; rank 0 went back on its own host,
+    # under the lease it had.
+    leases = consumer.state()["leases"]
+    first = [row for row in leases if row["rank"] == 0]
+    second = [(row["host"], row["state"]) for row in leases if row["rank"] == 1]
+    assert len(first) == 1 and first[0]["host"] != killed, leases
+    assert second[0] == (killed, "failed") and second[-1][0] not in (killed, first[0]["host"])
+    # Every host's receipts counted the collectives it ran again, and the consumer, who
+    # counted them again too, signed them all.
+    with Ledger.open(tmp_path / "consumer") as ledger:
+        assert list(ledger.disputes()) == []
+    assert consumer.output().count("session moved to") >= 2  # each rank's, said
+
+
+def test_a_job_of_two_gpus_with_no_spare_host_ends_when_it_stops_waiting_saying_why(tmp_path):
     boot = loopback.start_boot(tmp_path)
     providers = [nodes.start_provider(tmp_path / f"p{i}", boot.addr) for i in range(2)]
     consumer = None
     try:
-        for node in providers:
-            node.wait_for("providing")
-        peer_ids = [p.wait_for_state(lambda s: "peer_id" in s)["peer_id"] for p in providers]
-        flags = ["--gpus", "2", "--checkpoint-to", "consumer"]
+        flags = ["--checkpoint-to", "consumer", "--wait-for-host", "5s"]
         # Far more steps than the spec waits for: the job is mid-training when a host dies.
-        command = [*TORCHRUN, str(SCRIPT), str(tmp_path / "leased.pt"), "100000", "256"]
-        consumer = start_consumer(tmp_path, boot, *flags, command=command)
-        running = consumer.wait_for_state(
-            lambda s: s.get("ops", 0) > 100 and all(row["path"] for row in s["leases"]),
-            timeout=120,
-        )
-        second = next(row["host"] for row in running["leases"] if row["rank"] == 1)
-        killed = providers[peer_ids.index(second)]
-        killed.proc.kill()
-        killed.proc.wait()
-        # Not at the group's timeout (ten minutes or more): the rank is told at once.
+        consumer, _ = start_mid_job_kill(tmp_path, boot, providers, flags, ["100000", "256"])
         assert consumer.proc.wait(timeout=120) != 0
     finally:
         nodes.stop_all([n for n in (consumer, *providers, boot) if n is not None])
-    assert "cannot move to another host yet" in consumer.output()
-    state = consumer.state()
-    assert {row["rank"]: row["state"] for row in state["leases"]} == {0: "held", 1: "failed"}
+    # The rank that lost its host said why it gave up, and the other stopped at once.
+    assert "3 failover attempts failed" in consumer.output()
+    assert "the job's group cannot re-form: rank 1 lost its host and found no other" in (
+        consumer.output()
+    )
+    states = {row["rank"]: row["state"] for row in consumer.state()["leases"]}
+    assert states == {0: "held", 1: "failed"}, consumer.output()
 
 
 def test_a_job_of_two_gpus_outlasting_its_leases_renews_each_where_it_runs(tmp_path):

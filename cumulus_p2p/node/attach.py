@@ -6,6 +6,11 @@ session channel to that provider, and attaches the ``cumulus`` device with failo
 when the provider vanishes past the channel's resume grace period, the session asks
 the node for another host and restores itself there from its last checkpoint.
 
+In a rank of a torchrun job the session's collective group takes over its failover
+(``remote/regroup.py``): when one rank's host is lost, that rank moves (the node is told
+the group goes back with it), and every other rank rebuilds its session on its own host,
+under the same lease, from the checkpoint the ranks took together.
+
 Before the script runs, the device is probed (``probe``): a host that misrepresents it
 is dropped at once, the node leases another, and the session starts there instead.
 """
@@ -17,7 +22,7 @@ import logging
 import os
 
 from .. import remote
-from .._errors import PeerUnreachableError
+from .._errors import CumulusError, PeerUnreachableError
 from ..blobs.standby import CheckpointPlacement
 from ..remote.checkpoint import DirectoryCheckpointStore
 from .control import ENV_CHECKPOINT_TO, ENV_PRIVATE, ControlClient, SessionTicket
@@ -46,9 +51,15 @@ def attach_leased(client: ControlClient):
     resume = float(os.environ.get("CUMULUS_RESUME_TIMEOUT", "10"))
 
     def reconnect():
-        lost = remote.current_session().lost_because or "provider unreachable past resume"
+        session = remote.current_session()
+        if session.going_back:  # the group goes back; this rank's host is alive
+            try:
+                return _open(client.session())
+            except (OSError, CumulusError) as exc:
+                log.warning("cannot go back on the same host (%s); asking for another", exc)
+        lost = session.lost_because or "provider unreachable past resume"
         log.warning("lost the provider (%s); asking the node for another host", lost)
-        return _open(client.failover(lost))
+        return _open(client.failover(lost, regroups=session.regroups))
 
     def _open(ticket: SessionTicket):
         return dial_leased(client, ticket, identity, resume_timeout=resume)
@@ -70,9 +81,6 @@ def attach_leased(client: ControlClient):
             replace_standby=_standby,
             fetch_elsewhere=client.fetch,
             private=os.environ.get(ENV_PRIVATE) == "1",
-            # Going back together needs a fresh session on a host that is alive, and the
-            # node's failover counts a host whose session ended as lost: not yet.
-            group_failover=False,
         )
         why = client.probe(measure(attached.session, ticket.claimed_perf).to_wire())
         if why is None:

@@ -881,8 +881,10 @@ class Consumer:
         self.choice.left(sender, now=now)
         return None
 
-    async def failover(self, reason: str) -> control.SessionTicket:
+    async def failover(self, reason: str, regroups: bool = False) -> control.SessionTicket:
         """The session lost its host: lease again and return where to resume.
+        ``regroups``: its collective group goes back with it (``remote/regroup.py``), so
+        even a rank of a job of several GPUs moves.
 
         A lease past its term was ended by the host as agreed: its host stays welcome
         (the session waits there, parked, to be resumed under a new lease). A host that
@@ -904,15 +906,15 @@ class Consumer:
             lost = await self._lease_lost(live[-1])
             if not lost:
                 self.status = "renewing the lease"
-        if lost and not self.movable:
+        if lost and not (self.movable or regroups):
             self.status = f"host lost: {reason}"
             raise CumulusError(
-                f"this rank's host is gone ({reason}), and a rank of a job of several GPUs "
-                "cannot move to another host yet (its collective group would not follow): "
-                "the job ends. Run it again; the script's own checkpoints resume it."
+                f"this rank's host is gone ({reason}), and its collective group cannot go "
+                "back with it while its checkpoints go to a standby host: the job ends. "
+                "Run it again with --checkpoint-to consumer, and a lost host costs a pause."
             )
         # Renewed at its term, an unmovable session stays where its group is.
-        self.pinned = "" if self.movable else sessions[-1].proposal.host
+        self.pinned = "" if self.movable or lost else sessions[-1].proposal.host
         try:
             held = await self.lease()
         finally:

@@ -9,7 +9,9 @@ message, the child proving itself with a random token the node put in its enviro
 Requests, from the shim::
 
     ["session", token]            -> the lease to use now
-    ["failover", token, reason]   -> the host is gone: a lease with another host
+    ["failover", token, reason, regroups] -> the host is gone: a lease with another
+                                     host (``regroups``, optional: the session's group
+                                     goes back with it, so a rank of a job may move)
     ["usage", token, usage]       -> the session's last usage, at its end (answered
                                      ``["ok", None]``); ``usage`` is
                                      ``{"bytes": {lease_id: bytes}, "ops": ops}``
@@ -150,9 +152,9 @@ class SessionTicket:
         return ticket
 
 
-#: What the node does for each request: ``session()`` and ``failover(reason)``.
+#: What the node does for each request: ``session()`` and ``failover(reason, regroups)``.
 SessionSource = Callable[[], Awaitable[SessionTicket]]
-FailoverSource = Callable[[str], Awaitable[SessionTicket]]
+FailoverSource = Callable[[str, bool], Awaitable[SessionTicket]]
 #: Has the session's host fetch blobs from other hosts: what it fetched.
 FetchSource = Callable[[list[str]], Awaitable[dict]]
 #: Leases the standby (again, when given why the last one was lost): its ticket, or
@@ -315,6 +317,13 @@ async def _take_usage(channel: TrioFrameChannel, usage: UsageSink) -> None:
         usage(Usage.from_wire(report[1]))
 
 
+def _failover_arguments(request: list) -> bool:
+    """``["failover", token, reason]``, or with ``regroups`` (a bool) after it."""
+    if len(request) == 4 and not isinstance(request[3], bool):
+        return False
+    return len(request) in (3, 4) and isinstance(request[2], str)
+
+
 async def _answer(
     request: object,
     token: str,
@@ -333,8 +342,9 @@ async def _answer(
     try:
         if request[0] == "session" and len(request) == 2:
             return ["ok", (await session()).to_wire()]
-        if request[0] == "failover" and len(request) == 3 and isinstance(request[2], str):
-            return ["ok", (await failover(request[2])).to_wire()]
+        if request[0] == "failover" and _failover_arguments(request):
+            regroups = len(request) == 4 and request[3] is True
+            return ["ok", (await failover(request[2], regroups)).to_wire()]
         if request[0] == "usage" and len(request) == 3:
             usage(replace(Usage.from_wire(request[2]), final=True))
             return ["ok", None]
@@ -437,9 +447,11 @@ class ControlClient:
         """The lease to use now."""
         return self._ask(["session", self._token])
 
-    def failover(self, reason: str) -> SessionTicket:
-        """Report the host gone and get a lease with another one (may take a while)."""
-        return self._ask(["failover", self._token, reason[:500]])
+    def failover(self, reason: str, *, regroups: bool = False) -> SessionTicket:
+        """Report the host gone and get a lease with another one (may take a while).
+        ``regroups``: the session's collective group goes back with it, so a rank of a
+        job of several GPUs may move."""
+        return self._ask(["failover", self._token, reason[:500], regroups])
 
     def standby(self, lost: str = "", gib: int = 0) -> tuple[SessionTicket | None, str]:
         """The lease of the host that keeps the session's checkpoints; or None, and why

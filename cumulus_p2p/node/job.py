@@ -20,12 +20,13 @@ one per rank, sharing the node's mesh, book and ledger (``Job``):
   overcharging is refused by every rank.
 
 The job's status (``state.json``, the screen) shows every rank's leases in one table.
-A job of one GPU survives its host (the session moves, ``Consumer.failover``). A job of
-several does not yet: its group would outlive the host only if every rank went back to
-a checkpoint (``remote/regroup.py``, which works with executors named directly), which
-needs a fresh session on each live host, and this node's failover counts a host whose
-session ended as lost. So a rank whose host is lost is told so at once and ends, and
-torchrun ends the others, in seconds rather than at the group's timeout.
+A job of one GPU survives its host (the session moves, ``Consumer.failover``). So does a
+job of several whose checkpoints stay on the consumer: its group goes back together
+(``remote/regroup.py``). The rank that lost its host asks its consumer to move it
+(``regroups``), and the others open fresh sessions on their own hosts under their leases,
+which ``Consumer.failover`` never sees. With checkpoints on a standby host the group
+cannot go back, so such a rank is told so at once and ends, and torchrun ends the
+others, in seconds rather than at the group's timeout.
 """
 
 from __future__ import annotations

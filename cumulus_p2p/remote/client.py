@@ -204,6 +204,10 @@ class RemoteSession:
         self.failovers = 0
         #: Why the executor was last lost (the ``reconnect`` callable may read it).
         self.lost_because: str | None = None
+        #: True while the session goes back with its group, its host alive (``_go_back``).
+        self.going_back = False
+        #: Peer bytes counted for the ops queued since the last batch was logged.
+        self._peer_queued = 0
         self.last_failover_s: float | None = None
         self._cache_resumes = 0
         self._checkpoints = 0
@@ -457,13 +461,18 @@ class RemoteSession:
         parts = encode_frame(_batch_header(seq, ops, frees, query, blobs, grows), blobs)
         if self._log is not None:
             if logged is None:
-                parts = [self._log.record(seq, parts, query is not None)]
+                parts = [self._log.record(seq, parts, query is not None, self._take_peer())]
             else:
                 full_ops, full_blobs = logged
                 header = _batch_header(seq, full_ops, frees, query, full_blobs, grows)
                 full = encode_frame(header, full_blobs)
-                self._log.record(seq, full, query is not None)
+                self._log.record(seq, full, query is not None, self._take_peer())
         return seq, parts
+
+    def _take_peer(self) -> int:
+        """The peer bytes counted for the batch being logged (``count_peer_bytes``)."""
+        taken, self._peer_queued = self._peer_queued, 0
+        return taken
 
     def _exchange(self, parts: list, awaiting: int | None) -> bytearray | None:
         """Send a frame and, when ``awaiting`` names its batch, receive the reply to it."""
@@ -500,7 +509,7 @@ class RemoteSession:
         except RemoteExecutionError as exc:
             if self._rejoin is None or not group_broke(exc):
                 raise
-            frame = self._fail_over(SessionClosedError(str(exc)), seq, cold=True)
+            frame = self._go_back(str(exc), seq)
         return self._read_reply(frame, seq)
 
     def _read_reply(self, frame: bytearray, seq: int) -> tuple[Any, list[memoryview]]:
@@ -565,9 +574,17 @@ class RemoteSession:
 
     def count_peer_bytes(self, n: int) -> None:
         """The records just submitted have the host carry ``n`` bytes to the job's other
-        hosts (collectives): counted under the lease of the channel they go on."""
-        count = getattr(self._channel, "count_peer_bytes", None)
-        if count is not None:
+        hosts (collectives): counted under the lease of the channel they go on, and
+        logged with their batch, to count again if it is replayed on a fresh session."""
+        with self._lock:
+            if self._log is not None:
+                self._peer_queued += n
+            self._count_peer_bytes_on(self._channel, n)
+
+    @staticmethod
+    def _count_peer_bytes_on(channel: FrameChannel, n: int) -> None:
+        count = getattr(channel, "count_peer_bytes", None)
+        if count is not None and n:
             count(n)
 
     def collectives_through_consumer(self) -> None:
@@ -841,7 +858,23 @@ class RemoteSession:
         (the group re-forms on the way): another rank's host was lost."""
         with self._lock:
             self.flush()
-            self._fail_over(SessionClosedError(why), None, cold=True)
+            self._go_back(why, None)
+
+    def _go_back(self, why: str, awaiting: int | None) -> bytearray | None:
+        """``_fail_over`` from the group's checkpoint, this session's host being alive
+        (another's was lost). Meanwhile ``going_back`` is True, so that ``reconnect`` may
+        return to that host (a leased one, under the same lease)."""
+        self.going_back = True
+        try:
+            return self._fail_over(SessionClosedError(why), awaiting, cold=True)
+        finally:
+            self.going_back = False
+
+    @property
+    def regroups(self) -> bool:
+        """Whether a collective group took over this session's failover: a move to
+        another host takes the whole group back with it (``join_group_recovery``)."""
+        return self._rejoin is not None
 
     def _ask_on(self, channel: FrameChannel, seq: int, records: list, query: list) -> Any:
         channel.send_frame(encode_frame(["batch", seq, records, [], query, []]))
@@ -866,12 +899,15 @@ class RemoteSession:
         self.lost_because = str(cause)
         log.info("cumulus: lost the executor (%s); failing over", cause)
         last: BaseException = cause
-        for attempt in range(1, self._attempts + 1):
+        attempts = 0
+        for attempts in range(1, self._attempts + 1):
             try:
                 reply = self._recover(awaiting, cold=cold)
             except (OSError, CumulusError) as exc:
-                log.warning("cumulus: failover attempt %d failed: %s", attempt, exc)
+                log.warning("cumulus: failover attempt %d failed: %s", attempts, exc)
                 last = exc
+                if isinstance(exc, FailoverError):
+                    break  # no state to restore, or a group that cannot re-form: final
                 continue
             self.failovers += 1
             self.last_failover_s = time.perf_counter() - started
@@ -886,18 +922,20 @@ class RemoteSession:
         self.closed = True
         if self._rejoin is not None:
             self._gave_up()  # the other ranks stop waiting for this one
+        tries = f"{attempts} failover attempts" if attempts > 1 else "the failover attempt"
         raise FailoverError(
-            f"lost the executor ({cause}) and {self._attempts} failover attempts failed; "
-            f"the last one: {last}"
+            f"lost the executor ({cause}) and {tries} failed; the last one: {last}"
         ) from last
 
     def _recover(self, awaiting: int | None, *, cold: bool = False) -> bytearray | None:
-        if cold:
-            self._leave_host()
         self._held = None  # a checkpoint the group had not committed: every rank drops it
         started = time.perf_counter()
+        # Connected before the old session is left: a leased host ends a lease whose
+        # last session ended, and a session going back returns under the same lease.
         channel = self._reconnect()
         self._reconnect_s = time.perf_counter() - started
+        if cold:
+            self._leave_host()
         try:
             info = None if cold else self._resume(channel)
             if info is not None:
@@ -911,6 +949,10 @@ class RemoteSession:
                     self._rejoin(ask, channel, info)
                 replaying = time.perf_counter()
                 reply = self._replay(channel, self._log.after_seq, awaiting, resumed=False)
+                # The new session runs the log's collectives again, and its host counts
+                # the bytes they carry again: so does this side.
+                replayed = self._log.peer_bytes_since(self._log.after_seq)
+                self._count_peer_bytes_on(channel, replayed)
                 self._replay_s = time.perf_counter() - replaying
                 # The checkpoint and the log just rebuilt the session, as they would again:
                 # a checkpoint now would protect nothing more, so the interval starts over.

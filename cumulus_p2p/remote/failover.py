@@ -58,6 +58,8 @@ class LoggedFrame:
     seq: int
     frame: bytes
     has_query: bool
+    #: Bytes its collectives have the host carry to other hosts (counted again on replay).
+    peer_bytes: int = 0
 
 
 class ReplayLog:
@@ -68,20 +70,25 @@ class ReplayLog:
         self.nbytes = 0
         self._frames: list[LoggedFrame] = []
 
-    def record(self, seq: int, parts: list, has_query: bool) -> bytes:
-        """Log a frame about to be sent; returns it as one buffer to send.
+    def record(self, seq: int, parts: list, has_query: bool, peer_bytes: int = 0) -> bytes:
+        """Log a frame about to be sent; returns it as one buffer to send. ``peer_bytes``:
+        what its collectives have the host carry to other hosts.
 
         The parts are joined (copied) because inline tensors may point at the caller's
         memory, which it is free to reuse once the op returns.
         """
         frame = b"".join(parts)
-        self._frames.append(LoggedFrame(seq, frame, has_query))
+        self._frames.append(LoggedFrame(seq, frame, has_query, peer_bytes))
         self.nbytes += len(frame)
         return frame
 
     def since(self, seq: int) -> list[LoggedFrame]:
         """The logged frames after batch ``seq``, oldest first."""
         return [f for f in self._frames if f.seq > seq]
+
+    def peer_bytes_since(self, seq: int) -> int:
+        """The peer bytes of the logged frames after batch ``seq``."""
+        return sum(f.peer_bytes for f in self._frames if f.seq > seq)
 
     def reset(self, seq: int) -> None:
         """A checkpoint was taken after batch ``seq``: forget the frames it covers."""
