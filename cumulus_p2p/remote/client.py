@@ -1285,13 +1285,23 @@ def current_session() -> RemoteSession:
     return session
 
 
-def device_session(index: int | None) -> RemoteSession:
-    """The session of ``cumulus:index`` (the current device's when ``index`` is None).
+def device_index(device) -> int | None:
+    """The index a device argument names (``1``, ``"cumulus:1"``, a ``torch.device``);
+    None where it names none (``None``, ``"cumulus"``): the current device."""
+    if device is None or isinstance(device, int):
+        return device
+    return torch.device(device).index
+
+
+def device_session(device) -> RemoteSession:
+    """The session of the ``cumulus`` device ``device`` names (``device_index``; the
+    current device's for None or a bare ``"cumulus"``).
 
     Raises:
         SessionClosedError: nothing is attached.
         RuntimeError: this process has no such device (as torch says of a CUDA index).
     """
+    index = device_index(device)
     if index is None or (index == CURRENT.index and CURRENT.sessions):
         return current_session()
     count = len(CURRENT.sessions)

@@ -28,7 +28,7 @@ from torch.utils.backend_registration import _setup_privateuseone_for_python_bac
 
 from ..devicemodule import SessionDeviceModule
 from . import compile_routing
-from .client import CURRENT, RemoteSession, current_session, device_session
+from .client import CURRENT, RemoteSession, current_session, device_index, device_session
 
 NAME = "cumulus"
 
@@ -160,7 +160,7 @@ class CumulusModule(SessionDeviceModule):
         Raises:
             ValueError: no such device is attached.
         """
-        index = _index(device)
+        index = device_index(device)
         if index is None:
             return
         if not 0 <= index < max(len(CURRENT.sessions), 1):
@@ -173,12 +173,12 @@ class CumulusModule(SessionDeviceModule):
     @classmethod
     def synchronize(cls, device=None) -> None:
         """Wait for every op sent to the device so far; raises its first failure."""
-        device_session(_index(device)).synchronize()
+        device_session(device).synchronize()
 
     @classmethod
     def session_info(cls, device=None) -> dict:
         """What the device's executor said of itself when its session opened."""
-        return device_session(_index(device)).info
+        return device_session(device).info
 
     @classmethod
     def get_device_name(cls, device=None) -> str:
@@ -216,7 +216,7 @@ class CumulusModule(SessionDeviceModule):
     @staticmethod
     def mem_get_info(device=None) -> tuple[int, int]:
         """(free, total) bytes of the device's session's quota on its executor."""
-        session = device_session(_index(device))
+        session = device_session(device)
         quota = int(session.info.get("quota", 0))
         return quota - session.bytes_allocated, quota
 
@@ -234,29 +234,22 @@ class CumulusModule(SessionDeviceModule):
     @staticmethod
     def get_rng_state(device=None) -> torch.Tensor:
         """The device generator's state on its executor (for ``torch.random.fork_rng``)."""
-        return device_session(_index(device)).rng_state()
+        return device_session(device).rng_state()
 
     @staticmethod
     def set_rng_state(new_state: torch.Tensor, device=None) -> None:
         """Restore a state from ``get_rng_state``."""
-        device_session(_index(device)).set_rng_state(new_state)
+        device_session(device).set_rng_state(new_state)
 
     @staticmethod
     def is_bf16_supported() -> bool:
         return True
 
 
-def _index(device) -> int | None:
-    """The index ``device`` names (``1``, ``"cumulus:1"``, a ``torch.device``); None for
-    the current device."""
-    if device is None or isinstance(device, int):
-        return device
-    return torch.device(device).index
-
-
 def _attached(device) -> RemoteSession | None:
     """The device's session; None where nothing is attached."""
-    index = CURRENT.index if _index(device) is None else _index(device)
+    index = device_index(device)
+    index = CURRENT.index if index is None else index
     sessions = CURRENT.sessions
     return sessions[index] if 0 <= index < len(sessions) else None
 

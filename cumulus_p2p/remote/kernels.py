@@ -21,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..wire.ops import op_name
-from .client import RemoteSession, device_session
+from .client import device_session
 from .tensor import (
     DEVICE,
     RemoteTensor,
@@ -48,17 +48,11 @@ def _empty_memory_format(
         strides = contiguous_strides(size)
     else:
         strides = torch.empty(size, device="meta", memory_format=fmt).stride()
-    return new_empty(size, strides, dtype, _named(device))
+    return new_empty(size, strides, dtype, device_session(device))
 
 
 def _empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
-    return new_empty(size, stride, dtype or torch.get_default_dtype(), _named(device))
-
-
-def _named(device) -> RemoteSession:
-    """The session of the ``cumulus`` device a factory names (``cumulus:1``; the current
-    device for ``cumulus`` alone)."""
-    return device_session(None if device is None else torch.device(device).index)
+    return new_empty(size, stride, dtype or torch.get_default_dtype(), device_session(device))
 
 
 def _copy_from(src, dst, non_blocking=False):
@@ -178,7 +172,7 @@ def _factory_kernel(func) -> Callable:
 
     def kernel(*args, **kwargs):
         meta = func(*args, **{**kwargs, "device": _META})
-        session = _named(kwargs.get("device"))
+        session = device_session(kwargs.get("device"))
         tensor, spec = fresh_tensor(
             session, meta.dtype, tuple(meta.shape), tuple(meta.stride()), meta.storage_offset()
         )

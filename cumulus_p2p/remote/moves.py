@@ -59,10 +59,9 @@ def move(tensor: RemoteTensor, to: RemoteSession) -> RemoteTensor:
         upload_into(out, download(dense))
         return out
     root = 0 if source is pair.first else 1
-    nbytes = dense.numel() * dense.element_size()
     for session, sent in ((source, dense), (to, out)):
         session.submit(["@pg_broadcast", [pair.name, sent._wire(), root], {}, None])
-        session.count_peer_bytes(nbytes)
+        session.count_peer_bytes(dense.nbytes)
         session.flush()
     return out
 

@@ -820,7 +820,7 @@ def _to_copy(func, args, kwargs):
         return NotImplemented
     device = torch.device(device)
     if device.type != "cpu":
-        to = device_session(device.index)
+        to = device_session(device)
         if to is args[0]._rs.session:
             return NotImplemented
         # A dtype or layout is changed on the source's host, before the bytes move.
