@@ -32,6 +32,7 @@ from cumulus_p2p.host.collectives import (
 )
 from cumulus_p2p.host.handles import ErrorKind, OpFailed
 from cumulus_p2p.remote.distributed import _ThroughConsumer
+from cumulus_p2p.remote.regroup import peer_links
 from cumulus_p2p.testing import nodes
 from cumulus_p2p.testing.executor import executor_process
 from cumulus_p2p.testing.tap import tap
@@ -53,18 +54,24 @@ def two_executors():
         yield first, second
 
 
-def run_on_executors(executors, out: Path, steps: int) -> tuple[list[dict], list[int]]:
+def run_on_executors(
+    executors, out: Path, steps: int, links: str = "tls"
+) -> tuple[list[dict], list[int]]:
     """The script through the shim, rank i on executor i; also each rank's link bytes."""
     with tap(executors[0]) as first, tap(executors[1]) as second:
         env = {"CUMULUS_EXECUTOR": f"{first.address},{second.address}"}
+        env["CUMULUS_PEER_LINKS"] = links
         ranks = torchrun("-m", "cumulus_p2p.shim", str(SCRIPT), str(out), str(steps), env=env)
         return ranks, [first.bytes, second.bytes]
 
 
 @pytest.mark.slow
-def test_a_torchrun_ddp_script_ends_with_the_parameters_of_local_gloo_ddp(two_executors, tmp_path):
+@pytest.mark.parametrize("links", ["tls", "plain"])
+def test_a_torchrun_ddp_script_ends_with_the_parameters_of_local_gloo_ddp(
+    links, two_executors, tmp_path
+):
     saved, _ = nodes.local_ddp_run(SCRIPT, "3", scratch=tmp_path)
-    run_on_executors(two_executors, tmp_path / "remote.pt", 3)
+    run_on_executors(two_executors, tmp_path / "remote.pt", 3, links)
     local, remote = torch.load(saved), torch.load(tmp_path / "remote.pt")
     assert local.keys() == remote.keys()
     for name, value in local.items():
@@ -159,8 +166,8 @@ def test_a_worker_tells_its_session_that_its_host_takes_no_peer_links():
 def test_ranks_reducing_through_the_consumer_with_unfit_tensors_each_get_a_clear_error(
     sizes, out_per_in, why
 ):
-    server = CollectiveGroups()  # only for a store on a free port
-    port = server.serve_store("127.0.0.1", 2)
+    server = torch.distributed.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    port = server.port
     errors: list = [None, None]
 
     def rank(index: int, sent: torch.Tensor, received: torch.Tensor) -> None:
@@ -185,7 +192,7 @@ def test_ranks_reducing_through_the_consumer_with_unfit_tensors_each_get_a_clear
 def test_a_host_without_peer_links_refuses_to_serve_a_store_or_join_a_group():
     groups = CollectiveGroups(peer_links=False)
     with pytest.raises(OpFailed, match="no connections from other hosts"):
-        groups.serve_store("127.0.0.1", 2)
+        groups.serve_store("127.0.0.1", 2, PREFIX)
     member = Membership("job", "127.0.0.1", 1, PREFIX, 0, 2, "127.0.0.1", 5.0)
     with pytest.raises(OpFailed, match="no connections from other hosts"):
         groups.join(member)
@@ -208,7 +215,7 @@ def test_two_ranks_on_one_executor_do_not_wait_on_each_others_device_turn(worker
 LONELY_RANK = """
 import sys, torch, cumulus_p2p.remote as remote
 with remote.attach(sys.argv[1]) as session:
-    port = session.call(["@pg_store", ["127.0.0.1", 2], {}, None])
+    port = session.call(["@pg_store", ["127.0.0.1", 2, "0123456789abcdef"], {}, None])
     join = ["job", "127.0.0.1", port, "0123456789abcdef", 0, 2, "127.0.0.1", 6.0]
     print("joining", flush=True)
     session.submit(["@pg_join", join, {}, None])
@@ -280,16 +287,21 @@ def test_diloco_refuses_a_sync_interval_below_one_step():
         DiLoCo(torch.nn.Linear(2, 2), None, sync_every=0)  # type: ignore[arg-type]
 
 
-def form_group(world: int, *, timeout_s: float = 10.0) -> list[CollectiveGroups]:
+def form_group(
+    world: int, *, timeout_s: float = 10.0, links: str = "tls"
+) -> list[CollectiveGroups]:
     """``world`` sessions' groups, joined as one job named ``job``."""
     groups = [CollectiveGroups() for _ in range(world)]
-    port = groups[0].serve_store("127.0.0.1", world)
-    each_rank(groups, lambda rank, group: group.join(member(port, rank, world, timeout_s)))
+    port = groups[0].serve_store("127.0.0.1", world, PREFIX, links)
+    joins = [member(port, rank, world, timeout_s, links=links) for rank in range(world)]
+    each_rank(groups, lambda rank, group: group.join(joins[rank]))
     return groups
 
 
-def member(port: int, rank: int, world: int, timeout_s: float, prefix: str = PREFIX) -> Membership:
-    return Membership("job", "127.0.0.1", port, prefix, rank, world, "127.0.0.1", timeout_s)
+def member(
+    port: int, rank: int, world: int, timeout_s: float, prefix: str = PREFIX, links: str = "tls"
+) -> Membership:
+    return Membership("job", "127.0.0.1", port, prefix, rank, world, "127.0.0.1", timeout_s, links)
 
 
 def each_rank(groups, work) -> list:
@@ -312,14 +324,15 @@ def each_rank(groups, work) -> list:
 
 def test_a_groups_store_listens_on_the_hosts_address_alone():
     groups = CollectiveGroups()
-    port = groups.serve_store("127.0.0.1", 2)
+    port = groups.serve_store("127.0.0.1", 2, PREFIX)
     socket.create_connection(("127.0.0.1", port), timeout=5).close()
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.2", port), timeout=5)
 
 
-def test_an_all_reduce_sums_every_ranks_tensor_in_place():
-    groups = form_group(2)
+@pytest.mark.parametrize("links", ["tls", "plain"])
+def test_an_all_reduce_sums_every_ranks_tensor_in_place(links):
+    groups = form_group(2, links=links)
     tensors = [torch.full((5,), 1.0), torch.full((5,), 2.0)]
     each_rank(groups, lambda rank, group: group.all_reduce("job", tensors[rank], "SUM"))
     assert all(torch.equal(t, torch.full((5,), 3.0)) for t in tensors)
@@ -438,7 +451,7 @@ def test_a_collective_whose_other_ranks_never_come_fails_after_the_groups_timeou
 
 def test_a_host_without_the_jobs_prefix_cannot_join_its_group():
     groups = [CollectiveGroups(), CollectiveGroups(), CollectiveGroups()]
-    port = groups[0].serve_store("127.0.0.1", 2)
+    port = groups[0].serve_store("127.0.0.1", 2, PREFIX)
     outsider = member(port, 1, 2, 2.0, prefix="f" * 32)
     joins = [member(port, 0, 2, 2.0), member(port, 1, 2, 2.0), outsider]
     results = each_rank(groups, lambda rank, group: group.join(joins[rank]))
@@ -454,8 +467,16 @@ def test_a_host_without_the_jobs_prefix_cannot_join_its_group():
         ["job", "127.0.0.1", 1, PREFIX, 2, 2, "127.0.0.1", 5.0],
         ["job", "127.0.0.1", 1, "short", 0, 2, "127.0.0.1", 5.0],
         ["job", "127.0.0.1", 70000, PREFIX, 0, 2, "127.0.0.1", 5.0],
+        ["job", "127.0.0.1", 1, PREFIX, 0, 2, "127.0.0.1", 5.0, "udp"],
     ],
-    ids=["too-few-fields", "timeout-not-a-number", "rank-outside-world", "short-prefix", "port"],
+    ids=[
+        "too-few-fields",
+        "timeout-not-a-number",
+        "rank-outside-world",
+        "short-prefix",
+        "port",
+        "unknown-links",
+    ],
 )
 def test_a_malformed_join_is_refused_with_what_is_wrong(args):
     with pytest.raises(OpFailed):
@@ -492,3 +513,16 @@ def test_a_malformed_sharding_collective_is_refused_and_the_session_lives_on(
     with pytest.raises(RemoteExecutionError, match=error):
         cumulus.synchronize()
     assert (tensor * 2).sum().item() == 8.0
+
+
+def test_a_join_with_other_links_than_its_store_is_refused():
+    groups = CollectiveGroups()
+    port = groups.serve_store("127.0.0.1", 2, PREFIX, "plain")
+    with pytest.raises(OpFailed, match="other links"):
+        groups.join(member(port, 0, 2, 2.0, links="tls"))
+
+
+def test_an_unknown_peer_links_setting_is_refused_naming_the_choices(monkeypatch):
+    monkeypatch.setenv("CUMULUS_PEER_LINKS", "fast")
+    with pytest.raises(ValueError, match="'tls' .* or 'plain'"):
+        peer_links()

@@ -10,11 +10,16 @@ record on the consumer's link; the tensor's bytes go between the hosts, never th
 consumer.
 
 The group meets through a ``TCPStore`` that rank 0's executor serves. Its keys live
-under a prefix the consumer draws at random and tells only the job's ranks, so a host
-that is not in the job cannot take a rank's place by guessing keys. That prefix crosses
-the hosts' links in the clear, as do gloo's own bytes: these links are authenticated by
-nothing stronger than that prefix and are not encrypted (see the module of the same
-name on the consumer's side, and the issue this slice belongs to).
+under a prefix the consumer draws at random and tells only the job's ranks, each over
+its own encrypted channel. That prefix is also the group's secret: neither the store nor
+gloo listens where other hosts can reach them, and every byte between two hosts crosses
+a TLS 1.3 link that only holders of the secret can open (``peerlinks.py``). A host that
+is not in the job fails that handshake and reaches nothing.
+
+A job whose hosts share a network its owner trusts (one rig's GPUs, one rack) may ask for
+plain links instead (``links`` "plain": ``CUMULUS_PEER_LINKS=plain`` on the consumer):
+the store and gloo then listen on the host's address, unencrypted, a few times faster
+on a fast network, and the secret prefix is all that keeps other hosts out.
 
 A host that other hosts cannot reach (behind NAT or a firewall: ``--no-peer-links``)
 says so in its sessions' welcome and refuses to serve a store or join a group; the job's
@@ -38,6 +43,7 @@ import torch.distributed as dist
 
 from ..wire import collective_sizes
 from .handles import ErrorKind, OpFailed
+from .peerlinks import GLOO_HOST, LOOPBACK, STORE, LinkedStore, PeerLinkError, Tunnel
 
 #: The reductions a record may name, by the name ``torch.distributed.ReduceOp`` gives.
 REDUCE_OPS = {
@@ -50,6 +56,8 @@ REDUCE_OPS = {
 #: Ranks in one group at most: a job of more GPUs than the market sells is malformed.
 MAX_WORLD = 64
 MAX_TIMEOUT_S = 3600.0
+#: How a group's hosts link: through TLS tunnels (``peerlinks.py``), or gloo's own TCP.
+TLS, PLAIN = "tls", "plain"
 
 
 #: Records that wait for the job's other ranks (a store is served at once).
@@ -93,30 +101,31 @@ class Membership:
     world: int
     host: str  # this executor's address, as the other ranks' executors reach it
     timeout_s: float
+    links: str = TLS
 
     @classmethod
     def parse(cls, args: object) -> Membership:
         """Check a ``@pg_join`` record's arguments; raise ``OpFailed`` when malformed."""
-        types = (str, str, int, str, int, int, str, (int, float))
+        types = (str, str, int, str, int, int, str, (int, float), str)
         if not (
             isinstance(args, list)
-            and len(args) == len(types)
+            and len(types) - 1 <= len(args) <= len(types)
             and all(
-                isinstance(a, t) and type(a) is not bool for a, t in zip(args, types, strict=True)
+                isinstance(a, t) and type(a) is not bool for a, t in zip(args, types, strict=False)
             )
         ):
             raise OpFailed(
                 ErrorKind.PROTOCOL_ERROR,
                 "@pg_join takes [name, store host, store port, prefix, rank, world, host, "
-                "timeout seconds]",
+                "timeout seconds, links (optional: 'tls' or 'plain')]",
             )
         member = cls(*args)  # type: ignore[arg-type]
+        _check_links(member.links)
         if not 1 <= member.world <= MAX_WORLD or not 0 <= member.rank < member.world:
             raise OpFailed(ErrorKind.VALUE, f"rank {member.rank} of {member.world} is not a rank")
         if not 0 < member.store_port < 65536 or not 0 < member.timeout_s <= MAX_TIMEOUT_S:
             raise OpFailed(ErrorKind.VALUE, "the store's port or the timeout is out of range")
-        if len(member.prefix) < 16:
-            raise OpFailed(ErrorKind.VALUE, "a group's prefix is a secret of 16 characters or more")
+        _check_secret(member.prefix)
         return member
 
 
@@ -129,7 +138,11 @@ class CollectiveGroups:
 
     peer_links: bool = True
     _groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
-    _served: dict[int, tuple[dist.TCPStore, socket.socket]] = field(default_factory=dict)
+    _tunnels: dict[str, Tunnel] = field(default_factory=dict)
+    #: By the port the other ranks reach it at: its tunnel's (none with plain links).
+    _served: dict[int, tuple[dist.TCPStore, socket.socket, Tunnel | None]] = field(
+        default_factory=dict
+    )
     #: The bytes of the tensors its collectives carried between hosts since
     #: ``take_peer_bytes`` last took them, as the records name them: an all-reduce's or a
     #: broadcast's tensor, an all-gather's outputs, a reduce-scatter's input. The consumer
@@ -143,27 +156,35 @@ class CollectiveGroups:
         taken, self.peer_bytes = self.peer_bytes, 0
         return taken
 
-    def serve_store(self, host: str, world: int) -> int:
-        """Serve a store for a group of ``world`` ranks on ``host``; return its port.
+    def serve_store(self, host: str, world: int, secret: str, links: str = TLS) -> int:
+        """Serve a store for a group of ``world`` ranks whose secret is ``secret``;
+        return the port on ``host`` where the other ranks reach it (its tunnel's).
 
-        The store listens on ``host`` alone: left to itself, a ``TCPStore`` listens on
-        every interface of the machine.
+        With TLS links the store listens on loopback, with plain links on ``host``:
+        left to itself, a ``TCPStore`` listens on every interface of the machine.
         """
         self._check_links()
         if not 1 <= world <= MAX_WORLD:
             raise OpFailed(ErrorKind.VALUE, f"a group of {world} ranks is not a group")
+        _check_secret(secret)
+        _check_links(links)
+        tunnel = _tunnel(secret, host) if links == TLS else None
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
-            listener = socket.create_server((host, 0), family=family)
+            listener = socket.create_server((LOOPBACK if tunnel else host, 0), family=family)
         except OSError as exc:
             raise OpFailed(ErrorKind.VALUE, f"cannot serve a store on {host}: {exc}") from None
-        port = listener.getsockname()[1]
+        address = listener.getsockname()[:2]
         store = dist.TCPStore(
-            host, port, world, is_master=True, wait_for_workers=False,
+            *address, world, is_master=True, wait_for_workers=False,
             master_listen_fd=listener.fileno(),
         )  # fmt: skip
-        self._served[port] = (store, listener)
-        return port
+        if tunnel is None:
+            self._served[address[1]] = (store, listener, None)
+            return address[1]
+        tunnel.expose(STORE, address)
+        self._served[tunnel.port] = (store, listener, tunnel)
+        return tunnel.port
 
     def join(self, member: Membership) -> None:
         """Join ``member.name``'s group; blocks until every rank has joined."""
@@ -171,23 +192,54 @@ class CollectiveGroups:
         if member.name in self._groups:
             raise OpFailed(ErrorKind.VALUE, f"this session is already in group {member.name!r}")
         timeout = timedelta(seconds=member.timeout_s)
-        served = self._served.get(member.store_port) if member.rank == 0 else None
-        if served is not None:
-            store = served[0]
-        else:
-            store = dist.TCPStore(
-                member.store_host, member.store_port, member.world, is_master=False, timeout=timeout
-            )
+        store, tunnel = self._meeting(member, timeout)
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=member.host)]
+        gloo_host = GLOO_HOST if tunnel else member.host
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=gloo_host)]
         prefixed = dist.PrefixStore(f"{member.prefix}/{member.name}", store)
         try:
-            group = dist.ProcessGroupGloo(prefixed, member.rank, member.world, options)
-        except RuntimeError as exc:
+            linked = LinkedStore(prefixed, tunnel) if tunnel else prefixed
+            group = dist.ProcessGroupGloo(linked, member.rank, member.world, options)
+        except (RuntimeError, PeerLinkError) as exc:
+            if tunnel and tunnel is not self._served.get(member.store_port, (None,) * 3)[2]:
+                tunnel.close()
             message = f"could not join group {member.name!r}: {exc}"
             raise OpFailed(ErrorKind.RUNTIME, message) from None
         self._groups[member.name] = group
+        if tunnel:
+            self._tunnels[member.name] = tunnel
+
+    def _meeting(self, member: Membership, timeout: timedelta) -> tuple[dist.Store, Tunnel | None]:
+        """The group's store, and this rank's tunnel (none with plain links): rank 0's
+        are those it serves; another rank's tunnel is its own, its store reached
+        through it."""
+        served = self._served.get(member.store_port) if member.rank == 0 else None
+        if served is not None:
+            store, _listener, tunnel = served
+            served_as = (TLS, tunnel.secret) if tunnel else (PLAIN, member.prefix)
+            if served_as != (member.links, member.prefix):
+                message = "a group's join names other links or another secret than its store"
+                raise OpFailed(ErrorKind.VALUE, message)
+            return store, tunnel
+        if member.links == PLAIN:
+            address = (member.store_host, member.store_port)
+            try:
+                return dist.TCPStore(*address, member.world, is_master=False, timeout=timeout), None
+            except RuntimeError as exc:
+                message = f"could not join group {member.name!r}: {exc}"
+                raise OpFailed(ErrorKind.RUNTIME, message) from None
+        tunnel = _tunnel(member.prefix, member.host)
+        rank0 = (member.store_host, member.store_port)
+        try:
+            tunnel.probe(rank0)
+            forward = tunnel.forward(rank0, STORE)
+            store = dist.TCPStore(LOOPBACK, forward, member.world, is_master=False, timeout=timeout)
+        except (PeerLinkError, RuntimeError) as exc:
+            tunnel.close()
+            message = f"could not join group {member.name!r}: {exc}"
+            raise OpFailed(ErrorKind.RUNTIME, message) from None
+        return store, tunnel
 
     def all_reduce(self, name: str, tensor: torch.Tensor, op: str) -> None:
         """Reduce ``tensor`` in place across the group (blocking)."""
@@ -308,8 +360,33 @@ class CollectiveGroups:
             raise OpFailed(kind, f"collective in group {name!r}: {exc}") from None
 
     def close(self) -> None:
-        """Leave every group and stop serving stores."""
+        """Leave every group, close their links and stop serving stores."""
         self._groups.clear()
-        for _store, listener in self._served.values():
+        for tunnel in self._tunnels.values():
+            tunnel.close()
+        self._tunnels.clear()
+        for _store, listener, served_tunnel in self._served.values():
+            if served_tunnel:
+                served_tunnel.close()
             listener.close()
         self._served.clear()
+
+
+def _check_secret(secret: str) -> None:
+    if len(secret) < 16:
+        raise OpFailed(ErrorKind.VALUE, "a group's prefix is a secret of 16 characters or more")
+
+
+def _check_links(links: str) -> None:
+    if links not in (TLS, PLAIN):
+        message = f"a group's links are {TLS!r} or {PLAIN!r}, not {links!r}"
+        raise OpFailed(ErrorKind.VALUE, message)
+
+
+def _tunnel(secret: str, host: str) -> Tunnel:
+    try:
+        return Tunnel(secret, host)
+    except PeerLinkError as exc:
+        raise OpFailed(ErrorKind.VALUE, str(exc)) from None
+    except OSError as exc:
+        raise OpFailed(ErrorKind.VALUE, f"cannot open the group's links on {host}: {exc}") from None

@@ -316,9 +316,10 @@ class ExecutorSession:
         return self._groups.take_peer_bytes()
 
     def _serve_group_store(self, args: Any, blobs: list[memoryview]) -> None:
-        if not _args_are(args, str, int):
-            raise OpFailed(ErrorKind.PROTOCOL_ERROR, "@pg_store takes [host, world]")
-        self._dyn_result = self._groups.serve_store(args[0], args[1])
+        if not (_args_are(args, str, int, str) or _args_are(args, str, int, str, str)):
+            message = "@pg_store takes [host, world, secret, links (optional)]"
+            raise OpFailed(ErrorKind.PROTOCOL_ERROR, message)
+        self._dyn_result = self._groups.serve_store(*args)
 
     def _join_group(self, args: Any, blobs: list[memoryview]) -> None:
         self._groups.join(Membership.parse(args))

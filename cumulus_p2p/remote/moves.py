@@ -32,7 +32,7 @@ import secrets
 from dataclasses import dataclass
 
 from .client import CURRENT, RemoteSession
-from .regroup import reachable_host
+from .regroup import peer_links, reachable_host
 from .tensor import RemoteTensor, contiguous_strides, download, new_empty, upload_into
 
 #: How long a move may wait for the other device's host to reach it: the ops queued
@@ -81,10 +81,11 @@ def _form(first: RemoteSession, second: RemoteSession) -> _Pair:
     if None in hosts:
         return _Pair(None, first)
     name = f"devices/{first.device.index}-{second.device.index}"
-    port = first.call(["@pg_store", [hosts[0], 2], {}, None])
-    prefix = secrets.token_hex(16)
+    prefix = secrets.token_hex(16)  # also the key of the hosts' link (``host/peerlinks.py``)
+    links = peer_links()
+    port = first.call(["@pg_store", [hosts[0], 2, prefix, links], {}, None])
     for rank, (session, host) in enumerate(zip((first, second), hosts, strict=True)):
-        join = [name, hosts[0], port, prefix, rank, 2, host, MOVE_TIMEOUT_S]
+        join = [name, hosts[0], port, prefix, rank, 2, host, MOVE_TIMEOUT_S, links]
         session.submit(["@pg_join", join, {}, None])
         session.flush()  # both joins leave before either is waited on: each waits for the other
     for session in (first, second):

@@ -36,6 +36,7 @@ checkpoint yet, forms its group the same way.
 
 from __future__ import annotations
 
+import os
 import secrets
 import time
 from collections.abc import Callable
@@ -60,6 +61,19 @@ DECIDE_EVERY = 8
 POLL_S = 0.002
 
 Ask = Callable[[list, list], Any]
+
+
+def peer_links() -> str:
+    """How the job's hosts link to each other: ``CUMULUS_PEER_LINKS``, "tls" (encrypted
+    and authenticated by the group's secret, the default) or "plain" (gloo's own TCP, for
+    hosts on one network the job's owner trusts: faster, not encrypted)."""
+    links = os.environ.get("CUMULUS_PEER_LINKS", "tls")
+    if links not in ("tls", "plain"):
+        raise ValueError(
+            f"CUMULUS_PEER_LINKS is 'tls' (the default) or 'plain' (hosts on one network "
+            f"you trust), not {links!r}"
+        )
+    return links
 
 
 @dataclass
@@ -105,15 +119,20 @@ class Regroup:
         host joins it (blocks until all have). ``ask`` runs records on the session."""
         generation = self.generation
         if self.rank == 0:
-            port = ask([["@pg_store", [host, self.size], {}, None]], ["call"])
-            self.store.set(f"cumulus/prefix/{generation}", secrets.token_hex(16))
+            secret = secrets.token_hex(16)  # the prefix also keys the hosts' links
+            links = peer_links()
+            port = ask([["@pg_store", [host, self.size, secret, links], {}, None]], ["call"])
+            self.store.set(f"cumulus/prefix/{generation}", secret)
+            self.store.set(f"cumulus/links/{generation}", links)
             self.store.set(f"cumulus/hosts-store/{generation}", f"{host}:{port}")
         self._all_present(generation)
         where = self._wait_for(f"cumulus/hosts-store/{generation}", any_generation=True)
         store_host, _, store_port = where.decode().rpartition(":")
         prefix = self.store.get(f"cumulus/prefix/{generation}").decode()
+        links = self.store.get(f"cumulus/links/{generation}").decode()  # rank 0's choice
         join = [self.name, store_host, int(store_port), prefix, self.rank, self.size, host]
-        ask([["@pg_join", [*join, self.timeout.total_seconds()], {}, None]], ["sync"])
+        join += [self.timeout.total_seconds(), links]
+        ask([["@pg_join", join, {}, None]], ["sync"])
 
     def _all_present(self, generation: int) -> None:
         """Wait until every rank has come to this generation's meeting (its host's join
