@@ -5,7 +5,11 @@ figure is measured in the same run against its baseline:
 
 - ``allreduce_gb_s``: a float32 tensor all-reduced by the ``cumulus`` backend (the
   executors reduce among themselves in a gloo group; the ranks only send the record),
-  bytes of the tensor per second of wall time, from the rank's side (its sync included);
+  bytes of the tensor per second of wall time, from the rank's side (its sync included),
+  over the default links between the hosts: TLS 1.3 tunnels (``host/peerlinks.py``);
+- ``allreduce_plain_gb_s``: the same over plain links (``CUMULUS_PEER_LINKS=plain``:
+  gloo's own TCP, for hosts on one trusted network), and ``ddp_step_plain_s``, the DDP
+  arm's step over plain links (both also with ``--shaped``);
 - ``gloo_gb_s``: the same all-reduce between two plain processes with gloo;
 - ``allreduce_via_consumer_gb_s``: the same all-reduce when the second executor takes no
   peer links (``--no-peer-links``): the ranks read the tensor back, reduce it among
@@ -50,6 +54,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "scripts" / "ddp_train.py"
+#: The ranks' environment for plain links between the hosts (gloo's own TCP).
+PLAIN = {"CUMULUS_PEER_LINKS": "plain"}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
@@ -97,23 +103,24 @@ def all_reduce_gb_s(backend: str, megabytes: int, rounds: int, work: Path, env=N
     return json.loads(out.read_text())["gb_s"]
 
 
-def ddp_figures(executors, steps: int, work: Path, run=torchrun, meter=None) -> dict:
+def ddp_figures(executors, steps: int, work: Path, run=torchrun, meter=None, env=None) -> dict:
     """DDP's figures; ``meter(executors)`` is a context yielding the addresses to attach to
-    and a function reading the bytes on a rank's link so far (default: loopback taps)."""
+    and a function reading the bytes on a rank's link so far (default: loopback taps);
+    ``env``, more of the ranks' environment."""
     local_step_s = _step_s(run(str(SCRIPT), str(work / "local.pt"), str(steps)))
     link_bytes = {}
     # The first run's upload of the model may leave it in the host's blob store, which
     # spares the next runs that upload: measured runs all come after one.
     for run_steps in (1, 1, steps):
         with (meter or _taps)(executors) as (addresses, read):
-            env = {"CUMULUS_EXECUTOR": ",".join(addresses)}
+            ranks_env = {**(env or {}), "CUMULUS_EXECUTOR": ",".join(addresses)}
             out = run(
                 "-m",
                 "cumulus_p2p.shim",
                 str(SCRIPT),
                 str(work / "remote.pt"),
                 str(run_steps),
-                env=env,
+                env=ranks_env,
             )
             link_bytes[run_steps] = read()
     local, remote = torch.load(work / "local.pt"), torch.load(work / "remote.pt")
@@ -199,7 +206,10 @@ def shaped(quick: bool, work: Path) -> dict:
                 stack.enter_context(executor_in(host, work / host.name))[0] for host in mesh.hosts
             )
             run = functools.partial(torchrun, prefix=tuple(mesh.consumer.command()))
-            result = ddp_figures(executors, steps, work, run, _interface(mesh.consumer))
+            meter = _interface(mesh.consumer)
+            result = ddp_figures(executors, steps, work, run, meter)
+            plain = ddp_figures(executors, steps, work, run, meter, env=PLAIN)
+            result["ddp_step_plain_s"] = plain["ddp_step_s"]
             result |= diloco_utilization(executors, quick, run)
         # The same job with the second host taking no peer links: through the consumer.
         with contextlib.ExitStack() as stack:
@@ -248,7 +258,11 @@ def main() -> None:
     with executor_process() as (first, _), executor_process() as (second, _):
         env = {"CUMULUS_EXECUTOR": f"{first},{second}"}
         result["allreduce_gb_s"] = all_reduce_gb_s("cumulus", megabytes, rounds, work, env)
+        plain = {**env, **PLAIN}
+        result["allreduce_plain_gb_s"] = all_reduce_gb_s("cumulus", megabytes, rounds, work, plain)
         result.update(ddp_figures((first, second), steps, work))
+        plain_ddp = ddp_figures((first, second), steps, work, env=PLAIN)
+        result["ddp_step_plain_s"] = plain_ddp["ddp_step_s"]
         result.update(diloco_utilization((first, second), args.quick))
     cut_off = executor_process(extra=["--no-peer-links"])
     with executor_process() as (first, _), cut_off as (second, _):
@@ -256,6 +270,7 @@ def main() -> None:
         via_consumer = all_reduce_gb_s("cumulus", megabytes, rounds, work, env)
         result["allreduce_via_consumer_gb_s"] = via_consumer
     result["allreduce_vs_gloo"] = result["allreduce_gb_s"] / result["gloo_gb_s"]
+    result["allreduce_plain_vs_gloo"] = result["allreduce_plain_gb_s"] / result["gloo_gb_s"]
     print(json.dumps(result, indent=2))
     if not args.quick:
         (ROOT / "benchmarks" / "results" / "collective.json").write_text(

@@ -526,3 +526,14 @@ def test_an_unknown_peer_links_setting_is_refused_naming_the_choices(monkeypatch
     monkeypatch.setenv("CUMULUS_PEER_LINKS", "fast")
     with pytest.raises(ValueError, match="'tls' .* or 'plain'"):
         peer_links()
+
+
+def test_closing_a_sessions_groups_closes_their_links_between_hosts():
+    groups = form_group(2)
+    ports = [tunnel.port for group in groups for tunnel in group._tunnels.values()]
+    assert len(ports) == 2  # one tunnel a rank: rank 0's also admits the others to its store
+    for group in groups:
+        group.close()
+    for port in ports:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5)

@@ -262,6 +262,8 @@ class Tunnel:
         if sock.type == socket.SOCK_STREAM and sock.family == socket.AF_INET:
             # gloo's messages are small and request-like: Nagle would hold each for an ack.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
         with self._lock:
             if self._closed:
                 sock.close()

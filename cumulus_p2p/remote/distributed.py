@@ -38,9 +38,10 @@ With failover on, the group outlives a lost host (``regroup.py``): the ranks che
 together, and when one's host is lost, every rank rebuilds its session from that
 checkpoint, the group re-forms, and each replays its stream since.
 
-Not yet: the hosts' links are not encrypted, and the prefix is the only thing that
-keeps a host outside the job out of its group; relays between hosts; scatter, gather,
-all-to-all and point-to-point.
+The prefix rank 0 draws is also the group's secret: the hosts' links are TLS tunnels
+keyed by it (``host/peerlinks.py``), unless the job asks for plain links
+(``CUMULUS_PEER_LINKS=plain``, ``regroup.peer_links``). Not yet: relays between hosts;
+scatter, gather, all-to-all and point-to-point.
 
 FSDP2 (``fully_shard``) runs on these groups. Besides the collectives it needs of the
 device: freeing and re-allocating gathered parameters' storage (``fsdp.py``, set up when

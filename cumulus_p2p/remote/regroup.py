@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -124,6 +125,13 @@ class Regroup:
             port = ask([["@pg_store", [host, self.size, secret, links], {}, None]], ["call"])
             self.store.set(f"cumulus/prefix/{generation}", secret)
             self.store.set(f"cumulus/links/{generation}", links)
+            if links == "plain" and generation == 0:
+                print(
+                    "cumulus: this job's hosts link in plain TCP (CUMULUS_PEER_LINKS=plain): "
+                    "gradients cross between them unencrypted",
+                    file=sys.stderr,
+                    flush=True,
+                )
             self.store.set(f"cumulus/hosts-store/{generation}", f"{host}:{port}")
         self._all_present(generation)
         where = self._wait_for(f"cumulus/hosts-store/{generation}", any_generation=True)
