@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -24,6 +28,7 @@ from cumulus_p2p.host.peerlinks import (
     Tunnel,
     find_slot,
 )
+from cumulus_p2p.testing.netns import NamespacesUnavailable, two_hosts
 
 SECRET = "0123456789abcdef0123456789abcdef"
 PLAIN = b"the gradients of a private model " * 64
@@ -108,8 +113,8 @@ def recording_relay(target: tuple[str, int]) -> Iterator[tuple[int, list[bytes]]
 
 
 def round_trip(port: int, data: bytes) -> bytes:
-    """Send ``data`` to ``port`` and end; return what came back before the end (a reset
-    is an end)."""
+    """Send ``data`` to ``port`` and end; return what came back before the end (a reset,
+    or a connection closed before the data was all sent, is an end)."""
     back = b""
     with socket.create_connection((LOOPBACK, port), timeout=10) as conn:
         try:
@@ -117,7 +122,7 @@ def round_trip(port: int, data: bytes) -> bytes:
             conn.shutdown(socket.SHUT_WR)
             while chunk := conn.recv(65536):
                 back += chunk
-        except ConnectionResetError:
+        except OSError:
             pass
     return back
 
@@ -215,3 +220,81 @@ def test_gloo_publishes_its_tunnel_and_reads_each_peer_as_a_forwarder_both_ranks
         seen_by_first = slot.read(stores[0].get("0/1"))[0]
         seen_by_second = slot.read(stores[1].get("0/0"))[0]
         assert {seen_by_first, seen_by_second} == {BELOW_GLOO, ABOVE_GLOO}
+
+
+#: One end of a link between two machines (network namespaces), run inside its own:
+#: ``serve`` exposes an echo service through a tunnel and prints the tunnel's port;
+#: ``dial`` forwards to it, checks an echo, then waits for the link to end and prints
+#: how long that took.
+LINK_END = """
+import socket, sys, threading, time
+import cumulus_p2p.host.peerlinks as links
+links.KEEPALIVE_S, links.UNACKED_LIMIT_S = (1, 1, 2), 3
+role, address, secret = sys.argv[1:4]
+end = links.Tunnel(secret, address)
+if role == "serve":
+    service = socket.create_server(("127.0.0.1", 0))
+    def echo():
+        conn, _ = service.accept()
+        while data := conn.recv(65536):
+            conn.sendall(data)
+    threading.Thread(target=echo, daemon=True).start()
+    end.expose(links.STORE, service.getsockname())
+    print(end.port, flush=True)
+    time.sleep(120)
+else:
+    port = end.forward((sys.argv[4], int(sys.argv[5])), links.STORE)
+    conn = socket.create_connection(("127.0.0.1", port), timeout=60)
+    conn.sendall(b"ping")
+    assert conn.recv(4) == b"ping"
+    print("linked", flush=True)
+    cut = float(sys.stdin.readline())  # the test cut the link at this time
+    try:
+        gone = conn.recv(1)
+    except OSError:
+        gone = b""
+    print(gone == b"", round(time.time() - cut, 1), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_link_to_a_host_that_vanishes_without_closing_it_ends_within_seconds():
+    # Not a killed peer (its kernel resets the connection): a cut cable, where nothing
+    # answers. The link must end on its own for gloo to see its peer gone.
+    with contextlib.ExitStack() as stack:
+        try:
+            a, b = stack.enter_context(two_hosts())
+        except NamespacesUnavailable as why:
+            pytest.skip(f"needs network namespaces to cut a link: {why}")
+        serve = start(stack, b.command(sys.executable, "-c", LINK_END, "serve", b.address, SECRET))
+        port = serve.stdout.readline().strip()
+        dial = start(
+            stack,
+            a.command(sys.executable, "-c", LINK_END, "dial", a.address, SECRET, b.address, port),
+        )
+        assert dial.stdout.readline().strip() == "linked"
+        subprocess.run(["ip", "-n", b.name, "link", "set", link_of(b), "down"], check=True)
+        dial.stdin.write(f"{time.time()}\n")
+        dial.stdin.flush()
+        ended, seconds = dial.stdout.readline().split()
+        assert ended == "True"
+        assert float(seconds) < 15  # probes every second, three answered by nothing
+
+
+def start(stack: contextlib.ExitStack, command: list[str]) -> subprocess.Popen:
+    """``command`` started, its pipes text; killed as ``stack`` closes (before the
+    namespaces it runs in are deleted)."""
+    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    stack.callback(process.wait)
+    stack.callback(process.kill)
+    return process
+
+
+def link_of(host) -> str:
+    """The veth end inside ``host``'s namespace (``two_hosts`` names them ``<tag>v[ab]``)."""
+    shown = subprocess.run(
+        ["ip", "-n", host.name, "-o", "link", "show"], capture_output=True, text=True, check=True
+    ).stdout
+    return next(
+        line.split(":")[1].strip().split("@")[0] for line in shown.splitlines() if "lo:" not in line
+    )

@@ -68,6 +68,12 @@ STORE, GLOO, PROBE = b"S", b"G", b"P"
 _OPEN, _ANSWER = b"O", b"A"
 _ID = 16
 HANDSHAKE_TIMEOUT_S = 10.0
+#: A link to a host that vanished without closing it (power lost, network cut) must not
+#: wait for gloo's timeout, which the script sees as its own error: keepalive probes
+#: (idle, interval, count) and a bound on unacknowledged data end it in about 25 s, and
+#: gloo then sees its peer gone, which a job with failover recovers from.
+KEEPALIVE_S = (10, 5, 3)
+UNACKED_LIMIT_S = 30
 _CHUNK = 1 << 20
 
 
@@ -285,6 +291,7 @@ class Tunnel:
     def _admit(self, raw: socket.socket) -> None:
         """A member's connection: the handshake, then the half it asks for."""
         try:
+            _keep_alive(raw)
             raw.settimeout(HANDSHAKE_TIMEOUT_S)
             tls = self._track(self._server_tls.wrap_socket(raw, server_side=True))
         except (OSError, PeerLinkError):
@@ -352,6 +359,7 @@ class Tunnel:
     ) -> ssl.SSLSocket:
         try:
             raw = socket.create_connection(remote, timeout=HANDSHAKE_TIMEOUT_S)
+            _keep_alive(raw)
             tls = self._track(self._client_tls.wrap_socket(raw))
         except ssl.SSLError as exc:
             raise PeerLinkError(
@@ -369,6 +377,21 @@ class Tunnel:
         if tls.getpeercert(binary_form=True) != self._cert:
             _close(tls)
             raise PeerLinkError("a peer presented another group's certificate")
+
+
+def _keep_alive(sock: socket.socket) -> None:
+    """Probe a link between hosts when idle, and end it when probes or data go
+    unanswered (``KEEPALIVE_S``, ``UNACKED_LIMIT_S``)."""
+    idle, interval, count = KEEPALIVE_S
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (
+        ("TCP_KEEPIDLE", idle),
+        ("TCP_KEEPINTVL", interval),
+        ("TCP_KEEPCNT", count),
+        ("TCP_USER_TIMEOUT", UNACKED_LIMIT_S * 1000),
+    ):
+        if hasattr(socket, name):  # Linux has them all; others keep what they have
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 def _order(address: tuple[str, int]) -> tuple[bytes, int]:
