@@ -44,29 +44,23 @@ def tunnel(secret: str = SECRET) -> Iterator[Tunnel]:
 
 
 @contextmanager
-def echo_server() -> Iterator[tuple[tuple[str, int], list[bytes]]]:
-    """A local service that echoes each connection's bytes; yields its address and what
-    each connection brought it."""
+def serving(handle) -> Iterator[tuple[str, int]]:
+    """A loopback listener whose connections ``handle(conn)`` takes, one at a time, on a
+    thread of its own; yields its address and closes it on exit."""
     listener = socket.create_server((LOOPBACK, 0))
-    received: list[bytes] = []
 
     def serve() -> None:
         while True:
             try:
                 conn, _ = listener.accept()
             except OSError:
-                return
-            with conn:
-                data = b""
-                while chunk := conn.recv(65536):
-                    data += chunk
-                    conn.sendall(chunk)
-                received.append(data)
+                return  # closed
+            handle(conn)
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
-        yield listener.getsockname(), received
+        yield listener.getsockname()
     finally:
         listener.shutdown(socket.SHUT_RDWR)
         listener.close()
@@ -74,10 +68,27 @@ def echo_server() -> Iterator[tuple[tuple[str, int], list[bytes]]]:
 
 
 @contextmanager
+def echo_server() -> Iterator[tuple[tuple[str, int], list[bytes]]]:
+    """A local service that echoes each connection's bytes; yields its address and what
+    each connection brought it."""
+    received: list[bytes] = []
+
+    def echo(conn: socket.socket) -> None:
+        with conn:
+            data = b""
+            while chunk := conn.recv(65536):
+                data += chunk
+                conn.sendall(chunk)
+            received.append(data)
+
+    with serving(echo) as address:
+        yield address, received
+
+
+@contextmanager
 def recording_relay(target: tuple[str, int]) -> Iterator[tuple[int, list[bytes]]]:
     """A plain TCP relay to ``target`` that keeps every byte it carries: what an
     eavesdropper on the hosts' link would see."""
-    listener = socket.create_server((LOOPBACK, 0))
     seen: list[bytes] = []
 
     def copy(source: socket.socket, sink: socket.socket) -> None:
@@ -94,22 +105,13 @@ def recording_relay(target: tuple[str, int]) -> Iterator[tuple[int, list[bytes]]
                 except OSError:
                     pass
 
-    def serve() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(target)
-            threading.Thread(target=copy, args=(conn, upstream), daemon=True).start()
-            threading.Thread(target=copy, args=(upstream, conn), daemon=True).start()
+    def relay(conn: socket.socket) -> None:
+        upstream = socket.create_connection(target)
+        threading.Thread(target=copy, args=(conn, upstream), daemon=True).start()
+        threading.Thread(target=copy, args=(upstream, conn), daemon=True).start()
 
-    threading.Thread(target=serve, daemon=True).start()
-    try:
-        yield listener.getsockname()[1], seen
-    finally:
-        listener.shutdown(socket.SHUT_RDWR)
-        listener.close()
+    with serving(relay) as address:
+        yield address[1], seen
 
 
 def round_trip(port: int, data: bytes) -> bytes:
