@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import struct
 import subprocess
@@ -21,6 +22,7 @@ from cumulus_p2p.host.peerlinks import (
     GLOO,
     GLOO_HOST,
     LOOPBACK,
+    MAX_HANDSHAKES,
     STORE,
     GroupKey,
     LinkedStore,
@@ -183,6 +185,20 @@ def test_a_member_asking_for_what_the_tunnel_does_not_expose_is_closed():
         forward = here.forward((LOOPBACK, there.port), GLOO)
         assert round_trip(forward, PLAIN) == b""
     assert received == []
+
+
+def test_a_flood_of_idle_connections_costs_a_bounded_number_of_threads_and_then_nothing():
+    with tunnel() as member, tunnel() as other:
+        flood = 3 * MAX_HANDSHAKES
+        idle = [socket.create_connection((LOOPBACK, member.port)) for _ in range(flood)]
+        deadline, closed = time.monotonic() + 10, []
+        while len(closed) < flood - MAX_HANDSHAKES and time.monotonic() < deadline:
+            closed, _, _ = select.select(idle, [], [], 0.2)  # a closed one reads its end
+        assert len(closed) == flood - MAX_HANDSHAKES  # the rest wait in their handshakes
+        assert sum(thread.is_alive() for thread in member._threads) <= MAX_HANDSHAKES + 1
+        for conn in idle:
+            conn.close()
+        other.probe((LOOPBACK, member.port))  # a member gets in once the flood ends
 
 
 def test_a_tunnel_is_refused_an_address_other_than_ipv4():

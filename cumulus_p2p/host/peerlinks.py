@@ -38,6 +38,7 @@ go through the consumer.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import secrets
@@ -74,6 +75,10 @@ HANDSHAKE_TIMEOUT_S = 10.0
 #: gloo then sees its peer gone, which a job with failover recovers from.
 KEEPALIVE_S = (10, 5, 3)
 UNACKED_LIMIT_S = 30
+#: Connections in their handshake at once: anyone can open one to the tunnel's port, and
+#: a thread waits on each; past this many, a new one is closed at once, so a flood of idle
+#: connections costs the executor (and its other tenants) threads no more.
+MAX_HANDSHAKES = 32
 _CHUNK = 1 << 20
 
 
@@ -215,7 +220,8 @@ class Tunnel:
         self._threads: list[threading.Thread] = []
         self._lock = threading.RLock()
         self._closed = False
-        self._spawn(self._accept, self._listener, self._admit)
+        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        self._spawn(self._accept, self._listener, self._admit, self._handshakes)
 
     def expose(self, kind: bytes, local: tuple[str, int]) -> None:
         """Admit members' ``kind`` connections to ``local``, a loopback address here."""
@@ -277,12 +283,17 @@ class Tunnel:
             self._sockets.add(sock)
         return sock
 
-    def _accept(self, listener: socket.socket, handle) -> None:
+    def _accept(self, listener: socket.socket, handle, slots=None) -> None:
+        """Hand each connection to ``handle`` on a thread of its own, while ``slots``
+        (a semaphore ``handle`` releases) has one for it; close it at once otherwise."""
         while True:
             try:
                 conn, _ = listener.accept()
             except OSError:
                 return  # closed
+            if slots is not None and not slots.acquire(blocking=False):
+                _close(conn)  # a flood: see MAX_HANDSHAKES
+                continue
             try:
                 self._spawn(handle, self._track(conn))
             except (OSError, PeerLinkError):
@@ -291,21 +302,11 @@ class Tunnel:
     def _admit(self, raw: socket.socket) -> None:
         """A member's connection: the handshake, then the half it asks for."""
         try:
-            _keep_alive(raw)
-            raw.settimeout(HANDSHAKE_TIMEOUT_S)
-            tls = self._track(self._server_tls.wrap_socket(raw, server_side=True))
+            verb, kind, ident, tls = self._shake(raw)
         except (OSError, PeerLinkError):
-            _close(raw)  # not TLS, or not the group's: nothing of it reached a target
-            return
-        try:
-            self._check_peer(tls)
-            verb, kind = _read_exact(tls, 1), _read_exact(tls, 1)
-            if verb == _ANSWER:
-                ident = _read_exact(tls, _ID)
-            tls.settimeout(None)
-        except (OSError, PeerLinkError):
-            _close(tls)  # not the group's, or gone: nothing of it reached a target
-            return
+            return  # not TLS, or not the group's, or gone: nothing of it reached a target
+        finally:
+            self._handshakes.release()
         if verb == _OPEN:
             self._open_here(tls, kind)
         elif verb == _ANSWER:
@@ -313,9 +314,29 @@ class Tunnel:
         else:
             _close(tls)
 
+    def _shake(self, raw: socket.socket) -> tuple[bytes, bytes, bytes, ssl.SSLSocket]:
+        """The handshake, then what the member asks for; closes ``raw`` on failure."""
+        try:
+            _keep_alive(raw)
+            raw.settimeout(HANDSHAKE_TIMEOUT_S)
+            tls = self._track(self._server_tls.wrap_socket(raw, server_side=True))
+        except (OSError, PeerLinkError):
+            _close(raw)
+            raise
+        try:
+            self._check_peer(tls)
+            verb, kind = _read_exact(tls, 1), _read_exact(tls, 1)
+            ident = _read_exact(tls, _ID) if verb == _ANSWER else b""
+            tls.settimeout(None)
+        except (OSError, PeerLinkError):
+            _close(tls)
+            raise
+        return verb, kind, ident, tls
+
     def _open_here(self, upstream: ssl.SSLSocket, kind: bytes) -> None:
         if kind == PROBE:
-            upstream.sendall(b"+")
+            with contextlib.suppress(OSError):  # the prober gone: nothing to tell
+                upstream.sendall(b"+")
             _close(upstream)
             return
         target = self._targets.get(kind)
