@@ -155,6 +155,12 @@ def test_a_usage_report_says_the_collectives_go_through_the_consumer_only_when_t
     assert control.Usage.from_wire(through.to_wire()) == through
 
 
+def test_a_usage_report_says_how_the_hosts_link_once_the_group_has_formed():
+    linked = control.Usage({"L1": 10}, ops=3, peer_links="plain")
+    assert "links" not in control.Usage({"L1": 10}, ops=3).to_wire()
+    assert control.Usage.from_wire(linked.to_wire()) == linked
+
+
 @pytest.mark.parametrize(
     "request_",
     [
@@ -173,6 +179,7 @@ def test_a_usage_report_says_the_collectives_go_through_the_consumer_only_when_t
         ["usage", "t" * 32, {"bytes": {}, "ops": 0, "peer": {"L1": -8}}],
         ["usage", "t" * 32, {"bytes": {}, "ops": 0, "peer": [["L1", 8]]}],
         ["usage", "t" * 32, {"bytes": {}, "ops": 0, "through": "yes"}],
+        ["usage", "t" * 32, {"bytes": {}, "ops": 0, "links": "carrier pigeon"}],
         ["path", "t" * 32, "L1", 5],
         ["probe", "t" * 32, "fast"],
         ["usage", "x" * 32, {"bytes": {"L1": 1}, "ops": 0}],
@@ -189,6 +196,7 @@ def test_a_usage_report_says_the_collectives_go_through_the_consumer_only_when_t
         "negative-peer-bytes",
         "peer-bytes-not-a-map",
         "through-not-a-bool",
+        "unknown-links",
         "path-not-text",
         "probe-not-facts",
         "bad-token",

@@ -88,6 +88,7 @@ def test_a_torchrun_ddp_script_on_two_leased_hosts_ends_with_local_gloo_ddps_par
     state = consumer.state()
     assert state["gpus"] == 2
     assert state["collectives_through_consumer"] is False
+    assert state["peer_links"] == "tls"
     assert {lease["host"] for lease in state["leases"]} == hosts
     assert sorted(lease["rank"] for lease in state["leases"]) == [0, 1]
     # The leases table the node prints at its end says which rank each lease serves.

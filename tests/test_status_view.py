@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from rich.console import Console
 
 from cumulus_p2p.node.views import offers_table, status_table
@@ -100,6 +101,14 @@ def test_a_consumer_whose_collectives_go_through_it_says_so_and_why():
     state = {"role": "consumer", "status": "running", "collectives_through_consumer": True}
     assert "through this machine" in row(shown(state), "collectives")
     assert "collectives" not in shown({"role": "consumer", "status": "running"})
+
+
+@pytest.mark.parametrize(
+    ("links", "said"), [("tls", "TLS 1.3"), ("plain", "plain TCP: not encrypted")]
+)
+def test_a_consumer_says_how_its_jobs_hosts_link(links, said):
+    state = {"role": "consumer", "status": "running", "peer_links": links}
+    assert said in row(shown(state), "collectives")
 
 
 def test_an_unhealthy_device_says_why_on_its_own_row():

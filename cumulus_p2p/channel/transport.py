@@ -347,11 +347,13 @@ class CountingFrameChannel:
         peer_address: str | None = None,
         on_peer_bytes=None,
         on_through_consumer=None,
+        on_peer_links=None,
     ) -> None:
         self._inner = inner
         self._on_bytes = on_bytes
         self._on_peer_bytes = on_peer_bytes
         self._on_through_consumer = on_through_consumer
+        self._on_peer_links = on_peer_links
         self.max_frame = inner.max_frame
         #: Where another host reaches this channel's host (``blobservice.Source``).
         self.peer_address = peer_address
@@ -374,6 +376,11 @@ class CountingFrameChannel:
         """The session's job runs its collectives through the consumer, not its hosts."""
         if self._on_through_consumer is not None:
             self._on_through_consumer()
+
+    def peer_links(self, links: str) -> None:
+        """The session's job links its hosts as ``links`` says ("tls" or "plain")."""
+        if self._on_peer_links is not None:
+            self._on_peer_links(links)
 
     def close(self) -> None:
         self._inner.close()

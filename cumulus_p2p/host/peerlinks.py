@@ -384,8 +384,8 @@ class Tunnel:
             tls = self._track(self._client_tls.wrap_socket(raw))
         except ssl.SSLError as exc:
             raise PeerLinkError(
-                f"the host at {remote[0]}:{remote[1]} is not in this job's group "
-                f"(its TLS handshake failed: {exc.reason})"
+                f"the host at {remote[0]}:{remote[1]} is not in this job's group, or "
+                f"turned the link away (its TLS handshake failed: {exc.reason})"
             ) from None
         except OSError as exc:
             raise PeerLinkError(f"cannot reach the group's host at {remote}: {exc}") from None

@@ -261,6 +261,8 @@ class Consumer:
     transfer: control.Transfer | None = None
     #: The job's collectives go through this machine, not between its hosts.
     collectives_through_consumer: bool = False
+    #: How the job's hosts link to each other ("tls" or "plain"; "" before its group).
+    peer_links: str = ""
     #: Set when the script's shim next reports its byte counts.
     counts_reported: trio.Event = field(default_factory=trio.Event)
     #: The shim gave its session's final counts: no newer ones will come.
@@ -697,6 +699,7 @@ class Consumer:
             self.desk.count_peer_bytes(lease_id, total)
         self.ops = max(self.ops, usage.ops)
         self.collectives_through_consumer |= usage.through_consumer
+        self.peer_links = usage.peer_links or self.peer_links
         self.transfer = usage.transfer
         self.counts_final = self.counts_final or usage.final
         self.counts_reported.set()
@@ -1035,6 +1038,7 @@ class Consumer:
             "liveness": dataclasses.asdict(self.liveness.statistics(now=self.runtime.clock())),
             "ops": self.ops,
             "collectives_through_consumer": self.collectives_through_consumer,
+            "peer_links": self.peer_links,
             "transfer": None if self.transfer is None else self.transfer.to_wire(),
             "cost": self.cost(),
         }

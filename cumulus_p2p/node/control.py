@@ -182,6 +182,9 @@ class Usage:
     #: Whether the job's collectives go through the consumer's machine, not between its
     #: hosts (a host takes no links from other hosts): on the wire only when they do.
     through_consumer: bool = False
+    #: How the job's hosts link to each other, once its group has formed: "tls" or
+    #: "plain" (on the wire only then).
+    peer_links: str = ""
     #: The session's last counts: the shim sent them as its script ended. Said by the
     #: message that carries them, not on the wire.
     final: bool = False
@@ -194,6 +197,8 @@ class Usage:
             wire["peer"] = self.peer_bytes_by_lease
         if self.through_consumer:
             wire["through"] = True
+        if self.peer_links:
+            wire["links"] = self.peer_links
         return wire
 
     @classmethod
@@ -203,7 +208,8 @@ class Usage:
         if not (isinstance(value, dict) and fields <= set(value) <= fields | _OPTIONAL):
             raise RemoteProtocolError(
                 'a usage report is {"bytes": {lease: n}, "ops": n'
-                '[, "transfer": {...}][, "peer": {lease: n}][, "through": true]}'
+                '[, "transfer": {...}][, "peer": {lease: n}][, "through": true]'
+                '[, "links": "tls" or "plain"]}'
             )
         counts, ops, peer = value["bytes"], value["ops"], value.get("peer", {})
         if not (_counts_by_lease(counts) and _counts_by_lease(peer)):
@@ -212,13 +218,17 @@ class Usage:
             raise RemoteProtocolError("a usage report's op count is a non-negative integer")
         if value.get("through", False) not in (True, False):
             raise RemoteProtocolError("a usage report's 'through' is true or false")
+        links = value.get("links", "")
+        if links not in ("", "tls", "plain"):
+            raise RemoteProtocolError("a usage report's 'links' is 'tls' or 'plain'")
         transfer = value.get("transfer")
         moving = None if transfer is None else Transfer.from_wire(transfer)
-        return cls(counts, ops, moving, peer, through_consumer=value.get("through", False))
+        through = value.get("through", False)
+        return cls(counts, ops, moving, peer, through_consumer=through, peer_links=links)
 
 
 #: What a usage report may carry besides its byte and op counts.
-_OPTIONAL = {"transfer", "peer", "through"}
+_OPTIONAL = {"transfer", "peer", "through", "links"}
 
 
 def _counts_by_lease(value: object) -> bool:

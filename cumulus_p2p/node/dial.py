@@ -170,6 +170,8 @@ class LeaseUsage:
         self._peer_bytes: dict[str, int] = {}
         #: Whether the script's collectives go through this machine (for status).
         self.through_consumer = False
+        #: How the script's job links its hosts, once its group has formed (for status).
+        self.peer_links = ""
         self.session: Counted | None = None
 
     def count(
@@ -190,12 +192,16 @@ class LeaseUsage:
         def through() -> None:
             self.through_consumer = True
 
+        def links(how: str) -> None:
+            self.peer_links = how
+
         return CountingFrameChannel(
             opened.channel,
             add,
             peer_address=peer_address,
             on_peer_bytes=add_peer,
             on_through_consumer=through,
+            on_peer_links=links,
         )
 
     def snapshot(self) -> Usage:
@@ -204,15 +210,27 @@ class LeaseUsage:
         # Copied in one step first (``list`` holds the GIL throughout): the script's
         # thread adds a lease at each failover, which would break a loop over the dict.
         peer = {lease: n for lease, n in list(self._peer_bytes.items()) if n}
-        through = self.through_consumer
+        through, links = self.through_consumer, self.peer_links
         if session is None:
-            return Usage(dict(self._bytes), peer_bytes_by_lease=peer, through_consumer=through)
+            return Usage(
+                dict(self._bytes),
+                peer_bytes_by_lease=peer,
+                through_consumer=through,
+                peer_links=links,
+            )
         moving = session.transfer
         transfer = None
         if moving is not None:
             seconds = max(0.0, time.monotonic() - moving.started)
             transfer = Transfer(moving.what, moving.done, moving.total, seconds)
-        return Usage(dict(self._bytes), session.ops_sent, transfer, peer, through_consumer=through)
+        return Usage(
+            dict(self._bytes),
+            session.ops_sent,
+            transfer,
+            peer,
+            through_consumer=through,
+            peer_links=links,
+        )
 
 
 #: This process's counts (one process, one script, one node).

@@ -16,6 +16,12 @@ from rich.table import Table
 
 from ..market.ledger import Dispute, LedgerEntry
 
+#: How a job's hosts link to each other, as its status says it.
+_LINKS = {
+    "tls": "between its hosts, over TLS 1.3 keyed by the job's secret",
+    "plain": "between its hosts, [yellow]over plain TCP: not encrypted[/yellow]",
+}
+
 
 def credits(micro: int) -> str:
     """Micro-credits as credits, e.g. ``0.001250``."""
@@ -81,6 +87,9 @@ def status_table(state: dict) -> Group:
         if state.get("collectives_through_consumer"):
             why = "a host takes no connections from other hosts"
             summary.add_row("collectives", f"[yellow]through this machine[/yellow] ({why})")
+        elif state.get("peer_links"):
+            links = state["peer_links"]
+            summary.add_row("collectives", _LINKS.get(links, links))
         summary.add_row("ops sent", f"{state.get('ops', 0):,}")
         if state.get("transfer"):
             summary.add_row("transfer", _transfer(state["transfer"]))

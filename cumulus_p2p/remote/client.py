@@ -587,6 +587,13 @@ class RemoteSession:
         if count is not None and n:
             count(n)
 
+    def peer_links(self, links: str) -> None:
+        """Say (to a consumer node, through the channel) how the job's hosts link to
+        each other: "tls" or "plain" (``regroup.peer_links``)."""
+        say = getattr(self._channel, "peer_links", None)
+        if say is not None:
+            say(links)
+
     def collectives_through_consumer(self) -> None:
         """Say (to a consumer node, through the channel) that the job's collectives run
         through this machine rather than between its hosts."""

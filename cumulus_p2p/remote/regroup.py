@@ -141,6 +141,7 @@ class Regroup:
         join = [self.name, store_host, int(store_port), prefix, self.rank, self.size, host]
         join += [self.timeout.total_seconds(), links]
         ask([["@pg_join", join, {}, None]], ["sync"])
+        self.session.peer_links(links)
 
     def _all_present(self, generation: int) -> None:
         """Wait until every rank has come to this generation's meeting (its host's join
