@@ -173,6 +173,8 @@ class CollectiveGroups:
         try:
             listener = socket.create_server((LOOPBACK if tunnel else host, 0), family=family)
         except OSError as exc:
+            if tunnel:
+                tunnel.close()
             raise OpFailed(ErrorKind.VALUE, f"cannot serve a store on {host}: {exc}") from None
         address = listener.getsockname()[:2]
         store = dist.TCPStore(
