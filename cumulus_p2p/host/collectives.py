@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..wire import collective_sizes
+from ..wire.links import PEER_LINKS, PLAIN, TLS
 from .handles import ErrorKind, OpFailed
 from .peerlinks import GLOO_HOST, LOOPBACK, STORE, LinkedStore, PeerLinkError, Tunnel
 
@@ -56,8 +57,6 @@ REDUCE_OPS = {
 #: Ranks in one group at most: a job of more GPUs than the market sells is malformed.
 MAX_WORLD = 64
 MAX_TIMEOUT_S = 3600.0
-#: How a group's hosts link: through TLS tunnels (``peerlinks.py``), or gloo's own TCP.
-TLS, PLAIN = "tls", "plain"
 
 
 #: Records that wait for the job's other ranks (a store is served at once).
@@ -380,7 +379,7 @@ def _check_secret(secret: str) -> None:
 
 
 def _check_links(links: str) -> None:
-    if links not in (TLS, PLAIN):
+    if links not in PEER_LINKS:
         message = f"a group's links are {TLS!r} or {PLAIN!r}, not {links!r}"
         raise OpFailed(ErrorKind.VALUE, message)
 

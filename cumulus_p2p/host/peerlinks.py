@@ -147,7 +147,7 @@ class GroupKey:
 
 # --- gloo's address blobs (sans-IO) --------------------------------------------------
 
-_INET = struct.pack("<H", socket.AF_INET)  # sockaddr_in.sin_family, in the host's order
+_INET = struct.pack("=H", socket.AF_INET)  # sockaddr_in.sin_family, in the host's order
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ import trio
 
 from .._errors import CumulusError, RemoteProtocolError
 from ..channel.transport import SocketFrameChannel, TrioFrameChannel
+from ..wire.links import PEER_LINKS
 
 ENV_ADDRESS = "CUMULUS_CONTROL"
 ENV_TOKEN = "CUMULUS_CONTROL_TOKEN"
@@ -219,7 +220,7 @@ class Usage:
         if value.get("through", False) not in (True, False):
             raise RemoteProtocolError("a usage report's 'through' is true or false")
         links = value.get("links", "")
-        if links not in ("", "tls", "plain"):
+        if links not in ("", *PEER_LINKS):
             raise RemoteProtocolError("a usage report's 'links' is 'tls' or 'plain'")
         transfer = value.get("transfer")
         moving = None if transfer is None else Transfer.from_wire(transfer)

@@ -15,11 +15,12 @@ from rich.filesize import decimal as _bytes
 from rich.table import Table
 
 from ..market.ledger import Dispute, LedgerEntry
+from ..wire.links import PLAIN, TLS
 
 #: How a job's hosts link to each other, as its status says it.
 _LINKS = {
-    "tls": "between its hosts, over TLS 1.3 keyed by the job's secret",
-    "plain": "between its hosts, [yellow]over plain TCP: not encrypted[/yellow]",
+    TLS: "between its hosts, over TLS 1.3 keyed by the job's secret",
+    PLAIN: "between its hosts, [yellow]over plain TCP: not encrypted[/yellow]",
 }
 
 

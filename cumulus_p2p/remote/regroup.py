@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from .._errors import FailoverError
 from ..channel.transport import FrameChannel
+from ..wire.links import PEER_LINKS, PLAIN, TLS
 from .client import RemoteSession
 
 #: The group's generation: moved on by one each time a host is lost.
@@ -68,8 +69,8 @@ def peer_links() -> str:
     """How the job's hosts link to each other: ``CUMULUS_PEER_LINKS``, "tls" (encrypted
     and authenticated by the group's secret, the default) or "plain" (gloo's own TCP, for
     hosts on one network the job's owner trusts: faster, not encrypted)."""
-    links = os.environ.get("CUMULUS_PEER_LINKS", "tls")
-    if links not in ("tls", "plain"):
+    links = os.environ.get("CUMULUS_PEER_LINKS", TLS)
+    if links not in PEER_LINKS:
         raise ValueError(
             f"CUMULUS_PEER_LINKS is 'tls' (the default) or 'plain' (hosts on one network "
             f"you trust), not {links!r}"
@@ -125,7 +126,7 @@ class Regroup:
             port = ask([["@pg_store", [host, self.size, secret, links], {}, None]], ["call"])
             self.store.set(f"cumulus/prefix/{generation}", secret)
             self.store.set(f"cumulus/links/{generation}", links)
-            if links == "plain" and generation == 0:
+            if links == PLAIN and generation == 0:
                 print(
                     "cumulus: this job's hosts link in plain TCP (CUMULUS_PEER_LINKS=plain): "
                     "gradients cross between them unencrypted",

@@ -11,4 +11,5 @@ cannot share a process, yet both speak to the same executor.
 - ``ops``: which aten ops an executor runs, named the same on both sides.
 - ``manifest``: a checkpoint's manifest, the executor's answer to a ``checkpoint`` query
   and what a failover's ``restore`` names.
+- ``links``: how a job's hosts link to each other (TLS or plain), as every side names it.
 """
