@@ -56,6 +56,12 @@ class SessionClosedError(CumulusError):
     """The remote session is gone (closed, dropped or never attached). Attach a new one."""
 
 
+class HostSilentError(SessionClosedError):
+    """The host sent nothing, not even a keepalive, for longer than the consumer waits
+    while an answer is due: it hangs (a stopped process, a frozen machine) though its
+    kernel still holds the connection open. The session is given up, as if the host died."""
+
+
 # --- market and signed messages --------------------------------------------------------
 
 

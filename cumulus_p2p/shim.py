@@ -135,18 +135,23 @@ def _first_answering(addresses: list[str]):
     """A ``reconnect`` for plain-TCP executors: a channel to the first that answers.
 
     Raises:
-        ValueError: an address is not ``host:port`` (now, not at the first failover).
+        ValueError: an address is not ``host:port``, or ``CUMULUS_SILENCE_S`` is not
+            seconds (now, not at the first failover).
     """
-    from .channel.transport import SocketFrameChannel
+    from .channel.transport import SocketFrameChannel, fell_silent_within, silence_limit
     from .remote import host_port
 
     dialled = [host_port(address) for address in addresses]
+    silence_s = silence_limit()
 
     def reconnect():
         failures = []
-        for address, (host, port) in zip(addresses, dialled, strict=True):
+        # A host that hangs still accepts connections: the others first.
+        places = list(zip(addresses, dialled, strict=True))
+        places.sort(key=lambda place: fell_silent_within(*place[1], 10 * silence_s))
+        for address, (host, port) in places:
             try:
-                return SocketFrameChannel.connect(host, port)
+                return SocketFrameChannel.connect(host, port, silence_s=silence_s)
             except OSError as exc:
                 failures.append(f"{address}: {exc}")
         raise OSError(f"no executor answers: {'; '.join(failures)}")

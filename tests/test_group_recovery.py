@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import signal
 import threading
 import time
 from pathlib import Path
@@ -30,16 +31,27 @@ SCRIPTS = Path(__file__).parent / "scripts"
 STEPS, HIDDEN = "120", "256"
 #: Bytes on rank 0's link once the model is up and the steps have begun.
 STEPPING = 600_000
+#: How long a host that hangs stays silent before the job gives it up, in these specs.
+SILENCE_S = "5"
 
 
 def run_killing_a_host(
-    script: Path, args: list[str], out: Path, *, spare: bool = True, extra: list[str] = ()
+    script: Path,
+    args: list[str],
+    out: Path,
+    *,
+    spare: bool = True,
+    extra: list[str] = (),
+    how: signal.Signals = signal.SIGKILL,
 ):
     """Run ``script OUT *args`` on two ranks, rank 0 on one executor and rank 1 on
     another with a spare behind it (or a closed port, ``spare=False``); SIGKILL rank 1's
-    executor once the steps have begun. ``extra``: the executors' own flags. Returns
-    torchrun's completed process."""
-    started = functools.partial(executor_process, extra=list(extra))
+    executor once the steps have begun (or send it ``how``: SIGSTOP hangs it, its
+    kernel still answering). ``extra``: the executors' own flags. Returns torchrun's
+    completed process."""
+    # A hung host is told from a slow one by its silence: short here, to end quickly.
+    silence = {"CUMULUS_SILENCE_S": SILENCE_S} if how is signal.SIGSTOP else {}
+    started = functools.partial(executor_process, extra=list(extra), env=silence)
     with (
         started() as (first, _),
         started() as (second, doomed),
@@ -49,6 +61,7 @@ def run_killing_a_host(
         env = {
             "CUMULUS_EXECUTOR": f"{metered.address},{second}|{behind}",
             "CUMULUS_CHECKPOINT_INTERVAL": "0.5",
+            **silence,
         }
         shim = ["-m", "cumulus_p2p.shim", str(script), str(out), *args]
         done: dict = {}
@@ -59,8 +72,10 @@ def run_killing_a_host(
             time.sleep(0.05)
         assert job.is_alive(), "the job ended before a host could be killed"
         time.sleep(0.5)
-        doomed.kill()
+        doomed.send_signal(how)
         job.join()
+        doomed.kill()  # a stopped one would sit out the SIGTERM its context ends with
+        doomed.wait()
     return done["run"]
 
 
@@ -79,6 +94,26 @@ def test_a_ddp_job_whose_host_is_killed_ends_as_an_undisturbed_run(tmp_path):
     # DDP broadcast the model): the one whose host died, and the one whose host lived.
     moved = "its state came from this machine's checkpoint"
     assert run.stderr.count(moved) == 2, run.stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_a_ddp_job_whose_host_hangs_ends_as_an_undisturbed_run(tmp_path):
+    # A stopped process: its kernel still acknowledges every byte, so no link breaks.
+    saved, local = nodes.local_ddp_run(SCRIPTS / "ddp_train.py", STEPS, HIDDEN, scratch=tmp_path)
+    run = run_killing_a_host(
+        SCRIPTS / "ddp_train.py", [STEPS, HIDDEN], tmp_path / "remote.pt", how=signal.SIGSTOP
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    by_rank = {r["rank"]: r["losses"] for r in local}
+    for ran in nodes.json_lines(run.stdout):
+        assert ran["losses"] == by_rank[ran["rank"]]
+    remote = torch.load(tmp_path / "remote.pt")
+    for name, value in torch.load(saved).items():
+        assert torch.equal(remote[name], value), name
+    assert run.stderr.count("its state came from this machine's checkpoint") == 2, run.stderr
+    # The hung host's rank heard nothing from it; the other rank's host, no pulse.
+    assert "not even a keepalive: it hangs" in run.stderr, run.stderr[-4000:]
+    assert "a peer sent no pulse for 5 s: it hangs" in run.stderr, run.stderr[-4000:]
 
 
 def ends_as_local_despite_a_killed_host(script: str, args: list[str], tmp_path: Path) -> str:

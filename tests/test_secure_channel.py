@@ -92,12 +92,30 @@ async def test_authorized_consumer_exchanges_frames():
         def consumer():
             with connect(server) as ch:
                 assert ch.peer_public_key == PROVIDER.public_key
-                for parts in ([b"hello"], [b"", b""], [b"a" * 10, os.urandom(2_000_000)]):
+                for parts in ([b"hello"], [b"", b"!"], [b"a" * 10, os.urandom(2_000_000)]):
                     ch.send_frame(parts)
                     assert ch.recv_frame() == b"".join(parts)
 
         await in_thread(consumer)
     assert len(handler.frames) == 3
+
+
+async def test_an_empty_frame_is_a_keepalive_the_consumer_never_sees():
+    async def keeps_alive_then_answers(channel) -> None:
+        await channel.receive_frame()
+        await channel.send_frame([])
+        await channel.send_frame([b"", b""])
+        await channel.send_frame([b"answer"])
+        await channel.receive_frame()
+
+    async with provider(keeps_alive_then_answers) as server:
+
+        def consumer():
+            with connect(server) as ch:
+                ch.send_frame([b"request"])
+                return bytes(ch.recv_frame())
+
+        assert await in_thread(consumer) == b"answer"
 
 
 async def test_consumer_with_wrong_identity_is_rejected():
@@ -171,7 +189,7 @@ async def test_consumer_without_lease_is_refused_with_the_reason():
 
 async def test_forced_disconnect_mid_stream_resumes_with_every_frame_once_in_order():
     handler = Recorder()
-    sent = [os.urandom(n) for n in (10, 300_000, 5, 1_500_000, 0, 70_000) * 5]
+    sent = [os.urandom(n) for n in (10, 300_000, 5, 1_500_000, 1, 70_000) * 5]
 
     async with provider(handler, grace_period=10) as server:
 
@@ -408,7 +426,7 @@ async def test_handler_timing_out_on_receive_loses_no_frame():
         except SessionClosedError:
             pass
 
-    sent = [os.urandom(n) for n in (10, 90_000, 5, 40_000, 0, 200_000, 3) * 6]
+    sent = [os.urandom(n) for n in (10, 90_000, 5, 40_000, 1, 200_000, 3) * 6]
     async with provider(impatient) as server:
 
         def consumer():

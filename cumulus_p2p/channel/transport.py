@@ -2,7 +2,9 @@
 
 A *frame* is one length-prefixed message: a 4-byte big-endian length, then that many
 bytes. The op-stream codec (``cumulus_p2p.wire.protocol``) decides what the bytes mean;
-a transport only moves whole frames and enforces the size limit before allocating.
+a transport only moves whole frames and enforces the size limit before allocating. An
+empty frame is a keepalive (an executor's, while it holds a request: ``KEEPALIVE_S``):
+the consumer's channels skip it, so a frame they deliver is never empty.
 
 Two sides, two styles:
 
@@ -17,17 +19,19 @@ client session and the executor never know which one they hold.
 
 from __future__ import annotations
 
+import math
+import os
 import select
 import socket
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import trio
 
-from .._errors import FrameTooLargeError, SessionClosedError
+from .._errors import FrameTooLargeError, HostSilentError, SessionClosedError
 
 Buffer = bytes | bytearray | memoryview
 
@@ -36,6 +40,52 @@ _LENGTH = struct.Struct(">I")
 DEFAULT_MAX_FRAME = 256 * 1024 * 1024
 #: How long a blocking reader polls before it sleeps in the kernel (see ``ReadySpinner``).
 DEFAULT_SPIN_S = 100e-6
+#: An executor holding a request this long without answering sends an empty frame, a
+#: keepalive (``host/keepalive.py``); a consumer's channel skips them. A live host is
+#: thus never silent for long while an answer is due, however long its op runs.
+KEEPALIVE_S = 2.0
+#: How long a consumer waiting for an answer hears nothing before it takes the host as
+#: hung (``HostSilentError``): a stopped process or a frozen machine, whose kernel still
+#: acknowledges every byte, so that no connection breaks. ``CUMULUS_SILENCE_S`` sets it.
+SILENCE_S = 30.0
+
+
+def silence_limit(environ: Mapping[str, str] = os.environ) -> float:
+    """``SILENCE_S``, or ``CUMULUS_SILENCE_S`` when set (seconds, above the keepalive's
+    period); raises ``ValueError`` saying what it takes."""
+    raw = environ.get("CUMULUS_SILENCE_S")
+    if raw is None:
+        return SILENCE_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 2 * KEEPALIVE_S <= value < math.inf:
+        raise ValueError(
+            f"CUMULUS_SILENCE_S={raw!r}: give the seconds a host may stay silent while an "
+            f"answer is due, at least {2 * KEEPALIVE_S:g} (twice its keepalive period)"
+        )
+    return value
+
+
+#: When each executor this process dialled last fell silent (``time.monotonic``), by the
+#: ``(host, port)`` it was dialled at: failover tries a hung host last, for its kernel
+#: still accepts connections and would hold each attempt for the whole ``silence_s``.
+_fell_silent: dict[tuple[str, int], float] = {}
+
+
+def fell_silent_within(host: str, port: int, seconds: float) -> bool:
+    """Whether the executor dialled at ``host:port`` fell silent in the last ``seconds``."""
+    at = _fell_silent.get((host, port))
+    return at is not None and time.monotonic() - at < seconds
+
+
+def silent_host(silence_s: float) -> HostSilentError:
+    """The error of a host that sent nothing for ``silence_s`` while an answer was due."""
+    return HostSilentError(
+        f"the host sent nothing for {silence_s:g} s while an answer was due, not even a "
+        "keepalive: it hangs (a stopped process or a frozen machine); giving it up as lost"
+    )
 
 
 class FrameChannel(Protocol):
@@ -134,6 +184,10 @@ class ReadySpinner:
         self._poller.register(sock, select.POLLIN)
         self.spin_s = spin_s
 
+    def wait(self, timeout_s: float) -> bool:
+        """Whether the socket turned readable within ``timeout_s``."""
+        return bool(self._poller.poll(timeout_s * 1000))
+
     def spin(self) -> None:
         """Return once the socket is readable or ``spin_s`` has passed."""
         if self.spin_s <= 0:
@@ -145,7 +199,9 @@ class ReadySpinner:
 
 
 class SocketFrameChannel:
-    """A ``FrameChannel`` over a connected blocking TCP socket."""
+    """A ``FrameChannel`` over a connected blocking TCP socket. Empty frames
+    (keepalives) are skipped; with ``silence_s``, a read that hears nothing, not even a
+    keepalive, for that long raises ``HostSilentError``."""
 
     def __init__(
         self,
@@ -153,21 +209,33 @@ class SocketFrameChannel:
         *,
         max_frame: int = DEFAULT_MAX_FRAME,
         spin_s: float = DEFAULT_SPIN_S,
+        silence_s: float | None = None,
     ) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
         self._pending = bytearray()
         self._spinner = ReadySpinner(sock, spin_s)
         self.max_frame = max_frame
+        self.silence_s = silence_s
+        #: ``(host, port)`` as ``connect`` dialled it; None for a socket given.
+        self.dialled: tuple[str, int] | None = None
 
     @classmethod
     def connect(
-        cls, host: str, port: int, *, timeout: float = 10.0, max_frame: int = DEFAULT_MAX_FRAME
+        cls,
+        host: str,
+        port: int,
+        *,
+        timeout: float = 10.0,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        silence_s: float | None = None,
     ) -> SocketFrameChannel:
         """Open a TCP connection to an executor at ``host:port``."""
         sock = socket.create_connection((host, port), timeout=timeout)
         sock.settimeout(None)
-        return cls(sock, max_frame=max_frame)
+        channel = cls(sock, max_frame=max_frame, silence_s=silence_s)
+        channel.dialled = (host, port)
+        return channel
 
     def fileno(self) -> int:
         """The socket's descriptor (for ``select``)."""
@@ -189,6 +257,11 @@ class SocketFrameChannel:
             raise SessionClosedError(f"connection to executor lost while sending: {exc}") from exc
 
     def recv_frame(self) -> bytearray:
+        while not (frame := self._recv_one()):
+            pass  # a keepalive: the host lives, and the answer is still to come
+        return frame
+
+    def _recv_one(self) -> bytearray:
         # One recv usually brings the prefix and a small reply together.
         while len(self._pending) < _LENGTH.size:
             self._pending += self._recv_some(65536)
@@ -203,6 +276,7 @@ class SocketFrameChannel:
         view[:have] = self._pending[_LENGTH.size :]
         self._pending.clear()
         while have < length:
+            self._await_bytes()
             try:
                 k = self._sock.recv_into(view[have:])
             except OSError as exc:
@@ -214,6 +288,7 @@ class SocketFrameChannel:
 
     def _recv_some(self, n: int) -> bytes:
         self._spinner.spin()
+        self._await_bytes()
         try:
             chunk = self._sock.recv(n)
         except OSError as exc:
@@ -221,6 +296,12 @@ class SocketFrameChannel:
         if not chunk:
             raise SessionClosedError("executor closed the connection")
         return chunk
+
+    def _await_bytes(self) -> None:
+        if self.silence_s is not None and not self._spinner.wait(self.silence_s):
+            if self.dialled is not None:
+                _fell_silent[self.dialled] = time.monotonic()
+            raise silent_host(self.silence_s)
 
     def close(self) -> None:
         self._sock.close()

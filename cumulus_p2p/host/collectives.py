@@ -41,6 +41,7 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
+from ..channel.transport import silence_limit
 from ..wire import collective_sizes
 from ..wire.links import PEER_LINKS, PLAIN, TLS
 from .handles import ErrorKind, OpFailed
@@ -349,8 +350,7 @@ class CollectiveGroups:
             raise OpFailed(ErrorKind.VALUE, f"this session is in no group {name!r}")
         return group
 
-    @staticmethod
-    def _wait(name: str, work: dist.Work) -> None:
+    def _wait(self, name: str, work: dist.Work) -> None:
         try:
             work.wait()
         except RuntimeError as exc:
@@ -358,7 +358,9 @@ class CollectiveGroups:
             # (``remote/regroup.py``). A timeout is the script's to see: a rank that never
             # came would not come after going back either.
             kind = ErrorKind.RUNTIME if "Timed out" in str(exc) else ErrorKind.GROUP
-            raise OpFailed(kind, f"collective in group {name!r}: {exc}") from None
+            tunnel = self._tunnels.get(name)
+            why = f" ({tunnel.severed})" if tunnel is not None and tunnel.severed else ""
+            raise OpFailed(kind, f"collective in group {name!r}: {exc}{why}") from None
 
     def close(self) -> None:
         """Leave every group, close their links and stop serving stores."""
@@ -386,8 +388,8 @@ def _check_links(links: str) -> None:
 
 def _tunnel(secret: str, host: str) -> Tunnel:
     try:
-        return Tunnel(secret, host)
-    except PeerLinkError as exc:
+        return Tunnel(secret, host, silence_s=silence_limit())
+    except (PeerLinkError, ValueError) as exc:
         raise OpFailed(ErrorKind.VALUE, str(exc)) from None
     except OSError as exc:
         raise OpFailed(ErrorKind.VALUE, f"cannot open the group's links on {host}: {exc}") from None

@@ -50,6 +50,7 @@ from .graph_compiler import GraphRunner
 from .handles import OpFailed
 from .health import DeviceHealth
 from .hostcache import HostCache
+from .keepalive import keeping_alive
 from .options import DEFAULT_RAM_BYTES, GraphCompiler
 from .scheduler import DEFAULT_RANK, DeviceScheduler, on_demand
 from .session import Batch, DeviceContext, ExecutorSession, Reply, SessionStats, parse_batch
@@ -402,13 +403,18 @@ class Executor(PlainTcpServing):
         scope = trio.CancelScope(deadline=until)
         attached = _Attached(session, _owner(channel), scope, trio.Event())
         self._attached[token] = attached
+        said_bye = False
         with attached.scope:
             try:
-                await self._serve_batches(channel, session, rank)
+                async with keeping_alive(channel) as kept:
+                    await self._serve_batches(kept, session, rank)
+                    said_bye = True  # a resume cancelling the keepalives now is too late
                 return False
             except SessionClosedError:
                 log.info("session %s...: connection lost; parking it", token[:8])
                 return True
+        if said_bye:
+            return False
         if trio.current_time() >= until:
             log.info("session %s...: its time is up; parking it", token[:8])
         else:
@@ -729,9 +735,10 @@ class Executor(PlainTcpServing):
             )
             with scope:
                 park = True  # its time is up, or a resume took it over, unless it says bye
-                while await self._native_request(channel, replaying, rank, waits):
-                    pass
-                park = False
+                async with keeping_alive(channel) as kept:
+                    while await self._native_request(kept, replaying, rank, waits):
+                        pass
+                    park = False  # a resume cancelling the keepalives now is too late
         except SessionClosedError:
             pass  # the connection dropped: parked, for its client to resume
         except BaseException:

@@ -47,9 +47,10 @@ import ssl
 import struct
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar, cast
 
 import torch.distributed as dist
 from cryptography import x509
@@ -58,6 +59,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.x509.oid import NameOID
 
+from ..channel.transport import SILENCE_S
+
 _Socket = TypeVar("_Socket", bound=socket.socket)
 
 LOOPBACK = "127.0.0.1"
@@ -65,7 +68,7 @@ LOOPBACK = "127.0.0.1"
 #: below or above it listen (see ``LinkedStore.get``).
 GLOO_HOST, BELOW_GLOO, ABOVE_GLOO = "127.0.0.2", "127.0.0.1", "127.0.0.3"
 #: What a tunnelled connection reaches on the accepting host.
-STORE, GLOO, PROBE = b"S", b"G", b"P"
+STORE, GLOO, PROBE, PULSE = b"S", b"G", b"P", b"H"
 _OPEN, _ANSWER = b"O", b"A"
 _ID = 16
 HANDSHAKE_TIMEOUT_S = 10.0
@@ -80,6 +83,22 @@ UNACKED_LIMIT_S = 30
 #: connections costs the executor (and its other tenants) threads no more.
 MAX_HANDSHAKES = 32
 _CHUNK = 1 << 20
+#: A host whose process hangs (stopped, frozen) keeps its links open: its kernel still
+#: acknowledges, and gloo would wait out the group's timeout. So each pair of tunnels
+#: pulses a byte each way every ``PULSE_S``; a tunnel that hears no pulse from a peer for
+#: its ``silence_s`` takes that peer as hung and breaks every link of the group, which
+#: gloo then sees as a peer gone (``ErrorKind.GROUP``), the error a job recovers from.
+PULSE_S = 1.0
+
+
+class _Stream(Protocol):
+    """What the pumps use of a socket, or of a ``_TlsStream``."""
+
+    def recv_into(self, buffer: memoryview) -> int: ...
+    def recv(self, size: int) -> bytes: ...
+    def sendall(self, data: bytes | memoryview) -> None: ...
+    def shutdown(self, how: int) -> None: ...
+    def close(self) -> None: ...
 
 
 class PeerLinkError(Exception):
@@ -198,7 +217,7 @@ class Tunnel:
     store), and local forwarders into the other members' tunnels. ``close`` ends every
     thread it started and every connection."""
 
-    def __init__(self, secret: str, public_host: str) -> None:
+    def __init__(self, secret: str, public_host: str, silence_s: float = SILENCE_S) -> None:
         try:
             socket.inet_aton(public_host)
         except OSError:
@@ -221,6 +240,10 @@ class Tunnel:
         self._lock = threading.RLock()
         self._closed = False
         self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        self._silence_s = silence_s
+        self._pulsing: set[tuple[str, int]] = set()
+        #: Why the links broke, when a peer fell silent (``None`` while they hold).
+        self.severed: str | None = None
         self._spawn(self._accept, self._listener, self._admit, self._handshakes)
 
     def expose(self, kind: bytes, local: tuple[str, int]) -> None:
@@ -236,7 +259,11 @@ class Tunnel:
                 return port
             listener = self._track(socket.create_server((on, 0)))
             port = self._forwards[(*remote, kind)] = listener.getsockname()[1]
+            pulse = remote not in self._pulsing
+            self._pulsing.add(remote)
         self._spawn(self._accept, listener, lambda local: self._initiate(local, remote, kind))
+        if pulse:
+            self._spawn(self._pulse_to, remote)
         return port
 
     def probe(self, remote: tuple[str, int]) -> None:
@@ -334,6 +361,9 @@ class Tunnel:
         return verb, kind, ident, tls
 
     def _open_here(self, upstream: _TlsStream, kind: bytes) -> None:
+        if kind == PULSE:
+            self._pulse(upstream)
+            return
         if kind == PROBE:
             with contextlib.suppress(OSError):  # the prober gone: nothing to tell
                 upstream.sendall(b"+")
@@ -361,6 +391,47 @@ class Tunnel:
             _close(downstream)
             return
         splice.pump(splice.local, downstream)
+
+    def _pulse_to(self, remote: tuple[str, int]) -> None:
+        try:
+            tls = self._open(remote, _OPEN, PULSE)
+        except PeerLinkError:
+            return  # the peer is gone already: its links break on their own
+        self._pulse(tls)
+
+    def _pulse(self, tls: _TlsStream) -> None:
+        """Pulse to the peer and listen for its pulses until the link ends; past
+        ``silence_s`` without one, break every link of the group."""
+        heard = next_beat = time.monotonic()
+        buffer = memoryview(bytearray(64))
+        try:
+            while True:
+                now = time.monotonic()
+                if now >= next_beat:
+                    tls.sendall(b".")
+                    next_beat = now + PULSE_S
+                tls.settimeout(max(0.01, next_beat - now))
+                try:
+                    if not tls.recv_into(buffer):
+                        return  # the peer closed its links: it left the group
+                    heard = time.monotonic()
+                except TimeoutError:
+                    if time.monotonic() - heard > self._silence_s:
+                        self._sever(f"a peer sent no pulse for {self._silence_s:g} s: it hangs")
+                        return
+        except OSError:
+            return  # this tunnel closed, or the link broke: gloo sees that on its own
+        finally:
+            _close(tls)
+
+    def _sever(self, why: str) -> None:
+        """Break every link of the group (a peer hangs), keeping the listeners: gloo sees
+        its connections end, and the group's collectives fail as with a peer gone."""
+        with self._lock:
+            self.severed = why
+            links = [sock for sock in self._sockets if not _is_listening(sock)]
+        for sock in links:
+            _close(sock)
 
     def _initiate(self, local: socket.socket, remote: tuple[str, int], kind: bytes) -> None:
         """A local connection into a forwarder: both halves to ``remote``, then pump."""
@@ -421,11 +492,18 @@ def _keep_alive(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
+def _is_listening(sock: socket.socket) -> bool:
+    try:
+        return bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+    except OSError:
+        return False
+
+
 def _order(address: tuple[str, int]) -> tuple[bytes, int]:
     return socket.inet_aton(address[0]), address[1]
 
 
-def _read_exact(sock: socket.socket, size: int) -> bytes:
+def _read_exact(sock: _Stream, size: int) -> bytes:
     data = b""
     while len(data) < size:
         chunk = sock.recv(size - len(data))
@@ -457,7 +535,7 @@ class _TlsStream:
         size = 0
         while size < len(buffer):
             try:
-                got = self._tls.read(len(buffer) - size, buffer[size:])
+                got = cast(int, self._tls.read(len(buffer) - size, buffer[size:]))
             except ssl.SSLWantReadError:
                 if size or not self._fill():
                     return size
@@ -520,11 +598,11 @@ class _Splice:
 
     def __init__(self, local: socket.socket) -> None:
         self.local = local
-        self._halves: list[socket.socket] = []
+        self._halves: list[_Stream] = []
         self._running = 2
         self._lock = threading.Lock()
 
-    def pump(self, source: socket.socket, sink: socket.socket) -> None:
+    def pump(self, source: _Stream, sink: _Stream) -> None:
         """Copy ``source`` into ``sink`` to its end. An end passes on as an end (a local
         sink is half-closed); a failure breaks the whole connection, so that gloo sees
         its peer gone. The local socket closes when both directions have ended."""
@@ -551,7 +629,7 @@ class _Splice:
                 _close(self.local)
 
 
-def _close(sock: socket.socket) -> None:
+def _close(sock: _Stream) -> None:
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:

@@ -80,7 +80,7 @@ from .._errors import (
 from ..blobs.elsewhere import FetchElsewhere
 from ..blobs.service import Source, grant_of
 from ..blobs.standby import StandbyLink
-from ..channel.transport import FrameChannel, SocketFrameChannel
+from ..channel.transport import FrameChannel, SocketFrameChannel, silence_limit
 from ..wire import native as wire
 from ..wire.protocol import PROTOCOL_VERSION, decode_frame, encode_frame
 from . import load, named, records
@@ -224,7 +224,7 @@ class NativeSession:
     def connect(cls, host: str, port: int, **options) -> NativeSession:
         """A session with the plain-TCP executor at ``host:port`` (a trusted one: plain
         TCP is neither authenticated nor encrypted); ``options`` as the constructor's."""
-        channel = SocketFrameChannel.connect(host, port)
+        channel = SocketFrameChannel.connect(host, port, silence_s=silence_limit())
         try:
             return cls(channel, **options)
         except BaseException:

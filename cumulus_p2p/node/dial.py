@@ -21,7 +21,7 @@ from .._errors import (
 from ..blobs.service import Source
 from ..blobs.standby import CheckpointPlacement
 from ..channel.secure import connect_secure
-from ..channel.transport import CountingFrameChannel
+from ..channel.transport import CountingFrameChannel, silence_limit
 from ..identity import NodeIdentity
 from .control import ControlClient, SessionTicket, Transfer, Usage
 
@@ -76,6 +76,7 @@ def open_channel(
     """
     keys = {"identity": identity, "expected_peer_public_key": ticket.provider_key}
     keys |= {"lease": ticket.lease, "resume_timeout": resume_timeout}
+    keys |= {"silence_s": silence_limit()}
     failures = []
     for endpoint in filter(None, (*ticket.endpoints, ticket.door)):
         host, _, port = endpoint.rpartition(":")

@@ -44,7 +44,7 @@ import torch
 
 from .._errors import CheckpointCorruptError, FailoverError
 from ..blobs.standby import CheckpointPlacement, HostCheckpoint, StandbyLink
-from ..channel.transport import FrameChannel, SocketFrameChannel
+from ..channel.transport import FrameChannel, SocketFrameChannel, silence_limit
 from . import device as _device
 from . import kernels as _kernels  # noqa: F401 - PrivateUse1 kernels: factories, copies, sdpa
 from .checkpoint import (
@@ -172,10 +172,11 @@ def attach(
         targets = list(address if address is not None else channel)  # type: ignore[arg-type]
         return _attach_devices(targets, quota_bytes=quota_bytes, private=private)
     if channel is None:
-        channel = SocketFrameChannel.connect(*host_port(address))
+        channel = SocketFrameChannel.connect(*host_port(address), silence_s=silence_limit())
     link = None
     if isinstance(standby, str):
-        link = StandbyLink(SocketFrameChannel.connect(*host_port(standby)), address=standby)
+        standby_channel = SocketFrameChannel.connect(*host_port(standby), silence_s=silence_limit())
+        link = StandbyLink(standby_channel, address=standby)
     elif standby is not None:
         address = getattr(standby, "peer_address", None)
         if address is None:
@@ -210,7 +211,7 @@ def _attach_devices(targets: list, **options) -> _Attached:
     try:
         for target in targets:
             if isinstance(target, str):
-                target = SocketFrameChannel.connect(*host_port(target))
+                target = SocketFrameChannel.connect(*host_port(target), silence_s=silence_limit())
             sessions.append(RemoteSession(target, **options))
     except BaseException:
         for session in sessions:

@@ -920,10 +920,12 @@ class RemoteSession:
             self.last_failover_s = time.perf_counter() - started
             # A host lost is news to whoever runs the script: said whatever the log level.
             log.warning(
-                "cumulus: session moved to %s in %.3f s; its state came from %s",
+                "cumulus: session moved to %s in %.3f s; its state came from %s; it left "
+                "its host because: %s",
                 self.info.get("device"),
                 self.last_failover_s,
                 self._restored_from,
+                cause,
             )
             return reply
         self.closed = True

@@ -41,7 +41,7 @@ from ..._errors import (
     SessionClosedError,
     SessionRefusedError,
 )
-from ..transport import Buffer, ReadySpinner, nbytes, sendmsg_all
+from ..transport import Buffer, ReadySpinner, nbytes, sendmsg_all, silent_host
 from . import handshake as hs
 from ._io import make_room
 from .record import HEADER_SIZE, RECORD_LIMIT, TAG_SIZE
@@ -68,6 +68,10 @@ class Link(Protocol):
 
 
 class _ConnectionLost(Exception):
+    pass
+
+
+class _Silent(Exception):
     pass
 
 
@@ -124,6 +128,8 @@ class _Reader:
         self._view = memoryview(self._buf)
         self._start = 0
         self._end = 0
+        #: While set, a read that hears nothing this long raises ``_Silent``.
+        self.silence_s: float | None = None
         # A TCP link is read straight from its socket (one call less per read), after a
         # short poll that keeps the thread awake for a quick reply.
         self._recv_into: Callable[[memoryview], int]
@@ -156,6 +162,7 @@ class _Reader:
         while self._end - self._start < n:
             if self._spinner is not None:
                 self._spinner.spin()
+            self._await_bytes()
             try:
                 got = self._recv_into(self._view[self._end :])
             except OSError as exc:
@@ -163,6 +170,17 @@ class _Reader:
             if got == 0:
                 raise _ConnectionLost("provider closed the connection")
             self._end += got
+
+    def _await_bytes(self) -> None:
+        if self.silence_s is None:
+            return
+        if self._spinner is not None:
+            heard = self._spinner.wait(self.silence_s)
+        else:
+            wait = getattr(self.link, "wait_readable", None)
+            heard = wait is None or wait(self.silence_s)  # a link that cannot tell waits
+        if not heard:
+            raise _Silent
 
     def read_handshake(self) -> bytes:
         try:
@@ -204,6 +222,7 @@ class SecureClientChannel:
         self._resume_secret = keys.resume_secret
         self._max_record = settings.max_record
         self._resume_timeout = settings.resume_timeout
+        self._silence_s = settings.silence_s
         self._on_close = on_close
         self._core = SessionCore(keys.send_key, keys.recv_key, **settings.core_limits)
         self._send_lock = threading.RLock()
@@ -258,10 +277,10 @@ class SecureClientChannel:
                     return self._inbox.popleft()
                 self._check_open()
                 generation = self._generation
-                frame, lost = self._read_event()
+                frame, lost = self._read_listening()
                 if lost is None:
                     self._maybe_ack()
-                    if frame is not None:
+                    if frame:  # an empty one is a keepalive: the answer is still to come
                         return frame
             if lost is not None:
                 self._recover(generation, lost)
@@ -303,6 +322,18 @@ class SecureClientChannel:
         if self._on_close is not None:
             on_close, self._on_close = self._on_close, None
             on_close()
+
+    def _read_listening(self) -> tuple[bytearray | None, _ConnectionLost | None]:
+        """``_read_event``, giving the host up when it stays silent past ``silence_s``."""
+        self._reader.silence_s = self._silence_s
+        try:
+            return self._read_event()
+        except _Silent:
+            error = silent_host(cast(float, self._silence_s))
+            self._mark_closed(str(error))
+            raise error from None
+        finally:
+            self._reader.silence_s = None
 
     def _read_event(self) -> tuple[bytearray | None, _ConnectionLost | None]:
         """Read one record (caller holds ``_recv_lock``): the frame it completed, if any,

@@ -191,6 +191,10 @@ class _Bridge:
             self._thread.join(timeout=10)
 
 
+#: Bytes ``_BridgedLink.wait_readable`` reads ahead when some arrive.
+_EARLY_READ = 1 << 16
+
+
 class _BridgedLink:
     """A blocking ``Link`` over one libp2p stream living in the bridge's loop."""
 
@@ -198,6 +202,7 @@ class _BridgedLink:
         self._bridge = bridge
         self._stream = stream
         self._dead = False
+        self._early: bytes | None = None  # read by ``wait_readable``, not yet taken
 
     def sendmsg_all(self, chunks: Sequence[Buffer]) -> None:
         if self._dead:
@@ -207,9 +212,24 @@ class _BridgedLink:
     def recv_into(self, view: memoryview) -> int:
         if self._dead:
             raise OSError("libp2p stream closed")
-        data = self._bridge.call(self._read, len(view))
+        data, self._early = self._early, None
+        if data is None:
+            data = self._bridge.call(self._read, len(view))
+        elif len(data) > len(view):
+            data, self._early = data[: len(view)], data[len(view) :]
         view[: len(data)] = data
         return len(data)
+
+    def wait_readable(self, timeout_s: float) -> bool:
+        """Whether bytes (or the stream's end) arrived within ``timeout_s``."""
+        if self._early is None and not self._dead:
+            self._early = self._bridge.call(self._read_within, timeout_s)
+        return self._early is not None or self._dead
+
+    async def _read_within(self, timeout_s: float) -> bytes | None:
+        with trio.move_on_after(timeout_s):
+            return await self._read(_EARLY_READ)
+        return None
 
     async def _read(self, n: int) -> bytes:
         try:

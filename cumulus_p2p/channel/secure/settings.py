@@ -105,6 +105,10 @@ class ClientSettings(CoreLimits):
     #: Keep it at or below the provider's ``grace_period``: past that, the provider has
     #: ended the session and a resume is refused anyway.
     resume_timeout: float = 30.0
+    #: Seconds a wait for a frame may hear nothing, not even a keepalive, before the
+    #: host is taken as hung (``HostSilentError``, no resume: the host holds the
+    #: connection, it just does not work); None waits for ever.
+    silence_s: float | None = None
 
 
 #: ``SessionSettings()``, the default of every function that takes settings.
