@@ -31,6 +31,12 @@ peer's address, when read, becomes a local forwarder to that peer's tunnel. The 
 layout is gloo's; ``publish`` finds the IPv4 socket address in it by this rank's own
 loopback listener and refuses, saying so, a blob it cannot read.
 
+A host that hangs (a stopped process, a frozen machine) keeps its links open, its kernel
+acknowledging for it, and gloo would wait out the group's timeout. So each pair of
+tunnels pulses a byte each way every second over a link of its own, and a tunnel that
+hears no pulse from a peer for its ``silence_s`` breaks every link of the group: gloo
+then sees its peer gone, and the job goes back as when a host dies.
+
 Not here: IPv6 hosts (the address must fit gloo's IPv4 slot), and relays: a host that
 others cannot reach takes no peer links (``--no-peer-links``) and its job's collectives
 go through the consumer.
