@@ -147,6 +147,16 @@ async def test_an_executor_that_owes_nothing_stays_quiet():
     assert got == [b"answer"]
 
 
+async def test_a_keepalive_that_finds_the_connection_gone_stops_and_leaves_the_session_be():
+    # The session's own next write finds the connection gone, and parks the session.
+    kept, consumer = await kept_pair(every_s=0.05)
+    await consumer.send(frame(b"request"))
+    await kept.receive_frame()
+    consumer.close()
+    with trio.fail_after(5):
+        await kept.pulse()  # returns, raising nothing
+
+
 async def test_keeping_alive_lets_the_blocks_own_error_through_as_it_is():
     ours, _theirs = trio.socket.socketpair()
     with pytest.raises(SessionClosedError, match="gone"):

@@ -279,13 +279,15 @@ class Executor(PlainTcpServing):
             if only_blobs:
                 raise RemoteProtocolError(blobservice.ONLY_BLOBS)
             limit = min(quota_bytes or self.config.quota_bytes, self.config.quota_bytes)
-            if _is_native(header):
-                await self._serve_native(channel, header, session_id, limit, rank, until)
-                return
-            token, session = await self._open(channel, header, session_id, limit, hold_bytes)
-            self.sessions[session_id] = session
-            self._grants[blobservice.grant_of(token)] = session
-            park = await self._serve_attached(channel, token, session, rank, until)
+            # From the hello on: taking a parked session back from disk may take long too.
+            async with keeping_alive(channel, owing=True) as kept:
+                if _is_native(header):
+                    await self._serve_native(kept, header, session_id, limit, rank, until)
+                    return
+                token, session = await self._open(kept, header, session_id, limit, hold_bytes)
+                self.sessions[session_id] = session
+                self._grants[blobservice.grant_of(token)] = session
+                park = await self._serve_attached(kept, token, session, rank, until)
         except RemoteProtocolError as exc:
             log.info("session %d: protocol error: %s", session_id, exc)
             await _send_fatal(channel, str(exc))
@@ -403,18 +405,13 @@ class Executor(PlainTcpServing):
         scope = trio.CancelScope(deadline=until)
         attached = _Attached(session, _owner(channel), scope, trio.Event())
         self._attached[token] = attached
-        said_bye = False
         with attached.scope:
             try:
-                async with keeping_alive(channel) as kept:
-                    await self._serve_batches(kept, session, rank)
-                    said_bye = True  # a resume cancelling the keepalives now is too late
+                await self._serve_batches(channel, session, rank)
                 return False
             except SessionClosedError:
                 log.info("session %s...: connection lost; parking it", token[:8])
                 return True
-        if said_bye:
-            return False
         if trio.current_time() >= until:
             log.info("session %s...: its time is up; parking it", token[:8])
         else:
@@ -735,10 +732,9 @@ class Executor(PlainTcpServing):
             )
             with scope:
                 park = True  # its time is up, or a resume took it over, unless it says bye
-                async with keeping_alive(channel) as kept:
-                    while await self._native_request(kept, replaying, rank, waits):
-                        pass
-                    park = False  # a resume cancelling the keepalives now is too late
+                while await self._native_request(channel, replaying, rank, waits):
+                    pass
+                park = False
         except SessionClosedError:
             pass  # the connection dropped: parked, for its client to resume
         except BaseException:

@@ -30,12 +30,14 @@ class KeptAlive:
     """An ``AsyncFrameChannel`` that knows when it owes its peer an answer: from a frame
     received to the next frame sent. ``pulse`` sends the keepalives."""
 
-    def __init__(self, inner: AsyncFrameChannel, every_s: float = KEEPALIVE_S) -> None:
+    def __init__(
+        self, inner: AsyncFrameChannel, every_s: float = KEEPALIVE_S, *, owing: bool = False
+    ) -> None:
         self._inner = inner
         self._every_s = every_s
         self._sending = trio.Lock()
         #: trio time since which the peer has heard nothing while owed an answer.
-        self._owing_since: float | None = None
+        self._owing_since: float | None = trio.current_time() if owing else None
 
     async def receive_frame(self) -> bytearray:
         self._owing_since = None
@@ -56,7 +58,9 @@ class KeptAlive:
 
     async def pulse(self) -> None:
         """Send an empty frame whenever an answer has been owed ``every_s`` in silence;
-        runs until cancelled. A keepalive is sent whole or not at all."""
+        runs until cancelled, or until the connection fails. A keepalive is sent whole
+        or not at all, and never ends the session itself: the session's own next read
+        or write finds a failed connection, and parks the session as it always does."""
         while True:
             since = self._owing_since
             due = self._every_s if since is None else since + self._every_s - trio.current_time()
@@ -67,21 +71,31 @@ class KeptAlive:
             deadline = trio.current_time() + SEND_LIMIT_S
             with trio.CancelScope(shield=True, deadline=deadline) as scope:
                 async with self._sending:
-                    if self._owing_since == since:
+                    if self._owing_since != since:
+                        continue
+                    try:
                         await self._inner.send_frame([])
-                        self._owing_since = trio.current_time()
-            if scope.cancelled_caught:
-                raise SessionClosedError(
-                    f"the consumer took no keepalive within {SEND_LIMIT_S:g} s: gone"
-                )
+                    except (
+                        SessionClosedError,
+                        trio.BrokenResourceError,
+                        trio.ClosedResourceError,
+                        OSError,
+                    ):
+                        return
+                    self._owing_since = trio.current_time()
+            if scope.cancelled_caught:  # the consumer reads nothing: a torn frame, perhaps
+                with trio.CancelScope(shield=True):
+                    await self._inner.aclose()
+                return
 
 
 @asynccontextmanager
 async def keeping_alive(
-    channel: AsyncFrameChannel, every_s: float = KEEPALIVE_S
+    channel: AsyncFrameChannel, every_s: float = KEEPALIVE_S, *, owing: bool = False
 ) -> AsyncIterator[KeptAlive]:
-    """``channel`` as a ``KeptAlive``, pulsing while the block runs."""
-    kept = KeptAlive(channel, every_s)
+    """``channel`` as a ``KeptAlive``, pulsing while the block runs; ``owing``: a request
+    received before is still to be answered."""
+    kept = KeptAlive(channel, every_s, owing=owing)
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(kept.pulse)
