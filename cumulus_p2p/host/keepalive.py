@@ -59,8 +59,10 @@ class KeptAlive:
     async def pulse(self) -> None:
         """Send an empty frame whenever an answer has been owed ``every_s`` in silence;
         runs until cancelled, or until the connection fails. A keepalive is sent whole
-        or not at all, and never ends the session itself: the session's own next read
-        or write finds a failed connection, and parks the session as it always does."""
+        or not at all. A failed one ends nothing: the session's own next read or write
+        finds the failed connection, and parks the session as it always does. Only one
+        the consumer takes in no ``SEND_LIMIT_S`` closes the connection (half sent, it
+        would tear the stream)."""
         while True:
             since = self._owing_since
             due = self._every_s if since is None else since + self._every_s - trio.current_time()
@@ -104,7 +106,7 @@ async def keeping_alive(
             finally:
                 nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
-        # The block's own error, or the pulse's, alone: callers catch it as it is.
+        # The pulse raises nothing: this is the block's own error, which callers catch.
         if len(group.exceptions) == 1:
             raise group.exceptions[0] from None
         raise

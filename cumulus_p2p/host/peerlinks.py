@@ -89,11 +89,8 @@ UNACKED_LIMIT_S = 30
 #: connections costs the executor (and its other tenants) threads no more.
 MAX_HANDSHAKES = 32
 _CHUNK = 1 << 20
-#: A host whose process hangs (stopped, frozen) keeps its links open: its kernel still
-#: acknowledges, and gloo would wait out the group's timeout. So each pair of tunnels
-#: pulses a byte each way every ``PULSE_S``; a tunnel that hears no pulse from a peer for
-#: its ``silence_s`` takes that peer as hung and breaks every link of the group, which
-#: gloo then sees as a peer gone (``ErrorKind.GROUP``), the error a job recovers from.
+#: How often each pair of tunnels pulses a byte each way, so that a hung peer is found
+#: (the module's docstring says how).
 PULSE_S = 1.0
 
 
